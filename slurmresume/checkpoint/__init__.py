@@ -1,0 +1,1 @@
+"""The checkpoint format: layout (names), encoding (JSON), shard writer/reader, manifest, commit."""

@@ -1,0 +1,70 @@
+"""Rank coordination for saves and restores, over CPU/gloo side groups (never the training group).
+
+Works without torch.distributed: a world of one. JSON travels as uint8 tensors, never pickles.
+All methods are collective: every rank calls them in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class Group:
+    """A process group (or a single process) with the few collectives the protocol needs."""
+
+    def __init__(self, pg: Any = None, rank: int = 0, world_size: int = 1) -> None:
+        self.pg = pg
+        self.rank = rank
+        self.world_size = world_size
+
+    @classmethod
+    def create(cls) -> Group:
+        """Collective when torch.distributed is initialised: every rank must call it."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls()
+        pg = dist.new_group(backend="gloo")
+        return cls(pg, dist.get_rank(), dist.get_world_size())
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        import torch
+        import torch.distributed as dist
+
+        raw = json.dumps(obj, separators=(",", ":")).encode()
+        size = torch.tensor([len(raw)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.pg)
+        longest = int(max(s.item() for s in sizes))
+        buf = torch.zeros(longest, dtype=torch.uint8)
+        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else buf[:0]
+        bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(bufs, buf, group=self.pg)
+        return [json.loads(bytes(b[: int(s.item())].numpy())) for b, s in zip(bufs, sizes)]
+
+    def broadcast_json(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (other ranks' argument is ignored)."""
+        if self.world_size == 1:
+            return obj
+        return self.all_gather_json(obj if self.rank == 0 else None)[0]
+
+    def max_int(self, value: int) -> int:
+        if self.world_size == 1:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self.max_int(0)

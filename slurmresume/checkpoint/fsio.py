@@ -1,0 +1,110 @@
+"""Durable file-system operations, and the one seam tests use to crash or fail them.
+
+Every step that matters for durability goes through `_point(label, path)`. In production
+it is a no-op (one global lookup). Tests set, before the process starts:
+
+  SLURMRESUME_TEST_KILL_AT="label[:N]"   SIGKILL this process at the N-th (default 1st)
+                                         crossing of `label` (prefix match: "fsync" hits
+                                         "fsync.shard", "fsync.manifest", ...)
+  SLURMRESUME_TEST_FAIL_AT="label[:N]"   raise OSError(EIO) there instead
+  SLURMRESUME_TEST_TRACE=path            append every label crossed to that file
+
+This is a test-only hook: it is read once at import time and never from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from pathlib import Path
+
+_counts: dict[str, int] = {}
+
+
+def _parse(spec: str | None) -> tuple[str, int] | None:
+    if not spec:
+        return None
+    label, _, n = spec.partition(":")
+    return label, int(n or 1)
+
+
+_KILL = _parse(os.environ.get("SLURMRESUME_TEST_KILL_AT"))
+_FAIL = _parse(os.environ.get("SLURMRESUME_TEST_FAIL_AT"))
+_TRACE = os.environ.get("SLURMRESUME_TEST_TRACE")
+_ACTIVE = bool(_KILL or _FAIL or _TRACE)
+
+
+def _point(label: str, path: str | os.PathLike[str] = "") -> None:
+    if not _ACTIVE:
+        return
+    if _TRACE:
+        with open(_TRACE, "a") as f:
+            f.write(f"{label}\n")
+    for spec, act in ((_KILL, "kill"), (_FAIL, "fail")):
+        if spec and label.startswith(spec[0]):
+            key = f"{act}:{spec[0]}"
+            _counts[key] = _counts.get(key, 0) + 1
+            if _counts[key] == spec[1]:
+                if act == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError(errno.EIO, f"injected I/O error at {label}", str(path))
+
+
+def fsync_fd(fd: int, label: str, path: str | os.PathLike[str] = "") -> None:
+    _point(f"fsync.{label}", path)
+    os.fsync(fd)
+
+
+def fsync_dir(path: Path, label: str) -> None:
+    _point(f"fsyncdir.{label}", path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rename(src: Path, dst: Path, label: str) -> None:
+    _point(f"rename.{label}", dst)
+    os.replace(src, dst)
+
+
+def write_all(fd: int, data: memoryview | bytes, label: str, path: str | os.PathLike[str] = "") -> None:
+    _point(f"write.{label}", path)
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_durable(path: Path, data: bytes, label: str, mode: int = 0o644) -> None:
+    """Write `data` to `path` atomically and durably: temp file, fsync, rename, dir fsync."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+        write_all(fd, data, label, tmp)
+        fsync_fd(fd, label, tmp)
+    except BaseException:
+        os.close(fd)
+        _unlink_quiet(tmp)
+        raise
+    os.close(fd)
+    try:
+        rename(tmp, path, label)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    fsync_dir(path.parent, label)
+
+
+def unlink(path: Path, label: str) -> None:
+    _point(f"unlink.{label}", path)
+    os.unlink(path)
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

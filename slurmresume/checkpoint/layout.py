@@ -1,0 +1,63 @@
+"""Names on disk: the one place that knows how directories and files are called.
+
+<root>/
+  step_000001200/
+    rank-00000-of-00002.safetensors
+    manifest.json
+    COMMITTED          written last; its presence is what makes the step usable
+  events.jsonl         append-only event log
+  .slurmresume.lock    filelock guarding commits and retention
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+FORMAT = "slurmresume/1"
+MANIFEST = "manifest.json"
+MARKER = "COMMITTED"
+INPROGRESS = ".inprogress"
+EVENTS = "events.jsonl"
+LOCK = ".slurmresume.lock"
+DELETING_PREFIX = ".deleting."
+STEP_DIGITS = 9
+
+_STEP_RE = re.compile(r"^step_(\d{%d,})$" % STEP_DIGITS)
+_SHARD_RE = re.compile(r"^rank-(\d{5})-of-(\d{5})\.safetensors$")
+
+
+def step_dir_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step_{step:0{STEP_DIGITS}d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a directory name, or None when the name is not a step directory."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def shard_name(rank: int, world_size: int) -> str:
+    return f"rank-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def is_plain_shard_name(name: object) -> bool:
+    """True for a manifest file name we are willing to open: no path parts, our pattern."""
+    return isinstance(name, str) and _SHARD_RE.match(name) is not None
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """All step directories under root, newest (highest step) first. No marker check."""
+    found: list[tuple[int, Path]] = []
+    try:
+        entries = list(root.iterdir())
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        step = parse_step_dir(entry.name)
+        if step is not None:
+            found.append((step, entry))
+    found.sort(key=lambda item: item[0], reverse=True)
+    return found

@@ -1,0 +1,136 @@
+"""manifest.json and the commit marker: building them (coordinator) and validating them (anyone)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from .jsonenc import dumps, loads
+from .layout import FORMAT, MANIFEST, MARKER, is_plain_shard_name
+
+MAX_MANIFEST = 64 << 20
+MAX_MARKER = 4096
+
+
+def build_manifest(step: int, reports: list[dict], metrics: Any, meta: Any) -> dict:
+    """Rank 0: the manifest from every rank's shard report (ordered by rank)."""
+    shards, tensors = [], []
+    for rep in sorted(reports, key=lambda r: r["rank"]):
+        shards.append({"file": rep["file"], "rank": rep["rank"], "bytes": rep["bytes"], "xxh3": rep["xxh3"]})
+        for name, info in rep["tensors"].items():
+            tensors.append({"name": name, "rank": rep["rank"], **info})
+    now = time.time()
+    return {
+        "format": FORMAT,
+        "step": step,
+        "world_size": len(reports),
+        "created": now,
+        "created_iso": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "shards": shards,
+        "tensors": tensors,
+        "metrics": metrics,
+        "meta": meta,
+    }
+
+
+def marker_bytes(step: int, manifest_raw: bytes) -> bytes:
+    return dumps({"step": step, "manifest_xxh3": xxhash.xxh3_64_hexdigest(manifest_raw)}).encode()
+
+
+@dataclass
+class Manifest:
+    """A validated manifest, plus what the loader needs to trust it."""
+
+    step: int
+    world_size: int
+    created: float
+    shards: list[dict]
+    tensors: list[dict]
+    metrics: Any
+    meta: Any
+    raw: dict = field(repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s["bytes"] for s in self.shards)
+
+
+def _read_bounded(path: Path, limit: int, what: str) -> bytes:
+    import os
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{what} {path} is missing") from None
+    except OSError as exc:
+        raise UnsafeCheckpointError(f"refusing {what} {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeCheckpointError(f"refusing {what} {path}: not a regular file")
+        if st.st_size > limit:
+            raise UnsafeCheckpointError(f"{what} {path} is {st.st_size} bytes, over the {limit} limit")
+        return os.pread(fd, limit + 1, 0)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
+    """Read and validate manifest + marker of a step directory. Raises CorruptCheckpointError
+    (or UnsafeCheckpointError) naming the file; never reads outside `step_dir`."""
+    marker_raw = _read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
+    raw = _read_bounded(step_dir / MANIFEST, MAX_MANIFEST, "manifest")
+    marker = loads(marker_raw, f"commit marker {step_dir / MARKER}")
+    if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(raw):
+        raise CorruptCheckpointError(f"manifest {step_dir / MANIFEST} does not match its commit marker (edited?)")
+    data = loads(raw, f"manifest {step_dir / MANIFEST}")
+    return validate_manifest(data, step_dir, expected_step)
+
+
+def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> Manifest:
+    where = step_dir / MANIFEST
+
+    def bad(msg: str) -> CorruptCheckpointError:
+        return UnsafeCheckpointError(f"manifest {where}: {msg}")
+
+    if not isinstance(data, dict):
+        raise bad("not a JSON object")
+    if data.get("format") != FORMAT:
+        raise bad(f"format {data.get('format')!r} is not {FORMAT!r}")
+    step, world = data.get("step"), data.get("world_size")
+    if not _is_int(step) or step < 0 or (expected_step is not None and step != expected_step):
+        raise bad(f"step {step!r} does not match the directory")
+    if not _is_int(world) or world < 1:
+        raise bad(f"world_size {world!r} is not a positive integer")
+    shards = data.get("shards")
+    if not isinstance(shards, list) or len(shards) != world:
+        raise bad(f"expected {world} shards")
+    for i, s in enumerate(shards):
+        if not isinstance(s, dict) or s.get("rank") != i:
+            raise bad(f"shard entry {i} is malformed")
+        if not is_plain_shard_name(s.get("file")):
+            raise bad(f"shard name {s.get('file')!r} is not a plain shard file name (no '/', no '..')")
+        if not _is_int(s.get("bytes")) or s["bytes"] < 8:
+            raise bad(f"shard {s.get('file')} has an invalid size {s.get('bytes')!r}")
+        if not (isinstance(s.get("xxh3"), str) and len(s["xxh3"]) == 16):
+            raise bad(f"shard {s.get('file')} has no valid checksum")
+    if len({s["file"] for s in shards}) != len(shards):
+        raise bad("two shard entries name the same file")
+    tensors = data.get("tensors")
+    if not isinstance(tensors, list):
+        raise bad("tensor index is missing")
+    created = data.get("created")
+    if not isinstance(created, (int, float)) or not math.isfinite(created):
+        raise bad("created time is missing")
+    return Manifest(step, world, float(created), shards, tensors, data.get("metrics"), data.get("meta"), data)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

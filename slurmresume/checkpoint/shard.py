@@ -1,0 +1,231 @@
+"""One rank's shard: a stock safetensors file written by streaming, read back with bounds checks.
+
+The writer computes the header from tensor metadata, then writes each tensor's bytes straight
+from its memory (no second copy of the state), hashing as it goes. It writes to a temp name,
+fsyncs, and renames; the caller fsyncs the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from . import fsio
+from .jsonenc import MAX_JSON_BYTES, loads
+
+CHUNK = 64 << 20
+SKELETON_KEY = "slurmresume.skeleton"
+MAX_HEADER = MAX_JSON_BYTES
+
+_DTYPES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+    "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64",
+}
+_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def st_dtype(tensor: Any) -> str:
+    name = str(tensor.dtype).removeprefix("torch.")
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CorruptCheckpointError(f"dtype {tensor.dtype} is not supported by safetensors") from None
+
+
+@dataclass(frozen=True)
+class WrittenShard:
+    file: str
+    bytes: int
+    xxh3: str
+    tensors: dict[str, dict[str, Any]]  # name -> {dtype, shape}
+
+
+def _byte_view(tensor: Any) -> memoryview:
+    """The tensor's bytes without copying (a contiguous CPU tensor is required)."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def build_header(tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> tuple[bytes, dict]:
+    """safetensors header bytes (8-byte length + padded JSON) and the tensor index."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    index: dict[str, dict[str, Any]] = {}
+    offset = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        dtype = st_dtype(t)
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        index[name] = {"dtype": dtype, "shape": list(t.shape)}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, index
+
+
+def order_for_alignment(tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Largest itemsize first (as safetensors does) so that every tensor starts aligned."""
+    return sorted(tensors, key=lambda nt: (-nt[1].element_size(), nt[0]))
+
+
+def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> WrittenShard:
+    """Write one shard durably (temp, fsync, rename). Called by each rank for its own file."""
+    tensors = order_for_alignment(tensors)
+    header, index = build_header(tensors, metadata)
+    final = directory / file
+    tmp = directory / f".{file}.tmp.{os.getpid()}"
+    hasher = xxhash.xxh3_64()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    total = 0
+    try:
+        fsio.write_all(fd, header, "shard.header", tmp)
+        hasher.update(header)
+        total += len(header)
+        for _name, t in tensors:
+            view = _byte_view(_contiguous_cpu(t))
+            for start in range(0, len(view), CHUNK):
+                chunk = view[start : start + CHUNK]
+                fsio.write_all(fd, chunk, "shard.data", tmp)
+                hasher.update(chunk)
+            total += len(view)
+        fsio.fsync_fd(fd, "shard", tmp)
+    except BaseException:
+        os.close(fd)
+        fsio._unlink_quiet(tmp)
+        raise
+    os.close(fd)
+    try:
+        fsio.rename(tmp, final, "shard")
+    except BaseException:
+        fsio._unlink_quiet(tmp)
+        raise
+    return WrittenShard(file=file, bytes=total, xxh3=hasher.hexdigest(), tensors=index)
+
+
+def _contiguous_cpu(t: Any) -> Any:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous()
+
+
+def open_checked(directory: Path, file: str, expected_bytes: int) -> int:
+    """Open a shard for reading after refusing anything that is not a plain regular file of the
+    expected size inside `directory`. Returns an fd (O_NOFOLLOW, so a swapped-in link fails)."""
+    from .layout import is_plain_shard_name
+
+    if not is_plain_shard_name(file):
+        raise UnsafeCheckpointError(f"refusing shard name {file!r} in {directory}: not a plain shard file name")
+    path = directory / file
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"shard {path} is missing") from None
+    except OSError as exc:
+        raise UnsafeCheckpointError(f"refusing shard {path}: {exc.strerror} (symlink or special file?)") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafeCheckpointError(f"refusing shard {path}: not a regular file")
+    if st.st_size != expected_bytes:
+        os.close(fd)
+        raise CorruptCheckpointError(
+            f"shard {path} is {st.st_size} bytes, the manifest says {expected_bytes}: truncated or replaced"
+        )
+    return fd
+
+
+def hash_file(directory: Path, file: str, expected_bytes: int) -> str:
+    fd = open_checked(directory, file, expected_bytes)
+    hasher = xxhash.xxh3_64()
+    try:
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            buf = bytearray(CHUNK)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                hasher.update(view[:n])
+    except OSError as exc:
+        raise CorruptCheckpointError(f"cannot read shard {directory / file}: {exc}") from exc
+    return hasher.hexdigest()
+
+
+def read_header(directory: Path, file: str, expected_bytes: int) -> tuple[dict, int]:
+    """Parse and bound-check a shard's header. Returns (header, data_start)."""
+    path = directory / file
+    fd = open_checked(directory, file, expected_bytes)
+    try:
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CorruptCheckpointError(f"shard {path} is too short to be safetensors")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER or 8 + n > expected_bytes:
+            raise UnsafeCheckpointError(f"shard {path} claims a {n}-byte header: refused")
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    header = loads(raw, f"header of {path}")
+    if not isinstance(header, dict):
+        raise UnsafeCheckpointError(f"header of {path} is not an object")
+    data_len = expected_bytes - 8 - n
+    end = 0
+    for name, info in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
+                             key=lambda kv: _offsets(path, kv)[0]):
+        begin, stop = _offsets(path, (name, info))
+        dtype, shape = info.get("dtype"), info.get("shape")
+        if dtype not in _ITEMSIZE or not isinstance(shape, list) or not all(
+            isinstance(d, int) and d >= 0 for d in shape
+        ):
+            raise UnsafeCheckpointError(f"tensor {name!r} in {path} has a bad dtype or shape")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if begin != end or stop - begin != numel * _ITEMSIZE[dtype] or stop > data_len:
+            raise UnsafeCheckpointError(f"tensor {name!r} in {path} has offsets outside the file")
+        end = stop
+    if end != data_len:
+        raise CorruptCheckpointError(f"shard {path}: tensor data does not fill the file")
+    return header, 8 + n
+
+
+def _offsets(path: Path, kv: tuple[str, Any]) -> tuple[int, int]:
+    info = kv[1]
+    offs = info.get("data_offsets") if isinstance(info, dict) else None
+    if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and o >= 0 for o in offs)
+            and offs[0] <= offs[1]):
+        raise UnsafeCheckpointError(f"tensor {kv[0]!r} in {path} has malformed data_offsets")
+    return offs[0], offs[1]
+
+
+def load_tensors(directory: Path, file: str, expected_bytes: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """All tensors of a shard (memory-mapped by safetensors, copied into torch) and its metadata."""
+    from safetensors import safe_open
+
+    header, _ = read_header(directory, file, expected_bytes)
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise UnsafeCheckpointError(f"metadata of {directory / file} is malformed")
+    # Re-check right before handing the path to safetensors: refuse a link swapped in since.
+    os.close(open_checked(directory, file, expected_bytes))
+    out: dict[str, Any] = {}
+    try:
+        with safe_open(str(directory / file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                out[name] = f.get_tensor(name)
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise CorruptCheckpointError(f"cannot read shard {directory / file}: {exc}") from exc
+    return out, meta

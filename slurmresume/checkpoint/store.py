@@ -1,0 +1,134 @@
+"""Reading a checkpoint root: list step directories, find the newest complete one, verify.
+
+A directory is *complete* only when its commit marker exists, matches the manifest, and every
+shard has the size the manifest records. Checksums are checked on request (`verify`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+from .layout import INPROGRESS, MARKER, step_dirs
+from .manifest import Manifest, read_manifest
+from .shard import hash_file, open_checked
+
+log = logging.getLogger("slurmresume")
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    path: Path
+    has_marker: bool
+    manifest: Manifest | None = None
+    problem: str | None = None
+    verified: bool | None = None  # None: checksums not computed
+    mtime: float = 0.0
+    in_progress: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.has_marker and self.manifest is not None and self.problem is None
+
+    @property
+    def metrics(self) -> Any:
+        return self.manifest.metrics if self.manifest else None
+
+    @property
+    def total_bytes(self) -> int:
+        if self.manifest:
+            return self.manifest.total_bytes
+        return _dir_bytes(self.path)
+
+    @property
+    def created(self) -> float:
+        return self.manifest.created if self.manifest else self.mtime
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                if e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+    except OSError:
+        pass
+    return total
+
+
+def check_sizes(info_path: Path, manifest: Manifest) -> None:
+    for s in manifest.shards:
+        os.close(open_checked(info_path, s["file"], s["bytes"]))
+
+
+def check_checksums(path: Path, manifest: Manifest) -> list[str]:
+    """Problems found (empty list: every shard matches its checksum)."""
+    problems = []
+    for s in manifest.shards:
+        try:
+            digest = hash_file(path, s["file"], s["bytes"])
+        except CorruptCheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        if digest != s["xxh3"]:
+            problems.append(f"shard {path / s['file']} fails its checksum (xxh3 {digest}, manifest {s['xxh3']})")
+    return problems
+
+
+def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
+    """Everything knowable about one step directory; never raises for a bad checkpoint."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return CheckpointInfo(step, path, False, problem="directory vanished")
+    info = CheckpointInfo(step, path, (path / MARKER).exists(), mtime=st.st_mtime)
+    info.in_progress = (path / INPROGRESS).exists()
+    if not path.is_dir() or path.is_symlink():
+        info.problem = "not a real directory"
+        return info
+    if not info.has_marker:
+        info.problem = "no commit marker (incomplete or being written)"
+        return info
+    try:
+        info.manifest = read_manifest(path, expected_step=step)
+        check_sizes(path, info.manifest)
+    except CorruptCheckpointError as exc:
+        info.problem = str(exc)
+        return info
+    if verify:
+        problems = check_checksums(path, info.manifest)
+        info.verified = not problems
+        if problems:
+            info.problem = "; ".join(problems)
+    return info
+
+
+def list_checkpoints(root: Path, verify: bool = False) -> list[CheckpointInfo]:
+    """Every step directory under root, newest first, each inspected."""
+    return [inspect_dir(step, path, verify) for step, path in step_dirs(Path(root))]
+
+
+def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = None,
+                max_step: int | None = None, warn: bool = True) -> CheckpointInfo | None:
+    """The newest complete checkpoint (checked newest-first, stopping at the first good one).
+    Incomplete or corrupt newer directories are skipped, with a warning naming each."""
+    for step, path in step_dirs(Path(root)):
+        if (exclude and step in exclude) or (max_step is not None and step > max_step):
+            continue
+        info = inspect_dir(step, path, verify)
+        if info.complete:
+            return info
+        if warn:
+            log.warning("skipping %s: %s", path, info.problem)
+    return None
+
+
+def age_seconds(info: CheckpointInfo, now: float | None = None) -> float:
+    return max(0.0, (now if now is not None else time.time()) - info.created)

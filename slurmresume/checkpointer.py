@@ -1,0 +1,266 @@
+"""The library's front door: `Checkpointer`, used on every rank of a training script.
+
+Call order (every rank, same order):
+    ckpt = Checkpointer()                 # collective when torch.distributed is initialised
+    step = ckpt.restore(state)            # 0 on a fresh start
+    while step < total:
+        ...train one step...
+        step += 1
+        ckpt.step(step, state, metrics=...)   # periodic save + warning-signal handling
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from . import rng
+from .checkpoint import commit as _commit
+from .checkpoint.collective import Group
+from .checkpoint.jsonenc import encode
+from .checkpoint.layout import step_dir_name
+from .checkpoint.shard import SKELETON_KEY, load_tensors
+from .checkpoint.state import flatten, unflatten_into
+from .checkpoint.store import CheckpointInfo, find_latest, inspect_dir
+from .errors import CheckpointError, ConfigError, CorruptCheckpointError, SaveError
+from .events import append_event
+from .signals import EXIT_PREEMPTED, EXIT_TERMINATED, NONE, PREEMPT, SignalFlag, warning_signal_from_env
+
+log = logging.getLogger("slurmresume")
+
+ENV_ROOT = "SLURMRESUME_CKPT_DIR"
+
+
+def resolve_root(root: str | os.PathLike[str] | None) -> Path:
+    """The checkpoint root: the argument, else $SLURMRESUME_CKPT_DIR. Refuses a file."""
+    value = root if root is not None else os.environ.get(ENV_ROOT)
+    if value is None or str(value) == "":
+        raise ConfigError(f"no checkpoint root: pass Checkpointer(root=...) or set {ENV_ROOT}")
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"checkpoint root {path} is a file, not a directory: choose a directory path")
+    return path
+
+
+class Checkpointer:
+    """Saves and restores a training state dict on every rank.
+
+    Args (keyword-only):
+        root: checkpoint root directory; default `$SLURMRESUME_CKPT_DIR`.
+        save_every: periodic save every N steps (None: only on the warning signal / explicit save).
+        verify_on_restore: recompute shard checksums before loading (sizes are always checked).
+        handle_signals: install the flag-only handlers for the warning signal
+            (`$SLURMRESUME_SIGNAL`, default USR1) and SIGTERM.
+        exit_on_signal: after the emergency save, exit the process (75 preempted, 76 terminated)
+            so the launcher requeues; False returns True from `step()` instead.
+        retention: a `RetentionPolicy` applied on rank 0 after each commit.
+        on_save_error: "raise" (default) or "warn" for periodic saves; an emergency save always
+            raises, since continuing would lose the work the signal asked to keep.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        save_every: int | None = None,
+        verify_on_restore: bool = False,
+        handle_signals: bool = True,
+        exit_on_signal: bool = True,
+        retention: Any = None,
+        on_save_error: str = "raise",
+    ) -> None:
+        if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
+            raise ConfigError(f"save_every must be a positive integer or None, got {save_every!r}")
+        if on_save_error not in ("raise", "warn"):
+            raise ConfigError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
+        self.root = resolve_root(root)
+        self.save_every = save_every
+        self.verify_on_restore = verify_on_restore
+        self.exit_on_signal = exit_on_signal
+        self.retention = retention
+        self.on_save_error = on_save_error
+        self.group = Group.create()
+        self.agree_group = Group.create()
+        self.last_saved_step: int | None = None
+        self.restored: CheckpointInfo | None = None
+        self.flag = SignalFlag(warning_signal_from_env()) if handle_signals else None
+        if self.flag is not None and not self.flag.install():
+            log.warning("not in the main thread: warning-signal handlers not installed")
+            self.flag = None
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
+             reason: str = "explicit") -> Path | None:
+        """Collective. Save `state` as step `step`; returns the committed directory, or None when
+        the step was already committed. Raises SaveError on every rank if any rank failed."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ConfigError(f"step must be a non-negative integer, got {step!r}")
+        started = time.perf_counter()
+        skeleton, tensors = flatten(state, {"rng": rng.capture()})
+        metrics_enc, meta_enc = encode(metrics), encode(meta)
+        decision = self.group.broadcast_json(_commit.prepare(self.root, step) if self.rank == 0 else None)
+        if decision["action"] == "skip":
+            self.last_saved_step = step
+            return None
+        if decision["action"] == "error":
+            raise SaveError(f"checkpoint save failed, nothing committed: {decision['error']}")
+        report = _commit.write_rank(self.root, step, self.group, skeleton, tensors)
+        reports = self.group.all_gather_json(report)
+        outcome = _commit.commit(self.root, step, reports, metrics_enc, meta_enc) if self.rank == 0 else None
+        outcome = self.group.broadcast_json(outcome)
+        seconds = time.perf_counter() - started
+        if self.rank == 0:
+            if outcome["ok"]:
+                append_event(self.root, "save_committed", step=step, seconds=round(seconds, 4), reason=reason,
+                             world_size=self.group.world_size, run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+            else:
+                append_event(self.root, "save_failed", step=step, error=outcome.get("error"), reason=reason)
+        _commit.raise_if_failed(outcome)
+        self.last_saved_step = step
+        if self.rank == 0 and self.retention is not None:
+            self._apply_retention()
+        return self.root / step_dir_name(step)
+
+    def _apply_retention(self) -> None:
+        from .retention import apply_policy
+
+        try:
+            apply_policy(self.root, self.retention)
+        except Exception as exc:  # retention must never break training
+            log.warning("retention after commit failed: %s", exc)
+
+    # -- the per-step hook ----------------------------------------------------------------
+
+    def step(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None) -> bool:
+        """Collective, call after each completed step. Agrees across ranks whether a warning
+        signal (or SIGTERM) arrived on any rank; if so all ranks save this same step and exit
+        (or return True when `exit_on_signal=False`). Otherwise saves when the policy says so."""
+        local = self.flag.request if self.flag is not None else NONE
+        agreed = self.agree_group.max_int(local)
+        if agreed != NONE:
+            return self._emergency(step, state, agreed, metrics, meta)
+        if self.save_every and step % self.save_every == 0 and step != self.last_saved_step:
+            try:
+                self.save(step, state, metrics=metrics, meta=meta, reason="periodic")
+            except SaveError as exc:
+                if self.on_save_error == "raise":
+                    raise
+                log.warning("%s; training continues without this checkpoint", exc)
+        return False
+
+    def _emergency(self, step: int, state: Mapping[str, Any], agreed: int, metrics: Any, meta: Any) -> bool:
+        kind = "preempt" if agreed == PREEMPT else "terminate"
+        if self.rank == 0:
+            append_event(self.root, "signal_agreed", step=step, kind=kind,
+                         run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+        if step != self.last_saved_step:
+            self.save(step, state, metrics=metrics, meta=meta, reason=kind)
+        if self.rank == 0:
+            append_event(self.root, "exit_after_save", step=step, kind=kind,
+                         run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+        if not self.exit_on_signal:
+            if self.flag is not None:
+                self.flag.request = NONE
+            return True
+        self.close()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_PREEMPTED if agreed == PREEMPT else EXIT_TERMINATED)
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def restore(self, state: MutableMapping[str, Any], *, step: int | None = None,
+                verify: bool | None = None, restore_rng: bool = True, strict: bool = True) -> int:
+        """Collective. Load the newest complete checkpoint (or exactly `step`) into `state`:
+        `load_state_dict` on stateful objects, plain values assigned into the mapping, RNG
+        states restored. Returns the restored step, or 0 on a fresh start (logged once).
+        A newer incomplete or corrupt directory is skipped with a warning naming it."""
+        verify = self.verify_on_restore if verify is None else verify
+        tried: set[int] = set()
+        while True:
+            choice = self._choose(step, verify or bool(tried), tried) if self.rank == 0 else None
+            choice = self.group.broadcast_json(choice)
+            if choice is None:
+                if step is not None:
+                    raise CheckpointError(f"step {step} is not a complete checkpoint under {self.root}: "
+                                          f"run `slurmresume status --ckpt-dir {self.root}` to list them")
+                if self.rank == 0:
+                    log.info("fresh start: no complete checkpoint under %s", self.root)
+                return 0
+            loaded, error = self._load_own_shard(choice)
+            errors = [e for e in self.group.all_gather_json(error) if e]
+            if not errors:
+                assert loaded is not None
+                self._apply(state, loaded, restore_rng, strict, choice)
+                return int(choice["step"])
+            if self.rank == 0:
+                log.warning("checkpoint step %s unusable (%s); falling back to the previous one",
+                            choice["step"], errors[0])
+            if step is not None:
+                raise CorruptCheckpointError(errors[0])
+            tried.add(int(choice["step"]))
+
+    def _choose(self, step: int | None, verify: bool, tried: set[int]) -> dict | None:
+        if step is not None:
+            info = inspect_dir(step, self.root / step_dir_name(step), verify)
+            if not info.complete:
+                if info.has_marker:
+                    raise CorruptCheckpointError(f"checkpoint {info.path}: {info.problem}")
+                return None
+        else:
+            found = find_latest(self.root, verify=verify, exclude=tried)
+            if found is None:
+                return None
+            info = found
+        assert info.manifest is not None
+        return {"step": info.step, "path": str(info.path), "world_size": info.manifest.world_size,
+                "shards": info.manifest.shards}
+
+    def _load_own_shard(self, choice: dict) -> tuple[tuple[dict, Any] | None, str | None]:
+        saved_world = choice["world_size"]
+        if saved_world != self.group.world_size:
+            return None, (f"checkpoint {choice['path']} was written by {saved_world} ranks, this run has "
+                          f"{self.group.world_size}: run with --nproc-per-node/--nodes giving {saved_world} ranks")
+        shard = choice["shards"][self.rank]
+        try:
+            tensors, meta = load_tensors(Path(choice["path"]), shard["file"], shard["bytes"])
+            from .checkpoint.jsonenc import loads
+
+            skeleton = loads(meta.get(SKELETON_KEY, ""), f"skeleton of {shard['file']}")
+            return (skeleton, tensors), None
+        except CheckpointError as exc:
+            return None, str(exc)
+
+    def _apply(self, state: MutableMapping[str, Any], loaded: tuple[dict, Any], restore_rng: bool,
+               strict: bool, choice: dict) -> None:
+        skeleton, tensors = loaded
+        library = unflatten_into(state, skeleton, tensors, strict=strict)
+        if restore_rng and isinstance(library, dict) and "rng" in library:
+            rng.restore(library["rng"])
+        self.last_saved_step = int(choice["step"])
+        self.restored = inspect_dir(int(choice["step"]), Path(choice["path"]))
+        if self.rank == 0:
+            log.info("resumed from %s", choice["path"])
+
+    def close(self) -> None:
+        """Restore the previous signal handlers. Idempotent."""
+        if self.flag is not None:
+            self.flag.uninstall()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

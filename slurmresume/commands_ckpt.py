@@ -1,0 +1,1 @@
+"""Checkpoint commands (status, prune, verify, latest): registered on the app in cli.py."""

@@ -1,0 +1,1 @@
+"""Job commands (submit, drill): registered on the app in cli.py."""

@@ -1,0 +1,46 @@
+"""One exception hierarchy. Every message names the thing, the bad value and the fix."""
+
+from __future__ import annotations
+
+__all__ = [
+    "SlurmResumeError",
+    "ConfigError",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "UnsafeCheckpointError",
+    "SaveError",
+    "NoCheckpointError",
+    "SlurmError",
+]
+
+
+class SlurmResumeError(Exception):
+    """Base class: the CLI turns any of these into one line on stderr and exit code 1."""
+
+
+class ConfigError(SlurmResumeError, ValueError):
+    """A user-supplied value is invalid (option, path, state object)."""
+
+
+class CheckpointError(SlurmResumeError):
+    """A checkpoint could not be read or written."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint fails its size or checksum check."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A checkpoint tries to make us read outside its directory or allocate without bound."""
+
+
+class SaveError(CheckpointError):
+    """A save failed; no commit marker was written and the previous checkpoint is intact."""
+
+
+class NoCheckpointError(CheckpointError):
+    """No complete checkpoint exists where one was required."""
+
+
+class SlurmError(SlurmResumeError):
+    """A Slurm command failed or is missing."""

@@ -1,0 +1,44 @@
+"""Each rank's random number generator states: Python, NumPy's global RNG, torch CPU, CUDA."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("slurmresume")
+
+
+def capture() -> dict[str, Any]:
+    import torch
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=True),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def restore(state: dict[str, Any]) -> None:
+    import torch
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    cuda = state.get("torch_cuda")
+    if cuda is not None:
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            if len(cuda) != n:
+                log.warning("checkpoint has CUDA RNG states for %d devices, this process sees %d; "
+                            "restoring the first %d", len(cuda), n, min(n, len(cuda)))
+            for i, s in enumerate(cuda[:n]):
+                torch.cuda.set_rng_state(s, i)
+        else:
+            log.warning("checkpoint has CUDA RNG states but CUDA is not available: not restored")

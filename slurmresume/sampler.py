@@ -1,0 +1,55 @@
+"""A DistributedSampler that knows where it is, so a resumed run sees the same batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+
+class ResumableSampler(DistributedSampler):
+    """`DistributedSampler` (same index order for a given seed and epoch) plus a position.
+
+    Tell it what the training loop consumed with `advance(n_samples)` after each batch; its
+    `state_dict()` is then the exact data position, and after `load_state_dict()` iteration
+    continues with the next unseen sample. `set_epoch(e)` starts epoch `e` at position 0,
+    unless `e` is the epoch already restored (so the usual `for epoch in ...: set_epoch(epoch)`
+    loop resumes mid-epoch). Works without torch.distributed (one replica).
+    """
+
+    def __init__(self, dataset: Sized, *, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.position = 0
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self.position :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.position
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.position = 0
+        super().set_epoch(epoch)
+
+    def advance(self, n: int) -> None:
+        self.position += int(n)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_replicas": self.num_replicas}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(f"sampler was saved with seed {state['seed']}, this run uses {self.seed}")
