@@ -10,7 +10,10 @@ The checkpoint root comes from --ckpt-dir or $SLURMRESUME_CKPT_DIR (set by `slur
 import argparse
 import math
 import os
+import random
 import time
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,8 @@ if distributed:
 else:
     rank, world = 0, 1
 device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+random.seed(args.seed + rank)
+np.random.seed(args.seed + rank)
 torch.manual_seed(args.seed + rank)  # dropout differs per rank, as in real data parallelism
 torch.use_deterministic_algorithms(True, warn_only=True)
 

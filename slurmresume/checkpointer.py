@@ -48,6 +48,14 @@ def resolve_root(root: str | os.PathLike[str] | None) -> Path:
     return path
 
 
+def _drill_step() -> int | None:
+    """`slurmresume drill`: the step at which this run (restart k) injects its warning, from
+    $SLURMRESUME_DRILL_AT="12,30,41" (entry k for restart k)."""
+    planned = [int(x) for x in os.environ.get("SLURMRESUME_DRILL_AT", "").split(",") if x.strip().isdigit()]
+    k = int(os.environ.get("SLURMRESUME_RESTART_COUNT") or 0)
+    return planned[k] if k < len(planned) else None
+
+
 class Checkpointer:
     """Saves and restores a training state dict on every rank.
 
@@ -90,6 +98,7 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         self.restored: CheckpointInfo | None = None
         self.flag = SignalFlag(warning_signal_from_env()) if handle_signals else None
+        self._drill = _drill_step()
         if self.flag is not None and not self.flag.install():
             log.warning("not in the main thread: warning-signal handlers not installed")
             self.flag = None
@@ -146,6 +155,8 @@ class Checkpointer:
         """Collective, call after each completed step. Agrees across ranks whether a warning
         signal (or SIGTERM) arrived on any rank; if so all ranks save this same step and exit
         (or return True when `exit_on_signal=False`). Otherwise saves when the policy says so."""
+        if self._drill is not None and self.rank == 0 and step >= self._drill:
+            self._inject_drill_signal(step)
         local = self.flag.request if self.flag is not None else NONE
         agreed = self.agree_group.max_int(local)
         if agreed != NONE:
@@ -158,6 +169,14 @@ class Checkpointer:
                     raise
                 log.warning("%s; training continues without this checkpoint", exc)
         return False
+
+    def _inject_drill_signal(self, step: int) -> None:
+        """`slurmresume drill`: send the warning signal to the launcher (as Slurm would), which
+        relays it to every worker; the save lands at whichever step the ranks then agree on."""
+        self._drill = None
+        target = int(os.environ.get("SLURMRESUME_LAUNCHER_PID") or os.getpid())
+        log.info("drill: warning signal at step %d to pid %d", step, target)
+        os.kill(target, warning_signal_from_env())
 
     def _emergency(self, step: int, state: Mapping[str, Any], agreed: int, metrics: Any, meta: Any) -> bool:
         kind = "preempt" if agreed == PREEMPT else "terminate"
@@ -177,6 +196,10 @@ class Checkpointer:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
+        # Under our launcher the event log says what happened, and a zero exit keeps torchrun
+        # from reporting a failure and killing peers; run bare, the distinct code tells Slurm.
+        if os.environ.get("SLURMRESUME_LAUNCHER_PID"):
+            os._exit(0)
         os._exit(EXIT_PREEMPTED if agreed == PREEMPT else EXIT_TERMINATED)
 
     # -- restoring ------------------------------------------------------------------------
@@ -250,6 +273,8 @@ class Checkpointer:
         if restore_rng and isinstance(library, dict) and "rng" in library:
             rng.restore(library["rng"])
         self.last_saved_step = int(choice["step"])
+        if self._drill is not None:
+            self._drill = max(self._drill, self.last_saved_step + 1)
         self.restored = inspect_dir(int(choice["step"]), Path(choice["path"]))
         if self.rank == 0:
             log.info("resumed from %s", choice["path"])

@@ -1,1 +1,139 @@
-"""Job commands (submit, drill): registered on the app in cli.py."""
+"""Job commands: `submit` (to Slurm, or `--local`) and `drill`. Thin adapters over the library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .cli import app, handle_errors
+from .config import JobSpec, load_defaults, parse_sbatch_extras
+from .errors import ConfigError
+
+_DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_requeues": 20, "max_failures": 0}
+
+Opt = typer.Option
+
+
+def _spec(script: Path, script_args: list[str] | None, cli: dict[str, Any]) -> JobSpec:
+    """CLI values win over [tool.slurmresume] / slurmresume.toml defaults, which win over ours."""
+    conf = load_defaults(Path.cwd())
+    unknown = set(conf) - set(JobSpec.__dataclass_fields__) - {"sbatch"}
+    if unknown:
+        raise ConfigError(f"unknown key(s) {sorted(unknown)} in [tool.slurmresume]: see `slurmresume submit --help`")
+    merged: dict[str, Any] = {**_DEFAULTS, **conf, **{k: v for k, v in cli.items() if v is not None}}
+    if merged.get("ckpt_dir") is None:
+        raise ConfigError("no checkpoint directory: pass --ckpt-dir DIR or set ckpt-dir in [tool.slurmresume]")
+    sbatch = cli.get("sbatch") or conf.get("sbatch") or []
+    if isinstance(sbatch, dict):
+        sbatch = [f"{k}={v}" for k, v in sbatch.items()]
+    merged["sbatch"] = parse_sbatch_extras([str(x) for x in sbatch])
+    merged["ckpt_dir"] = Path(merged["ckpt_dir"]).expanduser().absolute()
+    if merged.get("log_dir"):
+        merged["log_dir"] = Path(merged["log_dir"]).expanduser().absolute()
+    if merged.get("time") is not None:
+        merged["time"] = str(merged["time"])
+    return JobSpec(script=script.expanduser().absolute(), script_args=tuple(script_args or ()), **merged)
+
+
+ScriptArg = Annotated[Path, typer.Argument(help="Training script run by torchrun on every node.",
+                                           show_default=False)]
+ArgsArg = Annotated[list[str] | None, typer.Argument(help="Arguments for the script (put them after --).",
+                                                     show_default=False)]
+
+
+@app.command()
+@handle_errors
+def submit(
+    script: ScriptArg,
+    script_args: ArgsArg = None,
+    ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root; exported to the script as SLURMRESUME_CKPT_DIR.")] = None,
+    nodes: Annotated[int | None, Opt(help="Number of nodes (one launcher + torchrun per node). [default: 1]")] = None,
+    nproc_per_node: Annotated[int | None, Opt(help="Processes per node. [default: --gpus-per-node, else 1]")] = None,
+    gpus_per_node: Annotated[int | None, Opt(help="GPUs per node to request.")] = None,
+    cpus_per_task: Annotated[int | None, Opt(help="CPUs for each node's task.")] = None,
+    mem: Annotated[str | None, Opt(help="Memory per node, e.g. 64G.")] = None,
+    time: Annotated[str | None, Opt(help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS. [default: 60]")] = None,
+    partition: Annotated[str | None, Opt(help="Slurm partition.")] = None,
+    account: Annotated[str | None, Opt(help="Slurm account.")] = None,
+    qos: Annotated[str | None, Opt(help="Slurm QOS.")] = None,
+    constraint: Annotated[str | None, Opt(help="Node feature constraint.")] = None,
+    job_name: Annotated[str | None, Opt(help="Job name. [default: slurmresume-<script>]")] = None,
+    signal: Annotated[str | None, Opt(help="Warning signal; B:USR1 sends it to the batch shell only. [default: USR1]")] = None,
+    signal_lead: Annotated[int | None, Opt(help="Seconds before the time limit that the warning comes. [default: 120]")] = None,
+    max_requeues: Annotated[int | None, Opt(help="Stop requeueing after this many. [default: 20]")] = None,
+    max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. [default: 0]")] = None,
+    sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive.")] = None,
+    rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. [default: derived from the job id]")] = None,
+    local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
+    dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
+    json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Submit TRAIN_SCRIPT to Slurm so that preemptions and time limits cost no work.
+
+    Each node runs torchrun under a launcher that relays the warning signal (--signal, sent
+    --signal-lead seconds before the end) to every rank; the ranks agree on one step, save it,
+    commit, and the job requeues itself and resumes from the newest complete checkpoint.
+
+    Example: slurmresume submit train.py --nodes 2 --gpus-per-node 8 --time 4:00:00 --ckpt-dir /ckpt/run1 -- --lr 3e-4
+    """
+    cli = {k: v for k, v in locals().items() if k not in ("script", "script_args", "local", "dry_run", "json_out")}
+    from . import launch
+    from ._render_job import print_json, print_submitted
+
+    spec = _spec(script, script_args, cli)
+    if local:
+        from .node import run_local
+
+        result = run_local(spec)
+        print_json(result) if json_out else typer.echo(f"local run {result['action']}: {result['reason']}")
+        return
+    sub = launch.preview(spec) if dry_run else launch.submit(spec)
+    if not dry_run:
+        from .events import append_event
+
+        append_event(spec.ckpt_dir, "submitted", job=sub.job_id, script=str(spec.script), nodes=spec.nodes,
+                     procs=spec.procs, log_dir=str(sub.log_dir))
+    if json_out:
+        print_json({"job_id": sub.job_id or None, "log_dir": str(sub.log_dir), "sbatch_script": sub.sbatch_script,
+                    "torchrun": sub.torchrun, "ckpt_dir": str(spec.ckpt_dir), "dry_run": dry_run})
+    else:
+        print_submitted(sub.job_id, sub.log_dir, sub.sbatch_script if dry_run else None, sub.torchrun, spec.ckpt_dir)
+
+
+@app.command()
+@handle_errors
+def drill(
+    script: ScriptArg,
+    script_args: ArgsArg = None,
+    preemptions: Annotated[int, Opt(help="Warnings to inject at random steps.", min=1)] = 3,
+    nproc_per_node: Annotated[int, Opt(help="Processes (gloo on CPU, NCCL on GPU).", min=1)] = 1,
+    seed: Annotated[int, Opt(help="Seed for choosing the preemption steps.")] = 0,
+    workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints (wiped first).")] = Path("runs/drill"),
+    ignore: Annotated[list[str] | None, Opt(help="State key allowed to differ (repeatable), e.g. a wall-clock metric.")] = None,
+    json_out: Annotated[bool, Opt("--json", help="Print the verdict as JSON.")] = False,
+) -> None:
+    """Prove that TRAIN_SCRIPT resumes exactly, here, before spending cluster hours.
+
+    Runs it once uninterrupted and once with --preemptions warning signals at seeded random
+    steps (through the real launcher and torchrun), then compares the final checkpoints tensor
+    by tensor. Exit 0 when bitwise equal; exit 1 naming what differs.
+
+    Example: slurmresume drill examples/train.py --preemptions 3 --nproc-per-node 2 -- --steps 60
+    """
+    from ._render_job import print_drill, print_json
+    from .drill import run_drill
+
+    workdir = workdir.expanduser().absolute()
+    spec = _spec(script, script_args, {"ckpt_dir": workdir, "nproc_per_node": nproc_per_node})
+    report = run_drill(spec, preemptions=preemptions, seed=seed, workdir=workdir, ignore_keys=tuple(ignore or ()))
+    if json_out:
+        print_json({"ok": report.ok, "steps": report.steps, "planned": report.planned,
+                    "preemptions": report.preemptions, "saved_steps": report.saved_steps,
+                    "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint}
+                                    for d in report.differences]})
+    else:
+        print_drill(report)
+    if not report.ok:
+        raise typer.Exit(1)

@@ -14,15 +14,15 @@ from .checkpoint.layout import EVENTS
 MAX_EVENT_LOG = 64 << 20
 
 
-def append_event(root: Path, kind: str, **fields: Any) -> None:
+def append_event(root: Path, name: str, /, **fields: Any) -> None:
     """Append one event. A single O_APPEND write keeps lines whole across processes."""
     record = {
         "time": time.time(),
-        "event": kind,
+        "event": name,
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "job_id": os.environ.get("SLURM_JOB_ID"),
-        "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        "restart": int(os.environ.get("SLURM_RESTART_COUNT") or os.environ.get("SLURMRESUME_RESTART_COUNT") or 0),
         **fields,
     }
     line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()

@@ -1,0 +1,49 @@
+"""Rendering for the job commands (submit, drill)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def print_submitted(job_id: str, log_dir: Path, script: str | None, torchrun: list[str], ckpt_dir: Path) -> None:
+    if script is not None:
+        console.print("[bold]sbatch script[/bold] (dry run, nothing submitted):")
+        console.print(script, markup=False, highlight=False)
+        console.print("[bold]per-node torchrun command:[/bold]")
+        console.print(" ".join(torchrun), markup=False, highlight=False)
+        return
+    console.print(f"submitted job [bold]{job_id}[/bold]")
+    console.print(f"logs:        {log_dir}", markup=False)
+    console.print(f"checkpoints: {ckpt_dir}", markup=False)
+    console.print(f"watch it:    slurmresume status --ckpt-dir {ckpt_dir} --job {job_id}", markup=False)
+
+
+def print_drill(report: Any) -> None:
+    table = Table(title="slurmresume drill", show_header=False)
+    table.add_row("steps", str(report.steps))
+    table.add_row("warnings planned at", ", ".join(map(str, report.planned)))
+    table.add_row("saves after a warning", ", ".join(map(str, report.saved_steps)) or "none")
+    table.add_row("restarts", str(report.preemptions))
+    table.add_row("reference", str(report.reference))
+    table.add_row("resumed", str(report.resumed))
+    console.print(table)
+    if report.ok:
+        console.print("[green]PASS[/green]: the resumed run ended bitwise equal to the uninterrupted one")
+        return
+    if report.preemptions == 0:
+        console.print("[red]FAIL[/red]: no warning led to a save and restart (is ckpt.step() called every step?)")
+    for d in report.differences[:10]:
+        console.print(f"[red]FAIL[/red]: {d}", markup=True, highlight=False)
+    if len(report.differences) > 10:
+        console.print(f"... and {len(report.differences) - 10} more differences")

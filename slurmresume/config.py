@@ -1,0 +1,178 @@
+"""The job spec: frozen, validated once at the edge (CLI or library), then trusted everywhere."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .signals import parse_signal
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SLURM_TIME = re.compile(r"^(\d+)$|^(\d+):(\d{1,2})$|^(\d+):(\d{1,2}):(\d{1,2})$|"
+                         r"^(\d+)-(\d+)$|^(\d+)-(\d+):(\d{1,2})$|^(\d+)-(\d+):(\d{1,2}):(\d{1,2})$")
+_NAME = re.compile(r"^[A-Za-z0-9_.,+:=@%-]+$")  # partition/account/qos/job names (commas: lists)
+_MEM = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
+_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
+# Options we set ourselves: an --sbatch extra must not silently override them.
+_RESERVED_SBATCH = {"signal", "requeue", "no-requeue", "open-mode", "output", "error", "nodes",
+                    "ntasks-per-node", "wrap"}
+
+
+def check_text(what: str, value: str) -> str:
+    """Refuse control characters: in an #SBATCH line a newline becomes an executed shell line."""
+    if _CONTROL.search(value):
+        raise ConfigError(f"{what} contains a newline or control character ({value!r}): remove it")
+    return value
+
+
+def slurm_time_minutes(value: str) -> int:
+    """Parse a Slurm time ("90", "1:30:00", "2-00:00:00", "MM:SS") into whole minutes (ceil)."""
+    check_text("--time", value)
+    m = _SLURM_TIME.match(value.strip())
+    if not m:
+        raise ConfigError(f"--time {value!r} is not a Slurm time: use MINUTES, HH:MM:SS or D-HH:MM:SS")
+    g = [int(x) if x is not None else None for x in m.groups()]
+    if g[0] is not None:
+        secs = g[0] * 60
+    elif g[1] is not None:
+        secs = g[1] * 60 + g[2]  # type: ignore[operator]
+    elif g[3] is not None:
+        secs = g[3] * 3600 + g[4] * 60 + g[5]  # type: ignore[operator]
+    elif g[6] is not None:
+        secs = g[6] * 86400 + g[7] * 3600  # type: ignore[operator]
+    elif g[8] is not None:
+        secs = g[8] * 86400 + g[9] * 3600 + g[10] * 60  # type: ignore[operator]
+    else:
+        secs = g[11] * 86400 + g[12] * 3600 + g[13] * 60 + g[14]  # type: ignore[operator]
+    if secs <= 0:
+        raise ConfigError(f"--time {value!r} must be positive")
+    return -(-secs // 60)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """Everything `submit` needs. Fields mirror the CLI options; see `slurmresume submit --help`."""
+
+    script: Path  # the training script, run by torchrun on every node
+    script_args: tuple[str, ...] = ()
+    ckpt_dir: Path  # exported to the script as SLURMRESUME_CKPT_DIR; the event log lives here
+    nodes: int = 1
+    nproc_per_node: int | None = None  # default: gpus_per_node, else 1
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    time: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    job_name: str | None = None
+    signal: str = "USR1"  # "USR1", or "B:USR1" for delivery to the batch shell only
+    signal_lead: int = 120
+    max_requeues: int = 20
+    max_failures: int = 0
+    sbatch: tuple[tuple[str, str], ...] = ()
+    python: str = field(default_factory=lambda: sys.executable)
+    rdzv_port: int | None = None
+    log_dir: Path | None = None  # default: <ckpt_dir>/logs
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (str, Path)):
+                check_text(f"--{f.name.replace('_', '-')}", str(v))
+        for a in self.script_args:
+            check_text("a script argument", a)
+        if not self.script.is_file():
+            raise ConfigError(f"training script {self.script} not found: pass the path of a .py file")
+        if not Path(self.python).is_file():
+            raise ConfigError(f"python interpreter {self.python} not found or not executable")
+        for name in ("nodes", "signal_lead"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_requeues", "max_failures"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("nproc_per_node", "gpus_per_node", "cpus_per_task"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        for name in ("partition", "account", "qos", "job_name"):
+            v = getattr(self, name)
+            if v is not None and not _NAME.match(v):
+                raise ConfigError(f"--{name.replace('_', '-')} {v!r} has characters Slurm does not accept "
+                                  "in a name: use letters, digits and - _ . , :")
+        if self.constraint is not None and not re.match(r"^[A-Za-z0-9_.,&|\[\]*:()!-]+$", self.constraint):
+            raise ConfigError(f"--constraint {self.constraint!r} is not a Slurm constraint expression")
+        if self.mem is not None and not _MEM.match(self.mem):
+            raise ConfigError(f"--mem {self.mem!r} is not a Slurm memory size: use e.g. 16G or 4000M")
+        if self.time is not None:
+            slurm_time_minutes(self.time)
+        sig = self.signal.removeprefix("B:")
+        try:
+            parse_signal(sig)
+        except ValueError as exc:
+            raise ConfigError(f"--signal {self.signal!r}: {exc}") from None
+        for key, _value in self.sbatch:
+            if not _SBATCH_KEY.match(key):
+                raise ConfigError(f"--sbatch key {key!r} is not an sbatch option name (e.g. exclusive, gres)")
+            if key in _RESERVED_SBATCH:
+                raise ConfigError(f"--sbatch {key}=... is set by slurmresume itself: use its own option")
+        if self.rdzv_port is not None and not 1024 <= self.rdzv_port <= 65535:
+            raise ConfigError(f"--rdzv-port must be in 1024..65535, got {self.rdzv_port}")
+
+    @property
+    def procs(self) -> int:
+        return self.nproc_per_node or self.gpus_per_node or 1
+
+    @property
+    def warning_signal(self) -> str:
+        return parse_signal(self.signal.removeprefix("B:")).name
+
+    @property
+    def batch_only(self) -> bool:
+        return self.signal.startswith("B:")
+
+    @property
+    def logs(self) -> Path:
+        return self.log_dir or self.ckpt_dir / "logs"
+
+
+def parse_sbatch_extras(items: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in items:
+        check_text("--sbatch", item)
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not key:
+            raise ConfigError(f"--sbatch {item!r} must look like KEY=VALUE or KEY")
+        out.append((key, value if sep else ""))
+    return tuple(out)
+
+
+def load_defaults(start: Path) -> dict[str, Any]:
+    """Defaults for `submit`: `[tool.slurmresume]` of the nearest pyproject.toml, or the top
+    level of the nearest slurmresume.toml, searching from `start` upwards."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+
+    for d in [start, *start.parents]:
+        for name in ("slurmresume.toml", "pyproject.toml"):
+            p = d / name
+            if p.is_file():
+                try:
+                    data = tomllib.loads(p.read_text())
+                except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+                    raise ConfigError(f"{p} is not valid TOML: {exc}") from None
+                table = data if name == "slurmresume.toml" else data.get("tool", {}).get("slurmresume")
+                if table is not None:
+                    if not isinstance(table, dict):
+                        raise ConfigError(f"[tool.slurmresume] in {p} must be a table")
+                    return {k.replace("-", "_"): v for k, v in table.items()}
+    return {}

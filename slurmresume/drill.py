@@ -1,0 +1,72 @@
+"""`slurmresume drill`: prove a script resumes exactly, before spending cluster hours.
+
+Runs the script once uninterrupted and once with N warning signals injected at seeded random
+steps (through the real launcher, torchrun and signal relay, in local mode), then compares the
+final checkpoints of both runs tensor by tensor and value by value.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .checkpoint.store import find_latest
+from .compare import Difference, compare_checkpoints
+from .config import JobSpec
+from .errors import CheckpointError
+from .events import read_events
+from .node import run_local
+
+
+@dataclass
+class DrillReport:
+    steps: int
+    planned: list[int]
+    preemptions: int  # warnings that ended in a committed save and a restart
+    saved_steps: list[int]
+    reference: Path
+    resumed: Path
+    differences: list[Difference] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences and self.preemptions > 0
+
+
+def pick_steps(total: int, n: int, seed: int) -> list[int]:
+    """n distinct steps in [1, total-1], reproducible from the seed."""
+    if total < 2:
+        return []
+    return sorted(random.Random(seed).sample(range(1, total), min(n, total - 1)))
+
+
+def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
+              ignore_keys: tuple[str, ...] = ()) -> DrillReport:
+    """Both runs under `workdir` (wiped first). Raises CheckpointError when a run leaves no
+    final checkpoint (the script must save at its end)."""
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    ref_root, drill_root = workdir / "uninterrupted", workdir / "preempted"
+    run_local(replace(spec, ckpt_dir=ref_root, max_requeues=preemptions + 2, max_failures=0))
+    ref = find_latest(ref_root, warn=False)
+    if ref is None:
+        raise CheckpointError(f"the uninterrupted run left no complete checkpoint in {ref_root}: "
+                              "save at the end of training (ckpt.save(step, state))")
+    planned = pick_steps(ref.step, preemptions, seed)
+    run_local(replace(spec, ckpt_dir=drill_root, max_requeues=preemptions + 2, max_failures=0),
+              env={"SLURMRESUME_DRILL_AT": ",".join(map(str, planned))})
+    final = find_latest(drill_root, warn=False)
+    if final is None:
+        raise CheckpointError(f"the preempted run left no complete checkpoint in {drill_root}")
+    events = read_events(drill_root)
+    saved = [e["step"] for e in events if e["event"] == "exit_after_save" and e.get("kind") == "preempt"]
+    restarts = sum(1 for e in events if e["event"] == "requeued")
+    report = DrillReport(ref.step, planned, restarts, saved, ref.path, final.path)
+    if final.step != ref.step:
+        report.differences = [Difference(0, "step", f"uninterrupted run ended at step {ref.step}, "
+                                                    f"preempted run at {final.step}")]
+    else:
+        report.differences = compare_checkpoints(ref.path, final.path, ignore_keys)
+    return report

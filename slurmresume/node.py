@@ -1,0 +1,148 @@
+"""What runs on each node: the torchrun command line, the workers' environment, and the loop that
+turns run outcomes into requeues (Slurm) or local restarts (`--local`, as Slurm's requeue would)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import slurm
+from .config import JobSpec
+from .events import append_event
+from .launcher import Relay, RunResult, decide, is_committed, new_run_id, previous_progressed, run_torchrun, warn_signal
+
+log = logging.getLogger("slurmresume")
+
+
+def rdzv_port(job_id: str, override: int | None) -> int:
+    """A port derived from the job id, so concurrent jobs on one node do not collide."""
+    if override:
+        return override
+    digits = "".join(c for c in job_id if c.isdigit()) or "0"
+    return 20000 + int(digits) % 20000
+
+
+def torchrun_command(spec: JobSpec, *, nnodes: int, endpoint: str | None, rdzv_id: str) -> list[str]:
+    """The torchrun command, as an argument list (never through a shell)."""
+    cmd = [spec.python, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+           f"--nproc-per-node={spec.procs}", "--max-restarts=0"]
+    if endpoint is None:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+    return cmd + [str(spec.script), *spec.script_args]
+
+
+def worker_env(spec: JobSpec, run_id: str, restart: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra or {})
+    env.update({
+        "SLURMRESUME_LAUNCHER_PID": str(os.getpid()),
+        "SLURMRESUME_CKPT_DIR": str(spec.ckpt_dir),
+        "SLURMRESUME_SIGNAL": spec.warning_signal,
+        "SLURMRESUME_RUN_ID": run_id,
+        "SLURMRESUME_RESTART_COUNT": str(restart),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+@dataclass(frozen=True)
+class NodeLauncher:
+    """The callable submitit runs once per node (one task per node), and again after each requeue."""
+
+    spec: JobSpec
+
+    def __call__(self) -> dict[str, Any]:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s slurmresume %(message)s")
+        job_id = os.environ.get("SLURM_JOB_ID", "0")
+        restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        node_id = int(os.environ.get("SLURM_NODEID", "0"))
+        nnodes = int(os.environ.get("SLURM_NNODES", str(self.spec.nodes)))
+        endpoint = f"{_first_node_addr()}:{rdzv_port(job_id, self.spec.rdzv_port)}"
+        cmd = torchrun_command(self.spec, nnodes=nnodes, endpoint=endpoint, rdzv_id=job_id)
+        return _loop(self.spec, cmd, job_key=f"slurm-{job_id}", restart=restart, first_node=node_id == 0,
+                     local=False, extra={"node": node_id, "nodes": nnodes, "job": job_id})
+
+
+def run_local(spec: JobSpec, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`submit --local`: the same launcher and torchrun on this machine; a preemption restarts the
+    run from the newest complete checkpoint, as Slurm's requeue would."""
+    cmd = torchrun_command(spec, nnodes=1, endpoint=None, rdzv_id="local")
+    return _loop(spec, cmd, job_key=f"local-{os.getpid()}-{int(time.time())}", restart=0, first_node=True,
+                 local=True, extra={"node": 0, "nodes": 1, "job": "local"}, env=env)
+
+
+def _loop(spec: JobSpec, cmd: list[str], *, job_key: str, restart: int, first_node: bool, local: bool,
+          extra: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    root = spec.ckpt_dir
+    warn = warn_signal(spec.signal)
+    relay = Relay(warn)
+    relay.install()
+    failures = 0
+    try:
+        while True:
+            run_id = new_run_id(job_key, restart)
+            append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local, **extra)
+            log.info("run %s: %s", run_id, " ".join(cmd))
+            result = run_torchrun(cmd, worker_env(spec, run_id, restart, env), root, run_id, warn, relay)
+            action, reason = decide(result, first_node=first_node, requeues_done=restart,
+                                    max_requeues=spec.max_requeues, failures_done=failures,
+                                    max_failures=spec.max_failures,
+                                    previous_progressed=previous_progressed(root, job_key),
+                                    committed=is_committed(root, result.saved_step))
+            _record(root, result, action, reason, run_id, job_key, restart, first_node)
+            log.info("run %s ended %s: %s -> %s", run_id, result.kind, reason, action)
+            if action == "finish" or action == "stop":
+                return {"action": action, "reason": reason, "restarts": restart, "step": result.latest_after}
+            if action == "give_up":
+                raise SystemExit(f"slurmresume: giving up: {reason}")
+            if action == "retry":
+                failures += 1
+                continue
+            relay.pending.clear()
+            restart += 1
+            if not local:
+                append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason)
+                sys.stdout.flush()
+                slurm.requeue(extra["job"])  # kills this allocation: everything is committed
+                time.sleep(300)  # never reach a clean exit that Slurm could mistake for COMPLETED
+                raise SystemExit("slurmresume: requeue did not stop this job")
+            append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, local=True)
+    finally:
+        relay.uninstall()
+
+
+def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str, job_key: str,
+            restart: int, first_node: bool) -> None:
+    if not first_node and action == "stop":
+        return
+    append_event(root, "run_ended", run_id=run_id, job_key=job_key, restart=restart, outcome=result.kind,
+                 returncode=result.returncode, saved_step=result.saved_step, latest=result.latest_after,
+                 progressed=result.progressed, action=action, reason=reason)
+    terminal = {"finish": "finished", "give_up": "gave_up", "stop": "stopped"}.get(action)
+    if terminal:
+        append_event(root, terminal, reason=reason, step=result.latest_after, job_key=job_key)
+    if result.kind == "failed":
+        append_event(root, "failed", returncode=result.returncode, job_key=job_key, reason=reason)
+
+
+def _first_node_addr() -> str:
+    """Address of the allocation's first node (NodeAddr, so emulated nodes resolve too)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+    if not nodelist:
+        return "127.0.0.1"
+    first = slurm.hostnames(nodelist)[0]
+    try:
+        out = slurm.run(["scontrol", "show", "node", first, "-o"]).stdout
+        for tok in out.split():
+            if tok.startswith("NodeAddr="):
+                return tok.split("=", 1)[1]
+    except Exception:  # noqa: BLE001 - fall back to the name; torchrun will say if it fails
+        pass
+    return first
