@@ -55,7 +55,8 @@ Commands:
                      1 node is named \`hostname -s\`; 2 nodes are n1 and n2.
   down [--purge]     Stop the daemons (by pid file, reverse order). --purge also
                      deletes the state dir (job state, accounting DB, logs).
-  status             Show whether each daemon is alive, sinfo and squeue.
+  status             Show whether each daemon is alive, sinfo and squeue
+                     (exit status 1 if a daemon is not running).
   logs [-n N] [-f]   Tail the daemon logs (N lines, default 30; -f follows).
   -h, --help         This message.
 
@@ -90,32 +91,42 @@ pid_alive() {
   echo "$pid"
 }
 
-# stop_pidfile PIDFILE COMM: SIGTERM, wait up to 30 s, then SIGKILL.
-stop_pidfile() {
-  local pidfile=$1 comm=$2 pid i
-  if ! pid=$(pid_alive "$pidfile" "$comm"); then
-    rm -f "$pidfile"
-    return 0
-  fi
-  log "stopping $comm (pid $pid)"
+# term_pidfile PIDFILE COMM: send SIGTERM if PIDFILE names a live COMM process.
+term_pidfile() {
+  local pid
+  pid=$(pid_alive "$1" "$2") || return 0
+  log "stopping $2 (pid $pid)"
   kill -TERM "$pid" 2>/dev/null || true
-  for ((i = 0; i < 300; i++)); do
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  if kill -0 "$pid" 2>/dev/null; then
-    log "$comm (pid $pid) ignored SIGTERM for 30 s; sending SIGKILL"
-    kill -KILL "$pid" 2>/dev/null || true
-    sleep 0.5
+}
+
+# await_pidfile PIDFILE COMM: wait up to 30 s for it to exit, then SIGKILL; remove PIDFILE.
+await_pidfile() {
+  local pidfile=$1 comm=$2 pid i
+  if pid=$(pid_alive "$pidfile" "$comm"); then
+    for ((i = 0; i < 300; i++)); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+      log "$comm (pid $pid) ignored SIGTERM for 30 s; sending SIGKILL"
+      kill -KILL "$pid" 2>/dev/null || true
+      sleep 0.5
+    fi
   fi
   rm -f "$pidfile"
 }
 
+stop_pidfile() {
+  term_pidfile "$1" "$2"
+  await_pidfile "$1" "$2"
+}
+
 slurmd_pidfiles() { compgen -G "$RUN/slurmd-*.pid" || true; }
 
-stop_slurmds() {
+stop_slurmds() {  # all slurmd instances at once
   local f
-  for f in $(slurmd_pidfiles); do stop_pidfile "$f" slurmd; done
+  for f in $(slurmd_pidfiles); do term_pidfile "$f" slurmd; done
+  for f in $(slurmd_pidfiles); do await_pidfile "$f" slurmd; done
 }
 
 DEADLINE=0
@@ -400,7 +411,7 @@ start_slurm() {
   if ! pid_alive "$SLURMCTLD_PID" slurmctld >/dev/null; then
     log "starting slurmctld"
     "${DAEMON_ENV[@]}" /usr/sbin/slurmctld </dev/null >>"$LOG/slurmctld.out" 2>&1 ||
-      return 1
+      { log "slurmctld failed to start (exit $?)"; return 1; }
   fi
   wait_for "slurmctld" bash -c 'scontrol ping | grep -q UP' || return 1
   for n in "${NODE_NAMES[@]}"; do
@@ -408,7 +419,7 @@ start_slurm() {
       mkdir -p "$STATE_DIR/spool/slurmd-$n"
       log "starting slurmd -N $n"
       "${DAEMON_ENV[@]}" /usr/sbin/slurmd -N "$n" </dev/null >>"$LOG/slurmd-$n.out" 2>&1 ||
-        return 1
+        { log "slurmd -N $n failed to start (exit $?)"; return 1; }
     fi
   done
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,11 @@ def print_json(data: Any) -> None:
 
 def print_submitted(job_id: str, log_dir: Path, script: str | None, torchrun: list[str], ckpt_dir: Path) -> None:
     if script is not None:
-        console.print("[bold]sbatch script[/bold] (dry run, nothing submitted):")
-        console.print(script, markup=False, highlight=False)
-        console.print("[bold]per-node torchrun command:[/bold]")
-        console.print(" ".join(torchrun), markup=False, highlight=False)
+        # Plain prints: the script must be copyable exactly, never wrapped to the terminal.
+        print("# sbatch script (dry run, nothing submitted):")
+        print(script, end="")
+        print("# per-node torchrun command:")
+        print(shlex.join(torchrun))
         return
     console.print(f"submitted job [bold]{job_id}[/bold]")
     console.print(f"logs:        {log_dir}", markup=False)

@@ -278,6 +278,7 @@ class Checkpointer:
         self.restored = inspect_dir(int(choice["step"]), Path(choice["path"]))
         if self.rank == 0:
             log.info("resumed from %s", choice["path"])
+            append_event(self.root, "restored", step=int(choice["step"]), run_id=os.environ.get("SLURMRESUME_RUN_ID"))
 
     def close(self) -> None:
         """Restore the previous signal handlers. Idempotent."""

@@ -42,3 +42,7 @@ from . import commands_ckpt, commands_job  # noqa: E402,F401  (they register com
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

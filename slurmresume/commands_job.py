@@ -66,6 +66,7 @@ def submit(
     max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. [default: 0]")] = None,
     sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive.")] = None,
     rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. [default: derived from the job id]")] = None,
+    python: Annotated[str | None, Opt(help="Python interpreter on the nodes. [default: this one]")] = None,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
     dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
     json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,

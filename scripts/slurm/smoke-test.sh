@@ -146,11 +146,11 @@ fi
 
 # 5. multi-node srun
 if ((nnodes >= 2)); then
-  out=$(timeout 60 srun -N "$nnodes" -l bash -c 'echo $SLURMD_NODENAME $(hostname)' 2>&1) || true
-  if (($(wc -l <<<"$out") == nnodes)) && ! grep -qi error <<<"$out"; then
+  out=$(timeout 60 srun --quiet -N "$nnodes" -l bash -c 'echo $SLURMD_NODENAME $(hostname)' 2>srun.err) || true
+  if (($(grep -c . <<<"$out") == nnodes)) && [[ $(cut -d' ' -f2 <<<"$out" | sort -u | wc -l) == "$nnodes" ]]; then
     pass "srun -N$nnodes: $(sort <<<"$out" | paste -sd ';')"
   else
-    fail "srun -N$nnodes: $out"
+    fail "srun -N$nnodes: $out $(cat srun.err)"
   fi
 fi
 

@@ -1,0 +1,5 @@
+"""`python -m slurmresume` = the `slurmresume` command."""
+
+from .cli import main
+
+main()

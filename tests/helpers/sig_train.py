@@ -1,0 +1,55 @@
+"""A minimal training loop for the signal tests: deterministic, slow enough to signal mid-run.
+
+Writes its pid to $PIDDIR/rank<R>.pid and its progress to $PIDDIR/progress<R> (the last step).
+Usage: sig_train.py STEPS [STEP_SLEEP] [NUM_WORKERS]
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import slurmresume
+
+steps = int(sys.argv[1])
+sleep = float(sys.argv[2]) if len(sys.argv) > 2 else 0.05
+num_workers = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+if "RANK" in os.environ:
+    dist.init_process_group("gloo")
+rank = dist.get_rank() if dist.is_initialized() else 0
+piddir = Path(os.environ.get("PIDDIR") or Path(os.environ["SLURMRESUME_CKPT_DIR"]) / "pids")
+piddir.mkdir(parents=True, exist_ok=True)
+(piddir / f"rank{rank}.pid").write_text(str(os.getpid()))
+
+torch.manual_seed(rank)
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.utils.data.TensorDataset(torch.randn(4096, 8))
+sampler = slurmresume.ResumableSampler(data, shuffle=True, seed=0)
+loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler, num_workers=num_workers,
+                                     worker_init_fn=slurmresume.ignore_in_worker,
+                                     generator=torch.Generator().manual_seed(0), persistent_workers=num_workers > 0)
+ckpt = slurmresume.Checkpointer()
+state = {"model": model, "opt": opt, "sampler": sampler}
+step = ckpt.restore(state)
+(piddir / f"start{rank}-{os.getpid()}").write_text(str(step))
+it = iter(loader)
+while step < steps:
+    (x,) = next(it)
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    if dist.is_initialized():
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+    opt.step()
+    sampler.advance(len(x))
+    step += 1
+    (piddir / f"progress{rank}").write_text(str(step))
+    time.sleep(sleep)
+    ckpt.step(step, state)
+ckpt.save(step, state, reason="final")
+ckpt.close()

@@ -1,0 +1,218 @@
+"""The launcher and the signal path, with real torchrun processes on this machine (local mode).
+
+Delivery models: cgroup-like (the signal reaches only the launcher) and linuxproc-like (the
+whole process group, workers and DataLoader workers included). Each must end in exactly one
+save, one restart, a finished run, and no process left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from slurmresume.launcher import RunResult, decide
+
+HELPERS = Path(__file__).parent / "helpers"
+SIG_TRAIN = HELPERS / "sig_train.py"
+
+
+def events(root: Path) -> list[dict]:
+    path = root / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(pred, timeout: float = 90.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def progress(piddir: Path, rank: int = 0) -> int:
+    try:
+        return int((piddir / f"progress{rank}").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def start_local(tmp_path: Path, nproc: int, steps: int, sleep: float = 0.05, workers: int = 0,
+                extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path, Path]:
+    root, piddir = tmp_path / "ckpt", tmp_path / "pids"
+    piddir.mkdir()
+    env = {**os.environ, "PIDDIR": str(piddir)}
+    env.pop("SLURM_JOB_ID", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slurmresume", "submit", "--local", str(SIG_TRAIN), "--ckpt-dir", str(root),
+         "--nproc-per-node", str(nproc), *extra, "--", str(steps), str(sleep), str(workers)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return proc, root, piddir
+
+
+def descendants_alive(marker: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmd:
+                out.append(int(pid))
+    return out
+
+
+@pytest.mark.parametrize("delivery", ["launcher-only", "process-group"])
+def test_one_save_one_restart_per_warning(tmp_path: Path, delivery: str) -> None:
+    proc, root, piddir = start_local(tmp_path, nproc=2, steps=60)
+    try:
+        wait_for(lambda: progress(piddir) >= 5, what="training to reach step 5")
+        if delivery == "launcher-only":
+            os.kill(proc.pid, signal.SIGUSR1)  # what Slurm does under proctrack/cgroup
+        else:
+            os.killpg(proc.pid, signal.SIGUSR1)  # linuxproc: every process, workers told twice
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    ev = events(root)
+    saves = [e for e in ev if e["event"] == "exit_after_save"]
+    assert len(saves) == 1, out
+    saved = saves[0]["step"]
+    assert [e["event"] for e in ev].count("requeued") == 1
+    assert (root / f"step_{saved:09d}" / "COMMITTED").exists()
+    # the restarted run (restart 1) resumed exactly at the saved step, on both ranks
+    starts = sorted(piddir.glob("start*"))
+    assert sorted(int(p.read_text()) for p in starts) == [0, 0, saved, saved]
+    assert any(e["event"] == "finished" and e["step"] == 60 for e in ev)
+    assert descendants_alive(str(SIG_TRAIN)) == []
+
+
+def test_signal_to_one_rank_saves_same_step_on_both(tmp_path: Path) -> None:
+    """Only rank 1 hears the signal: the MAX agreement makes both ranks save one step, once."""
+    root, piddir = tmp_path / "ckpt", tmp_path / "pids"
+    piddir.mkdir()
+    env = {**os.environ, "PIDDIR": str(piddir), "SLURMRESUME_CKPT_DIR": str(root)}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             str(SIG_TRAIN), "200", "0.05"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: progress(piddir, 1) >= 3, what="rank 1 to reach step 3")
+        os.kill(int((piddir / "rank1.pid").read_text()), signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ev = events(root)
+    agreed = [e for e in ev if e["event"] == "signal_agreed"]
+    commits = [e for e in ev if e["event"] == "save_committed"]
+    assert len(agreed) == 1 and len(commits) == 1, out
+    step = commits[0]["step"]
+    manifest = json.loads((root / f"step_{step:09d}" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and [s["rank"] for s in manifest["shards"]] == [0, 1]
+    assert progress(piddir, 0) == progress(piddir, 1) == step  # both stopped right at the agreed step
+    assert step < 200
+
+
+def test_dataloader_workers_survive_group_signal(tmp_path: Path) -> None:
+    """num_workers=2 under a process-group signal: workers neither die nor swallow it."""
+    proc, root, piddir = start_local(tmp_path, nproc=1, steps=40, workers=2)
+    try:
+        wait_for(lambda: progress(piddir) >= 5, what="training to reach step 5")
+        os.killpg(proc.pid, signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    ev = events(root)
+    assert [e["event"] for e in ev].count("exit_after_save") == 1
+    assert not any(e["event"] == "failed" for e in ev), out
+    assert any(e["event"] == "finished" for e in ev)
+    assert "DataLoader worker" not in out
+
+
+def test_handlers_installed_in_main_thread_only_and_restored(tmp_path: Path) -> None:
+    import slurmresume
+
+    before_usr1, before_term = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    ck = slurmresume.Checkpointer(tmp_path)
+    assert signal.getsignal(signal.SIGUSR1) not in (before_usr1, signal.SIG_DFL)
+    ck.close()
+    assert signal.getsignal(signal.SIGUSR1) == before_usr1
+    assert signal.getsignal(signal.SIGTERM) == before_term
+
+    made: list = []
+    t = threading.Thread(target=lambda: made.append(slurmresume.Checkpointer(tmp_path)))
+    t.start()
+    t.join()
+    assert made[0].flag is None  # not installed off the main thread
+    assert signal.getsignal(signal.SIGUSR1) == before_usr1
+
+
+def test_sigterm_saves_without_requeue(tmp_path: Path) -> None:
+    proc, root, piddir = start_local(tmp_path, nproc=1, steps=200)
+    try:
+        wait_for(lambda: progress(piddir) >= 4, what="training to reach step 4")
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ev = events(root)
+    exits = [e for e in ev if e["event"] == "exit_after_save"]
+    assert len(exits) == 1 and exits[0]["kind"] == "terminate", out
+    assert not any(e["event"] == "requeued" for e in ev)
+    assert any(e["event"] == "stopped" for e in ev)
+    assert (root / f"step_{exits[0]['step']:09d}" / "COMMITTED").exists()
+
+
+def _result(kind: str, before: int | None = 10, after: int | None = 20, saved: int | None = 20) -> RunResult:
+    return RunResult(kind, 0, saved, before, after)
+
+
+@pytest.mark.parametrize(
+    ("result", "kw", "action"),
+    [
+        (_result("finished"), {}, "finish"),
+        (_result("terminated"), {}, "stop"),
+        (_result("preempted"), {}, "requeue"),
+        (_result("preempted"), {"first_node": False}, "stop"),
+        (_result("preempted"), {"committed": False}, "give_up"),
+        (_result("preempted"), {"requeues_done": 3, "max_requeues": 3}, "give_up"),
+        (_result("preempted", before=20, after=20), {"previous_progressed": False}, "give_up"),
+        (_result("preempted", before=20, after=20), {"previous_progressed": True}, "requeue"),
+        (_result("preempted", before=None, after=None), {"previous_progressed": None}, "requeue"),
+        (_result("failed"), {"max_failures": 2, "failures_done": 1}, "retry"),
+        (_result("failed"), {"max_failures": 2, "failures_done": 2}, "give_up"),
+        (_result("failed"), {}, "give_up"),
+    ],
+)
+def test_decide(result: RunResult, kw: dict, action: str) -> None:
+    args = {"first_node": True, "requeues_done": 0, "max_requeues": 20, "failures_done": 0, "max_failures": 0,
+            "previous_progressed": True, "committed": True, **kw}
+    assert decide(result, **args)[0] == action
+
+
+def test_max_failures_retries_a_crash(tmp_path: Path) -> None:
+    """A crash without a signal is retried from the newest checkpoint, at most --max-failures."""
+    script = tmp_path / "crash.py"
+    script.write_text("import sys, slurmresume\nc = slurmresume.Checkpointer()\nsys.exit(3)\n")
+    root = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-m", "slurmresume", "submit", "--local", str(script),
+                           "--ckpt-dir", str(root), "--max-failures", "2"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    ev = events(root)
+    assert [e["event"] for e in ev].count("started") == 3
+    assert [e["event"] for e in ev][-1] in ("failed", "gave_up")
+    assert any(e["event"] == "gave_up" and "--max-failures 2" in e["reason"] for e in ev)
