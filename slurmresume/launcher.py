@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,8 +180,10 @@ def previous_progressed(root: Path, job_key: str) -> bool | None:
     return None
 
 
-def new_run_id(job_key: str, restart: int) -> str:
-    return f"{job_key}.{restart}.{uuid.uuid4().hex[:8]}"
+def run_id_for(job_key: str, restart: int, attempt: int) -> str:
+    """The same on every node of a run (the rank that writes the exit event may live on any
+    node), different for each restart and each retry after a failure."""
+    return f"{job_key}.{restart}.{attempt}"
 
 
 def warn_signal(name: str) -> signal.Signals:

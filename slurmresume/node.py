@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from . import slurm
 from .config import JobSpec
 from .events import append_event
-from .launcher import Relay, RunResult, decide, is_committed, new_run_id, previous_progressed, run_torchrun, warn_signal
+from .launcher import Relay, RunResult, decide, is_committed, previous_progressed, run_id_for, run_torchrun, warn_signal
 
 log = logging.getLogger("slurmresume")
 
@@ -74,7 +75,8 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None) -> dict[str, Any
     """`submit --local`: the same launcher and torchrun on this machine; a preemption restarts the
     run from the newest complete checkpoint, as Slurm's requeue would."""
     cmd = torchrun_command(spec, nnodes=1, endpoint=None, rdzv_id="local")
-    return _loop(spec, cmd, job_key=f"local-{os.getpid()}-{int(time.time())}", restart=0, first_node=True,
+    key = f"local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return _loop(spec, cmd, job_key=key, restart=0, first_node=True,
                  local=True, extra={"node": 0, "nodes": 1, "job": "local"}, env=env)
 
 
@@ -87,7 +89,7 @@ def _loop(spec: JobSpec, cmd: list[str], *, job_key: str, restart: int, first_no
     failures = 0
     try:
         while True:
-            run_id = new_run_id(job_key, restart)
+            run_id = run_id_for(job_key, restart, failures)
             append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local, **extra)
             log.info("run %s: %s", run_id, " ".join(cmd))
             result = run_torchrun(cmd, worker_env(spec, run_id, restart, env), root, run_id, warn, relay)

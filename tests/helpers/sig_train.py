@@ -5,10 +5,12 @@ Usage: sig_train.py STEPS [STEP_SLEEP] [NUM_WORKERS]
 """
 
 import os
+import random
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -25,6 +27,8 @@ piddir.mkdir(parents=True, exist_ok=True)
 (piddir / f"rank{rank}.pid").write_text(str(os.getpid()))
 
 torch.manual_seed(rank)
+random.seed(rank)
+np.random.seed(rank)
 model = torch.nn.Linear(8, 8)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 data = torch.utils.data.TensorDataset(torch.randn(4096, 8))
