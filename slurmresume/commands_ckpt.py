@@ -1,1 +1,246 @@
-"""Checkpoint commands (status, prune, verify, latest): registered on the app in cli.py."""
+"""Checkpoint commands (status, prune, verify, latest), registered on the app in cli.py.
+
+Each is a thin adapter: options -> one library call (status.py, retention.py, store.py) ->
+render (_render.py) or JSON. Errors are SlurmResumeError subclasses; `handle_errors` turns
+them into one `error: ...` line on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .cli import app, handle_errors
+from .duration import parse_duration
+from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+
+ENV_ROOT = "SLURMRESUME_CKPT_DIR"
+PRUNE_SCHEMA = "slurmresume.prune/1"
+
+
+class Mode(str, Enum):
+    min = "min"
+    max = "max"
+
+
+CkptDir = Annotated[Path | None, typer.Option(
+    "--ckpt-dir", "-d", metavar="DIR", envvar=ENV_ROOT, show_envvar=True,
+    help="Checkpoint root: the directory holding the step_* folders. Default: $SLURMRESUME_CKPT_DIR.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+ModeOpt = Annotated[Mode, typer.Option("--mode", help="Whether the lowest (min, e.g. loss) or highest "
+                                       "(max, e.g. accuracy) metric value is best.")]
+
+
+def resolve_root(ckpt_dir: Path | None) -> Path:
+    """The checkpoint root from --ckpt-dir / $SLURMRESUME_CKPT_DIR; it must be a directory."""
+    if ckpt_dir is None or str(ckpt_dir) == "":
+        raise ConfigError(f"no checkpoint root: pass --ckpt-dir DIR or set {ENV_ROOT}")
+    root = ckpt_dir.expanduser().absolute()
+    if not root.exists():
+        raise ConfigError(f"checkpoint root {root} does not exist: check --ckpt-dir / {ENV_ROOT}")
+    if not root.is_dir():
+        raise ConfigError(f"checkpoint root {root} is not a directory: point --ckpt-dir at the run's directory")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise ConfigError(f"checkpoint root {root} is not readable by this user: check its permissions")
+    return root
+
+
+def _emit_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, allow_nan=False))
+
+
+@app.command()
+@handle_errors
+def status(
+    ckpt_dir: CkptDir = None,
+    job: Annotated[str | None, typer.Option(
+        "--job", "-j", metavar="ID", help="Slurm job id to show. Default: the newest job id in the event log.")] = None,
+    best: Annotated[str | None, typer.Option(
+        "--best", metavar="METRIC", help="Mark the checkpoint with the best value of METRIC "
+        "(a key of the metrics= you pass when saving, e.g. loss).")] = None,
+    mode: ModeOpt = Mode.min,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Also recompute every complete checkpoint's checksums (reads every shard).")] = False,
+    limit: Annotated[int, typer.Option(
+        "--limit", help="Show at most this many checkpoint rows (newest first; 0: all).")] = 20,
+    as_json: JsonOut = False,
+    watch: Annotated[str | None, typer.Option(
+        "--watch", metavar="SECONDS", help="Redraw every SECONDS (e.g. 10, 30s, 1m) until Ctrl-C.")] = None,
+) -> None:
+    """Is my run healthy? The Slurm job, its requeues and history, and every checkpoint.
+
+    Reads the checkpoint root, its event log and, when Slurm is installed here, squeue/sacct.
+    Never changes anything. Example: slurmresume status --ckpt-dir runs/exp1 --best loss
+    """
+    from . import _render
+    from .status import compute_status
+
+    root = resolve_root(ckpt_dir)
+    if limit < 0:
+        raise ConfigError(f"--limit must be >= 0 (0 shows all), got {limit}")
+    if job is not None and not re.fullmatch(r"\d+(_\d+)?", job):
+        raise ConfigError(f"--job {job!r} is not a Slurm job id: use digits, e.g. --job 12345")
+    interval = parse_duration(watch, "--watch") if watch is not None else None
+    if interval is not None and interval <= 0:
+        raise ConfigError(f"--watch {watch!r} must be more than 0 seconds")
+    if interval is not None and as_json:
+        raise ConfigError("--watch and --json cannot be combined: poll `status --json` instead")
+
+    def compute() -> Any:
+        return compute_status(root, job_id=job, best_metric=best, mode=mode.value, verify=verify)
+
+    if interval is not None:
+        _render.watch(compute, interval, limit)
+    elif as_json:
+        _emit_json(compute().to_json())
+    else:
+        _render.print_status(compute(), limit)
+
+
+def _stdin_is_tty() -> bool:
+    return sys.stdin.isatty()
+
+
+@app.command()
+@handle_errors
+def prune(
+    keep: Annotated[int, typer.Option("--keep", metavar="N", help="Keep the N newest complete checkpoints "
+                                      "(N >= 1). Incomplete directories never count.")],
+    keep_every: Annotated[int | None, typer.Option(
+        "--keep-every", metavar="M", help="Also keep every complete step divisible by M (e.g. 1000).")] = None,
+    keep_best: Annotated[str | None, typer.Option(
+        "--keep-best", metavar="METRIC", help="Also keep the complete checkpoint with the best METRIC.")] = None,
+    mode: ModeOpt = Mode.min,
+    remove_incomplete_older_than: Annotated[str | None, typer.Option(
+        "--remove-incomplete-older-than", metavar="DURATION", help="Also remove incomplete or corrupt "
+        "directories idle for DURATION (e.g. 12h, 2d). Without it they are left alone.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print the plan; delete nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
+    ckpt_dir: CkptDir = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Delete old checkpoints, keeping the newest N (and, if asked, every M-th and the best).
+
+    Never deletes the newest complete checkpoint, the best one under --keep-best, or a
+    directory being written. Prints the plan first; asks before deleting unless --yes.
+    Deletion is crash-safe: each directory disappears in one rename before its files go.
+    Example: slurmresume prune --keep 3 --keep-best loss --dry-run
+    """
+    from . import _render
+    from . import retention as rt
+
+    root = resolve_root(ckpt_dir)
+    older = (parse_duration(remove_incomplete_older_than, "--remove-incomplete-older-than")
+             if remove_incomplete_older_than is not None else None)
+    policy = rt.RetentionPolicy(keep=keep, keep_every=keep_every, keep_best=keep_best, mode=mode.value,
+                                remove_incomplete_older_than=older)
+    records = rt.scan(root)
+    plan = rt.plan_prune(records, policy, time.time())
+    if plan.missing_metric:
+        raise ConfigError(f"--keep-best {keep_best!r}: no complete checkpoint records that metric; "
+                          f"metrics found: {', '.join(rt.metric_names(records)) or 'none'}")
+    leftovers = rt.leftovers(root)
+    if not as_json:
+        _render.print_plan(plan, leftovers, dry_run)
+    result = None
+    if not dry_run and (plan.delete or leftovers):
+        _confirm(len(plan.delete) + len(leftovers), yes, as_json)
+        result = rt.execute(root, policy, approved={r.name for r in plan.delete})
+        if not as_json:
+            _render.print_result(result)
+    elif not as_json and not dry_run:
+        typer.echo("nothing to delete")
+    if as_json:
+        _emit_json(_prune_json(root, policy, plan, leftovers, dry_run, result))
+
+
+def _confirm(count: int, yes: bool, as_json: bool) -> None:
+    if yes:
+        return
+    if as_json or not _stdin_is_tty():
+        raise ConfigError(f"refusing to delete {count} entr{'y' if count == 1 else 'ies'} without confirmation: "
+                          "pass --yes to delete without asking (or --dry-run to only see the plan)")
+    if not typer.confirm(f"Delete {count} entr{'y' if count == 1 else 'ies'} listed above?", default=False):
+        typer.echo("aborted: nothing deleted", err=True)
+        raise typer.Exit(1)
+
+
+def _prune_json(root: Path, policy: Any, plan: Any, leftovers: list[str], dry_run: bool, result: Any) -> dict:
+    """Schema "slurmresume.prune/1" (what `prune --json` prints):
+
+    schema, root, dry_run   "slurmresume.prune/1", the root (str), bool
+    policy                  the RetentionPolicy fields (durations in seconds)
+    plan                    newest first: [{step, name, complete, action: "keep"|"delete", reasons}]
+    newest_complete, best   steps (or null)
+    leftovers               .deleting.* entries found (removed unless a dry run)
+    deleted, cleaned        directory / leftover names removed (empty on a dry run)
+    skipped                 [{name, reason}]: planned, but kept when re-checked under the lock
+    """
+    from dataclasses import asdict
+
+    return {
+        "schema": PRUNE_SCHEMA, "root": str(root), "dry_run": dry_run, "policy": asdict(policy),
+        "plan": [{"step": d.record.step, "name": d.record.name, "complete": d.record.complete,
+                  "action": "delete" if d.delete else "keep", "reasons": list(d.reasons)} for d in plan.decisions],
+        "newest_complete": plan.newest.step if plan.newest else None,
+        "best": plan.best.step if plan.best else None,
+        "leftovers": leftovers,
+        "deleted": result.deleted if result else [],
+        "skipped": [{"name": n, "reason": why} for n, why in result.skipped] if result else [],
+        "cleaned": result.cleaned if result else [],
+    }
+
+
+@app.command()
+@handle_errors
+def verify(
+    step: Annotated[int | None, typer.Argument(
+        help="Step to verify. Default: the newest complete checkpoint.")] = None,
+    every: Annotated[bool, typer.Option("--all", help="Verify every committed checkpoint.")] = False,
+    ckpt_dir: CkptDir = None,
+) -> None:
+    """Recompute shard checksums and compare them with the manifest.
+
+    Exits 1 and names each bad file when a checkpoint fails (restore would then fall back to
+    the previous one). Reads every byte of the checked shards.
+    Example: slurmresume verify --all --ckpt-dir runs/exp1
+    """
+    from . import _render
+    from .status import verify_checkpoints
+
+    root = resolve_root(ckpt_dir)
+    if step is not None and step < 0:
+        raise ConfigError(f"STEP must be >= 0, got {step}")
+    if step is not None and every:
+        raise ConfigError("give either a STEP or --all, not both")
+    results = verify_checkpoints(root, step=step, every=every)
+    _render.print_verify(results)
+    bad = [p for r in results if not r.ok for p in r.problems]
+    if bad:
+        failed = sum(not r.ok for r in results)
+        raise CorruptCheckpointError(f"{failed} of {len(results)} checkpoint(s) failed verification: {'; '.join(bad)}")
+
+
+@app.command()
+@handle_errors
+def latest(ckpt_dir: CkptDir = None) -> None:
+    """Print the path of the newest complete checkpoint (for scripts).
+
+    Prints nothing on stdout and exits 1 when there is none. Incomplete or corrupt newer
+    directories are skipped. Example: cp -r "$(slurmresume latest)" /archive/
+    """
+    from .checkpoint.store import find_latest
+
+    root = resolve_root(ckpt_dir)
+    info = find_latest(root, warn=False)
+    if info is None:
+        raise NoCheckpointError(f"no complete checkpoint under {root}")
+    typer.echo(os.fspath(info.path))

@@ -1,0 +1,387 @@
+"""Retention: a pure plan of what to delete (`plan_prune`), and a small shell that deletes it.
+
+Rules, each answering a failure seen elsewhere (PITFALLS.md, "Commits and retention"):
+- Only complete checkpoints (marker + manifest + shard sizes) count toward `keep`; steps are
+  compared as integers (steps 9, 10, 100 sort numerically, never as strings).
+- Never deleted: the newest complete checkpoint, the best one by `keep_best`, every step that
+  `keep_every` divides, a directory whose `.inprogress` writer may still run, and any incomplete
+  directory that changed less than `young_threshold` seconds ago.
+- Incomplete or corrupt directories are removed only when `remove_incomplete_older_than` is set,
+  and only once idle for that long (and for `young_threshold`).
+- Deletion is one rename (`commit.move_aside`) then rmtree, so a kill never leaves a directory
+  that looks complete but misses files. The shell re-lists and re-plans under the root lock,
+  and the rules above keep it safe where that lock does nothing (NFS, Lustre `localflock`).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import numbers
+import os
+import shutil
+import socket
+import stat
+import time
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from filelock import Timeout
+
+from .checkpoint.commit import move_aside, root_lock
+from .checkpoint.jsonenc import decode
+from .checkpoint.layout import DELETING_PREFIX, INPROGRESS, LOCK
+from .checkpoint.store import CheckpointInfo, inspect_dir, list_checkpoints
+from .duration import format_duration
+from .errors import CheckpointError, ConfigError, SlurmResumeError, UnsafeCheckpointError
+
+__all__ = ["RetentionPolicy", "CheckpointRecord", "Decision", "PrunePlan", "PruneResult",
+           "plan_prune", "metric_value", "best_record", "metric_names", "scan", "execute",
+           "apply_policy", "clean_leftovers", "leftovers", "DEFAULT_YOUNG_THRESHOLD"]
+
+log = logging.getLogger("slurmresume")
+
+DEFAULT_YOUNG_THRESHOLD = 600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPolicy:
+    """What to keep. Validated here, so a bad policy fails before anything is deleted."""
+
+    keep: int
+    """Keep the `keep` newest complete checkpoints (>= 1; the newest is kept regardless)."""
+    keep_every: int | None = None
+    """Also keep every complete step divisible by this (e.g. 1000), or None."""
+    keep_best: str | None = None
+    """Also keep the complete checkpoint with the best value of this metric, or None."""
+    mode: str = "min"
+    """"min" or "max": which value of `keep_best` is best."""
+    remove_incomplete_older_than: float | None = None
+    """Seconds; remove incomplete or corrupt directories idle this long. None: never remove."""
+    young_threshold: float = DEFAULT_YOUNG_THRESHOLD
+    """Seconds; an incomplete directory that changed more recently may be being written."""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.keep) or self.keep < 1:
+            raise ConfigError(f"--keep must be an integer >= 1 (the newest checkpoint is always kept), "
+                              f"got {self.keep!r}")
+        if self.keep_every is not None and (not _is_int(self.keep_every) or self.keep_every < 1):
+            raise ConfigError(f"--keep-every must be an integer >= 1, got {self.keep_every!r}")
+        if self.keep_best is not None and (not isinstance(self.keep_best, str) or not self.keep_best.strip()):
+            raise ConfigError(f"--keep-best must name a metric, got {self.keep_best!r}")
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"--mode must be 'min' or 'max', got {self.mode!r}")
+        for what, v in (("--remove-incomplete-older-than", self.remove_incomplete_older_than),
+                        ("young_threshold", self.young_threshold)):
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)
+                                  or not math.isfinite(v) or v < 0):
+                raise ConfigError(f"{what} must be a duration >= 0 seconds, got {v!r}")
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """What the planner knows of one step directory; built by `scan`, or by hand in tests."""
+
+    step: int
+    name: str
+    complete: bool  # marker, manifest and shard sizes all check out
+    has_marker: bool = False  # marker present (with complete=False: corrupt)
+    in_progress: bool = False  # `.inprogress` note whose writer may still be running
+    mtime: float = 0.0  # last change of the directory or any entry in it (epoch seconds)
+    metrics: Any = None  # decoded manifest metrics (complete checkpoints)
+
+
+@dataclass(frozen=True)
+class Decision:
+    record: CheckpointRecord
+    delete: bool
+    reasons: tuple[str, ...]  # why it is kept (all reasons), or why it goes
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    decisions: tuple[Decision, ...]  # newest step first
+    newest: CheckpointRecord | None  # newest complete
+    best: CheckpointRecord | None  # best by policy.keep_best, if any checkpoint has the metric
+    missing_metric: bool  # keep_best set, complete checkpoints exist, none has the metric
+
+    @property
+    def delete(self) -> tuple[CheckpointRecord, ...]:
+        return tuple(d.record for d in self.decisions if d.delete)
+
+    @property
+    def keep(self) -> tuple[CheckpointRecord, ...]:
+        return tuple(d.record for d in self.decisions if not d.delete)
+
+
+def metric_value(metrics: Any, name: str) -> float | None:
+    """The finite number under `name` (or a dotted path "eval.loss"), else None."""
+    value = metrics.get(name) if isinstance(metrics, dict) else None
+    if value is None and "." in name:
+        value = metrics
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None  # numbers.Real: NumPy scalars (np.float32 loss) count too
+    return float(value)
+
+
+def best_record(records: Iterable[CheckpointRecord], metric: str, mode: str) -> CheckpointRecord | None:
+    """The complete record with the best finite `metric`; on a tie, the newest step."""
+    sign = 1.0 if mode == "min" else -1.0
+    scored = [(sign * v, -r.step, r.name, r) for r in records
+              if r.complete and (v := metric_value(r.metrics, metric)) is not None]
+    return min(scored, key=lambda t: t[:3])[3] if scored else None
+
+
+def metric_names(records: Iterable[CheckpointRecord]) -> list[str]:
+    """Numeric top-level metric names found in complete records (for error messages)."""
+    return sorted({k for r in records if r.complete and isinstance(r.metrics, dict)
+                   for k in r.metrics if metric_value(r.metrics, k) is not None})
+
+
+def plan_prune(checkpoints: Sequence[CheckpointRecord], policy: RetentionPolicy, now: float) -> PrunePlan:
+    """Pure: decide keep/delete for every record. No filesystem, no clock (`now` is given).
+
+    Guarantees: the newest complete and the best survive; exactly the `policy.keep` newest
+    complete survive plus those protected by `keep_every`/`keep_best`; incomplete records are
+    never counted and only deleted per `_incomplete_reasons`. Re-planning the survivors with
+    the same `now` deletes nothing more (idempotent).
+    """
+    complete = sorted((r for r in checkpoints if r.complete), key=lambda r: (r.step, r.name), reverse=True)
+    newest = complete[0] if complete else None
+    best = best_record(complete, policy.keep_best, policy.mode) if policy.keep_best else None
+    decisions = []
+    for i, r in enumerate(complete):
+        reasons = _complete_reasons(r, i, policy, best)
+        decisions.append(Decision(r, not reasons, reasons or (f"older than the {policy.keep} newest complete",)))
+    for r in checkpoints:
+        if not r.complete:
+            delete, why = _incomplete_reasons(r, policy, now)
+            decisions.append(Decision(r, delete, (why,)))
+    decisions.sort(key=lambda d: (d.record.step, d.record.name), reverse=True)
+    missing = bool(policy.keep_best) and bool(complete) and best is None
+    return PrunePlan(tuple(decisions), newest, best, missing)
+
+
+def _complete_reasons(r: CheckpointRecord, index: int, policy: RetentionPolicy,
+                      best: CheckpointRecord | None) -> tuple[str, ...]:
+    reasons = []
+    if index == 0:
+        reasons.append("newest complete")
+    elif index < policy.keep:
+        reasons.append(f"one of the {policy.keep} newest complete")
+    if policy.keep_every and r.step % policy.keep_every == 0:
+        reasons.append(f"step divisible by --keep-every {policy.keep_every}")
+    if best is not None and policy.keep_best and r.name == best.name:
+        reasons.append(f"best {policy.keep_best} ({policy.mode}: {metric_value(r.metrics, policy.keep_best)})")
+    return tuple(reasons)
+
+
+def _incomplete_reasons(r: CheckpointRecord, policy: RetentionPolicy, now: float) -> tuple[bool, str]:
+    """(delete?, why) for a record that is not complete."""
+    label = "corrupt (marker but fails checks)" if r.has_marker else "incomplete (no marker)"
+    idle = now - r.mtime
+    limit = policy.remove_incomplete_older_than
+    if r.in_progress:
+        return False, f"{label}: being written (its .inprogress writer may still be running)"
+    if idle < policy.young_threshold:
+        return False, f"{label}: changed {format_duration(idle)} ago, may be being written"
+    if limit is None:
+        return False, f"{label}: not counted; --remove-incomplete-older-than removes it"
+    if idle < limit:
+        return False, f"{label}: idle {format_duration(idle)} < {format_duration(limit)}"
+    return True, f"{label}: idle {format_duration(idle)} >= {format_duration(limit)}"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# -- the imperative shell: filesystem facts, the lock, deletion --------------------------------
+
+
+@dataclass
+class PruneResult:
+    plan: PrunePlan  # the plan made under the lock
+    deleted: list[str] = field(default_factory=list)  # directory names removed
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # approved, but kept now: (name, why)
+    cleaned: list[str] = field(default_factory=list)  # leftover .deleting.* entries removed
+
+
+def scan(root: Path) -> list[CheckpointRecord]:
+    """Records for every step directory under `root` (reads the filesystem; never deletes)."""
+    return [record_from_info(info) for info in list_checkpoints(Path(root))]
+
+
+def record_from_info(info: CheckpointInfo) -> CheckpointRecord:
+    """The planner's view of an inspected directory. Incomplete ones get their last activity
+    (newest mtime of the directory and its entries: a streaming shard keeps it fresh)."""
+    if info.complete:
+        try:
+            metrics = decode(info.metrics)
+        except (SlurmResumeError, ValueError, TypeError, KeyError):  # odd metrics never block a prune
+            metrics = None
+        return CheckpointRecord(info.step, info.path.name, True, True, False, info.mtime, metrics)
+    busy = info.in_progress and _writer_may_run(info.path / INPROGRESS)
+    return CheckpointRecord(info.step, info.path.name, False, info.has_marker, busy, _last_activity(info.path))
+
+
+def _last_activity(path: Path) -> float:
+    try:
+        newest = path.lstat().st_mtime
+    except OSError:
+        return time.time()  # vanished or unreadable: treat as fresh, never as old
+    if path.is_dir() and not path.is_symlink():
+        try:
+            with os.scandir(path) as it:
+                for e in it:
+                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+        except OSError:
+            return time.time()
+    return newest
+
+
+def _writer_may_run(note: Path) -> bool:
+    """False only when the `.inprogress` note names a process on this host that has exited;
+    a writer on another host cannot be checked from here, so it may still be running."""
+    try:
+        fd = os.open(note, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            data = json.loads(os.read(fd, 4096))
+        finally:
+            os.close(fd)
+        pid, host = int(data["pid"]), str(data["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    if host != socket.gethostname() or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+@contextmanager
+def locked(root: Path, timeout: float) -> Iterator[None]:
+    """Hold the root's filelock. Refuses a lock path that is a link or not a regular file
+    (filelock opens it O_NOFOLLOW too); a missing root is a ConfigError."""
+    if not root.is_dir():
+        raise ConfigError(f"checkpoint root {root} does not exist or is not a directory")
+    path = root / LOCK
+    _refuse_odd_lock(path)
+    lock = root_lock(root, timeout)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise CheckpointError(f"another process (a save or a prune) has held {path} for over {timeout:.0f} s: "
+                              "retry later") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # swapped for a link after the check above
+            raise UnsafeCheckpointError(f"lock file {path} is a symbolic link: refusing to prune; "
+                                        f"inspect it, remove it (rm {path}) and retry") from None
+        raise CheckpointError(f"cannot take the lock {path}: {exc.strerror}") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _refuse_odd_lock(path: Path) -> None:
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise UnsafeCheckpointError(f"lock file {path} is a symbolic link or not a regular file: "
+                                        f"refusing to prune; inspect it, remove it (rm {path}) and retry")
+    except FileNotFoundError:
+        pass
+
+
+def execute(root: Path, policy: RetentionPolicy, approved: Collection[str] | None = None, *,
+            lock_timeout: float = 30.0, now: float | None = None) -> PruneResult:
+    """Delete per `policy`. Under the root lock: re-list and re-plan; remove what that plan
+    deletes and `approved` allows (the names the user saw; None: all), re-checking each
+    incomplete one just before its rename; then remove leftover `.deleting.*` entries.
+    Raises CheckpointError (lock busy, lock not a plain file) before deleting anything, or
+    naming what was deleted when a rename fails. One process only (rank 0)."""
+    root = Path(root)
+    with locked(root, lock_timeout):
+        plan = plan_prune(scan(root), policy, time.time() if now is None else now)
+        result = PruneResult(plan)
+        chosen = {r.name for r in plan.delete}
+        for name in sorted(set(approved or ()) - chosen):
+            result.skipped.append((name, "kept by the plan re-made under the lock"))
+        for r in plan.delete:
+            if approved is not None and r.name not in approved:
+                continue
+            why = _still_deletable(root, r, policy, now)
+            if why is not None:
+                result.skipped.append((r.name, why))
+                continue
+            try:
+                move_aside(root / r.name, "prune")
+            except OSError as exc:
+                done = f" after deleting {', '.join(result.deleted)}" if result.deleted else ""
+                raise CheckpointError(f"cannot delete {root / r.name}: {exc.strerror}{done}; "
+                                      "the rest is untouched") from None
+            result.deleted.append(r.name)
+        result.cleaned = clean_leftovers(root)
+    return result
+
+
+def _still_deletable(root: Path, r: CheckpointRecord, policy: RetentionPolicy, now: float | None) -> str | None:
+    """None when `r` may go now; else why not. Incomplete directories are looked at again
+    right before the rename: a writer may have started or resumed in one since the scan."""
+    if r.complete:
+        return None  # committed directories never change, and newer ones only add protection
+    fresh = record_from_info(inspect_dir(r.step, root / r.name))
+    if fresh.complete:
+        return "committed since the plan was made"
+    delete, why = _incomplete_reasons(fresh, policy, time.time() if now is None else now)
+    return None if delete else why
+
+
+def clean_leftovers(root: Path) -> list[str]:
+    """Remove `.deleting.*` entries left by a killed deletion (already invisible to readers).
+    A link is unlinked, never followed."""
+    cleaned = []
+    for name in leftovers(root):
+        path = root / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with suppress(FileNotFoundError):
+                os.unlink(path)
+        cleaned.append(name)
+    return cleaned
+
+
+def leftovers(root: Path) -> list[str]:
+    """Names of `.deleting.*` entries under `root` (partial deletions; nothing reads them)."""
+    try:
+        with os.scandir(root) as it:
+            return sorted(e.name for e in it if e.name.startswith(DELETING_PREFIX))
+    except FileNotFoundError:
+        return []
+
+
+def apply_policy(root: Path, policy: RetentionPolicy, *, lock_timeout: float = 10.0) -> PruneResult:
+    """Library entry point, called by `Checkpointer` on rank 0 after each commit: deletes per
+    `policy` without asking. A metric no checkpoint records yet only logs a warning."""
+    if not isinstance(policy, RetentionPolicy):
+        raise ConfigError(f"retention must be a slurmresume.retention.RetentionPolicy, got {type(policy).__name__}")
+    result = execute(Path(root), policy, lock_timeout=lock_timeout)
+    if result.plan.missing_metric:
+        log.warning("retention: no complete checkpoint records metric %r yet; keeping by --keep only",
+                    policy.keep_best)
+    for name in result.deleted:
+        log.info("retention: deleted %s", Path(root) / name)
+    return result

@@ -1,0 +1,296 @@
+"""`status` and `verify` computed as plain data (never printed): is my run healthy?
+
+`compute_status(...).to_json()` is what `slurmresume status --json` prints. Schema
+"slurmresume.status/1" (keys are stable; new keys may be added):
+
+    schema        "slurmresume.status/1"
+    root, now     checkpoint root (str), time of the snapshot (epoch seconds)
+    health        "ok" | "warning" | "error";  problems, warnings: [str] saying why
+    slurm         {available: bool, note: str|null}
+    job           {job_id, state, reason, elapsed, exit_code, source: "squeue"|"sacct"|null,
+                   runs: int (Slurm runs of the job, requeues included; 0 unknown)}
+    requeues      int: "requeued" events in the log (for the job, when one is known)
+    event_counts  {event name: int};  history: [logged events, oldest first, the last N]
+    checkpoints   newest first: [{step, name, path, state: "complete"|"corrupt"|"being_written"
+                   |"incomplete", created, age_seconds, bytes, shards: int|null,
+                   verified: bool|null (null: not checked), metrics, newest, best, problem}]
+    newest_complete  step or null;  best: {metric, mode, step, value} or null
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import shutil
+import stat
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checkpoint.layout import LOCK
+from .checkpoint.store import CheckpointInfo, check_checksums, inspect_dir, list_checkpoints
+from .errors import ConfigError, SlurmError
+from .events import read_events
+from .retention import best_record, metric_names, metric_value, record_from_info
+from .slurm import parse_sacct, parse_squeue
+
+SCHEMA = "slurmresume.status/1"
+SLURM_NOT_FOUND = "Slurm not found on this machine: showing checkpoints only"
+_BAD_STATES = {"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def run_slurm(args: list[str], timeout: float = 10.0) -> str | None:
+    """The seam for every Slurm command `status` runs (tests replace this function): stdout,
+    or None when the command is not installed. Raises SlurmError on failure or timeout."""
+    if shutil.which(args[0]) is None:
+        return None
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"`{' '.join(args)}` did not answer within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        raise SlurmError(f"`{' '.join(args)}` failed: {lines[-1] if lines else f'exit {proc.returncode}'}")
+    return proc.stdout
+
+
+@dataclass
+class JobInfo:
+    job_id: str | None = None
+    state: str | None = None
+    reason: str = ""
+    elapsed: str = ""
+    exit_code: str = ""
+    source: str | None = None
+    runs: int = 0
+
+
+@dataclass
+class CheckpointRow:
+    step: int
+    name: str
+    path: str
+    state: str
+    created: float
+    age_seconds: float
+    bytes: int
+    shards: int | None
+    verified: bool | None
+    metrics: Any
+    newest: bool = False
+    best: bool = False
+    problem: str | None = None
+
+
+@dataclass
+class Status:
+    root: str
+    now: float
+    job: JobInfo
+    slurm: dict[str, Any]
+    requeues: int
+    event_counts: dict[str, int]
+    history: list[dict[str, Any]]
+    checkpoints: list[CheckpointRow]
+    newest_complete: int | None
+    best: dict[str, Any] | None
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def health(self) -> str:
+        return "error" if self.problems else "warning" if self.warnings else "ok"
+
+    def to_json(self) -> dict[str, Any]:
+        return plain_json({"schema": SCHEMA, "health": self.health, **asdict(self)})
+
+
+def plain_json(obj: Any) -> Any:
+    """Strict JSON data: tuples become lists, non-finite floats and other values strings."""
+    if isinstance(obj, dict):
+        return {str(k): plain_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain_json(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, numbers.Integral):
+        return int(obj)
+    if isinstance(obj, numbers.Real):
+        return float(obj) if math.isfinite(obj) else str(float(obj))
+    return str(obj)
+
+
+def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | None = None,
+                   mode: str = "min", verify: bool = False, now: float | None = None,
+                   history_limit: int = 20) -> Status:
+    """Snapshot of `root`, its event log and (when Slurm is here) the job. Reads only.
+    Raises ConfigError for a missing root, a bad mode, or a `best_metric` no complete
+    checkpoint records."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"checkpoint root {root} does not exist: pass --ckpt-dir or set SLURMRESUME_CKPT_DIR")
+    if mode not in ("min", "max"):
+        raise ConfigError(f"--mode must be 'min' or 'max', got {mode!r}")
+    now = time.time() if now is None else now
+    events = read_events(root)
+    job_id = job_id or next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
+    job, slurm_note = query_job(job_id)
+    rows, best = _checkpoint_rows(root, best_metric, mode, verify, now)
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[e["event"]] = counts.get(e["event"], 0) + 1
+    requeues = sum(1 for e in events if e["event"] == "requeued" and (job_id is None or str(e.get("job_id")) == job_id))
+    newest = next((r.step for r in rows if r.newest), None)
+    status = Status(str(root), now, job, {"available": slurm_note != SLURM_NOT_FOUND, "note": slurm_note},
+                    requeues, counts, events[-history_limit:] if history_limit else [], rows, newest, best)
+    _judge(status, root, events)
+    return status
+
+
+def query_job(job_id: str | None) -> tuple[JobInfo, str | None]:
+    """The job's live state (squeue), else its accounting (sacct), plus a note for the user."""
+    try:
+        if run_slurm(["squeue", "--version"]) is None:
+            return JobInfo(job_id), SLURM_NOT_FOUND
+    except SlurmError as exc:
+        return JobInfo(job_id), str(exc)
+    if job_id is None:
+        return JobInfo(), "no job id in the event log: pass --job ID to show the Slurm job"
+    job, note = JobInfo(job_id), None
+    try:
+        live = parse_squeue(run_slurm(["squeue", "-h", "-j", job_id, "-o", "%i|%T|%M|%N|%r"]) or "")
+    except SlurmError:
+        live = []  # a finished job drops out of squeue ("Invalid job id specified")
+    try:
+        runs = parse_sacct(run_slurm(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o",
+                                      "JobID,State,Elapsed,NodeList,ExitCode"]) or "")
+    except SlurmError as exc:
+        runs, note = [], f"sacct: {exc}"
+    job.runs = len(runs)
+    if live:
+        job.state, job.elapsed, job.reason, job.source = live[0].state, live[0].elapsed, live[0].reason, "squeue"
+    elif runs:
+        last = runs[-1]
+        job.state, job.elapsed, job.exit_code, job.source = last.state, last.elapsed, last.exit_code, "sacct"
+    else:
+        note = note or f"job {job_id} is not known to squeue or sacct"
+    return job, note
+
+
+def _checkpoint_rows(root: Path, best_metric: str | None, mode: str, verify: bool,
+                     now: float) -> tuple[list[CheckpointRow], dict[str, Any] | None]:
+    infos = list_checkpoints(root)
+    records = [record_from_info(i) for i in infos]
+    rows = [_row(i, r, verify, now) for i, r in zip(infos, records, strict=True)]
+    newest = next((row for row in rows if row.state == "complete"), None)
+    if newest is not None:
+        newest.newest = True
+    if not best_metric:
+        return rows, None
+    best = best_record(records, best_metric, mode)
+    if best is None:
+        if any(r.complete for r in records):
+            raise ConfigError(f"no complete checkpoint records metric {best_metric!r}; "
+                              f"metrics found: {', '.join(metric_names(records)) or 'none'}")
+        return rows, None
+    for row in rows:
+        row.best = row.name == best.name
+    return rows, {"metric": best_metric, "mode": mode, "step": best.step,
+                  "value": metric_value(best.metrics, best_metric)}
+
+
+def _row(info: CheckpointInfo, rec: Any, verify: bool, now: float) -> CheckpointRow:
+    state = ("complete" if info.complete else "corrupt" if info.has_marker
+             else "being_written" if rec.in_progress else "incomplete")
+    verified, problem = None, info.problem
+    if verify and info.complete and info.manifest is not None:
+        problems = check_checksums(info.path, info.manifest)
+        verified, problem = not problems, "; ".join(problems) or None
+    return CheckpointRow(info.step, info.path.name, str(info.path), state, info.created,
+                         max(0.0, now - info.created), info.total_bytes,
+                         info.manifest.world_size if info.manifest else None, verified,
+                         rec.metrics, problem=problem)
+
+
+def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
+    """Fill problems and warnings: the verdict of `health`."""
+    p, w = status.problems, status.warnings
+    last = events[-1]["event"] if events else None
+    if last in ("failed", "gave_up"):
+        p.append(f"the last event is {last!r}: the run stopped (see the history)")
+    if status.job.state and status.job.state.split()[0] in _BAD_STATES:
+        p.append(f"Slurm reports job {status.job.job_id} as {status.job.state}")
+    for row in status.checkpoints:
+        if row.state == "corrupt" or row.verified is False:
+            p.append(f"checkpoint {row.path} is corrupt: {row.problem}")
+    if status.newest_complete is None:
+        w.append(f"no complete checkpoint under {root} yet")
+    leftovers = [r.name for r in status.checkpoints if r.state == "incomplete"]
+    if leftovers:
+        w.append(f"{len(leftovers)} incomplete director{'y' if len(leftovers) == 1 else 'ies'} "
+                 f"({', '.join(leftovers[:3])}{', ...' if len(leftovers) > 3 else ''}): "
+                 "`slurmresume prune --remove-incomplete-older-than 1d` removes old ones")
+    saves = [e for e in events if e["event"] in ("save_committed", "save_failed")]
+    if saves and saves[-1]["event"] == "save_failed":
+        w.append(f"the last save failed: {saves[-1].get('error')}")
+    w.extend(root_warnings(root))
+
+
+def root_warnings(root: Path) -> list[str]:
+    """Permission problems that let other users plant or delete checkpoints."""
+    out = []
+    mode = stat.S_IMODE(os.stat(root).st_mode)
+    if mode & stat.S_IWOTH:
+        out.append(f"checkpoint root {root} is world-writable (mode {mode:o}): any user here can plant "
+                   f"or delete checkpoints; run `chmod o-w {root}`")
+    try:
+        if not stat.S_ISREG(os.lstat(root / LOCK).st_mode):
+            out.append(f"lock file {root / LOCK} is a link or not a regular file: remove it")
+    except FileNotFoundError:
+        pass
+    return out
+
+
+@dataclass
+class VerifyResult:
+    step: int
+    path: str
+    ok: bool
+    problems: list[str]
+
+
+def verify_checkpoints(root: Path, step: int | None = None, every: bool = False) -> list[VerifyResult]:
+    """Recompute shard checksums: of `step`, of every marked directory (`every`), or of the
+    newest complete one. Each problem names the bad file. Raises NoCheckpointError /
+    ConfigError when there is nothing to verify."""
+    from .checkpoint.layout import step_dir_name
+    from .checkpoint.store import find_latest
+    from .errors import NoCheckpointError
+
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"checkpoint root {root} does not exist: pass --ckpt-dir or set SLURMRESUME_CKPT_DIR")
+    if every:
+        infos = [i for i in list_checkpoints(root) if i.has_marker]
+    elif step is not None:
+        infos = [inspect_dir(step, root / step_dir_name(step))]
+        if not infos[0].path.is_dir():
+            raise NoCheckpointError(f"no step {step} under {root}: `slurmresume status --ckpt-dir {root}` lists them")
+        if not infos[0].has_marker:
+            raise NoCheckpointError(f"step {step} under {root} is incomplete (no commit marker): nothing to verify")
+    else:
+        latest = find_latest(root, warn=False)
+        infos = [latest] if latest is not None else []
+    if not infos:
+        raise NoCheckpointError(f"no complete checkpoint under {root} to verify")
+    return [_verify_one(i) for i in infos]
+
+
+def _verify_one(info: CheckpointInfo) -> VerifyResult:
+    if info.manifest is None:
+        return VerifyResult(info.step, str(info.path), False, [info.problem or "unreadable manifest"])
+    problems = check_checksums(info.path, info.manifest)
+    return VerifyResult(info.step, str(info.path), not problems, problems)
