@@ -31,6 +31,7 @@ p.add_argument("--batch-size", type=int, default=16)
 p.add_argument("--lr", type=float, default=3e-3)
 p.add_argument("--num-workers", type=int, default=0)
 p.add_argument("--ckpt-dir", default=os.environ.get("SLURMRESUME_CKPT_DIR", "runs/example"))
+p.add_argument("--async-save", action="store_true", help="periodic saves in the background")
 p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests)")
 args = p.parse_args()
 
@@ -86,7 +87,7 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(
 ddp = nn.parallel.DistributedDataParallel(model) if distributed else model
 
 # -- slurmresume: everything needed to continue exactly (RNG states are added automatically) --
-ckpt = slurmresume.Checkpointer(args.ckpt_dir, save_every=args.save_every)
+ckpt = slurmresume.Checkpointer(args.ckpt_dir, save_every=args.save_every, async_save=args.async_save)
 state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler,
          "loss": float("nan")}
 step = ckpt.restore(state)

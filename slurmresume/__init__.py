@@ -1,41 +1,69 @@
 """slurmresume: preemptible PyTorch training on Slurm without lost work.
 
-The library half, used inside training scripts. Importing it is cheap: no typer, rich or
-submitit; torch and safetensors are imported where used.
+The library half, used inside training scripts. Importing it is cheap: names are loaded on
+first use (PEP 562), so neither the CLI nor `import slurmresume` pays for torch, typer, rich or
+submitit until it needs them.
 """
 
-from .checkpoint.store import CheckpointInfo, find_latest, list_checkpoints
-from .checkpointer import Checkpointer
-from .errors import (
-    CheckpointError,
-    ConfigError,
-    CorruptCheckpointError,
-    NoCheckpointError,
-    SaveError,
-    SlurmError,
-    SlurmResumeError,
-    UnsafeCheckpointError,
-)
-from .sampler import ResumableSampler
-from .signals import EXIT_PREEMPTED, EXIT_TERMINATED, ignore_in_worker
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Checkpointer",
-    "CheckpointInfo",
-    "ResumableSampler",
-    "find_latest",
-    "list_checkpoints",
-    "ignore_in_worker",
-    "EXIT_PREEMPTED",
-    "EXIT_TERMINATED",
-    "SlurmResumeError",
-    "ConfigError",
-    "CheckpointError",
-    "CorruptCheckpointError",
-    "UnsafeCheckpointError",
-    "SaveError",
-    "NoCheckpointError",
-    "SlurmError",
-]
+_EXPORTS = {
+    "Checkpointer": "checkpointer",
+    "CheckpointInfo": "checkpoint.store",
+    "find_latest": "checkpoint.store",
+    "list_checkpoints": "checkpoint.store",
+    "ResumableSampler": "sampler",
+    "RetentionPolicy": "retention",
+    "apply_policy": "retention",
+    "compare_checkpoints": "compare",
+    "ignore_in_worker": "signals",
+    "EXIT_PREEMPTED": "signals",
+    "EXIT_TERMINATED": "signals",
+    "SlurmResumeError": "errors",
+    "ConfigError": "errors",
+    "CheckpointError": "errors",
+    "CorruptCheckpointError": "errors",
+    "UnsafeCheckpointError": "errors",
+    "SaveError": "errors",
+    "NoCheckpointError": "errors",
+    "SlurmError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'slurmresume' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # static checkers see the real names
+    from .checkpoint.store import CheckpointInfo, find_latest, list_checkpoints
+    from .checkpointer import Checkpointer
+    from .compare import compare_checkpoints
+    from .errors import (
+        CheckpointError,
+        ConfigError,
+        CorruptCheckpointError,
+        NoCheckpointError,
+        SaveError,
+        SlurmError,
+        SlurmResumeError,
+        UnsafeCheckpointError,
+    )
+    from .retention import RetentionPolicy, apply_policy
+    from .sampler import ResumableSampler
+    from .signals import EXIT_PREEMPTED, EXIT_TERMINATED, ignore_in_worker

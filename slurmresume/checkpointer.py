@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -30,6 +31,7 @@ from .checkpoint.state import flatten, unflatten_into
 from .checkpoint.store import CheckpointInfo, find_latest, inspect_dir
 from .errors import CheckpointError, ConfigError, CorruptCheckpointError, SaveError
 from .events import append_event
+from .snapshot import SnapshotPool
 from .signals import EXIT_PREEMPTED, EXIT_TERMINATED, NONE, PREEMPT, SignalFlag, warning_signal_from_env
 
 log = logging.getLogger("slurmresume")
@@ -70,6 +72,12 @@ class Checkpointer:
         retention: a `RetentionPolicy` applied on rank 0 after each commit.
         on_save_error: "raise" (default) or "warn" for periodic saves; an emergency save always
             raises, since continuing would lose the work the signal asked to keep.
+        async_save: periodic saves from `step()` snapshot the tensors into reused CPU buffers
+            (pinned, on a side stream, for CUDA), return, and write + commit in a background
+            thread. At most one is in flight; errors surface on the training thread at the next
+            `step()`/`save()`/`wait()`. An emergency save waits for it, then saves synchronously.
+        async_overlap: when a periodic async save is due while one is still in flight: "wait"
+            (default: never drop a save; training stalls for the remaining write) or "skip".
     """
 
     def __init__(
@@ -82,9 +90,17 @@ class Checkpointer:
         exit_on_signal: bool = True,
         retention: Any = None,
         on_save_error: str = "raise",
+        async_save: bool = False,
+        async_overlap: str = "wait",
     ) -> None:
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ConfigError(f"save_every must be a positive integer or None, got {save_every!r}")
+        if async_overlap not in ("wait", "skip"):
+            raise ConfigError(f"async_overlap must be 'wait' or 'skip', got {async_overlap!r}")
+        from .retention import RetentionPolicy
+
+        if retention is not None and not isinstance(retention, RetentionPolicy):
+            raise ConfigError(f"retention must be a slurmresume.RetentionPolicy, got {type(retention).__name__}")
         if on_save_error not in ("raise", "warn"):
             raise ConfigError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
         self.root = resolve_root(root)
@@ -93,6 +109,11 @@ class Checkpointer:
         self.exit_on_signal = exit_on_signal
         self.retention = retention
         self.on_save_error = on_save_error
+        self.async_save = async_save
+        self.async_overlap = async_overlap
+        self._pool = SnapshotPool()
+        self._inflight: threading.Thread | None = None
+        self._async_error: BaseException | None = None
         self.group = Group.create()
         self.agree_group = Group.create()
         self.last_saved_step: int | None = None
@@ -111,13 +132,55 @@ class Checkpointer:
 
     def save(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
              reason: str = "explicit") -> Path | None:
-        """Collective. Save `state` as step `step`; returns the committed directory, or None when
-        the step was already committed. Raises SaveError on every rank if any rank failed."""
+        """Collective, synchronous. Save `state` as step `step` (after any in-flight async save);
+        returns the committed directory, or None when the step was already committed. Raises
+        SaveError on every rank if any rank failed; no marker is written then."""
+        self.wait()
+        started = time.perf_counter()
+        skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
+        return self._write_and_commit(step, skeleton, tensors, enc, reason, started)
+
+    def save_async(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
+                   reason: str = "async") -> bool:
+        """Collective. Snapshot now, write + commit in the background. Returns False when skipped
+        (`async_overlap="skip"` and a save is in flight)."""
+        if self._inflight is not None and self._inflight.is_alive() and self.async_overlap == "skip":
+            log.info("step %d: previous async save still in flight, skipping this one", step)
+            return False
+        self.wait()
+        started = time.perf_counter()
+        skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
+        copies, ready = self._pool.snapshot(tensors)
+
+        def run() -> None:
+            try:
+                ready()
+                self._write_and_commit(step, skeleton, copies, enc, reason, started)
+            except BaseException as exc:  # raised on the training thread by wait()
+                self._async_error = exc
+
+        self._inflight = threading.Thread(target=run, name=f"slurmresume-save-{step}", daemon=True)
+        self._inflight.start()
+        return True
+
+    def wait(self) -> None:
+        """Block until the in-flight async save (if any) has committed; re-raise its error here."""
+        if self._inflight is not None:
+            self._inflight.join()
+            self._inflight = None
+        if self._async_error is not None:
+            exc, self._async_error = self._async_error, None
+            raise exc
+
+    def _prepare_payload(self, step: int, state: Mapping[str, Any], metrics: Any,
+                         meta: Any) -> tuple[dict, list, tuple[Any, Any]]:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
-        started = time.perf_counter()
         skeleton, tensors = flatten(state, {"rng": rng.capture()})
-        metrics_enc, meta_enc = encode(metrics), encode(meta)
+        return skeleton, tensors, (encode(metrics), encode(meta))
+
+    def _write_and_commit(self, step: int, skeleton: dict, tensors: list, enc: tuple[Any, Any],
+                          reason: str, started: float) -> Path | None:
         decision = self.group.broadcast_json(_commit.prepare(self.root, step) if self.rank == 0 else None)
         if decision["action"] == "skip":
             self.last_saved_step = step
@@ -126,7 +189,7 @@ class Checkpointer:
             raise SaveError(f"checkpoint save failed, nothing committed: {decision['error']}")
         report = _commit.write_rank(self.root, step, self.group, skeleton, tensors)
         reports = self.group.all_gather_json(report)
-        outcome = _commit.commit(self.root, step, reports, metrics_enc, meta_enc) if self.rank == 0 else None
+        outcome = _commit.commit(self.root, step, reports, *enc) if self.rank == 0 else None
         outcome = self.group.broadcast_json(outcome)
         seconds = time.perf_counter() - started
         if self.rank == 0:
@@ -161,14 +224,28 @@ class Checkpointer:
         agreed = self.agree_group.max_int(local)
         if agreed != NONE:
             return self._emergency(step, state, agreed, metrics, meta)
+        self._check_async_error()
         if self.save_every and step % self.save_every == 0 and step != self.last_saved_step:
             try:
-                self.save(step, state, metrics=metrics, meta=meta, reason="periodic")
+                if self.async_save:
+                    self.save_async(step, state, metrics=metrics, meta=meta, reason="periodic")
+                else:
+                    self.save(step, state, metrics=metrics, meta=meta, reason="periodic")
             except SaveError as exc:
                 if self.on_save_error == "raise":
                     raise
                 log.warning("%s; training continues without this checkpoint", exc)
         return False
+
+    def _check_async_error(self) -> None:
+        if self._async_error is None or (self._inflight is not None and self._inflight.is_alive()):
+            return
+        try:
+            self.wait()
+        except SaveError as exc:
+            if self.on_save_error == "raise":
+                raise
+            log.warning("%s; training continues without this checkpoint", exc)
 
     def _inject_drill_signal(self, step: int) -> None:
         """`slurmresume drill`: send the warning signal to the launcher (as Slurm would), which
@@ -183,6 +260,10 @@ class Checkpointer:
         if self.rank == 0:
             append_event(self.root, "signal_agreed", step=step, kind=kind,
                          run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+        try:
+            self.wait()
+        except SaveError as exc:  # the emergency save below is what matters now
+            log.warning("in-flight async save failed: %s", exc)
         if step != self.last_saved_step:
             self.save(step, state, metrics=metrics, meta=meta, reason=kind)
         if self.rank == 0:
@@ -281,9 +362,12 @@ class Checkpointer:
             append_event(self.root, "restored", step=int(choice["step"]), run_id=os.environ.get("SLURMRESUME_RUN_ID"))
 
     def close(self) -> None:
-        """Restore the previous signal handlers. Idempotent."""
-        if self.flag is not None:
-            self.flag.uninstall()
+        """Wait for an in-flight async save, restore the previous signal handlers. Idempotent."""
+        try:
+            self.wait()
+        finally:
+            if self.flag is not None:
+                self.flag.uninstall()
 
     def __enter__(self) -> Checkpointer:
         return self
