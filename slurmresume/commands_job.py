@@ -67,6 +67,9 @@ def submit(
     sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive.")] = None,
     rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. [default: derived from the job id]")] = None,
     python: Annotated[str | None, Opt(help="Python interpreter on the nodes. [default: this one]")] = None,
+    resume_from: Annotated[str | None, Opt(help="Start from this committed STEP (or step directory) instead of the newest.")] = None,
+    branch: Annotated[Path | None, Opt(help="With --resume-from: continue in this NEW checkpoint root; the old one is untouched.")] = None,
+    discard_newer: Annotated[bool, Opt("--discard-newer", help="With --resume-from: delete the steps newer than it.")] = False,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
     dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
     json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,
@@ -79,11 +82,21 @@ def submit(
 
     Example: slurmresume submit train.py --nodes 2 --gpus-per-node 8 --time 4:00:00 --ckpt-dir /ckpt/run1 -- --lr 3e-4
     """
-    cli = {k: v for k, v in locals().items() if k not in ("script", "script_args", "local", "dry_run", "json_out")}
+    cli = {k: v for k, v in locals().items()
+           if k not in ("script", "script_args", "local", "dry_run", "json_out", "resume_from", "branch", "discard_newer")}
     from . import launch
     from ._render_job import print_json, print_submitted
 
     spec = _spec(script, script_args, cli)
+    if resume_from is not None and not dry_run:
+        from dataclasses import replace
+
+        from .lineage import prepare_resume
+
+        spec = replace(spec, ckpt_dir=prepare_resume(spec.ckpt_dir, resume_from, branch=branch,
+                                                     discard_newer=discard_newer))
+    elif branch is not None or discard_newer:
+        raise ConfigError("--branch and --discard-newer only make sense with --resume-from STEP")
     if local:
         from .node import run_local
 

@@ -1,0 +1,323 @@
+"""Save/restore benchmark: slurmresume against the disk's own limits and the peers, in one run.
+
+    python scripts/bench.py --sizes 1,4 --repeats 3 --dir /work/bench --json-out bench.json
+
+For each state size (GiB of a transformer-like mix of large and small tensors) it measures,
+interleaved on the same directory, median of --repeats:
+  physical limits: O_DIRECT write + fsync, buffered write + fdatasync, read (cold when caches
+                   can be dropped, and warm), memory copy of the state into touched buffers
+  peers:           torch.save + fsync, safetensors save_file + fsync, DCP save, DCP async_save
+  slurmresume:     sync save to a durable commit, async save (blocking / total), restore
+plus peak extra RSS of each save, `find_latest` among 10,000 step directories and the per-step
+preemption agreement with 2 gloo ranks. Ratios: vs the best raw durable write, vs the best peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import slurmresume  # noqa: E402
+from slurmresume.checkpoint.store import find_latest  # noqa: E402
+
+GiB = 1 << 30
+
+
+def make_state(gib: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Embedding + layers of attention/MLP matrices + many small norm/bias vectors."""
+    d = 2048
+    item = torch.tensor([], dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, torch.Tensor] = {"embed.weight": torch.randn(16384, d, generator=g).to(dtype)}
+    i = 0
+    while sum(t.numel() for t in state.values()) * item < gib * GiB:
+        for name, shape in (("attn.qkv", (3 * d, d)), ("attn.out", (d, d)), ("mlp.up", (4 * d, d)),
+                            ("mlp.down", (d, 4 * d)), ("ln1", (d,)), ("ln2", (d,)), ("mlp.bias", (4 * d,))):
+            state[f"layers.{i}.{name}"] = torch.randn(*shape, generator=g).to(dtype)
+        i += 1
+    return state
+
+
+class Holder:
+    """A stateful object over a dict of tensors (what a model is to the checkpointer)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for k, v in sd.items():
+            self.tensors[k].copy_(v)
+
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def hwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def reset_hwm() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+        return True
+    except OSError:
+        return False
+
+
+def fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def raw_write(path: Path, nbytes: int, direct: bool) -> None:
+    buf = mmap.mmap(-1, 64 << 20)
+    buf.write(b"\x5a" * (64 << 20))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o644)
+    left = nbytes
+    while left > 0:
+        left -= os.write(fd, memoryview(buf)[: min(len(buf), -(-left // 4096) * 4096)])
+    os.ftruncate(fd, nbytes)
+    os.fsync(fd) if direct else os.fdatasync(fd)
+    os.close(fd)
+
+
+def raw_read(path: Path) -> None:
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(64 << 20)
+        while f.readinto(buf):
+            pass
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_size(gib: float, dtype: torch.dtype, repeats: int, work: Path) -> dict:
+    state = make_state(gib, dtype)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    largest = max(t.numel() * t.element_size() for t in state.values())
+    results: dict[str, list[float]] = {}
+    memory: dict[str, int] = {}
+
+    def record(name: str, seconds: float) -> None:
+        results.setdefault(name, []).append(seconds)
+
+    def fresh(name: str) -> Path:
+        p = work / name
+        shutil.rmtree(p, ignore_errors=True)
+        p.mkdir(parents=True)
+        return p
+
+    def with_mem(name: str, fn: Callable[[], object]) -> float:
+        reset_hwm()
+        base = rss()
+        s = timed(fn)
+        memory[name] = max(memory.get(name, 0), hwm() - base)
+        return s
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    copies = {k: torch.empty_like(v) for k, v in state.items()}
+    for v in copies.values():
+        v.zero_()
+    ck = slurmresume.Checkpointer(work / "ours", handle_signals=False)
+    ack = slurmresume.Checkpointer(work / "ours_async", handle_signals=False)
+    warm_async = False
+    dcp_stager = None
+    for rep in range(repeats):
+        record("raw O_DIRECT write+fsync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, True)))
+        record("raw buffered write+fdatasync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, False)))
+        cold = drop_caches()
+        record("raw read (cold)" if cold else "raw read", timed(lambda: raw_read(work / "raw" / "f")))
+        record("raw read (page cache)", timed(lambda: raw_read(work / "raw" / "f")))
+        record("memory copy of the state", timed(lambda: [copies[k].copy_(v) for k, v in state.items()]))
+
+        d = fresh("torch_save")
+        record("torch.save + fsync", with_mem("torch.save + fsync", lambda: (torch.save(state, d / "s.pt"), fsync_path(d / "s.pt"))))
+        d = fresh("save_file")
+        record("safetensors save_file + fsync", with_mem("safetensors save_file + fsync",
+                                                        lambda: (save_file(state, str(d / "s.st")), fsync_path(d / "s.st"))))
+        d = fresh("dcp")
+        record("DCP save", with_mem("DCP save", lambda: dcp.save({"m": state}, checkpoint_id=str(d))))
+        d = fresh("dcp_async")
+        t0 = time.perf_counter()
+        fut = dcp.async_save({"m": state}, checkpoint_id=str(d))
+        record("DCP async_save blocking", time.perf_counter() - t0)
+        fut.result()
+        record("DCP async_save total", time.perf_counter() - t0)
+
+        shutil.rmtree(work / "ours", ignore_errors=True)
+        record("slurmresume save (durable commit)", with_mem("slurmresume save (durable commit)",
+                                                             lambda: ck.save(rep + 1, {"m": Holder(state)})))
+        shutil.rmtree(work / "ours_async", ignore_errors=True)
+        for attempt in range(2 if not warm_async else 1):  # first call allocates the snapshot buffers
+            t0 = time.perf_counter()
+            reset_hwm()
+            base = rss()
+            ack.save_async(rep * 10 + attempt + 1, {"m": Holder(state)})
+            blocking = time.perf_counter() - t0
+            ack.wait()
+            total = time.perf_counter() - t0
+            memory["slurmresume async (with buffers)"] = max(memory.get("slurmresume async (with buffers)", 0),
+                                                              hwm() - base + ack._pool.nbytes * (attempt == 0))
+            if attempt == 0 and not warm_async:
+                record("slurmresume async blocking (first call)", blocking)
+                warm_async = True
+                if repeats > 1 or True:
+                    continue
+            record("slurmresume async blocking", blocking)
+            record("slurmresume async total", total)
+        target = Holder({k: torch.empty_like(v) for k, v in state.items()})
+        cold = drop_caches()
+        record("slurmresume restore (cold)" if cold else "slurmresume restore",
+               timed(lambda: slurmresume.Checkpointer(work / "ours", handle_signals=False).restore({"m": target})))
+        record("slurmresume restore (page cache)",
+               timed(lambda: slurmresume.Checkpointer(work / "ours", handle_signals=False).restore({"m": target})))
+        assert all(torch.equal(target.tensors[k], state[k]) for k in list(state)[:3])
+        del target
+    del dcp_stager
+    med = {k: statistics.median(v) for k, v in results.items()}
+    return {"gib": gib, "bytes": nbytes, "largest_tensor_bytes": largest, "dtype": str(dtype), "seconds": med,
+            "all": results, "peak_extra_bytes": memory}
+
+
+def bench_scan(work: Path, n: int = 10_000) -> dict:
+    root = work / "scan"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    src = find_latest(work / "ours", warn=False)
+    small = slurmresume.Checkpointer(root / "_src", handle_signals=False)
+    small.save(0, {"x": torch.zeros(4)})
+    template = root / "_src" / "step_000000000"
+    for step in range(1, n + 1):
+        d = root / f"step_{step:09d}"
+        d.mkdir()
+        if step % 20:  # most have markers; the newest few are incomplete
+            for f in template.iterdir():
+                os.link(f, d / f.name) if f.name != "manifest.json" else None
+    del src
+    times = []
+    for _ in range(5):
+        times.append(timed(lambda: find_latest(root, warn=False)))
+    return {"directories": n, "find_latest_warm_s": statistics.median(times)}
+
+
+def bench_agreement(iters: int = 2000) -> dict:
+    import torch.multiprocessing as mp
+
+    q = mp.get_context("spawn").SimpleQueue()
+    port = 29000 + os.getpid() % 2000
+    procs = [mp.get_context("spawn").Process(target=_agree_worker, args=(r, port, iters, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    vals = [q.get() for _ in procs]
+    for p in procs:
+        p.join()
+    us = max(vals)
+    return {"per_step_us": us, "percent_of_50ms_step": us / 50_000 * 100}
+
+
+def _agree_worker(rank: int, port: int, iters: int, q) -> None:  # noqa: ANN001
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from slurmresume.checkpoint.collective import Group
+
+    g = Group.create()
+    for _ in range(100):
+        g.max_int(0)
+    t = time.perf_counter()
+    for _ in range(iters):
+        g.max_int(0)
+    q.put((time.perf_counter() - t) / iters * 1e6)
+    dist.destroy_process_group()
+
+
+def report(sizes: list[dict], scan: dict, agree: dict) -> None:
+    for r in sizes:
+        s = r["seconds"]
+        gb = r["bytes"] / 1e9
+        best_raw = min(v for k, v in s.items() if k.startswith("raw") and "write" in k)
+        peers = {k: v for k, v in s.items() if k in ("torch.save + fsync", "safetensors save_file + fsync", "DCP save",
+                                                    "DCP async_save total")}
+        best_peer = min(peers.values())
+        print(f"\n## {r['gib']} GiB state ({r['dtype']}, {r['bytes'] / GiB:.2f} GiB, largest tensor "
+              f"{r['largest_tensor_bytes'] / 2**20:.0f} MiB)")
+        print(f"| {'method':40s} | {'s':>7s} | {'GB/s':>6s} | {'vs raw':>6s} | {'vs best peer':>12s} | {'peak extra MiB':>14s} |")
+        print(f"|{'-' * 42}|{'-' * 9}|{'-' * 8}|{'-' * 8}|{'-' * 14}|{'-' * 16}|")
+        for k, v in s.items():
+            mem = r["peak_extra_bytes"].get(k)
+            print(f"| {k:40s} | {v:7.3f} | {gb / v:6.2f} | {best_raw / v:6.2f} | {best_peer / v:12.2f} | "
+                  f"{(mem / 2**20 if mem is not None else float('nan')):14.0f} |")
+    print(f"\nfind_latest among {scan['directories']} step directories (warm): {scan['find_latest_warm_s'] * 1e3:.1f} ms")
+    print(f"per-step preemption agreement, 2 gloo ranks: {agree['per_step_us']:.0f} us "
+          f"= {agree['percent_of_50ms_step']:.3f}% of a 50 ms step")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1", help="GiB, comma separated (e.g. 1,4)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="benchmark directory (default: a temp dir under /tmp)")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    work = Path(args.dir or tempfile.mkdtemp(prefix="slurmresume-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(28000 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)  # DCP async_save wants a process group
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    sizes = [bench_size(float(s), getattr(torch, args.dtype), args.repeats, work) for s in args.sizes.split(",")]
+    scan = bench_scan(work)
+    dist.destroy_process_group()
+    agree = bench_agreement()
+    report(sizes, scan, agree)
+    data = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
+            "sizes": sizes, "scan": scan, "agreement": agree}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(data, indent=2))
+    print(json.dumps({"sizes": [{"gib": r["gib"], "seconds": r["seconds"], "peak_extra_bytes": r["peak_extra_bytes"]}
+                                for r in sizes], "scan": scan, "agreement": agree}))
+    shutil.rmtree(work, ignore_errors=True) if not args.dir else None
+
+
+if __name__ == "__main__":
+    main()
