@@ -23,7 +23,7 @@ from typing import Any
 
 from . import rng
 from .checkpoint import commit as _commit
-from .checkpoint.collective import Group
+from .checkpoint.collective import Group, LaggedMax
 from .checkpoint.jsonenc import encode
 from .checkpoint.layout import step_dir_name
 from .checkpoint.shard import SKELETON_KEY, load_tensors
@@ -116,6 +116,7 @@ class Checkpointer:
         self._async_error: BaseException | None = None
         self.group = Group.create()
         self.agree_group = Group.create()
+        self._agreement = LaggedMax(self.agree_group)
         self.last_saved_step: int | None = None
         self.restored: CheckpointInfo | None = None
         self.flag = SignalFlag(warning_signal_from_env()) if handle_signals else None
@@ -217,11 +218,13 @@ class Checkpointer:
     def step(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None) -> bool:
         """Collective, call after each completed step. Agrees across ranks whether a warning
         signal (or SIGTERM) arrived on any rank; if so all ranks save this same step and exit
-        (or return True when `exit_on_signal=False`). Otherwise saves when the policy says so."""
+        (or return True when `exit_on_signal=False`). Otherwise saves when the policy says so.
+        With several ranks the agreement is pipelined (see LaggedMax): a signal that arrives
+        during step k is acted on at step k+1 by every rank, so no step pays a round trip."""
         if self._drill is not None and self.rank == 0 and step >= self._drill:
             self._inject_drill_signal(step)
         local = self.flag.request if self.flag is not None else NONE
-        agreed = self.agree_group.max_int(local)
+        agreed = self._agreement.exchange(local)
         if agreed != NONE:
             return self._emergency(step, state, agreed, metrics, meta)
         self._check_async_error()
@@ -362,8 +365,10 @@ class Checkpointer:
             append_event(self.root, "restored", step=int(choice["step"]), run_id=os.environ.get("SLURMRESUME_RUN_ID"))
 
     def close(self) -> None:
-        """Wait for an in-flight async save, restore the previous signal handlers. Idempotent."""
+        """Wait for an in-flight async save, restore the previous signal handlers. Idempotent.
+        Collective with several ranks (it drains the pending agreement)."""
         try:
+            self._agreement.drain()
             self.wait()
         finally:
             if self.flag is not None:

@@ -30,7 +30,9 @@ def restore(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
+    # clone: the loaded tensor may be a view into the shard buffer, and set_rng_state reads its
+    # storage from offset 0 (a view there crashed the process)
+    torch.set_rng_state(state["torch_cpu"].clone())
     cuda = state.get("torch_cuda")
     if cuda is not None:
         if torch.cuda.is_available():
@@ -39,6 +41,6 @@ def restore(state: dict[str, Any]) -> None:
                 log.warning("checkpoint has CUDA RNG states for %d devices, this process sees %d; "
                             "restoring the first %d", len(cuda), n, min(n, len(cuda)))
             for i, s in enumerate(cuda[:n]):
-                torch.cuda.set_rng_state(s, i)
+                torch.cuda.set_rng_state(s.clone(), i)
         else:
             log.warning("checkpoint has CUDA RNG states but CUDA is not available: not restored")
