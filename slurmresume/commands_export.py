@@ -1,0 +1,64 @@
+"""`slurmresume export`: a model's weights from a committed checkpoint as one safetensors file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .cli import app, handle_errors
+from .errors import ConfigError, NoCheckpointError
+
+
+def resolve_step_dir(which: str, ckpt_dir: Path | None) -> Path:
+    """STEP, 'latest', or a path to a step directory -> a step directory path."""
+    from .checkpoint.layout import parse_step_dir, step_dir_name
+    from .checkpoint.store import find_latest
+
+    path = Path(which).expanduser()
+    if parse_step_dir(path.name) is not None and path.is_dir():
+        return path
+    root = ckpt_dir or (Path(os.environ["SLURMRESUME_CKPT_DIR"]) if os.environ.get("SLURMRESUME_CKPT_DIR") else None)
+    if root is None:
+        raise ConfigError("no checkpoint root: pass --ckpt-dir DIR or set SLURMRESUME_CKPT_DIR")
+    if not root.is_dir():
+        raise ConfigError(f"checkpoint root {root} does not exist")
+    if which == "latest":
+        info = find_latest(root, warn=False)
+        if info is None:
+            raise NoCheckpointError(f"no complete checkpoint under {root}")
+        return info.path
+    if not which.isdigit():
+        raise ConfigError(f"{which!r} is not a step number, 'latest', or a step directory")
+    return root / step_dir_name(int(which))
+
+
+@app.command()
+@handle_errors
+def export(
+    which: Annotated[str, typer.Argument(help="STEP, 'latest', or a path to a step directory.")] = "latest",
+    out: Annotated[Path, typer.Option("--out", "-o", help="The .safetensors file to write.")] = Path("model.safetensors"),
+    only: Annotated[str, typer.Option(help="Which state key to export (the one holding the model).")] = "model",
+    rank: Annotated[int, typer.Option(help="Whose shard to read (data-parallel replicas are identical).")] = 0,
+    ckpt_dir: Annotated[Path | None, typer.Option(help="Checkpoint root. [default: $SLURMRESUME_CKPT_DIR]")] = None,
+) -> None:
+    """Write a committed checkpoint's model weights to one safetensors file.
+
+    The file loads with `safetensors.torch.load_file` and then `model.load_state_dict`. Tensors
+    are streamed one at a time, so memory stays near the largest tensor.
+
+    Example: slurmresume export latest --out final.safetensors --ckpt-dir /ckpt/run1
+    """
+    from .checkpoint.store import inspect_dir
+    from .export import export_model
+
+    step_dir = resolve_step_dir(which, ckpt_dir)
+    from .checkpoint.layout import parse_step_dir
+
+    info = inspect_dir(parse_step_dir(step_dir.name) or 0, step_dir)
+    if not info.complete:
+        raise ConfigError(f"{step_dir} is not a complete checkpoint: {info.problem}")
+    summary = export_model(step_dir, out.expanduser().absolute(), only=only, rank=rank)
+    typer.echo(f"wrote {summary['out']}: {summary['tensors']} tensors, {summary['bytes']} bytes from step {summary['step']}")

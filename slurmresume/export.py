@@ -1,0 +1,88 @@
+"""`slurmresume export`: one stock safetensors file with a model's weights from a committed
+checkpoint, loadable by `safetensors.torch.load_file` and `model.load_state_dict`.
+
+Streams tensor by tensor (read a tensor's bytes from its shard with pread, write them through the
+shard writer), so peak memory stays near the largest tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import fsio
+from .checkpoint.jsonenc import loads
+from .checkpoint.manifest import read_manifest
+from .checkpoint.shard import SKELETON_KEY, open_checked, read_header
+from .checkpoint.writer import ShardSink
+from .errors import ConfigError, CorruptCheckpointError
+
+CHUNK = 64 << 20
+
+
+def _tensor_refs(value: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """(state_dict key, stored tensor name) pairs of an encoded state dict."""
+    if isinstance(value, dict) and set(value) == {"__tensor__"}:
+        return [(prefix, value["__tensor__"])]
+    if isinstance(value, dict) and set(value) == {"__dict__"}:
+        items = [(str(k), v) for k, v in value["__dict__"]]
+    elif isinstance(value, dict):
+        items = list(value.items())
+    else:
+        return []
+    out: list[tuple[str, str]] = []
+    for k, v in items:
+        out += _tensor_refs(v, f"{prefix}.{k}" if prefix else k)
+    return out
+
+
+def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0) -> dict[str, Any]:
+    """Write `state[only]`'s tensors of one rank's shard to `out` (atomically). Returns a summary."""
+    manifest = read_manifest(step_dir)
+    if not 0 <= rank < manifest.world_size:
+        raise ConfigError(f"--rank {rank} is not in this checkpoint (world size {manifest.world_size})")
+    shard = manifest.shards[rank]
+    header, data_start = read_header(step_dir, shard["file"], shard["bytes"])
+    skeleton = loads(header.get("__metadata__", {}).get(SKELETON_KEY, ""), "skeleton")
+    entries = skeleton.get("entries", {}) if isinstance(skeleton, dict) else {}
+    if only not in entries:
+        raise ConfigError(f"checkpoint {step_dir} has no state key {only!r}; it has: {', '.join(sorted(entries))}")
+    refs = _tensor_refs(entries[only]["value"])
+    if not refs:
+        raise ConfigError(f"state key {only!r} in {step_dir} holds no tensors")
+    layout, offset = {}, 0
+    for key, name in refs:
+        info = header.get(name)
+        if not isinstance(info, dict):
+            raise CorruptCheckpointError(f"tensor {name!r} is referenced but missing from {shard['file']}")
+        n = info["data_offsets"][1] - info["data_offsets"][0]
+        layout[key] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + n]}
+        offset += n
+    meta = {"format": "pt", "slurmresume.source": str(step_dir), "slurmresume.step": str(manifest.step)}
+    raw = json.dumps({"__metadata__": meta, **layout}, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
+    src = open_checked(step_dir, shard["file"], shard["bytes"])
+    sink = ShardSink(tmp)
+    try:
+        sink.feed(len(raw).to_bytes(8, "little") + raw)
+        buf = bytearray(CHUNK)
+        for _key, name in refs:
+            begin, end = header[name]["data_offsets"]
+            pos = data_start + begin
+            while pos < data_start + end:
+                n = os.preadv(src, [memoryview(buf)[: min(CHUNK, data_start + end - pos)]], pos)
+                sink.feed(memoryview(buf)[:n])
+                pos += n
+        sink.finish()
+        fsio.rename(tmp, out, "export")
+    except BaseException:
+        sink.abort()
+        fsio._unlink_quiet(tmp)
+        raise
+    finally:
+        os.close(src)
+    return {"step": manifest.step, "out": str(out), "tensors": len(refs), "bytes": out.stat().st_size}

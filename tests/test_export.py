@@ -1,0 +1,68 @@
+"""`slurmresume export`: one stock safetensors file that load_state_dict accepts, bitwise equal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import slurmresume
+from slurmresume.cli import app
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("counter", torch.tensor(7))
+
+
+def test_export_loads_into_model_bitwise(tmp_path: Path) -> None:
+    model = Tied()
+    opt = torch.optim.Adam(model.parameters())
+    slurmresume.Checkpointer(tmp_path / "ck", handle_signals=False).save(3, {"model": model, "opt": opt})
+    out = tmp_path / "m.safetensors"
+    res = CliRunner().invoke(app, ["export", "latest", "--ckpt-dir", str(tmp_path / "ck"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    sd = load_file(str(out))
+    assert set(sd) == set(model.state_dict())  # tied weights appear under both names
+    fresh = Tied()
+    fresh.load_state_dict(sd, strict=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_export_of_two_rank_checkpoint_equals_each_replica(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    str(EXAMPLE), "--steps", "10", "--save-every", "10", "--batch-size", "4", "--ckpt-dir", str(root)],
+                   check=True, capture_output=True, timeout=300)
+    outs = []
+    for rank in (0, 1):
+        out = tmp_path / f"r{rank}.safetensors"
+        res = CliRunner().invoke(app, ["export", "10", "--ckpt-dir", str(root), "--out", str(out), "--rank", str(rank)])
+        assert res.exit_code == 0, res.output
+        outs.append(load_file(str(out)))
+    assert outs[0].keys() == outs[1].keys() and len(outs[0]) > 10
+    for k in outs[0]:
+        assert torch.equal(outs[0][k], outs[1][k]), k  # DDP replicas: the consolidated model
+
+
+def test_export_bad_input(tmp_path: Path) -> None:
+    slurmresume.Checkpointer(tmp_path / "ck", handle_signals=False).save(1, {"w": torch.ones(2)})
+    r = CliRunner().invoke(app, ["export", "latest", "--ckpt-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "no state key 'model'" in r.output
+    r = CliRunner().invoke(app, ["export", "99", "--ckpt-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "not a complete checkpoint" in r.output
+    r = CliRunner().invoke(app, ["export", "latest", "--ckpt-dir", str(tmp_path / "nope")])
+    assert r.exit_code == 1 and "does not exist" in r.output
+    assert not (tmp_path / "o").exists()
