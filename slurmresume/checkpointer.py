@@ -24,12 +24,12 @@ from typing import Any
 from . import rng
 from .checkpoint import commit as _commit
 from .checkpoint.collective import Group, LaggedMax
-from .checkpoint.jsonenc import encode
+from .checkpoint.jsonenc import encode, loads
 from .checkpoint.layout import step_dir_name
-from .checkpoint.shard import SKELETON_KEY, load_tensors
-from .checkpoint.state import flatten, unflatten_into
+from .checkpoint.shard import SKELETON_KEY, load_tensors, read_header
+from .checkpoint.state import apply_entries, decode_entries, flatten, validate_skeleton
 from .checkpoint.store import CheckpointInfo, find_latest, inspect_dir
-from .errors import CheckpointError, ConfigError, CorruptCheckpointError, SaveError
+from .errors import CheckpointError, ConfigError, CorruptCheckpointError, SaveError, UnsafeCheckpointError
 from .events import append_event
 from .snapshot import SnapshotPool
 from .signals import EXIT_PREEMPTED, EXIT_TERMINATED, NONE, PREEMPT, SignalFlag, warning_signal_from_env
@@ -48,6 +48,9 @@ def resolve_root(root: str | os.PathLike[str] | None) -> Path:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"checkpoint root {path} is a file, not a directory: choose a directory path")
     return path
+
+
+_ERROR_TYPES = {c.__name__: c for c in (ConfigError, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError)}
 
 
 def _drill_step() -> int | None:
@@ -296,28 +299,53 @@ class Checkpointer:
         A newer incomplete or corrupt directory is skipped with a warning naming it."""
         verify = self.verify_on_restore if verify is None else verify
         tried: set[int] = set()
+        dirty: int | None = None  # a failed attempt that had already written into live tensors
+        dirty_error = ""
         while True:
-            choice = self._choose(step, verify or bool(tried), tried) if self.rank == 0 else None
+            choice = self._choose_safely(step, verify or bool(tried), tried) if self.rank == 0 else None
             choice = self.group.broadcast_json(choice)
+            if isinstance(choice, dict) and "error" in choice:  # raised on every rank, same type
+                raise _ERROR_TYPES.get(choice.get("type", ""), CheckpointError)(choice["error"])
             if choice is None:
+                if dirty is not None:
+                    raise CheckpointError(f"restoring step {dirty} under {self.root} failed after it had "
+                                          f"written into the model ({dirty_error}), and no older checkpoint loads: the "
+                                          f"in-memory state is undefined; run `slurmresume verify --all "
+                                          f"--ckpt-dir {self.root}` and restart")
                 if step is not None:
                     raise CheckpointError(f"step {step} is not a complete checkpoint under {self.root}: "
                                           f"run `slurmresume status --ckpt-dir {self.root}` to list them")
                 if self.rank == 0:
                     log.info("fresh start: no complete checkpoint under %s", self.root)
                 return 0
-            loaded, error = self._load_own_shard(choice)
+            # Fast path (no checksum pass): read straight into the live tensors. With verification,
+            # or when falling back, read into fresh memory so a bad file cannot touch the state.
+            targets = None if (verify or tried) else dict(flatten(state, {})[1])
+            if choice["world_size"] != self.group.world_size:
+                raise CheckpointError(
+                    f"checkpoint {choice['path']} was written by {choice['world_size']} ranks, this run has "
+                    f"{self.group.world_size}: run with --nodes/--nproc-per-node giving {choice['world_size']} "
+                    "ranks (a different world size needs resharding, which this format does not do yet)")
+            loaded, error, wrote = self._load_own_shard(choice, targets, list(state), strict)
             errors = [e for e in self.group.all_gather_json(error) if e]
+            if errors and self.group.max_int(int(wrote)):
+                dirty, dirty_error = int(choice["step"]), errors[0]
             if not errors:
                 assert loaded is not None
                 self._apply(state, loaded, restore_rng, strict, choice)
                 return int(choice["step"])
             if self.rank == 0:
-                log.warning("checkpoint step %s unusable (%s); falling back to the previous one",
-                            choice["step"], errors[0])
+                log.warning("checkpoint step %s (%s) unusable: %s; falling back to the previous one",
+                            choice["step"], choice["path"], errors[0])
             if step is not None:
                 raise CorruptCheckpointError(errors[0])
             tried.add(int(choice["step"]))
+
+    def _choose_safely(self, step: int | None, verify: bool, tried: set[int]) -> dict | None:
+        try:
+            return self._choose(step, verify, tried)
+        except (CheckpointError, ConfigError, OSError) as exc:
+            return {"error": str(exc), "type": type(exc).__name__}
 
     def _choose(self, step: int | None, verify: bool, tried: set[int]) -> dict | None:
         if step is not None:
@@ -335,25 +363,30 @@ class Checkpointer:
         return {"step": info.step, "path": str(info.path), "world_size": info.manifest.world_size,
                 "shards": info.manifest.shards}
 
-    def _load_own_shard(self, choice: dict) -> tuple[tuple[dict, Any] | None, str | None]:
-        saved_world = choice["world_size"]
-        if saved_world != self.group.world_size:
-            return None, (f"checkpoint {choice['path']} was written by {saved_world} ranks, this run has "
-                          f"{self.group.world_size}: run with --nproc-per-node/--nodes giving {saved_world} ranks")
+    def _load_own_shard(self, choice: dict, targets: dict | None, keys: list[str],
+                        strict: bool) -> tuple[tuple[dict, Any] | None, str | None, bool]:
+        """Read and decode this rank's shard without touching user objects (except the fast path's
+        direct reads into live tensors). Returns ((decoded entries, library), error, wrote)."""
         shard = choice["shards"][self.rank]
+        wrote = False
+        directory = Path(choice["path"])
         try:
-            tensors, meta = load_tensors(Path(choice["path"]), shard["file"], shard["bytes"])
-            from .checkpoint.jsonenc import loads
-
-            skeleton = loads(meta.get(SKELETON_KEY, ""), f"skeleton of {shard['file']}")
-            return (skeleton, tensors), None
+            # Validate the skeleton against the header first (no tensor bytes read yet), so a
+            # malformed or mismatching checkpoint is refused before any live tensor is written.
+            header, _ = read_header(directory, shard["file"], shard["bytes"])
+            meta = header.get("__metadata__")
+            raw = meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else ""
+            skeleton = loads(raw, f"skeleton of {shard['file']}")
+            validate_skeleton(keys, skeleton, {n for n in header if n != "__metadata__"}, strict)
+            tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], targets)
+            return decode_entries(keys, skeleton, tensors, strict), None, wrote
         except CheckpointError as exc:
-            return None, str(exc)
+            return None, str(exc), wrote or getattr(exc, "partial_write", False)
 
     def _apply(self, state: MutableMapping[str, Any], loaded: tuple[dict, Any], restore_rng: bool,
                strict: bool, choice: dict) -> None:
-        skeleton, tensors = loaded
-        library = unflatten_into(state, skeleton, tensors, strict=strict)
+        decoded, library = loaded
+        apply_entries(state, decoded)
         if restore_rng and isinstance(library, dict) and "rng" in library:
             rng.restore(library["rng"])
         self.last_saved_step = int(choice["step"])

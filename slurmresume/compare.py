@@ -9,14 +9,16 @@ from typing import Any
 from .checkpoint.jsonenc import loads
 from .checkpoint.manifest import read_manifest
 from .checkpoint.shard import SKELETON_KEY, load_tensors
+from .checkpoint.state import RESERVED as LIBRARY  # key of library-owned entries (RNG)
 
 HINTS = {
     "scheduler": "did you save the LR scheduler?",
     "sampler": "did you save the sampler / data position?",
     "optimizer": "did you save the optimizer and the scheduler?",
     "model": "is the data order or the dropout RNG reproduced (seeded sampler, DataLoader generator)?",
-    "__slurmresume__": "something consumes the global RNG differently after a resume "
-                       "(e.g. a DataLoader without generator=, or an unseeded augmentation)",
+    "__slurmresume__": "the RNG states differ: seed random, numpy and torch in the script, and make "
+                       "sure nothing draws from the global RNG differently after a resume (e.g. a "
+                       "DataLoader without generator=); --ignore __slurmresume__ skips this check",
 }
 
 
@@ -37,7 +39,7 @@ class Difference:
 
 
 def _load(step_dir: Path, rank: int, shard: dict) -> tuple[dict, dict]:
-    tensors, meta = load_tensors(step_dir, shard["file"], shard["bytes"])
+    tensors, meta, _ = load_tensors(step_dir, shard["file"], shard["bytes"])
     return tensors, loads(meta.get(SKELETON_KEY, "{}"), "skeleton")
 
 
@@ -48,7 +50,7 @@ def compare_checkpoints(a: Path, b: Path, ignore_keys: tuple[str, ...] = ()) -> 
     if ma.world_size != mb.world_size:
         return [Difference(0, "world_size", f"{ma.world_size} vs {mb.world_size} ranks")]
     diffs: list[Difference] = []
-    for rank, (sa, sb) in enumerate(zip(ma.shards, mb.shards)):
+    for rank, (sa, sb) in enumerate(zip(ma.shards, mb.shards, strict=True)):
         ta, ka = _load(Path(a), rank, sa)
         tb, kb = _load(Path(b), rank, sb)
         for name in sorted(set(ta) | set(tb)):
@@ -62,6 +64,9 @@ def compare_checkpoints(a: Path, b: Path, ignore_keys: tuple[str, ...] = ()) -> 
             elif not _bitwise_equal(ta[name], tb[name]):
                 diffs.append(Difference(rank, name, _max_delta(ta[name], tb[name])))
         diffs.extend(_compare_values(rank, ka.get("entries", {}), kb.get("entries", {}), ignore_keys))
+        # library-owned state (Python / NumPy RNG) lives in the skeleton, not only in tensors
+        diffs.extend(_compare_values(rank, {LIBRARY: ka.get("library")}, {LIBRARY: kb.get("library")},
+                                     ignore_keys))
     return sorted(diffs, key=lambda d: (_order(d.key), d.rank, d.key))
 
 

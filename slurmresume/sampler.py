@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
 
 class ResumableSampler(DistributedSampler):
@@ -25,7 +25,7 @@ class ResumableSampler(DistributedSampler):
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+        super().__init__(cast(Dataset, dataset), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self.position = 0
 
@@ -34,7 +34,7 @@ class ResumableSampler(DistributedSampler):
         return iter(indices[self.position :])
 
     def __len__(self) -> int:
-        return self.num_samples - self.position
+        return max(0, self.num_samples - self.position)
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:

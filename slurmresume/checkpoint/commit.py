@@ -12,6 +12,7 @@ Durability order (DESIGN.md section 1):
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -29,6 +30,9 @@ from .jsonenc import dumps
 from .layout import DELETING_PREFIX, INPROGRESS, LOCK, MANIFEST, MARKER, shard_name, step_dir_name
 from .manifest import build_manifest, marker_bytes
 from .shard import SKELETON_KEY, write_shard
+from .store import inspect_dir
+
+log = logging.getLogger("slurmresume")
 
 LOCK_TIMEOUT = 120.0
 
@@ -52,7 +56,10 @@ def prepare(root: Path, step: int) -> dict[str, Any]:
         d = root / step_dir_name(step)
         with root_lock(root):
             if (d / MARKER).exists():
-                return {"action": "skip", "reason": f"step {step} is already committed at {d}"}
+                info = inspect_dir(step, d)  # manifest + sizes; a corrupt one is rewritten
+                if info.complete:
+                    return {"action": "skip", "reason": f"step {step} is already committed at {d}"}
+                log.warning("replacing %s: committed but unusable (%s)", d, info.problem)
             if d.exists() or d.is_symlink():
                 move_aside(d, "stale")
             d.mkdir(mode=0o755)

@@ -28,6 +28,7 @@ TAGS = frozenset(
     {"__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__", "__npscalar__", "__tensor__"}
 )
 MAX_JSON_BYTES = 256 << 20  # a skeleton or manifest larger than this is refused
+_INT_MAX_BITS = 14000  # about 4200 decimal digits, under Python's default int<->str limit (4300)
 _ND_MAX = 64 << 20  # bytes of an inline ndarray; bigger arrays belong in tensors
 
 TensorHook = Callable[[list[str], Any], str]
@@ -36,9 +37,20 @@ TensorHook = Callable[[list[str], Any], str]
 def encode(obj: Any, on_tensor: TensorHook | None = None, path: list[str] | None = None) -> Any:
     """Turn `obj` into plain JSON data. Tensors go through `on_tensor(path, tensor) -> name`."""
     path = path or []
+    if isinstance(obj, np.generic):  # first: np.float64 / np.str_ / np.bytes_ subclass Python types
+        # .item() and str() drop trailing NULs of np.str_ / np.bytes_; these keep them
+        item = (str.__str__(obj) if isinstance(obj, np.str_) else bytes(obj) if isinstance(obj, np.bytes_)
+                else obj.item())
+        if isinstance(item, np.generic):  # np.longdouble & co have no exact Python equivalent
+            raise ConfigError(f"cannot checkpoint NumPy scalar at '{'/'.join(path) or '<top>'}' of "
+                              f"dtype {obj.dtype}: convert it to float or to a tensor")
+        return {"__npscalar__": [obj.dtype.str, encode(item, None, path)]}
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int) and not isinstance(obj, bool):
+        if obj.bit_length() > _INT_MAX_BITS:  # Python refuses to print/parse > 4300 digits
+            raise ConfigError(f"integer at '{'/'.join(path) or '<top>'}' has {obj.bit_length()} bits, "
+                              f"more than the {_INT_MAX_BITS} a checkpoint stores: store it as a string")
         return int(obj)
     if isinstance(obj, float):
         if math.isfinite(obj):
@@ -54,8 +66,6 @@ def encode(obj: Any, on_tensor: TensorHook | None = None, path: list[str] | None
         return {"__bytes__": base64.b64encode(bytes(obj)).decode("ascii")}
     if isinstance(obj, np.ndarray):
         return _encode_ndarray(obj, path)
-    if isinstance(obj, np.generic):
-        return {"__npscalar__": [obj.dtype.str, encode(obj.item(), None, path)]}
     if on_tensor is not None and _is_tensor(obj):
         return {"__tensor__": on_tensor(path, obj)}
     where = "/".join(path) or "<top>"
@@ -127,7 +137,7 @@ def _decode_tag(tag: str, value: Any, tensors: Callable[[str], Any] | None) -> A
             dtype = np.dtype(value[0])
             if dtype.hasobject:
                 raise UnsafeCheckpointError(f"object scalars are refused (dtype {dtype})")
-            return dtype.type(value[1])
+            return dtype.type(decode(value[1]))  # the value may itself be tagged (nan, bytes)
         if tensors is None:
             raise UnsafeCheckpointError(f"tensor reference {value!r} where no tensors are allowed")
         return tensors(value)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..errors import ConfigError
+
 FORMAT = "slurmresume/1"
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
@@ -23,7 +25,7 @@ LOCK = ".slurmresume.lock"
 DELETING_PREFIX = ".deleting."
 STEP_DIGITS = 9
 
-_STEP_RE = re.compile(r"^step_(\d{%d,})$" % STEP_DIGITS)
+_STEP_RE = re.compile(rf"^step_(\d{{{STEP_DIGITS},}})$")
 _SHARD_RE = re.compile(r"^rank-(\d{5})-of-(\d{5})\.safetensors$")
 
 
@@ -55,6 +57,11 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
         entries = list(root.iterdir())
     except FileNotFoundError:
         return []
+    except NotADirectoryError:
+        raise ConfigError(f"checkpoint root {root} is not a directory (it or a parent is a file): "
+                          "choose a directory path") from None
+    except PermissionError:
+        raise ConfigError(f"checkpoint root {root} cannot be listed: permission denied") from None
     for entry in entries:
         step = parse_step_dir(entry.name)
         if step is not None:

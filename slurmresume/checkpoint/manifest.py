@@ -6,7 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import xxhash
 
@@ -132,5 +132,5 @@ def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> M
     return Manifest(step, world, float(created), shards, tensors, data.get("metrics"), data.get("meta"), data)
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)

@@ -21,6 +21,7 @@ import xxhash
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from . import fsio
 from .jsonenc import MAX_JSON_BYTES, loads
+from .writer import ShardSink, tensor_bytes
 
 CHUNK = 64 << 20
 SKELETON_KEY = "slurmresume.skeleton"
@@ -84,37 +85,29 @@ def order_for_alignment(tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, A
 
 
 def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> WrittenShard:
-    """Write one shard durably (temp, fsync, rename). Called by each rank for its own file."""
+    """Write one shard durably (temp, fsync, rename). Called by each rank for its own file.
+    Tensor bytes stream from tensor memory through the writer's reused staging buffers."""
     tensors = order_for_alignment(tensors)
     header, index = build_header(tensors, metadata)
     final = directory / file
     tmp = directory / f".{file}.tmp.{os.getpid()}"
-    hasher = xxhash.xxh3_64()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    total = 0
+    sink = ShardSink(tmp)
     try:
-        fsio.write_all(fd, header, "shard.header", tmp)
-        hasher.update(header)
-        total += len(header)
+        fsio._point("write.shard.header", tmp)
+        sink.feed(header)
         for _name, t in tensors:
-            view = _byte_view(_contiguous_cpu(t))
-            for start in range(0, len(view), CHUNK):
-                chunk = view[start : start + CHUNK]
-                fsio.write_all(fd, chunk, "shard.data", tmp)
-                hasher.update(chunk)
-            total += len(view)
-        fsio.fsync_fd(fd, "shard", tmp)
+            sink.feed(tensor_bytes(_contiguous_cpu(t)))
+        digest = sink.finish()
     except BaseException:
-        os.close(fd)
+        sink.abort()
         fsio._unlink_quiet(tmp)
         raise
-    os.close(fd)
     try:
         fsio.rename(tmp, final, "shard")
     except BaseException:
         fsio._unlink_quiet(tmp)
         raise
-    return WrittenShard(file=file, bytes=total, xxh3=hasher.hexdigest(), tensors=index)
+    return WrittenShard(file=file, bytes=sink.total, xxh3=digest, tensors=index)
 
 
 def _contiguous_cpu(t: Any) -> Any:
@@ -211,21 +204,93 @@ def _offsets(path: Path, kv: tuple[str, Any]) -> tuple[int, int]:
     return offs[0], offs[1]
 
 
-def load_tensors(directory: Path, file: str, expected_bytes: int) -> tuple[dict[str, Any], dict[str, str]]:
-    """All tensors of a shard (memory-mapped by safetensors, copied into torch) and its metadata."""
-    from safetensors import safe_open
+def load_tensors(directory: Path, file: str, expected_bytes: int,
+                 targets: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, str], bool]:
+    """All tensors of a shard, its metadata, and whether any target was written.
 
-    header, _ = read_header(directory, file, expected_bytes)
+    A tensor whose name is in `targets` with the same dtype and shape (a contiguous CPU tensor,
+    e.g. a model parameter) is read straight into that tensor's memory: one copy from the file,
+    no fresh memory. The others are read, with large sequential reads, into one new buffer and
+    returned as views of it."""
+    import torch
+
+    header, data_start = read_header(directory, file, expected_bytes)
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise UnsafeCheckpointError(f"metadata of {directory / file} is malformed")
-    # Re-check right before handing the path to safetensors: refuse a link swapped in since.
-    os.close(open_checked(directory, file, expected_bytes))
+    items = [(n, i) for n, i in header.items() if n != "__metadata__"]
+    direct: dict[str, Any] = {}
+    for name, info in items:
+        t = (targets or {}).get(name)
+        if (t is not None and t.device.type == "cpu" and t.is_contiguous() and list(t.shape) == info["shape"]
+                and _TORCH_DTYPES[info["dtype"]] == t.dtype and t.numel() > 0):
+            direct[name] = t
+    rest = [(n, i) for n, i in items if n not in direct]
+    buf = torch.empty(sum(i["data_offsets"][1] - i["data_offsets"][0] for _, i in rest), dtype=torch.uint8)
     out: dict[str, Any] = {}
+    fd = open_checked(directory, file, expected_bytes)  # re-checked: a link swapped in since fails
     try:
-        with safe_open(str(directory / file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                out[name] = f.get_tensor(name)
-    except Exception as exc:  # safetensors raises its own SafetensorError
-        raise CorruptCheckpointError(f"cannot read shard {directory / file}: {exc}") from exc
-    return out, meta
+        pos = 0
+        for name, info in rest:
+            begin, end = info["data_offsets"]
+            part = buf[pos : pos + end - begin]
+            _pread_into(fd, part, data_start + begin, directory / file)
+            out[name] = _typed(part, info)
+            pos += end - begin
+        try:
+            for name, t in direct.items():
+                _pread_into(fd, t, data_start + info_offsets(header, name), directory / file)
+                out[name] = t
+        except CorruptCheckpointError as exc:
+            exc.partial_write = True  # type: ignore[attr-defined]  # live tensors were touched
+            raise
+    finally:
+        os.close(fd)
+    return out, meta, bool(direct)
+
+
+def info_offsets(header: dict, name: str) -> int:
+    return int(header[name]["data_offsets"][0])
+
+
+def _pread_into(fd: int, t: Any, offset: int, path: Path) -> None:
+    import torch
+
+    if t.numel() == 0:
+        return
+    view = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    pos = 0
+    try:
+        while pos < len(view):
+            n = os.preadv(fd, [view[pos : pos + CHUNK]], offset + pos)
+            if n <= 0:
+                raise CorruptCheckpointError(f"shard {path} ended early while reading")
+            pos += n
+    except OSError as exc:
+        raise CorruptCheckpointError(f"cannot read shard {path}: {exc}") from exc
+
+
+def _typed(part: Any, info: dict) -> Any:
+    dtype = _TORCH_DTYPES[info["dtype"]]
+    try:
+        t = part.view(dtype)
+    except RuntimeError:  # not aligned for this dtype (a file we did not write): copy it
+        t = part.clone().view(dtype)
+    return t.reshape(info["shape"])
+
+
+def _torch_dtypes() -> dict[str, Any]:
+    import torch
+
+    return {v: getattr(torch, k) for k, v in _DTYPES.items() if hasattr(torch, k)}
+
+
+class _LazyDtypes(dict):
+    def __missing__(self, key: str) -> Any:
+        self.update(_torch_dtypes())
+        if key not in self:
+            raise UnsafeCheckpointError(f"unsupported tensor dtype {key!r} in shard")
+        return dict.__getitem__(self, key)
+
+
+_TORCH_DTYPES: dict[str, Any] = _LazyDtypes()

@@ -7,7 +7,7 @@ Tensors that share storage (tied weights) are stored once and come back as one t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Container, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError
@@ -76,32 +76,77 @@ def flatten(state: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[dict, l
 def unflatten_into(state: MutableMapping[str, Any], skeleton: Any, tensors: Mapping[str, Any],
                    strict: bool = True) -> dict[str, Any]:
     """Load a skeleton back: call load_state_dict on stateful objects, assign plain values into
-    `state`. Returns the library-owned entries. Missing keys raise when `strict`."""
+    `state`. Returns the library-owned entries. Missing keys raise when `strict`. Everything is
+    decoded (and a malformed checkpoint refused) before any object in `state` is modified."""
+    decoded, library = decode_entries(list(state), skeleton, tensors, strict)
+    apply_entries(state, decoded)
+    return library
+
+
+def validate_skeleton(keys: Iterable[str], skeleton: Any, tensor_names: Container[str] | None = None,
+                      strict: bool = True) -> None:
+    """Check a skeleton before anything is read into user objects: its structure, that every
+    state key in `keys` has an entry (when `strict`), and, given the shard's tensor names (from
+    its header), that every tensor it references exists. CorruptCheckpointError for a bad
+    checkpoint; ConfigError for a key the checkpoint lacks (a mismatch between the training
+    script and the checkpoint: an older checkpoint would not have it either)."""
+    if not isinstance(skeleton, dict) or not isinstance(skeleton.get("entries"), dict):
+        raise CorruptCheckpointError("checkpoint skeleton is malformed (no 'entries')")
+    entries = skeleton["entries"]
+    for key, entry in entries.items():
+        if not isinstance(entry, dict) or "value" not in entry or entry.get("kind") not in ("stateful", "value"):
+            raise CorruptCheckpointError(f"checkpoint skeleton entry {key!r} is malformed")
+    missing = [k for k in keys if k not in entries]
+    if missing and strict:
+        raise ConfigError(f"checkpoint has no entry for state key(s) {missing}; saved keys: "
+                          f"{sorted(entries)}: pass restore(..., strict=False) to load the others")
+    if tensor_names is not None:
+        for name in _tensor_refs(skeleton):
+            if not isinstance(name, str) or name not in tensor_names:
+                raise CorruptCheckpointError(f"checkpoint references tensor {name!r} that its shard lacks")
+
+
+def _tensor_refs(data: Any) -> Iterator[Any]:
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if len(item) == 1 and "__tensor__" in item:
+                yield item["__tensor__"]
+            else:
+                stack.extend(item.values())
+
+
+def decode_entries(keys: Iterable[str], skeleton: Any, tensors: Mapping[str, Any],
+                   strict: bool = True) -> tuple[dict[str, tuple[str, Any]], Any]:
+    """Phase 1 of a load, touching no user object: validate the skeleton and decode the entries
+    for `keys`. Returns ({key: (kind, value)}, library entries). Raises CorruptCheckpointError for
+    a malformed skeleton or a missing tensor (a caller may fall back to an older checkpoint), and
+    ConfigError (from `validate_skeleton`) for a state key the checkpoint lacks when `strict`."""
 
     def lookup(name: str) -> Any:
         try:
             return tensors[name]
-        except KeyError:
+        except (KeyError, TypeError):
             raise CorruptCheckpointError(f"checkpoint references tensor {name!r} that its shard lacks") from None
 
-    if not isinstance(skeleton, dict) or "entries" not in skeleton:
-        raise CorruptCheckpointError("checkpoint skeleton is malformed (no 'entries')")
+    wanted = list(keys)
+    validate_skeleton(wanted, skeleton, None, strict)
     entries = skeleton["entries"]
-    missing = [k for k in state if k not in entries]
-    if missing and strict:
-        raise CorruptCheckpointError(
-            f"checkpoint has no entry for state key(s) {missing}; saved keys: {sorted(entries)}"
-        )
-    for key, entry in entries.items():
-        if key not in state:
-            continue
-        value = decode(entry["value"], lookup)
-        target = state[key]
-        if entry.get("kind") == "stateful":
-            if not is_stateful(target):
-                raise ConfigError(f"state['{key}'] was saved from an object with state_dict(); "
-                                  f"got {type(target).__name__} now")
-            target.load_state_dict(value)
+    decoded = {k: (entries[k]["kind"], decode(entries[k]["value"], lookup)) for k in wanted if k in entries}
+    return decoded, decode(skeleton.get("library", {}), lookup)
+
+
+def apply_entries(state: MutableMapping[str, Any], decoded: Mapping[str, tuple[str, Any]]) -> None:
+    """Phase 2: load decoded entries into `state` (all type checks before the first change)."""
+    for key, (kind, _) in decoded.items():
+        if kind == "stateful" and not is_stateful(state[key]):
+            raise ConfigError(f"state['{key}'] was saved from an object with state_dict(); "
+                              f"got {type(state[key]).__name__} now")
+    for key, (kind, value) in decoded.items():
+        if kind == "stateful":
+            state[key].load_state_dict(value)
         else:
             state[key] = value
-    return decode(skeleton.get("library", {}), lookup)

@@ -1,0 +1,40 @@
+"""Shared, generic fixtures. The functions behind them live in tests/helpers/procs.py, so a
+test module can also import them directly: `from helpers.procs import run_example`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from helpers import procs  # noqa: E402
+
+
+@pytest.fixture
+def env_clean() -> dict[str, str]:
+    """os.environ without SLURM_*, SLURMRESUME_*, torchrun variables (for child processes)."""
+    return procs.clean_env()
+
+
+@pytest.fixture
+def port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    return procs.free_port()
+
+
+@pytest.fixture
+def run_example() -> Callable[..., object]:
+    """`run_example(ckpt_dir, "--steps", 40, nproc=1)` -> CompletedProcess of examples/train.py."""
+    return procs.run_example
+
+
+@pytest.fixture
+def run_python() -> Callable[..., object]:
+    """`run_python([script, args...], env=...)` -> CompletedProcess, clean env by default."""
+    return procs.run_python

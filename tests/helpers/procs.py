@@ -1,0 +1,90 @@
+"""Running child processes in tests: a clean environment, a free port, the example training
+script (one process or several ranks via torch.distributed.run), helper scripts."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+HELPERS = TESTS / "helpers"
+EXAMPLE = REPO / "examples" / "train.py"
+
+# Variables that would make a child believe it runs under Slurm / torchrun, or that would arm
+# the test fault seam of slurmresume/checkpoint/fsio.py without the test asking for it.
+_STRIP_PREFIXES = ("SLURM_", "SLURMRESUME_", "TORCHELASTIC_", "PMI_", "OMPI_")
+_STRIP_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                "MASTER_ADDR", "MASTER_PORT"}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """os.environ without Slurm / torchrun / slurmresume variables, plus `extra`. One thread
+    per process keeps multi-process tests fast on a small machine (and results identical)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_STRIP_PREFIXES) and k not in _STRIP_NAMES}
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONHASHSEED": "0"})
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_python(args: Sequence[str | os.PathLike[str]], *, env: dict[str, str] | None = None,
+               timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`python args...` with a clean environment; output captured as text."""
+    return subprocess.run([sys.executable, *map(str, args)], env=env if env is not None else clean_env(),
+                          cwd=str(cwd or REPO), capture_output=True, text=True, timeout=timeout)
+
+
+def run_example(ckpt_dir: Path, *args: str | int, nproc: int = 1, env: dict[str, str] | None = None,
+                timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run examples/train.py (one process, or `nproc` ranks via torch.distributed.run --standalone,
+    gloo on CPU) with --ckpt-dir `ckpt_dir`."""
+    script_args = [*map(str, args), "--ckpt-dir", str(ckpt_dir)]
+    if nproc == 1:
+        cmd: list[str] = [str(EXAMPLE), *script_args]
+    else:
+        cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "--max-restarts=0", "--monitor-interval=0.2", str(EXAMPLE), *script_args]
+    return run_python(cmd, env=env, timeout=timeout)
+
+
+def check(proc: subprocess.CompletedProcess[str], rc: int = 0) -> subprocess.CompletedProcess[str]:
+    """Assert an exit code, showing the child's output when it differs."""
+    assert proc.returncode == rc, (
+        f"exit code {proc.returncode}, expected {rc}\n--- stdout ---\n{proc.stdout[-4000:]}"
+        f"\n--- stderr ---\n{proc.stderr[-4000:]}")
+    return proc
+
+
+_LOSS_RE = re.compile(r"^step (\d+) loss (\S+) lr (\S+)$", re.MULTILINE)
+_DONE_RE = re.compile(r"^done at step (\d+), final loss (\S+)$", re.MULTILINE)
+_START_RE = re.compile(r"^rank 0 of (\d+): starting at step (\d+)", re.MULTILINE)
+
+
+def printed_losses(stdout: str) -> dict[int, str]:
+    """{step: "loss lr"} from examples/train.py's progress lines (exact printed text)."""
+    return {int(m.group(1)): f"{m.group(2)} {m.group(3)}" for m in _LOSS_RE.finditer(stdout)}
+
+
+def printed_final(stdout: str) -> tuple[int, str] | None:
+    m = _DONE_RE.search(stdout)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def printed_start(stdout: str) -> tuple[int, int] | None:
+    """(world size, starting step) from the example's first line."""
+    m = _START_RE.search(stdout)
+    return (int(m.group(1)), int(m.group(2))) if m else None
