@@ -24,6 +24,7 @@ from typing import Any
 from . import rng
 from .checkpoint import commit as _commit
 from .checkpoint.collective import Group, LaggedMax
+from .checkpoint.replicas import elastic, replicated_names, tensor_digests
 from .checkpoint.jsonenc import encode, loads
 from .checkpoint.layout import step_dir_name
 from .checkpoint.shard import SKELETON_KEY, load_tensors, read_header
@@ -191,7 +192,10 @@ class Checkpointer:
             return None
         if decision["action"] == "error":
             raise SaveError(f"checkpoint save failed, nothing committed: {decision['error']}")
-        report = _commit.write_rank(self.root, step, self.group, skeleton, tensors)
+        replicated: set[str] = set()
+        if self.group.world_size > 1:  # data-parallel replicas are stored once (rank 0's shard)
+            replicated = replicated_names(self.group.all_gather_json(tensor_digests(tensors)))
+        report = _commit.write_rank(self.root, step, self.group, skeleton, tensors, replicated)
         reports = self.group.all_gather_json(report)
         outcome = _commit.commit(self.root, step, reports, *enc) if self.rank == 0 else None
         outcome = self.group.broadcast_json(outcome)
@@ -321,11 +325,11 @@ class Checkpointer:
             # Fast path (no checksum pass): read straight into the live tensors. With verification,
             # or when falling back, read into fresh memory so a bad file cannot touch the state.
             targets = None if (verify or tried) else dict(flatten(state, {})[1])
-            if choice["world_size"] != self.group.world_size:
+            if choice["world_size"] != self.group.world_size and not choice["elastic"]:
                 raise CheckpointError(
                     f"checkpoint {choice['path']} was written by {choice['world_size']} ranks, this run has "
-                    f"{self.group.world_size}: run with --nodes/--nproc-per-node giving {choice['world_size']} "
-                    "ranks (a different world size needs resharding, which this format does not do yet)")
+                    f"{self.group.world_size}, and it holds per-rank (sharded) tensors: run with "
+                    f"--nodes/--nproc-per-node giving {choice['world_size']} ranks")
             loaded, error, wrote = self._load_own_shard(choice, targets, list(state), strict)
             errors = [e for e in self.group.all_gather_json(error) if e]
             if errors and self.group.max_int(int(wrote)):
@@ -361,24 +365,36 @@ class Checkpointer:
             info = found
         assert info.manifest is not None
         return {"step": info.step, "path": str(info.path), "world_size": info.manifest.world_size,
-                "shards": info.manifest.shards}
+                "shards": info.manifest.shards,
+                "elastic": elastic(info.manifest.tensors, info.manifest.world_size)}
 
     def _load_own_shard(self, choice: dict, targets: dict | None, keys: list[str],
                         strict: bool) -> tuple[tuple[dict, Any] | None, str | None, bool]:
         """Read and decode this rank's shard without touching user objects (except the fast path's
         direct reads into live tensors). Returns ((decoded entries, library), error, wrote)."""
-        shard = choice["shards"][self.rank]
+        # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (see _apply for
+        # its RNG). Replicated tensors live in shard 0 only and are read from there.
+        src = self.rank if self.rank < choice["world_size"] else self.rank % choice["world_size"]
+        shard, first = choice["shards"][src], choice["shards"][0]
         wrote = False
         directory = Path(choice["path"])
         try:
-            # Validate the skeleton against the header first (no tensor bytes read yet), so a
+            # Validate the skeleton against the headers first (no tensor bytes read yet), so a
             # malformed or mismatching checkpoint is refused before any live tensor is written.
             header, _ = read_header(directory, shard["file"], shard["bytes"])
             meta = header.get("__metadata__")
             raw = meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else ""
             skeleton = loads(raw, f"skeleton of {shard['file']}")
-            validate_skeleton(keys, skeleton, {n for n in header if n != "__metadata__"}, strict)
+            names = {n for n in header if n != "__metadata__"}
+            shared = set(skeleton.get("replicated") or ()) - names if isinstance(skeleton, dict) else set()
+            if shared:
+                names |= {n for n in read_header(directory, first["file"], first["bytes"])[0] if n in shared}
+            validate_skeleton(keys, skeleton, names, strict)
             tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], targets)
+            if shared:
+                more, _, wrote2 = load_tensors(directory, first["file"], first["bytes"], targets, names=shared)
+                tensors.update(more)
+                wrote = wrote or wrote2
             return decode_entries(keys, skeleton, tensors, strict), None, wrote
         except CheckpointError as exc:
             return None, str(exc), wrote or getattr(exc, "partial_write", False)
@@ -387,8 +403,19 @@ class Checkpointer:
                strict: bool, choice: dict) -> None:
         decoded, library = loaded
         apply_entries(state, decoded)
-        if restore_rng and isinstance(library, dict) and "rng" in library:
+        saved_world = int(choice["world_size"])
+        if self.rank >= saved_world:
+            # No saved RNG for this rank: re-derive it from the step and rank (documented rule),
+            # rather than cloning another rank's stream.
+            rng.reseed(int(choice["step"]), self.rank)
+            log.warning("rank %d: checkpoint %s has %d ranks; this rank's RNG is re-seeded from step and rank "
+                        "and its per-rank state comes from rank %d", self.rank, choice["path"], saved_world,
+                        self.rank % saved_world)
+        elif restore_rng and isinstance(library, dict) and "rng" in library:
             rng.restore(library["rng"])
+        if saved_world != self.group.world_size and self.rank == 0:
+            log.warning("resharded: checkpoint %s was written by %d ranks, restored on %d (replicated tensors "
+                        "from rank 0's shard)", choice["path"], saved_world, self.group.world_size)
         self.last_saved_step = int(choice["step"])
         if self._drill is not None:
             self._drill = max(self._drill, self.last_saved_step + 1)

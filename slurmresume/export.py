@@ -52,11 +52,19 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0) 
     refs = _tensor_refs(entries[only]["value"])
     if not refs:
         raise ConfigError(f"state key {only!r} in {step_dir} holds no tensors")
+    # Replicated tensors (data parallelism) are stored once, in rank 0's shard.
+    sources = {shard["file"]: (header, data_start, shard["bytes"])}
+    first = manifest.shards[0]
+    if first["file"] not in sources and set(skeleton.get("replicated") or ()):
+        h0, d0 = read_header(step_dir, first["file"], first["bytes"])
+        sources[first["file"]] = (h0, d0, first["bytes"])
+    where: dict[str, str] = {}
     layout, offset = {}, 0
     for key, name in refs:
-        info = header.get(name)
-        if not isinstance(info, dict):
+        where[name] = next((f for f, (h, _, _) in sources.items() if isinstance(h.get(name), dict)), "")
+        if not where[name]:
             raise CorruptCheckpointError(f"tensor {name!r} is referenced but missing from {shard['file']}")
+        info = sources[where[name]][0][name]
         n = info["data_offsets"][1] - info["data_offsets"][0]
         layout[key] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + n]}
         offset += n
@@ -65,16 +73,17 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0) 
     raw += b" " * (-len(raw) % 8)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
-    src = open_checked(step_dir, shard["file"], shard["bytes"])
+    fds = {f: open_checked(step_dir, f, size) for f, (_, _, size) in sources.items()}
     sink = ShardSink(tmp)
     try:
         sink.feed(len(raw).to_bytes(8, "little") + raw)
         buf = bytearray(CHUNK)
         for _key, name in refs:
-            begin, end = header[name]["data_offsets"]
-            pos = data_start + begin
-            while pos < data_start + end:
-                n = os.preadv(src, [memoryview(buf)[: min(CHUNK, data_start + end - pos)]], pos)
+            hdr, start, _ = sources[where[name]]
+            begin, end = hdr[name]["data_offsets"]
+            pos = start + begin
+            while pos < start + end:
+                n = os.preadv(fds[where[name]], [memoryview(buf)[: min(CHUNK, start + end - pos)]], pos)
                 sink.feed(memoryview(buf)[:n])
                 pos += n
         sink.finish()
@@ -84,5 +93,6 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0) 
         fsio._unlink_quiet(tmp)
         raise
     finally:
-        os.close(src)
+        for fd in fds.values():
+            os.close(fd)
     return {"step": manifest.step, "out": str(out), "tensors": len(refs), "bytes": out.stat().st_size}

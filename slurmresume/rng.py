@@ -44,3 +44,13 @@ def restore(state: dict[str, Any]) -> None:
                 torch.cuda.set_rng_state(s.clone(), i)
         else:
             log.warning("checkpoint has CUDA RNG states but CUDA is not available: not restored")
+
+
+def reseed(step: int, rank: int) -> None:
+    """Deterministic fresh streams for a rank that has no saved RNG state (a larger world)."""
+    import torch
+
+    seed = (step * 1_000_003 + rank * 7919 + 12345) % (2**32)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

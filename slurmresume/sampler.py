@@ -51,5 +51,11 @@ class ResumableSampler(DistributedSampler):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        saved = int(state.get("num_replicas", self.num_replicas))
+        if saved != self.num_replicas:
+            # Another world size: keep the number of samples the whole job consumed this epoch.
+            # The split of indices across ranks differs, so the rest of this epoch is not the
+            # exact sequence an unchanged world would have seen (documented in the README).
+            self.position = self.position * saved // self.num_replicas
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"sampler was saved with seed {state['seed']}, this run uses {self.seed}")

@@ -71,9 +71,15 @@ def prepare(root: Path, step: int) -> dict[str, Any]:
         return {"action": "error", "error": _describe(exc, root)}
 
 
-def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: list) -> dict[str, Any]:
+def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: list,
+               replicated: set[str] | None = None) -> dict[str, Any]:
     """Every rank: write its shard. Returns a report; errors are reported, not raised, so that
-    every rank still reaches the gather and nobody deadlocks."""
+    every rank still reaches the gather and nobody deadlocks. Tensors in `replicated` are
+    written by rank 0 only (the skeleton lists them, so other ranks read them from shard 0)."""
+    if replicated:
+        skeleton = {**skeleton, "replicated": sorted(replicated)}
+        if group.rank != 0:
+            tensors = [(n, t) for n, t in tensors if n not in replicated]
     d = root / step_dir_name(step)
     file = shard_name(group.rank, group.world_size)
     try:
@@ -81,7 +87,8 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: lis
         written = write_shard(d, file, tensors, {SKELETON_KEY: dumps(skeleton), "format": "pt"})
         fsio.fsync_dir(d, "step")
         return {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
-                "tensors": written.tensors, "error": None}
+                "tensors": written.tensors, "replicated": sorted(replicated or ()) if group.rank == 0 else [],
+                "error": None}
     except Exception as exc:
         _cleanup_temp(d, file)
         return {"rank": group.rank, "file": file, "error": _describe(exc, d / file)}

@@ -23,8 +23,12 @@ def build_manifest(step: int, reports: list[dict], metrics: Any, meta: Any) -> d
     shards, tensors = [], []
     for rep in sorted(reports, key=lambda r: r["rank"]):
         shards.append({"file": rep["file"], "rank": rep["rank"], "bytes": rep["bytes"], "xxh3": rep["xxh3"]})
+        shared = set(rep.get("replicated") or ())
         for name, info in rep["tensors"].items():
-            tensors.append({"name": name, "rank": rep["rank"], **info})
+            entry = {"name": name, "rank": rep["rank"], **info}
+            if name in shared:
+                entry["replicated"] = True  # stored once, here in rank 0's shard, for every rank
+            tensors.append(entry)
     now = time.time()
     return {
         "format": FORMAT,

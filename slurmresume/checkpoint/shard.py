@@ -204,21 +204,21 @@ def _offsets(path: Path, kv: tuple[str, Any]) -> tuple[int, int]:
     return offs[0], offs[1]
 
 
-def load_tensors(directory: Path, file: str, expected_bytes: int,
-                 targets: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, str], bool]:
+def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[str, Any] | None = None,
+                 names: set[str] | None = None) -> tuple[dict[str, Any], dict[str, str], bool]:
     """All tensors of a shard, its metadata, and whether any target was written.
 
     A tensor whose name is in `targets` with the same dtype and shape (a contiguous CPU tensor,
     e.g. a model parameter) is read straight into that tensor's memory: one copy from the file,
     no fresh memory. The others are read, with large sequential reads, into one new buffer and
-    returned as views of it."""
+    returned as views of it. `names` limits the read to those tensors (only their byte ranges)."""
     import torch
 
     header, data_start = read_header(directory, file, expected_bytes)
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise UnsafeCheckpointError(f"metadata of {directory / file} is malformed")
-    items = [(n, i) for n, i in header.items() if n != "__metadata__"]
+    items = [(n, i) for n, i in header.items() if n != "__metadata__" and (names is None or n in names)]
     direct: dict[str, Any] = {}
     for name, info in items:
         t = (targets or {}).get(name)
