@@ -14,7 +14,6 @@ import random
 import time
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn

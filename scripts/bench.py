@@ -168,12 +168,12 @@ def bench_size(gib: float, dtype: torch.dtype, repeats: int, work: Path) -> dict
         record("memory copy of the state", timed(lambda: [copies[k].copy_(v) for k, v in state.items()]))
 
         d = fresh("torch_save")
-        record("torch.save + fsync", with_mem("torch.save + fsync", lambda: (torch.save(state, d / "s.pt"), fsync_path(d / "s.pt"))))
+        record("torch.save + fsync", with_mem("torch.save + fsync", lambda d=d: (torch.save(state, d / "s.pt"), fsync_path(d / "s.pt"))))
         d = fresh("save_file")
         record("safetensors save_file + fsync", with_mem("safetensors save_file + fsync",
-                                                        lambda: (save_file(state, str(d / "s.st")), fsync_path(d / "s.st"))))
+                                                        lambda d=d: (save_file(state, str(d / "s.st")), fsync_path(d / "s.st"))))
         d = fresh("dcp")
-        record("DCP save", with_mem("DCP save", lambda: dcp.save({"m": state}, checkpoint_id=str(d))))
+        record("DCP save", with_mem("DCP save", lambda d=d: dcp.save({"m": state}, checkpoint_id=str(d))))
         d = fresh("dcp_async")
         t0 = time.perf_counter()
         fut = dcp.async_save({"m": state}, checkpoint_id=str(d))
@@ -183,7 +183,7 @@ def bench_size(gib: float, dtype: torch.dtype, repeats: int, work: Path) -> dict
 
         shutil.rmtree(work / "ours", ignore_errors=True)
         record("slurmresume save (durable commit)", with_mem("slurmresume save (durable commit)",
-                                                             lambda: ck.save(rep + 1, {"m": Holder(state)})))
+                                                             lambda rep=rep: ck.save(rep + 1, {"m": Holder(state)})))
         shutil.rmtree(work / "ours_async", ignore_errors=True)
         for attempt in range(2 if not warm_async else 1):  # first call allocates the snapshot buffers
             t0 = time.perf_counter()
@@ -198,18 +198,18 @@ def bench_size(gib: float, dtype: torch.dtype, repeats: int, work: Path) -> dict
             if attempt == 0 and not warm_async:
                 record("slurmresume async blocking (first call)", blocking)
                 warm_async = True
-                if repeats > 1 or True:
-                    continue
+                continue
             record("slurmresume async blocking", blocking)
             record("slurmresume async total", total)
-        target = Holder({k: torch.empty_like(v) for k, v in state.items()})
+        target = Holder({k: torch.empty_like(v).zero_() for k, v in state.items()})
+
+        def restore(target: Holder = target) -> None:
+            slurmresume.Checkpointer(work / "ours", handle_signals=False).restore({"m": target})
+
         cold = drop_caches()
-        record("slurmresume restore (cold)" if cold else "slurmresume restore",
-               timed(lambda: slurmresume.Checkpointer(work / "ours", handle_signals=False).restore({"m": target})))
-        record("slurmresume restore (page cache)",
-               timed(lambda: slurmresume.Checkpointer(work / "ours", handle_signals=False).restore({"m": target})))
+        record("slurmresume restore (cold)" if cold else "slurmresume restore", timed(restore))
+        record("slurmresume restore (page cache)", timed(restore))
         assert all(torch.equal(target.tensors[k], state[k]) for k in list(state)[:3])
-        del target
     del dcp_stager
     med = {k: statistics.median(v) for k, v in results.items()}
     return {"gib": gib, "bytes": nbytes, "largest_tensor_bytes": largest, "dtype": str(dtype), "seconds": med,
@@ -270,7 +270,7 @@ def _agree_worker(rank: int, port: int, iters: int, q) -> None:  # noqa: ANN001
     g = Group.create()
     lagged = LaggedMax(g)
     blocking, lagged_s = [], []
-    for i in range(iters):  # a 2 ms "training step" between checks, as in a real loop
+    for _ in range(iters):  # a 2 ms "training step" between checks, as in a real loop
         time.sleep(0.002)
         t = time.perf_counter()
         g.max_int(0)

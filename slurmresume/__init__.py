@@ -19,6 +19,7 @@ _EXPORTS = {
     "list_checkpoints": "checkpoint.store",
     "ResumableSampler": "sampler",
     "RetentionPolicy": "retention",
+    "SavePolicy": "policy",
     "apply_policy": "retention",
     "compare_checkpoints": "compare",
     "ignore_in_worker": "signals",
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # static checkers see the real names
         SlurmResumeError,
         UnsafeCheckpointError,
     )
+    from .policy import SavePolicy
     from .retention import RetentionPolicy, apply_policy
     from .sampler import ResumableSampler
     from .signals import EXIT_PREEMPTED, EXIT_TERMINATED, ignore_in_worker

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numbers
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -18,8 +18,12 @@ from rich.table import Table
 from rich.text import Text
 
 from .duration import format_duration
+from .policy import RECENT_SAVES, IntervalSummary
 from .retention import PrunePlan, PruneResult
 from .status import Status, VerifyResult
+
+if TYPE_CHECKING:
+    from .inspect import CheckpointReport
 
 _HEALTH = {"ok": "bold green", "warning": "bold yellow", "error": "bold red"}
 _STATE = {"complete": "green", "corrupt": "bold red", "being_written": "cyan", "incomplete": "yellow"}
@@ -76,10 +80,40 @@ def status_view(st: Status, limit: int = 20) -> RenderableType:
         parts.append(Text(st.slurm["note"], style="dim"))
     parts += [Text(f"problem: {m}", style="red") for m in st.problems]
     parts += [Text(f"warning: {m}", style="yellow") for m in st.warnings]
+    if st.interval is not None:
+        parts.append(interval_view(st.interval))
     if st.history:
         parts.append(_history_table(st.history))
     parts.append(_checkpoint_table(st, limit))
     return Group(*parts)
+
+
+def _pct(x: float | None) -> str:
+    return "?" if x is None else f"{100 * x:.2g}%" if x < 0.01 else f"{100 * x:.1f}%"
+
+
+def interval_view(iv: IntervalSummary) -> RenderableType:
+    """Three lines: the interval (and what auto would choose), its inputs, the expected loss."""
+    fd = format_duration
+    first = (f"save interval: {fd(iv.current_s)} ({iv.source})" if iv.current_s is not None
+             else "save interval: none observed yet")
+    if iv.auto_s is not None:
+        first += f"; auto would choose {fd(iv.auto_s)} (Young/Daly, within {fd(iv.min_s)}..{fd(iv.max_s)})"
+    cost = (f"save cost {iv.save_cost_s:.2f} s (median of the last {min(iv.saves, RECENT_SAVES)} saves)"
+            if iv.save_cost_s is not None else "save cost unknown (no save yet)")
+    speed = f", {iv.steps_per_second:.3g} steps/s" if iv.steps_per_second else ""
+    rate = f"{iv.failures_per_hour:.2g}/h" if iv.failures_per_hour is not None else "rate unknown"
+    mtbf = f", MTBF {fd(iv.mtbf_s)}" if iv.mtbf_s else ""
+    second = (f"{cost}{speed}; {iv.interruptions} unwarned interruption(s) in {fd(iv.runtime_s)} "
+              f"of running ({rate}{mtbf})")
+    lines = [Text(first), Text(second, style="dim")]
+    loss = iv.expected_loss
+    if loss is not None:
+        fail = (f"{_pct(loss['failures'])} redoing work after unwarned failures, total {_pct(loss['total'])}"
+                if loss["failures"] is not None else "no unwarned failure seen to redo work after")
+        lines.append(Text(f"expected time lost at {fd(loss['interval_s'])}: {_pct(loss['saves'])} saving, {fail}",
+                          style="dim"))
+    return Group(*lines)
 
 
 def _history_table(history: Sequence[dict[str, Any]]) -> Table:
@@ -163,3 +197,61 @@ def print_verify(results: Sequence[VerifyResult]) -> None:
         out.print(Text.assemble(("FAIL  ", "bold red"), f"step {r.step}  {r.path}"))
         for p in r.problems:
             out.print(f"      {p}")
+
+
+def _num(v: Any) -> str:
+    return "-" if v is None else str(v) if isinstance(v, numbers.Integral) else f"{float(v):.4g}"
+
+
+def _count(n: int) -> Text:
+    return Text(str(n), style="bold red" if n else "")
+
+
+def inspect_view(r: CheckpointReport) -> RenderableType:
+    """`slurmresume inspect`: a summary, the state keys, and one row per tensor."""
+    parts: list[RenderableType] = [
+        Text.assemble(("checkpoint ", "bold"), (f"step {r.step}", "bold blue"), f"  {r.path}"),
+        Text(f"written by {r.world_size} rank(s) on {when(r.created)}, {size(r.bytes)} in "
+             f"{len(r.tensors)} tensors"),
+    ]
+    if r.metrics is not None:
+        parts.append(Text(f"metrics: {metrics_text(r.metrics)}"))
+    if r.stats_computed:
+        nan, inf = r.count("nan_count") or 0, r.count("inf_count") or 0
+        bad = [t for t in r.tensors if t.stats is not None and (t.stats.nan_count or t.stats.inf_count)]
+        parts.append(Text(f"{nan} NaN and {inf} Inf values in {len(bad)} tensor(s)",
+                          style="bold red" if bad else "green"))
+    keys = Table(title="state keys", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("key", "kind", "tensors", "size", "ranks"):
+        keys.add_column(col, justify="right" if col in ("tensors", "size") else "left")
+    for k in r.state:
+        ranks = "all" if len(k.ranks) == r.world_size else ",".join(map(str, k.ranks))
+        keys.add_row(k.key, k.kind, str(k.tensors), size(k.bytes), ranks)
+    parts.append(keys)
+    if r.library:
+        parts.append(Text(f"also stored by slurmresume: {', '.join(r.library)}", style="dim"))
+    parts.append(_tensor_table(r))
+    return Group(*parts)
+
+
+def _tensor_table(r: CheckpointReport) -> Table:
+    t = Table(title="tensors", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    cols = ["name"] + (["rank"] if r.world_size > 1 else []) + ["dtype", "shape", "size"]
+    cols += ["min", "max", "mean", "NaN", "Inf"] if r.stats_computed else []
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("name", "dtype", "shape") else "right",
+                     overflow="fold", no_wrap=col != "name", min_width=12 if col == "name" else None)
+    for x in r.tensors:
+        row: list[Any] = [x.name] + ([str(x.rank)] if r.world_size > 1 else [])
+        row += [x.dtype, "x".join(map(str, x.shape)) or "scalar", size(x.bytes)]
+        if x.stats is not None:
+            st = x.stats
+            row += [_num(st.min), _num(st.max), _num(st.mean), _count(st.nan_count), _count(st.inf_count)]
+        elif r.stats_computed:
+            row += ["-"] * 5
+        t.add_row(*row)
+    return t
+
+
+def print_inspect(report: CheckpointReport) -> None:
+    console().print(inspect_view(report))

@@ -24,16 +24,29 @@ from typing import Any
 from . import rng
 from .checkpoint import commit as _commit
 from .checkpoint.collective import Group, LaggedMax
-from .checkpoint.replicas import elastic, replicated_names, tensor_digests
 from .checkpoint.jsonenc import encode, loads
 from .checkpoint.layout import step_dir_name
+from .checkpoint.replicas import elastic, replicated_names, tensor_digests
 from .checkpoint.shard import SKELETON_KEY, load_tensors, read_header
 from .checkpoint.state import apply_entries, decode_entries, flatten, validate_skeleton
 from .checkpoint.store import CheckpointInfo, find_latest, inspect_dir
-from .errors import CheckpointError, ConfigError, CorruptCheckpointError, SaveError, UnsafeCheckpointError
-from .events import append_event
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    SaveError,
+    UnsafeCheckpointError,
+)
+from .events import append_event, read_events
+from .signals import (
+    EXIT_PREEMPTED,
+    EXIT_TERMINATED,
+    NONE,
+    PREEMPT,
+    SignalFlag,
+    warning_signal_from_env,
+)
 from .snapshot import SnapshotPool
-from .signals import EXIT_PREEMPTED, EXIT_TERMINATED, NONE, PREEMPT, SignalFlag, warning_signal_from_env
 
 log = logging.getLogger("slurmresume")
 
@@ -82,6 +95,9 @@ class Checkpointer:
             `step()`/`save()`/`wait()`. An emergency save waits for it, then saves synchronously.
         async_overlap: when a periodic async save is due while one is still in flight: "wait"
             (default: never drop a save; training stalls for the remaining write) or "skip".
+        save_policy: a `SavePolicy` (every N steps, every T seconds, at epoch ends, or
+            interval="auto": Young/Daly from the measured save cost and failure rate);
+            `save_every=N` is short for SavePolicy(every_steps=N).
     """
 
     def __init__(
@@ -96,6 +112,7 @@ class Checkpointer:
         on_save_error: str = "raise",
         async_save: bool = False,
         async_overlap: str = "wait",
+        save_policy: Any = None,
     ) -> None:
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ConfigError(f"save_every must be a positive integer or None, got {save_every!r}")
@@ -113,6 +130,18 @@ class Checkpointer:
         self.exit_on_signal = exit_on_signal
         self.retention = retention
         self.on_save_error = on_save_error
+        from .policy import SavePolicy, SaveScheduler, estimate_from_events
+
+        if save_policy is not None and save_every is not None:
+            raise ConfigError("pass either save_every or save_policy, not both")
+        if save_policy is not None and not isinstance(save_policy, SavePolicy):
+            raise ConfigError(f"save_policy must be a slurmresume.SavePolicy, got {type(save_policy).__name__}")
+        self.save_policy = save_policy or SavePolicy(every_steps=save_every)
+        self._sched = SaveScheduler(self.save_policy, history=estimate_from_events(read_events(self.root))
+                                    if self.save_policy.interval == "auto" else None)
+        self._time_due_posted = False
+        self._blocking_s: float | None = None
+        self._closed = False
         self.async_save = async_save
         self.async_overlap = async_overlap
         self._pool = SnapshotPool()
@@ -143,6 +172,7 @@ class Checkpointer:
         self.wait()
         started = time.perf_counter()
         skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
+        self._blocking_s = None  # a synchronous save blocks for all of it
         return self._write_and_commit(step, skeleton, tensors, enc, reason, started)
 
     def save_async(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
@@ -156,6 +186,7 @@ class Checkpointer:
         started = time.perf_counter()
         skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
         copies, ready = self._pool.snapshot(tensors)
+        self._blocking_s = time.perf_counter() - started  # what training paid (Young/Daly's C)
 
         def run() -> None:
             try:
@@ -179,6 +210,7 @@ class Checkpointer:
 
     def _prepare_payload(self, step: int, state: Mapping[str, Any], metrics: Any,
                          meta: Any) -> tuple[dict, list, tuple[Any, Any]]:
+        self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"step must be a non-negative integer, got {step!r}")
         skeleton, tensors = flatten(state, {"rng": rng.capture()})
@@ -203,11 +235,15 @@ class Checkpointer:
         if self.rank == 0:
             if outcome["ok"]:
                 append_event(self.root, "save_committed", step=step, seconds=round(seconds, 4), reason=reason,
-                             world_size=self.group.world_size, run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+                             world_size=self.group.world_size, run_id=os.environ.get("SLURMRESUME_RUN_ID"),
+                             blocking_s=None if self._blocking_s is None else round(self._blocking_s, 4),
+                             interval_s=self._sched.interval_s)
             else:
                 append_event(self.root, "save_failed", step=step, error=outcome.get("error"), reason=reason)
         _commit.raise_if_failed(outcome)
         self.last_saved_step = step
+        self._time_due_posted = False
+        self._sched.saved(step, self._blocking_s if self._blocking_s is not None else seconds)
         if self.rank == 0 and self.retention is not None:
             self._apply_retention()
         return self.root / step_dir_name(step)
@@ -215,6 +251,8 @@ class Checkpointer:
     def _apply_retention(self) -> None:
         from .retention import apply_policy
 
+        if self.retention is None:
+            return
         try:
             apply_policy(self.root, self.retention)
         except Exception as exc:  # retention must never break training
@@ -222,30 +260,46 @@ class Checkpointer:
 
     # -- the per-step hook ----------------------------------------------------------------
 
-    def step(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None) -> bool:
-        """Collective, call after each completed step. Agrees across ranks whether a warning
-        signal (or SIGTERM) arrived on any rank; if so all ranks save this same step and exit
-        (or return True when `exit_on_signal=False`). Otherwise saves when the policy says so.
+    def step(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
+             epoch_end: bool = False) -> bool:
+        """Collective, call after each completed step (pass `epoch_end=True` after the last step
+        of an epoch). Agrees across ranks whether a warning signal (or SIGTERM) arrived on any
+        rank; if so all ranks save this same step and exit (or return True when
+        `exit_on_signal=False`). Otherwise saves when the save policy says so.
         With several ranks the agreement is pipelined (see LaggedMax): a signal that arrives
-        during step k is acted on at step k+1 by every rank, so no step pays a round trip."""
+        during step k is acted on at step k+1 by every rank, so no step pays a round trip. A
+        time-based save is decided by rank 0's clock and travels in the same agreement."""
         if self._drill is not None and self.rank == 0 and step >= self._drill:
             self._inject_drill_signal(step)
         local = self.flag.request if self.flag is not None else NONE
-        agreed = self._agreement.exchange(local)
-        if agreed != NONE:
-            return self._emergency(step, state, agreed, metrics, meta)
+        trigger = self._sched.trigger(step, epoch_end=epoch_end)
+        time_due = trigger == "seconds" and self.rank == 0 and not self._time_due_posted
+        if time_due and self.group.world_size > 1:
+            self._time_due_posted = True
+        agreed = self._agreement.exchange(local * 2 + int(time_due))
+        if agreed // 2 != NONE:
+            return self._emergency(step, state, agreed // 2, metrics, meta)
         self._check_async_error()
-        if self.save_every and step % self.save_every == 0 and step != self.last_saved_step:
-            try:
-                if self.async_save:
-                    self.save_async(step, state, metrics=metrics, meta=meta, reason="periodic")
-                else:
-                    self.save(step, state, metrics=metrics, meta=meta, reason="periodic")
-            except SaveError as exc:
-                if self.on_save_error == "raise":
-                    raise
-                log.warning("%s; training continues without this checkpoint", exc)
+        if trigger in ("steps", "epoch") or agreed % 2 or (trigger == "seconds" and self.group.world_size == 1):
+            self._periodic(step, state, metrics, meta, trigger or "seconds")
         return False
+
+    def _periodic(self, step: int, state: Mapping[str, Any], metrics: Any, meta: Any, why: str) -> None:
+        if step == self.last_saved_step:
+            return
+        try:
+            if self.async_save:
+                self.save_async(step, state, metrics=metrics, meta=meta, reason="periodic")
+            else:
+                self.save(step, state, metrics=metrics, meta=meta, reason="periodic")
+        except SaveError as exc:
+            if self.on_save_error == "raise":
+                raise
+            log.warning("%s; training continues without this checkpoint", exc)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this Checkpointer is closed: create a new one to save or restore")
 
     def _check_async_error(self) -> None:
         if self._async_error is None or (self._inflight is not None and self._inflight.is_alive()):
@@ -301,6 +355,7 @@ class Checkpointer:
         `load_state_dict` on stateful objects, plain values assigned into the mapping, RNG
         states restored. Returns the restored step, or 0 on a fresh start (logged once).
         A newer incomplete or corrupt directory is skipped with a warning naming it."""
+        self._check_open()
         verify = self.verify_on_restore if verify is None else verify
         tried: set[int] = set()
         dirty: int | None = None  # a failed attempt that had already written into live tensors
@@ -417,6 +472,7 @@ class Checkpointer:
             log.warning("resharded: checkpoint %s was written by %d ranks, restored on %d (replicated tensors "
                         "from rank 0's shard)", choice["path"], saved_world, self.group.world_size)
         self.last_saved_step = int(choice["step"])
+        self._sched.restored(self.last_saved_step)
         if self._drill is not None:
             self._drill = max(self._drill, self.last_saved_step + 1)
         self.restored = inspect_dir(int(choice["step"]), Path(choice["path"]))
@@ -425,14 +481,20 @@ class Checkpointer:
             append_event(self.root, "restored", step=int(choice["step"]), run_id=os.environ.get("SLURMRESUME_RUN_ID"))
 
     def close(self) -> None:
-        """Wait for an in-flight async save, restore the previous signal handlers. Idempotent.
-        Collective with several ranks (it drains the pending agreement)."""
+        """Wait for an in-flight async save, restore the previous signal handlers, release the
+        side process groups. Idempotent. Collective with several ranks (it drains the pending
+        agreement)."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._agreement.drain()
             self.wait()
         finally:
             if self.flag is not None:
                 self.flag.uninstall()
+            for g in (self.agree_group, self.group):
+                g.destroy()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -37,7 +37,7 @@ def handle_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-from . import commands_ckpt, commands_export, commands_job  # noqa: E402,F401  (they register commands)
+from . import commands_ckpt, commands_export, commands_inspect, commands_job  # noqa: E402,F401  (they register commands)
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ import os
 import re
 import sys
 import time
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,36 +20,9 @@ import typer
 from .cli import app, handle_errors
 from .duration import parse_duration
 from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+from .options import CkptDir, JsonOut, Mode, ModeOpt, resolve_root
 
-ENV_ROOT = "SLURMRESUME_CKPT_DIR"
 PRUNE_SCHEMA = "slurmresume.prune/1"
-
-
-class Mode(str, Enum):
-    min = "min"
-    max = "max"
-
-
-CkptDir = Annotated[Path | None, typer.Option(
-    "--ckpt-dir", "-d", metavar="DIR", envvar=ENV_ROOT, show_envvar=True,
-    help="Checkpoint root: the directory holding the step_* folders. Default: $SLURMRESUME_CKPT_DIR.")]
-JsonOut = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
-ModeOpt = Annotated[Mode, typer.Option("--mode", help="Whether the lowest (min, e.g. loss) or highest "
-                                       "(max, e.g. accuracy) metric value is best.")]
-
-
-def resolve_root(ckpt_dir: Path | None) -> Path:
-    """The checkpoint root from --ckpt-dir / $SLURMRESUME_CKPT_DIR; it must be a directory."""
-    if ckpt_dir is None or str(ckpt_dir) == "":
-        raise ConfigError(f"no checkpoint root: pass --ckpt-dir DIR or set {ENV_ROOT}")
-    root = ckpt_dir.expanduser().absolute()
-    if not root.exists():
-        raise ConfigError(f"checkpoint root {root} does not exist: check --ckpt-dir / {ENV_ROOT}")
-    if not root.is_dir():
-        raise ConfigError(f"checkpoint root {root} is not a directory: point --ckpt-dir at the run's directory")
-    if not os.access(root, os.R_OK | os.X_OK):
-        raise ConfigError(f"checkpoint root {root} is not readable by this user: check its permissions")
-    return root
 
 
 def _emit_json(data: Any) -> None:
@@ -95,7 +67,8 @@ def status(
         raise ConfigError("--watch and --json cannot be combined: poll `status --json` instead")
 
     def compute() -> Any:
-        return compute_status(root, job_id=job, best_metric=best, mode=mode.value, verify=verify)
+        return compute_status(root, job_id=job, best_metric=best, mode=mode.value, verify=verify,
+                              with_interval=True)
 
     if interval is not None:
         _render.watch(compute, interval, limit)

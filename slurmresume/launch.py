@@ -61,7 +61,7 @@ def add_signal_relay(text: str, signal_name: str) -> str:
 def _executor_class() -> type:
     import submitit
 
-    class Executor(submitit.SlurmExecutor):  # type: ignore[misc,name-defined]
+    class Executor(submitit.SlurmExecutor):
         warning_signal = "USR1"
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:

@@ -15,7 +15,16 @@ from typing import Any
 from . import slurm
 from .config import JobSpec
 from .events import append_event
-from .launcher import Relay, RunResult, decide, is_committed, previous_progressed, run_id_for, run_torchrun, warn_signal
+from .launcher import (
+    Relay,
+    RunResult,
+    decide,
+    is_committed,
+    previous_progressed,
+    run_id_for,
+    run_torchrun,
+    warn_signal,
+)
 
 log = logging.getLogger("slurmresume")
 

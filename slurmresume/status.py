@@ -15,6 +15,14 @@
                    |"incomplete", created, age_seconds, bytes, shards: int|null,
                    verified: bool|null (null: not checked), metrics, newest, best, problem}]
     newest_complete  step or null;  best: {metric, mode, step, value} or null
+    interval      only with compute_status(with_interval=True): the save interval and its cost
+                  (policy.interval_summary; seconds unless named otherwise; null: not known yet)
+                  {current_s, source: "logged"|"observed"|null, auto_s (Young/Daly clamped to
+                   [min_s, max_s]), young_daly_s (unclamped sqrt(2*C*MTBF)), min_s, max_s,
+                   save_cost_s (median of recent saves), saves: int, steps_per_second,
+                   runtime_s, interruptions: int (unwarned: failed or killed runs),
+                   failures_per_hour, mtbf_s, expected_loss: {interval_s, saves (C/T),
+                   failures (T/(2*MTBF), null without an observed failure), total} or null}
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from .checkpoint.layout import LOCK
 from .checkpoint.store import CheckpointInfo, check_checksums, inspect_dir, list_checkpoints
 from .errors import ConfigError, SlurmError
 from .events import read_events
+from .policy import IntervalSummary, interval_summary
 from .retention import best_record, metric_names, metric_value, record_from_info
 from .slurm import parse_sacct, parse_squeue
 
@@ -99,13 +108,17 @@ class Status:
     best: dict[str, Any] | None
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    interval: IntervalSummary | None = None
 
     @property
     def health(self) -> str:
         return "error" if self.problems else "warning" if self.warnings else "ok"
 
     def to_json(self) -> dict[str, Any]:
-        return plain_json({"schema": SCHEMA, "health": self.health, **asdict(self)})
+        data = asdict(self)
+        if data["interval"] is None:
+            del data["interval"]
+        return plain_json({"schema": SCHEMA, "health": self.health, **data})
 
 
 def plain_json(obj: Any) -> Any:
@@ -125,8 +138,9 @@ def plain_json(obj: Any) -> Any:
 
 def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | None = None,
                    mode: str = "min", verify: bool = False, now: float | None = None,
-                   history_limit: int = 20) -> Status:
+                   history_limit: int = 20, with_interval: bool = False) -> Status:
     """Snapshot of `root`, its event log and (when Slurm is here) the job. Reads only.
+    `with_interval` adds the save-interval section (estimated from the event log).
     Raises ConfigError for a missing root, a bad mode, or a `best_metric` no complete
     checkpoint records."""
     root = Path(root)
@@ -145,7 +159,8 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
     requeues = sum(1 for e in events if e["event"] == "requeued" and (job_id is None or str(e.get("job_id")) == job_id))
     newest = next((r.step for r in rows if r.newest), None)
     status = Status(str(root), now, job, {"available": slurm_note != SLURM_NOT_FOUND, "note": slurm_note},
-                    requeues, counts, events[-history_limit:] if history_limit else [], rows, newest, best)
+                    requeues, counts, events[-history_limit:] if history_limit else [], rows, newest, best,
+                    interval=interval_summary(events) if with_interval else None)
     _judge(status, root, events)
     return status
 

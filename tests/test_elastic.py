@@ -44,7 +44,8 @@ state = {**boxes, "loss": 0.0}
 step = ck.restore(state)
 out = {"step": step, "rank": rank, "model": {k: v.sum().item() for k, v in boxes["model"].sd.items()},
        "sampler": boxes["sampler"].sd}
-print("PROBE " + __import__("json").dumps(out), flush=True)
+out_dir = os.environ["PROBE_OUT"]
+open(os.path.join(out_dir, f"probe{rank}.json"), "w").write(__import__("json").dumps(out))
 '''
 
 
@@ -79,12 +80,12 @@ def test_ddp_checkpoint_loads_on_another_world_size(ddp_root: Path, tmp_path: Pa
 
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
-    env = {**os.environ, "SLURMRESUME_CKPT_DIR": str(ddp_root), "PROBE_MODE": "load"}
+    env = {**os.environ, "SLURMRESUME_CKPT_DIR": str(ddp_root), "PROBE_MODE": "load", "PROBE_OUT": str(tmp_path)}
     cmd = [sys.executable, str(probe)] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(probe)]
     res = _run(cmd, env)
     assert res.returncode == 0, res.stderr[-3000:]
-    probes = [json.loads(line.split("PROBE ", 1)[1]) for line in res.stdout.splitlines() if "PROBE " in line]
+    probes = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("probe*.json"))]
     assert len(probes) == nproc and all(p["step"] == 10 for p in probes)
     saved = load_file(str(ddp_root / "step_000000010" / "rank-00000-of-00002.safetensors"))
     expect = {k.removeprefix("model/"): v.sum().item() for k, v in saved.items() if k.startswith("model/")}

@@ -65,6 +65,21 @@ class Group:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         return int(t.item())
 
+    def destroy(self) -> None:
+        """Release this side group's gloo resources (threads that would otherwise be torn down
+        at interpreter exit). Idempotent; a no-op for a world of one."""
+        if self.pg is None:
+            return
+        import torch.distributed as dist
+
+        pg, self.pg = self.pg, None
+        self.world_size, self.rank = 1, 0  # any later collective is a local no-op
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group(pg)
+        except (RuntimeError, ValueError):  # already gone with the default group
+            pass
+
     def barrier(self) -> None:
         if self.world_size > 1:
             self.max_int(0)

@@ -148,7 +148,7 @@ def hash_file(directory: Path, file: str, expected_bytes: int) -> str:
     hasher = xxhash.xxh3_64()
     try:
         with os.fdopen(fd, "rb", buffering=0) as f:
-            buf = bytearray(CHUNK)
+            buf = bytearray(min(CHUNK, expected_bytes + 1))  # not 64 MiB per small shard
             view = memoryview(buf)
             while n := f.readinto(buf):
                 hasher.update(view[:n])

@@ -36,7 +36,7 @@ def _staging() -> tuple[np.ndarray, np.ndarray]:
         for b in bufs:
             b[::4096] = 0
         _local.bufs = bufs
-    return bufs  # type: ignore[return-value]
+    return bufs
 
 
 class ShardSink:
@@ -89,7 +89,7 @@ class ShardSink:
 
     def _flush_buffer(self) -> None:
         filled = self.fill
-        self.hasher.update(memoryview(self.bufs[self.cur][:filled]))
+        self.hasher.update(self.bufs[self.cur][:filled].data)
         self.q.put((self.cur, filled))
         self.cur, self.fill = 1 - self.cur, 0
 
@@ -131,7 +131,7 @@ class ShardSink:
                     padded = -(-filled // ALIGN) * ALIGN
                     if padded != filled:
                         self.bufs[idx][filled:padded] = 0
-                    fsio.write_all(self.fd, memoryview(self.bufs[idx][:padded]), "shard.data", self.path)
+                    fsio.write_all(self.fd, self.bufs[idx][:padded].data, "shard.data", self.path)
             except BaseException as exc:  # handed to the producer, raised on its thread
                 self.error = exc
             finally:
