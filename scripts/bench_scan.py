@@ -10,7 +10,8 @@ validates). A share of directories (1 - complete fraction) gets no marker, as ki
 Times, median of --repeat runs each:
   latest   store.find_latest        (newest-first, stops at the first complete)
   list     store.list_checkpoints   (every directory inspected: marker, manifest, sizes)
-  status   status.compute_status    (list + metrics + event log; Slurm seam stubbed out)
+  status   status.compute_status    (newest 20 rows + event log, as the CLI; Slurm seam stubbed out)
+  status --limit 0                  (every directory inspected)
   plan     retention.scan + plan_prune
 warm (page cache hot) and cold (after `echo 3 > /proc/sys/vm/drop_caches`, root only; skipped
 otherwise). Prints a table and then one JSON object. A benchmark, not a test.
@@ -107,7 +108,8 @@ def main() -> int:
         cases: dict[str, Callable[[], object]] = {
             "latest": lambda: find_latest(root, warn=False),
             "list": lambda: list_checkpoints(root),
-            "status": lambda: status.compute_status(root),
+            "status": lambda: status.compute_status(root, rows_limit=20),  # what `slurmresume status` does
+            "status --limit 0": lambda: status.compute_status(root),
             "plan": lambda: plan_prune(scan(root), RetentionPolicy(keep=3), time.time()),
         }
         results = {}

@@ -141,7 +141,7 @@ def _checkpoint_table(st: Status, limit: int) -> RenderableType:
         checksum = {None: "-", True: "ok", False: "FAILED"}[r.verified]
         t.add_row(str(r.step), state, f"{when(r.created, short=True)} ({format_duration(r.age_seconds)})",
                   size(r.bytes), str(r.shards or "-"), checksum, metrics_text(r.metrics))
-    hidden = len(st.checkpoints) - len(shown)
+    hidden = len(st.checkpoints) - len(shown) + st.omitted
     if not hidden:
         return t
     return Group(t, Text(f"... {hidden} older not shown (--limit 0 shows all)", style="dim"))

@@ -68,7 +68,7 @@ def status(
 
     def compute() -> Any:
         return compute_status(root, job_id=job, best_metric=best, mode=mode.value, verify=verify,
-                              with_interval=True)
+                              with_interval=True, rows_limit=limit or None)
 
     if interval is not None:
         _render.watch(compute, interval, limit)

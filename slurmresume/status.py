@@ -15,6 +15,8 @@
                    |"incomplete", created, age_seconds, bytes, shards: int|null,
                    verified: bool|null (null: not checked), metrics, newest, best, problem}]
     newest_complete  step or null;  best: {metric, mode, step, value} or null
+    omitted       only when compute_status(rows_limit=N) left older step directories out (their
+                  number): large roots answer fast; `--limit 0` / `--best` / `--verify` list all
     interval      only with compute_status(with_interval=True): the save interval and its cost
                   (policy.interval_summary; seconds unless named otherwise; null: not known yet)
                   {current_s, source: "logged"|"observed"|null, auto_s (Young/Daly clamped to
@@ -32,13 +34,13 @@ import numbers
 import os
 import shutil
 import stat
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.layout import LOCK
+from . import slurm
+from .checkpoint.layout import LOCK, step_dirs
 from .checkpoint.store import CheckpointInfo, check_checksums, inspect_dir, list_checkpoints
 from .errors import ConfigError, SlurmError
 from .events import read_events
@@ -56,14 +58,7 @@ def run_slurm(args: list[str], timeout: float = 10.0) -> str | None:
     or None when the command is not installed. Raises SlurmError on failure or timeout."""
     if shutil.which(args[0]) is None:
         return None
-    try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"`{' '.join(args)}` did not answer within {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        raise SlurmError(f"`{' '.join(args)}` failed: {lines[-1] if lines else f'exit {proc.returncode}'}")
-    return proc.stdout
+    return slurm.run(args, timeout).stdout
 
 
 @dataclass
@@ -109,6 +104,7 @@ class Status:
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     interval: IntervalSummary | None = None
+    omitted: int = 0
 
     @property
     def health(self) -> str:
@@ -118,6 +114,8 @@ class Status:
         data = asdict(self)
         if data["interval"] is None:
             del data["interval"]
+        if not data["omitted"]:
+            del data["omitted"]
         return plain_json({"schema": SCHEMA, "health": self.health, **data})
 
 
@@ -138,7 +136,8 @@ def plain_json(obj: Any) -> Any:
 
 def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | None = None,
                    mode: str = "min", verify: bool = False, now: float | None = None,
-                   history_limit: int = 20, with_interval: bool = False) -> Status:
+                   history_limit: int = 20, with_interval: bool = False,
+                   rows_limit: int | None = None) -> Status:
     """Snapshot of `root`, its event log and (when Slurm is here) the job. Reads only.
     `with_interval` adds the save-interval section (estimated from the event log).
     Raises ConfigError for a missing root, a bad mode, or a `best_metric` no complete
@@ -152,7 +151,8 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
     events = read_events(root)
     job_id = job_id or next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
     job, slurm_note = query_job(job_id)
-    rows, best = _checkpoint_rows(root, best_metric, mode, verify, now)
+    limit = None if (best_metric or verify) else rows_limit
+    rows, best, omitted = _checkpoint_rows(root, best_metric, mode, verify, now, limit)
     counts: dict[str, int] = {}
     for e in events:
         counts[e["event"]] = counts.get(e["event"], 0) + 1
@@ -195,26 +195,40 @@ def query_job(job_id: str | None) -> tuple[JobInfo, str | None]:
     return job, note
 
 
-def _checkpoint_rows(root: Path, best_metric: str | None, mode: str, verify: bool,
-                     now: float) -> tuple[list[CheckpointRow], dict[str, Any] | None]:
-    infos = list_checkpoints(root)
+def _inspect_rows(root: Path, limit: int | None) -> tuple[list[CheckpointInfo], int]:
+    """Newest first: all step directories, or the newest `limit` (continuing past them until a
+    complete one is found), plus how many older ones were left out."""
+    if limit is None:
+        return list_checkpoints(root), 0
+    dirs = step_dirs(root)
+    infos: list[CheckpointInfo] = []
+    for step, path in dirs:
+        if len(infos) >= limit and any(i.complete for i in infos):
+            break
+        infos.append(inspect_dir(step, path))
+    return infos, len(dirs) - len(infos)
+
+
+def _checkpoint_rows(root: Path, best_metric: str | None, mode: str, verify: bool, now: float,
+                     limit: int | None = None) -> tuple[list[CheckpointRow], dict[str, Any] | None, int]:
+    infos, omitted = _inspect_rows(root, limit)
     records = [record_from_info(i) for i in infos]
     rows = [_row(i, r, verify, now) for i, r in zip(infos, records, strict=True)]
     newest = next((row for row in rows if row.state == "complete"), None)
     if newest is not None:
         newest.newest = True
     if not best_metric:
-        return rows, None
+        return rows, None, omitted
     best = best_record(records, best_metric, mode)
     if best is None:
         if any(r.complete for r in records):
             raise ConfigError(f"no complete checkpoint records metric {best_metric!r}; "
                               f"metrics found: {', '.join(metric_names(records)) or 'none'}")
-        return rows, None
+        return rows, None, omitted
     for row in rows:
         row.best = row.name == best.name
     return rows, {"metric": best_metric, "mode": mode, "step": best.step,
-                  "value": metric_value(best.metrics, best_metric)}
+                  "value": metric_value(best.metrics, best_metric)}, omitted
 
 
 def _row(info: CheckpointInfo, rec: Any, verify: bool, now: float) -> CheckpointRow:
