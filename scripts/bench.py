@@ -201,7 +201,9 @@ def bench_size(gib: float, dtype: torch.dtype, repeats: int, work: Path) -> dict
                 continue
             record("slurmresume async blocking", blocking)
             record("slurmresume async total", total)
-        target = Holder({k: torch.empty_like(v).zero_() for k, v in state.items()})
+        for v in copies.values():
+            v.zero_()
+        target = Holder(copies)  # reuse the copy buffers: a 4 GiB run must fit in 24 GiB
 
         def restore(target: Holder = target) -> None:
             slurmresume.Checkpointer(work / "ours", handle_signals=False).restore({"m": target})
@@ -211,6 +213,8 @@ def bench_size(gib: float, dtype: torch.dtype, repeats: int, work: Path) -> dict
         record("slurmresume restore (page cache)", timed(restore))
         assert all(torch.equal(target.tensors[k], state[k]) for k in list(state)[:3])
     del dcp_stager
+    ack.close()
+    ck.close()
     med = {k: statistics.median(v) for k, v in results.items()}
     return {"gib": gib, "bytes": nbytes, "largest_tensor_bytes": largest, "dtype": str(dtype), "seconds": med,
             "all": results, "peak_extra_bytes": memory}
@@ -321,7 +325,12 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(28000 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)  # DCP async_save wants a process group
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    sizes = [bench_size(float(s), getattr(torch, args.dtype), args.repeats, work) for s in args.sizes.split(",")]
+    import gc
+
+    sizes = []
+    for s in args.sizes.split(","):
+        sizes.append(bench_size(float(s), getattr(torch, args.dtype), args.repeats, work))
+        gc.collect()
     scan = bench_scan(work)
     dist.destroy_process_group()
     agree = bench_agreement()
