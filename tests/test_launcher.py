@@ -58,6 +58,19 @@ def start_local(tmp_path: Path, nproc: int, steps: int, sleep: float = 0.05, wor
     return proc, root, piddir
 
 
+def signal_when(proc: subprocess.Popen, ready, send, what: str, timeout: float = 180) -> str:
+    """Wait for `ready()`, call `send()`, then wait for the launcher to exit; returns its output.
+    The whole process group is killed if anything goes wrong."""
+    try:
+        wait_for(ready, what=what)
+        send()
+        out, _ = proc.communicate(timeout=timeout)
+        return out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def descendants_alive(marker: str) -> list[int]:
     out = []
     for pid in os.listdir("/proc"):
@@ -74,16 +87,11 @@ def descendants_alive(marker: str) -> list[int]:
 @pytest.mark.parametrize("delivery", ["launcher-only", "process-group"])
 def test_one_save_one_restart_per_warning(tmp_path: Path, delivery: str) -> None:
     proc, root, piddir = start_local(tmp_path, nproc=2, steps=60)
-    try:
-        wait_for(lambda: progress(piddir) >= 5, what="training to reach step 5")
-        if delivery == "launcher-only":
-            os.kill(proc.pid, signal.SIGUSR1)  # what Slurm does under proctrack/cgroup
-        else:
-            os.killpg(proc.pid, signal.SIGUSR1)  # linuxproc: every process, workers told twice
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    # launcher-only: what Slurm does under proctrack/cgroup; process-group: linuxproc, where
+    # every process hears it and the workers are told twice
+    send = os.kill if delivery == "launcher-only" else os.killpg
+    out = signal_when(proc, lambda: progress(piddir) >= 5, lambda: send(proc.pid, signal.SIGUSR1),
+                      "training to reach step 5")
     assert proc.returncode == 0, out
     ev = events(root)
     saves = [e for e in ev if e["event"] == "exit_after_save"]
@@ -106,13 +114,9 @@ def test_signal_to_one_rank_saves_same_step_on_both(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              str(SIG_TRAIN), "200", "0.05"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        wait_for(lambda: progress(piddir, 1) >= 3, what="rank 1 to reach step 3")
-        os.kill(int((piddir / "rank1.pid").read_text()), signal.SIGUSR1)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out = signal_when(proc, lambda: progress(piddir, 1) >= 3,
+                      lambda: os.kill(int((piddir / "rank1.pid").read_text()), signal.SIGUSR1),
+                      "rank 1 to reach step 3")
     ev = events(root)
     agreed = [e for e in ev if e["event"] == "signal_agreed"]
     commits = [e for e in ev if e["event"] == "save_committed"]
@@ -127,13 +131,8 @@ def test_signal_to_one_rank_saves_same_step_on_both(tmp_path: Path) -> None:
 def test_dataloader_workers_survive_group_signal(tmp_path: Path) -> None:
     """num_workers=2 under a process-group signal: workers neither die nor swallow it."""
     proc, root, piddir = start_local(tmp_path, nproc=1, steps=40, workers=2)
-    try:
-        wait_for(lambda: progress(piddir) >= 5, what="training to reach step 5")
-        os.killpg(proc.pid, signal.SIGUSR1)
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out = signal_when(proc, lambda: progress(piddir) >= 5, lambda: os.killpg(proc.pid, signal.SIGUSR1),
+                      "training to reach step 5")
     assert proc.returncode == 0, out
     ev = events(root)
     assert [e["event"] for e in ev].count("exit_after_save") == 1
@@ -162,13 +161,8 @@ def test_handlers_installed_in_main_thread_only_and_restored(tmp_path: Path) -> 
 
 def test_sigterm_saves_without_requeue(tmp_path: Path) -> None:
     proc, root, piddir = start_local(tmp_path, nproc=1, steps=200)
-    try:
-        wait_for(lambda: progress(piddir) >= 4, what="training to reach step 4")
-        os.kill(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out = signal_when(proc, lambda: progress(piddir) >= 4, lambda: os.kill(proc.pid, signal.SIGTERM),
+                      "training to reach step 4")
     ev = events(root)
     exits = [e for e in ev if e["event"] == "exit_after_save"]
     assert len(exits) == 1 and exits[0]["kind"] == "terminate", out
