@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import unicodedata
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,8 @@ from typing import Any
 from .errors import ConfigError
 from .signals import parse_signal
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_BAD_CATEGORIES = {"Cc", "Cf", "Zl", "Zp"}  # controls, format characters, line/paragraph separators
 _SLURM_TIME = re.compile(r"^(\d+)$|^(\d+):(\d{1,2})$|^(\d+):(\d{1,2}):(\d{1,2})$|"
                          r"^(\d+)-(\d+)$|^(\d+)-(\d+):(\d{1,2})$|^(\d+)-(\d+):(\d{1,2}):(\d{1,2})$")
 _NAME = re.compile(r"^[A-Za-z0-9_.,+:=@%-]+$")  # partition/account/qos/job names (commas: lists)
@@ -23,8 +25,10 @@ _RESERVED_SBATCH = {"signal", "requeue", "no-requeue", "open-mode", "output", "e
 
 
 def check_text(what: str, value: str) -> str:
-    """Refuse control characters: in an #SBATCH line a newline becomes an executed shell line."""
-    if _CONTROL.search(value):
+    """Refuse control characters: in an #SBATCH line a newline becomes an executed shell line.
+    Besides ASCII controls this refuses C1 controls (NEL), Unicode line/paragraph separators and
+    invisible format characters (BOM, bidi overrides), which some tools also treat as breaks."""
+    if _CONTROL.search(value) or any(unicodedata.category(c) in _BAD_CATEGORIES for c in value):
         raise ConfigError(f"{what} contains a newline or control character ({value!r}): remove it")
     return value
 

@@ -95,6 +95,9 @@ def test_defaults_from_pyproject_cli_wins(tmp_path: Path, monkeypatch: pytest.Mo
         ([str(EXAMPLE), "--job-name", "a\nb"], "newline"),
         ([str(EXAMPLE), "--sbatch", "comment=x\n#SBATCH --wrap=evil"], "newline"),
         ([str(EXAMPLE), "--", "--lr", "1\nrm -rf ~"], "newline"),
+        ([str(EXAMPLE), "--job-name", "a\u2028touch PWNED"], "control character"),  # Unicode line separator
+        ([str(EXAMPLE), "--qos", "\x85x"], "control character"),  # C1 NEL
+        ([str(EXAMPLE), "--", "\ufeffx"], "control character"),  # BOM (format character)
     ],
 )
 def test_bad_input_is_one_line_and_submits_nothing(tmp_path: Path, args: list[str], message: str) -> None:
