@@ -12,6 +12,7 @@ Call order (every rank, same order):
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -142,6 +143,10 @@ class Checkpointer:
         self._time_due_posted = False
         self._blocking_s: float | None = None
         self._closed = False
+        # gloo groups still alive at interpreter teardown can abort the process ("terminate
+        # called without an active exception") after a successful run; release ours at exit
+        # even when the script forgets close(). Local only: no collective runs at exit.
+        atexit.register(self._release_at_exit)
         self.async_save = async_save
         self.async_overlap = async_overlap
         self._pool = SnapshotPool()
@@ -296,6 +301,15 @@ class Checkpointer:
             if self.on_save_error == "raise":
                 raise
             log.warning("%s; training continues without this checkpoint", exc)
+
+    def _release_at_exit(self) -> None:
+        if self._closed or (self._inflight is not None and self._inflight.is_alive()):
+            return
+        self._closed = True
+        if self.flag is not None:
+            self.flag.uninstall()
+        for g in (self.agree_group, self.group):
+            g.destroy()
 
     def _check_open(self) -> None:
         if self._closed:
