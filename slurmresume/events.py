@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
+from .checkpoint.fsio import makedirs
 from .checkpoint.layout import EVENTS
 
 MAX_EVENT_LOG = 64 << 20
+log = logging.getLogger("slurmresume")
 
 
 def append_event(root: Path, name: str, /, **fields: Any) -> None:
@@ -26,9 +31,18 @@ def append_event(root: Path, name: str, /, **fields: Any) -> None:
         **fields,
     }
     line = (json.dumps(record, separators=(",", ":"), default=str) + "\n").encode()
-    root.mkdir(parents=True, exist_ok=True, mode=0o755)
-    fd = os.open(root / EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    makedirs(root, 0o755)
+    path = root / EVENTS
+    odd = f"event log {path} is not a regular file (a link, FIFO or device?): remove it"
+    try:  # O_NONBLOCK: a FIFO planted in its place fails here (ENXIO) instead of blocking forever
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise OSError(exc.errno, odd, str(path)) from None
+        raise
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, odd, str(path))
         os.write(fd, line)
     finally:
         os.close(fd)
@@ -37,11 +51,19 @@ def append_event(root: Path, name: str, /, **fields: Any) -> None:
 def read_events(root: Path) -> list[dict[str, Any]]:
     """All well-formed events, oldest first; a torn or foreign line is skipped."""
     path = root / EVENTS
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_EVENT_LOG)
+    try:  # never follow a link, never block on a FIFO, never read a device
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return []
+    except OSError as exc:
+        log.warning("ignoring event log %s: %s (a symbolic link?)", path, exc.strerror)
+        return []
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        log.warning("ignoring event log %s: not a regular file", path)
+        return []
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_EVENT_LOG)
     out = []
     for line in data.splitlines():
         try:

@@ -79,7 +79,9 @@ class Submitted:
 
 
 def make_executor(spec: JobSpec) -> Any:
-    spec.logs.mkdir(parents=True, exist_ok=True, mode=0o755)
+    from .checkpoint.fsio import makedirs
+
+    makedirs(spec.logs)  # no group/world write on the root or the logs, whatever the parents
     cls = _executor_class()
     ex = cls(folder=str(spec.logs / "%j"), max_num_timeout=0, python=spec.python)
     ex.warning_signal = spec.warning_signal

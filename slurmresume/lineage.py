@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from .checkpoint.commit import move_aside, root_lock
+from .checkpoint.fsio import makedirs
 from .checkpoint.layout import parse_step_dir, step_dir_name, step_dirs
 from .checkpoint.store import inspect_dir
 from .errors import ConfigError
@@ -59,7 +60,7 @@ def _branch(src_root: Path, step: int, new_root: Path) -> Path:
         raise ConfigError("--branch must name a new checkpoint root, not the current one")
     if new_root.exists() and any(new_root.iterdir()):
         raise ConfigError(f"--branch {new_root} exists and is not empty: choose a new directory")
-    new_root.mkdir(parents=True, exist_ok=True, mode=0o755)
+    makedirs(new_root)
     src, dst = src_root / step_dir_name(step), new_root / step_dir_name(step)
     tmp = new_root / f".branching.{step_dir_name(step)}"
     tmp.mkdir(mode=0o755)

@@ -258,7 +258,7 @@ def _writer_may_run(note: Path) -> bool:
         finally:
             os.close(fd)
         pid, host = int(data["pid"]), str(data["host"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # a hostile note: may run
         return True
     if host != socket.gethostname() or pid <= 0:
         return True

@@ -38,7 +38,8 @@ LOCK_TIMEOUT = 120.0
 
 
 def root_lock(root: Path, timeout: float = LOCK_TIMEOUT) -> FileLock:
-    return FileLock(str(root / LOCK), timeout=timeout, mode=0o644)
+    # filelock chmods the file to exactly `mode`: take the umask off, as for every other file
+    return FileLock(str(root / LOCK), timeout=timeout, mode=0o644 & ~fsio.umask())
 
 
 def move_aside(path: Path, label: str = "aside") -> None:
@@ -51,9 +52,10 @@ def move_aside(path: Path, label: str = "aside") -> None:
 
 def prepare(root: Path, step: int) -> dict[str, Any]:
     """Rank 0. Returns {"action": "write"|"skip"|"error", ...}; never raises."""
+    d = root / step_dir_name(step)
+    created = False
     try:
-        root.mkdir(parents=True, exist_ok=True, mode=0o755)
-        d = root / step_dir_name(step)
+        fsio.makedirs(root, 0o755)
         with root_lock(root):
             if (d / MARKER).exists():
                 info = inspect_dir(step, d)  # manifest + sizes; a corrupt one is rewritten
@@ -63,12 +65,16 @@ def prepare(root: Path, step: int) -> dict[str, Any]:
             if d.exists() or d.is_symlink():
                 move_aside(d, "stale")
             d.mkdir(mode=0o755)
+            created = True
             note = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
             fsio.write_durable(d / INPROGRESS, dumps(note).encode(), "inprogress")
             fsio.fsync_dir(root, "root")
         return {"action": "write"}
     except Exception as exc:
-        return {"action": "error", "error": _describe(exc, root)}
+        error = _describe(exc, root)  # before the clean-up frees space or inodes
+        if created:
+            abandon(d)
+        return {"action": "error", "error": error}
 
 
 def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: list,
@@ -83,35 +89,63 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: lis
     d = root / step_dir_name(step)
     file = shard_name(group.rank, group.world_size)
     try:
-        d.mkdir(parents=True, exist_ok=True, mode=0o755)
+        fsio.makedirs(d, 0o755)
         written = write_shard(d, file, tensors, {SKELETON_KEY: dumps(skeleton), "format": "pt"})
         fsio.fsync_dir(d, "step")
         return {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
                 "tensors": written.tensors, "replicated": sorted(replicated or ()) if group.rank == 0 else [],
                 "error": None}
     except Exception as exc:
+        error = _describe(exc, d / file)  # before the clean-up frees space or inodes
         _cleanup_temp(d, file)
-        return {"rank": group.rank, "file": file, "error": _describe(exc, d / file)}
+        return {"rank": group.rank, "file": file, "error": error}
 
 
 def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any) -> dict[str, Any]:
     """Rank 0: manifest, then the marker. Returns {"ok": bool, "error"?, "path"}."""
     d = root / step_dir_name(step)
+    files = [r["file"] for r in reports if isinstance(r.get("file"), str)]
     errors = [r["error"] for r in reports if r.get("error")]
     if errors:
+        abandon(d, files)
         return {"ok": False, "error": errors[0]}
     try:
         manifest = build_manifest(step, reports, metrics, meta)
         raw = dumps(manifest).encode()
         fsio.write_durable(d / MANIFEST, raw, "manifest")
         with root_lock(root):
-            fsio.write_durable(d / MARKER, marker_bytes(step, raw), "marker")
-            fsio.unlink(d / INPROGRESS, "inprogress")
-            fsio.fsync_dir(d, "step")
-            fsio.fsync_dir(root, "root")
+            try:
+                fsio.write_durable(d / MARKER, marker_bytes(step, raw), "marker")
+                fsio.unlink(d / INPROGRESS, "inprogress")
+                fsio.fsync_dir(d, "step")
+                fsio.fsync_dir(root, "root")
+            except BaseException:
+                # The marker may already be in place (a failed fsync after its rename): take it
+                # back before releasing the lock, so that no prune or restore counts a step the
+                # caller is told was not committed.
+                fsio._unlink_quiet(d / MARKER)
+                raise
         return {"ok": True, "path": str(d)}
     except Exception as exc:
-        return {"ok": False, "error": _describe(exc, d)}
+        error = _describe(exc, d)  # before the clean-up frees space or inodes
+        abandon(d, files)
+        return {"ok": False, "error": error}
+
+
+def abandon(d: Path, files: list[str] | tuple[str, ...] = ()) -> None:
+    """After a failed save (every rank has reported): no commit marker may remain, and the
+    failed step's files must not keep holding disk space (on a full disk they would make the
+    next save fail too). Best effort; the directory stays, incomplete, and is replaced by the
+    next save of that step. The `.inprogress` note goes last, so the directory no longer looks
+    like one being written by this (still running) process."""
+    for name in (MARKER, MANIFEST, *files):
+        fsio._unlink_quiet(d / name)
+    try:
+        for p in d.glob(".*.tmp.*"):
+            fsio._unlink_quiet(p)
+    except OSError:
+        pass
+    fsio._unlink_quiet(d / INPROGRESS)
 
 
 def _cleanup_temp(d: Path, file: str) -> None:
@@ -123,18 +157,36 @@ def _cleanup_temp(d: Path, file: str) -> None:
 
 
 def _describe(exc: BaseException, path: Path) -> str:
+    """One line: what failed, on which file, and (disk full) how much space is free and needed."""
     import errno
 
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        try:
-            free = shutil.disk_usage(path if path.exists() else path.parent).free
-        except OSError:
-            free = -1
-        return (f"no space left on device while writing {path} ({free} bytes free): "
+    where = Path(getattr(exc, "slurmresume_path", None) or path)
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        needed = getattr(exc, "slurmresume_needed", None)
+        free, inodes = _free_space(where)
+        what = "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+        need = f", {needed} bytes needed" if needed is not None else ""
+        ino = "; no free inodes left (the file system ran out of files, not bytes)" if inodes == 0 else ""
+        return (f"{what} while writing {where} ({free} bytes free{need}{ino}): "
                 "free space or point the checkpoint root elsewhere")
+    if isinstance(exc, OSError) and exc.errno == errno.ELOOP and Path(exc.filename or "").name == LOCK:
+        return (f"lock file {exc.filename} is a symbolic link: refusing to follow it; inspect it, remove it "
+                f"(rm {exc.filename}) and retry")
     if isinstance(exc, PermissionError):
-        return f"permission denied writing {path}: make the checkpoint root writable or choose another"
-    return f"{type(exc).__name__} while writing {path}: {exc}"
+        return f"permission denied writing {where}: make the checkpoint root writable or choose another"
+    return f"{type(exc).__name__} while writing {where}: {exc}"
+
+
+def _free_space(path: Path) -> tuple[int, int | None]:
+    """(bytes free to this user, inodes free or None when the file system does not count them)
+    of the nearest existing directory at or above `path`; (-1, None) when unknown."""
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize, (st.f_favail if st.f_files else None)
+    return -1, None
 
 
 def raise_if_failed(outcome: dict[str, Any]) -> None:

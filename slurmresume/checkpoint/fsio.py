@@ -78,24 +78,74 @@ def write_all(fd: int, data: memoryview | bytes, label: str, path: str | os.Path
         view = view[n:]
 
 
+def note_failure(exc: BaseException, path: str | os.PathLike[str], needed: int | None = None) -> None:
+    """Attach to a failed write's OSError which file it was writing and how many bytes that
+    file needs, so that the error message can name both (ENOSPC: "... bytes needed")."""
+    if isinstance(exc, OSError):
+        if getattr(exc, "slurmresume_path", None) is None:
+            exc.slurmresume_path = os.fspath(path)  # type: ignore[attr-defined]
+        if needed is not None and getattr(exc, "slurmresume_needed", None) is None:
+            exc.slurmresume_needed = needed  # type: ignore[attr-defined]
+
+
 def write_durable(path: Path, data: bytes, label: str, mode: int = 0o644) -> None:
     """Write `data` to `path` atomically and durably: temp file, fsync, rename, dir fsync."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    except BaseException as exc:
+        note_failure(exc, path, len(data))
+        raise
     try:
         write_all(fd, data, label, tmp)
         fsync_fd(fd, label, tmp)
-    except BaseException:
+    except BaseException as exc:
         os.close(fd)
         _unlink_quiet(tmp)
+        note_failure(exc, path, len(data))
         raise
     os.close(fd)
     try:
         rename(tmp, path, label)
-    except BaseException:
+    except BaseException as exc:
         _unlink_quiet(tmp)
+        note_failure(exc, path, len(data))
         raise
-    fsync_dir(path.parent, label)
+    try:
+        fsync_dir(path.parent, label)
+    except BaseException as exc:
+        note_failure(exc, path.parent)
+        raise
+
+
+def makedirs(path: Path, mode: int = 0o755) -> None:
+    """`mkdir -p` where every directory created gets `mode` (less the umask). Path.mkdir(parents=True)
+    gives the parents 0o777 less the umask: group- or world-writable under umask 002 / 000."""
+    missing = []
+    p = Path(path)
+    while not p.is_dir():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=mode)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (os.umask() would, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def unlink(path: Path, label: str) -> None:

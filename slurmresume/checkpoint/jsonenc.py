@@ -160,6 +160,8 @@ def dumps(data: Any) -> str:
 
 def loads(text: str | bytes, what: str) -> Any:
     """Parse untrusted JSON: bounded size, no duplicate keys, no NaN/Infinity literals."""
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise UnsafeCheckpointError(f"{what} is a {type(text).__name__}, not JSON text")
     if len(text) > MAX_JSON_BYTES:
         raise UnsafeCheckpointError(f"{what} is {len(text)} bytes, over the {MAX_JSON_BYTES} limit")
 

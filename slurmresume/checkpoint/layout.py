@@ -25,8 +25,10 @@ LOCK = ".slurmresume.lock"
 DELETING_PREFIX = ".deleting."
 STEP_DIGITS = 9
 
-_STEP_RE = re.compile(rf"^step_(\d{{{STEP_DIGITS},}})$")
-_SHARD_RE = re.compile(r"^rank-(\d{5})-of-(\d{5})\.safetensors$")
+# ASCII digits and fullmatch: `\d` also matches other scripts' digits (which int() accepts) and
+# `$` matches before a trailing newline, so "step_000000005\n" would pass as step 5.
+_STEP_RE = re.compile(rf"step_([0-9]{{{STEP_DIGITS},}})")
+_SHARD_RE = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.safetensors")
 
 
 def step_dir_name(step: int) -> str:
@@ -37,8 +39,11 @@ def step_dir_name(step: int) -> str:
 
 def parse_step_dir(name: str) -> int | None:
     """The step of a directory name, or None when the name is not a step directory."""
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    m = _STEP_RE.fullmatch(name)
+    if not m:
+        return None
+    step = int(m.group(1))
+    return step if step_dir_name(step) == name else None  # one name per step: no "step_0000000005"
 
 
 def shard_name(rank: int, world_size: int) -> str:
@@ -47,7 +52,7 @@ def shard_name(rank: int, world_size: int) -> str:
 
 def is_plain_shard_name(name: object) -> bool:
     """True for a manifest file name we are willing to open: no path parts, our pattern."""
-    return isinstance(name, str) and _SHARD_RE.match(name) is not None
+    return isinstance(name, str) and _SHARD_RE.fullmatch(name) is not None
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from .layout import FORMAT, MANIFEST, MARKER, is_plain_shard_name
 
 MAX_MANIFEST = 64 << 20
 MAX_MARKER = 4096
+MAX_TIME = 1e11  # epoch seconds (year 5138): what time.strftime and datetime can render
 
 
 def build_manifest(step: int, reports: list[dict], metrics: Any, meta: Any) -> dict:
@@ -89,13 +89,20 @@ def _read_bounded(path: Path, limit: int, what: str) -> bytes:
 def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
     """Read and validate manifest + marker of a step directory. Raises CorruptCheckpointError
     (or UnsafeCheckpointError) naming the file; never reads outside `step_dir`."""
+    if step_dir.is_symlink():  # its files would be read from wherever the link points
+        raise UnsafeCheckpointError(f"refusing checkpoint {step_dir}: not a real directory (a symbolic link)")
     marker_raw = _read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
     raw = _read_bounded(step_dir / MANIFEST, MAX_MANIFEST, "manifest")
     marker = loads(marker_raw, f"commit marker {step_dir / MARKER}")
     if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(raw):
-        raise CorruptCheckpointError(f"manifest {step_dir / MANIFEST} does not match its commit marker (edited?)")
+        raise CorruptCheckpointError(f"manifest {step_dir / MANIFEST} does not match its commit marker "
+                                     f"{step_dir / MARKER} (edited?)")
     data = loads(raw, f"manifest {step_dir / MANIFEST}")
-    return validate_manifest(data, step_dir, expected_step)
+    manifest = validate_manifest(data, step_dir, expected_step)
+    if marker.get("step") != manifest.step:
+        raise CorruptCheckpointError(f"commit marker {step_dir / MARKER} is for step {marker.get('step')!r}, "
+                                     f"the manifest for step {manifest.step}")
+    return manifest
 
 
 def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> Manifest:
@@ -131,8 +138,8 @@ def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> M
     if not isinstance(tensors, list):
         raise bad("tensor index is missing")
     created = data.get("created")
-    if not isinstance(created, (int, float)) or not math.isfinite(created):
-        raise bad("created time is missing")
+    if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < MAX_TIME:
+        raise bad(f"created time {created!r} is missing or not a plausible epoch time")
     return Manifest(step, world, float(created), shards, tensors, data.get("metrics"), data.get("meta"), data)
 
 

@@ -91,21 +91,28 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
     header, index = build_header(tensors, metadata)
     final = directory / file
     tmp = directory / f".{file}.tmp.{os.getpid()}"
-    sink = ShardSink(tmp)
+    needed = len(header) + sum(t.numel() * t.element_size() for _, t in tensors)
+    try:
+        sink = ShardSink(tmp)
+    except BaseException as exc:
+        fsio.note_failure(exc, final, needed)
+        raise
     try:
         fsio._point("write.shard.header", tmp)
         sink.feed(header)
         for _name, t in tensors:
             sink.feed(tensor_bytes(_contiguous_cpu(t)))
         digest = sink.finish()
-    except BaseException:
+    except BaseException as exc:
         sink.abort()
         fsio._unlink_quiet(tmp)
+        fsio.note_failure(exc, final, needed)
         raise
     try:
         fsio.rename(tmp, final, "shard")
-    except BaseException:
+    except BaseException as exc:
         fsio._unlink_quiet(tmp)
+        fsio.note_failure(exc, final, needed)
         raise
     return WrittenShard(file=file, bytes=sink.total, xxh3=digest, tensors=index)
 
@@ -180,8 +187,8 @@ def read_header(directory: Path, file: str, expected_bytes: int) -> tuple[dict, 
                              key=lambda kv: _offsets(path, kv)[0]):
         begin, stop = _offsets(path, (name, info))
         dtype, shape = info.get("dtype"), info.get("shape")
-        if dtype not in _ITEMSIZE or not isinstance(shape, list) or not all(
-            isinstance(d, int) and d >= 0 for d in shape
+        if not isinstance(dtype, str) or dtype not in _ITEMSIZE or not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
         ):
             raise UnsafeCheckpointError(f"tensor {name!r} in {path} has a bad dtype or shape")
         numel = 1
@@ -198,7 +205,8 @@ def read_header(directory: Path, file: str, expected_bytes: int) -> tuple[dict, 
 def _offsets(path: Path, kv: tuple[str, Any]) -> tuple[int, int]:
     info = kv[1]
     offs = info.get("data_offsets") if isinstance(info, dict) else None
-    if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and o >= 0 for o in offs)
+    if not (isinstance(offs, list) and len(offs) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)
             and offs[0] <= offs[1]):
         raise UnsafeCheckpointError(f"tensor {kv[0]!r} in {path} has malformed data_offsets")
     return offs[0], offs[1]

@@ -69,7 +69,8 @@ def check_sizes(info_path: Path, manifest: Manifest) -> None:
 
 
 def check_checksums(path: Path, manifest: Manifest) -> list[str]:
-    """Problems found (empty list: every shard matches its checksum)."""
+    """Problems found (empty list: every shard matches its checksum, and its header and JSON
+    skeleton are what a restore accepts, so that a verified checkpoint also loads)."""
     problems = []
     for s in manifest.shards:
         try:
@@ -79,6 +80,40 @@ def check_checksums(path: Path, manifest: Manifest) -> list[str]:
             continue
         if digest != s["xxh3"]:
             problems.append(f"shard {path / s['file']} fails its checksum (xxh3 {digest}, manifest {s['xxh3']})")
+    return problems or check_structure(path, manifest)
+
+
+def check_structure(path: Path, manifest: Manifest) -> list[str]:
+    """What a loader would refuse in the shards' headers and skeletons (bounds, dtypes, offsets,
+    tags, tensor references), found without reading tensor bytes. Empty list: none."""
+    from .jsonenc import decode, loads
+    from .shard import SKELETON_KEY, read_header
+    from .state import validate_skeleton
+
+    problems: list[str] = []
+    first: set[str] | None = None
+    for s in manifest.shards:
+        where = path / s["file"]
+        try:
+            header, _ = read_header(path, s["file"], s["bytes"])
+            names = {n for n in header if n != "__metadata__"}
+            if first is None:
+                first = names
+            meta = header.get("__metadata__") or {}
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise CorruptCheckpointError(f"metadata of {where} is malformed")
+            skeleton = loads(meta.get(SKELETON_KEY, ""), f"skeleton of {where}")
+            shared = skeleton.get("replicated", []) if isinstance(skeleton, dict) else []
+            if not isinstance(shared, list) or not all(isinstance(n, str) for n in shared):
+                raise CorruptCheckpointError(f"skeleton of {where}: malformed list of replicated tensors")
+            validate_skeleton([], skeleton, names | (set(shared) & first), strict=False)
+            for entry in skeleton["entries"].values():
+                decode(entry["value"], lambda name: None)
+            decode(skeleton.get("library", {}), lambda name: None)
+        except CorruptCheckpointError as exc:
+            problems.append(str(exc))
+        except RecursionError:
+            problems.append(f"skeleton of {where} is nested too deeply")
     return problems
 
 
@@ -101,13 +136,23 @@ def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
         check_sizes(path, info.manifest)
     except CorruptCheckpointError as exc:
         info.problem = str(exc)
-        return info
+        return _unless_vanished(info)
     if verify:
         problems = check_checksums(path, info.manifest)
         info.verified = not problems
         if problems:
             info.problem = "; ".join(problems)
+            return _unless_vanished(info)
     return info
+
+
+def _unless_vanished(info: CheckpointInfo) -> CheckpointInfo:
+    """A prune renames a directory away in one step: files missing because the whole directory
+    went while it was being read mean "deleted", not "corrupt" (no false alarm in `status`)."""
+    if os.path.lexists(info.path):
+        return info
+    return CheckpointInfo(info.step, info.path, False, problem="directory vanished (deleted while being read)",
+                          mtime=info.mtime)
 
 
 def list_checkpoints(root: Path, verify: bool = False) -> list[CheckpointInfo]:

@@ -105,17 +105,20 @@ class ShardSink:
                 os.ftruncate(self.fd, self.total)  # drop the alignment padding of the last block
             fsio.fsync_fd(self.fd, "shard", self.path)
         finally:
-            os.close(self.fd)
+            fd, self.fd = self.fd, -1  # abort() after a failed finish() must not close it again:
+            os.close(fd)  # by then the number may belong to a file another thread opened
         return self.hasher.hexdigest()
 
     def abort(self) -> None:
         if self.direct and self.thread.is_alive():
             self.q.put(None)
             self.thread.join()
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def _raise_if_failed(self) -> None:
         if self.direct and self.error is not None:

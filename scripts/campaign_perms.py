@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Campaign 9: permissions of what slurmresume creates, under umask 022 and 077 (the guarantee)
+and 027, 002, 000 (same rule, reported).
+
+A forked child with the umask set saves into a root that does not exist yet, three levels below
+an existing directory (so that the parents are created too), saves again, fails a save on purpose
+(the failed step's directory stays), prunes (the lock file), appends to the event log, and runs
+`submit --dry-run` (which creates the log directory). Then every path it created is checked:
+
+  directories  mode within 0o755 less the umask
+  files        mode within 0o644 less the umask
+
+so nothing is ever group- or world-writable, and a stricter umask (077) is respected by every
+file, the lock file included. --count repeats the set (the default does it once per umask).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import campaign  # noqa: E402
+from campaign import REPO, Report, fork_call, tail  # noqa: E402
+
+NAME = "perms"
+DEFAULT_COUNT = 1
+GUARANTEED = (0o022, 0o077)
+REPORTED = (0o027, 0o002, 0o000)
+
+
+def _actions(base: Path) -> None:
+    from helpers.core import tiny_state
+    from typer.testing import CliRunner
+
+    from slurmresume import Checkpointer, RetentionPolicy
+    from slurmresume.cli import app
+    from slurmresume.events import append_event
+
+    root = base / "a" / "b" / "root"
+    ck = Checkpointer(root, handle_signals=False, retention=RetentionPolicy(keep=1))
+    ck.save(1, tiny_state(1))
+    ck.save(2, tiny_state(2))
+    campaign.arm({"SLURMRESUME_TEST_FAIL_AT": "write.manifest"})
+    try:
+        ck.save(3, tiny_state(3))
+    except Exception:  # noqa: BLE001 - the failure is the point
+        pass
+    campaign.arm(None)
+    ck.close()
+    append_event(base / "x" / "events-only", "note")
+    res = CliRunner().invoke(app, ["submit", str(REPO / "examples" / "train.py"), "--ckpt-dir", str(base / "sub" / "ck"),
+                                   "--dry-run"])
+    assert res.exit_code == 0, res.output
+
+
+def _check(report: Report, base: Path, umask: int, guaranteed: bool) -> None:
+    trial = f"umask {umask:03o}"
+    for dirpath, dirnames, filenames in os.walk(base):
+        for name in dirnames + filenames:
+            p = Path(dirpath, name)
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            mode = stat.S_IMODE(st.st_mode)
+            allowed = (0o755 if stat.S_ISDIR(st.st_mode) else 0o644) & ~umask
+            rel = p.relative_to(base)
+            report.trials += 1
+            if mode & ~allowed:
+                ours = not str(rel).startswith("sub/ck/logs/")  # submitit writes its own files there
+                what = f"{rel} is {mode:03o}, more than {allowed:03o}"
+                if not ours:
+                    report.stats.setdefault("submitit_files", {})[f"{umask:03o}"] = what
+                elif str(rel).startswith("sub") and stat.S_ISDIR(st.st_mode):
+                    report.known_issue("launch.py:make_executor: spec.logs.mkdir(parents=True) creates the "
+                                       "missing parents (the checkpoint root) with 0o777 less the umask: "
+                                       "group/world-writable under umask 002/000")
+                elif guaranteed:
+                    report.fail(trial, what)
+                else:
+                    report.fail(trial, what + " (a permissive umask; same rule)")
+            report.stats.setdefault("modes", {}).setdefault(f"{umask:03o}", {})[str(rel)] = f"{mode:03o}"
+
+
+def run(seed: int, count: int, work: Path) -> Report:
+    report = Report(NAME, seed, count)
+    for rep in range(max(1, count)):
+        for umask in (*GUARANTEED, *REPORTED):
+            base = work / f"u{umask:03o}-{rep}"
+            shutil.rmtree(base, ignore_errors=True)
+            base.mkdir(parents=True)
+            os.chmod(base, 0o755)
+
+            def child(base: Path = base, umask: int = umask) -> None:
+                os.umask(umask)
+                _actions(base)
+
+            code, sig = fork_call(child, out=work / "child.out")
+            if code != 0:
+                report.fail(f"umask {umask:03o}", f"child failed {code}/{sig}: {tail(work / 'child.out')}")
+                continue
+            _check(report, base, umask, umask in GUARANTEED)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(campaign.main(only=NAME))
