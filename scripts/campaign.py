@@ -177,6 +177,19 @@ def seam_spec(trace: list[str], i: int) -> str:
 
 # -- what is on disk ---------------------------------------------------------------------------
 
+def where(exc: BaseException) -> str:
+    """The innermost frame of `exc` inside the slurmresume package ("slurmresume/rng.py:restore"):
+    which file a crash belongs to."""
+    import traceback
+
+    found = "?"
+    for fr in traceback.extract_tb(exc.__traceback__):
+        parts = Path(fr.filename).parts
+        if "slurmresume" in parts and "scripts" not in parts:
+            found = "/".join(parts[len(parts) - 1 - parts[::-1].index("slurmresume"):]) + f":{fr.name}"
+    return found
+
+
 def tail(path: Path, n: int = 600) -> str:
     """The end of a child's output file, for a failure message."""
     try:

@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import campaign  # noqa: E402
-from campaign import REPO, LogCapture, Report  # noqa: E402
+from campaign import REPO, LogCapture, Report, where  # noqa: E402
 
 NAME = "corrupt"
 DEFAULT_COUNT = 2000
@@ -211,7 +211,8 @@ def run(seed: int, count: int, work: Path) -> Report:
                                   env={**os.environ, "COLUMNS": "200"})
             report.count_stat("cli_verify_runs")
             if step == 2 and (d / MARKER).exists():
-                report.check(proc.returncode == 1 and fname in proc.stderr + proc.stdout, trial,
+                named = fname in proc.stderr + proc.stdout or kind == "edit+mark" and str(d) in proc.stderr
+                report.check(proc.returncode == 1 and named, trial,
                              f"CLI verify --all: exit {proc.returncode}, {proc.stderr.strip()[-300:]}")
             elif step == 3:
                 report.check(proc.returncode == 0, trial, f"CLI verify --all failed on intact data: {proc.stderr}")
@@ -228,8 +229,8 @@ def run(seed: int, count: int, work: Path) -> Report:
         step0, state0, exc0, _ = _restore(root, verify=False)
         if exc0 is not None:
             report.count_stat("default_restore_raised")
-            report.known_issue(f"checkpointer.py: damaged checkpoint raises {type(exc0).__name__} on the "
-                               "default restore instead of falling back")
+            report.known_issue(f"{where(exc0)}: a damaged checkpoint makes the default restore (no checksums) "
+                               f"raise {type(exc0).__name__} instead of falling back")
             report.stats.setdefault("default_restore_raised_examples", [])
             if len(report.stats["default_restore_raised_examples"]) < 5:
                 report.stats["default_restore_raised_examples"].append(f"{trial}: {exc0}")

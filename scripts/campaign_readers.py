@@ -12,7 +12,7 @@ checksum, and checks that the manifest and marker are still there.
 Guarantee: a reader never sees a "complete" checkpoint without all its files whole. In odd rounds
 the writer also applies RetentionPolicy(keep=2) after each commit: then a checkpoint may vanish
 between "complete" and the check, which is allowed only when its whole directory went (a prune's
-single rename) and it was not the newest.
+single rename) and a newer complete checkpoint exists by then.
 
 Local file systems only: NFS may show another node a just-written file late (PITFALLS.md); the
 protocol stays safe there because a reader that sees the marker before the shards finds a size
@@ -112,6 +112,9 @@ while not stop.exists():
             except CorruptCheckpointError as exc:
                 rec["bad"] = str(exc)
             rec["dir_gone"] = not os.path.lexists(info.path)
+            if "bad" in rec and rec["dir_gone"]:
+                now = find_latest(root, warn=False)
+                rec["newer_now"] = now is not None and now.step > info.step
             log.write(json.dumps(rec) + "\n")
         log.write(json.dumps({"incomplete_seen": sum(1 for i in infos if i is not None and not i.complete)}) + "\n")
     except Exception:
@@ -160,7 +163,7 @@ def one_round(report: Report, work: Path, rnd: int) -> None:
             report.count_stat("complete_observations")
             if "bad" not in e:
                 continue
-            if retain and e["dir_gone"] and not e["newest"]:
+            if retain and e["dir_gone"] and e.get("newer_now"):  # pruned: newer ones exist now
                 report.count_stat("pruned_between_list_and_check")
                 continue
             report.count_stat("partial_checkpoints_seen_complete")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,11 +124,12 @@ def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
         st = path.lstat()
     except FileNotFoundError:
         return CheckpointInfo(step, path, False, problem="directory vanished")
-    info = CheckpointInfo(step, path, (path / MARKER).exists(), mtime=st.st_mtime)
-    info.in_progress = (path / INPROGRESS).exists()
-    if not path.is_dir() or path.is_symlink():
+    if not stat.S_ISDIR(st.st_mode):  # from the lstat: a link or a file (not a dir renamed away since)
+        info = CheckpointInfo(step, path, (path / MARKER).exists(), mtime=st.st_mtime)
         info.problem = "not a real directory"
         return info
+    info = CheckpointInfo(step, path, (path / MARKER).exists(), mtime=st.st_mtime)
+    info.in_progress = (path / INPROGRESS).exists()
     if not info.has_marker:
         info.problem = "no commit marker (incomplete or being written)"
         return info
