@@ -63,6 +63,7 @@ class Report:
         self.known: dict[str, int] = {}
         self.stats: dict[str, Any] = {}
         self.started = time.perf_counter()
+        self.elapsed: float | None = None  # set when the run ends
         self.skipped: str | None = None
 
     def fail(self, trial: str, msg: str) -> None:
@@ -85,14 +86,18 @@ class Report:
         return {"campaign": self.name, "seed": self.seed, "count": self.count, "trials": self.trials,
                 "failure_count": self.failure_count, "failures": self.failures, "known_issues": self.known,
                 "stats": self.stats, "skipped": self.skipped,
-                "seconds": round(time.perf_counter() - self.started, 2)}
+                "seconds": round(self.seconds, 2)}
+
+    @property
+    def seconds(self) -> float:
+        return self.elapsed if self.elapsed is not None else time.perf_counter() - self.started
 
     def summary(self) -> str:
         if self.skipped:
             return f"{self.name}: SKIPPED ({self.skipped})"
         known = f", known issues hit: {self.known}" if self.known else ""
         return (f"{self.name}: {self.trials} trials, {self.failure_count} failures{known} "
-                f"({time.perf_counter() - self.started:.1f} s, seed {self.seed})")
+                f"({self.seconds:.1f} s, seed {self.seed})")
 
 
 # -- the fault seam of slurmresume/checkpoint/fsio.py, armed inside this process ---------------
@@ -322,6 +327,7 @@ def main(argv: list[str] | None = None, only: str | None = None) -> int:
         work = base / name if len(names) > 1 else base
         work.mkdir(parents=True, exist_ok=True)
         report = mod.run(args.seed, count, work)
+        report.elapsed = time.perf_counter() - report.started
         reports.append(report)
         print(report.summary(), flush=True)
         if not args.quiet:

@@ -229,7 +229,11 @@ def _judge(report: Report, c: Any, res: dict[str, Any]) -> None:
     report.check(not res.get("opened_pickles"), t, f"opened a planted pickle: {res.get('opened_pickles')}")
     report.check(res.get("growth", 0) <= c.max_growth, t,
                  f"RSS grew by {res.get('growth', 0) >> 20} MiB (budget {c.max_growth >> 20} MiB)")
-    report.stats.setdefault("max_rss_growth_mib", {})[c.name] = round(res.get("growth", 0) / 2**20, 1)
+    mib = round(res.get("growth", 0) / 2**20, 1)
+    if c.name.startswith("fuzz#"):
+        report.stats["fuzz_max_rss_growth_mib"] = max(report.stats.get("fuzz_max_rss_growth_mib", 0), mib)
+    else:
+        report.stats.setdefault("max_rss_growth_mib", {})[c.name] = mib
     for call in res.get("cli", []):
         if call["args"][0] in KNOWN_CLI_CRASHES and "crash" in call:
             report.known_issue(KNOWN_CLI_CRASHES[call["args"][0]])
