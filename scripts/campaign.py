@@ -232,6 +232,22 @@ def complete_steps(root: Path, verify: bool = False) -> list[int]:
     return sorted(i.step for i in list_checkpoints(root, verify=verify) if i.complete)
 
 
+def check_survivors(report: Report, trial: str, root: Path, committed: list[int], keep: int | None) -> list[int]:
+    """The two guarantees every fault campaign checks after its fault: no directory carries a
+    marker without being whole, and no committed checkpoint that must survive (all of them, or
+    the newest `keep` under a prune) is gone. Returns the complete steps now on disk."""
+    half = half_checkpoints(root)
+    report.check(not half, trial, f"marked but not whole: {half}")
+    done = complete_steps(root)
+    universe = set(committed) | set(done)
+    must = set(sorted(universe)[-keep:]) if keep else set(committed)
+    lost = sorted(must - set(done))
+    report.check(not lost, trial, f"committed checkpoint(s) {lost} lost (complete now: {done})")
+    if lost:
+        report.count_stat("lost_committed", len(lost))
+    return done
+
+
 def quiet_logs() -> None:
     """Keep the library's warnings (expected by the hundreds here) off the terminal."""
     import logging

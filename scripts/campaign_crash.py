@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import campaign  # noqa: E402
 from campaign import (  # noqa: E402
     Report,
+    check_survivors,
     complete_steps,
     fork_call,
     half_checkpoints,
@@ -225,15 +226,7 @@ def _check_after_kill(report: Report, trial: str, root: Path, sc: Scenario) -> N
     from slurmresume.checkpoint.store import list_checkpoints
     from slurmresume.retention import RetentionPolicy, execute, leftovers, record_from_info
 
-    half = half_checkpoints(root)
-    report.check(not half, trial, f"marked but not whole: {half}")
-    done = complete_steps(root)
-    universe = set(sc.committed) | set(done)
-    must = set(sorted(universe)[-sc.keep:]) if sc.keep else set(sc.committed)
-    lost = sorted(must - set(done))
-    report.check(not lost, trial, f"committed checkpoint(s) {lost} lost (complete now: {done})")
-    if lost:
-        report.count_stat("lost_committed", len(lost))
+    done = check_survivors(report, trial, root, sc.committed, sc.keep)
     newest = max(done) if done else None
     allowed = {max(sc.committed)} | ({sc.new} if sc.new else set())
     if not report.check(newest in allowed, trial, f"newest complete is {newest}, expected one of {sorted(allowed)}"):

@@ -33,8 +33,8 @@ from campaign import (  # noqa: E402
     LogCapture,
     Report,
     armed,
+    check_survivors,
     complete_steps,
-    half_checkpoints,
     seam_spec,
     temp_leftovers,
     trace_of,
@@ -87,13 +87,7 @@ def _check(report: Report, trial: str, root: Path, sc: cc.Scenario, label: str, 
     from slurmresume.errors import CheckpointError, SaveError
     from slurmresume.retention import RetentionPolicy, execute, leftovers
 
-    half = half_checkpoints(root)
-    report.check(not half, trial, f"marked but not whole: {half}")
-    done = complete_steps(root)
-    universe = set(sc.committed) | set(done)
-    must = set(sorted(universe)[-sc.keep:]) if sc.keep else set(sc.committed)
-    lost = sorted(must - set(done))
-    report.check(not lost, trial, f"complete checkpoint(s) {lost} lost (complete now: {done})")
+    done = check_survivors(report, trial, root, sc.committed, sc.keep)
     new_done = sc.new in done if sc.new is not None else None
     msg = str(exc) if exc is not None else ""
     if exc is None:
