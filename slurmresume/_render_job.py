@@ -45,6 +45,9 @@ def print_drill(report: Any) -> None:
         return
     if report.preemptions == 0:
         console.print("[red]FAIL[/red]: no warning led to a save and restart (is ckpt.step() called every step?)")
+    elif report.missed:
+        console.print(f"[red]FAIL[/red]: {report.missed} of {len(report.planned)} warnings led to no save and "
+                      "restart (is ckpt.step() called after every step, up to the last?)")
     for d in report.differences[:10]:
         console.print(f"[red]FAIL[/red]: {d}", markup=True, highlight=False)
     if len(report.differences) > 10:

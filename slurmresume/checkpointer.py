@@ -28,8 +28,8 @@ from .checkpoint.collective import Group, LaggedMax
 from .checkpoint.jsonenc import encode, loads
 from .checkpoint.layout import step_dir_name
 from .checkpoint.replicas import elastic, replicated_names, tensor_digests
-from .checkpoint.shard import SKELETON_KEY, load_tensors, read_header
-from .checkpoint.state import apply_entries, decode_entries, flatten, validate_skeleton
+from .checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header
+from .checkpoint.state import apply_entries, check_fits, decode_entries, flatten, validate_skeleton
 from .checkpoint.store import CheckpointInfo, find_latest, inspect_dir
 from .errors import (
     CheckpointError,
@@ -52,6 +52,7 @@ from .snapshot import SnapshotPool
 log = logging.getLogger("slurmresume")
 
 ENV_ROOT = "SLURMRESUME_CKPT_DIR"
+DRILL_RELAY_WAIT_S = 30.0  # how long a drill rank waits for the launcher to relay its warning
 
 
 def resolve_root(root: str | os.PathLike[str] | None) -> Path:
@@ -239,12 +240,12 @@ class Checkpointer:
         seconds = time.perf_counter() - started
         if self.rank == 0:
             if outcome["ok"]:
-                append_event(self.root, "save_committed", step=step, seconds=round(seconds, 4), reason=reason,
-                             world_size=self.group.world_size, run_id=os.environ.get("SLURMRESUME_RUN_ID"),
-                             blocking_s=None if self._blocking_s is None else round(self._blocking_s, 4),
-                             interval_s=self._sched.interval_s)
+                self._event("save_committed", step=step, seconds=round(seconds, 4), reason=reason,
+                            world_size=self.group.world_size, run_id=os.environ.get("SLURMRESUME_RUN_ID"),
+                            blocking_s=None if self._blocking_s is None else round(self._blocking_s, 4),
+                            interval_s=self._sched.interval_s)
             else:
-                append_event(self.root, "save_failed", step=step, error=outcome.get("error"), reason=reason)
+                self._event("save_failed", step=step, error=outcome.get("error"), reason=reason)
         _commit.raise_if_failed(outcome)
         self.last_saved_step = step
         self._time_due_posted = False
@@ -252,6 +253,16 @@ class Checkpointer:
         if self.rank == 0 and self.retention is not None:
             self._apply_retention()
         return self.root / step_dir_name(step)
+
+    def _event(self, name: str, **fields: Any) -> bool:
+        """Append to the event log; a failure (disk full, EIO) is logged, never raised: the log is
+        a record, and a committed checkpoint must not turn into an error because of it."""
+        try:
+            append_event(self.root, name, **fields)
+            return True
+        except OSError as exc:
+            log.warning("could not append %r to the event log under %s: %s", name, self.root, exc)
+            return False
 
     def _apply_retention(self) -> None:
         from .retention import apply_policy
@@ -332,21 +343,28 @@ class Checkpointer:
         target = int(os.environ.get("SLURMRESUME_LAUNCHER_PID") or os.getpid())
         log.info("drill: warning signal at step %d to pid %d", step, target)
         os.kill(target, warning_signal_from_env())
+        # The launcher relays on its own clock (every 0.1 s); a fast script could finish its
+        # last steps before the relay lands, and the drill would prove nothing. Hold this rank
+        # until the warning has reached it (other ranks learn of it through the agreement).
+        deadline = time.monotonic() + DRILL_RELAY_WAIT_S
+        while self.flag is not None and self.flag.request == NONE and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if self.flag is not None and self.flag.request == NONE:
+            log.warning("drill: the warning signal did not reach rank 0 within %.0f s", DRILL_RELAY_WAIT_S)
 
     def _emergency(self, step: int, state: Mapping[str, Any], agreed: int, metrics: Any, meta: Any) -> bool:
         kind = "preempt" if agreed == PREEMPT else "terminate"
         if self.rank == 0:
-            append_event(self.root, "signal_agreed", step=step, kind=kind,
-                         run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+            self._event("signal_agreed", step=step, kind=kind, run_id=os.environ.get("SLURMRESUME_RUN_ID"))
         try:
             self.wait()
         except SaveError as exc:  # the emergency save below is what matters now
             log.warning("in-flight async save failed: %s", exc)
         if step != self.last_saved_step:
             self.save(step, state, metrics=metrics, meta=meta, reason=kind)
+        logged = True
         if self.rank == 0:
-            append_event(self.root, "exit_after_save", step=step, kind=kind,
-                         run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+            logged = self._event("exit_after_save", step=step, kind=kind, run_id=os.environ.get("SLURMRESUME_RUN_ID"))
         if not self.exit_on_signal:
             if self.flag is not None:
                 self.flag.request = NONE
@@ -356,8 +374,9 @@ class Checkpointer:
         sys.stdout.flush()
         sys.stderr.flush()
         # Under our launcher the event log says what happened, and a zero exit keeps torchrun
-        # from reporting a failure and killing peers; run bare, the distinct code tells Slurm.
-        if os.environ.get("SLURMRESUME_LAUNCHER_PID"):
+        # from reporting a failure and killing peers; run bare, or when the log could not be
+        # written, the distinct code says it (the launcher then trusts the new commit marker).
+        if os.environ.get("SLURMRESUME_LAUNCHER_PID") and logged:
             os._exit(0)
         os._exit(EXIT_PREEMPTED if agreed == PREEMPT else EXIT_TERMINATED)
 
@@ -399,7 +418,7 @@ class Checkpointer:
                     f"checkpoint {choice['path']} was written by {choice['world_size']} ranks, this run has "
                     f"{self.group.world_size}, and it holds per-rank (sharded) tensors: run with "
                     f"--nodes/--nproc-per-node giving {choice['world_size']} ranks")
-            loaded, error, wrote = self._load_own_shard(choice, targets, list(state), strict)
+            loaded, error, wrote = self._load_own_shard(choice, targets, list(state), strict, state)
             errors = [e for e in self.group.all_gather_json(error) if e]
             if errors and self.group.max_int(int(wrote)):
                 dirty, dirty_error = int(choice["step"]), errors[0]
@@ -437,8 +456,8 @@ class Checkpointer:
                 "shards": info.manifest.shards,
                 "elastic": elastic(info.manifest.tensors, info.manifest.world_size)}
 
-    def _load_own_shard(self, choice: dict, targets: dict | None, keys: list[str],
-                        strict: bool) -> tuple[tuple[dict, Any] | None, str | None, bool]:
+    def _load_own_shard(self, choice: dict, targets: dict | None, keys: list[str], strict: bool,
+                        live: Mapping[str, Any] | None = None) -> tuple[tuple[dict, Any] | None, str | None, bool]:
         """Read and decode this rank's shard without touching user objects (except the fast path's
         direct reads into live tensors). Returns ((decoded entries, library), error, wrote)."""
         # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (see _apply for
@@ -455,16 +474,27 @@ class Checkpointer:
             raw = meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else ""
             skeleton = loads(raw, f"skeleton of {shard['file']}")
             names = {n for n in header if n != "__metadata__"}
-            shared = set(skeleton.get("replicated") or ()) - names if isinstance(skeleton, dict) else set()
+            listed = skeleton.get("replicated") or [] if isinstance(skeleton, dict) else []
+            if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+                raise CorruptCheckpointError(f"skeleton of {shard['file']}: 'replicated' is not a list of names")
+            shared = set(listed) - names
+            infos = {n: header[n] for n in names}
             if shared:
-                names |= {n for n in read_header(directory, first["file"], first["bytes"])[0] if n in shared}
+                header0 = read_header(directory, first["file"], first["bytes"])[0]
+                infos.update({n: header0[n] for n in header0 if n in shared})
+                names |= set(infos)
             validate_skeleton(keys, skeleton, names, strict)
+            if live is not None:  # shapes from the headers: refuse a misfit before any byte is loaded
+                check_fits(live, decode_entries(keys, skeleton, meta_tensors(infos), strict)[0])
             tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], targets)
             if shared:
                 more, _, wrote2 = load_tensors(directory, first["file"], first["bytes"], targets, names=shared)
                 tensors.update(more)
                 wrote = wrote or wrote2
-            return decode_entries(keys, skeleton, tensors, strict), None, wrote
+            decoded, library = decode_entries(keys, skeleton, tensors, strict)
+            if self.rank < choice["world_size"] and isinstance(library, dict) and "rng" in library:
+                rng.validate(library["rng"])  # before _apply touches anything
+            return (decoded, library), None, wrote
         except CheckpointError as exc:
             return None, str(exc), wrote or getattr(exc, "partial_write", False)
 
@@ -492,7 +522,7 @@ class Checkpointer:
         self.restored = inspect_dir(int(choice["step"]), Path(choice["path"]))
         if self.rank == 0:
             log.info("resumed from %s", choice["path"])
-            append_event(self.root, "restored", step=int(choice["step"]), run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+            self._event("restored", step=int(choice["step"]), run_id=os.environ.get("SLURMRESUME_RUN_ID"))
 
     def close(self) -> None:
         """Wait for an in-flight async save, restore the previous signal handlers, release the

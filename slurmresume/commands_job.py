@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from .cli import app, handle_errors
-from .config import JobSpec, load_defaults, parse_sbatch_extras
+from .config import JobSpec, check_text, load_defaults, parse_sbatch_extras
 from .errors import ConfigError
 
 _DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_requeues": 20, "max_failures": 0}
@@ -88,6 +88,9 @@ def submit(
     from ._render_job import print_json, print_submitted
 
     spec = _spec(script, script_args, cli)
+    # The same checks as every other value, before prepare_resume creates or deletes anything.
+    check_text("--resume-from", resume_from or "")
+    check_text("--branch", str(branch or ""))
     if resume_from is not None and not dry_run:
         from dataclasses import replace
 
@@ -144,7 +147,7 @@ def drill(
     report = run_drill(spec, preemptions=preemptions, seed=seed, workdir=workdir, ignore_keys=tuple(ignore or ()))
     if json_out:
         print_json({"ok": report.ok, "steps": report.steps, "planned": report.planned,
-                    "preemptions": report.preemptions, "saved_steps": report.saved_steps,
+                    "preemptions": report.preemptions, "missed": report.missed, "saved_steps": report.saved_steps,
                     "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint}
                                     for d in report.differences]})
     else:

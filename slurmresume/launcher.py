@@ -144,6 +144,11 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
     if exit_event is not None:
         kind = "preempted" if exit_event.get("kind") == "preempt" else "terminated"
         return RunResult(kind, rc, exit_event.get("step"), latest_before, latest_after)
+    if rc != 0 and relay.strongest() is not None and latest_after is not None and latest_after != latest_before:
+        # The workers saved after the signal but could not log it (event log on a full disk), so
+        # they exited non-zero (a clean exit would read as "finished"): the new marker is the proof.
+        kind = "preempted" if relay.strongest() == warn else "terminated"
+        return RunResult(kind, rc, latest_after, latest_before, latest_after)
     if relay.strongest() == signal.SIGTERM:
         return RunResult("terminated", rc, None, latest_before, latest_after)
     return RunResult("finished" if rc == 0 else "failed", rc, None, latest_before, latest_after)

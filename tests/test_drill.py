@@ -21,14 +21,17 @@ def drill(tmp_path: Path, script: Path, *opts: str) -> subprocess.CompletedProce
                            "--json", *opts, *ARGS], capture_output=True, text=True, timeout=600, cwd=tmp_path)
 
 
+# Seed 85 plans the warnings at steps 7 and 23 of 24: the last one races the end of training (a
+# fast script used to finish before the launcher's relay landed, and the drill lost it).
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_drill_passes_on_the_example(tmp_path: Path, nproc: int) -> None:
-    res = drill(tmp_path, EXAMPLE, "--preemptions", "2", "--nproc-per-node", str(nproc), "--seed", "3")
+    res = drill(tmp_path, EXAMPLE, "--preemptions", "2", "--nproc-per-node", str(nproc), "--seed", "85")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     verdict = json.loads(res.stdout[res.stdout.index("{"):])
     assert verdict["ok"] is True and verdict["differences"] == []
-    assert verdict["preemptions"] == 2 and len(verdict["saved_steps"]) == 2
-    assert all(0 < s < 24 for s in verdict["saved_steps"])
+    assert verdict["planned"] == [7, 23]
+    assert verdict["preemptions"] == 2 and verdict["missed"] == 0 and len(verdict["saved_steps"]) == 2
+    assert all(0 < s <= 24 for s in verdict["saved_steps"])  # 2 ranks act one step later (pipelined)
 
 
 def test_drill_fails_on_a_script_that_forgets_its_scheduler(tmp_path: Path) -> None:
