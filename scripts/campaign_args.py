@@ -181,10 +181,7 @@ def _trial(report: Report, env: Env, option: str, value: str, trial: str) -> Non
         report.check(res.exit_code != 0, trial, f"accepted (exit 0): {(res.output or '')[-300:]}")
         report.check(not env.calls.exists(), trial, "the fake sbatch was called")
         report.check(_written(root) == before, trial, "files under the checkpoint root changed")
-        if branch.exists():
-            report.known_issue("commands_job.py:submit: --branch with a control character creates the branch "
-                               "root (hard links + events.jsonl) before the JobSpec check refuses the path")
-            shutil.rmtree(branch, ignore_errors=True)
+        report.check(not branch.exists(), trial, "the refused --branch root was created")
         for p in env.work.iterdir():
             if p.name.startswith("branch"):
                 shutil.rmtree(p, ignore_errors=True)
@@ -212,14 +209,8 @@ def _unicode(report: Report, env: Env) -> None:
             if res.exit_code == 0:
                 text = env.calls.read_bytes() if env.calls.exists() else b""
                 bad = [ln for ln in text.split(b"\n") if ln.lstrip().startswith(payload.encode())]
-                if bad and sep in UNICODE_BREAKS:
-                    report.known_issue("launch.py:add_signal_relay splits the sbatch script with str.splitlines(): "
-                                       "U+2028/U+2029/U+0085 in --sbatch values or paths become new shell lines "
-                                       "(config.check_text lets them through)")
-                    report.stats.setdefault("unicode_injections", []).append(trial)
-                else:
-                    report.check(not bad, trial, f"the payload became its own line: {bad}")
-                    report.count_stat("unicode_accepted_harmless")
+                report.check(not bad, trial, f"the payload became its own line: {bad}")
+                report.count_stat("unicode_accepted_harmless")
             else:
                 report.count_stat("unicode_refused")
             shutil.rmtree(ck, ignore_errors=True)

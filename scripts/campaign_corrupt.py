@@ -228,12 +228,8 @@ def run(seed: int, count: int, work: Path) -> Report:
         # -- the default restore (sizes only), counted apart
         step0, state0, exc0, _ = _restore(root, verify=False)
         if exc0 is not None:
-            report.count_stat("default_restore_raised")
-            report.known_issue(f"{where(exc0)}: a damaged checkpoint makes the default restore (no checksums) "
-                               f"raise {type(exc0).__name__} instead of falling back")
-            report.stats.setdefault("default_restore_raised_examples", [])
-            if len(report.stats["default_restore_raised_examples"]) < 5:
-                report.stats["default_restore_raised_examples"].append(f"{trial}: {exc0}")
+            report.fail(trial, f"the default restore (no checksums) raised {type(exc0).__name__} at {where(exc0)} "
+                               f"instead of falling back: {exc0}")
         else:
             bad0 = _equal(state0, step0) if step0 in (1, 2, 3) else f"restored step {step0}"
             if bad0:

@@ -89,17 +89,9 @@ def _peak() -> int:
     return _status_kib("VmHWM") * 1024
 
 
-# Restore failures whose innermost slurmresume frame is in a file these campaigns do not own (or
-# that need a design decision): known issues, reported in docs/reliability.md, not failures.
-KNOWN_RESTORE = {
-    "slurmresume/rng.py:restore": "rng.py:restore applies an unvalidated RNG state after the model was "
-                                  "loaded (TypeError/OverflowError/RuntimeError escape restore)",
-    "slurmresume/checkpointer.py:_load_own_shard": "checkpointer.py:_load_own_shard trusts the skeleton's "
-                                                   "'replicated' list (TypeError escapes restore)",
-    "slurmresume/checkpoint/state.py:apply_entries": "state.py:apply_entries: load_state_dict of a hostile "
-                                                     "value raises after earlier keys were loaded (no check "
-                                                     "against the live state_dict before the first change)",
-}
+# A refusal by design, not a crash: the checkpoint does not match the script's live state
+# (a key it lacks, a tensor of another shape); restore says so before touching anything.
+MISFIT = ("ConfigError: checkpoint has no entry for state key", "ConfigError: the checkpoint does not fit state[")
 
 
 def _cli(args: list[str]) -> dict[str, Any]:
@@ -126,7 +118,7 @@ def _battery(root: Path, step2: Path, scratch: Path) -> dict[str, Any]:
     from slurmresume.checkpoint.shard import SKELETON_KEY, load_tensors, read_header
     from slurmresume.checkpoint.state import unflatten_into
     from slurmresume.checkpoint.store import find_latest, inspect_dir, list_checkpoints
-    from slurmresume.errors import CorruptCheckpointError
+    from slurmresume.errors import ConfigError, CorruptCheckpointError
     from slurmresume.retention import RetentionPolicy, plan_prune, scan
     from slurmresume.status import compute_status, verify_checkpoints
 
@@ -135,14 +127,10 @@ def _battery(root: Path, step2: Path, scratch: Path) -> dict[str, Any]:
     def guard(what: str, fn: Any) -> Any:
         try:
             return fn()
-        except CorruptCheckpointError as exc:
+        except (CorruptCheckpointError, ConfigError) as exc:  # refused, typed, before any change
             return exc
         except Exception as exc:  # noqa: BLE001
-            where = _where(exc)
-            if where in KNOWN_RESTORE:
-                r.setdefault("known", []).append(where)
-            else:
-                r["crashes"].append(f"{what}: {type(exc).__name__}: {str(exc)[:300]} [{where}]")
+            r["crashes"].append(f"{what}: {type(exc).__name__}: {str(exc)[:300]} [{_where(exc)}]")
             return exc
 
     for verify in (False, True):
@@ -220,8 +208,6 @@ def _child(c: Any, out: Path) -> None:
 
 def _judge(report: Report, c: Any, res: dict[str, Any]) -> None:
     t = f"{c.name} ({c.expect})"
-    for where in set(res.get("known", [])):
-        report.known_issue(KNOWN_RESTORE[where])
     report.check(not res.get("crashes"), t, f"crashed: {res.get('crashes')}")
     report.check(not res.get("events"), t, f"executed or unpickled: {res.get('events')}")
     report.check(not res.get("pwned"), t, "the planted pickle ran")
@@ -398,20 +384,12 @@ def fuzz(report: Report, work: Path, seed: int, count: int) -> None:
             continue
         res = json.loads(out.read_text())
         for v in (False, True):
-            got, where = res.get(f"restore_{v}"), res.get(f"restore_where_{v}", "?")
-            if isinstance(got, str) and got.startswith("ConfigError: checkpoint has no entry for state key"):
-                # by design (state.validate_skeleton): a key the checkpoint lacks is the script's
-                # mismatch, not corruption, so restore says so instead of falling back
-                report.count_stat("fuzz_refused_missing_state_key")
+            got = res.get(f"restore_{v}")
+            if isinstance(got, str) and got.startswith(MISFIT):
+                # by design (state.validate_skeleton / check_fits): a checkpoint that does not match
+                # the script is the script's mismatch, not corruption: refused before any change
+                report.count_stat("fuzz_refused_misfit")
                 res[f"restore_{v}"], res[f"data_ok_{v}"] = 1, True
-                continue
-            if isinstance(got, str) and where in KNOWN_RESTORE:
-                report.known_issue(KNOWN_RESTORE[where])
-                ex = report.stats.setdefault("known_restore_examples", {}).setdefault(where, [])
-                if len(ex) < 3:
-                    ex.append(f"{c.name}: {got[:160]}")
-                res[f"restore_{v}"] = 1  # judged as a refusal: known, reported
-                res[f"data_ok_{v}"] = True
         _judge(report, c, res)
 
 

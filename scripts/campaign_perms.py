@@ -75,10 +75,6 @@ def _check(report: Report, base: Path, umask: int, guaranteed: bool) -> None:
                 what = f"{rel} is {mode:03o}, more than {allowed:03o}"
                 if not ours:
                     report.stats.setdefault("submitit_files", {})[f"{umask:03o}"] = what
-                elif str(rel).startswith("sub") and stat.S_ISDIR(st.st_mode):
-                    report.known_issue("launch.py:make_executor: spec.logs.mkdir(parents=True) creates the "
-                                       "missing parents (the checkpoint root) with 0o777 less the umask: "
-                                       "group/world-writable under umask 002/000")
                 elif guaranteed:
                     report.fail(trial, what)
                 else:

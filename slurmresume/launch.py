@@ -41,7 +41,9 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
 def add_signal_relay(text: str, signal_name: str) -> str:
     """Run srun in the background under traps, so a signal sent to the batch shell only
     (`--signal=B:...`, `scancel --batch`) reaches the step, and the shell does not die of it."""
-    lines = text.splitlines()
+    lines = text.split("\n")  # what bash and sbatch call a line (str.splitlines also breaks at U+2028)
+    if lines and lines[-1] == "":
+        lines.pop()
     idx = next((i for i, line in enumerate(lines) if line.startswith("srun ")), None)
     if idx is None:
         raise SlurmError("submitit produced an sbatch script without an srun line: cannot add the relay")

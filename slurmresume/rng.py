@@ -24,7 +24,33 @@ def capture() -> dict[str, Any]:
     return state
 
 
+def validate(state: Any) -> None:
+    """Check a decoded RNG state by applying it to scratch generators, so that a damaged one is
+    refused (CorruptCheckpointError) while nothing has been restored yet, not half-way through."""
+    import torch
+
+    from .errors import CorruptCheckpointError
+
+    try:
+        if not isinstance(state, dict):
+            raise TypeError(f"expected a dict, got {type(state).__name__}")
+        py = state["python"]
+        random.Random().setstate((py[0], tuple(py[1]), py[2]))
+        np.random.RandomState().set_state(state["numpy"])
+        cpu = state["torch_cpu"]
+        if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8:
+            raise TypeError("torch_cpu is not a uint8 tensor")
+        torch.Generator().set_state(cpu.clone())
+        cuda = state.get("torch_cuda")
+        if cuda is not None and not (isinstance(cuda, list)
+                                     and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)):
+            raise TypeError("torch_cuda is not a list of uint8 tensors")
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise CorruptCheckpointError(f"the saved RNG state is damaged ({type(exc).__name__}: {exc})") from None
+
+
 def restore(state: dict[str, Any]) -> None:
+    """Apply a state that `validate` accepted."""
     import torch
 
     py = state["python"]

@@ -360,3 +360,40 @@ def test_validate_skeleton() -> None:
                 {"entries": {"m": {"kind": "value"}}}):
         with pytest.raises(CorruptCheckpointError, match="skeleton"):
             validate_skeleton([], bad, None)
+
+
+def test_damaged_rng_state_falls_back_without_verify(root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Zeroed torch RNG bytes (sizes intact, no checksum pass) are refused while nothing has been
+    restored yet: the default restore falls back to step 1 instead of raising half-way."""
+    path = shard(root, 2)
+    header, start = read_header(step_dir(root, 2), path.name, path.stat().st_size)
+    name = next(n for n in header if n.endswith("torch_cpu"))
+    begin, end = header[name]["data_offsets"]
+    with open(path, "r+b") as f:
+        f.seek(start + begin)
+        f.write(b"\0" * (end - begin))
+    with caplog.at_level(logging.WARNING, logger="slurmresume"):
+        step, state = restore_fresh(root)
+    assert step == 1 and model_equal(state["model"], tiny_model(1))
+    assert any("RNG state is damaged" in r.getMessage() for r in caplog.records)
+
+
+def test_a_model_that_does_not_fit_is_refused_before_anything_loads(root: Path) -> None:
+    """Another architecture: a ConfigError naming the tensor and both shapes, raised before the
+    first byte is read, so neither the model nor any other entry is touched (no fallback either:
+    every older checkpoint would be refused the same way)."""
+    import torch
+    from torch import nn
+
+    from slurmresume import ConfigError
+
+    wide = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    before = {k: v.clone() for k, v in wide.state_dict().items()}
+    state = {"model": wide, "step": -1, "extra": None}
+    with pytest.raises(ConfigError, match=r"0\.weight has shape \[16, 4\] here, \[8, 4\] in the checkpoint"):
+        Checkpointer(root, handle_signals=False).restore(state)
+    assert all(torch.equal(before[k], v) for k, v in wide.state_dict().items())
+    assert state["step"] == -1 and state["extra"] is None
+    fewer = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    with pytest.raises(ConfigError, match="keys missing from the checkpoint"):
+        Checkpointer(root, handle_signals=False).restore({"model": fewer, "step": 0, "extra": None})

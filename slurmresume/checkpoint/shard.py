@@ -302,3 +302,15 @@ class _LazyDtypes(dict):
 
 
 _TORCH_DTYPES: dict[str, Any] = _LazyDtypes()
+
+
+def meta_tensors(infos: dict[str, Any]) -> dict[str, Any]:
+    """Shape-only (meta device) tensors for header entries: lets a skeleton be decoded and
+    checked against the live state without reading or allocating any tensor bytes."""
+    import torch
+
+    try:
+        return {n: torch.empty([int(d) for d in i["shape"]], dtype=_TORCH_DTYPES[i["dtype"]], device="meta")
+                for n, i in infos.items()}
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CorruptCheckpointError(f"a safetensors header entry is malformed ({type(exc).__name__}: {exc})") from None

@@ -79,6 +79,7 @@ def unflatten_into(state: MutableMapping[str, Any], skeleton: Any, tensors: Mapp
     `state`. Returns the library-owned entries. Missing keys raise when `strict`. Everything is
     decoded (and a malformed checkpoint refused) before any object in `state` is modified."""
     decoded, library = decode_entries(list(state), skeleton, tensors, strict)
+    check_fits(state, decoded)
     apply_entries(state, decoded)
     return library
 
@@ -150,3 +151,46 @@ def apply_entries(state: MutableMapping[str, Any], decoded: Mapping[str, tuple[s
             state[key].load_state_dict(value)
         else:
             state[key] = value
+
+
+def check_fits(state: Mapping[str, Any], decoded: Mapping[str, tuple[str, Any]]) -> None:
+    """Before anything is loaded: every saved stateful value must fit its live object (a module:
+    the same keys; everywhere: a tensor of the same shape where the live state has a tensor), so
+    that `load_state_dict` cannot fail half-way and leave some keys loaded. `decoded` may hold
+    shape-only (meta) tensors. ConfigError naming the first mismatch."""
+    for key, (kind, value) in decoded.items():
+        obj = state.get(key)
+        if kind != "stateful" or obj is None or not is_stateful(obj):
+            continue
+        exact = any(c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in type(obj).__mro__)
+        problem = _mismatch(obj.state_dict(), value, exact, key)
+        if problem:
+            raise ConfigError(f"the checkpoint does not fit state['{key}']: {problem}; was it saved by "
+                              "another model or optimizer configuration?")
+
+
+def _mismatch(live: Any, saved: Any, exact_keys: bool, path: str) -> str | None:
+    import torch
+
+    if isinstance(live, torch.Tensor):
+        if not isinstance(saved, torch.Tensor):
+            return f"{path} is a tensor here, {type(saved).__name__} in the checkpoint"
+        if tuple(live.shape) != tuple(saved.shape):
+            return f"{path} has shape {list(live.shape)} here, {list(saved.shape)} in the checkpoint"
+        return None
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping):
+            return f"{path} is a mapping here, {type(saved).__name__} in the checkpoint"
+        if exact_keys and set(live) != set(saved):
+            missing, extra = sorted(map(str, set(live) - set(saved))), sorted(map(str, set(saved) - set(live)))
+            return f"keys missing from the checkpoint {missing[:3]}, unexpected keys {extra[:3]}"
+        pairs = [(k, live[k], saved[k]) for k in live if k in saved]
+    elif isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)) and len(live) == len(saved):
+        pairs = list(zip(range(len(live)), live, saved, strict=True))
+    else:
+        return None
+    for k, a, b in pairs:
+        problem = _mismatch(a, b, False, f"{path}.{k}")
+        if problem:
+            return problem
+    return None
