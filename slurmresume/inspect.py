@@ -165,6 +165,9 @@ def inspect_checkpoint(step: int, path: Path, *, tensors: bool = False) -> Check
         by_key = {(r.rank, r.name): r for r in rows}
         for rank, (shard, (header, start)) in enumerate(zip(m.shards, headers, strict=True)):
             for name, stats in tensor_stats(path, shard["file"], shard["bytes"], header, start):
+                if (rank, name) not in by_key:
+                    raise CorruptCheckpointError(f"checkpoint {path}: {shard['file']} holds tensor {name!r} that the "
+                                                 "manifest's tensor index does not list")
                 by_key[(rank, name)].stats = stats
     return CheckpointReport(step, str(path), m.world_size, m.total_bytes, m.created, m.raw.get("created_iso"),
                             m.metrics, m.meta, state, library, rows, stats_computed=tensors)

@@ -48,7 +48,9 @@ def _assert_exact(r: dict, steps: int, every: int, resume_at: int, world: int) -
     assert diffs == [], "\n".join(map(str, diffs))
     # the printed losses after the resume point are the same text, step for step
     la, lb = printed_losses(r["out_a"]), printed_losses(r["out_b"])
-    assert sorted(lb) == [s for s in sorted(la) if s > resume_at] and lb
+    # (one CI run saw this differ once with equal checkpoints: show both outputs if it recurs)
+    assert sorted(lb) == [s for s in sorted(la) if s > resume_at] and lb, \
+        f"uninterrupted:\n{r['out_a'][-1500:]}\nresumed:\n{r['out_b'][-1500:]}"
     assert {s: la[s] for s in lb} == lb
     assert printed_final(r["out_a"]) == printed_final(r["out_b"]) != None  # noqa: E711
     assert read_manifest(a / final).metrics == read_manifest(b / final).metrics

@@ -155,6 +155,14 @@ def test_a_manifest_index_that_disagrees_with_the_header(root):
         inspect_checkpoint(*locate("7", root))
 
 
+def test_a_header_tensor_missing_from_the_manifest_index(root):
+    """--tensors reads every tensor of the header: one the index does not list is refused by
+    name (it used to raise KeyError out of inspect)."""
+    rewrite_manifest(root / step_dir_name(7), lambda m: m["tensors"].pop(0))
+    with pytest.raises(CorruptCheckpointError, match="that the manifest's tensor index does not list"):
+        inspect_checkpoint(*locate("7", root), tensors=True)
+
+
 def test_two_ranks(tmp_path):
     """A two-rank checkpoint written by two gloo processes: state keys and rows per rank."""
     script = textwrap.dedent(f"""
