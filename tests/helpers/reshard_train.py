@@ -6,7 +6,8 @@
                                                 check the restored full tensors against the saved
                                                 ones, continue 3 steps; then do the same 3 steps
                                                 from a reference load (distribute_tensor of the
-                                                saved full state) and record both loss lists
+                                                saved full state) and record both loss lists;
+                                                --save-to R2 also saves the restored state to R2
     reshard_train.py bytes  OUT ROOT --dim D    save (4 ranks) or restore (other world sizes)
                                                 plain DTensors, recording bytes read per rank
 
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("root", type=Path)
     ap.add_argument("--dim", type=int, default=0)
+    ap.add_argument("--save-to", type=Path, help="resume: also save the restored state (this sharding) here")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -97,6 +99,9 @@ def main() -> None:
     restored = full_state(model, opt, state["extra"])
     mismatch = sorted(k for k in saved if k not in restored or not torch.equal(saved[k], restored[k]))
     placements = sorted({str(p.placements) for p in model.parameters()})
+    if args.save_to:
+        with slurmresume.Checkpointer(args.save_to, handle_signals=False) as again:
+            again.save(step, state)
     losses = train(model, opt, step, 3)
     ref_model, ref_opt = build(mesh, args.dim, seed=2)
     ref_model.load_state_dict({k: distribute_tensor(saved[f"model/{k}"], mesh, v.placements)
