@@ -5,20 +5,25 @@ as one consolidated file, and hostile offsets refused."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import xxhash
 from helpers.procs import HELPERS, clean_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 import slurmresume
 from slurmresume.checkpoint import reshard
+from slurmresume.checkpoint.sharding import Piece, Sharded, cover, runs
 from slurmresume.cli import app
 from slurmresume.errors import CorruptCheckpointError
 
@@ -166,3 +171,27 @@ def test_inconsistent_pieces_refused_at_read(saved: tuple[Path, Path], tmp_path:
     _edit(root, "extra/ones", edits)
     with pytest.raises(CorruptCheckpointError, match=message):
         slurmresume.Checkpointer(root, handle_signals=False).restore({"extra": None}, step=3, strict=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=3).flatmap(
+    lambda shape: st.tuples(st.just(shape), *[st.tuples(st.integers(0, d - 1), st.integers(0, d - 1))
+                                              for d in shape])))
+def test_runs_are_exactly_the_box(case: tuple) -> None:
+    """The byte runs `runs()` gives for a box of a piece are the box's elements, in order."""
+    shape, *bounds = case
+    rel = tuple(min(a, b) for a, b in bounds)
+    box = tuple(abs(a - b) + 1 for a, b in bounds)
+    flat = np.arange(math.prod(shape)).reshape(shape)
+    length, starts = runs(tuple(shape), rel, box)
+    got = np.concatenate([flat.reshape(-1)[s:s + length] for s in starts])
+    assert got.tolist() == flat[tuple(slice(r, r + n) for r, n in zip(rel, box))].reshape(-1).tolist()
+
+
+def test_cover_tiles_a_box_from_uneven_pieces() -> None:
+    pieces = (Piece(0, (0, 0), (11, 4)), Piece(1, (11, 0), (11, 4)), Piece(2, (22, 0), (10, 4)))
+    tensor = Sharded("w", "F32", (32, 4), pieces)
+    hits = cover(tensor, (8, 0), (16, 4))  # rows 8..24 of a 3-rank save, as rank 1 of 2 needs them
+    assert [(p.rank, lo, sh) for p, lo, sh in hits] == [(0, (8, 0), (3, 4)), (1, (11, 0), (11, 4)),
+                                                         (2, (22, 0), (2, 4))]
+    assert cover(tensor, (0, 0), (0, 4)) == []
