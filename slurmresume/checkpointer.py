@@ -28,8 +28,20 @@ from .checkpoint.collective import Group, LaggedMax
 from .checkpoint.jsonenc import encode, loads
 from .checkpoint.layout import step_dir_name
 from .checkpoint.replicas import elastic, replicated_names, tensor_digests
+from .checkpoint.reshard import is_dtensor, load_sharded
+from .checkpoint.reshard import targets as reshard_targets
 from .checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header
-from .checkpoint.state import apply_entries, check_fits, decode_entries, flatten, validate_skeleton
+from .checkpoint.sharding import from_json
+from .checkpoint.sharding import to_json as sharding_json
+from .checkpoint.state import (
+    apply_entries,
+    check_fits,
+    decode_entries,
+    flatten,
+    flatten_live,
+    referenced,
+    validate_skeleton,
+)
 from .checkpoint.store import CheckpointInfo, find_latest, inspect_dir
 from .errors import (
     CheckpointError,
@@ -232,7 +244,8 @@ class Checkpointer:
             raise SaveError(f"checkpoint save failed, nothing committed: {decision['error']}")
         replicated: set[str] = set()
         if self.group.world_size > 1:  # data-parallel replicas are stored once (rank 0's shard)
-            replicated = replicated_names(self.group.all_gather_json(tensor_digests(tensors)))
+            digests = tensor_digests(tensors, skeleton.get("dtensors"))
+            replicated = replicated_names(self.group.all_gather_json(digests))
         report = _commit.write_rank(self.root, step, self.group, skeleton, tensors, replicated)
         reports = self.group.all_gather_json(report)
         outcome = _commit.commit(self.root, step, reports, *enc) if self.rank == 0 else None
@@ -412,13 +425,13 @@ class Checkpointer:
                 return 0
             # Fast path (no checksum pass): read straight into the live tensors. With verification,
             # or when falling back, read into fresh memory so a bad file cannot touch the state.
-            targets = None if (verify or tried) else dict(flatten(state, {})[1])
+            live = flatten_live(state)
             if choice["world_size"] != self.group.world_size and not choice["elastic"]:
                 raise CheckpointError(
                     f"checkpoint {choice['path']} was written by {choice['world_size']} ranks, this run has "
                     f"{self.group.world_size}, and it holds per-rank (sharded) tensors: run with "
                     f"--nodes/--nproc-per-node giving {choice['world_size']} ranks")
-            loaded, error, wrote = self._load_own_shard(choice, targets, list(state), strict, state)
+            loaded, error, wrote = self._load_own_shard(choice, state, live, not (verify or tried), strict)
             errors = [e for e in self.group.all_gather_json(error) if e]
             if errors and self.group.max_int(int(wrote)):
                 dirty, dirty_error = int(choice["step"]), errors[0]
@@ -453,17 +466,21 @@ class Checkpointer:
             info = found
         assert info.manifest is not None
         return {"step": info.step, "path": str(info.path), "world_size": info.manifest.world_size,
-                "shards": info.manifest.shards,
+                "shards": info.manifest.shards, "sharded": sharding_json(info.manifest.sharded),
                 "elastic": elastic(info.manifest.tensors, info.manifest.world_size)}
 
-    def _load_own_shard(self, choice: dict, targets: dict | None, keys: list[str], strict: bool,
-                        live: Mapping[str, Any] | None = None) -> tuple[tuple[dict, Any] | None, str | None, bool]:
-        """Read and decode this rank's shard without touching user objects (except the fast path's
-        direct reads into live tensors). Returns ((decoded entries, library), error, wrote)."""
+    def _load_own_shard(self, choice: dict, state: MutableMapping[str, Any], live: dict[str, Any], fast: bool,
+                        strict: bool) -> tuple[tuple[dict, Any] | None, str | None, bool]:
+        """Read and decode this rank's part of a checkpoint without touching user objects, except
+        on the fast path (`fast`), which reads straight into the live tensors. Returns
+        ((decoded entries, library), error, wrote)."""
         # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (see _apply for
-        # its RNG). Replicated tensors live in shard 0 only and are read from there.
+        # its RNG). Replicated tensors live in shard 0 only and are read from there. DTensor
+        # pieces are read by box from whichever shards hold this rank's new region (reshard).
         src = self.rank if self.rank < choice["world_size"] else self.rank % choice["world_size"]
         shard, first = choice["shards"][src], choice["shards"][0]
+        sharded = from_json(choice.get("sharded") or {})
+        keys = list(state)
         wrote = False
         directory = Path(choice["path"])
         try:
@@ -473,24 +490,33 @@ class Checkpointer:
             meta = header.get("__metadata__")
             raw = meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else ""
             skeleton = loads(raw, f"skeleton of {shard['file']}")
-            names = {n for n in header if n != "__metadata__"}
+            names = {n for n in header if n != "__metadata__"} - set(sharded)
             listed = skeleton.get("replicated") or [] if isinstance(skeleton, dict) else []
             if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
                 raise CorruptCheckpointError(f"skeleton of {shard['file']}: 'replicated' is not a list of names")
-            shared = set(listed) - names
+            shared = set(listed) - names - set(sharded)
             infos = {n: header[n] for n in names}
             if shared:
                 header0 = read_header(directory, first["file"], first["bytes"])[0]
                 infos.update({n: header0[n] for n in header0 if n in shared})
                 names |= set(infos)
-            validate_skeleton(keys, skeleton, names, strict)
-            if live is not None:  # shapes from the headers: refuse a misfit before any byte is loaded
-                check_fits(live, decode_entries(keys, skeleton, meta_tensors(infos), strict)[0])
-            tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], targets)
+            validate_skeleton(keys, skeleton, names | set(sharded), strict)
+            # Shapes from the headers (a DTensor: its global shape), as meta tensors: a checkpoint
+            # that does not fit the live objects is refused before any byte is loaded.
+            shapes = {**infos, **{n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sharded.items()}}
+            check_fits(state, decode_entries(keys, skeleton, meta_tensors(shapes), strict)[0])
+            wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
+            where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
+            plain = {n: t for n, t in live.items() if n not in sharded and not is_dtensor(t)} if fast else None
+            tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], plain, names=names - shared)
             if shared:
-                more, _, wrote2 = load_tensors(directory, first["file"], first["bytes"], targets, names=shared)
+                more, _, wrote2 = load_tensors(directory, first["file"], first["bytes"], plain, names=shared)
                 tensors.update(more)
                 wrote = wrote or wrote2
+            if wanted:
+                more, wrote3 = load_sharded(directory, choice["shards"], wanted, where, fast)
+                tensors.update(more)
+                wrote = wrote or wrote3
             decoded, library = decode_entries(keys, skeleton, tensors, strict)
             if self.rank < choice["world_size"] and isinstance(library, dict) and "rng" in library:
                 rng.validate(library["rng"])  # before _apply touches anything
@@ -514,7 +540,8 @@ class Checkpointer:
             rng.restore(library["rng"])
         if saved_world != self.group.world_size and self.rank == 0:
             log.warning("resharded: checkpoint %s was written by %d ranks, restored on %d (replicated tensors "
-                        "from rank 0's shard)", choice["path"], saved_world, self.group.world_size)
+                        "from rank 0's shard, %d DTensor(s) read by box)", choice["path"], saved_world,
+                        self.group.world_size, len(choice.get("sharded") or ()))
         self.last_saved_step = int(choice["step"])
         self._sched.restored(self.last_saved_step)
         if self._drill is not None:

@@ -41,7 +41,7 @@ def export(
     which: Annotated[str, typer.Argument(help="STEP, 'latest', or a path to a step directory.")] = "latest",
     out: Annotated[Path, typer.Option("--out", "-o", help="The .safetensors file to write.")] = Path("model.safetensors"),
     only: Annotated[str, typer.Option(help="Which state key to export (the one holding the model).")] = "model",
-    rank: Annotated[int, typer.Option(help="Whose shard to read (data-parallel replicas are identical).")] = 0,
+    rank: Annotated[int, typer.Option(help="Whose shard to read for per-rank tensors (data-parallel replicas are identical; DTensors are consolidated from every rank).")] = 0,
     ckpt_dir: Annotated[Path | None, typer.Option(help="Checkpoint root. [default: $SLURMRESUME_CKPT_DIR]")] = None,
 ) -> None:
     """Write a committed checkpoint's model weights to one safetensors file.

@@ -2,12 +2,14 @@
 checkpoint, loadable by `safetensors.torch.load_file` and `model.load_state_dict`.
 
 Streams tensor by tensor (read a tensor's bytes from its shard with pread, write them through the
-shard writer), so peak memory stays near the largest tensor, not the model.
+shard writer), so peak memory stays near the largest tensor, not the model. DTensor / FSDP2
+tensors are consolidated from every rank's piece by their global offsets.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,9 @@ from typing import Any
 from .checkpoint import fsio
 from .checkpoint.jsonenc import loads
 from .checkpoint.manifest import read_manifest
-from .checkpoint.shard import SKELETON_KEY, open_checked, read_header
+from .checkpoint.reshard import _bytes, _Files, read_box
+from .checkpoint.shard import _ITEMSIZE, SKELETON_KEY, open_checked, read_header
+from .checkpoint.sharding import Sharded, cover
 from .checkpoint.writer import ShardSink
 from .errors import ConfigError, CorruptCheckpointError
 
@@ -61,6 +65,12 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0) 
     where: dict[str, str] = {}
     layout, offset = {}, 0
     for key, name in refs:
+        if name in manifest.sharded:  # a DTensor: its global tensor, assembled from every rank's piece
+            tensor = manifest.sharded[name]
+            n = math.prod(tensor.shape) * _ITEMSIZE[tensor.dtype]
+            layout[key] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + n]}
+            offset += n
+            continue
         where[name] = next((f for f, (h, _, _) in sources.items() if isinstance(h.get(name), dict)), "")
         if not where[name]:
             raise CorruptCheckpointError(f"tensor {name!r} is referenced but missing from {shard['file']}")
@@ -74,11 +84,15 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0) 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
     fds = {f: open_checked(step_dir, f, size) for f, (_, _, size) in sources.items()}
+    pieces = _Files(step_dir, manifest.shards)
     sink = ShardSink(tmp)
     try:
         sink.feed(len(raw).to_bytes(8, "little") + raw)
         buf = bytearray(CHUNK)
         for _key, name in refs:
+            if name in manifest.sharded:
+                _feed_global(sink, pieces, manifest.sharded[name], buf)
+                continue
             hdr, start, _ = sources[where[name]]
             begin, end = hdr[name]["data_offsets"]
             pos = start + begin
@@ -93,6 +107,33 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0) 
         fsio._unlink_quiet(tmp)
         raise
     finally:
+        pieces.close()
         for fd in fds.values():
             os.close(fd)
     return {"step": manifest.step, "out": str(out), "tensors": len(refs), "bytes": out.stat().st_size}
+
+
+def _feed_global(sink: ShardSink, files: _Files, tensor: Sharded, buf: bytearray) -> None:
+    """Stream one DTensor's global bytes. Pieces that are whole rows (dim-0 sharding, the FSDP2
+    default) are copied in order in CHUNK slices, so memory stays at one CHUNK; any other
+    sharding is assembled in one tensor of the global size first (memory ~ that tensor)."""
+    shape = tuple(tensor.shape)
+    hits = cover(tensor, (0,) * len(shape), shape)
+    if all(p.shape[1:] == shape[1:] for p, _, _ in hits):
+        for piece, _, _ in sorted(hits, key=lambda h: h[1][:1]):
+            fd, pos, path = files.piece(piece.rank, tensor, piece.shape)
+            end = pos + piece.numel * _ITEMSIZE[tensor.dtype]
+            while pos < end:
+                n = os.preadv(fd, [memoryview(buf)[: min(CHUNK, end - pos)]], pos)
+                if n <= 0:
+                    raise CorruptCheckpointError(f"shard {path} ended early while reading")
+                sink.feed(memoryview(buf)[:n])
+                pos += n
+        return
+    import torch
+
+    from .checkpoint.shard import _TORCH_DTYPES
+
+    dest = torch.empty(shape, dtype=_TORCH_DTYPES[tensor.dtype])
+    read_box(files, tensor, (0,) * len(shape), shape, dest)
+    sink.feed(_bytes(dest))

@@ -92,8 +92,12 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: lis
         fsio.makedirs(d, 0o755)
         written = write_shard(d, file, tensors, {SKELETON_KEY: dumps(skeleton), "format": "pt"})
         fsio.fsync_dir(d, "step")
+        index = written.tensors
+        for name, spec in (skeleton.get("dtensors") or {}).items():
+            if name in index:  # where this piece sits in its global tensor (manifest index)
+                index[name] = {**index[name], "global_shape": spec["shape"], "global_offset": spec["offset"]}
         return {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
-                "tensors": written.tensors, "replicated": sorted(replicated or ()) if group.rank == 0 else [],
+                "tensors": index, "replicated": sorted(replicated or ()) if group.rank == 0 else [],
                 "error": None}
     except Exception as exc:
         error = _describe(exc, d / file)  # before the clean-up frees space or inodes

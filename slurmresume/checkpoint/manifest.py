@@ -59,6 +59,7 @@ class Manifest:
     metrics: Any
     meta: Any
     raw: dict = field(repr=False)
+    sharded: dict = field(default_factory=dict, repr=False)  # name -> sharding.Sharded (DTensors)
 
     @property
     def total_bytes(self) -> int:
@@ -140,7 +141,14 @@ def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> M
     created = data.get("created")
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < MAX_TIME:
         raise bad(f"created time {created!r} is missing or not a plausible epoch time")
-    return Manifest(step, world, float(created), shards, tensors, data.get("metrics"), data.get("meta"), data)
+    from .sharding import index_pieces
+
+    try:
+        sharded = index_pieces(tensors, world)
+    except CorruptCheckpointError as exc:
+        raise bad(str(exc)) from None
+    return Manifest(step, world, float(created), shards, tensors, data.get("metrics"), data.get("meta"), data,
+                    sharded)
 
 
 def _is_int(v: Any) -> TypeGuard[int]:

@@ -18,12 +18,16 @@ from .writer import tensor_bytes
 LIBRARY_PREFIX = "__slurmresume__/"
 
 
-def tensor_digests(tensors: list[tuple[str, Any]]) -> dict[str, list]:
+def tensor_digests(tensors: list[tuple[str, Any]], dtensors: dict[str, dict] | None = None) -> dict[str, list]:
+    """Per name: dtype, shape, hash and, for a DTensor's local piece, its global offset: equal
+    pieces at different offsets (a sharded LayerNorm weight of ones) are not replicas."""
     out: dict[str, list] = {}
     for name, t in tensors:
         cpu = t.detach()
         cpu = (cpu.cpu() if cpu.device.type != "cpu" else cpu).contiguous()
         out[name] = [st_dtype(cpu), list(cpu.shape), xxhash.xxh3_64_hexdigest(tensor_bytes(cpu))]
+        if dtensors and name in dtensors:
+            out[name].append(dtensors[name].get("offset"))
     return out
 
 
@@ -34,7 +38,9 @@ def replicated_names(per_rank: list[dict[str, list]]) -> set[str]:
 
 
 def elastic(manifest_tensors: list[dict], world_size: int) -> bool:
-    """A checkpoint can be loaded on another world size when every tensor outside the library's
-    own per-rank state (RNG) is replicated: there is nothing to reshard."""
-    return world_size == 1 or all(t.get("replicated") or str(t.get("name", "")).startswith(LIBRARY_PREFIX)
+    """A checkpoint can be loaded on another world size (or sharding) when every tensor is
+    replicated, a DTensor piece with its global offset (read by box on restore), or the
+    library's own per-rank state (RNG): only genuinely per-rank plain tensors pin the world."""
+    return world_size == 1 or all(t.get("replicated") or "global_offset" in t
+                                  or str(t.get("name", "")).startswith(LIBRARY_PREFIX)
                                   for t in manifest_tensors)

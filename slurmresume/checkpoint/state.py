@@ -25,11 +25,20 @@ class TensorTable:
 
     def __init__(self) -> None:
         self.tensors: list[tuple[str, Any]] = []
+        self.live: dict[str, Any] = {}  # name -> the tensor as found in the state (DTensors too)
+        self.dtensors: dict[str, dict] = {}  # name -> spec (reshard.describe) of a DTensor
         self._names: set[str] = set()
         self._by_view: dict[tuple, str] = {}
 
     def add(self, path: list[str], tensor: Any) -> str:
+        original, spec = tensor, None
+        if _is_dtensor(tensor):  # stored as this rank's local piece + its place in the global tensor
+            from .reshard import describe
+
+            tensor, spec = describe(tensor, "/".join(path))
         key = _view_key(tensor)
+        if key is not None and spec is not None:
+            key = ("dtensor", *key)
         if key is not None and key in self._by_view:
             return self._by_view[key]
         name = base = "/".join(path) or "tensor"
@@ -38,9 +47,16 @@ class TensorTable:
             name, i = f"{base}~{i}", i + 1
         self._names.add(name)
         self.tensors.append((name, tensor))
+        self.live[name] = original
+        if spec is not None:
+            self.dtensors[name] = spec
         if key is not None:
             self._by_view[key] = name
         return name
+
+
+def _is_dtensor(t: Any) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
 
 
 def _view_key(t: Any) -> tuple | None:
@@ -52,7 +68,19 @@ def _view_key(t: Any) -> tuple | None:
 
 
 def flatten(state: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[dict, list[tuple[str, Any]]]:
-    """Skeleton (plain JSON) + tensors for one rank. `extra` holds library-owned entries (RNG)."""
+    """Skeleton (plain JSON) + tensors for one rank. `extra` holds library-owned entries (RNG).
+    A DTensor contributes its local tensor; the skeleton's "dtensors" maps its name to its
+    global shape, this rank's offset and local shape, and its placements."""
+    skeleton, table = _flatten(state, extra)
+    return skeleton, table.tensors
+
+
+def flatten_live(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Name -> tensor as it is in `state` now (DTensors as DTensors): the restore's targets."""
+    return _flatten(state, {})[1].live
+
+
+def _flatten(state: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[dict, TensorTable]:
     if not isinstance(state, Mapping):
         raise ConfigError(f"state must be a dict of name -> object, got {type(state).__name__}")
     table = TensorTable()
@@ -70,7 +98,10 @@ def flatten(state: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[dict, l
         else:
             entries[key] = {"kind": "value", "value": encode(obj, table.add, [key])}
     lib = encode(dict(extra), table.add, [RESERVED])
-    return {"entries": entries, "library": lib}, table.tensors
+    skeleton = {"entries": entries, "library": lib}
+    if table.dtensors:
+        skeleton["dtensors"] = table.dtensors
+    return skeleton, table
 
 
 def unflatten_into(state: MutableMapping[str, Any], skeleton: Any, tensors: Mapping[str, Any],
@@ -97,6 +128,10 @@ def validate_skeleton(keys: Iterable[str], skeleton: Any, tensor_names: Containe
     for key, entry in entries.items():
         if not isinstance(entry, dict) or "value" not in entry or entry.get("kind") not in ("stateful", "value"):
             raise CorruptCheckpointError(f"checkpoint skeleton entry {key!r} is malformed")
+    if "dtensors" in skeleton:
+        from .sharding import check_specs
+
+        check_specs(skeleton["dtensors"])
     missing = [k for k in keys if k not in entries]
     if missing and strict:
         raise ConfigError(f"checkpoint has no entry for state key(s) {missing}; saved keys: "
@@ -105,6 +140,14 @@ def validate_skeleton(keys: Iterable[str], skeleton: Any, tensor_names: Containe
         for name in _tensor_refs(skeleton):
             if not isinstance(name, str) or name not in tensor_names:
                 raise CorruptCheckpointError(f"checkpoint references tensor {name!r} that its shard lacks")
+
+
+def referenced(skeleton: Any, keys: Iterable[str]) -> set[str]:
+    """Tensor names that the entries for `keys` and the library entries refer to."""
+    entries = skeleton.get("entries") or {} if isinstance(skeleton, dict) else {}
+    values = [entries[k].get("value") for k in keys if isinstance(entries.get(k), dict)]
+    values.append(skeleton.get("library") if isinstance(skeleton, dict) else None)
+    return {n for n in _tensor_refs(values) if isinstance(n, str)}
 
 
 def _tensor_refs(data: Any) -> Iterator[Any]:

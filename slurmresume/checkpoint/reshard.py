@@ -1,0 +1,244 @@
+"""DTensor / FSDP2 tensors: saved as each rank's local piece with its global offset, restored
+onto any number of ranks and any sharding by reading only the byte ranges each rank needs.
+
+Save (every rank, from `state.flatten`): `describe()` turns a DTensor into its local tensor plus
+a JSON spec (global shape, this rank's offset and local shape, placements, mesh shape). The
+manifest's tensor index carries every piece's global shape and offset (commit.write_rank).
+
+Restore (every rank, independently, no collective): for each sharded name the live state
+decides the box this rank now owns (`Target`), `sharding.cover` finds the saved pieces that
+intersect it, and `read_box` preads only their intersecting runs from the old shards (one run
+per piece for dim-0 sharding) into the live local tensor, or into fresh memory on the verified
+path. Bytes read are counted in `STATS` (the benchmark and tests read it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, CorruptCheckpointError
+from .shard import _ITEMSIZE, _TORCH_DTYPES, CHUNK, open_checked, read_header
+from .sharding import Sharded, cover, runs
+
+STATS = {"bytes": 0, "reads": 0}
+SMALL_RUN = 1024  # runs shorter than this (bytes) are read as whole rows when that wastes little
+SLAB_WASTE = 2  # ... at most this many times the bytes needed
+
+
+def is_dtensor(t: Any) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def describe(dt: Any, where: str) -> tuple[Any, dict[str, Any]]:
+    """(local tensor, JSON spec) of a DTensor on this rank. Refuses placements that are not a
+    box of the global tensor (Partial sums, FSDP2+TP strided shards)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    names = []
+    for p in dt.placements:
+        if type(p) is Shard:
+            names.append(f"shard:{p.dim % max(dt.ndim, 1)}")
+        elif isinstance(p, Replicate):
+            names.append("replicate")
+        else:
+            raise ConfigError(f"cannot checkpoint DTensor at '{where}' with placement {p}: only Shard and "
+                              "Replicate are saved as boxes; redistribute() it (or save full_tensor()) first")
+    local = dt.to_local()
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    if list(shape) != list(local.shape):
+        raise ConfigError(f"DTensor at '{where}': local tensor {list(local.shape)} is not the "
+                          f"{list(shape)} its placements give (padded?): save an unpadded DTensor")
+    return local, {"shape": list(dt.shape), "offset": [int(o) for o in offset], "local_shape": list(shape),
+                   "placements": names, "mesh_shape": list(dt.device_mesh.shape)}
+
+
+@dataclass
+class Target:
+    """Where one sharded tensor goes on this rank: a DTensor (mesh + placements), or a plain
+    tensor holding the whole global tensor. `live` is the user's tensor when there is one."""
+
+    mesh: Any
+    placements: Any
+    live: Any
+
+
+def _optimizer_params(state: Mapping[str, Any]) -> dict[str, Any]:
+    """'opt/state/<id>/' -> the parameter, for torch optimizers in `state`, so that the state of
+    a fresh optimizer (created at its first step) is rebuilt with its parameter's sharding."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for key, obj in state.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            ids = [i for g in obj.state_dict()["param_groups"] for i in g["params"]]
+            params = [p for g in obj.param_groups for p in g["params"]]
+            out.update({f"{key}/state/{i}/": p for i, p in zip(ids, params)})
+    return out
+
+
+def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[str, Sharded],
+            specs: Mapping[str, Any]) -> dict[str, Target]:
+    """The rule (README, elastic resume): a live DTensor at the same name gives its mesh and
+    placements; else the optimizer's parameter for that state; else, when the live state holds
+    DTensors, the saved placements on their mesh; else a plain tensor with the global value."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    by_param = _optimizer_params(state) if any(n not in live for n in index) else {}
+    mesh = next((t.device_mesh for t in live.values() if is_dtensor(t)), None)
+    out: dict[str, Target] = {}
+    for name, tensor in index.items():
+        t: Any = live.get(name)
+        if t is not None and list(t.shape) != list(tensor.shape):
+            raise ConfigError(f"tensor {name!r} is {list(tensor.shape)} in the checkpoint and {list(t.shape)} "
+                              "in this run's state: the model changed shape")
+        param: Any = by_param.get(name.rsplit("/", 1)[0] + "/")
+        placements = (specs.get(name) or {}).get("placements")
+        if is_dtensor(t):
+            out[name] = Target(t.device_mesh, t.placements, t)
+        elif t is not None:
+            out[name] = Target(None, None, t)
+        elif is_dtensor(param) and list(param.shape) == list(tensor.shape):
+            out[name] = Target(param.device_mesh, param.placements, None)
+        elif mesh is not None and placements and len(placements) == mesh.ndim:
+            parsed = [Replicate() if p == "replicate" else Shard(int(p[6:])) for p in placements]
+            out[name] = Target(mesh, parsed, None)
+        else:
+            out[name] = Target(None, None, None)
+    return out
+
+
+def load_sharded(directory: Path, shards: list[dict], index: Mapping[str, Sharded],
+                 where: Mapping[str, Target], into_live: bool) -> tuple[dict[str, Any], bool]:
+    """Every rank: read each tensor in `where` for this rank. With `into_live`, bytes land in the
+    live local tensors (CPU, contiguous) directly. Returns ({name: value}, wrote_live)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    files = _Files(directory, shards)
+    out: dict[str, Any] = {}
+    wrote = False
+    try:
+        for name, target in where.items():
+            tensor = index[name]
+            shape, offset = tuple(tensor.shape), (0,) * len(tensor.shape)
+            if target.mesh is not None:
+                shape, offset = compute_local_shape_and_global_offset(tensor.shape, target.mesh, target.placements)
+            local = target.live.to_local() if is_dtensor(target.live) else target.live
+            dest = local if into_live and _fits(local, tuple(shape), tensor.dtype) else _empty(shape, tensor.dtype)
+            wrote = wrote or dest is local
+            read_box(files, tensor, tuple(offset), tuple(shape), dest)
+            if local is not None and into_live:
+                if dest is not local:
+                    local.copy_(dest)
+                    wrote = True
+                out[name] = target.live
+            else:
+                out[name] = _wrap(dest, target, tensor.shape)
+    except CorruptCheckpointError as exc:
+        exc.partial_write = wrote  # type: ignore[attr-defined]  # live tensors were touched
+        raise
+    finally:
+        files.close()
+    return out, wrote
+
+
+def _fits(t: Any, shape: tuple, dtype: str) -> bool:
+    return (t is not None and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
+            and t.dtype == _TORCH_DTYPES[dtype])
+
+
+def _empty(shape: Any, dtype: str) -> Any:
+    import torch
+
+    return torch.empty(tuple(shape), dtype=_TORCH_DTYPES[dtype])
+
+
+def _wrap(local: Any, target: Target, global_shape: tuple) -> Any:
+    if target.mesh is None:
+        return local
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    stride = tuple(math.prod(global_shape[d + 1:]) for d in range(len(global_shape)))
+    return DTensor.from_local(local.to(target.mesh.device_type), target.mesh, target.placements,
+                              run_check=False, shape=torch.Size(global_shape), stride=stride)
+
+
+class _Files:
+    """Open shards and their checked headers, opened on first use only."""
+
+    def __init__(self, directory: Path, shards: list[dict]) -> None:
+        self.directory, self.shards = directory, shards
+        self.open: dict[int, tuple[int, dict, int]] = {}
+
+    def piece(self, rank: int, tensor: Sharded, shape: tuple) -> tuple[int, int, Path]:
+        """(fd, file offset of the piece's data, path), after checking its header entry."""
+        if rank not in self.open:
+            s = self.shards[rank]
+            header, start = read_header(self.directory, s["file"], s["bytes"])
+            self.open[rank] = (open_checked(self.directory, s["file"], s["bytes"]), header, start)
+        fd, header, start = self.open[rank]
+        path = self.directory / self.shards[rank]["file"]
+        info = header.get(tensor.name)
+        if not isinstance(info, dict) or info.get("dtype") != tensor.dtype or tuple(info.get("shape", ())) != shape:
+            raise CorruptCheckpointError(f"shard {path} does not hold the {tensor.dtype} {list(shape)} piece of "
+                                         f"{tensor.name!r} that the manifest lists")
+        return fd, start + int(info["data_offsets"][0]), path
+
+    def close(self) -> None:
+        for fd, _, _ in self.open.values():
+            os.close(fd)
+        self.open.clear()
+
+
+def read_box(files: _Files, tensor: Sharded, offset: tuple, shape: tuple, dest: Any) -> None:
+    """Fill `dest` (CPU, `shape`) with the global box at `offset`, from the pieces covering it."""
+    import torch
+
+    size = _ITEMSIZE[tensor.dtype]
+    for piece, lo, box in cover(tensor, offset, shape):
+        fd, start, path = files.piece(piece.rank, tensor, piece.shape)
+        rel = tuple(a - o for a, o in zip(lo, piece.offset))
+        dst = dest[tuple(slice(a - r, a - r + n) for a, r, n in zip(lo, offset, box))]
+        length, starts = runs(piece.shape, rel, box)
+        row = math.prod(piece.shape[1:])
+        if length * size < SMALL_RUN and len(box) > 1 and box[0] * row <= SLAB_WASTE * math.prod(box):
+            slab = torch.empty((box[0], *piece.shape[1:]), dtype=dest.dtype)
+            _pread(fd, _bytes(slab), start + rel[0] * row * size, path)
+            cols = tuple(slice(r, r + n) for r, n in zip(rel[1:], box[1:]))
+            dst.copy_(slab[(slice(None),) + cols])
+            continue
+        tmp = dst if dst.is_contiguous() else torch.empty(box, dtype=dest.dtype)
+        view, pos, step = _bytes(tmp), 0, length * size
+        for first in starts:
+            _pread(fd, view[pos:pos + step], start + first * size, path)
+            pos += step
+        if tmp is not dst:
+            dst.copy_(tmp)
+
+
+def _bytes(t: Any) -> memoryview:
+    import torch
+
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _pread(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    pos = 0
+    try:
+        while pos < len(view):
+            n = os.preadv(fd, [view[pos:pos + CHUNK]], offset + pos)
+            if n <= 0:
+                raise CorruptCheckpointError(f"shard {path} ended early while reading")
+            pos += n
+    except OSError as exc:
+        raise CorruptCheckpointError(f"cannot read shard {path}: {exc}") from exc
+    STATS["bytes"] += pos
+    STATS["reads"] += 1
