@@ -20,6 +20,7 @@ from .checkpoint.manifest import read_manifest
 from .checkpoint.reshard import _bytes, _Files, read_box
 from .checkpoint.shard import _ITEMSIZE, SKELETON_KEY, open_checked, read_header
 from .checkpoint.sharding import Sharded, cover
+from .checkpoint.state import validate_skeleton
 from .checkpoint.writer import ShardSink
 from .errors import ConfigError, CorruptCheckpointError
 
@@ -49,17 +50,26 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0) 
         raise ConfigError(f"--rank {rank} is not in this checkpoint (world size {manifest.world_size})")
     shard = manifest.shards[rank]
     header, data_start = read_header(step_dir, shard["file"], shard["bytes"])
-    skeleton = loads(header.get("__metadata__", {}).get(SKELETON_KEY, ""), "skeleton")
-    entries = skeleton.get("entries", {}) if isinstance(skeleton, dict) else {}
+    meta = header.get("__metadata__")
+    skeleton = loads(meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else "", "skeleton")
+    validate_skeleton((), skeleton, None, strict=False)  # entries: a dict of {kind, value} (untrusted)
+    entries = skeleton["entries"]
     if only not in entries:
-        raise ConfigError(f"checkpoint {step_dir} has no state key {only!r}; it has: {', '.join(sorted(entries))}")
-    refs = _tensor_refs(entries[only]["value"])
+        raise ConfigError(f"checkpoint {step_dir} has no state key {only!r}; it has: "
+                          f"{', '.join(sorted(map(str, entries)))}")
+    try:
+        refs = _tensor_refs(entries[only]["value"])
+    except (TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"checkpoint {step_dir}: the skeleton of state key {only!r} is malformed "
+                                     f"({exc})") from None
+    if not all(isinstance(name, str) for _, name in refs):
+        raise CorruptCheckpointError(f"checkpoint {step_dir}: a tensor reference of {only!r} is not a name")
     if not refs:
         raise ConfigError(f"state key {only!r} in {step_dir} holds no tensors")
     # Replicated tensors (data parallelism) are stored once, in rank 0's shard.
     sources = {shard["file"]: (header, data_start, shard["bytes"])}
     first = manifest.shards[0]
-    if first["file"] not in sources and set(skeleton.get("replicated") or ()):
+    if first["file"] not in sources and skeleton.get("replicated"):
         h0, d0 = read_header(step_dir, first["file"], first["bytes"])
         sources[first["file"]] = (h0, d0, first["bytes"])
     where: dict[str, str] = {}
