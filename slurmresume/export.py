@@ -17,8 +17,8 @@ from typing import Any
 from .checkpoint import fsio
 from .checkpoint.jsonenc import loads
 from .checkpoint.manifest import read_manifest
-from .checkpoint.reshard import _bytes, _Files, read_box
-from .checkpoint.shard import _ITEMSIZE, SKELETON_KEY, open_checked, read_header
+from .checkpoint.reshard import _Files, read_box
+from .checkpoint.shard import _ITEMSIZE, SKELETON_KEY, _byte_view, open_checked, read_header
 from .checkpoint.sharding import Sharded, cover
 from .checkpoint.state import validate_skeleton
 from .checkpoint.writer import ShardSink
@@ -146,4 +146,4 @@ def _feed_global(sink: ShardSink, files: _Files, tensor: Sharded, buf: bytearray
 
     dest = torch.empty(shape, dtype=_TORCH_DTYPES[tensor.dtype])
     read_box(files, tensor, (0,) * len(shape), shape, dest)
-    sink.feed(_bytes(dest))
+    sink.feed(_byte_view(dest))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError
-from .shard import _ITEMSIZE, _TORCH_DTYPES, CHUNK, open_checked, read_header
+from .shard import _ITEMSIZE, _TORCH_DTYPES, _byte_view, open_checked, pread_exact, read_header
 from .sharding import Sharded, cover, runs
 
 STATS = {"bytes": 0, "reads": 0}
@@ -209,12 +209,12 @@ def read_box(files: _Files, tensor: Sharded, offset: tuple, shape: tuple, dest: 
         row = math.prod(piece.shape[1:])
         if length * size < SMALL_RUN and len(box) > 1 and box[0] * row <= SLAB_WASTE * math.prod(box):
             slab = torch.empty((box[0], *piece.shape[1:]), dtype=dest.dtype)
-            _pread(fd, _bytes(slab), start + rel[0] * row * size, path)
+            _pread(fd, _byte_view(slab), start + rel[0] * row * size, path)
             cols = tuple(slice(r, r + n) for r, n in zip(rel[1:], box[1:]))
             dst.copy_(slab[(slice(None),) + cols])
             continue
         tmp = dst if dst.is_contiguous() else torch.empty(box, dtype=dest.dtype)
-        view, pos, step = _bytes(tmp), 0, length * size
+        view, pos, step = _byte_view(tmp), 0, length * size
         for first in starts:
             _pread(fd, view[pos:pos + step], start + first * size, path)
             pos += step
@@ -222,23 +222,7 @@ def read_box(files: _Files, tensor: Sharded, offset: tuple, shape: tuple, dest: 
             dst.copy_(tmp)
 
 
-def _bytes(t: Any) -> memoryview:
-    import torch
-
-    if t.numel() == 0:
-        return memoryview(bytearray())
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 def _pread(fd: int, view: memoryview, offset: int, path: Path) -> None:
-    pos = 0
-    try:
-        while pos < len(view):
-            n = os.preadv(fd, [view[pos:pos + CHUNK]], offset + pos)
-            if n <= 0:
-                raise CorruptCheckpointError(f"shard {path} ended early while reading")
-            pos += n
-    except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read shard {path}: {exc}") from exc
-    STATS["bytes"] += pos
+    pread_exact(fd, view, offset, path)
+    STATS["bytes"] += len(view)
     STATS["reads"] += 1

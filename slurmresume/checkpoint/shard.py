@@ -262,11 +262,13 @@ def info_offsets(header: dict, name: str) -> int:
 
 
 def _pread_into(fd: int, t: Any, offset: int, path: Path) -> None:
-    import torch
+    if t.numel():
+        pread_exact(fd, _byte_view(t), offset, path)
 
-    if t.numel() == 0:
-        return
-    view = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+def pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    """Fill `view` from `fd` at `offset` (in CHUNK reads); a short file or an I/O error is a
+    CorruptCheckpointError naming the shard."""
     pos = 0
     try:
         while pos < len(view):
