@@ -285,14 +285,21 @@ def corpus(report: Report, work: Path) -> None:
     shutil.copytree(work / "corpus" / "_pristine", warm / "root")
     _battery(warm / "root", warm / "root" / "step_000000002", warm)
     for c in cases:
-        out = work / f"{c.name}.json"
-        code, sig = fork_call(lambda c=c, out=out: _child(c, out), timeout=60, out=work / "child.log")
-        report.trials += 1
-        report.count_stat("corpus_cases")
-        if code != 0 or not out.exists():
-            report.fail(c.name, f"child ended {code}/{sig}: {tail(work / 'child.log')}")
-            continue
-        _judge(report, c, json.loads(out.read_text()))
+        res = _run_child(report, c, work / f"{c.name}.json", work, "corpus_cases")
+        if res is not None:
+            _judge(report, c, res)
+
+
+def _run_child(report: Report, c: Any, out: Path, work: Path, stat: str) -> dict[str, Any] | None:
+    """One trial: the battery in a forked child, its results read back (None: it failed)."""
+    out.unlink(missing_ok=True)
+    code, sig = fork_call(lambda: _child(c, out), timeout=60, out=work / "child.log")
+    report.trials += 1
+    report.count_stat(stat)
+    if code != 0 or not out.exists():
+        report.fail(c.name, f"child ended {code}/{sig}: {tail(work / 'child.log')}")
+        return None
+    return json.loads(out.read_text())
 
 
 # -- part B: structural fuzzing ---------------------------------------------------------------
@@ -367,15 +374,9 @@ def fuzz(report: Report, work: Path, seed: int, count: int) -> None:
             del exc
             continue
         c.name = f"fuzz#{t} seed {seed}: {desc}"
-        out = work / "fuzz.json"
-        out.unlink(missing_ok=True)
-        code, sig = fork_call(lambda c=c, out=out: _child(c, out), timeout=60, out=work / "child.log")
-        report.trials += 1
-        report.count_stat("fuzz_trials")
-        if code != 0 or not out.exists():
-            report.fail(c.name, f"child ended {code}/{sig}: {tail(work / 'child.log')}")
+        res = _run_child(report, c, work / "fuzz.json", work, "fuzz_trials")
+        if res is None:
             continue
-        res = json.loads(out.read_text())
         for v in (False, True):
             got = res.get(f"restore_{v}")
             if isinstance(got, str) and got.startswith(MISFIT):

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError
 from .jsonenc import decode, encode
+from .reshard import describe, is_dtensor
 
 RESERVED = "__slurmresume__"
 
@@ -32,9 +33,7 @@ class TensorTable:
 
     def add(self, path: list[str], tensor: Any) -> str:
         original, spec = tensor, None
-        if _is_dtensor(tensor):  # stored as this rank's local piece + its place in the global tensor
-            from .reshard import describe
-
+        if is_dtensor(tensor):  # stored as this rank's local piece + its place in the global tensor
             tensor, spec = describe(tensor, "/".join(path))
         key = _view_key(tensor)
         if key is not None and spec is not None:
@@ -53,10 +52,6 @@ class TensorTable:
         if key is not None:
             self._by_view[key] = name
         return name
-
-
-def _is_dtensor(t: Any) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
 
 
 def _view_key(t: Any) -> tuple | None:
@@ -201,12 +196,13 @@ def check_fits(state: Mapping[str, Any], decoded: Mapping[str, tuple[str, Any]])
     the same keys; everywhere: a tensor of the same shape where the live state has a tensor), so
     that `load_state_dict` cannot fail half-way and leave some keys loaded. `decoded` may hold
     shape-only (meta) tensors. ConfigError naming the first mismatch."""
+    import torch
+
     for key, (kind, value) in decoded.items():
         obj = state.get(key)
         if kind != "stateful" or obj is None or not is_stateful(obj):
             continue
-        exact = any(c.__name__ == "Module" and c.__module__.startswith("torch.nn") for c in type(obj).__mro__)
-        problem = _mismatch(obj.state_dict(), value, exact, key)
+        problem = _mismatch(obj.state_dict(), value, isinstance(obj, torch.nn.Module), key)
         if problem:
             raise ConfigError(f"the checkpoint does not fit state['{key}']: {problem}; was it saved by "
                               "another model or optimizer configuration?")
