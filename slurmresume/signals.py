@@ -14,8 +14,7 @@ from typing import Any
 
 NONE, TERMINATE, PREEMPT = 0, 1, 2  # ordered: the MAX over ranks is what everyone acts on
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after the warning signal; the launcher requeues
-EXIT_TERMINATED = 76  # saved after SIGTERM (cancel / grace-time preemption); no self-requeue
+from .contract import ENV_SIGNAL, EXIT_PREEMPTED, EXIT_TERMINATED  # noqa: F401 - re-exported
 
 
 def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
@@ -33,7 +32,7 @@ def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
 
 
 def warning_signal_from_env() -> signal.Signals:
-    return parse_signal(os.environ.get("SLURMRESUME_SIGNAL", "USR1"))
+    return parse_signal(os.environ.get(ENV_SIGNAL, "USR1"))
 
 
 class SignalFlag:

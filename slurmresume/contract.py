@@ -1,0 +1,97 @@
+"""The launcher <-> worker contract, declared once: the environment the launcher sets for the
+ranks, the exit codes the ranks use, and the per-run outcome record rank 0 writes and the
+launcher reads.
+
+Why a record and not the event log: the log is the human history (append-only, shared by every
+run on the root, unbounded, not atomic across NFS clients). A decision that ends or requeues a
+job must not depend on searching it. Each run (one torchrun invocation, identified by
+`SLURMRESUME_RUN_ID`) gets exactly one small JSON file, written atomically (temp, fsync, rename)
+by global rank 0, under `<root>/.runs/`; the launcher of the first node reads it after torchrun
+exits. Rank 0 may live on any node, so the record lives on the shared checkpoint root.
+
+Who writes what:
+    rank 0, after the agreed emergency save:   kind=preempt|terminate, step, committed=True
+    rank 0, when that save failed:             kind=preempt|terminate, step, committed=False, error
+    nobody (no record):                        the run finished or crashed; the launcher uses the
+                                               exit code and the markers on disk
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# -- environment set by the launcher for every rank -------------------------------------------
+ENV_ROOT = "SLURMRESUME_CKPT_DIR"  # the checkpoint root the run owns
+ENV_SIGNAL = "SLURMRESUME_SIGNAL"  # the warning signal's name (USR1 unless --signal says)
+ENV_RUN_ID = "SLURMRESUME_RUN_ID"  # one torchrun invocation: "<job key>.<restart>.<attempt>"
+ENV_RESTART = "SLURMRESUME_RESTART_COUNT"  # requeues (Slurm) or local restarts so far
+ENV_LAUNCHER_PID = "SLURMRESUME_LAUNCHER_PID"  # the node launcher (drill injections go there)
+ENV_DRILL_AT = "SLURMRESUME_DRILL_AT"  # drill: "12,30,41" = warning at step 12 of restart 0, ...
+ENV_HEARTBEAT_DIR = "SLURMRESUME_HEARTBEAT_DIR"  # node-local directory for per-rank heartbeats
+
+# -- exit codes of a rank ---------------------------------------------------------------------
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after the warning signal; the launcher requeues
+EXIT_TERMINATED = 76  # saved (best effort) after SIGTERM/SIGINT; never self-requeued
+EXIT_SAVE_FAILED = 77  # the emergency save after a signal failed; nothing new committed
+
+RUNS_DIR = ".runs"
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+MAX_OUTCOME_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a run's ranks did about a signal, as rank 0 recorded it."""
+
+    run_id: str
+    kind: str  # "preempt" | "terminate"
+    step: int  # the step all ranks agreed on
+    committed: bool  # True only when this run's save of `step` has its commit marker
+    error: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+def outcome_path(root: Path, run_id: str) -> Path:
+    if not _RUN_ID_RE.fullmatch(run_id) or run_id in (".", ".."):
+        raise ValueError(f"run id {run_id!r} is not a plain name")
+    return Path(root) / RUNS_DIR / f"{run_id}.json"
+
+
+def write_outcome(root: Path, outcome: Outcome) -> None:
+    """Rank 0 only. Atomic and durable (temp, fsync, rename, directory fsync)."""
+    from .checkpoint.fsio import makedirs, write_durable
+
+    path = outcome_path(root, outcome.run_id)
+    makedirs(path.parent, 0o755)
+    write_durable(path, outcome.to_json(), "outcome")
+
+
+def read_outcome(root: Path, run_id: str) -> Outcome | None:
+    """The launcher. None when the run left no record (finished, crashed) or it is unreadable;
+    a record that is not ours (wrong run id, malformed) counts as none."""
+    path = outcome_path(root, run_id)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, MAX_OUTCOME_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        raw: Any = json.loads(data)
+    except ValueError:
+        return None
+    if (not isinstance(raw, dict) or raw.get("run_id") != run_id or raw.get("kind") not in ("preempt", "terminate")
+            or not isinstance(raw.get("step"), int) or not isinstance(raw.get("committed"), bool)):
+        return None
+    return Outcome(run_id, raw["kind"], raw["step"], raw["committed"], str(raw.get("error") or ""))
