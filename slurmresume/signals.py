@@ -12,9 +12,10 @@ import threading
 from types import FrameType
 from typing import Any
 
+from .contract import ENV_SIGNAL, EXIT_PREEMPTED, EXIT_TERMINATED  # noqa: F401 - re-exported
+
 NONE, TERMINATE, PREEMPT = 0, 1, 2  # ordered: the MAX over ranks is what everyone acts on
 
-from .contract import ENV_SIGNAL, EXIT_PREEMPTED, EXIT_TERMINATED  # noqa: F401 - re-exported
 
 
 def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
