@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from torch.utils.data import DataLoader
 
@@ -63,7 +64,17 @@ class ResumableDataLoader(DataLoader):
             sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
         elif not isinstance(sampler, ResumableSampler):
             raise ConfigError(f"sampler must be a slurmresume.ResumableSampler, got {type(sampler).__name__}")
+        # Its own generator: creating an iterator otherwise draws a seed from the global torch RNG,
+        # and a resumed run creates one more iterator (mid-epoch) than an uninterrupted one.
+        kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
+
+    def __len__(self) -> int:
+        # Batches in a whole epoch, also mid-epoch: Lightning sizes every epoch from the length it
+        # reads once at set-up (after restoring the position) and counts restored batches itself.
+        assert isinstance(self.sampler, ResumableSampler)
+        n, bs = self.sampler.num_samples, self.batch_size or 1
+        return n // bs if self.drop_last else -(-n // bs)
 
     def advance_one_batch(self) -> None:
         assert isinstance(self.sampler, ResumableSampler)
