@@ -179,6 +179,9 @@ class SlurmResume(pl.Callback):
             connector._loaded_checkpoint = holder.loaded
             holder.loaded = None
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _finish_epoch_restart(trainer.fit_loop)
+
     # -- the step boundary ------------------------------------------------------------------
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
@@ -218,6 +221,19 @@ def disable_lightning_signal_handling(trainer: pl.Trainer) -> None:
         connector.register_signal_handlers = lambda: None  # type: ignore[method-assign]
     else:  # a Lightning release that moved it: say so rather than run two handlers silently
         log.warning("slurmresume: could not find Lightning's signal connector; its handlers may also run")
+
+
+def _finish_epoch_restart(fit_loop: Any) -> None:
+    """A checkpoint saved at the last batch of an epoch: Lightning's `FitLoop.reset` completes
+    that epoch, but the loop stays "restarted mid-epoch", so the next epoch starts without
+    `on_train_epoch_start` hooks and without counting itself as started (Lightning 2.6; the
+    trained tensors are unaffected). Once the old epoch is complete, the next one is a fresh
+    epoch: say so."""
+    epoch_loop = fit_loop.epoch_loop
+    if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
+            and epoch_loop.batch_progress.is_last_batch
+            and fit_loop.epoch_progress.total.completed == fit_loop.epoch_progress.total.started):
+        fit_loop.reset_restart_stage()
 
 
 def _resumable_loaders(trainer: pl.Trainer) -> Iterator[ResumableDataLoader]:
