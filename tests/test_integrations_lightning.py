@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from helpers.integrations import events, fake_scontrol, offline_env
 from helpers.integrations import drill as run_drill
+from helpers.integrations import events, fake_scontrol, offline_env
 from helpers.procs import HELPERS
 
 pytest.importorskip("lightning")

@@ -12,8 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-from helpers.integrations import EXAMPLES, events, fake_scontrol, offline_env, process_tree, signal_tree
+from helpers.integrations import (
+    EXAMPLES,
+    events,
+    fake_scontrol,
+    offline_env,
+    process_tree,
+    signal_tree,
+)
 
 
 @pytest.mark.slow

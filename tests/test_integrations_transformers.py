@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers.integrations import drill as run_drill
 
 pytest.importorskip("transformers")

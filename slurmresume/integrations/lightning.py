@@ -218,7 +218,7 @@ def disable_lightning_signal_handling(trainer: pl.Trainer) -> None:
         log.info("slurmresume: Lightning's SLURM auto-requeue turned off (slurmresume requeues)")
     connector = getattr(trainer, "_signal_connector", None)
     if connector is not None and hasattr(connector, "register_signal_handlers"):
-        connector.register_signal_handlers = lambda: None  # type: ignore[method-assign]
+        connector.register_signal_handlers = lambda: None
     else:  # a Lightning release that moved it: say so rather than run two handlers silently
         log.warning("slurmresume: could not find Lightning's signal connector; its handlers may also run")
 
