@@ -27,8 +27,10 @@ def drill(tmp_path: Path, script: str, nproc: int, *script_args: str, seed: int 
                           str(tmp_path / "w"), "--json", "--preemptions", str(preemptions), "--seed", str(seed),
                           "--nproc-per-node", str(nproc), "--", *script_args],
                          capture_output=True, text=True, timeout=1500, cwd=tmp_path, env=offline_env())
-    assert "{" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
-    verdict = json.loads(res.stdout[res.stdout.index("{"):])
+    # the scripts' own output comes first (HF prints dicts); the verdict is the last JSON document
+    start = res.stdout.rfind("\n{\n") + 1 if "\n{\n" in res.stdout else res.stdout.find("{\n")
+    assert start >= 0, res.stdout[-2000:] + res.stderr[-4000:]
+    verdict = json.loads(res.stdout[start:])
     verdict["returncode"] = res.returncode
     verdict["stderr"] = res.stderr[-4000:]
     return verdict
