@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 import slurmresume
@@ -32,7 +33,7 @@ p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep p
 args = p.parse_args()
 
 accelerator = Accelerator(cpu=True)  # sets up torch.distributed under torchrun
-torch.manual_seed(args.seed + accelerator.process_index)  # dropout differs per rank
+set_seed(args.seed + accelerator.process_index)  # random, numpy, torch; dropout differs per rank
 
 # -- data: a synthetic next-token task; the sampler splits by rank and knows its position, so
 #    the loader is NOT handed to accelerator.prepare (which would re-shard it) --
