@@ -68,3 +68,28 @@ def test_lightning_slurm_handler_does_not_act(tmp_path: Path, ours: bool) -> Non
     saved = [e for e in events(tmp_path / "ckpt") if e["event"] == "exit_after_save"]
     assert len(saved) == 1 and (tmp_path / "ckpt" / f"step_{saved[0]['step']:09d}" / "COMMITTED").exists()
     assert "finished" not in out
+
+
+@pytest.mark.slow
+def test_lightning_sigterm_handler_is_not_installed(tmp_path: Path) -> None:
+    """Lightning's SIGTERM handler would run next to ours (it composes with an existing one) and,
+    with several ranks, broadcast from inside the handler. With SlurmResume it is not installed:
+    SIGTERM is slurmresume's best-effort save and exit 76, and Lightning never logs it."""
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, str(HELPERS / "lightning_slurm.py"), str(tmp_path / "ckpt"), "400", "1",
+                             str(ready)], env=offline_env(**SLURM_VARS), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), proc.communicate(timeout=60)[0][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 76, out[-3000:]  # EXIT_TERMINATED
+    assert "Received SIGTERM" not in out and "Bypassing SIGTERM" not in out, out[-3000:]
+    saved = [e for e in events(tmp_path / "ckpt") if e["event"] == "exit_after_save"]
+    assert len(saved) == 1 and saved[0]["kind"] == "terminate"
