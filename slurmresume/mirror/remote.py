@@ -178,6 +178,7 @@ class RemotePrune:
     plan: Any
     deleted: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    cleaned: list[str] = field(default_factory=list)  # (no leftovers on a bucket: the shape of PruneResult)
 
 
 def plan(s3: Any, loc: S3Location, policy: Any, now: float | None = None) -> Any:
