@@ -89,15 +89,15 @@ def test_concurrent_marker_writers_exactly_one_wins(s3, url: str, tmp_path: Path
     marker_raw = read_committed(tmp_path / step_dir_name(3), 3)[0]
     loc = parse_s3_url(url)
     n, rounds = 8, 5
+    clients = [client() for _ in range(n)]
     for r in range(rounds):
         step = 3 + 1000 * r
         start = threading.Barrier(n)
         wins: list[str] = []
 
         def writer(i: int, step: int = step, start: threading.Barrier = start, wins: list[str] = wins) -> None:
-            c = client()
             start.wait()
-            if put_marker(c, loc, step, marker_raw, token=f"writer-{i}"):
+            if put_marker(clients[i], loc, step, marker_raw, token=f"writer-{i}"):
                 wins.append(f"writer-{i}")
 
         threads = [threading.Thread(target=writer, args=(i,)) for i in range(n)]

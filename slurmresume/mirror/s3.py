@@ -78,7 +78,7 @@ def client() -> Any:
     except ImportError:
         raise ConfigError("an s3:// mirror needs boto3: pip install 'slurmresume[s3]'") from None
     return boto3.session.Session().client(
-        "s3", config=Config(max_pool_connections=32, retries={"max_attempts": 5, "mode": "standard"}))
+        "s3", config=Config(max_pool_connections=32, retries={"mode": "standard"}))  # attempts: AWS_MAX_ATTEMPTS, else 3
 
 
 def error_code(exc: BaseException) -> str:

@@ -6,6 +6,7 @@ when the server is not answering, as the Slurm tests do for the cluster.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import uuid
@@ -18,6 +19,7 @@ STATE_DIR = Path(os.environ.get("SLURMRESUME_OBJSTORE_DIR", "/var/lib/slurmresum
 BUCKET = "slurmresume-test"
 
 
+@functools.cache
 def aws_env() -> dict[str, str]:
     env_file = STATE_DIR / "aws.env"
     status = subprocess.run(["bash", str(REPO / "scripts" / "objstore.sh"), "status"], capture_output=True,
