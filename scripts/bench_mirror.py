@@ -108,7 +108,7 @@ def main() -> None:
             busy = threading.Event()
             busy.set()
             mirror.enqueue(root, 1)
-            threading.Thread(target=lambda m=mirror: (m.wait(), busy.clear()), daemon=True).start()
+            threading.Thread(target=lambda m=mirror, b=busy: (m.wait(), b.clear()), daemon=True).start()
             slow["uploading"].append(statistics.median(step_times(120.0, busy)))
             mirror.wait()
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in res.items())
