@@ -179,3 +179,17 @@ def test_bad_mirror_urls_are_one_line_config_errors(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="mirror"):
             Checkpointer(tmp_path, handle_signals=False, mirror=bad)
     assert os.environ.get("SLURMRESUME_MIRROR") is None
+
+
+def test_retention_applies_on_both_tiers(s3, url: str, tmp_path: Path) -> None:
+    from slurmresume import RetentionPolicy
+
+    ckpt = Checkpointer(tmp_path, handle_signals=False, mirror=url, retention=RetentionPolicy(keep=2))
+    for s in (1, 2, 3, 4):
+        ckpt.save(s, tiny_state(s))
+        ckpt.mirror.wait()
+    ckpt.close()
+    loc = parse_s3_url(url)
+    assert [(i.step, i.complete) for i in remote.list_remote(s3, loc)] == [(4, True), (3, True)]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == \
+        [step_dir_name(3), step_dir_name(4)]
