@@ -9,7 +9,7 @@ interleaved so that drift of the shared machine hits every method alike:
   ours upload    transfer.upload_step: shard (multipart, 8 MiB parts, 4 in flight), manifest,
                  conditional marker + read-back
   boto3 upload   s3.upload_file of the same shard with boto3's default TransferConfig
-  ours download  transfer.download_step: ranged GETs (8 MiB, 4 threads), fsync, xxh3 of every
+  ours download  transfer.download_step: ranged GETs (16 MiB, 8 threads), fsync, xxh3 of every
                  shard against the manifest, manifest + marker written durably, one rename
   boto3 download s3.download_file with the default TransferConfig (no checksum, no fsync)
 Then the training slowdown: a 2-thread matmul loop's step time while a Mirror uploads the

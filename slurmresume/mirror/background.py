@@ -160,8 +160,7 @@ class Mirror:
             if newest is None or newest.step <= have:
                 return None
             try:
-                result = download_step(self.s3, self.loc, newest.step, root, chunk=self.chunk,
-                                       workers=self.concurrency)
+                result = download_step(self.s3, self.loc, newest.step, root)
             except CheckpointError as exc:
                 log.warning("mirror: step %d on %s not restored: %s", newest.step, self.loc.url, exc)
                 tried.add(newest.step)
