@@ -13,13 +13,13 @@ def mirror_for(value: Any, *, rank: int, **kwargs: Any) -> Any:
     """`Checkpointer(mirror=...)`: the argument, else $SLURMRESUME_MIRROR (set by `submit
     --mirror`). Every rank validates the URL (a bad one is a ConfigError everywhere); only
     rank 0 gets a `Mirror` (it commits, so it uploads; the local root is shared)."""
-    from .background import Mirror
-    from .s3 import S3Location, parse_s3_url
-
     if value is None:
         value = os.environ.get(ENV_MIRROR) or None
     if value is None:
-        return None
+        return None  # no mirror: nothing of slurmresume.mirror's transfer code is imported
+    from .background import Mirror
+    from .s3 import S3Location, parse_s3_url
+
     if isinstance(value, Mirror):
         return value if rank == 0 else None
     if not isinstance(value, (str, os.PathLike, S3Location)):
