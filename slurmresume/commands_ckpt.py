@@ -66,9 +66,11 @@ def status(
     from . import _render
     from .status import compute_status
 
-    root = resolve_root(ckpt_dir)
     if limit < 0:
         raise ConfigError(f"--limit must be >= 0 (0 shows all), got {limit}")
+    if is_s3_url(ckpt_dir):  # the bucket's steps only (no job, no event log there)
+        return s3_commands().status(ckpt_dir, verify=verify, limit=limit, as_json=as_json)
+    root = resolve_root(ckpt_dir)
     if job is not None and not re.fullmatch(r"\d+(_\d+)?", job):
         raise ConfigError(f"--job {job!r} is not a Slurm job id: use digits, e.g. --job 12345")
     interval = parse_duration(watch, "--watch") if watch is not None else None

@@ -106,3 +106,19 @@ def test_prune_killed_mid_deletion_leaves_no_complete_half_step(s3, tmp_path: Pa
 def test_a_bad_s3_root_is_one_error_line(s3) -> None:
     out = run("latest", "--ckpt-dir", "s3://Bad_Bucket/x")
     assert out.exit_code == 1 and out.stderr.count("\n") == 1 and "bucket" in out.stderr
+
+
+def test_status_on_a_bucket_lists_complete_and_uploading_steps(s3, tmp_path: Path) -> None:
+    import json
+
+    url = mirrored(tmp_path, 1, 2)
+    loc = parse_s3_url(url)
+    s3.create_multipart_upload(Bucket=loc.bucket, Key=loc.key(3, SHARD))  # an upload in flight
+    out = run("status", "--json", "--verify", "--ckpt-dir", url)
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["newest_complete"] == 2
+    assert [(c["step"], c["complete"], c["uploading"], c["verified"]) for c in data["checkpoints"]] == \
+        [(3, False, True, None), (2, True, False, True), (1, True, False, True)]
+    text = run("status", "--ckpt-dir", url)
+    assert text.exit_code == 0 and "being uploaded" in text.stdout and "newest complete: 2" in text.stdout

@@ -80,3 +80,30 @@ def prune(url: object, policy: Any, *, dry_run: bool, yes: bool, as_json: bool) 
         typer.echo("nothing to delete")
     if as_json:
         _emit_json(_prune_json(loc.url, policy, plan, [], dry_run, result))  # type: ignore[arg-type]
+
+
+def status(url: object, *, verify: bool, limit: int, as_json: bool) -> None:
+    """The bucket's step folders, newest first: complete or why not, size, being uploaded.
+    (No Slurm job or event log: those live with the run, not in the bucket.)"""
+    import json
+
+    loc, s3 = parse_s3_url(str(url)), client()
+    steps = remote.scan(s3, loc)
+    infos = [remote.inspect(s3, loc, rs, verify) for rs in (steps[:limit] if limit else steps)]
+    newest = remote.find_latest(s3, loc, steps=steps)
+    rows: list[dict[str, Any]] = [{"step": i.step, "url": i.url, "complete": i.complete, "problem": i.problem,
+             "bytes": i.manifest.total_bytes if i.manifest else None, "verified": i.verified,
+             "uploading": i.uploading, "created": i.manifest.created if i.manifest else None} for i in infos]
+    if as_json:
+        typer.echo(json.dumps({"schema": "slurmresume.mirror-status/1", "root": loc.url, "steps": len(steps),
+                               "newest_complete": newest.step if newest else None, "checkpoints": rows}, indent=2))
+        return
+    typer.echo(f"mirror {loc.url}: {len(steps)} step folder(s), newest complete: "
+               f"{newest.step if newest else 'none'}")
+    for r in rows:
+        state = "complete" + (" (verified)" if r["verified"] else "") if r["complete"] else \
+            ("being uploaded" if r["uploading"] else f"INCOMPLETE: {r['problem']}")
+        size = f"{r['bytes'] / 1e6:.1f} MB" if r["bytes"] is not None else "-"
+        typer.echo(f"  {r['step']:>10}  {size:>10}  {state}")
+    if limit and len(steps) > limit:
+        typer.echo(f"  ... {len(steps) - limit} older step folder(s) not shown (--limit 0 shows all)")
