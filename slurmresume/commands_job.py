@@ -70,6 +70,9 @@ def submit(
     resume_from: Annotated[str | None, Opt(help="Start from this committed STEP (or step directory) instead of the newest.")] = None,
     branch: Annotated[Path | None, Opt(help="With --resume-from: continue in this NEW checkpoint root; the old one is untouched.")] = None,
     discard_newer: Annotated[bool, Opt("--discard-newer", help="With --resume-from: delete the steps newer than it.")] = False,
+    mirror: Annotated[str | None, Opt(metavar="s3://BUCKET/PREFIX", help="Also copy every committed step there "
+                                      "(background upload; restore pulls newer steps from it). Endpoint and credentials "
+                                      "from the AWS environment. [default: none]")] = None,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
     dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
     json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,

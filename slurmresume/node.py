@@ -14,6 +14,7 @@ from typing import Any
 
 from . import slurm
 from .config import JobSpec
+from .contract import ENV_MIRROR
 from .events import append_event
 from .launcher import (
     Relay,
@@ -59,6 +60,8 @@ def worker_env(spec: JobSpec, run_id: str, restart: int, extra: dict[str, str] |
         "SLURMRESUME_RESTART_COUNT": str(restart),
         "PYTHONUNBUFFERED": "1",
     })
+    if spec.mirror:
+        env[ENV_MIRROR] = spec.mirror
     return env
 
 
