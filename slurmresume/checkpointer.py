@@ -26,7 +26,7 @@ from . import rng
 from .checkpoint import commit as _commit
 from .checkpoint.collective import Group, LaggedMax
 from .checkpoint.jsonenc import encode, loads
-from .checkpoint.layout import step_dir_name
+from .checkpoint.layout import MARKER, step_dir_name
 from .checkpoint.replicas import elastic, replicated_names, tensor_digests
 from .checkpoint.reshard import is_dtensor, load_sharded
 from .checkpoint.reshard import targets as reshard_targets
@@ -43,6 +43,14 @@ from .checkpoint.state import (
     validate_skeleton,
 )
 from .checkpoint.store import CheckpointInfo, find_latest, inspect_dir
+from .contract import (
+    ENV_LAUNCHER_PID,
+    ENV_RUN_ID,
+    EV_EMERGENCY_SAVE_FAILED,
+    EXIT_SAVE_FAILED,
+    Outcome,
+    write_outcome,
+)
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -366,32 +374,65 @@ class Checkpointer:
             log.warning("drill: the warning signal did not reach rank 0 within %.0f s", DRILL_RELAY_WAIT_S)
 
     def _emergency(self, step: int, state: Mapping[str, Any], agreed: int, metrics: Any, meta: Any) -> bool:
+        """Every rank: save the agreed step, then (rank 0) write the run's outcome record
+        (contract.write_outcome): committed only when this save of `step` has its marker. A failed
+        save is recorded too (committed=False, the error) and exits EXIT_SAVE_FAILED; the launcher
+        then resumes from the newest complete checkpoint."""
         kind = "preempt" if agreed == PREEMPT else "terminate"
+        run_id = os.environ.get(ENV_RUN_ID)
         if self.rank == 0:
-            self._event("signal_agreed", step=step, kind=kind, run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+            self._event("signal_agreed", step=step, kind=kind, run_id=run_id)
         try:
             self.wait()
         except SaveError as exc:  # the emergency save below is what matters now
             log.warning("in-flight async save failed: %s", exc)
-        if step != self.last_saved_step:
-            self.save(step, state, metrics=metrics, meta=meta, reason=kind)
-        logged = True
+        error = ""
+        try:
+            if step != self.last_saved_step:
+                self.save(step, state, metrics=metrics, meta=meta, reason=kind)
+        except (SaveError, CheckpointError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        committed = not error and (self.rank != 0 or (self.root / step_dir_name(step) / MARKER).exists())
+        recorded = True
         if self.rank == 0:
-            logged = self._event("exit_after_save", step=step, kind=kind, run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+            if committed:
+                self._event("exit_after_save", step=step, kind=kind, run_id=run_id)
+            else:
+                error = error or f"step {step} has no commit marker"
+                self._event(EV_EMERGENCY_SAVE_FAILED, step=step, kind=kind, run_id=run_id, error=error)
+            recorded = self._record_outcome(Outcome(run_id or "", kind, step, committed, error))
         if not self.exit_on_signal:
+            if error:
+                raise SaveError(f"the emergency save of step {step} failed: {error}")
             if self.flag is not None:
                 self.flag.request = NONE
             return True
-        self.close()
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; the record says what happened
+            log.warning("close after the emergency save failed: %s", exc)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        # Under our launcher the event log says what happened, and a zero exit keeps torchrun
-        # from reporting a failure and killing peers; run bare, or when the log could not be
-        # written, the distinct code says it (the launcher then trusts the new commit marker).
-        if os.environ.get("SLURMRESUME_LAUNCHER_PID") and logged:
+        if error:
+            os._exit(EXIT_SAVE_FAILED)
+        # Under our launcher the outcome record says what happened, and a zero exit keeps torchrun
+        # from reporting a failure and killing peers; run bare, or when the record could not be
+        # written, the distinct code says it.
+        if os.environ.get(ENV_LAUNCHER_PID) and recorded:
             os._exit(0)
         os._exit(EXIT_PREEMPTED if agreed == PREEMPT else EXIT_TERMINATED)
+
+    def _record_outcome(self, outcome: Outcome) -> bool:
+        """Rank 0. False when there is no run id (run bare) or the record could not be written."""
+        if not outcome.run_id:
+            return False
+        try:
+            write_outcome(self.root, outcome)
+            return True
+        except (OSError, ValueError) as exc:
+            log.warning("could not write the outcome record of run %s under %s: %s", outcome.run_id, self.root, exc)
+            return False
 
     # -- restoring ------------------------------------------------------------------------
 

@@ -39,6 +39,18 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after the warning signal; the launcher
 EXIT_TERMINATED = 76  # saved (best effort) after SIGTERM/SIGINT; never self-requeued
 EXIT_SAVE_FAILED = 77  # the emergency save after a signal failed; nothing new committed
 
+# -- exit code of the node launcher -----------------------------------------------------------
+# After a successful `scontrol requeue` the launcher exits at once with this code: the job is
+# already REQUEUED in Slurm's record, and a non-zero code can never read as COMPLETED.
+LAUNCHER_EXIT_REQUEUED = EXIT_PREEMPTED
+
+# -- events the launcher adds to the human history (never read back for a decision) ----------
+EV_REQUEUE_FAILED = "requeue_failed"  # every `scontrol requeue` attempt failed before the deadline
+EV_NO_CHECKPOINT = "no_checkpoint"  # the run finished and no complete checkpoint exists
+EV_WARNED_WITHOUT_SAVE = "warned_without_save"  # the warning came, the run ended, nothing saved
+EV_INTERRUPTED = "interrupted"  # SIGINT (Ctrl-C) reached the launcher: best-effort save, no requeue
+EV_EMERGENCY_SAVE_FAILED = "emergency_save_failed"  # rank 0: the save after a signal failed
+
 RUNS_DIR = ".runs"
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 MAX_OUTCOME_BYTES = 64 << 10
@@ -95,3 +107,53 @@ def read_outcome(root: Path, run_id: str) -> Outcome | None:
             or not isinstance(raw.get("step"), int) or not isinstance(raw.get("committed"), bool)):
         return None
     return Outcome(run_id, raw["kind"], raw["step"], raw["committed"], str(raw.get("error") or ""))
+
+
+@dataclass(frozen=True)
+class LastRun:
+    """What the launcher keeps about the previous run of a job (same Slurm job id, or the same
+    local session), so the next restart can apply the no-progress guard without reading the event
+    log. Written atomically by the first node's launcher after each run."""
+
+    job_key: str
+    run_id: str
+    kind: str
+    action: str
+    progressed: bool
+    latest: int | None = None
+    lost_steps: int | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+def last_run_path(root: Path, job_key: str) -> Path:
+    return outcome_path(root, f"{job_key}.last").with_name(f"{job_key}.last-run.json")
+
+
+def write_last_run(root: Path, record: LastRun) -> None:
+    from .checkpoint.fsio import makedirs, write_durable
+
+    path = last_run_path(root, record.job_key)
+    makedirs(path.parent, 0o755)
+    write_durable(path, record.to_json(), "last-run")
+
+
+def read_last_run(root: Path, job_key: str) -> LastRun | None:
+    """None when there is none, or it is unreadable or not this job's."""
+    try:
+        fd = os.open(last_run_path(root, job_key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (OSError, ValueError):
+        return None
+    try:
+        raw: Any = json.loads(os.read(fd, MAX_OUTCOME_BYTES + 1))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(raw, dict) or raw.get("job_key") != job_key or not isinstance(raw.get("progressed"), bool):
+        return None
+    latest, lost = raw.get("latest"), raw.get("lost_steps")
+    return LastRun(job_key, str(raw.get("run_id", "")), str(raw.get("kind", "")), str(raw.get("action", "")),
+                   raw["progressed"], latest if isinstance(latest, int) else None,
+                   lost if isinstance(lost, int) else None)
