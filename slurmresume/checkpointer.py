@@ -386,6 +386,8 @@ class Checkpointer:
             self.wait()
         except SaveError as exc:  # the emergency save below is what matters now
             log.warning("in-flight async save failed: %s", exc)
+        if self.rank == 0:  # provisional: a crash during the save still tells the launcher the agreed step
+            self._record_outcome(Outcome(run_id or "", kind, step, False, "the emergency save did not finish"))
         error = ""
         try:
             if step != self.last_saved_step:
