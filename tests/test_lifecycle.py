@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers.procs import clean_env
+
 from slurmresume import slurm
 from slurmresume.contract import LastRun, Outcome, read_last_run, write_last_run, write_outcome
 from slurmresume.errors import SlurmError
