@@ -355,7 +355,7 @@ def test_warning_during_start_up_does_not_kill_the_launcher(tmp_path: Path) -> N
     root, piddir, fake_log = tmp_path / "ckpt", tmp_path / "pids", tmp_path / "scontrol.log"
     code = ("import sys; from pathlib import Path; from slurmresume.config import JobSpec; "
             "from slurmresume.node import NodeLauncher; "
-            f"NodeLauncher(JobSpec(script=Path({str(LC_TRAIN)!r}), script_args=('40', '0.05'), "
+            f"NodeLauncher(JobSpec(script=Path({str(LC_TRAIN)!r}), script_args=('200', '0.05'), "
             f"ckpt_dir=Path({str(root)!r})))()")
     env = clean_env(PIDDIR=str(piddir), PYTHONPATH=os.environ.get("PYTHONPATH", ""), FAKE_LOG=str(fake_log),
                     PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost",

@@ -82,8 +82,9 @@ while step < steps:
     time.sleep(sleep)
     if warn_at is not None and step == warn_at:
         os.kill(int(os.environ["SLURMRESUME_LAUNCHER_PID"]), warning_signal_from_env())
-        if os.environ.get("LC_IGNORE_WARNING"):
-            time.sleep(2)  # the relay reaches us; we never act on it
+        deadline = time.monotonic() + 30  # hold until the launcher's relay has reached us
+        while ckpt.flag is not None and not ckpt.flag.request and time.monotonic() < deadline:
+            time.sleep(0.01)
     if os.environ.get("LC_IGNORE_WARNING"):
         continue
     ckpt.step(step, state)
