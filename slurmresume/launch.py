@@ -24,10 +24,9 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
         "stderr_to_stdout": True,
         "additional_parameters": {"signal": f"{spec.signal}@{spec.signal_lead}", "requeue": True},
     }
-    if spec.time is not None:
-        params["time"] = slurm_time_minutes(spec.time)
-    else:
-        params["time"] = 60
+    # No --time: no #SBATCH --time line, so the partition's DefaultTime applies (an explicit None,
+    # since submitit would otherwise write its own 5 minutes).
+    params["time"] = slurm_time_minutes(spec.time) if spec.time is not None else None
     for key in ("partition", "account", "qos", "constraint", "mem", "cpus_per_task", "gpus_per_node"):
         value = getattr(spec, key)
         if value is not None:

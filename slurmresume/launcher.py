@@ -20,6 +20,7 @@ from typing import Any
 
 from .checkpoint.layout import MARKER, step_dir_name
 from .checkpoint.store import find_latest
+from .config import requeue_cap_reached
 from .events import append_event, read_events
 from .signals import parse_signal
 
@@ -43,7 +44,7 @@ class RunResult:
         return self.latest_after is not None and (self.latest_before is None or self.latest_after > self.latest_before)
 
 
-def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_requeues: int,
+def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_requeues: int | None,
            failures_done: int, max_failures: int, previous_progressed: bool | None,
            committed: bool) -> tuple[str, str]:
     """Pure: what to do after a run. Returns (action, reason); action is one of
@@ -57,7 +58,7 @@ def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_reque
             return "stop", "preempted: the first node requeues the job"
         if not committed:
             return "give_up", f"warning signal handled but step {result.saved_step} has no commit marker"
-        if requeues_done >= max_requeues:
+        if requeue_cap_reached(requeues_done, max_requeues):  # None: no cap (config.py)
             return "give_up", f"preempted after {requeues_done} requeues: --max-requeues {max_requeues} reached"
         if not result.progressed and previous_progressed is False:
             return "give_up", ("crash loop: no new committed step in two consecutive runs "
