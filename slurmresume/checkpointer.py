@@ -168,6 +168,7 @@ class Checkpointer:
         self._inflight: threading.Thread | None = None
         self._async_error: BaseException | None = None
         self.group = Group.create()
+        self._claim_root()  # one owner per root: refused here, before anything is written
         self.agree_group = Group.create()
         self._agreement = LaggedMax(self.agree_group)
         self.last_saved_step: int | None = None
@@ -181,6 +182,23 @@ class Checkpointer:
     @property
     def rank(self) -> int:
         return self.group.rank
+
+    def _claim_root(self) -> None:
+        """Collective. Rank 0 takes or checks the root's lease (ownership.py); a refusal is raised
+        on every rank (no rank is left waiting in a collective)."""
+        from .ownership import RootOwnedError, for_checkpointer
+
+        error = None
+        if self.rank == 0:
+            try:
+                for_checkpointer(self.root)
+            except RootOwnedError as exc:
+                error = str(exc)
+        error = self.group.broadcast_json(error)
+        if error:
+            self._closed = True
+            self.group.destroy()
+            raise RootOwnedError(error)
 
     # -- saving ---------------------------------------------------------------------------
 

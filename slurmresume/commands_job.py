@@ -72,6 +72,7 @@ def submit(
     resume_from: Annotated[str | None, Opt(help="Start from this committed STEP (or step directory) instead of the newest. (default: the newest)")] = None,
     branch: Annotated[Path | None, Opt(help="With --resume-from: continue in this NEW checkpoint root; the old one is untouched. (default: none)")] = None,
     discard_newer: Annotated[bool, Opt("--discard-newer", help="With --resume-from: delete the steps newer than it.")] = False,
+    takeover: Annotated[bool, Opt("--takeover", help="Take the checkpoint root over from a previous run that is provably gone (job not in squeue, pid dead, or heartbeat over 10 min old); a live owner is never taken over.")] = False,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
     dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
     json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,
@@ -85,11 +86,14 @@ def submit(
     Example: slurmresume submit train.py --nodes 2 --gpus-per-node 8 --time 4:00:00 --ckpt-dir /ckpt/run1 -- --lr 3e-4
     """
     cli = {k: v for k, v in locals().items()
-           if k not in ("script", "script_args", "local", "dry_run", "json_out", "resume_from", "branch", "discard_newer")}
-    from . import launch
+           if k not in ("script", "script_args", "local", "dry_run", "json_out", "resume_from", "branch", "discard_newer",
+                        "takeover")}
+    from . import launch, ownership
     from ._render_job import print_json, print_submitted
 
     spec = _spec(script, script_args, cli)
+    if not dry_run:  # one owner per root: refused before anything is created, moved or submitted
+        ownership.check_free(spec.ckpt_dir, takeover=takeover)
     # The same checks as every other value, before prepare_resume creates or deletes anything.
     check_text("--resume-from", resume_from or "")
     check_text("--branch", str(branch or ""))
@@ -105,11 +109,12 @@ def submit(
     if local:
         from .node import run_local
 
-        result = run_local(spec)
+        result = run_local(spec, takeover=takeover)
         print_json(result) if json_out else typer.echo(f"local run {result['action']}: {result['reason']}")
         return
     sub = launch.preview(spec) if dry_run else launch.submit(spec)
     if not dry_run:
+        launch.claim_root(spec, sub.job_id, takeover=takeover)
         from .events import append_event
 
         append_event(spec.ckpt_dir, "submitted", job=sub.job_id, script=str(spec.script), nodes=spec.nodes,

@@ -115,6 +115,22 @@ def submit(spec: JobSpec) -> Submitted:
     return Submitted(str(job.job_id), Path(str(job.paths.folder)), text, cmd)
 
 
+def claim_root(spec: JobSpec, job_id: str, *, takeover: bool) -> None:
+    """After sbatch: the new job owns the root from now on, pending included (its launcher renews
+    the lease when it starts). When another submission won the race for the root in between, the
+    new job is cancelled and the refusal raised: two jobs never write one root."""
+    from . import ownership, slurm
+
+    try:
+        ownership.acquire(spec.ckpt_dir, ownership.slurm_owner(job_id), takeover=takeover)
+    except ownership.RootOwnedError:
+        try:
+            slurm.run(["scancel", job_id])
+        except SlurmError:
+            pass
+        raise
+
+
 def _last_meaningful(lines: list[str]) -> str:
     for line in reversed(lines):
         m = re.search(r"sbatch: error: (.*)", line)

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import slurm
+from . import ownership, slurm
 from .config import JobSpec
+from .contract import ENV_OWNER
 from .events import append_event
 from .launcher import (
     Relay,
@@ -80,23 +81,29 @@ class NodeLauncher:
                      local=False, extra={"node": node_id, "nodes": nnodes, "job": job_id})
 
 
-def run_local(spec: JobSpec, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_local(spec: JobSpec, env: dict[str, str] | None = None, *, takeover: bool = False) -> dict[str, Any]:
     """`submit --local`: the same launcher and torchrun on this machine; a preemption restarts the
-    run from the newest complete checkpoint, as Slurm's requeue would."""
+    run from the newest complete checkpoint, as Slurm's requeue would. `takeover`: take the
+    root's lease from an owner that is provably gone (ownership.py)."""
     cmd = torchrun_command(spec, nnodes=1, endpoint=None, rdzv_id="local")
     key = f"local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     return _loop(spec, cmd, job_key=key, restart=0, first_node=True,
-                 local=True, extra={"node": 0, "nodes": 1, "job": "local"}, env=env)
+                 local=True, extra={"node": 0, "nodes": 1, "job": "local"}, env=env, takeover=takeover)
 
 
 def _loop(spec: JobSpec, cmd: list[str], *, job_key: str, restart: int, first_node: bool, local: bool,
-          extra: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+          extra: dict[str, Any], env: dict[str, str] | None = None, takeover: bool = False) -> dict[str, Any]:
     root = spec.ckpt_dir
+    # One owner per root: the first node holds the lease (job key = owner id, so every requeue of
+    # a Slurm job and every local restart is the same owner); the ranks check it ($SLURMRESUME_OWNER).
+    env = {**(env or {}), ENV_OWNER: job_key}
     warn = warn_signal(spec.signal)
     relay = Relay(warn)
     relay.install()
     failures = 0
+    lease = None
     try:
+        lease = ownership.hold(root, job_key, takeover=takeover) if first_node else None
         while True:
             run_id = run_id_for(job_key, restart, failures)
             append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local, **extra)
@@ -109,6 +116,8 @@ def _loop(spec: JobSpec, cmd: list[str], *, job_key: str, restart: int, first_no
                                     committed=is_committed(root, result.saved_step))
             _record(root, result, action, reason, run_id, job_key, restart, first_node)
             log.info("run %s ended %s: %s -> %s", run_id, result.kind, reason, action)
+            if lease is not None and action in ("finish", "stop", "give_up"):
+                lease.release()  # the job will not come back: the root is free
             if action == "finish" or action == "stop":
                 return {"action": action, "reason": reason, "restarts": restart, "step": result.latest_after}
             if action == "give_up":
@@ -127,6 +136,8 @@ def _loop(spec: JobSpec, cmd: list[str], *, job_key: str, restart: int, first_no
             append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, local=True)
     finally:
         relay.uninstall()
+        if lease is not None:
+            lease.stop()
 
 
 def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str, job_key: str,

@@ -45,7 +45,8 @@ def _split_saves(trace: list[str]) -> list[list[str]]:
     for label in trace:
         if label == "write.inprogress":
             saves.append([])
-        saves[-1].append(label)
+        if saves:  # labels before the first save (the root's lease) are not part of a save
+            saves[-1].append(label)
     return saves
 
 

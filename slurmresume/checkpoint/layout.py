@@ -28,6 +28,7 @@ LOCK = ".slurmresume.lock"
 DELETING_PREFIX = ".deleting."
 SAVING_PREFIX = ".saving."
 OWNER = ".owner.json"
+OWNER_LOCK = ".owner.json.lock"
 STEP_DIGITS = 9
 
 # ASCII digits and fullmatch: `\d` also matches other scripts' digits (which int() accepts) and
