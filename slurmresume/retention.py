@@ -32,7 +32,7 @@ import socket
 import stat
 import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -339,7 +339,7 @@ def execute(root: Path, policy: RetentionPolicy, approved: Collection[str] | Non
         result.skipped.append((name, "kept by the plan"))
     victims = [r for r in plan.delete if approved is None or r.name in approved]
     hidden: list[Path] = []
-    with locked(root, lock_timeout) if victims else nullcontext():
+    with locked(root, lock_timeout):
         for r in victims:
             why = _still_deletable(root, r, plan, policy, now)
             if why is not None:
