@@ -10,7 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_slurm_e2e import SIG_TRAIN, cluster, count, final_state, job_log, preempt_at, scancel, submit, wait  # noqa: F401
+from test_slurm_e2e import (  # noqa: F401
+    SIG_TRAIN,
+    cluster,
+    count,
+    final_state,
+    job_log,
+    preempt_at,
+    scancel,
+    submit,
+    wait,
+)
 
 from slurmresume.checkpoint.layout import OWNER
 
