@@ -73,6 +73,8 @@ log = logging.getLogger("slurmresume")
 
 ENV_ROOT = "SLURMRESUME_CKPT_DIR"
 DRILL_RELAY_WAIT_S = 30.0  # how long a drill rank waits for the launcher to relay its warning
+EMERGENCY_REASONS = ("preempt", "terminate")  # save reasons after a signal: no retention then
+RETENTION_LOCK_WAIT_S = 1.0  # retention after a periodic commit skips a round rather than wait
 
 
 def resolve_root(root: str | os.PathLike[str] | None) -> Path:
@@ -174,6 +176,7 @@ class Checkpointer:
         self._inflight: threading.Thread | None = None
         self._async_error: BaseException | None = None
         self.group = Group.create()
+        self._claim_root()  # one owner per root: refused here, before anything is written
         self.agree_group = Group.create()
         self._agreement = LaggedMax(self.agree_group)
         self.last_saved_step: int | None = None
@@ -187,6 +190,23 @@ class Checkpointer:
     @property
     def rank(self) -> int:
         return self.group.rank
+
+    def _claim_root(self) -> None:
+        """Collective. Rank 0 takes or checks the root's lease (ownership.py); a refusal is raised
+        on every rank (no rank is left waiting in a collective)."""
+        from .ownership import RootOwnedError, for_checkpointer
+
+        error = None
+        if self.rank == 0:
+            try:
+                for_checkpointer(self.root)
+            except RootOwnedError as exc:
+                error = str(exc)
+        error = self.group.broadcast_json(error)
+        if error:
+            self._closed = True
+            self.group.destroy()
+            raise RootOwnedError(error)
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -254,9 +274,10 @@ class Checkpointer:
         if self.group.world_size > 1:  # data-parallel replicas are stored once (rank 0's shard)
             digests = tensor_digests(tensors, skeleton.get("dtensors"))
             replicated = replicated_names(self.group.all_gather_json(digests))
-        report = _commit.write_rank(self.root, step, self.group, skeleton, tensors, replicated)
+        into = decision["dir"]  # this save's private directory; the commit publishes it as step_N
+        report = _commit.write_rank(self.root, step, self.group, skeleton, tensors, replicated, into=into)
         reports = self.group.all_gather_json(report)
-        outcome = _commit.commit(self.root, step, reports, *enc) if self.rank == 0 else None
+        outcome = _commit.commit(self.root, step, reports, *enc, into=into) if self.rank == 0 else None
         outcome = self.group.broadcast_json(outcome)
         seconds = time.perf_counter() - started
         if self.rank == 0:
@@ -271,7 +292,9 @@ class Checkpointer:
         self.last_saved_step = step
         self._time_due_posted = False
         self._sched.saved(step, self._blocking_s if self._blocking_s is not None else seconds)
-        if self.rank == 0 and self.retention is not None:
+        # An emergency save must reach its exit (and the requeue) at once: retention waits for the
+        # next run's first commit instead of holding the root lock or deleting files now.
+        if self.rank == 0 and self.retention is not None and reason not in EMERGENCY_REASONS:
             self._apply_retention()
         return self.root / step_dir_name(step)
 
@@ -290,8 +313,8 @@ class Checkpointer:
 
         if self.retention is None:
             return
-        try:
-            apply_policy(self.root, self.retention)
+        try:  # a short lock wait: a busy lock (a prune renaming) skips this round, never stalls training
+            apply_policy(self.root, self.retention, lock_timeout=RETENTION_LOCK_WAIT_S)
         except Exception as exc:  # retention must never break training
             log.warning("retention after commit failed: %s", exc)
 

@@ -11,7 +11,9 @@ from .cli import app, handle_errors
 from .config import JobSpec, check_text, load_defaults, parse_sbatch_extras
 from .errors import ConfigError
 
-_DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_requeues": 20, "max_failures": 0}
+# Shown in --help as "(default: ...)": rich would swallow "[default: ...]" as markup. No default for
+# --time (the partition's DefaultTime applies) nor --max-requeues (no cap while runs progress).
+_DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_failures": 0}
 
 Opt = typer.Option
 
@@ -48,28 +50,29 @@ ArgsArg = Annotated[list[str] | None, typer.Argument(help="Arguments for the scr
 def submit(
     script: ScriptArg,
     script_args: ArgsArg = None,
-    ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root; exported to the script as SLURMRESUME_CKPT_DIR.")] = None,
-    nodes: Annotated[int | None, Opt(help="Number of nodes (one launcher + torchrun per node). [default: 1]")] = None,
-    nproc_per_node: Annotated[int | None, Opt(help="Processes per node. [default: --gpus-per-node, else 1]")] = None,
-    gpus_per_node: Annotated[int | None, Opt(help="GPUs per node to request.")] = None,
-    cpus_per_task: Annotated[int | None, Opt(help="CPUs for each node's task.")] = None,
-    mem: Annotated[str | None, Opt(help="Memory per node, e.g. 64G.")] = None,
-    time: Annotated[str | None, Opt(help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS. [default: 60]")] = None,
-    partition: Annotated[str | None, Opt(help="Slurm partition.")] = None,
-    account: Annotated[str | None, Opt(help="Slurm account.")] = None,
-    qos: Annotated[str | None, Opt(help="Slurm QOS.")] = None,
-    constraint: Annotated[str | None, Opt(help="Node feature constraint.")] = None,
-    job_name: Annotated[str | None, Opt(help="Job name. [default: slurmresume-<script>]")] = None,
-    signal: Annotated[str | None, Opt(help="Warning signal; B:USR1 sends it to the batch shell only. [default: USR1]")] = None,
-    signal_lead: Annotated[int | None, Opt(help="Seconds before the time limit that the warning comes. [default: 120]")] = None,
-    max_requeues: Annotated[int | None, Opt(help="Stop requeueing after this many. [default: 20]")] = None,
-    max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. [default: 0]")] = None,
-    sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive.")] = None,
-    rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. [default: derived from the job id]")] = None,
-    python: Annotated[str | None, Opt(help="Python interpreter on the nodes. [default: this one]")] = None,
-    resume_from: Annotated[str | None, Opt(help="Start from this committed STEP (or step directory) instead of the newest.")] = None,
-    branch: Annotated[Path | None, Opt(help="With --resume-from: continue in this NEW checkpoint root; the old one is untouched.")] = None,
+    ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root; exported to the script as SLURMRESUME_CKPT_DIR. (default: ckpt-dir from slurmresume.toml or pyproject.toml; required)")] = None,
+    nodes: Annotated[int | None, Opt(help="Number of nodes (one launcher + torchrun per node). (default: 1)")] = None,
+    nproc_per_node: Annotated[int | None, Opt(help="Processes per node. (default: --gpus-per-node, else 1)")] = None,
+    gpus_per_node: Annotated[int | None, Opt(help="GPUs per node to request. (default: none)")] = None,
+    cpus_per_task: Annotated[int | None, Opt(help="CPUs for each node's task. (default: the partition's)")] = None,
+    mem: Annotated[str | None, Opt(help="Memory per node, e.g. 64G. (default: the partition's)")] = None,
+    time: Annotated[str | None, Opt(help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS; longer than --signal-lead. (default: the partition's DefaultTime)")] = None,
+    partition: Annotated[str | None, Opt(help="Slurm partition. (default: the cluster's default partition)")] = None,
+    account: Annotated[str | None, Opt(help="Slurm account. (default: your default account)")] = None,
+    qos: Annotated[str | None, Opt(help="Slurm QOS. (default: the account's default)")] = None,
+    constraint: Annotated[str | None, Opt(help="Node feature constraint. (default: none)")] = None,
+    job_name: Annotated[str | None, Opt(help="Job name. (default: slurmresume-<script>)")] = None,
+    signal: Annotated[str | None, Opt(help="Warning signal; B:USR1 sends it to the batch shell only. (default: USR1)")] = None,
+    signal_lead: Annotated[int | None, Opt(help="Seconds before the time limit that the warning comes. (default: 120)")] = None,
+    max_requeues: Annotated[int | None, Opt(help="Cap on requeues (warnings and time limits alike). (default: no cap while each run commits a newer step; two runs in a row without one stop the job)")] = None,
+    max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. (default: 0)")] = None,
+    sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive; arrays and heterogeneous jobs are refused. (default: none)")] = None,
+    rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. (default: derived from the job id)")] = None,
+    python: Annotated[str | None, Opt(help="Python interpreter on the nodes. (default: this one)")] = None,
+    resume_from: Annotated[str | None, Opt(help="Start from this committed STEP (or step directory) instead of the newest. (default: the newest)")] = None,
+    branch: Annotated[Path | None, Opt(help="With --resume-from: continue in this NEW checkpoint root; the old one is untouched. (default: none)")] = None,
     discard_newer: Annotated[bool, Opt("--discard-newer", help="With --resume-from: delete the steps newer than it.")] = False,
+    takeover: Annotated[bool, Opt("--takeover", help="Take the checkpoint root over from a previous run that is provably gone (job not in squeue, pid dead, or heartbeat over 10 min old); a live owner is never taken over.")] = False,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
     dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
     json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,
@@ -83,11 +86,14 @@ def submit(
     Example: slurmresume submit train.py --nodes 2 --gpus-per-node 8 --time 4:00:00 --ckpt-dir /ckpt/run1 -- --lr 3e-4
     """
     cli = {k: v for k, v in locals().items()
-           if k not in ("script", "script_args", "local", "dry_run", "json_out", "resume_from", "branch", "discard_newer")}
-    from . import launch
+           if k not in ("script", "script_args", "local", "dry_run", "json_out", "resume_from", "branch", "discard_newer",
+                        "takeover")}
+    from . import launch, ownership
     from ._render_job import print_json, print_submitted
 
     spec = _spec(script, script_args, cli)
+    if not dry_run:  # one owner per root: refused before anything is created, moved or submitted
+        ownership.check_free(spec.ckpt_dir, takeover=takeover)
     # The same checks as every other value, before prepare_resume creates or deletes anything.
     check_text("--resume-from", resume_from or "")
     check_text("--branch", str(branch or ""))
@@ -103,11 +109,12 @@ def submit(
     if local:
         from .node import run_local
 
-        result = run_local(spec)
+        result = run_local(spec, takeover=takeover)
         print_json(result) if json_out else typer.echo(f"local run {result['action']}: {result['reason']}")
         return
     sub = launch.preview(spec) if dry_run else launch.submit(spec)
     if not dry_run:
+        launch.claim_root(spec, sub.job_id, takeover=takeover)
         from .events import append_event
 
         append_event(spec.ckpt_dir, "submitted", job=sub.job_id, script=str(spec.script), nodes=spec.nodes,
@@ -127,8 +134,8 @@ def drill(
     preemptions: Annotated[int, Opt(help="Warnings to inject at random steps.", min=1)] = 3,
     nproc_per_node: Annotated[int, Opt(help="Processes (gloo on CPU, NCCL on GPU).", min=1)] = 1,
     seed: Annotated[int, Opt(help="Seed for choosing the preemption steps.")] = 0,
-    workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints (wiped first).")] = Path("runs/drill"),
-    ignore: Annotated[list[str] | None, Opt(help="State key allowed to differ (repeatable), e.g. a wall-clock metric.")] = None,
+    workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints: a new or empty directory, or one an earlier drill created (only its run folders are replaced).")] = Path("runs/drill"),
+    ignore: Annotated[list[str] | None, Opt(help="State key allowed to differ (repeatable), e.g. a wall-clock metric. (default: none)")] = None,
     json_out: Annotated[bool, Opt("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Prove that TRAIN_SCRIPT resumes exactly, here, before spending cluster hours.

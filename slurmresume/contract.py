@@ -33,6 +33,7 @@ ENV_RESTART = "SLURMRESUME_RESTART_COUNT"  # requeues (Slurm) or local restarts 
 ENV_LAUNCHER_PID = "SLURMRESUME_LAUNCHER_PID"  # the node launcher (drill injections go there)
 ENV_DRILL_AT = "SLURMRESUME_DRILL_AT"  # drill: "12,30,41" = warning at step 12 of restart 0, ...
 ENV_HEARTBEAT_DIR = "SLURMRESUME_HEARTBEAT_DIR"  # node-local directory for per-rank heartbeats
+ENV_OWNER = "SLURMRESUME_OWNER"  # the owner id of the root's lease that this run holds (ownership.py)
 
 # -- exit codes of a rank ---------------------------------------------------------------------
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after the warning signal; the launcher requeues

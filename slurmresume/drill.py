@@ -7,6 +7,7 @@ final checkpoints of both runs tensor by tensor and value by value.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from dataclasses import dataclass, field, replace
@@ -15,9 +16,14 @@ from pathlib import Path
 from .checkpoint.store import find_latest
 from .compare import Difference, compare_checkpoints
 from .config import JobSpec
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 from .events import read_events
 from .node import run_local
+
+# The drill marks the directories it creates, and deletes only the two run roots inside a marked
+# one: a --workdir the user pointed at their own files is refused, never wiped.
+WORKDIR_MARK = ".slurmresume-drill"
+RUN_DIRS = ("uninterrupted", "preempted")
 
 
 @dataclass
@@ -49,11 +55,10 @@ def pick_steps(total: int, n: int, seed: int) -> list[int]:
 
 def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
               ignore_keys: tuple[str, ...] = ()) -> DrillReport:
-    """Both runs under `workdir` (wiped first). Raises CheckpointError when a run leaves no
-    final checkpoint (the script must save at its end)."""
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    ref_root, drill_root = workdir / "uninterrupted", workdir / "preempted"
+    """Both runs under `workdir` (see `prepare_workdir`). Raises CheckpointError when a run
+    leaves no final checkpoint (the script must save at its end)."""
+    prepare_workdir(workdir)
+    ref_root, drill_root = (workdir / name for name in RUN_DIRS)
     run_local(replace(spec, ckpt_dir=ref_root, max_requeues=preemptions + 2, max_failures=0))
     ref = find_latest(ref_root, warn=False)
     if ref is None:
@@ -75,3 +80,27 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     else:
         report.differences = compare_checkpoints(ref.path, final.path, ignore_keys)
     return report
+
+
+def prepare_workdir(workdir: Path) -> None:
+    """Make `workdir` ready for a drill without deleting anything the drill did not create.
+
+    A missing or empty directory is created and marked; a directory marked by an earlier drill
+    loses only its two run roots (`uninterrupted/`, `preempted/`); anything else (a non-empty
+    directory without the mark, a file) is refused with ConfigError before anything changes."""
+    if workdir.is_symlink() or (workdir.exists() and not workdir.is_dir()):
+        raise ConfigError(f"--workdir {workdir} is not a directory: choose a new directory for the drill")
+    if workdir.is_dir():
+        marked = (workdir / WORKDIR_MARK).is_file()
+        if not marked and any(os.scandir(workdir)):
+            raise ConfigError(f"--workdir {workdir} is not empty and was not created by a drill: refusing to "
+                              "delete its contents; choose a new or empty directory")
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / WORKDIR_MARK).write_text("created by `slurmresume drill`; its run directories are replaced "
+                                        "by the next drill in this directory\n")
+    for name in RUN_DIRS:
+        path = workdir / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)

@@ -24,10 +24,9 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
         "stderr_to_stdout": True,
         "additional_parameters": {"signal": f"{spec.signal}@{spec.signal_lead}", "requeue": True},
     }
-    if spec.time is not None:
-        params["time"] = slurm_time_minutes(spec.time)
-    else:
-        params["time"] = 60
+    # No --time: no #SBATCH --time line, so the partition's DefaultTime applies (an explicit None,
+    # since submitit would otherwise write its own 5 minutes).
+    params["time"] = slurm_time_minutes(spec.time) if spec.time is not None else None
     for key in ("partition", "account", "qos", "constraint", "mem", "cpus_per_task", "gpus_per_node"):
         value = getattr(spec, key)
         if value is not None:
@@ -114,6 +113,22 @@ def submit(spec: JobSpec) -> Submitted:
     text = Path(job.paths.submission_file).read_text() if Path(job.paths.submission_file).exists() else ""
     cmd = torchrun_command(spec, nnodes=spec.nodes, endpoint="<first-node>:<port>", rdzv_id=job.job_id)
     return Submitted(str(job.job_id), Path(str(job.paths.folder)), text, cmd)
+
+
+def claim_root(spec: JobSpec, job_id: str, *, takeover: bool) -> None:
+    """After sbatch: the new job owns the root from now on, pending included (its launcher renews
+    the lease when it starts). When another submission won the race for the root in between, the
+    new job is cancelled and the refusal raised: two jobs never write one root."""
+    from . import ownership, slurm
+
+    try:
+        ownership.acquire(spec.ckpt_dir, ownership.slurm_owner(job_id), takeover=takeover)
+    except ownership.RootOwnedError:
+        try:
+            slurm.run(["scancel", job_id])
+        except SlurmError:
+            pass
+        raise
 
 
 def _last_meaningful(lines: list[str]) -> str:

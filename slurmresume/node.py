@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import slurm
+from . import ownership, slurm
 from .config import JobSpec
 from .contract import (
     ENV_LAUNCHER_PID,
+    ENV_OWNER,
     ENV_RESTART,
     ENV_ROOT,
     ENV_RUN_ID,
@@ -103,29 +104,36 @@ class NodeLauncher:
             relay.uninstall()
 
 
-def run_local(spec: JobSpec, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_local(spec: JobSpec, env: dict[str, str] | None = None, *, takeover: bool = False) -> dict[str, Any]:
     """`submit --local`: the same launcher and torchrun on this machine; a preemption restarts the
     run from the newest complete checkpoint, as Slurm's requeue would (each restart with a fresh
     `--max-failures` budget, as a requeued job has). SIGTERM and Ctrl-C (SIGINT) are a best-effort
-    save and a stop; a second Ctrl-C kills the run at once."""
+    save and a stop; a second Ctrl-C kills the run at once. `takeover`: take the root's lease
+    from an owner that is provably gone (ownership.py)."""
     relay = Relay(warn_signal(spec.signal))
     relay.install()
     try:
         cmd = torchrun_command(spec, nnodes=1, endpoint=None, rdzv_id="local")
         key = f"local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         return _loop(spec, cmd, relay, job_key=key, restart=0, first_node=True, clock=None,
-                     extra={"node": 0, "nodes": 1, "job": "local"}, env=env)
+                     extra={"node": 0, "nodes": 1, "job": "local"}, env=env, takeover=takeover)
     finally:
         relay.uninstall()
 
 
 def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart: int, first_node: bool,
-          clock: JobClock | None, extra: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+          clock: JobClock | None, extra: dict[str, Any], env: dict[str, str] | None = None,
+          takeover: bool = False) -> dict[str, Any]:
     root = spec.ckpt_dir
+    # One owner per root: the first node holds the lease (job key = owner id, so every requeue of
+    # a Slurm job and every local restart is the same owner); the ranks check it ($SLURMRESUME_OWNER).
+    env = {**(env or {}), ENV_OWNER: job_key}
+    lease = None
     local = clock is None
     failures = 0
     guardian = Guardian()
     try:
+        lease = ownership.hold(root, job_key, takeover=takeover) if first_node else None
         while True:
             run_id = run_id_for(job_key, restart, failures)
             try_append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local, **extra)
@@ -139,6 +147,8 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
                                     previous_progressed=last.progressed if last is not None else None)
             _record(root, result, action, reason, run_id, job_key, restart, first_node)
             log.info("run %s ended %s: %s -> %s", run_id, result.kind, reason, action)
+            if lease is not None and action in ("finish", "stop", "give_up"):
+                lease.release()  # the job will not come back: the root is free
             if action in ("finish", "stop"):
                 return {"action": action, "reason": reason, "restarts": restart, "step": result.latest_after,
                         "kind": result.kind}
@@ -157,6 +167,8 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
             _requeue(root, clock, relay, extra["job"], restart, job_key, reason)
     finally:
         guardian.close()
+        if lease is not None:
+            lease.stop()
 
 
 def _requeue(root: Path, clock: JobClock, relay: Relay, job: str, restart: int, job_key: str, reason: str) -> None:
