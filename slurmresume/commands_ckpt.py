@@ -46,11 +46,22 @@ def status(
     as_json: JsonOut = False,
     watch: Annotated[str | None, typer.Option(
         "--watch", metavar="SECONDS", help="Redraw every SECONDS (e.g. 10, 30s, 1m) until Ctrl-C.")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", metavar="PNG", help="Also draw the run's timeline (step over time, saves, warnings, requeues, "
+        "failures) into this PNG file; needs matplotlib: pip install 'slurmresume[plot]'.")] = None,
 ) -> None:
-    """Is my run healthy? The Slurm job, its requeues and history, and every checkpoint.
+    """Is my run healthy? A three-line verdict, then every checkpoint, then the history.
 
+    The headline says HEALTHY / AT RISK / STOPPED (or STARTING / FINISHED) and why; the last
+    step, its age and speed; the newest complete checkpoint and the work a crash now would lose.
     Reads the checkpoint root, its event log and, when Slurm is installed here, squeue/sacct.
-    Never changes anything. Example: slurmresume status --ckpt-dir runs/exp1 --best loss
+    Never changes anything.
+
+    Exit codes: 0 healthy, starting or finished; 3 at risk (a corrupt checkpoint, a failed
+    save, or no commit for 1.5 save intervals); 4 stopped (Slurm or the log says the run ended
+    without finishing); 1 a usage error. --json carries the same verdict.
+
+    Example: slurmresume status --ckpt-dir runs/exp1 --best loss
     """
     from . import _render
     from .status import compute_status
@@ -72,10 +83,19 @@ def status(
 
     if interval is not None:
         _render.watch(compute, interval, limit)
-    elif as_json:
-        _emit_json(compute().to_json())
+        return
+    st = compute()
+    if as_json:
+        _emit_json(st.to_json())
     else:
-        _render.print_status(compute(), limit)
+        _render.print_status(st, limit)
+    if plot is not None:
+        from .plot import plot_timeline
+
+        written = plot_timeline(root, plot.expanduser().absolute(), now=st.now)
+        typer.echo(f"timeline written to {written}", err=True)
+    if st.verdict is not None and st.verdict.exit_code:
+        raise typer.Exit(st.verdict.exit_code)
 
 
 def _stdin_is_tty() -> bool:

@@ -110,7 +110,7 @@ def submit(
     if not dry_run:
         from .events import append_event
 
-        append_event(spec.ckpt_dir, "submitted", job=sub.job_id, script=str(spec.script), nodes=spec.nodes,
+        append_event(spec.ckpt_dir, "submitted", job=sub.job_id, job_id=sub.job_id, script=str(spec.script), nodes=spec.nodes,
                      procs=spec.procs, log_dir=str(sub.log_dir))
     if json_out:
         print_json({"job_id": sub.job_id or None, "log_dir": str(sub.log_dir), "sbatch_script": sub.sbatch_script,

@@ -6,6 +6,10 @@
     schema        "slurmresume.status/1"
     root, now     checkpoint root (str), time of the snapshot (epoch seconds)
     health        "ok" | "warning" | "error";  problems, warnings: [str] saying why
+    verdict       the headline (health.judge): {verdict: "healthy"|"starting"|"finished"|"at_risk"
+                   |"stopped", reason, exit_code (what `status` exits with), last_step,
+                   last_step_time, steps_per_second, eta_s, total_steps, checkpoint_step,
+                   checkpoint_time, at_stake_s, at_stake_steps}; null: not known yet
     slurm         {available: bool, note: str|null}
     job           {job_id, state, reason, elapsed, exit_code, source: "squeue"|"sacct"|null,
                    runs: int (Slurm runs of the job, requeues included; 0 unknown)}
@@ -44,6 +48,7 @@ from .checkpoint.layout import LOCK, step_dirs
 from .checkpoint.store import CheckpointInfo, check_checksums, inspect_dir, list_checkpoints
 from .errors import ConfigError, SlurmError
 from .events import read_events
+from .health import Headline, judge
 from .policy import IntervalSummary, interval_summary
 from .retention import best_record, metric_names, metric_value, record_from_info
 from .slurm import parse_sacct, parse_squeue
@@ -105,6 +110,7 @@ class Status:
     warnings: list[str] = field(default_factory=list)
     interval: IntervalSummary | None = None
     omitted: int = 0
+    verdict: Headline | None = None
 
     @property
     def health(self) -> str:
@@ -112,6 +118,8 @@ class Status:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        if self.verdict is not None:
+            data["verdict"]["exit_code"] = self.verdict.exit_code
         if data["interval"] is None:
             del data["interval"]
         if not data["omitted"]:
@@ -149,7 +157,7 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
         raise ConfigError(f"--mode must be 'min' or 'max', got {mode!r}")
     now = time.time() if now is None else now
     events = read_events(root)
-    job_id = job_id or next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
+    job_id = job_id or _logged_job_id(events)
     job, slurm_note = query_job(job_id)
     limit = None if (best_metric or verify) else rows_limit
     rows, best, omitted = _checkpoint_rows(root, best_metric, mode, verify, now, limit)
@@ -162,7 +170,20 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
                     requeues, counts, events[-history_limit:] if history_limit else [], rows, newest, best,
                     interval=interval_summary(events) if with_interval else None)
     _judge(status, root, events)
+    iv = status.interval or interval_summary(events)
+    status.verdict = judge(events, rows, slurm_state=job.state, job_id=job.job_id, interval_s=iv.current_s,
+                           problems=status.problems, now=now)
     return status
+
+
+def _logged_job_id(events: list[dict[str, Any]]) -> str | None:
+    """The newest Slurm job id in the log: a run's own `job_id`, or the `job` that `submit`
+    recorded (logged from a login node, where SLURM_JOB_ID is unset)."""
+    for e in reversed(events):
+        for key in ("job_id", "job"):
+            if e.get(key) and str(e[key]).replace("_", "").isdigit():
+                return str(e[key])
+    return None
 
 
 def query_job(job_id: str | None) -> tuple[JobInfo, str | None]:
