@@ -25,7 +25,8 @@ from .status import Status, VerifyResult
 if TYPE_CHECKING:
     from .inspect import CheckpointReport
 
-_STATE = {"complete": "green", "corrupt": "bold red", "being_written": "cyan", "incomplete": "yellow"}
+_STATE = {"complete": "green", "corrupt": "bold red", "being_written": "cyan", "incomplete": "yellow",
+          "unreadable": "bold yellow"}
 _STD_FIELDS = {"time", "event", "host", "pid", "job_id", "restart", "run_id"}
 
 
@@ -143,11 +144,10 @@ def interval_view(iv: IntervalSummary) -> RenderableType:
         first += f"; auto would choose {fd(iv.auto_s)} (Young/Daly, within {fd(iv.min_s)}..{fd(iv.max_s)})"
     cost = (f"save cost {iv.save_cost_s:.2f} s (median of the last {min(iv.saves, RECENT_SAVES)} saves)"
             if iv.save_cost_s is not None else "save cost unknown (no save yet)")
-    speed = f", {iv.steps_per_second:.3g} steps/s" if iv.steps_per_second else ""
-    second = f"{cost}{speed}"
+    second = cost  # the speed is in the headline
     enough = iv.interruptions >= MIN_INTERRUPTIONS and iv.runtime_s >= MIN_RUNTIME_S
     if enough and iv.mtbf_s:
-        second += (f"; {iv.interruptions} unwarned interruptions in {fd(iv.runtime_s)} of running "
+        second += (f"; {iv.interruptions} unwarned interruption(s) in {fd(iv.runtime_s)} of running "
                    f"(MTBF {fd(iv.mtbf_s)})")
     elif iv.interruptions:
         second += f"; {iv.interruptions} unwarned interruption(s) so far"
@@ -174,16 +174,16 @@ def _checkpoint_table(st: Status, limit: int) -> RenderableType:
         return Text("no checkpoint directories yet", style="yellow")
     shown = [r for i, r in enumerate(st.checkpoints) if not limit or i < limit or r.best or r.newest]
     t = Table(title="checkpoints (newest first)", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("step", "state", "created (age)", "size", "ranks", "checksum", "metrics"):
-        t.add_column(col, justify="right" if col in ("step", "size", "ranks") else "left",
-                     no_wrap=col in ("step", "size", "ranks", "checksum"))
+    for col in ("step", "state", "age", "size", "ranks", "checksum", "metrics"):
+        t.add_column(col, justify="right" if col in ("step", "size", "ranks", "age") else "left",
+                     no_wrap=col != "metrics", overflow="fold", min_width=12 if col == "metrics" else None)
     for r in shown:
         state = Text(r.state.replace("_", " "), style=_STATE[r.state])
         for flag, on in (("newest", r.newest), ("best", r.best)):
             if on:
                 state.append(f", {flag}", style="bold")
         checksum = {None: "-", True: "ok", False: "FAILED"}[r.verified]
-        t.add_row(str(r.step), state, f"{when(r.created, short=True)} ({format_duration(r.age_seconds)})",
+        t.add_row(str(r.step), state, format_duration(r.age_seconds),
                   size(r.bytes), str(r.shards or "-"), checksum, metrics_text(r.metrics))
     hidden = len(st.checkpoints) - len(shown) + st.omitted
     if not hidden:

@@ -94,11 +94,14 @@ def judge(events: list[dict[str, Any]], rows: list[Any], *, slurm_state: str | N
     life = [e for e in events if e.get("event") in LIFECYCLE]
     last = life[-1] if life else None
     state = (slurm_state or "").split()[0] if slurm_state else ""
-    if newest is not None and (last is None or last.get("event") != "finished"):
-        h.at_stake_s = max(0.0, now - newest.created)
-        if last_step is not None and last_step >= newest.step:
-            h.at_stake_steps = last_step - newest.step
     h.verdict, h.reason = _verdict(events, last, state, job_id, newest, interval_s, problems, now)
+    running = state in ("RUNNING", "COMPLETING") or (
+        last is not None and last.get("event") in ("started", "restored") and state not in WAITING_SLURM)
+    if running and h.verdict in ("healthy", "at_risk"):
+        since = newest.created if newest is not None else _run_started(events, now)
+        h.at_stake_s = max(0.0, now - since)
+        if last_step is not None and newest is not None and last_step >= newest.step:
+            h.at_stake_steps = last_step - newest.step
     if h.verdict in ("finished", "stopped"):
         h.eta_s = None
     return h
@@ -130,6 +133,10 @@ def _verdict(events: list[dict[str, Any]], last: dict[str, Any] | None, state: s
         what = f"since step {newest.step}" if newest is not None else "since the run started"
         return "at_risk", (f"no checkpoint committed for {_dur(since)} {what} (save interval {_dur(interval_s)}): "
                            "hung, killed, or saving too rarely")
+    if last is None and not state:
+        return "healthy", "saving (no launcher events: only runs started by `slurmresume submit` are tracked)"
+    if last is not None and last["event"] == "requeued":
+        return "healthy", "requeued after a committed save: waiting to restart"
     return "healthy", "running" + (f" (Slurm: {state})" if state else "")
 
 

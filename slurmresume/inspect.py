@@ -40,8 +40,8 @@ from .checkpoint.layout import parse_step_dir, step_dir_name
 from .checkpoint.shard import _ITEMSIZE as ITEMSIZE
 from .checkpoint.shard import SKELETON_KEY, open_checked, read_header
 from .checkpoint.state import RESERVED
-from .checkpoint.store import find_latest, inspect_dir
-from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+from .checkpoint.store import UNREADABLE, find_latest, inspect_dir
+from .errors import CheckpointError, ConfigError, CorruptCheckpointError, NoCheckpointError
 
 __all__ = ["SCHEMA", "CheckpointReport", "TensorInfo", "TensorStats", "StateKey", "needs_root", "locate",
            "inspect_checkpoint", "tensor_stats"]
@@ -151,6 +151,8 @@ def inspect_checkpoint(step: int, path: Path, *, tensors: bool = False) -> Check
     root = path.parent
     if not path.exists():
         raise NoCheckpointError(f"no step {step} under {root}: `slurmresume status --ckpt-dir {root}` lists them")
+    if not info.has_marker and info.problem and info.problem.startswith(UNREADABLE):
+        raise CheckpointError(f"{path} is {info.problem}")
     if not info.has_marker:
         raise NoCheckpointError(f"{path} is incomplete (no commit marker): only committed checkpoints can be "
                                 f"inspected; `slurmresume latest --ckpt-dir {root}` names the newest one")

@@ -45,7 +45,13 @@ from typing import Any
 
 from . import slurm
 from .checkpoint.layout import LOCK, step_dirs
-from .checkpoint.store import CheckpointInfo, check_checksums, inspect_dir, list_checkpoints
+from .checkpoint.store import (
+    UNREADABLE,
+    CheckpointInfo,
+    check_checksums,
+    inspect_dir,
+    list_checkpoints,
+)
 from .errors import ConfigError, SlurmError
 from .events import read_events
 from .health import Headline, judge
@@ -254,6 +260,7 @@ def _checkpoint_rows(root: Path, best_metric: str | None, mode: str, verify: boo
 
 def _row(info: CheckpointInfo, rec: Any, verify: bool, now: float) -> CheckpointRow:
     state = ("complete" if info.complete else "corrupt" if info.has_marker
+             else "unreadable" if (info.problem or "").startswith(UNREADABLE)
              else "being_written" if rec.in_progress else "incomplete")
     verified, problem = None, info.problem
     if verify and info.complete and info.manifest is not None:
@@ -278,6 +285,9 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
             p.append(f"checkpoint {row.path} is corrupt: {row.problem}")
     if status.newest_complete is None:
         w.append(f"no complete checkpoint under {root} yet")
+    for row in status.checkpoints:
+        if row.state == "unreadable":
+            w.append(f"{row.name} is {row.problem}; skipped")
     leftovers = [r.name for r in status.checkpoints if r.state == "incomplete"]
     if leftovers:
         w.append(f"{len(leftovers)} incomplete director{'y' if len(leftovers) == 1 else 'ies'} "
@@ -324,7 +334,7 @@ def verify_checkpoints(root: Path, step: int | None = None, every: bool = False)
     if not root.is_dir():
         raise ConfigError(f"checkpoint root {root} does not exist: pass --ckpt-dir or set SLURMRESUME_CKPT_DIR")
     if every:
-        infos = [i for i in list_checkpoints(root) if i.has_marker]
+        infos = [i for i in list_checkpoints(root) if i.has_marker or (i.problem or "").startswith(UNREADABLE)]
     elif step is not None:
         infos = [inspect_dir(step, root / step_dir_name(step))]
         if not infos[0].path.is_dir():
@@ -341,6 +351,7 @@ def verify_checkpoints(root: Path, step: int | None = None, every: bool = False)
 
 def _verify_one(info: CheckpointInfo) -> VerifyResult:
     if info.manifest is None:
-        return VerifyResult(info.step, str(info.path), False, [info.problem or "unreadable manifest"])
+        return VerifyResult(info.step, str(info.path), False,
+                            [f"{info.path.name}: {info.problem or 'unreadable manifest'}"])
     problems = check_checksums(info.path, info.manifest)
     return VerifyResult(info.step, str(info.path), not problems, problems)
