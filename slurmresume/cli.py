@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import errno
 import functools
-import inspect
 import sys
-import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -17,7 +15,25 @@ from .errors import SlurmResumeError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-app = typer.Typer(
+class _Command(typer.core.TyperCommand):
+    """Rich reads `[default: 1]` in a help string as a markup tag and drops it: escape the
+    brackets of every option's and argument's help once, here, instead of in each string."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for p in self.params:
+            text = getattr(p, "help", None)
+            if text and "[" in text and "\\[" not in text:
+                p.help = text.replace("[", "\\[")  # type: ignore[attr-defined]
+
+
+class _App(typer.Typer):
+    def command(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("cls", _Command)
+        return super().command(*args, **kwargs)
+
+
+app = _App(
     name="slurmresume",
     help="Preemptible PyTorch training on Slurm: submit, watch, and manage checkpoints.",
     no_args_is_help=True,
@@ -65,38 +81,29 @@ def handle_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _escape_help_markup() -> None:
-    """Rich reads `[default: 1]` in a help string as a markup tag and drops it: escape every
-    `[` of every option's and argument's help once, here, instead of in each string."""
-    for cmd in app.registered_commands:
-        if cmd.callback is None:
-            continue
-        hints = typing.get_type_hints(inspect.unwrap(cmd.callback), include_extras=True)
-        for hint in hints.values():
-            for info in getattr(hint, "__metadata__", ()):
-                if isinstance(info, typer.models.ParameterInfo) and info.help and "\\[" not in info.help:
-                    info.help = info.help.replace("[", "\\[")
-
-
 from . import commands_ckpt, commands_doctor, commands_export, commands_inspect, commands_job  # noqa: E402,F401
-
-_escape_help_markup()
 
 
 def main() -> None:
     """The console script: usage errors (a bad option or value) are one line and exit 2."""
-    import click
+    try:  # typer >= 0.2x carries its own copy of click
+        from typer._click.exceptions import ClickException, UsageError
+    except ImportError:  # pragma: no cover
+        from click.exceptions import ClickException, UsageError  # type: ignore[assignment]
 
     try:
         code = app(standalone_mode=False)
-    except click.UsageError as exc:
+    except UsageError as exc:
+        if not exc.format_message().strip() and exc.ctx is not None:  # no arguments: the help
+            typer.echo(exc.ctx.get_help())
+            sys.exit(2)
         cmd = exc.ctx.command_path if exc.ctx else "slurmresume"
         typer.echo(f"error: {exc.format_message()} (see `{cmd} --help`)", err=True)
         sys.exit(2)
-    except click.ClickException as exc:
+    except ClickException as exc:
         typer.echo(f"error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
-    except click.Abort:
+    except typer.Abort:
         typer.echo("aborted", err=True)
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)

@@ -37,7 +37,7 @@ def status(
         "--job", "-j", metavar="ID", help="Slurm job id to show. Default: the newest job id in the event log.")] = None,
     best: Annotated[str | None, typer.Option(
         "--best", metavar="METRIC", help="Mark the checkpoint with the best value of METRIC "
-        "(a key of the metrics= you pass when saving, e.g. loss).")] = None,
+        "(a key of the metrics= you pass when saving, e.g. loss). [default: none]")] = None,
     mode: ModeOpt = Mode.min,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Also recompute every complete checkpoint's checksums (reads every shard).")] = False,
@@ -45,10 +45,10 @@ def status(
         "--limit", help="Show at most this many checkpoint rows (newest first; 0: all).")] = 20,
     as_json: JsonOut = False,
     watch: Annotated[str | None, typer.Option(
-        "--watch", metavar="SECONDS", help="Redraw every SECONDS (e.g. 10, 30s, 1m) until Ctrl-C.")] = None,
+        "--watch", metavar="SECONDS", help="Redraw every SECONDS (e.g. 10, 30s, 1m) until Ctrl-C. [default: print once]")] = None,
     plot: Annotated[Path | None, typer.Option(
         "--plot", metavar="PNG", help="Also draw the run's timeline (step over time, saves, warnings, requeues, "
-        "failures) into this PNG file; needs matplotlib: pip install 'slurmresume[plot]'.")] = None,
+        "failures) into this PNG file; needs matplotlib: pip install 'slurmresume[plot]'. [default: no picture]")] = None,
 ) -> None:
     """Is my run healthy? A three-line verdict, then every checkpoint, then the history.
 
@@ -108,13 +108,13 @@ def prune(
     keep: Annotated[int, typer.Option("--keep", metavar="N", help="Keep the N newest complete checkpoints "
                                       "(N >= 1). Incomplete directories never count.")],
     keep_every: Annotated[int | None, typer.Option(
-        "--keep-every", metavar="M", help="Also keep every complete step divisible by M (e.g. 1000).")] = None,
+        "--keep-every", metavar="M", help="Also keep every complete step divisible by M (e.g. 1000). [default: off]")] = None,
     keep_best: Annotated[str | None, typer.Option(
-        "--keep-best", metavar="METRIC", help="Also keep the complete checkpoint with the best METRIC.")] = None,
+        "--keep-best", metavar="METRIC", help="Also keep the complete checkpoint with the best METRIC. [default: off]")] = None,
     mode: ModeOpt = Mode.min,
     remove_incomplete_older_than: Annotated[str | None, typer.Option(
         "--remove-incomplete-older-than", metavar="DURATION", help="Also remove incomplete or corrupt "
-        "directories idle for DURATION (e.g. 12h, 2d). Without it they are left alone.")] = None,
+        "directories idle for DURATION (e.g. 12h, 2d). [default: leave them alone]")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print the plan; delete nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
     ckpt_dir: CkptDir = None,
