@@ -107,7 +107,7 @@ def status_view(st: Status, limit: int = 20, height: int | None = None) -> Rende
         parts += headline_view(st)
     notes = [Text(f"problem: {m}", style="red") for m in st.problems]
     notes += [Text(f"warning: {m}", style="yellow") for m in st.warnings]
-    if st.slurm.get("note") and st.job.job_id:
+    if st.slurm.get("note") and (st.job.job_id or not st.slurm.get("available")):
         notes.append(Text(st.slurm["note"], style="dim"))
     parts += notes
     if height is not None:

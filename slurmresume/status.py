@@ -174,7 +174,7 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
     newest = next((r.step for r in rows if r.newest), None)
     status = Status(str(root), now, job, {"available": slurm_note != SLURM_NOT_FOUND, "note": slurm_note},
                     requeues, counts, events[-history_limit:] if history_limit else [], rows, newest, best,
-                    interval=interval_summary(events) if with_interval else None)
+                    interval=interval_summary(events) if with_interval else None, omitted=omitted)
     _judge(status, root, events)
     iv = status.interval or interval_summary(events)
     status.verdict = judge(events, rows, slurm_state=job.state, job_id=job.job_id, interval_s=iv.current_s,
