@@ -150,9 +150,13 @@ def check_partitions(parts: list[dict[str, str]], partition: str | None, lead: i
                              + ("" if preemptable else " (not preempted by a higher tier)")))
         max_time = p.get("MaxTime", "UNLIMITED")
         limit = _slurm_minutes(max_time)
-        if limit is not None and limit * 60 <= lead + need:
-            out.append(Check(f"MaxTime ({name})", FAIL, f"MaxTime={max_time} is not longer than --signal-lead {lead} s",
-                             "use a smaller --signal-lead or a longer --time"))
+        if limit is not None and limit * 60 <= lead:
+            out.append(Check(f"MaxTime ({name})", FAIL, f"MaxTime={max_time} is not longer than --signal-lead {lead} s: "
+                             "the warning would come before the job starts", "use a smaller --signal-lead"))
+        elif limit is not None and limit * 60 < 2 * (lead + need):
+            out.append(Check(f"MaxTime ({name})", WARN, f"MaxTime={max_time} leaves little time besides the "
+                             f"--signal-lead ({lead} s) and a save ({need:.1f} s): each run trains briefly",
+                             "submit to a partition with a longer MaxTime"))
         else:
             out.append(Check(f"MaxTime ({name})", OK, f"MaxTime={max_time}"))
     return out
