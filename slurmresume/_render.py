@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -32,6 +34,24 @@ _STD_FIELDS = {"time", "event", "host", "pid", "job_id", "restart", "run_id"}
 
 def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+@contextmanager
+def progress(what: str) -> Iterator[Callable[[int, int], None]]:
+    """A `progress(done, total)` callback that draws a bar on stderr when stderr is a terminal,
+    and does nothing in a pipe or a log file (the bar disappears when done)."""
+    err = console(stderr=True)
+    if not err.is_terminal:
+        yield lambda done, total: None
+        return
+    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
+                  transient=True) as bar:
+        task = bar.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
 
 
 def size(n: int) -> str:

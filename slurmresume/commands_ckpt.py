@@ -146,7 +146,8 @@ def prune(
     result = None
     if not dry_run and (plan.delete or leftovers):
         _confirm(len(plan.delete) + len(leftovers), yes, as_json)
-        result = rt.execute(root, policy, approved={r.name for r in plan.delete})
+        with _render.progress("deleting") as bar:
+            result = rt.execute(root, policy, approved={r.name for r in plan.delete}, progress=bar)
         if not as_json:
             _render.print_result(result)
     elif not as_json and not dry_run:
@@ -214,7 +215,8 @@ def verify(
         raise ConfigError(f"STEP must be >= 0, got {step}")
     if step is not None and every:
         raise ConfigError("give either a STEP or --all, not both")
-    results = verify_checkpoints(root, step=step, every=every)
+    with _render.progress("verifying checkpoints") as bar:
+        results = verify_checkpoints(root, step=step, every=every, progress=bar)
     _render.print_verify(results)
     bad = [p for r in results if not r.ok for p in r.problems]
     if bad:

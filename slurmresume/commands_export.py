@@ -61,5 +61,8 @@ def export(
     info = inspect_dir(parse_step_dir(step_dir.name) or 0, step_dir)
     if not info.complete:
         raise ConfigError(f"{step_dir} is not a complete checkpoint: {info.problem}")
-    summary = export_model(step_dir, out, only=only, rank=rank)
+    from . import _render
+
+    with _render.progress("exporting tensors") as bar:
+        summary = export_model(step_dir, out, only=only, rank=rank, progress=bar)
     typer.echo(f"wrote {summary['out']}: {summary['tensors']} tensors, {summary['bytes']} bytes from step {summary['step']}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,10 +144,12 @@ def locate(target: str, root: Path | None) -> tuple[int, Path]:
 
 # -- the report -------------------------------------------------------------------------------
 
-def inspect_checkpoint(step: int, path: Path, *, tensors: bool = False) -> CheckpointReport:
+def inspect_checkpoint(step: int, path: Path, *, tensors: bool = False,
+                       progress: Callable[[int, int], None] | None = None) -> CheckpointReport:
     """What committed checkpoint `path` (of `step`) holds; `tensors` also reads every value
     for min/max/mean/NaN/Inf. Raises NoCheckpointError for a missing or incomplete directory,
-    CorruptCheckpointError when it fails its checks (sizes, headers, manifest index)."""
+    CorruptCheckpointError when it fails its checks (sizes, headers, manifest index).
+    `progress(done, total)` is called after each tensor's statistics (`tensors` only)."""
     info = inspect_dir(step, path)
     root = path.parent
     if not path.exists():
@@ -165,8 +168,12 @@ def inspect_checkpoint(step: int, path: Path, *, tensors: bool = False) -> Check
     state, library = _state_keys(path, m.shards, [h for h, _ in headers], rows)
     if tensors:
         by_key = {(r.rank, r.name): r for r in rows}
+        done = 0
         for rank, (shard, (header, start)) in enumerate(zip(m.shards, headers, strict=True)):
             for name, stats in tensor_stats(path, shard["file"], shard["bytes"], header, start):
+                done += 1
+                if progress is not None:
+                    progress(done, len(rows))
                 if (rank, name) not in by_key:
                     raise CorruptCheckpointError(f"checkpoint {path}: {shard['file']} holds tensor {name!r} that the "
                                                  "manifest's tensor index does not list")

@@ -25,7 +25,7 @@ import shutil
 import socket
 import stat
 import time
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -306,7 +306,8 @@ def _refuse_odd_lock(path: Path) -> None:
 
 
 def execute(root: Path, policy: RetentionPolicy, approved: Collection[str] | None = None, *,
-            lock_timeout: float = 30.0, now: float | None = None) -> PruneResult:
+            lock_timeout: float = 30.0, now: float | None = None,
+            progress: Callable[[int, int], None] | None = None) -> PruneResult:
     """Delete per `policy`. Under the root lock: re-list and re-plan; remove what that plan
     deletes and `approved` allows (the names the user saw; None: all), re-checking each
     incomplete one just before its rename; then remove leftover `.deleting.*` entries.
@@ -319,7 +320,9 @@ def execute(root: Path, policy: RetentionPolicy, approved: Collection[str] | Non
         chosen = {r.name for r in plan.delete}
         for name in sorted(set(approved or ()) - chosen):
             result.skipped.append((name, "kept by the plan re-made under the lock"))
-        for r in plan.delete:
+        for i, r in enumerate(plan.delete, 1):
+            if progress is not None:
+                progress(i, len(plan.delete))
             if approved is not None and r.name not in approved:
                 continue
             why = _still_deletable(root, r, policy, now)

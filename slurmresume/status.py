@@ -39,6 +39,7 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -322,7 +323,8 @@ class VerifyResult:
     problems: list[str]
 
 
-def verify_checkpoints(root: Path, step: int | None = None, every: bool = False) -> list[VerifyResult]:
+def verify_checkpoints(root: Path, step: int | None = None, every: bool = False,
+                       progress: Callable[[int, int], None] | None = None) -> list[VerifyResult]:
     """Recompute shard checksums: of `step`, of every marked directory (`every`), or of the
     newest complete one. Each problem names the bad file. Raises NoCheckpointError /
     ConfigError when there is nothing to verify."""
@@ -346,7 +348,12 @@ def verify_checkpoints(root: Path, step: int | None = None, every: bool = False)
         infos = [latest] if latest is not None else []
     if not infos:
         raise NoCheckpointError(f"no complete checkpoint under {root} to verify")
-    return [_verify_one(i) for i in infos]
+    out = []
+    for done, info in enumerate(infos, 1):
+        out.append(_verify_one(info))
+        if progress is not None:
+            progress(done, len(infos))
+    return out
 
 
 def _verify_one(info: CheckpointInfo) -> VerifyResult:
