@@ -272,7 +272,7 @@ def _count(n: int) -> Text:
     return Text(str(n), style="bold red" if n else "")
 
 
-def inspect_view(r: CheckpointReport) -> RenderableType:
+def inspect_view(r: CheckpointReport, width: int = 200) -> RenderableType:
     """`slurmresume inspect`: a summary, the state keys, and one row per tensor."""
     parts: list[RenderableType] = [
         Text.assemble(("checkpoint ", "bold"), (f"step {r.step}", "bold blue"), f"  {r.path}"),
@@ -295,8 +295,31 @@ def inspect_view(r: CheckpointReport) -> RenderableType:
     parts.append(keys)
     if r.library:
         parts.append(Text(f"also stored by slurmresume: {', '.join(r.library)}", style="dim"))
-    parts.append(_tensor_table(r))
+    narrow = r.stats_computed and width < NARROW_STATS
+    parts.append(_tensor_lines(r) if narrow else _tensor_table(r))
     return Group(*parts)
+
+
+NARROW_STATS = 110  # below this many columns, each tensor's statistics go on a line under its name
+
+
+def _tensor_lines(r: CheckpointReport) -> RenderableType:
+    """`inspect --tensors` on a narrow terminal: the full name on one line, its numbers indented
+    below, so names stay readable instead of being folded into a column."""
+    lines: list[RenderableType] = [Text("tensors", style="italic")]
+    for x in r.tensors:
+        rank = f" (rank {x.rank})" if r.world_size > 1 else ""
+        lines.append(Text(x.name + rank, style="bold"))
+        shape = "x".join(map(str, x.shape)) or "scalar"
+        text = Text(f"    {x.dtype} {shape}, {size(x.bytes)}")
+        if x.stats is not None:
+            st = x.stats
+            text.append(f"; min {_num(st.min)}, max {_num(st.max)}, mean {_num(st.mean)}")
+            for label, n in (("NaN", st.nan_count), ("Inf", st.inf_count)):
+                if n:
+                    text.append(f", {n} {label}", style="bold red")
+        lines.append(text)
+    return Group(*lines)
 
 
 def _tensor_table(r: CheckpointReport) -> Table:
@@ -319,7 +342,8 @@ def _tensor_table(r: CheckpointReport) -> Table:
 
 
 def print_inspect(report: CheckpointReport) -> None:
-    console().print(inspect_view(report))
+    out = console()
+    out.print(inspect_view(report, out.width))
 
 
 _CHECK = {"ok": ("ok  ", "green"), "warn": ("warn", "yellow"), "fail": ("FAIL", "bold red")}

@@ -55,3 +55,19 @@ def test_progress_on_a_terminal_only(tmp_path, args, label):
     assert code == 0 and label in err, err
     code, err = _run([*args, "-d", str(root)], tty=False)
     assert code == 0 and err == "", err
+
+
+def test_inspect_tensors_keeps_names_whole_at_80_columns(tmp_path):
+    from typer.testing import CliRunner
+
+    from slurmresume.cli import app
+
+    root = _root(tmp_path)
+    r = CliRunner().invoke(app, ["inspect", "latest", "--tensors", "-d", str(root)],
+                           env={"COLUMNS": "80", "NO_COLOR": "1", "SLURMRESUME_CKPT_DIR": ""})
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    for name in ("model/0.weight", "model/2.bias", "model/2.weight"):
+        i = lines.index(name)
+        assert lines[i + 1].startswith("    F32 ") and "min " in lines[i + 1]
