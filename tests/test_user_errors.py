@@ -5,6 +5,7 @@ traceback. One row per bad input (the table in docs/troubleshooting.md); each ru
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -188,3 +189,14 @@ def test_ckpt_dir_from_pyproject_for_every_command(tmp_path: Path, monkeypatch: 
     assert (tmp_path / "m.safetensors").is_file()
     r = CliRunner().invoke(app, ["latest"], env=env)
     assert r.stdout.strip() == str(tmp_path / "runs" / "exp1" / "step_000000002")
+
+
+@pytest.mark.slow
+def test_submit_local_json_is_one_json_document(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    proc = cli(["submit", str(SCRIPT), "--local", "--json", "--ckpt-dir", str(root), "--", "--steps", "4",
+                "--save-every", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)  # the training output went to stderr
+    assert result["action"] == "finish" and (root / "step_000000004" / "COMMITTED").exists()
+    assert "slurmresume: saved step 4" in proc.stderr
