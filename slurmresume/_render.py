@@ -108,8 +108,9 @@ def headline_view(st: Status) -> list[Text]:
         if h.eta_s is not None:
             second += f"; ETA {fd(h.eta_s)} to step {h.total_steps}"
     if h.checkpoint_step is None:
-        third = Text("checkpoint: none complete yet" + ("; a crash now loses all work" if h.last_step else ""),
-                     style="yellow" if h.last_step else "")
+        live = h.last_step is not None and h.verdict in ("healthy", "at_risk")
+        third = Text("checkpoint: none complete yet" + ("; a crash now loses all work" if live else ""),
+                     style="yellow" if live else "")
     else:
         third = Text(f"checkpoint step {h.checkpoint_step}, {fd(st.now - (h.checkpoint_time or st.now))} old")
         if h.at_stake_s is not None:
