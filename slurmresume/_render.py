@@ -123,7 +123,9 @@ def status_view(st: Status, limit: int = 20, height: int | None = None) -> Rende
     """The whole status screen as one renderable (also what `--watch` refreshes): the headline,
     problems, the checkpoints, then the save interval and the history. With `height` (watch),
     the checkpoint rows and history are cut to fit the terminal, checkpoints first."""
-    parts: list[RenderableType] = [Text.assemble(("slurmresume status ", "bold"), (st.root, "bold blue"))]
+    title = Text.assemble(("slurmresume status ", "bold"), (st.root, "bold blue"))
+    title.no_wrap, title.overflow = True, "ellipsis"
+    parts: list[RenderableType] = [title]
     if st.verdict is not None:
         parts += headline_view(st)
     notes = [Text(f"problem: {m}", style="red") for m in st.problems]
@@ -131,7 +133,10 @@ def status_view(st: Status, limit: int = 20, height: int | None = None) -> Rende
     if st.slurm.get("note") and (st.job.job_id or not st.slurm.get("available")):
         notes.append(Text(st.slurm["note"], style="dim"))
     parts += notes
-    if height is not None:
+    if height is not None:  # one line each, so that the budget below holds
+        for part in parts:
+            if isinstance(part, Text):
+                part.no_wrap, part.overflow = True, "ellipsis"
         room = max(3, height - len(parts) - 6)
         parts.append(_checkpoint_table(st, min(limit or room, room)))
         left = height - len(parts) - min(len(st.checkpoints), room) - 8
