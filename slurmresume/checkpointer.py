@@ -59,6 +59,8 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .events import append_event, read_events
+from .logs import ensure_handler
+from .logs import size as log_size
 from .signals import (
     EXIT_PREEMPTED,
     EXIT_TERMINATED,
@@ -181,6 +183,7 @@ class Checkpointer:
         self._agreement = LaggedMax(self.agree_group)
         self.last_saved_step: int | None = None
         self.restored: CheckpointInfo | None = None
+        ensure_handler()  # the training log shows restored / warning / saved lines without setup
         self.flag = SignalFlag(warning_signal_from_env()) if handle_signals else None
         self._drill = _drill_step()
         if self.flag is not None and not self.flag.install():
@@ -282,6 +285,8 @@ class Checkpointer:
         seconds = time.perf_counter() - started
         if self.rank == 0:
             if outcome["ok"]:
+                log.info("saved step %d in %.2f s (%s, %s)", step, seconds,
+                         log_size(sum(int(r.get("bytes") or 0) for r in reports)), reason)
                 self._event("save_committed", step=step, seconds=round(seconds, 4), reason=reason,
                             world_size=self.group.world_size, run_id=os.environ.get("SLURMRESUME_RUN_ID"),
                             blocking_s=None if self._blocking_s is None else round(self._blocking_s, 4),
@@ -404,6 +409,7 @@ class Checkpointer:
         kind = "preempt" if agreed == PREEMPT else "terminate"
         run_id = os.environ.get(ENV_RUN_ID)
         if self.rank == 0:
+            log.warning("warning signal received (%s): saving step %d, then exiting", kind, step)
             self._event("signal_agreed", step=step, kind=kind, run_id=run_id)
         try:
             self.wait()
@@ -468,6 +474,7 @@ class Checkpointer:
         states restored. Returns the restored step, or 0 on a fresh start (logged once).
         A newer incomplete or corrupt directory is skipped with a warning naming it."""
         self._check_open()
+        self._restore_started = time.perf_counter()
         verify = self.verify_on_restore if verify is None else verify
         tried: set[int] = set()
         dirty: int | None = None  # a failed attempt that had already written into live tensors
@@ -614,7 +621,8 @@ class Checkpointer:
             self._drill = max(self._drill, self.last_saved_step + 1)
         self.restored = inspect_dir(int(choice["step"]), Path(choice["path"]))
         if self.rank == 0:
-            log.info("resumed from %s", choice["path"])
+            log.info("restored from step %d (%s) in %.2f s", int(choice["step"]), choice["path"],
+                     time.perf_counter() - self._restore_started)
             self._event("restored", step=int(choice["step"]), run_id=os.environ.get("SLURMRESUME_RUN_ID"))
 
     def close(self) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -37,6 +41,20 @@ def _spec(script: Path, script_args: list[str] | None, cli: dict[str, Any]) -> J
     if merged.get("time") is not None:
         merged["time"] = str(merged["time"])
     return JobSpec(script=script.expanduser().absolute(), script_args=tuple(script_args or ()), **merged)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 (inherited by torchrun and the ranks) at stderr meanwhile."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 ScriptArg = Annotated[Path, typer.Argument(help="Training script run by torchrun on every node.",
@@ -106,18 +124,27 @@ def submit(
                                                      discard_newer=discard_newer))
     elif branch is not None or discard_newer:
         raise ConfigError("--branch and --discard-newer only make sense with --resume-from STEP")
+    if not dry_run:
+        from .doctor import last_checkpoint_bytes, preflight_root
+
+        preflight_root(spec.ckpt_dir, last_checkpoint_bytes(spec.ckpt_dir))  # before any training
     if local:
         from .node import run_local
 
-        result = run_local(spec, takeover=takeover)
-        print_json(result) if json_out else typer.echo(f"local run {result['action']}: {result['reason']}")
+        if json_out:  # stdout carries exactly one JSON document: training output goes to stderr
+            with _stdout_to_stderr():
+                result = run_local(spec, takeover=takeover)
+            print_json(result)
+        else:
+            result = run_local(spec, takeover=takeover)
+            typer.echo(f"local run {result['action']}: {result['reason']}")
         return
     sub = launch.preview(spec) if dry_run else launch.submit(spec)
     if not dry_run:
         launch.claim_root(spec, sub.job_id, takeover=takeover)
         from .events import append_event
 
-        append_event(spec.ckpt_dir, "submitted", job=sub.job_id, script=str(spec.script), nodes=spec.nodes,
+        append_event(spec.ckpt_dir, "submitted", job=sub.job_id, job_id=sub.job_id, script=str(spec.script), nodes=spec.nodes,
                      procs=spec.procs, log_dir=str(sub.log_dir))
     if json_out:
         print_json({"job_id": sub.job_id or None, "log_dir": str(sub.log_dir), "sbatch_script": sub.sbatch_script,

@@ -196,6 +196,26 @@ def parse_sbatch_extras(items: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+_INT_KEYS = {"nodes", "nproc_per_node", "gpus_per_node", "cpus_per_task", "signal_lead", "max_requeues",
+             "max_failures", "rdzv_port"}
+_STR_KEYS = {"ckpt_dir", "mem", "partition", "account", "qos", "constraint", "job_name", "signal", "python",
+             "log_dir"}
+
+
+def check_defaults(conf: dict[str, Any], where: str = "[tool.slurmresume]") -> dict[str, Any]:
+    """Types of the configuration file's values, checked before anything uses them: one line
+    naming the key, the value and what it must be (never a TypeError later)."""
+    for key, value in conf.items():
+        name = key.replace("_", "-")
+        if key in _INT_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{name} = {value!r} in {where} must be a whole number, e.g. {name} = 2")
+        if key in _STR_KEYS and not isinstance(value, str):
+            raise ConfigError(f"{name} = {value!r} in {where} must be a quoted string, e.g. {name} = \"...\"")
+        if key == "time" and (isinstance(value, bool) or not isinstance(value, (int, str))):
+            raise ConfigError(f"time = {value!r} in {where} must be minutes or \"HH:MM:SS\"")
+    return conf
+
+
 def load_defaults(start: Path) -> dict[str, Any]:
     """Defaults for `submit`: `[tool.slurmresume]` of the nearest pyproject.toml, or the top
     level of the nearest slurmresume.toml, searching from `start` upwards."""
@@ -216,5 +236,6 @@ def load_defaults(start: Path) -> dict[str, Any]:
                 if table is not None:
                     if not isinstance(table, dict):
                         raise ConfigError(f"[tool.slurmresume] in {p} must be a table")
-                    return {k.replace("-", "_"): v for k, v in table.items()}
+                    where = f"{p}" if name == "slurmresume.toml" else f"[tool.slurmresume] of {p}"
+                    return check_defaults({k.replace("-", "_"): v for k, v in table.items()}, where)
     return {}

@@ -59,11 +59,16 @@ def add_signal_relay(text: str, signal_name: str) -> str:
     return "\n".join(lines[:idx] + relay + lines[idx + 1 :]) + "\n"
 
 
-def _executor_class() -> type:
+def _executor_class(preview: bool = False) -> type:
     import submitit
 
     class Executor(submitit.SlurmExecutor):
         warning_signal = "USR1"
+
+        if preview:  # --dry-run prints the script on a machine without srun too
+            @classmethod
+            def affinity(cls) -> int:
+                return 1
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             return add_signal_relay(super()._make_submission_file_text(command, uid), self.warning_signal)
@@ -79,11 +84,13 @@ class Submitted:
     torchrun: list[str]
 
 
-def make_executor(spec: JobSpec) -> Any:
+def make_executor(spec: JobSpec, preview: bool = False) -> Any:
+    """The submitit executor; `preview` (--dry-run) creates nothing on disk and needs no srun."""
     from .checkpoint.fsio import makedirs
 
-    makedirs(spec.logs)  # no group/world write on the root or the logs, whatever the parents
-    cls = _executor_class()
+    if not preview:
+        makedirs(spec.logs)  # no group/world write on the root or the logs, whatever the parents
+    cls = _executor_class(preview)
     ex = cls(folder=str(spec.logs / "%j"), max_num_timeout=0, python=spec.python)
     ex.warning_signal = spec.warning_signal
     ex.update_parameters(**executor_parameters(spec))
@@ -92,7 +99,7 @@ def make_executor(spec: JobSpec) -> Any:
 
 def preview(spec: JobSpec) -> Submitted:
     """The sbatch script and per-node torchrun command, without submitting (--dry-run)."""
-    ex = make_executor(spec)
+    ex = make_executor(spec, preview=True)
     text = ex._make_submission_file_text("python -u -m submitit.core._submit <folder>", "<uid>")
     cmd = torchrun_command(spec, nnodes=spec.nodes, endpoint="<first-node>:<port from job id>",
                            rdzv_id="$SLURM_JOB_ID")

@@ -31,7 +31,7 @@ import shutil
 import socket
 import stat
 import time
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -322,7 +322,8 @@ def _refuse_odd_lock(path: Path) -> None:
 
 
 def execute(root: Path, policy: RetentionPolicy, approved: Collection[str] | None = None, *,
-            lock_timeout: float = 30.0, now: float | None = None) -> PruneResult:
+            lock_timeout: float = 30.0, now: float | None = None,
+            progress: Callable[[int, int], None] | None = None) -> PruneResult:
     """Delete per `policy`. The plan is made WITHOUT the root lock (a scan can be slow; a commit
     must not wait behind it); then, under the lock and only for the renames, each victim that the
     plan deletes and `approved` allows (the names the user saw; None: all) is re-checked and
@@ -340,7 +341,9 @@ def execute(root: Path, policy: RetentionPolicy, approved: Collection[str] | Non
     victims = [r for r in plan.delete if approved is None or r.name in approved]
     hidden: list[Path] = []
     with locked(root, lock_timeout):
-        for r in victims:
+        for i, r in enumerate(victims, 1):
+            if progress is not None:
+                progress(i, len(victims))
             why = _still_deletable(root, r, plan, policy, now)
             if why is not None:
                 result.skipped.append((r.name, why))

@@ -118,6 +118,9 @@ def check_structure(path: Path, manifest: Manifest) -> list[str]:
     return problems
 
 
+UNREADABLE = "unreadable by this user (permission denied): fix with chmod/chown, or ask its owner"
+
+
 def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
     """Everything knowable about one step directory; never raises for a bad checkpoint."""
     try:
@@ -128,6 +131,8 @@ def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
         info = CheckpointInfo(step, path, (path / MARKER).exists(), mtime=st.st_mtime)
         info.problem = "not a real directory"
         return info
+    if not os.access(path, os.R_OK | os.X_OK):  # one unreadable directory must not break every command
+        return CheckpointInfo(step, path, False, mtime=st.st_mtime, problem=UNREADABLE)
     info = CheckpointInfo(step, path, (path / MARKER).exists(), mtime=st.st_mtime)
     info.in_progress = (path / INPROGRESS).exists()
     if not info.has_marker:
@@ -139,6 +144,9 @@ def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
     except CorruptCheckpointError as exc:
         info.problem = str(exc)
         return _unless_vanished(info)
+    except PermissionError as exc:
+        info.manifest, info.problem = None, f"{UNREADABLE} ({exc.filename})"
+        return info
     if verify:
         problems = check_checksums(path, info.manifest)
         info.verified = not problems
