@@ -1,0 +1,261 @@
+"""Lightning: `Trainer(callbacks=[SlurmResume()])` gets slurmresume's guarantees.
+
+    from slurmresume.integrations.lightning import ResumableDataLoader, SlurmResume
+
+    loader = ResumableDataLoader(dataset, batch_size=32, shuffle=True, seed=0)   # exact data position
+    trainer = pl.Trainer(callbacks=[SlurmResume()], ...)
+    trainer.fit(model, loader)
+
+What the callback does (every rank):
+- `setup`: turns Lightning's own SLURM handling off -- `SLURMEnvironment.auto_requeue` is set to
+  False and the trainer's signal connector installs nothing, so Lightning neither saves nor runs
+  `scontrol requeue` inside a signal handler, nor broadcasts from its SIGTERM handler -- then
+  creates a `slurmresume.Checkpointer` (flag-only handlers for the warning signal and SIGTERM)
+  and loads the newest complete checkpoint, if any, into Lightning's own restore path (model,
+  callbacks, loops' progress, optimizers, LR schedulers, precision plugin, datamodule,
+  dataloader position), and this rank's Python/NumPy/torch RNG states.
+- `on_train_batch_end`, after each optimizer step: advances each `ResumableDataLoader`, then
+  `Checkpointer.step(global_step, ...)`: the per-step agreement across ranks; on the warning
+  every rank saves that same step (Lightning's checkpoint dict, built by Lightning's
+  `dump_checkpoint`, stored without pickle: tensors in safetensors, the rest in tagged JSON)
+  and exits for the launcher to requeue. Periodic saves follow `save_every` / `save_policy`.
+- the last step of training is saved as the final checkpoint (`slurmresume drill` compares it).
+
+Lightning itself is imported only by this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from torch.utils.data import DataLoader
+
+from ..checkpoint.jsonenc import encode
+from ..checkpointer import Checkpointer
+from ..errors import ConfigError
+from ..sampler import ResumableSampler
+
+log = logging.getLogger("slurmresume")
+
+STATE_KEY = "lightning"  # the one entry of the slurmresume state: Lightning's checkpoint dict
+_HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
+
+
+class ResumableDataLoader(DataLoader):
+    """A `DataLoader` over a `slurmresume.ResumableSampler` whose position is part of
+    Lightning's checkpoint (Lightning saves and restores loaders that have `state_dict()`).
+
+    `SlurmResume` advances it by one batch after each training batch. Pass `sampler=` to use
+    your own `ResumableSampler`; otherwise one is built from `shuffle`, `seed`, `drop_last`
+    (ranks and world size from torch.distributed). Lightning keeps a sampler that already is a
+    `DistributedSampler`, so `use_distributed_sampler` needs no change."""
+
+    def __init__(self, dataset: Any, batch_size: int = 1, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, sampler: ResumableSampler | None = None, **kwargs: Any) -> None:
+        if sampler is None:
+            if not isinstance(dataset, Sized):
+                raise ConfigError("ResumableDataLoader needs a dataset with len() (a map-style dataset)")
+            sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        elif not isinstance(sampler, ResumableSampler):
+            raise ConfigError(f"sampler must be a slurmresume.ResumableSampler, got {type(sampler).__name__}")
+        # Its own generator: creating an iterator otherwise draws a seed from the global torch RNG,
+        # and a resumed run creates one more iterator (mid-epoch) than an uninterrupted one.
+        kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
+
+    def __len__(self) -> int:
+        # Batches in a whole epoch, also mid-epoch: Lightning sizes every epoch from the length it
+        # reads once at set-up (after restoring the position) and counts restored batches itself.
+        assert isinstance(self.sampler, ResumableSampler)
+        n, bs = self.sampler.num_samples, self.batch_size or 1
+        return n // bs if self.drop_last else -(-n // bs)
+
+    def advance_one_batch(self) -> None:
+        assert isinstance(self.sampler, ResumableSampler)
+        self.sampler.advance(self.batch_size or 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        assert isinstance(self.sampler, ResumableSampler)
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert isinstance(self.sampler, ResumableSampler)
+        self.sampler.load_state_dict(state)
+
+
+class _TrainerState:
+    """The slurmresume state entry: Lightning's checkpoint dict, built only when a save happens.
+    On restore `state_dict()` is empty (nothing to compare against yet) and `load_state_dict`
+    keeps the decoded dict for Lightning's own restore."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+        self.restoring = False
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.restoring:
+            return {}
+        checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        for key in _HPARAM_KEYS:
+            if key in checkpoint:
+                checkpoint[key] = _jsonable_hparams(checkpoint[key])
+        # omegaconf's container *type* (a class) is not data; hparams are kept as a plain dict.
+        checkpoint.pop(getattr(pl.LightningModule, "CHECKPOINT_HYPER_PARAMS_TYPE", ""), None)
+        return checkpoint
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+def _jsonable_hparams(hparams: Any) -> Any:
+    """Hyper-parameters are not needed to resume; a value JSON cannot hold exactly (a class, a
+    Path, an enum) is kept as its repr, with a warning, rather than failing the save."""
+    if not isinstance(hparams, dict):
+        return hparams
+    out = {}
+    for key, value in hparams.items():
+        try:
+            encode(value)
+            out[key] = value
+        except ConfigError:
+            log.warning("hyper-parameter %r (%s) is stored as its repr in the checkpoint", key, type(value).__name__)
+            out[key] = repr(value)
+    return out
+
+
+class SlurmResume(pl.Callback):
+    """Preemption-safe training for a Lightning `Trainer` under `slurmresume submit`/`drill`.
+
+    Args (keyword-only; the `Checkpointer`'s):
+        root: checkpoint root; default `$SLURMRESUME_CKPT_DIR` (set by `slurmresume submit`).
+        save_every: a periodic save every N optimizer steps (None: on the warning and at the end).
+        save_policy: a `slurmresume.SavePolicy` instead of `save_every`.
+        retention: a `slurmresume.RetentionPolicy` applied after each commit.
+        async_save: periodic saves written in the background.
+        verify_on_restore: recompute shard checksums before loading.
+        final_save: save the last step of training (what `slurmresume drill` compares).
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, save_every: int | None = None,
+                 save_policy: Any = None, retention: Any = None, async_save: bool = False,
+                 verify_on_restore: bool = False, final_save: bool = True) -> None:
+        self.root = root
+        self.options = {"save_every": save_every, "save_policy": save_policy, "retention": retention,
+                        "async_save": async_save, "verify_on_restore": verify_on_restore}
+        self.final_save = final_save
+        self.ckpt: Checkpointer | None = None
+        self.restored_step = 0
+        self._state: dict[str, Any] = {}
+        self._last_step: int | None = None
+
+    # -- set-up: Lightning's handlers off, ours on, restore through Lightning's own path --------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.ckpt is not None:
+            return
+        disable_lightning_signal_handling(trainer)
+        self.ckpt = Checkpointer(self.root, **self.options)
+        holder = _TrainerState(trainer)
+        self._state = {STATE_KEY: holder}
+        holder.restoring = True
+        try:
+            self.restored_step = self.ckpt.restore(self._state)
+        finally:
+            holder.restoring = False
+        if holder.loaded is not None:
+            # Lightning's `_run` restores from `_loaded_checkpoint` right after this hook (model,
+            # datamodule, callbacks), then loops, optimizers and schedulers; `resume_end` frees it.
+            connector = trainer._checkpoint_connector
+            if connector._loaded_checkpoint:
+                raise ConfigError("Trainer.fit(ckpt_path=...) and SlurmResume both restore: drop ckpt_path, "
+                                  "SlurmResume resumes from the newest complete checkpoint itself")
+            connector._loaded_checkpoint = holder.loaded
+            holder.loaded = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _finish_epoch_restart(trainer.fit_loop)
+
+    # -- the step boundary ------------------------------------------------------------------
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        for loader in _resumable_loaders(trainer):
+            loader.advance_one_batch()
+        step = trainer.global_step
+        if self.ckpt is None or step == self._last_step:
+            return  # gradient accumulation: only an optimizer step is a step boundary
+        self._last_step = step
+        self.ckpt.step(step, self._state, metrics=_metrics(trainer))
+        if self.final_save and _is_last_step(trainer):
+            self.ckpt.save(step, self._state, metrics=_metrics(trainer), reason="final")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Stopped another way (early stopping, time limit): still leave the final state.
+        if self.ckpt is not None and self.final_save and self.ckpt.last_saved_step != trainer.global_step:
+            self.ckpt.save(trainer.global_step, self._state, metrics=_metrics(trainer), reason="final")
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.ckpt is not None:
+            self.ckpt.close()
+            self.ckpt = None
+
+
+def disable_lightning_signal_handling(trainer: pl.Trainer) -> None:
+    """Lightning's SLURM support saves and runs `scontrol requeue` inside its SIGUSR1 handler (on
+    rank 0 only) and broadcasts from inside its SIGTERM handler; slurmresume's flag-only handlers
+    and step-boundary agreement replace both. Call before `Trainer.fit` starts training (the
+    callback does it in `setup`)."""
+    env = trainer._accelerator_connector.cluster_environment
+    if isinstance(env, SLURMEnvironment) and env.auto_requeue:
+        env.auto_requeue = False
+        log.info("slurmresume: Lightning's SLURM auto-requeue turned off (slurmresume requeues)")
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is not None and hasattr(connector, "register_signal_handlers"):
+        connector.register_signal_handlers = lambda: None
+    else:  # a Lightning release that moved it: say so rather than run two handlers silently
+        log.warning("slurmresume: could not find Lightning's signal connector; its handlers may also run")
+
+
+def _finish_epoch_restart(fit_loop: Any) -> None:
+    """A checkpoint saved at the last batch of an epoch: Lightning's `FitLoop.reset` completes
+    that epoch, but the loop stays "restarted mid-epoch", so the next epoch starts without
+    `on_train_epoch_start` hooks and without counting itself as started (Lightning 2.6; the
+    trained tensors are unaffected). Once the old epoch is complete, the next one is a fresh
+    epoch: say so."""
+    epoch_loop = fit_loop.epoch_loop
+    if (fit_loop.restarted_mid_epoch and epoch_loop.restarted_on_train_batch_end
+            and epoch_loop.batch_progress.is_last_batch
+            and fit_loop.epoch_progress.total.completed == fit_loop.epoch_progress.total.started):
+        fit_loop.reset_restart_stage()
+
+
+def _resumable_loaders(trainer: pl.Trainer) -> Iterator[ResumableDataLoader]:
+    combined = trainer.fit_loop._combined_loader
+    for loader in combined.flattened if combined is not None else ():
+        if isinstance(loader, ResumableDataLoader):
+            yield loader
+
+
+def _is_last_step(trainer: pl.Trainer) -> bool:
+    if trainer.max_steps is not None and trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    max_epochs = trainer.max_epochs
+    return (max_epochs is not None and max_epochs > 0 and trainer.current_epoch + 1 >= max_epochs
+            and bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch))
+
+
+def _metrics(trainer: pl.Trainer) -> dict[str, float]:
+    out = {}
+    for key, value in trainer.callback_metrics.items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out

@@ -1,0 +1,95 @@
+"""Lightning with `SlurmResume`: the drill passes bitwise through the real launcher and torchrun
+with 1 and 2 ranks, and Lightning's own SLURM signal handling does not also act."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.integrations import drill as run_drill
+from helpers.integrations import events, fake_scontrol, offline_env
+from helpers.procs import HELPERS
+
+pytest.importorskip("lightning")
+
+SLURM_VARS = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train",
+              "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+              "SLURM_NODELIST": "localhost"}
+
+
+# Seed 85 plans warnings at steps 7 and 23 of 24. One rank has 8 batches per epoch (mid-epoch
+# saves); two ranks have 4, and their agreed saves land one step later, at 8 and 24: the last
+# batch of an epoch, the case Lightning's own restart miscounted.
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_drill_passes_bitwise_on_the_lightning_example(tmp_path: Path, nproc: int) -> None:
+    verdict = run_drill(tmp_path, "lightning_train.py", nproc, "--steps", "24", "--batch-size", "8")
+    assert verdict["returncode"] == 0 and verdict["ok"] is True, (verdict["differences"][:5], verdict["stderr"])
+    assert verdict["differences"] == [] and verdict["preemptions"] == 2 and verdict["missed"] == 0
+    assert verdict["saved_steps"] == ([7, 23] if nproc == 1 else [8, 24])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ours", [True, False], ids=["with-slurmresume", "lightning-alone"])
+def test_lightning_slurm_handler_does_not_act(tmp_path: Path, ours: bool) -> None:
+    """Under SLURMEnvironment(auto_requeue=True), SIGUSR1 makes Lightning alone save an
+    hpc_ckpt and run `scontrol requeue` from its handler (the control case, proving the test sees
+    it). With SlurmResume: slurmresume's save at a step boundary and exit 75, no Lightning
+    checkpoint, no scontrol call."""
+    bindir, log = fake_scontrol(tmp_path)
+    ready = tmp_path / "ready"
+    env = offline_env(**SLURM_VARS, PATH=f"{bindir}:{offline_env()['PATH']}")
+    proc = subprocess.Popen([sys.executable, str(HELPERS / "lightning_slurm.py"), str(tmp_path / "ckpt"), "400",
+                             "1" if ours else "0", str(ready)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), proc.communicate(timeout=60)[0][-3000:]
+        proc.send_signal(signal.SIGUSR1)
+        out = proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    hpc = list((tmp_path / "lightning_root").glob("hpc_ckpt_*.ckpt")) if (tmp_path / "lightning_root").exists() \
+        else []
+    if not ours:
+        assert log.exists() and "requeue 4242" in log.read_text(), out[-3000:]
+        assert hpc, out[-3000:]
+        return
+    assert proc.returncode == 75, out[-3000:]  # EXIT_PREEMPTED: saved, for the launcher to requeue
+    assert not log.exists(), log.read_text()
+    assert hpc == []
+    saved = [e for e in events(tmp_path / "ckpt") if e["event"] == "exit_after_save"]
+    assert len(saved) == 1 and (tmp_path / "ckpt" / f"step_{saved[0]['step']:09d}" / "COMMITTED").exists()
+    assert "finished" not in out
+
+
+@pytest.mark.slow
+def test_lightning_sigterm_handler_is_not_installed(tmp_path: Path) -> None:
+    """Lightning's SIGTERM handler would run next to ours (it composes with an existing one) and,
+    with several ranks, broadcast from inside the handler. With SlurmResume it is not installed:
+    SIGTERM is slurmresume's best-effort save and exit 76, and Lightning never logs it."""
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, str(HELPERS / "lightning_slurm.py"), str(tmp_path / "ckpt"), "400", "1",
+                             str(ready)], env=offline_env(**SLURM_VARS), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), proc.communicate(timeout=60)[0][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 76, out[-3000:]  # EXIT_TERMINATED
+    assert "Received SIGTERM" not in out and "Bypassing SIGTERM" not in out, out[-3000:]
+    saved = [e for e in events(tmp_path / "ckpt") if e["event"] == "exit_after_save"]
+    assert len(saved) == 1 and saved[0]["kind"] == "terminate"

@@ -1,0 +1,48 @@
+"""Once on the real Slurm cluster: the Lightning and HF Trainer examples, submitted with the
+real `slurmresume submit`, warned with `scancel --signal=USR1`, requeue once, resume at the
+saved step and end bitwise equal to an uninterrupted local run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.integrations import EXAMPLES, events, offline_env
+from test_slurm_e2e import cluster, final_state, job_log, sacct_states, scancel, submit, wait  # noqa: F401
+
+from slurmresume.checkpoint.store import find_latest
+from slurmresume.compare import compare_checkpoints
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+ARGS = ("--steps", "16", "--save-every", "2", "--batch-size", "8")
+
+
+@pytest.mark.parametrize("script", ["lightning_train.py", "hf_trainer_train.py"])
+def test_scancel_usr1_requeues_and_resumes_bitwise(cluster: None, tmp_path: Path, script: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("lightning" if script.startswith("lightning") else "transformers")
+    for key, value in offline_env().items():  # the job inherits this environment (HF offline)
+        if key.startswith(("HF_", "TRANSFORMERS_")) or key in ("PYTHONPATH", "OMP_NUM_THREADS"):
+            monkeypatch.setenv(key, value)
+    root = tmp_path / "run"
+    job = submit(root, "--time", "15", script=EXAMPLES / script, script_args=(*ARGS, "--step-sleep", "0.5"))
+    wait(lambda: (root / "step_000000002" / "COMMITTED").exists(), 400, f"step 2\n{job_log(root, job)}")
+    scancel("--signal=USR1", job)
+    assert final_state(job, timeout=600) == "COMPLETED", job_log(root, job)
+    assert sacct_states(job).count("REQUEUED") == 1, sacct_states(job)
+    ev = events(root)
+    saved = [e["step"] for e in ev if e["event"] == "exit_after_save"]
+    restored = [e["step"] for e in ev if e["event"] == "restored"]
+    assert len(saved) == 1 and restored == saved, ev  # resumed exactly at the saved step
+    final = find_latest(root, warn=False)
+    assert final is not None and final.step == 16
+    ref = tmp_path / "reference"
+    out = subprocess.run([sys.executable, "-m", "slurmresume", "submit", "--local", str(EXAMPLES / script),
+                          "--ckpt-dir", str(ref), "--", *ARGS], capture_output=True, text=True, timeout=900,
+                         env={**os.environ})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    reference = find_latest(ref, warn=False)
+    assert reference is not None and compare_checkpoints(reference.path, final.path) == []
