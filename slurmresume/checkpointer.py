@@ -124,6 +124,10 @@ class Checkpointer:
         save_policy: a `SavePolicy` (every N steps, every T seconds, at epoch ends, or
             interval="auto": Young/Daly from the measured save cost and failure rate);
             `save_every=N` is short for SavePolicy(every_steps=N).
+        mirror: "s3://BUCKET/PREFIX" (default `$SLURMRESUME_MIRROR`, set by `submit --mirror`):
+            rank 0 uploads every committed step there in the background (marker last, with a
+            conditional write); `restore` first downloads a newer complete step from it (verified).
+            See slurmresume/mirror/.
     """
 
     def __init__(
@@ -139,6 +143,7 @@ class Checkpointer:
         async_save: bool = False,
         async_overlap: str = "wait",
         save_policy: Any = None,
+        mirror: Any = None,
     ) -> None:
         if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
             raise ConfigError(f"save_every must be a positive integer or None, got {save_every!r}")
@@ -156,6 +161,9 @@ class Checkpointer:
         self.exit_on_signal = exit_on_signal
         self.retention = retention
         self.on_save_error = on_save_error
+        from .mirror.hook import mirror_for
+
+        self.mirror = mirror_for(mirror, rank=-1)  # validates the URL (ConfigError) before any setup
         from .policy import SavePolicy, SaveScheduler, estimate_from_events
 
         if save_policy is not None and save_every is not None:
@@ -181,6 +189,7 @@ class Checkpointer:
         self._claim_root()  # one owner per root: refused here, before anything is written
         self.agree_group = Group.create()
         self._agreement = LaggedMax(self.agree_group)
+        self.mirror = mirror_for(mirror, rank=self.group.rank, retention=retention, on_event=self._event)
         self.last_saved_step: int | None = None
         self.restored: CheckpointInfo | None = None
         ensure_handler()  # the training log shows restored / warning / saved lines without setup
@@ -301,6 +310,8 @@ class Checkpointer:
         # next run's first commit instead of holding the root lock or deleting files now.
         if self.rank == 0 and self.retention is not None and reason not in EMERGENCY_REASONS:
             self._apply_retention()
+        if self.mirror is not None:  # rank 0: background upload, marker last
+            self.mirror.enqueue(self.root, step)
         return self.root / step_dir_name(step)
 
     def _event(self, name: str, **fields: Any) -> bool:
@@ -432,6 +443,8 @@ class Checkpointer:
                 error = error or f"step {step} has no commit marker"
                 self._event(EV_EMERGENCY_SAVE_FAILED, step=step, kind=kind, run_id=run_id, error=error)
             recorded = self._record_outcome(Outcome(run_id or "", kind, step, committed, error))
+        if self.exit_on_signal:
+            self.mirror = None  # exit now: this step's upload is finished by the next run (Mirror.start)
         if not self.exit_on_signal:
             if error:
                 raise SaveError(f"the emergency save of step {step} failed: {error}")
@@ -526,6 +539,9 @@ class Checkpointer:
             return {"error": str(exc), "type": type(exc).__name__}
 
     def _choose(self, step: int | None, verify: bool, tried: set[int]) -> dict | None:
+        if self.mirror is not None and not tried:  # rank 0: a newer (or the only) step may be on the bucket
+            self.mirror.pull_if_newer(self.root)
+            self.mirror.start(self.root)  # and finish an upload a requeued run left
         if step is not None:
             info = inspect_dir(step, self.root / step_dir_name(step), verify)
             if not info.complete:
@@ -635,6 +651,8 @@ class Checkpointer:
         try:
             self._agreement.drain()
             self.wait()
+            if self.mirror is not None:
+                self.mirror.close()  # the final step reaches the bucket before the run ends
         finally:
             if self.flag is not None:
                 self.flag.uninstall()

@@ -25,6 +25,17 @@ from .options import CkptDir, JsonOut, Mode, ModeOpt, resolve_root
 PRUNE_SCHEMA = "slurmresume.prune/1"
 
 
+def is_s3_url(value: object) -> bool:
+    """--ckpt-dir s3://BUCKET/PREFIX (pathlib turns the "//" into "/")."""
+    return str(value).startswith("s3:/")
+
+
+def s3_commands() -> Any:
+    from .mirror import commands
+
+    return commands
+
+
 def _emit_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, allow_nan=False))
 
@@ -66,9 +77,11 @@ def status(
     from . import _render
     from .status import compute_status
 
-    root = resolve_root(ckpt_dir)
     if limit < 0:
         raise ConfigError(f"--limit must be >= 0 (0 shows all), got {limit}")
+    if is_s3_url(ckpt_dir):  # the bucket's steps only (no job, no event log there)
+        return s3_commands().status(ckpt_dir, verify=verify, limit=limit, as_json=as_json)
+    root = resolve_root(ckpt_dir)
     if job is not None and not re.fullmatch(r"\d+(_\d+)?", job):
         raise ConfigError(f"--job {job!r} is not a Slurm job id: use digits, e.g. --job 12345")
     interval = parse_duration(watch, "--watch") if watch is not None else None
@@ -130,11 +143,13 @@ def prune(
     from . import _render
     from . import retention as rt
 
-    root = resolve_root(ckpt_dir)
     older = (parse_duration(remove_incomplete_older_than, "--remove-incomplete-older-than")
              if remove_incomplete_older_than is not None else None)
     policy = rt.RetentionPolicy(keep=keep, keep_every=keep_every, keep_best=keep_best, mode=mode.value,
                                 remove_incomplete_older_than=older)
+    if is_s3_url(ckpt_dir):  # a bucket: same plan, marker-first deletion (slurmresume/mirror/)
+        return s3_commands().prune(ckpt_dir, policy, dry_run=dry_run, yes=yes, as_json=as_json)
+    root = resolve_root(ckpt_dir)
     records = rt.scan(root)
     plan = rt.plan_prune(records, policy, time.time())
     if plan.missing_metric:
@@ -210,6 +225,8 @@ def verify(
     from . import _render
     from .status import verify_checkpoints
 
+    if is_s3_url(ckpt_dir):
+        return s3_commands().verify(ckpt_dir, step, every)
     root = resolve_root(ckpt_dir)
     if step is not None and step < 0:
         raise ConfigError(f"STEP must be >= 0, got {step}")
@@ -234,6 +251,8 @@ def latest(ckpt_dir: CkptDir = None) -> None:
     """
     from .checkpoint.store import find_latest
 
+    if is_s3_url(ckpt_dir):
+        return s3_commands().latest(ckpt_dir)
     root = resolve_root(ckpt_dir)
     info = find_latest(root, warn=False)
     if info is None:

@@ -100,6 +100,7 @@ class JobSpec:
     python: str = field(default_factory=lambda: sys.executable)
     rdzv_port: int | None = None
     log_dir: Path | None = None  # default: <ckpt_dir>/logs
+    mirror: str | None = None  # s3://BUCKET/PREFIX: exported as SLURMRESUME_MIRROR (slurmresume/mirror/)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -146,6 +147,10 @@ class JobSpec:
                 raise ConfigError(f"--sbatch key {key!r} is not an sbatch option name (e.g. exclusive, gres)")
             if key in _RESERVED_SBATCH:
                 raise ConfigError(f"--sbatch {key}=... is set by slurmresume itself: use its own option")
+        if self.mirror is not None:
+            from .mirror.s3 import parse_s3_url
+
+            parse_s3_url(self.mirror)  # ConfigError naming the bad part
         if self.rdzv_port is not None and not 1024 <= self.rdzv_port <= 65535:
             raise ConfigError(f"--rdzv-port must be in 1024..65535, got {self.rdzv_port}")
 

@@ -16,6 +16,7 @@ from . import ownership, slurm
 from .config import JobSpec
 from .contract import (
     ENV_LAUNCHER_PID,
+    ENV_MIRROR,
     ENV_OWNER,
     ENV_RESTART,
     ENV_ROOT,
@@ -75,6 +76,8 @@ def worker_env(spec: JobSpec, run_id: str, restart: int, extra: dict[str, str] |
         ENV_RESTART: str(restart),
         "PYTHONUNBUFFERED": "1",
     })
+    if spec.mirror:
+        env[ENV_MIRROR] = spec.mirror
     return env
 
 

@@ -1,0 +1,173 @@
+"""`Mirror`: what `Checkpointer(mirror=...)` runs on rank 0.
+
+- After each commit, `enqueue(root, step)` hands the step to one background uploader thread.
+  While an upload runs, only the newest waiting step is kept (a newer commit replaces an older
+  one that has not started): the mirror follows the newest state with bounded work.
+- `start(root)` makes the uploader finish what a killed or requeued run left: the newest local
+  committed step that is newer than the newest complete one on the bucket.
+- `pull_if_newer(root)`, before a restore: when the bucket holds a newer complete step than
+  the local root (or the root is empty or lost), download it, verified, into the root.
+- `close()` waits for the uploader. An emergency exit does not wait: its upload is finished
+  by the next run's `start`.
+Upload errors never reach the training thread: they are logged and recorded as events.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.layout import step_dir_name
+from ..checkpoint.store import find_latest as find_latest_local
+from ..errors import CheckpointError
+from . import remote
+from .s3 import S3Location, client, parse_s3_url
+from .transfer import CHUNK, CONCURRENCY, Transfer, download_step, upload_step
+
+log = logging.getLogger("slurmresume")
+
+Event = Callable[..., Any]
+
+
+class Mirror:
+    """A background uploader to, and a verified downloader from, `s3://BUCKET/PREFIX`.
+    One per process; only rank 0 uses it (the local root is shared by the ranks)."""
+
+    def __init__(self, url: str | os.PathLike[str] | S3Location, *, retention: Any = None,
+                 on_event: Event | None = None, chunk: int = CHUNK, concurrency: int = CONCURRENCY) -> None:
+        self.loc = url if isinstance(url, S3Location) else parse_s3_url(url)
+        self.s3 = client()
+        self.retention = retention
+        self.chunk, self.concurrency = chunk, concurrency
+        self._on_event = on_event
+        self._cv = threading.Condition()
+        self._pending: tuple[str, Path, int] | None = None  # ("upload", root, step) | ("scan", root, -1)
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self.done: list[Transfer] = []
+        self.errors: list[str] = []
+
+    def __repr__(self) -> str:
+        return f"Mirror({self.loc.url!r})"
+
+    # -- uploads (background) ---------------------------------------------------------------
+
+    def enqueue(self, root: Path, step: int) -> None:
+        self._submit(("upload", Path(root), step))
+
+    def start(self, root: Path) -> None:
+        """Upload the newest local committed step if the bucket lacks it (resumes after a requeue)."""
+        self._submit(("scan", Path(root), -1))
+
+    def _submit(self, job: tuple[str, Path, int]) -> None:
+        with self._cv:
+            self._pending = job
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="slurmresume-mirror", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def busy(self) -> bool:
+        with self._cv:
+            return self._busy or self._pending is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until no upload is running or waiting; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._busy or self._pending is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    close = wait
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if self._pending is None:
+                    self._busy = False
+                    self._cv.notify_all()
+                    return
+                job, self._pending, self._busy = self._pending, None, True
+            try:
+                self._do(*job)
+            except Exception as exc:  # never into training: recorded, retried by the next commit/run
+                self.errors.append(str(exc))
+                log.warning("mirror: %s to %s failed: %s", job[0], self.loc.url, exc)
+                self._event("mirror_failed", step=job[2] if job[2] >= 0 else None, error=str(exc)[:500])
+
+    def _do(self, kind: str, root: Path, step: int) -> None:
+        if kind == "scan":
+            local = find_latest_local(root, warn=False)
+            if local is None:
+                return
+            newest = remote.find_latest(self.s3, self.loc)
+            if newest is not None and newest.step >= local.step:
+                return
+            step = local.step
+            log.info("mirror: resuming the upload of step %d (the bucket's newest complete is %s)", step,
+                     newest.step if newest else "none")
+        result = upload_step(self.s3, self.loc, root / step_dir_name(step), step, chunk=self.chunk,
+                             concurrency=self.concurrency)
+        self.done.append(result)
+        if result.action == "uploaded":
+            log.info("mirror: step %d uploaded to %s (%.1f MB in %.2f s)", step, self.loc.step_url(step),
+                     result.bytes / 1e6, result.seconds)
+            self._event("mirror_uploaded", step=step, url=self.loc.step_url(step), bytes=result.bytes,
+                        seconds=round(result.seconds, 4))
+        elif result.action == "conflict":
+            self._event("mirror_conflict", step=step, error=result.detail)
+        if self.retention is not None and result.action == "uploaded":
+            pruned = remote.prune(self.s3, self.loc, self.retention)
+            for name in pruned.deleted:
+                log.info("mirror retention: deleted %s/%s", self.loc.url, name)
+
+    def _event(self, name: str, **fields: Any) -> None:
+        if self._on_event is not None:
+            self._on_event(name, **fields)
+
+    # -- restore (synchronous) --------------------------------------------------------------
+
+    def pull_if_newer(self, root: Path) -> Transfer | None:
+        """Download the newest complete bucket step newer than the local root's newest complete
+        one (falling back to older bucket steps that are still newer when one fails its
+        checksums). None when the local root is as new. Raises CheckpointError only when the
+        bucket cannot be read and the local root has nothing: starting fresh then would
+        silently throw away the mirrored run."""
+        root = Path(root)
+        local = find_latest_local(root, warn=False) if root.is_dir() else None
+        have = local.step if local is not None else -1
+        try:
+            steps = remote.scan(self.s3, self.loc)
+        except CheckpointError as exc:
+            if local is None:
+                raise CheckpointError(f"the local root {root} holds no checkpoint and the mirror {self.loc.url} "
+                                      f"cannot be read ({exc}): fix the mirror's endpoint/credentials "
+                                      "(AWS_ENDPOINT_URL, AWS_PROFILE) or drop --mirror to start fresh") from exc
+            log.warning("mirror %s unreadable (%s): restoring from the local root", self.loc.url, exc)
+            return None
+        tried: set[int] = set()
+        while True:
+            newest = remote.find_latest(self.s3, self.loc, exclude=tried, steps=steps)
+            if newest is None or newest.step <= have:
+                return None
+            try:
+                result = download_step(self.s3, self.loc, newest.step, root)
+            except CheckpointError as exc:
+                log.warning("mirror: step %d on %s not restored: %s", newest.step, self.loc.url, exc)
+                tried.add(newest.step)
+                continue
+            log.info("mirror: step %d downloaded from %s (local newest was %s)", newest.step, self.loc.url,
+                     have if have >= 0 else "none")
+            self._event("mirror_downloaded", step=newest.step, url=self.loc.step_url(newest.step),
+                        bytes=result.bytes, seconds=round(result.seconds, 4))
+            return result
+

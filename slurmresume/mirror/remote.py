@@ -1,0 +1,204 @@
+"""Reading and pruning a mirror: the bucket-side twin of checkpoint/store.py and retention.py.
+
+A step on the bucket is *complete* only when its marker exists, pins the manifest's hash, and
+every shard object has the size the manifest records; `verify` also hashes every shard.
+Retention reuses the pure `retention.plan_prune`; deletion is marker-first, so a step that
+is half deleted is never complete, and re-planned just before each delete (there is no lock
+on a bucket: the rules alone keep it safe, as on NFS).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from ..checkpoint.layout import MANIFEST, MARKER, parse_step_dir
+from ..checkpoint.manifest import Manifest
+from ..errors import CheckpointError
+from .s3 import S3Location, call, list_objects, point
+from .transfer import read_remote_commit
+
+
+@dataclass
+class RemoteStep:
+    """What a listing shows of one step folder on the bucket."""
+
+    step: int
+    sizes: dict[str, int] = field(default_factory=dict)  # object name -> bytes
+    mtime: float = 0.0  # newest LastModified (epoch seconds)
+    uploading: bool = False  # an unfinished multipart upload exists under it
+
+    @property
+    def has_marker(self) -> bool:
+        return MARKER in self.sizes
+
+
+@dataclass
+class RemoteInfo:
+    step: int
+    url: str
+    has_marker: bool
+    manifest: Manifest | None = None
+    problem: str | None = None
+    verified: bool | None = None
+    mtime: float = 0.0
+    uploading: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.has_marker and self.manifest is not None and self.problem is None
+
+
+def scan(s3: Any, loc: S3Location) -> list[RemoteStep]:
+    """Every step folder under the location, newest first (one listing, no object reads)."""
+    base = f"{loc.prefix}/" if loc.prefix else ""
+    found: dict[int, RemoteStep] = {}
+    for page in list_objects(s3, loc, base):
+        for obj in page.get("Contents") or []:
+            rest = obj["Key"][len(base):]
+            folder, _, name = rest.partition("/")
+            step = parse_step_dir(folder)
+            if step is None or not name or "/" in name:
+                continue
+            rs = found.setdefault(step, RemoteStep(step))
+            rs.sizes[name] = int(obj["Size"])
+            rs.mtime = max(rs.mtime, obj["LastModified"].timestamp())
+    uploads = call(f"listing multipart uploads under {loc.url}", s3.list_multipart_uploads,
+                   Bucket=loc.bucket, Prefix=base)
+    for up in uploads.get("Uploads") or []:
+        folder = up["Key"][len(base):].partition("/")[0]
+        step = parse_step_dir(folder)
+        if step is not None:
+            rs = found.setdefault(step, RemoteStep(step))
+            rs.uploading = True
+            rs.mtime = max(rs.mtime, up["Initiated"].timestamp())
+    return sorted(found.values(), key=lambda r: r.step, reverse=True)
+
+
+def inspect(s3: Any, loc: S3Location, rs: RemoteStep, verify: bool = False) -> RemoteInfo:
+    """Everything knowable about one remote step; never raises for a bad checkpoint."""
+    info = RemoteInfo(rs.step, loc.step_url(rs.step), rs.has_marker, mtime=rs.mtime, uploading=rs.uploading)
+    if not rs.has_marker:
+        info.problem = "no commit marker (incomplete or being uploaded)"
+        return info
+    try:
+        info.manifest = read_remote_commit(s3, loc, rs.step)[2]
+    except CheckpointError as exc:
+        info.problem = str(exc)
+        return info
+    for s in info.manifest.shards:
+        if rs.sizes.get(s["file"]) != s["bytes"]:
+            info.problem = (f"shard {info.url}/{s['file']} is {rs.sizes.get(s['file'], 'missing')} bytes, "
+                            f"the manifest says {s['bytes']}")
+            return info
+    if verify:
+        problems = [p for s in info.manifest.shards if (p := _check_shard(s3, loc, rs.step, s))]
+        info.verified = not problems
+        info.problem = "; ".join(problems) or None
+    return info
+
+
+def _check_shard(s3: Any, loc: S3Location, step: int, shard: dict) -> str | None:
+    key = loc.key(step, shard["file"])
+    obj = call(f"reading s3://{loc.bucket}/{key}", s3.get_object, Bucket=loc.bucket, Key=key)
+    hasher, body = xxhash.xxh3_64(), obj["Body"]
+    try:
+        for chunk in body.iter_chunks(1 << 20):
+            hasher.update(chunk)
+    finally:
+        body.close()
+    digest = hasher.hexdigest()
+    if digest != shard["xxh3"]:
+        return f"shard s3://{loc.bucket}/{key} fails its checksum (xxh3 {digest}, manifest {shard['xxh3']})"
+    return None
+
+
+def list_remote(s3: Any, loc: S3Location, verify: bool = False) -> list[RemoteInfo]:
+    return [inspect(s3, loc, rs, verify) for rs in scan(s3, loc)]
+
+
+def find_latest(s3: Any, loc: S3Location, *, verify: bool = False, exclude: Collection[int] = (),
+                steps: list[RemoteStep] | None = None) -> RemoteInfo | None:
+    """The newest complete step on the bucket (newest first, stopping at the first good one)."""
+    for rs in steps if steps is not None else scan(s3, loc):
+        if rs.step in exclude or not rs.has_marker:
+            continue
+        info = inspect(s3, loc, rs, verify)
+        if info.complete:
+            return info
+    return None
+
+
+def delete_step(s3: Any, loc: S3Location, step: int) -> None:
+    """Marker first (the step stops being complete at once), then the manifest and shards,
+    then any unfinished multipart upload. A kill part-way leaves an incomplete step only."""
+    from .s3 import abort_uploads
+
+    prefix = loc.step_prefix(step)
+    point("delete.marker", prefix)
+    call(f"deleting {loc.step_url(step)}/{MARKER}", s3.delete_object, Bucket=loc.bucket, Key=prefix + MARKER)
+    keys = [obj["Key"] for page in list_objects(s3, loc, prefix) for obj in page.get("Contents") or []]
+    keys.sort(key=lambda k: k.endswith(MANIFEST))  # shards, then the manifest
+    for i in range(0, len(keys), 1000):
+        point("delete.objects", prefix)
+        res = call(f"deleting {loc.step_url(step)}", s3.delete_objects, Bucket=loc.bucket,
+                   Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+        if res.get("Errors"):
+            err = res["Errors"][0]
+            raise CheckpointError(f"deleting s3://{loc.bucket}/{err.get('Key')}: {err.get('Code')}")
+    abort_uploads(s3, loc, prefix)
+
+
+def records(s3: Any, loc: S3Location) -> list[Any]:
+    """retention.CheckpointRecords for the bucket (an unfinished multipart upload = in progress)."""
+    from ..checkpoint.jsonenc import decode
+    from ..retention import CheckpointRecord
+
+    out = []
+    for info in list_remote(s3, loc):
+        name = loc.step_url(info.step).rsplit("/", 1)[-1]
+        if info.complete:
+            assert info.manifest is not None
+            try:
+                metrics = decode(info.manifest.metrics)
+            except Exception:  # odd metrics never block a prune
+                metrics = None
+            out.append(CheckpointRecord(info.step, name, True, True, False, info.mtime, metrics))
+        else:
+            out.append(CheckpointRecord(info.step, name, False, info.has_marker, info.uploading, info.mtime))
+    return out
+
+
+@dataclass
+class RemotePrune:
+    plan: Any
+    deleted: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    cleaned: list[str] = field(default_factory=list)  # (no leftovers on a bucket: the shape of PruneResult)
+
+
+def plan(s3: Any, loc: S3Location, policy: Any, now: float | None = None) -> Any:
+    from ..retention import plan_prune
+
+    return plan_prune(records(s3, loc), policy, time.time() if now is None else now)
+
+
+def prune(s3: Any, loc: S3Location, policy: Any, approved: Collection[str] | None = None,
+          now: float | None = None) -> RemotePrune:
+    """Delete per `policy`: re-list and re-plan first (another uploader may have committed
+    since the plan the user saw), delete only what both plans delete, marker first."""
+    fresh = plan(s3, loc, policy, now)
+    result = RemotePrune(fresh)
+    chosen = {r.name for r in fresh.delete}
+    for name in sorted(set(approved or ()) - chosen):
+        result.skipped.append((name, "kept by the plan re-made just before deleting"))
+    for r in fresh.delete:
+        if approved is not None and r.name not in approved:
+            continue
+        delete_step(s3, loc, r.step)
+        result.deleted.append(r.name)
+    return result

@@ -1,0 +1,158 @@
+"""The object-store seam: `s3://` locations, the boto3 client, and the few calls we make.
+
+Every call that matters for the commit crosses `fsio._point("mirror.<label>")`, so the crash
+tests can SIGKILL the uploading process at a named place (SLURMRESUME_TEST_KILL_AT, see
+checkpoint/fsio.py). Errors from botocore become `CheckpointError`s naming the object.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..checkpoint.layout import step_dir_name
+from ..errors import CheckpointError, ConfigError
+
+T = TypeVar("T")
+WRITER_META = "slurmresume-writer"  # object metadata on the marker: the token of whoever wrote it
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.=+@,-]+")
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """`s3://bucket/prefix`: where a mirror keeps its step folders (prefix may be empty)."""
+
+    bucket: str
+    prefix: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def __str__(self) -> str:
+        return self.url
+
+    def step_prefix(self, step: int) -> str:
+        return f"{self.prefix}/{step_dir_name(step)}/" if self.prefix else f"{step_dir_name(step)}/"
+
+    def key(self, step: int, name: str) -> str:
+        return self.step_prefix(step) + name
+
+    def step_url(self, step: int) -> str:
+        return f"s3://{self.bucket}/{self.step_prefix(step)}".rstrip("/")
+
+
+def is_s3_url(value: object) -> bool:
+    """True for "s3://..." (and "s3:/..." as pathlib leaves it after Path("s3://b/p"))."""
+    return str(value).startswith("s3:/")
+
+
+def parse_s3_url(value: str | os.PathLike[str]) -> S3Location:
+    """`s3://BUCKET[/PREFIX]` -> S3Location. ConfigError naming what is wrong otherwise."""
+    text = os.fspath(value)
+    if not is_s3_url(text):
+        raise ConfigError(f"mirror {text!r} is not an s3:// URL: use s3://BUCKET/PREFIX")
+    rest = text[len("s3:/"):].lstrip("/").rstrip("/")
+    bucket, _, prefix = rest.partition("/")
+    if not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
+        raise ConfigError(f"mirror {text!r}: bucket {bucket!r} is not a valid S3 bucket name "
+                          "(3-63 characters: lowercase letters, digits, '.' and '-')")
+    parts = prefix.split("/") if prefix else []
+    for part in parts:
+        if part in ("", ".", "..") or not _SEGMENT_RE.fullmatch(part):
+            raise ConfigError(f"mirror {text!r}: prefix part {part!r} is not allowed "
+                              "(no empty, '.' or '..' parts; letters, digits and _ . = + @ , -)")
+    return S3Location(bucket, "/".join(parts))
+
+
+def client() -> Any:
+    """A boto3 S3 client from the standard AWS environment/config (AWS_ENDPOINT_URL,
+    AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_DEFAULT_REGION, ~/.aws/config). Thread-safe."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise ConfigError("an s3:// mirror needs boto3: pip install 'slurmresume[s3]'") from None
+    return boto3.session.Session().client(
+        "s3", config=Config(max_pool_connections=32, retries={"mode": "standard"}))  # attempts: AWS_MAX_ATTEMPTS, else 3
+
+
+def error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs), with botocore's errors turned into one CheckpointError line."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        return fn(*args, **kwargs)
+    except ClientError as exc:
+        err = exc.response.get("Error", {})
+        raise CheckpointError(f"{what}: {err.get('Code', '?')} ({err.get('Message', '')})") from exc
+    except BotoCoreError as exc:
+        raise CheckpointError(f"{what}: {exc} (check AWS_ENDPOINT_URL and the credentials)") from exc
+
+
+def point(label: str, where: str = "") -> None:
+    """The crash-test seam (a no-op in production)."""
+    from ..checkpoint.fsio import _point
+
+    _point(f"mirror.{label}", where)
+
+
+def get_bounded(s3: Any, loc: S3Location, key: str, limit: int) -> bytes | None:
+    """The object's bytes, or None when it does not exist; refuses objects over `limit`."""
+    from botocore.exceptions import ClientError
+
+    try:
+        obj = s3.get_object(Bucket=loc.bucket, Key=key)
+    except ClientError as exc:
+        if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise CheckpointError(f"reading s3://{loc.bucket}/{key}: {error_code(exc)}") from exc
+    if int(obj.get("ContentLength", 0)) > limit:
+        obj["Body"].close()
+        raise CheckpointError(f"s3://{loc.bucket}/{key} is {obj['ContentLength']} bytes, over the {limit} limit")
+    data: bytes = obj["Body"].read(limit + 1)
+    obj["Body"].close()
+    return data
+
+
+def head(s3: Any, loc: S3Location, key: str) -> dict | None:
+    from botocore.exceptions import ClientError
+
+    try:
+        return dict(s3.head_object(Bucket=loc.bucket, Key=key))
+    except ClientError as exc:
+        if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise CheckpointError(f"looking up s3://{loc.bucket}/{key}: {error_code(exc)}") from exc
+
+
+def list_objects(s3: Any, loc: S3Location, prefix: str, delimiter: str = "") -> Iterator[dict]:
+    """Pages of list_objects_v2 under `prefix` (each page a dict with Contents/CommonPrefixes)."""
+    kwargs: dict[str, Any] = {"Bucket": loc.bucket, "Prefix": prefix}
+    if delimiter:
+        kwargs["Delimiter"] = delimiter
+    pages = s3.get_paginator("list_objects_v2").paginate(**kwargs)
+    yield from call(f"listing {loc.url}", lambda: list(pages))
+
+
+def abort_uploads(s3: Any, loc: S3Location, prefix: str) -> int:
+    """Abort unfinished multipart uploads under `prefix` (left by a killed uploader)."""
+    res = call(f"listing multipart uploads under s3://{loc.bucket}/{prefix}", s3.list_multipart_uploads,
+               Bucket=loc.bucket, Prefix=prefix)
+    n = 0
+    for up in res.get("Uploads") or []:
+        call(f"aborting the multipart upload of s3://{loc.bucket}/{up['Key']}", s3.abort_multipart_upload,
+             Bucket=loc.bucket, Key=up["Key"], UploadId=up["UploadId"])
+        n += 1
+    return n
