@@ -27,6 +27,7 @@ from .checkpoint import commit as _commit
 from .checkpoint.collective import Group, LaggedMax
 from .checkpoint.jsonenc import encode, loads
 from .checkpoint.layout import step_dir_name
+from .checkpoint.manifest import read_manifest
 from .checkpoint.replicas import elastic, replicated_names, tensor_digests
 from .checkpoint.reshard import is_dtensor, load_sharded
 from .checkpoint.reshard import targets as reshard_targets
@@ -465,6 +466,16 @@ class Checkpointer:
                 return None
             info = found
         assert info.manifest is not None
+        if not verify and not info.manifest.has_block_digests:
+            # Written before per-block digests: no read can be checked as it happens, so check
+            # the whole shards first (one extra read pass), and fall back like any corruption.
+            info = inspect_dir(info.step, info.path, verify=True)
+            if not info.complete:
+                if step is not None:
+                    raise CorruptCheckpointError(f"checkpoint {info.path}: {info.problem}")
+                log.warning("skipping %s: %s", info.path, info.problem)
+                return self._choose(step, verify, tried | {info.step})
+            assert info.manifest is not None
         return {"step": info.step, "path": str(info.path), "world_size": info.manifest.world_size,
                 "shards": info.manifest.shards, "sharded": sharding_json(info.manifest.sharded),
                 "elastic": elastic(info.manifest.tensors, info.manifest.world_size)}
@@ -484,9 +495,13 @@ class Checkpointer:
         wrote = False
         directory = Path(choice["path"])
         try:
+            # Every byte read is checked against the digests the manifest recorded at save time
+            # (hashing while reading); the manifest is re-read here, pinned by its marker.
+            manifest = read_manifest(directory, int(choice["step"]))
+            expect, expect0 = manifest.expected(src), manifest.expected(0)
             # Validate the skeleton against the headers first (no tensor bytes read yet), so a
             # malformed or mismatching checkpoint is refused before any live tensor is written.
-            header, _ = read_header(directory, shard["file"], shard["bytes"])
+            header, _ = read_header(directory, shard["file"], shard["bytes"], expect)
             meta = header.get("__metadata__")
             raw = meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else ""
             skeleton = loads(raw, f"skeleton of {shard['file']}")
@@ -497,7 +512,7 @@ class Checkpointer:
             shared = set(listed) - names - set(sharded)
             infos = {n: header[n] for n in names}
             if shared:
-                header0 = read_header(directory, first["file"], first["bytes"])[0]
+                header0 = read_header(directory, first["file"], first["bytes"], expect0)[0]
                 infos.update({n: header0[n] for n in header0 if n in shared})
                 names |= set(infos)
             validate_skeleton(keys, skeleton, names | set(sharded), strict)
@@ -508,13 +523,15 @@ class Checkpointer:
             wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
             where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
             plain = {n: t for n, t in live.items() if n not in sharded and not is_dtensor(t)} if fast else None
-            tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], plain, names=names - shared)
+            tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], plain, names=names - shared,
+                                             expect=expect)
             if shared:
-                more, _, wrote2 = load_tensors(directory, first["file"], first["bytes"], plain, names=shared)
+                more, _, wrote2 = load_tensors(directory, first["file"], first["bytes"], plain, names=shared,
+                                               expect=expect0)
                 tensors.update(more)
                 wrote = wrote or wrote2
             if wanted:
-                more, wrote3 = load_sharded(directory, choice["shards"], wanted, where, fast)
+                more, wrote3 = load_sharded(directory, choice["shards"], wanted, where, fast, manifest.expected)
                 tensors.update(more)
                 wrote = wrote or wrote3
             decoded, library = decode_entries(keys, skeleton, tensors, strict)
