@@ -26,7 +26,7 @@ from . import rng
 from .checkpoint import commit as _commit
 from .checkpoint.collective import Group, LaggedMax
 from .checkpoint.jsonenc import encode, loads
-from .checkpoint.layout import step_dir_name
+from .checkpoint.layout import MARKER, step_dir_name, step_dirs
 from .checkpoint.manifest import read_manifest
 from .checkpoint.replicas import elastic, replicated_names, tensor_digests
 from .checkpoint.reshard import is_dtensor, load_sharded
@@ -43,7 +43,8 @@ from .checkpoint.state import (
     referenced,
     validate_skeleton,
 )
-from .checkpoint.store import CheckpointInfo, find_latest, inspect_dir
+from .checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, inspect_dir
+from .contract import ENV_ALLOW_FRESH_START
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -397,18 +398,27 @@ class Checkpointer:
     # -- restoring ------------------------------------------------------------------------
 
     def restore(self, state: MutableMapping[str, Any], *, step: int | None = None,
-                verify: bool | None = None, restore_rng: bool = True, strict: bool = True) -> int:
+                verify: bool | None = None, restore_rng: bool = True, strict: bool = True,
+                allow_fresh_start: bool | None = None) -> int:
         """Collective. Load the newest complete checkpoint (or exactly `step`) into `state`:
         `load_state_dict` on stateful objects, plain values assigned into the mapping, RNG
         states restored. Returns the restored step, or 0 on a fresh start (logged once).
-        A newer incomplete or corrupt directory is skipped with a warning naming it."""
+        A newer incomplete or corrupt directory is skipped with a warning naming it.
+
+        Every byte loaded is checked against the digests recorded at save time (`verify=True`
+        adds a whole-shard checksum pass first). When the root holds committed step directories
+        but none of them loads, restore refuses to start from step 0 (CheckpointError) unless
+        `allow_fresh_start=True` (default: $SLURMRESUME_ALLOW_FRESH_START == "1")."""
         self._check_open()
         verify = self.verify_on_restore if verify is None else verify
+        if allow_fresh_start is None:
+            allow_fresh_start = os.environ.get(ENV_ALLOW_FRESH_START) == "1"
         tried: set[int] = set()
         dirty: int | None = None  # a failed attempt that had already written into live tensors
         dirty_error = ""
         while True:
-            choice = self._choose_safely(step, verify or bool(tried), tried) if self.rank == 0 else None
+            choice = self._choose_safely(step, verify or bool(tried), tried,
+                                         allow_fresh_start or dirty is not None) if self.rank == 0 else None
             choice = self.group.broadcast_json(choice)
             if isinstance(choice, dict) and "error" in choice:  # raised on every rank, same type
                 raise _ERROR_TYPES.get(choice.get("type", ""), CheckpointError)(choice["error"])
@@ -447,11 +457,32 @@ class Checkpointer:
                 raise CorruptCheckpointError(errors[0])
             tried.add(int(choice["step"]))
 
-    def _choose_safely(self, step: int | None, verify: bool, tried: set[int]) -> dict | None:
+    def _choose_safely(self, step: int | None, verify: bool, tried: set[int], allow_fresh: bool) -> dict | None:
         try:
-            return self._choose(step, verify, tried)
+            choice = self._choose(step, verify, tried)
+            if choice is None and step is None and not allow_fresh:
+                refusal = self._fresh_start_refusal(tried)
+                if refusal:
+                    return {"error": refusal, "type": "CheckpointError"}
+            if choice is not None:
+                clean_temp_files(Path(choice["path"]))
+            return choice
         except (CheckpointError, ConfigError, OSError) as exc:
             return {"error": str(exc), "type": type(exc).__name__}
+
+    def _fresh_start_refusal(self, tried: set[int]) -> str | None:
+        """Rank 0, when nothing loads: a root that holds committed step directories had progress;
+        starting over from step 0 there would silently throw it away (a transient read error, a
+        damaged disk). Directories without a marker (a save killed before its commit) do not count."""
+        committed = [(s, p) for s, p in step_dirs(self.root) if (p / MARKER).exists()]
+        if not committed:
+            return None
+        newest, path = committed[0]
+        why = "it failed to load (see the warning above)" if newest in tried else inspect_dir(newest, path).problem
+        return (f"refusing a fresh start: {self.root} holds {len(committed)} committed step "
+                f"director{'y' if len(committed) == 1 else 'ies'} but none loads (newest {path.name}: {why}); "
+                f"run `slurmresume verify --all --ckpt-dir {self.root}`, or pass "
+                f"restore(..., allow_fresh_start=True) (or set {ENV_ALLOW_FRESH_START}=1) to start from step 0")
 
     def _choose(self, step: int | None, verify: bool, tried: set[int]) -> dict | None:
         if step is not None:

@@ -36,7 +36,7 @@ from helpers.core import (
     tiny_state,
 )
 
-from slurmresume import Checkpointer, CorruptCheckpointError, UnsafeCheckpointError
+from slurmresume import Checkpointer, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from slurmresume.checkpoint.layout import MANIFEST, MARKER
 from slurmresume.checkpoint.manifest import MAX_MANIFEST, read_manifest
 from slurmresume.checkpoint.shard import load_tensors, read_header
@@ -148,7 +148,10 @@ def test_missing_or_garbage_marker(root: Path) -> None:
     assert "commit marker" in inspect_dir(2, step_dir(root, 2)).problem
     (step_dir(root, 1) / MARKER).unlink()
     assert not inspect_dir(1, step_dir(root, 1)).complete
-    assert restore_fresh(root)[0] == 0  # nothing usable: fresh start
+    # nothing usable, but step 2 was committed once: no silent fresh start (issue #13, item 6)
+    with pytest.raises(CheckpointError, match="refusing a fresh start.*allow_fresh_start=True"):
+        restore_fresh(root)
+    assert restore_fresh(root, allow_fresh_start=True)[0] == 0  # asked for: fresh start
 
 
 def test_corrupt_committed_step_is_rewritten_by_a_later_save(root: Path) -> None:
@@ -327,8 +330,11 @@ def test_hostile_checkpoint_is_refused(root: Path, case: str, previous: bool,
     with deadline(10), record_opens() as opened:
         exc = _refusal(root)
         info = inspect_dir(2, step_dir(root, 2), verify=True)
-        step, state = restore_fresh(root)
+        step, state = restore_fresh(root, allow_fresh_start=not previous)
 
+    if not previous:  # a committed (hostile) step 2 and nothing loads: no silent fresh start
+        with pytest.raises(CheckpointError, match="refusing a fresh start"):
+            restore_fresh(root)
     assert isinstance(exc, error), (case, exc)
     assert message in str(exc), str(exc)
     assert "\n" not in str(exc)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import xxhash
 import torch.nn as nn
+import xxhash
 from helpers.core import shard, step_dir, tiny_model
 from safetensors import safe_open
 from safetensors.torch import load_file

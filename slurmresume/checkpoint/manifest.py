@@ -10,6 +10,7 @@ from typing import Any, TypeGuard
 import xxhash
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from . import fsio
 from .jsonenc import dumps, loads
 from .layout import FORMAT, MANIFEST, MARKER, is_plain_shard_name
 from .shard import VERIFY_BLOCK, Expected
@@ -88,11 +89,14 @@ def _read_bounded(path: Path, limit: int, what: str) -> bytes:
     import os
     import stat
 
+    label = f"read.{what.replace(' ', '_')}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = fsio.retry_transient(label, path, lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{what} {path} is missing") from None
     except OSError as exc:
+        if exc.errno in fsio.TRANSIENT_ERRNOS:
+            raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
         raise UnsafeCheckpointError(f"refusing {what} {path}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
@@ -100,7 +104,10 @@ def _read_bounded(path: Path, limit: int, what: str) -> bytes:
             raise UnsafeCheckpointError(f"refusing {what} {path}: not a regular file")
         if st.st_size > limit:
             raise UnsafeCheckpointError(f"{what} {path} is {st.st_size} bytes, over the {limit} limit")
-        return os.pread(fd, limit + 1, 0)
+        try:
+            return fsio.retry_transient(label, path, lambda: os.pread(fd, limit + 1, 0))
+        except OSError as exc:
+            raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
     finally:
         os.close(fd)
 

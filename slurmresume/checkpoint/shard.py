@@ -178,10 +178,13 @@ def open_checked(directory: Path, file: str, expected_bytes: int) -> int:
         raise UnsafeCheckpointError(f"refusing shard name {file!r} in {directory}: not a plain shard file name")
     path = directory / file
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = fsio.retry_transient("read.shard.open", path,
+                                  lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"shard {path} is missing") from None
     except OSError as exc:
+        if exc.errno in fsio.TRANSIENT_ERRNOS:
+            raise CorruptCheckpointError(f"cannot open shard {path}: {exc.strerror} (after retries)") from None
         raise UnsafeCheckpointError(f"refusing shard {path}: {exc.strerror} (symlink or special file?)") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -215,13 +218,16 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
     path = directory / file
     fd = open_checked(directory, file, expected_bytes)
     try:
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            raise CorruptCheckpointError(f"shard {path} is too short to be safetensors")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER or 8 + n > expected_bytes:
-            raise UnsafeCheckpointError(f"shard {path} claims a {n}-byte header: refused")
-        raw = os.pread(fd, n, 8)
+        try:
+            head = fsio.retry_transient("read.shard.header", path, lambda: os.pread(fd, 8, 0))
+            if len(head) < 8:
+                raise CorruptCheckpointError(f"shard {path} is too short to be safetensors")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > expected_bytes:
+                raise UnsafeCheckpointError(f"shard {path} claims a {n}-byte header: refused")
+            raw = fsio.retry_transient("read.shard.header", path, lambda: os.pread(fd, n, 8))
+        except OSError as exc:
+            raise CorruptCheckpointError(f"cannot read shard {path}: {exc} (after retries)") from exc
     finally:
         os.close(fd)
     if expect is not None and xxhash.xxh3_64_hexdigest(head + raw) != expect.header:
@@ -335,7 +341,8 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
     pos = 0
     try:
         while pos < len(view):
-            n = os.preadv(fd, [view[pos : pos + CHUNK]], offset + pos)
+            part, at = view[pos : pos + CHUNK], offset + pos
+            n = fsio.retry_transient("read.shard.data", path, lambda p=part, a=at: os.preadv(fd, [p], a))
             if n <= 0:
                 raise CorruptCheckpointError(f"shard {path} ended early while reading")
             pos += n
