@@ -29,6 +29,7 @@ from .checkpoint.jsonenc import encode, loads
 from .checkpoint.layout import MARKER, step_dir_name, step_dirs
 from .checkpoint.manifest import read_manifest
 from .checkpoint.replicas import elastic, replicated_names, tensor_digests
+from .checkpoint.same import same_as_committed
 from .checkpoint.reshard import is_dtensor, load_sharded
 from .checkpoint.reshard import targets as reshard_targets
 from .checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header
@@ -44,7 +45,7 @@ from .checkpoint.state import (
     validate_skeleton,
 )
 from .checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, inspect_dir
-from .contract import ENV_ALLOW_FRESH_START
+from .contract import ENV_ALLOW_FRESH_START, EXIT_SAVE_FAILED
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -187,8 +188,14 @@ class Checkpointer:
     def save(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
              reason: str = "explicit") -> Path | None:
         """Collective, synchronous. Save `state` as step `step` (after any in-flight async save);
-        returns the committed directory, or None when the step was already committed. Raises
-        SaveError on every rank if any rank failed; no marker is written then."""
+        returns the committed directory, or None when the step was already committed with this
+        very state. Raises SaveError on every rank if any rank failed; no marker is written then.
+
+        Final saves: when `step` is already committed (a periodic save of the same step) and the
+        state differs from it on any rank (tensors, plain values, RNG states; not metrics), the
+        step is saved again and the new checkpoint replaces the old one atomically, once it is
+        itself committed: state changed after the loop (a final evaluation, `best_val_loss`) is
+        never lost. Saves from `step()` (periodic, emergency) never replace a committed step."""
         self.wait()
         started = time.perf_counter()
         skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
@@ -207,6 +214,10 @@ class Checkpointer:
         skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
         copies, ready = self._pool.snapshot(tensors)
         self._blocking_s = time.perf_counter() - started  # what training paid (Young/Daly's C)
+        # The step is taken care of from now on: the policy must not call it (or the next steps,
+        # by the clock) due again while the write runs, or each timed save is written twice and
+        # the second one waits for the first.
+        self._sched.started(step)
 
         def run() -> None:
             try:
@@ -239,6 +250,14 @@ class Checkpointer:
     def _write_and_commit(self, step: int, skeleton: dict, tensors: list, enc: tuple[Any, Any],
                           reason: str, started: float) -> Path | None:
         decision = self.group.broadcast_json(_commit.prepare(self.root, step) if self.rank == 0 else None)
+        if decision["action"] == "skip" and reason == "explicit":
+            same = same_as_committed(self.root / step_dir_name(step), step, self.rank, self.group.world_size,
+                                     skeleton, tensors)
+            if self.group.max_int(int(not same)):  # any rank's state differs: replace the step
+                if self.rank == 0:
+                    log.info("step %d is committed, but the state changed since: saving it again", step)
+                decision = self.group.broadcast_json(_commit.prepare(self.root, step, replace=True)
+                                                     if self.rank == 0 else None)
         if decision["action"] == "skip":
             self.last_saved_step = step
             return None
@@ -248,9 +267,10 @@ class Checkpointer:
         if self.group.world_size > 1:  # data-parallel replicas are stored once (rank 0's shard)
             digests = tensor_digests(tensors, skeleton.get("dtensors"))
             replicated = replicated_names(self.group.all_gather_json(digests))
-        report = _commit.write_rank(self.root, step, self.group, skeleton, tensors, replicated)
+        dirname = decision.get("dir")
+        report = _commit.write_rank(self.root, step, self.group, skeleton, tensors, replicated, dirname)
         reports = self.group.all_gather_json(report)
-        outcome = _commit.commit(self.root, step, reports, *enc) if self.rank == 0 else None
+        outcome = _commit.commit(self.root, step, reports, *enc, dirname) if self.rank == 0 else None
         outcome = self.group.broadcast_json(outcome)
         seconds = time.perf_counter() - started
         if self.rank == 0:
@@ -308,6 +328,10 @@ class Checkpointer:
         if time_due and self.group.world_size > 1:
             self._time_due_posted = True
         agreed = self._agreement.exchange(local * 2 + int(time_due))
+        if agreed % 2:
+            # rank 0's posted "time due" came back: it may post again, whatever this save's fate
+            # (a failed save must not stop time-based saves for the rest of the run)
+            self._time_due_posted = False
         if agreed // 2 != NONE:
             return self._emergency(step, state, agreed // 2, metrics, meta)
         self._check_async_error()
@@ -326,11 +350,28 @@ class Checkpointer:
         except SaveError as exc:
             if self.on_save_error == "raise":
                 raise
+            self._sched.failed()
             log.warning("%s; training continues without this checkpoint", exc)
 
     def _release_at_exit(self) -> None:
-        if self._closed or (self._inflight is not None and self._inflight.is_alive()):
+        """atexit: the script ended without close(). An async save still in flight is finished
+        here (its thread is a daemon, which the interpreter would otherwise freeze mid-write);
+        if it failed and on_save_error is "raise", the process exits with EXIT_SAVE_FAILED and
+        one line on stderr instead of 0. Local only: the writer's collectives pair up with the
+        other ranks' writers, which finish the same way."""
+        if self._closed:
             return
+        if self._inflight is not None and self._inflight.is_alive():
+            log.warning("the script ended while an async save was in flight (no ckpt.close()): finishing it")
+            self._inflight.join()
+        if self._async_error is not None:
+            exc, self._async_error = self._async_error, None
+            if self.on_save_error == "raise":
+                sys.stderr.write(f"slurmresume: the last async save failed and the script ended without "
+                                 f"ckpt.close(): {exc}\n")
+                sys.stderr.flush()
+                os._exit(EXIT_SAVE_FAILED)
+            log.warning("the last async save failed: %s", exc)
         self._closed = True
         if self.flag is not None:
             self.flag.uninstall()
@@ -349,6 +390,7 @@ class Checkpointer:
         except SaveError as exc:
             if self.on_save_error == "raise":
                 raise
+            self._sched.failed()
             log.warning("%s; training continues without this checkpoint", exc)
 
     def _inject_drill_signal(self, step: int) -> None:

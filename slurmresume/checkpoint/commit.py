@@ -27,7 +27,16 @@ from ..errors import SaveError
 from . import fsio
 from .collective import Group
 from .jsonenc import dumps
-from .layout import DELETING_PREFIX, INPROGRESS, LOCK, MANIFEST, MARKER, shard_name, step_dir_name
+from .layout import (
+    DELETING_PREFIX,
+    INPROGRESS,
+    LOCK,
+    MANIFEST,
+    MARKER,
+    REPLACING_PREFIX,
+    shard_name,
+    step_dir_name,
+)
 from .manifest import build_manifest, marker_bytes
 from .shard import SKELETON_KEY, write_shard
 from .store import inspect_dir
@@ -50,8 +59,11 @@ def move_aside(path: Path, label: str = "aside") -> None:
     shutil.rmtree(hidden, ignore_errors=True)
 
 
-def prepare(root: Path, step: int) -> dict[str, Any]:
-    """Rank 0. Returns {"action": "write"|"skip"|"error", ...}; never raises."""
+def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
+    """Rank 0. Returns {"action": "write"|"skip"|"error", "dir": name, ...}; never raises.
+    "dir" is the directory every rank writes into: the step directory itself, or, with
+    `replace` and a complete committed step, a hidden staging directory that `commit` swaps in
+    only once it is committed itself (the step is never without a complete checkpoint)."""
     d = root / step_dir_name(step)
     created = False
     try:
@@ -59,9 +71,14 @@ def prepare(root: Path, step: int) -> dict[str, Any]:
         with root_lock(root):
             if (d / MARKER).exists():
                 info = inspect_dir(step, d)  # manifest + sizes; a corrupt one is rewritten
-                if info.complete:
+                if info.complete and not replace:
                     return {"action": "skip", "reason": f"step {step} is already committed at {d}"}
-                log.warning("replacing %s: committed but unusable (%s)", d, info.problem)
+                if info.complete:
+                    for old in root.glob(f"{REPLACING_PREFIX}{d.name}.*"):  # a killed replace's leftover
+                        move_aside(old, "stale")
+                    d = root / f"{REPLACING_PREFIX}{d.name}.{uuid.uuid4().hex[:8]}"
+                else:
+                    log.warning("replacing %s: committed but unusable (%s)", d, info.problem)
             if d.exists() or d.is_symlink():
                 move_aside(d, "stale")
             d.mkdir(mode=0o755)
@@ -69,7 +86,7 @@ def prepare(root: Path, step: int) -> dict[str, Any]:
             note = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
             fsio.write_durable(d / INPROGRESS, dumps(note).encode(), "inprogress")
             fsio.fsync_dir(root, "root")
-        return {"action": "write"}
+        return {"action": "write", "dir": d.name}
     except Exception as exc:
         error = _describe(exc, root)  # before the clean-up frees space or inodes
         if created:
@@ -78,7 +95,7 @@ def prepare(root: Path, step: int) -> dict[str, Any]:
 
 
 def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: list,
-               replicated: set[str] | None = None) -> dict[str, Any]:
+               replicated: set[str] | None = None, dirname: str | None = None) -> dict[str, Any]:
     """Every rank: write its shard. Returns a report; errors are reported, not raised, so that
     every rank still reaches the gather and nobody deadlocks. Tensors in `replicated` are
     written by rank 0 only (the skeleton lists them, so other ranks read them from shard 0)."""
@@ -86,7 +103,7 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: lis
         skeleton = {**skeleton, "replicated": sorted(replicated)}
         if group.rank != 0:
             tensors = [(n, t) for n, t in tensors if n not in replicated]
-    d = root / step_dir_name(step)
+    d = root / (dirname or step_dir_name(step))
     file = shard_name(group.rank, group.world_size)
     try:
         fsio.makedirs(d, 0o755)
@@ -105,9 +122,12 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: lis
         return {"rank": group.rank, "file": file, "error": error}
 
 
-def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any) -> dict[str, Any]:
-    """Rank 0: manifest, then the marker. Returns {"ok": bool, "error"?, "path"}."""
-    d = root / step_dir_name(step)
+def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any,
+           dirname: str | None = None) -> dict[str, Any]:
+    """Rank 0: manifest, then the marker. Returns {"ok": bool, "error"?, "path"}. When `dirname`
+    is a staging directory (a replace), it is swapped with the step directory once committed."""
+    final = root / step_dir_name(step)
+    d = root / (dirname or final.name)
     files = [r["file"] for r in reports if isinstance(r.get("file"), str)]
     errors = [r["error"] for r in reports if r.get("error")]
     if errors:
@@ -123,6 +143,9 @@ def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any) 
                 fsio.unlink(d / INPROGRESS, "inprogress")
                 fsio.fsync_dir(d, "step")
                 fsio.fsync_dir(root, "root")
+                if d != final:
+                    _swap_in(d, final, root)
+                    d = final
             except BaseException:
                 # The marker may already be in place (a failed fsync after its rename): take it
                 # back before releasing the lock, so that no prune or restore counts a step the
@@ -134,6 +157,24 @@ def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any) 
         error = _describe(exc, d)  # before the clean-up frees space or inodes
         abandon(d, files)
         return {"ok": False, "error": error}
+
+
+def _swap_in(staged: Path, final: Path, root: Path) -> None:
+    """Under the root lock: the committed staging directory takes the step directory's name.
+    With renameat2(RENAME_EXCHANGE) the step name always points at a complete checkpoint; where
+    the file system lacks it, the old directory is renamed aside first, leaving the name absent
+    for one rename (a reader then falls back to an older step, never to a partial one)."""
+    if not fsio.exchange(staged, final, "replace"):
+        hidden = final.with_name(f"{DELETING_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}")
+        fsio.rename(final, hidden, "replace.aside")
+        try:
+            fsio.rename(staged, final, "replace")
+        except BaseException:
+            fsio.rename(hidden, final, "replace.back")  # the old checkpoint goes back in place
+            raise
+        staged = hidden
+    fsio.fsync_dir(root, "root")
+    move_aside(staged, "replaced")  # now holds the old checkpoint
 
 
 def abandon(d: Path, files: list[str] | tuple[str, ...] = ()) -> None:

@@ -101,6 +101,25 @@ def rename(src: Path, dst: Path, label: str) -> None:
     os.replace(src, dst)
 
 
+def exchange(a: Path, b: Path, label: str) -> bool:
+    """Swap two directory entries atomically (Linux renameat2 RENAME_EXCHANGE). False when the
+    kernel or file system does not support it (the caller falls back); OSError otherwise."""
+    import ctypes
+
+    _point(f"rename.{label}", b)
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(b))
+
+
 def write_all(fd: int, data: memoryview | bytes, label: str, path: str | os.PathLike[str] = "") -> None:
     _point(f"write.{label}", path)
     view = memoryview(data).cast("B")

@@ -23,6 +23,9 @@ INPROGRESS = ".inprogress"
 EVENTS = "events.jsonl"
 LOCK = ".slurmresume.lock"
 DELETING_PREFIX = ".deleting."
+# A committed step being replaced (a final save whose state changed since a periodic save of the
+# same step) is written and committed as "<REPLACING_PREFIX><step dir>.<id>", then swapped in.
+REPLACING_PREFIX = ".replacing."
 STEP_DIGITS = 9
 
 # ASCII digits and fullmatch: `\d` also matches other scripts' digits (which int() accepts) and
