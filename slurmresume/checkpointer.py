@@ -29,9 +29,9 @@ from .checkpoint.jsonenc import encode, loads
 from .checkpoint.layout import MARKER, step_dir_name, step_dirs
 from .checkpoint.manifest import read_manifest
 from .checkpoint.replicas import elastic, replicated_names, tensor_digests
-from .checkpoint.same import same_as_committed
 from .checkpoint.reshard import is_dtensor, load_sharded
 from .checkpoint.reshard import targets as reshard_targets
+from .checkpoint.same import same_as_committed
 from .checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header
 from .checkpoint.sharding import from_json
 from .checkpoint.sharding import to_json as sharding_json
@@ -45,7 +45,7 @@ from .checkpoint.state import (
     validate_skeleton,
 )
 from .checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, inspect_dir
-from .contract import ENV_ALLOW_FRESH_START, EXIT_SAVE_FAILED
+from .contract import ENV_ALLOW_FRESH_START, ENV_DRILL_FIRST_SAVE, ENV_RESTART, EXIT_SAVE_FAILED
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -175,6 +175,10 @@ class Checkpointer:
         self.restored: CheckpointInfo | None = None
         self.flag = SignalFlag(warning_signal_from_env()) if handle_signals else None
         self._drill = _drill_step()
+        # drill: both runs save their first step, so that what differs between them before any
+        # warning (an RNG stream the script never seeds) is not blamed on the resume
+        self._first_save = os.environ.get(ENV_DRILL_FIRST_SAVE) == "1" and not int(os.environ.get(ENV_RESTART) or 0)
+        self._check_root_conflict(root)
         if self.flag is not None and not self.flag.install():
             log.warning("not in the main thread: warning-signal handlers not installed")
             self.flag = None
@@ -182,6 +186,23 @@ class Checkpointer:
     @property
     def rank(self) -> int:
         return self.group.rank
+
+    def _check_root_conflict(self, root: str | os.PathLike[str] | None) -> None:
+        """An explicit root that differs from the launcher's ($SLURMRESUME_CKPT_DIR, set by
+        `submit`/`drill`) silently moves every checkpoint where the launcher, `status` and the
+        drill do not look: warn loudly naming both, and leave a `root_conflict` event in the
+        launcher's root so that the drill can say why it found nothing there."""
+        launcher = os.environ.get(ENV_ROOT)
+        if root is None or not launcher or Path(launcher).expanduser().resolve() == self.root.resolve():
+            return
+        if self.rank == 0:
+            log.warning("Checkpointer(root=%s) overrides the launcher's %s=%s: checkpoints go to %s, where the "
+                        "launcher (requeue), `slurmresume status` and `slurmresume drill` do not look; pass "
+                        "root=None to use the launcher's root", self.root, ENV_ROOT, launcher, self.root)
+            try:
+                append_event(Path(launcher), "root_conflict", script_root=str(self.root), launcher_root=launcher)
+            except OSError as exc:
+                log.warning("could not record the root conflict under %s: %s", launcher, exc)
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -335,6 +356,11 @@ class Checkpointer:
         if agreed // 2 != NONE:
             return self._emergency(step, state, agreed // 2, metrics, meta)
         self._check_async_error()
+        if self._first_save:
+            self._first_save = False
+            if step != self.last_saved_step:
+                self.save(step, state, metrics=metrics, meta=meta, reason="drill_first")
+                return False
         if trigger in ("steps", "epoch") or agreed % 2 or (trigger == "seconds" and self.group.world_size == 1):
             self._periodic(step, state, metrics, meta, trigger or "seconds")
         return False
@@ -548,10 +574,10 @@ class Checkpointer:
                     raise CorruptCheckpointError(f"checkpoint {info.path}: {info.problem}")
                 log.warning("skipping %s: %s", info.path, info.problem)
                 return self._choose(step, verify, tried | {info.step})
-            assert info.manifest is not None
-        return {"step": info.step, "path": str(info.path), "world_size": info.manifest.world_size,
-                "shards": info.manifest.shards, "sharded": sharding_json(info.manifest.sharded),
-                "elastic": elastic(info.manifest.tensors, info.manifest.world_size)}
+        m = info.manifest
+        assert m is not None
+        return {"step": info.step, "path": str(info.path), "world_size": m.world_size,
+                "shards": m.shards, "sharded": sharding_json(m.sharded), "elastic": elastic(m.tensors, m.world_size)}
 
     def _load_own_shard(self, choice: dict, state: MutableMapping[str, Any], live: dict[str, Any], fast: bool,
                         strict: bool) -> tuple[tuple[dict, Any] | None, str | None, bool]:
@@ -633,6 +659,7 @@ class Checkpointer:
                         "from rank 0's shard, %d DTensor(s) read by box)", choice["path"], saved_world,
                         self.group.world_size, len(choice.get("sharded") or ()))
         self.last_saved_step = int(choice["step"])
+        self._first_save = False  # a resumed run: its first step is not the run's first
         self._sched.restored(self.last_saved_step)
         if self._drill is not None:
             self._drill = max(self._drill, self.last_saved_step + 1)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import slurmresume
 from helpers.core import model_equal, tiny_model
 from helpers.procs import HELPERS, check, clean_env, run_python
+
+import slurmresume
 from slurmresume import Checkpointer, SaveError
 from slurmresume.checkpoint import commit as _commit
 from slurmresume.checkpoint.layout import step_dirs

@@ -15,9 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from helpers.core import model_equal, restore_fresh, save_steps, shard, step_dir, tiny_model, tiny_state
+from helpers.core import (
+    model_equal,
+    restore_fresh,
+    save_steps,
+    shard,
+    step_dir,
+    tiny_model,
+    tiny_state,
+)
 from helpers.procs import HELPERS, clean_env
+
 from slurmresume import Checkpointer, CheckpointError, ConfigError
 from slurmresume.checkpoint.shard import read_header
 

@@ -21,6 +21,7 @@ import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -300,12 +301,12 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
         for name, info in rest:
             begin, end = info["data_offsets"]
             part = buf[pos : pos + end - begin]
-            _pread_into(fd, part, data_start + begin, path, expect and (name, expect.of(name, path)))
+            _pread_into(fd, part, data_start + begin, path, _check(expect, name, path))
             out[name] = _typed(part, info)
             pos += end - begin
         try:
             for name, t in direct.items():
-                _pread_into(fd, t, data_start + info_offsets(header, name), path, expect and (name, expect.of(name, path)))
+                _pread_into(fd, t, data_start + info_offsets(header, name), path, _check(expect, name, path))
                 out[name] = t
         except CorruptCheckpointError as exc:
             exc.partial_write = True  # type: ignore[attr-defined]  # live tensors were touched
@@ -317,6 +318,10 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
 
 def info_offsets(header: dict, name: str) -> int:
     return int(header[name]["data_offsets"][0])
+
+
+def _check(expect: Expected | None, name: str, path: Path) -> tuple[str, list[str]] | None:
+    return None if expect is None else (name, expect.of(name, path))
 
 
 def _pread_into(fd: int, t: Any, offset: int, path: Path, check: tuple[str, list[str]] | None = None) -> None:
@@ -341,8 +346,8 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
     pos = 0
     try:
         while pos < len(view):
-            part, at = view[pos : pos + CHUNK], offset + pos
-            n = fsio.retry_transient("read.shard.data", path, lambda p=part, a=at: os.preadv(fd, [p], a))
+            n = fsio.retry_transient("read.shard.data", path, partial(os.preadv, fd, [view[pos : pos + CHUNK]],
+                                                                      offset + pos))
             if n <= 0:
                 raise CorruptCheckpointError(f"shard {path} ended early while reading")
             pos += n
