@@ -21,7 +21,9 @@ from .checkpoint.state import RESERVED as LIBRARY  # key of library-owned entrie
 
 ADAPT = "see README §Adapt your script"
 # cause -> rank: what is listed first is what the others follow from
-CAUSES = {"rng": 0, "value": 1, "object": 1, "optimizer": 2, "model": 3, "other": 4}
+# ("hyper": an optimizer's non-tensor state, its param_groups' lr etc., which everything after
+# it follows; "value": plain values, often a consequence such as the last loss, so after objects)
+CAUSES = {"rng": 0, "hyper": 1, "object": 2, "value": 3, "optimizer": 4, "model": 5, "other": 6}
 
 HINTS = {
     "scheduler": "did you save the LR scheduler?",
@@ -34,6 +36,8 @@ CAUSE_HINTS = {
     "value": "a plain value differs: keep every value carried between steps (prefetched batch, hidden "
              f"state, best metric) in state and read it back from there after restore(); {ADAPT}",
     "object": f"its state_dict() does not capture everything it uses; {ADAPT}",
+    "hyper": "the optimizer's hyperparameters (param_groups: lr, ...) differ: did you save the LR "
+             f"scheduler, and restore before building anything that changes them? {ADAPT}",
     "optimizer": "did you save the LR scheduler? Otherwise the data order or randomness is not in the "
                  f"state; {ADAPT}",
     "model": "is the data order or the randomness reproduced (seeded sampler, DataLoader generator, "
@@ -138,6 +142,8 @@ def compare_checkpoints(a: Path, b: Path, ignore_keys: tuple[str, ...] = ()) -> 
                 diffs.append(Difference(rank, key, _max_delta(ta[name], tb[name]), _cause(name, kinds)))
         for d in _compare_values(rank, ka.get("entries", {}), kb.get("entries", {}), ignore_keys):
             d.cause = kinds.get(d.key, "other")
+            if d.cause == "optimizer":  # only the non-tensor part is compared here
+                d.cause = "hyper"
             diffs.append(d)
         # library-owned state (Python / NumPy RNG) lives in the skeleton, one comparison per stream
         la, lb = _library_values(ka), _library_values(kb)
@@ -190,8 +196,9 @@ def explain(diffs: list[Difference], unseeded: set[str] | frozenset[str] = froze
             continue
         if d.top in first:
             d.note = NOT_REPRODUCIBLE
-        elif (d.cause == "optimizer" and seen & {"rng", "value", "object"}) or (
-                d.cause == "model" and seen & {"rng", "value", "object", "optimizer"}):
+        elif (d.cause == "value" and seen & {"rng", "hyper", "object"}) or (
+                d.cause == "optimizer" and seen & {"rng", "hyper", "value", "object"}) or (
+                d.cause == "model" and seen & {"rng", "hyper", "value", "object", "optimizer"}):
             d.note = FOLLOWS
         seen.add(d.cause)
 

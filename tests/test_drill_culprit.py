@@ -48,12 +48,20 @@ def test_differences_are_ranked_by_cause(tmp_path: Path) -> None:
     explain(diffs)
     tops = [d.top for d in diffs]
     assert tops[0] == "rng.numpy" and "rng.python" not in tops and "rng.torch_cpu" not in tops
-    assert tops.index("ema") < tops.index("optimizer") < tops.index("model")
-    assert tops.index("scheduler") < tops.index("optimizer")  # a user object, before what it feeds
+    causes = [d.cause for d in diffs]
+    # the lr in param_groups (what the scheduler sets) and the scheduler itself come before the
+    # plain value, the optimizer's tensors and the model
+    assert causes == sorted(causes, key=["rng", "hyper", "object", "value", "optimizer", "model"].index)
+    assert tops.index("scheduler") < tops.index("ema") < tops.index("model")
     assert "worker-side randomness" in diffs[0].hint and "Adapt your script" in diffs[0].hint
-    ema = next(d for d in diffs if d.top == "ema")
-    assert ema.cause == "value" and "read it back from there after restore()" in ema.hint
-    assert all(d.hint.startswith("follows from") for d in diffs if d.cause in ("optimizer", "model"))
+    hyper = next(d for d in diffs if d.cause == "hyper")
+    assert hyper.top == "optimizer" and "LR scheduler" in hyper.hint
+    assert all(d.hint.startswith("follows from") for d in diffs if d.cause in ("value", "optimizer", "model"))
+    # a plain value with nothing upstream is named as the cause
+    c = _save(tmp_path / "c", ema=0.9, numpy_seed=1, bias=0.0)
+    only = compare_checkpoints(a, c)
+    explain(only)
+    assert [d.top for d in only] == ["ema"] and "read it back from there after restore()" in only[0].hint
     # per stream: only NumPy's state is dropped
     assert "rng.numpy" not in {d.top for d in compare_checkpoints(a, b, ("rng.numpy",))}
     assert {d.top for d in compare_checkpoints(a, b, ("rng",))} == {"ema", "scheduler", "optimizer", "model"}
