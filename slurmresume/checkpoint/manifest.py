@@ -81,7 +81,7 @@ class Manifest:
         """The digests a verified read of shard `rank` checks, or None for an older checkpoint."""
         if not self.has_block_digests:
             return None
-        blocks = {t["name"]: t["xxh3"] for t in self.tensors if t.get("rank") == rank}
+        blocks = {t["name"]: t["xxh3"] for t in self.tensors if t.get("rank") == rank and "xxh3" in t}
         return Expected(self.shards[rank]["header_xxh3"], blocks)
 
 
@@ -166,7 +166,9 @@ def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> M
     if not isinstance(tensors, list):
         raise bad("tensor index is missing")
     for t in tensors:
-        digests = t.get("xxh3") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise bad("a tensor index entry is not an object with a name")
+        digests = t.get("xxh3")
         if digests is not None and not (isinstance(digests, list)
                                         and all(isinstance(d, str) and len(d) == 16 for d in digests)):
             raise bad(f"tensor {t.get('name')!r} has malformed checksums")
