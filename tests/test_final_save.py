@@ -137,7 +137,10 @@ def test_one_rank_async_seconds_saves_each_step_once(tmp_path: Path, monkeypatch
         stalls.append(time.perf_counter() - t)
     ck.close()
     steps = [s for s, _ in committed(tmp_path)]
-    assert steps == [4, 8, 12, 16, 20], steps  # every ~10 s of (fake) time, each once
+    # each timed save once, at least an interval (10 s = 4 steps of fake time) apart; how much
+    # more depends on when the slowed write commits (the timer restarts at its end)
+    assert steps[0] == 4 and len(steps) >= 2 and len(set(steps)) == len(steps), steps
+    assert all(b - a >= 4 for a, b in zip(steps, steps[1:])), steps
     # training never waits for a write: only the snapshot steps cost anything (the first one
     # allocates the reused buffers)
     assert all(stall < 0.1 for step, stall in enumerate(stalls, 1) if step not in steps), stalls
