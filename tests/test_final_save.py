@@ -83,6 +83,7 @@ def test_a_failed_final_save_keeps_the_committed_step(tmp_path: Path, monkeypatc
     assert live["best_val_loss"] == float("inf") and model_equal(live["model"], before["model"])
 
 
+@pytest.mark.slow
 def test_async_save_in_flight_at_exit_is_finished(tmp_path: Path) -> None:
     proc = check(run_python([RUN, "exit-inflight", tmp_path], timeout=120))
     assert "script ends" in proc.stdout
@@ -90,6 +91,7 @@ def test_async_save_in_flight_at_exit_is_finished(tmp_path: Path) -> None:
     assert (tmp_path / "step_000000004" / "COMMITTED").exists()
 
 
+@pytest.mark.slow
 def test_async_save_failing_at_exit_fails_the_process(tmp_path: Path) -> None:
     env = clean_env(SLURMRESUME_TEST_FAIL_AT="write.shard.header:2")  # the second save (step 4)
     proc = run_python([RUN, "exit-inflight", tmp_path], env=env, timeout=120)
