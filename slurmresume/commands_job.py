@@ -165,18 +165,22 @@ def drill(
     nproc_per_node: Annotated[int, Opt(help="Processes (gloo on CPU, NCCL on GPU).", min=1)] = 1,
     seed: Annotated[int, Opt(help="Seed for choosing the preemption steps.")] = 0,
     workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints: a new or empty directory, or one an earlier drill created (only its run folders are replaced).")] = Path("runs/drill"),
-    ignore: Annotated[list[str] | None, Opt(help="State key allowed to differ (repeatable), e.g. a wall-clock metric. (default: none)")] = None,
+    ignore: Annotated[list[str] | None, Opt(help="What may differ (repeatable): a state key (e.g. a wall-clock metric), one RNG stream (rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda) or all of them (rng). (default: none)")] = None,
     json_out: Annotated[bool, Opt("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Prove that TRAIN_SCRIPT resumes exactly, here, before spending cluster hours.
 
     Runs it once uninterrupted and once with --preemptions warning signals at seeded random
     steps (through the real launcher and torchrun), then compares the final checkpoints tensor
-    by tensor. Exit 0 when bitwise equal; exit 1 naming what differs.
+    by tensor. Exit 0 when bitwise equal; exit 1 naming what differs, causes first (RNG streams,
+    plain values and user objects, then the optimizer and model they feed). An RNG stream that
+    differed between the runs already at their first step is reported as never seeded, not
+    failed.
 
     Example: slurmresume drill examples/train.py --preemptions 3 --nproc-per-node 2 -- --steps 60
     """
     from ._render_job import print_drill, print_json
+    from .compare import culprits
     from .drill import run_drill
 
     workdir = workdir.expanduser().absolute()
@@ -185,7 +189,8 @@ def drill(
     if json_out:
         print_json({"ok": report.ok, "steps": report.steps, "planned": report.planned,
                     "preemptions": report.preemptions, "missed": report.missed, "saved_steps": report.saved_steps,
-                    "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint}
+                    "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint,
+                                     "cause": d.cause, "culprit": d in culprits(report.differences)}
                                     for d in report.differences]})
     else:
         print_drill(report)

@@ -35,6 +35,10 @@ ENV_DRILL_AT = "SLURMRESUME_DRILL_AT"  # drill: "12,30,41" = warning at step 12 
 ENV_HEARTBEAT_DIR = "SLURMRESUME_HEARTBEAT_DIR"  # node-local directory for per-rank heartbeats
 ENV_OWNER = "SLURMRESUME_OWNER"  # the owner id of the root's lease that this run holds (ownership.py)
 ENV_MIRROR = "SLURMRESUME_MIRROR"  # s3://BUCKET/PREFIX every committed step is copied to (submit --mirror)
+ENV_DRILL_FIRST_SAVE = "SLURMRESUME_DRILL_FIRST_SAVE"  # drill: "1" = save the first step of a fresh start
+# set by the user (not the launcher): "1" lets restore() start from step 0 although the root
+# holds committed step directories of which none loads (it refuses by default)
+ENV_ALLOW_FRESH_START = "SLURMRESUME_ALLOW_FRESH_START"
 
 # -- exit codes of a rank ---------------------------------------------------------------------
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after the warning signal; the launcher requeues

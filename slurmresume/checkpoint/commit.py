@@ -76,24 +76,27 @@ def move_aside(path: Path, label: str = "aside") -> None:
     shutil.rmtree(hide(path, label), ignore_errors=True)
 
 
-def prepare(root: Path, step: int) -> dict[str, Any]:
-    """Rank 0. Returns {"action": "write", "dir": NAME} | {"action": "skip"|"error", ...};
-    never raises. NAME is this save's private directory under root."""
+def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
+    """Rank 0. Returns {"action": "write", "dir": NAME, "replace": bool} | {"action": "skip"|"error",
+    ...}; never raises. NAME is this save's private directory under root. With `replace`, a
+    complete committed step is not skipped: this save is written beside it and `commit` swaps
+    it in once it is committed itself (the step is never without a complete checkpoint)."""
     d = root / step_dir_name(step)
     mine: Path | None = None
     try:
         fsio.makedirs(root, 0o755)
         if (d / MARKER).exists():
             info = inspect_dir(step, d)  # manifest + sizes; a corrupt one is replaced at the commit
-            if info.complete:
+            if info.complete and not replace:
                 return {"action": "skip", "reason": f"step {step} is already committed at {d}"}
-            log.warning("%s is committed but unusable (%s): this save will replace it", d, info.problem)
+            if not info.complete:
+                log.warning("%s is committed but unusable (%s): this save will replace it", d, info.problem)
         mine = root / saving_dir_name(step, uuid.uuid4().hex[:16])
         mine.mkdir(mode=0o755)  # fails if it exists: the name is this save's alone
         note = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
         fsio.write_durable(mine / INPROGRESS, dumps(note).encode(), "inprogress")
         fsio.fsync_dir(root, "root")
-        return {"action": "write", "dir": mine.name}
+        return {"action": "write", "dir": mine.name, "replace": replace}
     except Exception as exc:
         error = _describe(exc, root)  # before the clean-up frees space or inodes
         if mine is not None:
@@ -137,7 +140,8 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: lis
         return {"rank": group.rank, "file": file, "error": error}
 
 
-def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any, *, into: str) -> dict[str, Any]:
+def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any, *, into: str,
+           replace: bool = False) -> dict[str, Any]:
     """Rank 0: manifest, then the marker, then publish `into` as step_N. Returns
     {"ok": bool, "error"?, "path"}. On failure this save's directory is removed and nothing of
     it is visible; nothing else is touched."""
@@ -155,7 +159,7 @@ def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any, 
         fsio.write_durable(mine / MARKER, marker_bytes(step, raw), "marker")
         fsio.unlink(mine / INPROGRESS, "inprogress")
         fsio.fsync_dir(mine, "step")
-        published = _publish(root, mine, target)
+        published = _publish(root, mine, target, replace)
         fsio.fsync_dir(root, "root")
         return {"ok": True, "path": str(target)}
     except Exception as exc:
@@ -169,7 +173,7 @@ def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any, 
         return {"ok": False, "error": error}
 
 
-def _publish(root: Path, mine: Path, target: Path) -> bool:
+def _publish(root: Path, mine: Path, target: Path, replace: bool = False) -> bool:
     """Rename `mine` to `target`. A rename onto a non-empty directory fails (ENOTEMPTY/EEXIST),
     so another writer's published step is never replaced. Only a target that is not a complete
     checkpoint is moved aside, re-checked under the root lock (short timeout) right before."""
@@ -185,6 +189,9 @@ def _publish(root: Path, mine: Path, target: Path) -> bool:
         with root_lock(root, REPLACE_LOCK_TIMEOUT):
             if os.path.lexists(target):
                 info = inspect_dir(step, target)
+                if info.complete and replace:  # an explicit final save whose state changed
+                    _swap_in(mine, target, root)
+                    return True
                 if info.complete:
                     raise SaveError(f"step {step} was committed at {target} by another writer while this save "
                                     "ran; this save's copy is discarded (two runs share this checkpoint root?)")
@@ -257,3 +264,21 @@ def _free_space(path: Path) -> tuple[int, int | None]:
 def raise_if_failed(outcome: dict[str, Any]) -> None:
     if not outcome.get("ok"):
         raise SaveError(f"checkpoint save failed, nothing committed: {outcome.get('error')}")
+
+
+def _swap_in(staged: Path, final: Path, root: Path) -> None:
+    """Under the root lock: the committed staging directory takes the step directory's name.
+    With renameat2(RENAME_EXCHANGE) the step name always points at a complete checkpoint; where
+    the file system lacks it, the old directory is renamed aside first, leaving the name absent
+    for one rename (a reader then falls back to an older step, never to a partial one)."""
+    if not fsio.exchange(staged, final, "replace"):
+        hidden = final.with_name(f"{DELETING_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}")
+        fsio.rename(final, hidden, "replace.aside")
+        try:
+            fsio.rename(staged, final, "replace")
+        except BaseException:
+            fsio.rename(hidden, final, "replace.back")  # the old checkpoint goes back in place
+            raise
+        staged = hidden
+    fsio.fsync_dir(root, "root")
+    move_aside(staged, "replaced")  # now holds the old checkpoint

@@ -29,6 +29,9 @@ DELETING_PREFIX = ".deleting."
 SAVING_PREFIX = ".saving."
 OWNER = ".owner.json"
 OWNER_LOCK = ".owner.json.lock"
+# A committed step being replaced (a final save whose state changed since a periodic save of the
+# same step) is written and committed as "<REPLACING_PREFIX><step dir>.<id>", then swapped in.
+REPLACING_PREFIX = ".replacing."
 STEP_DIGITS = 9
 
 # ASCII digits and fullmatch: `\d` also matches other scripts' digits (which int() accepts) and

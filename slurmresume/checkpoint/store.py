@@ -185,5 +185,30 @@ def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = Non
     return None
 
 
+def clean_temp_files(step_dir: Path) -> list[str]:
+    """Remove what a killed writer left inside a *committed* step directory: temp files
+    (`.<name>.tmp.<pid>`) and a stale `.inprogress` note. A committed directory is never written
+    again, and no reader opens these names, so removing them cannot break a reader. Best effort;
+    returns the names removed. Called by restore (rank 0) on the directory it is about to load."""
+    removed: list[str] = []
+    if not (step_dir / MARKER).exists():
+        return removed
+    try:
+        names = [e.name for e in os.scandir(step_dir)
+                 if e.is_file(follow_symlinks=False) and (".tmp." in e.name and e.name.startswith(".")
+                                                          or e.name == INPROGRESS)]
+    except OSError:
+        return removed
+    for name in names:
+        try:
+            os.unlink(step_dir / name)
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed leftovers of a killed writer from %s: %s", step_dir, ", ".join(sorted(removed)))
+    return removed
+
+
 def age_seconds(info: CheckpointInfo, now: float | None = None) -> float:
     return max(0.0, (now if now is not None else time.time()) - info.created)
