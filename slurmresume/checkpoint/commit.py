@@ -91,10 +91,16 @@ def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
                 return {"action": "skip", "reason": f"step {step} is already committed at {d}"}
             if not info.complete:
                 log.warning("%s is committed but unusable (%s): this save will replace it", d, info.problem)
-        mine = root / saving_dir_name(step, uuid.uuid4().hex[:16])
+        # The directory appears under its save name with its `.inprogress` note already inside
+        # (made under a name retention does not parse, then renamed): a prune never sees this
+        # save's directory without the note that protects it.
+        final = root / saving_dir_name(step, uuid.uuid4().hex[:16])
+        mine = final.with_name(final.name + ".new")
         mine.mkdir(mode=0o755)  # fails if it exists: the name is this save's alone
         note = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
         fsio.write_durable(mine / INPROGRESS, dumps(note).encode(), "inprogress")
+        fsio.rename(mine, final, "inprogress")
+        mine = final
         fsio.fsync_dir(root, "root")
         return {"action": "write", "dir": mine.name, "replace": replace}
     except Exception as exc:
@@ -132,7 +138,7 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: lis
             if name in index:  # where this piece sits in its global tensor (manifest index)
                 index[name] = {**index[name], "global_shape": spec["shape"], "global_offset": spec["offset"]}
         return {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
-                "tensors": index, "replicated": sorted(replicated or ()) if group.rank == 0 else [],
+                "header_xxh3": written.header_xxh3, "tensors": index, "replicated": sorted(replicated or ()) if group.rank == 0 else [],
                 "error": None}
     except Exception as exc:
         error = _describe(exc, d / file)  # before the clean-up frees space or inodes
