@@ -218,8 +218,7 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
 
     A tensor whose name is in `targets` with the same dtype and shape (a contiguous CPU tensor,
     e.g. a model parameter) is read straight into that tensor's memory: one copy from the file,
-    no fresh memory. The others are read, with large sequential reads, into one new buffer and
-    returned as views of it. `names` limits the read to those tensors (only their byte ranges)."""
+    no fresh memory. The others are read into fresh tensors, each owning exactly its bytes. `names` limits the read to those tensors (only their byte ranges)."""
     import torch
 
     header, data_start = read_header(directory, file, expected_bytes)
@@ -234,17 +233,16 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
                 and _TORCH_DTYPES[info["dtype"]] == t.dtype and t.numel() > 0):
             direct[name] = t
     rest = [(n, i) for n, i in items if n not in direct]
-    buf = torch.empty(sum(i["data_offsets"][1] - i["data_offsets"][0] for _, i in rest), dtype=torch.uint8)
     out: dict[str, Any] = {}
     fd = open_checked(directory, file, expected_bytes)  # re-checked: a link swapped in since fails
     try:
-        pos = 0
         for name, info in rest:
             begin, end = info["data_offsets"]
-            part = buf[pos : pos + end - begin]
+            # One allocation per tensor, not views of one buffer: user code gets tensors that own
+            # exactly their bytes (Generator.set_state reads a view's storage from offset 0).
+            part = torch.empty(end - begin, dtype=torch.uint8)
             _pread_into(fd, part, data_start + begin, directory / file)
             out[name] = _typed(part, info)
-            pos += end - begin
         try:
             for name, t in direct.items():
                 _pread_into(fd, t, data_start + info_offsets(header, name), directory / file)
