@@ -135,6 +135,8 @@ def judge(lease: Lease, now: float | None = None) -> tuple[bool, str]:
         if state is not None:
             return (True, f"job {lease.job_id} has ended ({state or 'not in squeue'})") if (
                 state == "" or state in _ENDED) else (False, f"job {lease.job_id} is {state}")
+    elif lease.host == socket.gethostname() and lease.pid == os.getpid():
+        return True, "held by this same process"
     elif lease.host == socket.gethostname():
         start = _start_time(lease.pid)
         if not start or (lease.pid_start and start != lease.pid_start):
@@ -266,6 +268,8 @@ def for_checkpointer(root: Path) -> None:
             raise RootOwnedError(f"checkpoint root {root} is owned by {current.describe()}, not by this run "
                                  f"({mine}): refusing to write into it")
         return
+    if not Path(root).is_dir():
+        return  # nothing to protect yet, and restoring must not create the root (the first save does)
     job = os.environ.get("SLURM_JOB_ID")
     owner = slurm_owner(job) if job else f"local-{socket.gethostname()}-{os.getpid()}"
     key = (str(Path(root).absolute()), owner)

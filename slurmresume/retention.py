@@ -42,7 +42,7 @@ from filelock import Timeout
 
 from .checkpoint.commit import hide, root_lock
 from .checkpoint.jsonenc import decode
-from .checkpoint.layout import DELETING_PREFIX, INPROGRESS, LOCK, MARKER, SAVING_PREFIX, saving_dirs
+from .checkpoint.layout import DELETING_PREFIX, INPROGRESS, LOCK, SAVING_PREFIX, saving_dirs
 from .checkpoint.store import CheckpointInfo, inspect_dir, list_checkpoints
 from .duration import format_duration
 from .errors import CheckpointError, ConfigError, SlurmResumeError, UnsafeCheckpointError
@@ -53,7 +53,6 @@ __all__ = ["RetentionPolicy", "CheckpointRecord", "Decision", "PrunePlan", "Prun
 
 log = logging.getLogger("slurmresume")
 
-PUBLISH_GRACE_S = 600.0  # a save directory holding its marker is being published: protected this long
 DEFAULT_YOUNG_THRESHOLD = 600.0
 
 
@@ -345,7 +344,7 @@ def execute(root: Path, policy: RetentionPolicy, approved: Collection[str] | Non
         for i, r in enumerate(victims, 1):
             if progress is not None:
                 progress(i, len(victims))
-            why = _still_deletable(root, r, plan, policy, now) or _publishing(root / r.name)
+            why = _still_deletable(root, r, plan, policy, now)
             if why is not None:
                 result.skipped.append((r.name, why))
                 continue
@@ -363,18 +362,6 @@ def execute(root: Path, policy: RetentionPolicy, approved: Collection[str] | Non
         shutil.rmtree(path, ignore_errors=True)
     result.cleaned = clean_leftovers(root)
     return result
-
-
-def _publishing(path: Path) -> str | None:
-    """A save directory that holds its commit marker is a save between its marker and its
-    publishing rename (its `.inprogress` note is already gone): never delete it while young."""
-    if not path.name.startswith(SAVING_PREFIX):
-        return None
-    try:
-        age = time.time() - (path / MARKER).stat().st_mtime
-    except OSError:
-        return None
-    return "committed, being published" if age < PUBLISH_GRACE_S else None
 
 
 def _still_deletable(root: Path, r: CheckpointRecord, plan: PrunePlan, policy: RetentionPolicy,

@@ -16,6 +16,7 @@ from slurmresume.cli import app
 from slurmresume.config import requeue_cap_reached
 from slurmresume.drill import WORKDIR_MARK, prepare_workdir
 from slurmresume.errors import ConfigError
+from slurmresume.contract import Outcome
 from slurmresume.launcher import RunResult, decide
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,11 +38,11 @@ def test_requeue_cap_applies_only_when_set(done: int, cap: int | None, reached: 
 def test_a_progressing_run_is_requeued_past_twenty_by_default() -> None:
     """~20 h of hourly time limits used to end the job; with the default it goes on, and the
     no-progress guard still stops a run that commits nothing new."""
-    moved = RunResult("preempted", 0, 2100, 2000, 2100)
-    kw = dict(first_node=True, failures_done=0, max_failures=0, committed=True)
+    moved = RunResult(0, Outcome("r", "preempt", 2100, True), 2000, 2100, warned=True)
+    kw = dict(first_node=True, failures_done=0, max_failures=0)
     assert decide(moved, requeues_done=20, max_requeues=None, previous_progressed=True, **kw)[0] == "requeue"
     assert decide(moved, requeues_done=500, max_requeues=None, previous_progressed=True, **kw)[0] == "requeue"
-    stuck = RunResult("preempted", 0, 2000, 2000, 2000)
+    stuck = RunResult(0, Outcome("r", "preempt", 2000, True), 2000, 2000, warned=True)
     assert decide(stuck, requeues_done=3, max_requeues=None, previous_progressed=False, **kw)[0] == "give_up"
     assert decide(moved, requeues_done=5, max_requeues=5, previous_progressed=True, **kw)[0] == "give_up"
 

@@ -125,6 +125,7 @@ def invoke(*args: str):
 @pytest.mark.slow
 def test_a_second_writer_is_refused_while_the_owner_lives_then_takes_over(tmp_path: Path) -> None:
     root = tmp_path / "root"
+    root.mkdir()  # a bare Checkpointer leases an existing root (restoring never creates one)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], env=clean_env(), stdout=subprocess.PIPE,
                               text=True)
     try:

@@ -28,6 +28,8 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -91,16 +93,14 @@ def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
                 return {"action": "skip", "reason": f"step {step} is already committed at {d}"}
             if not info.complete:
                 log.warning("%s is committed but unusable (%s): this save will replace it", d, info.problem)
-        # The directory appears under its save name with its `.inprogress` note already inside
-        # (made under a name retention does not parse, then renamed): a prune never sees this
-        # save's directory without the note that protects it.
-        final = root / saving_dir_name(step, uuid.uuid4().hex[:16])
-        mine = final.with_name(final.name + ".new")
-        mine.mkdir(mode=0o755)  # fails if it exists: the name is this save's alone
-        note = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-        fsio.write_durable(mine / INPROGRESS, dumps(note).encode(), "inprogress")
-        fsio.rename(mine, final, "inprogress")
-        mine = final
+        mine = root / saving_dir_name(step, uuid.uuid4().hex[:16])
+        # Directory and note appear together for a prune that holds the root lock (it re-checks
+        # each victim under it, for its renames only): a save directory is never seen without
+        # the note that protects it. A lock that stays busy is not waited on for long.
+        with _lock_briefly(root):
+            mine.mkdir(mode=0o755)  # fails if it exists: the name is this save's alone
+            note = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+            fsio.write_durable(mine / INPROGRESS, dumps(note).encode(), "inprogress")
         fsio.fsync_dir(root, "root")
         return {"action": "write", "dir": mine.name, "replace": replace}
     except Exception as exc:
@@ -108,6 +108,23 @@ def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
         if mine is not None:
             discard(mine)
         return {"action": "error", "error": error}
+
+
+@contextmanager
+def _lock_briefly(root: Path) -> Iterator[bool]:
+    """The root lock for a few file operations; yields whether it is held (a lock that stays
+    busy for REPLACE_LOCK_TIMEOUT is not waited on: the save goes on without it)."""
+    lock = root_lock(root, REPLACE_LOCK_TIMEOUT)
+    try:
+        lock.acquire()
+    except Timeout:
+        log.warning("the root lock %s is busy for over %.0f s: saving without it", root / LOCK, REPLACE_LOCK_TIMEOUT)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
 
 
 def _own_dir(root: Path, step: int, name: str) -> Path:
@@ -163,9 +180,12 @@ def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any, 
         raw = dumps(manifest).encode()
         fsio.write_durable(mine / MANIFEST, raw, "manifest")
         fsio.write_durable(mine / MARKER, marker_bytes(step, raw), "marker")
-        fsio.unlink(mine / INPROGRESS, "inprogress")
-        fsio.fsync_dir(mine, "step")
-        published = _publish(root, mine, target, replace)
+        # The note goes and the directory is published under the root lock: a prune (which
+        # re-checks its victims under it) never sees this directory without its note unpublished.
+        with _lock_briefly(root) as held:
+            fsio.unlink(mine / INPROGRESS, "inprogress")
+            fsio.fsync_dir(mine, "step")
+            published = _publish(root, mine, target, replace, held)
         fsio.fsync_dir(root, "root")
         return {"ok": True, "path": str(target)}
     except Exception as exc:
@@ -179,7 +199,7 @@ def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any, 
         return {"ok": False, "error": error}
 
 
-def _publish(root: Path, mine: Path, target: Path, replace: bool = False) -> bool:
+def _publish(root: Path, mine: Path, target: Path, replace: bool = False, held: bool = False) -> bool:
     """Rename `mine` to `target`. A rename onto a non-empty directory fails (ENOTEMPTY/EEXIST),
     so another writer's published step is never replaced. Only a target that is not a complete
     checkpoint is moved aside, re-checked under the root lock (short timeout) right before."""
@@ -192,7 +212,7 @@ def _publish(root: Path, mine: Path, target: Path, replace: bool = False) -> boo
                 raise
     step = int(target.name.removeprefix("step_"))
     try:
-        with root_lock(root, REPLACE_LOCK_TIMEOUT):
+        with nullcontext() if held else root_lock(root, REPLACE_LOCK_TIMEOUT):
             if os.path.lexists(target):
                 info = inspect_dir(step, target)
                 if info.complete and replace:  # an explicit final save whose state changed
