@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers.core import model_equal, tiny_state
-from helpers.objstore import aws_env, ensure_bucket, unique_url
+from helpers.objstore import aws_env, s3, unique_url  # noqa: F401 - s3 is a fixture
 
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import MARKER, step_dir_name
@@ -19,15 +19,6 @@ from slurmresume.checkpoint.store import find_latest
 from slurmresume.mirror import parse_s3_url, remote
 from slurmresume.mirror.s3 import client
 from slurmresume.mirror.transfer import download_step, put_marker, read_committed, upload_step
-
-
-@pytest.fixture
-def s3(monkeypatch: pytest.MonkeyPatch):
-    for key, value in aws_env().items():
-        monkeypatch.setenv(key, value)
-    c = client()
-    ensure_bucket(c)
-    return c
 
 
 @pytest.fixture

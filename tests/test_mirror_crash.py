@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.objstore import aws_env, ensure_bucket, unique_url
+from helpers.objstore import aws_env, s3, unique_url  # noqa: F401 - s3 is a fixture
 from helpers.procs import REPO, clean_env
 
 from slurmresume import Checkpointer
@@ -22,15 +22,6 @@ from slurmresume.mirror import parse_s3_url, remote
 from slurmresume.mirror.s3 import client
 
 SHARD = "rank-00000-of-00001.safetensors"
-
-
-@pytest.fixture
-def s3(monkeypatch: pytest.MonkeyPatch):
-    for key, value in aws_env().items():
-        monkeypatch.setenv(key, value)
-    c = client()
-    ensure_bucket(c)
-    return c
 
 
 def big_state(step: int) -> dict:

@@ -46,3 +46,15 @@ def ensure_bucket(s3: object, bucket: str = BUCKET) -> None:
 
 def unique_url(bucket: str = BUCKET) -> str:
     return f"s3://{bucket}/t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch):
+    """A boto3 client for the test server (the AWS variables set for the test), bucket created."""
+    from slurmresume.mirror.s3 import client
+
+    for key, value in aws_env().items():
+        monkeypatch.setenv(key, value)
+    c = client()
+    ensure_bucket(c)
+    return c
