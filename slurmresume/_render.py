@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -25,13 +27,31 @@ from .status import Status, VerifyResult
 if TYPE_CHECKING:
     from .inspect import CheckpointReport
 
-_HEALTH = {"ok": "bold green", "warning": "bold yellow", "error": "bold red"}
-_STATE = {"complete": "green", "corrupt": "bold red", "being_written": "cyan", "incomplete": "yellow"}
+_STATE = {"complete": "green", "corrupt": "bold red", "being_written": "cyan", "incomplete": "yellow",
+          "unreadable": "bold yellow"}
 _STD_FIELDS = {"time", "event", "host", "pid", "job_id", "restart", "run_id"}
 
 
 def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+@contextmanager
+def progress(what: str) -> Iterator[Callable[[int, int], None]]:
+    """A `progress(done, total)` callback that draws a bar on stderr when stderr is a terminal,
+    and does nothing in a pipe or a log file (the bar disappears when done)."""
+    err = console(stderr=True)
+    if not err.is_terminal:
+        yield lambda done, total: None
+        return
+    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err,
+                  transient=True) as bar:
+        task = bar.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
 
 
 def size(n: int) -> str:
@@ -64,27 +84,70 @@ def event_details(e: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in e.items() if k not in _STD_FIELDS and v is not None)
 
 
-def status_view(st: Status, limit: int = 20) -> RenderableType:
-    """The whole status screen as one renderable (also what `--watch` refreshes)."""
-    head = Text.assemble(("slurmresume status ", "bold"), (st.root, "bold blue"), "   health: ",
-                         (st.health.upper(), _HEALTH[st.health]))
-    job = st.job
-    if job.job_id and job.state:
-        line = f"job {job.job_id}: {job.state} ({job.source}), elapsed {job.elapsed or '?'}, Slurm runs {job.runs}"
-        line += f", exit {job.exit_code}" if job.exit_code else ""
-        line += f", reason {job.reason}" if job.reason and job.reason != "None" else ""
+_VERDICT = {"healthy": "bold green", "starting": "bold cyan", "finished": "bold green", "at_risk": "bold yellow",
+            "stopped": "bold red"}
+
+
+def headline_view(st: Status) -> list[Text]:
+    """Three lines: the verdict and why; the last step, its age, speed and ETA; the newest
+    complete checkpoint, its age, and the work a crash now would lose."""
+    fd, h, job = format_duration, st.verdict, st.job
+    assert h is not None
+    first = Text.assemble((h.verdict.replace("_", " ").upper(), _VERDICT[h.verdict]), f"  {h.reason}")
+    if job.job_id:
+        first.append(f"  (job {job.job_id}" + (f" {job.state}" if job.state else "")
+                     + (f", requeued {st.requeues}x" if st.requeues else "") + ")", style="dim")
+    elif st.requeues:
+        first.append(f"  (restarted {st.requeues}x)", style="dim")
+    if h.last_step is None:
+        second = "step: none logged yet"
     else:
-        line = f"job {job.job_id or '?'}: state unknown"
-    parts: list[RenderableType] = [head, Text(f"{line}; requeued {st.requeues}x (event log)")]
-    if st.slurm.get("note"):
-        parts.append(Text(st.slurm["note"], style="dim"))
-    parts += [Text(f"problem: {m}", style="red") for m in st.problems]
-    parts += [Text(f"warning: {m}", style="yellow") for m in st.warnings]
+        second = f"step {h.last_step}" + (f", {fd(st.now - h.last_step_time)} ago" if h.last_step_time else "")
+        if h.steps_per_second:
+            second += f"; {h.steps_per_second:.3g} steps/s"
+        if h.eta_s is not None:
+            second += f"; ETA {fd(h.eta_s)} to step {h.total_steps}"
+    if h.checkpoint_step is None:
+        live = h.last_step is not None and h.verdict in ("healthy", "at_risk")
+        third = Text("checkpoint: none complete yet" + ("; a crash now loses all work" if live else ""),
+                     style="yellow" if live else "")
+    else:
+        third = Text(f"checkpoint step {h.checkpoint_step}, {fd(st.now - (h.checkpoint_time or st.now))} old")
+        if h.at_stake_s is not None:
+            lost = f"{fd(h.at_stake_s)}" + (f" ({h.at_stake_steps} steps)" if h.at_stake_steps else "")
+            third.append(f"; a crash now loses {lost} of work")
+    return [first, Text(second), third]
+
+
+def status_view(st: Status, limit: int = 20, height: int | None = None) -> RenderableType:
+    """The whole status screen as one renderable (also what `--watch` refreshes): the headline,
+    problems, the checkpoints, then the save interval and the history. With `height` (watch),
+    the checkpoint rows and history are cut to fit the terminal, checkpoints first."""
+    title = Text.assemble(("slurmresume status ", "bold"), (st.root, "bold blue"))
+    title.no_wrap, title.overflow = True, "ellipsis"
+    parts: list[RenderableType] = [title]
+    if st.verdict is not None:
+        parts += headline_view(st)
+    notes = [Text(f"problem: {m}", style="red") for m in st.problems]
+    notes += [Text(f"warning: {m}", style="yellow") for m in st.warnings]
+    if st.slurm.get("note") and (st.job.job_id or not st.slurm.get("available")):
+        notes.append(Text(st.slurm["note"], style="dim"))
+    parts += notes
+    if height is not None:  # one line each, so that the budget below holds
+        for part in parts:
+            if isinstance(part, Text):
+                part.no_wrap, part.overflow = True, "ellipsis"
+        room = max(3, height - len(parts) - 6)
+        parts.append(_checkpoint_table(st, min(limit or room, room)))
+        left = height - len(parts) - min(len(st.checkpoints), room) - 8
+        if st.history and left >= 3:
+            parts.append(_history_table(st.history[-left:]))
+        return Group(*parts)
+    parts.append(_checkpoint_table(st, limit))
     if st.interval is not None:
         parts.append(interval_view(st.interval))
     if st.history:
         parts.append(_history_table(st.history))
-    parts.append(_checkpoint_table(st, limit))
     return Group(*parts)
 
 
@@ -92,27 +155,34 @@ def _pct(x: float | None) -> str:
     return "?" if x is None else f"{100 * x:.2g}%" if x < 0.01 else f"{100 * x:.1f}%"
 
 
+MIN_SAVES_FOR_AUTO = 3  # Young/Daly from fewer saves is noise
+MIN_INTERRUPTIONS = 2  # one failure is not a rate
+MIN_RUNTIME_S = 600.0  # nor are a few seconds of running
+
+
 def interval_view(iv: IntervalSummary) -> RenderableType:
-    """Three lines: the interval (and what auto would choose), its inputs, the expected loss."""
+    """The save interval and, once there is enough history to mean something, what auto would
+    choose, the failure rate and the expected loss. Numbers from too few events are not shown."""
     fd = format_duration
     first = (f"save interval: {fd(iv.current_s)} ({iv.source})" if iv.current_s is not None
              else "save interval: none observed yet")
-    if iv.auto_s is not None:
+    if iv.auto_s is not None and iv.saves >= MIN_SAVES_FOR_AUTO:
         first += f"; auto would choose {fd(iv.auto_s)} (Young/Daly, within {fd(iv.min_s)}..{fd(iv.max_s)})"
     cost = (f"save cost {iv.save_cost_s:.2f} s (median of the last {min(iv.saves, RECENT_SAVES)} saves)"
             if iv.save_cost_s is not None else "save cost unknown (no save yet)")
-    speed = f", {iv.steps_per_second:.3g} steps/s" if iv.steps_per_second else ""
-    rate = f"{iv.failures_per_hour:.2g}/h" if iv.failures_per_hour is not None else "rate unknown"
-    mtbf = f", MTBF {fd(iv.mtbf_s)}" if iv.mtbf_s else ""
-    second = (f"{cost}{speed}; {iv.interruptions} unwarned interruption(s) in {fd(iv.runtime_s)} "
-              f"of running ({rate}{mtbf})")
+    second = cost  # the speed is in the headline
+    enough = iv.interruptions >= MIN_INTERRUPTIONS and iv.runtime_s >= MIN_RUNTIME_S
+    if enough and iv.mtbf_s:
+        second += (f"; {iv.interruptions} unwarned interruption(s) in {fd(iv.runtime_s)} of running "
+                   f"(MTBF {fd(iv.mtbf_s)})")
+    elif iv.interruptions:
+        second += f"; {iv.interruptions} unwarned interruption(s) so far"
     lines = [Text(first), Text(second, style="dim")]
     loss = iv.expected_loss
-    if loss is not None:
-        fail = (f"{_pct(loss['failures'])} redoing work after unwarned failures, total {_pct(loss['total'])}"
-                if loss["failures"] is not None else "no unwarned failure seen to redo work after")
-        lines.append(Text(f"expected time lost at {fd(loss['interval_s'])}: {_pct(loss['saves'])} saving, {fail}",
-                          style="dim"))
+    if (loss is not None and loss["total"] is not None and enough and iv.saves >= MIN_SAVES_FOR_AUTO
+            and loss["total"] <= 1):
+        lines.append(Text(f"expected time lost at {fd(loss['interval_s'])}: {_pct(loss['saves'])} saving, "
+                          f"{_pct(loss['failures'])} redoing work, total {_pct(loss['total'])}", style="dim"))
     return Group(*lines)
 
 
@@ -130,21 +200,22 @@ def _checkpoint_table(st: Status, limit: int) -> RenderableType:
         return Text("no checkpoint directories yet", style="yellow")
     shown = [r for i, r in enumerate(st.checkpoints) if not limit or i < limit or r.best or r.newest]
     t = Table(title="checkpoints (newest first)", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("step", "state", "created (age)", "size", "ranks", "checksum", "metrics"):
-        t.add_column(col, justify="right" if col in ("step", "size", "ranks") else "left",
-                     no_wrap=col in ("step", "size", "ranks", "checksum"))
+    for col in ("step", "state", "age", "size", "ranks", "checksum", "metrics"):
+        t.add_column(col, justify="right" if col in ("step", "size", "ranks", "age") else "left",
+                     no_wrap=col != "metrics", overflow="fold", min_width=12 if col == "metrics" else None)
     for r in shown:
         state = Text(r.state.replace("_", " "), style=_STATE[r.state])
         for flag, on in (("newest", r.newest), ("best", r.best)):
             if on:
                 state.append(f", {flag}", style="bold")
         checksum = {None: "-", True: "ok", False: "FAILED"}[r.verified]
-        t.add_row(str(r.step), state, f"{when(r.created, short=True)} ({format_duration(r.age_seconds)})",
+        t.add_row(str(r.step), state, format_duration(r.age_seconds),
                   size(r.bytes), str(r.shards or "-"), checksum, metrics_text(r.metrics))
     hidden = len(st.checkpoints) - len(shown) + st.omitted
     if not hidden:
         return t
-    return Group(t, Text(f"... {hidden} older not shown (--limit 0 shows all)", style="dim"))
+    return Group(t, Text(f"... {hidden} older checkpoint director{'y' if hidden == 1 else 'ies'} not shown "
+                         f"(--limit 0 shows all)", style="yellow"))
 
 
 def print_status(st: Status, limit: int = 20) -> None:
@@ -156,7 +227,7 @@ def watch(compute: Callable[[], Status], interval: float, limit: int = 20) -> No
     try:
         with Live(console=console(), auto_refresh=False) as live:
             while True:
-                live.update(status_view(compute(), limit), refresh=True)
+                live.update(status_view(compute(), limit, height=live.console.height), refresh=True)
                 time.sleep(interval)
     except KeyboardInterrupt:
         pass
@@ -207,7 +278,7 @@ def _count(n: int) -> Text:
     return Text(str(n), style="bold red" if n else "")
 
 
-def inspect_view(r: CheckpointReport) -> RenderableType:
+def inspect_view(r: CheckpointReport, width: int = 200) -> RenderableType:
     """`slurmresume inspect`: a summary, the state keys, and one row per tensor."""
     parts: list[RenderableType] = [
         Text.assemble(("checkpoint ", "bold"), (f"step {r.step}", "bold blue"), f"  {r.path}"),
@@ -230,8 +301,31 @@ def inspect_view(r: CheckpointReport) -> RenderableType:
     parts.append(keys)
     if r.library:
         parts.append(Text(f"also stored by slurmresume: {', '.join(r.library)}", style="dim"))
-    parts.append(_tensor_table(r))
+    narrow = r.stats_computed and width < NARROW_STATS
+    parts.append(_tensor_lines(r) if narrow else _tensor_table(r))
     return Group(*parts)
+
+
+NARROW_STATS = 110  # below this many columns, each tensor's statistics go on a line under its name
+
+
+def _tensor_lines(r: CheckpointReport) -> RenderableType:
+    """`inspect --tensors` on a narrow terminal: the full name on one line, its numbers indented
+    below, so names stay readable instead of being folded into a column."""
+    lines: list[RenderableType] = [Text("tensors", style="italic")]
+    for x in r.tensors:
+        rank = f" (rank {x.rank})" if r.world_size > 1 else ""
+        lines.append(Text(x.name + rank, style="bold"))
+        shape = "x".join(map(str, x.shape)) or "scalar"
+        text = Text(f"    {x.dtype} {shape}, {size(x.bytes)}")
+        if x.stats is not None:
+            st = x.stats
+            text.append(f"; min {_num(st.min)}, max {_num(st.max)}, mean {_num(st.mean)}")
+            for label, n in (("NaN", st.nan_count), ("Inf", st.inf_count)):
+                if n:
+                    text.append(f", {n} {label}", style="bold red")
+        lines.append(text)
+    return Group(*lines)
 
 
 def _tensor_table(r: CheckpointReport) -> Table:
@@ -254,4 +348,22 @@ def _tensor_table(r: CheckpointReport) -> Table:
 
 
 def print_inspect(report: CheckpointReport) -> None:
-    console().print(inspect_view(report))
+    out = console()
+    out.print(inspect_view(report, out.width))
+
+
+_CHECK = {"ok": ("ok  ", "green"), "warn": ("warn", "yellow"), "fail": ("FAIL", "bold red")}
+
+
+def print_doctor(checks: Sequence[Any]) -> None:
+    """One line per check (status, name, finding), and an indented `fix:` line when there is one."""
+    out = console()
+    for c in checks:
+        tag, style = _CHECK[c.status]
+        out.print(Text.assemble((tag, style), f"  {c.name}: {c.message}"))
+        if c.fix and c.status != "ok":
+            out.print(Text(f"        fix: {c.fix}", style="dim" if c.status == "warn" else ""))
+    fails = sum(c.status == "fail" for c in checks)
+    warns = sum(c.status == "warn" for c in checks)
+    out.print(Text(f"{len(checks)} checks: {fails} failed, {warns} warnings",
+                   style="bold red" if fails else "yellow" if warns else "green"))

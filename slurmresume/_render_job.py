@@ -48,7 +48,12 @@ def print_drill(report: Any) -> None:
     elif report.missed:
         console.print(f"[red]FAIL[/red]: {report.missed} of {len(report.planned)} warnings led to no save and "
                       "restart (is ckpt.step() called after every step, up to the last?)")
-    for d in report.differences[:10]:
-        console.print(f"[red]FAIL[/red]: {d}", markup=True, highlight=False)
-    if len(report.differences) > 10:
-        console.print(f"... and {len(report.differences) - 10} more differences")
+    # every differing top-level key (or RNG stream), causes first; one line each, however many
+    by_top: dict[str, list[Any]] = {}
+    for d in report.differences:
+        by_top.setdefault(d.top, []).append(d)
+    for top, diffs in by_top.items():
+        d = diffs[0]
+        more = f" (+{len(diffs) - 1} more under '{top}')" if len(diffs) > 1 else ""
+        label = "[yellow]NOTE[/yellow]" if d.note.startswith("never seeded") else "[red]FAIL[/red]"
+        console.print(f"{label}: {d}{more}", markup=True, highlight=False)

@@ -26,10 +26,12 @@ from . import rng
 from .checkpoint import commit as _commit
 from .checkpoint.collective import Group, LaggedMax
 from .checkpoint.jsonenc import encode, loads
-from .checkpoint.layout import step_dir_name
+from .checkpoint.layout import MARKER, step_dir_name, step_dirs
+from .checkpoint.manifest import read_manifest
 from .checkpoint.replicas import elastic, replicated_names, tensor_digests
 from .checkpoint.reshard import is_dtensor, load_sharded
 from .checkpoint.reshard import targets as reshard_targets
+from .checkpoint.same import same_as_committed
 from .checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header
 from .checkpoint.sharding import from_json
 from .checkpoint.sharding import to_json as sharding_json
@@ -42,7 +44,18 @@ from .checkpoint.state import (
     referenced,
     validate_skeleton,
 )
-from .checkpoint.store import CheckpointInfo, find_latest, inspect_dir
+from .checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, inspect_dir
+from .contract import (
+    ENV_ALLOW_FRESH_START,
+    ENV_DRILL_FIRST_SAVE,
+    ENV_LAUNCHER_PID,
+    ENV_RESTART,
+    ENV_RUN_ID,
+    EV_EMERGENCY_SAVE_FAILED,
+    EXIT_SAVE_FAILED,
+    Outcome,
+    write_outcome,
+)
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -51,6 +64,8 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .events import append_event, read_events
+from .logs import ensure_handler
+from .logs import size as log_size
 from .signals import (
     EXIT_PREEMPTED,
     EXIT_TERMINATED,
@@ -65,6 +80,8 @@ log = logging.getLogger("slurmresume")
 
 ENV_ROOT = "SLURMRESUME_CKPT_DIR"
 DRILL_RELAY_WAIT_S = 30.0  # how long a drill rank waits for the launcher to relay its warning
+EMERGENCY_REASONS = ("preempt", "terminate")  # save reasons after a signal: no retention then
+RETENTION_LOCK_WAIT_S = 1.0  # retention after a periodic commit skips a round rather than wait
 
 
 def resolve_root(root: str | os.PathLike[str] | None) -> Path:
@@ -174,13 +191,19 @@ class Checkpointer:
         self._inflight: threading.Thread | None = None
         self._async_error: BaseException | None = None
         self.group = Group.create()
+        self._claim_root()  # one owner per root: refused here, before anything is written
         self.agree_group = Group.create()
         self._agreement = LaggedMax(self.agree_group)
         self.mirror = mirror_for(mirror, rank=self.group.rank, retention=retention, on_event=self._event)
         self.last_saved_step: int | None = None
         self.restored: CheckpointInfo | None = None
+        ensure_handler()  # the training log shows restored / warning / saved lines without setup
         self.flag = SignalFlag(warning_signal_from_env()) if handle_signals else None
         self._drill = _drill_step()
+        # drill: both runs save their first step, so that what differs between them before any
+        # warning (an RNG stream the script never seeds) is not blamed on the resume
+        self._first_save = os.environ.get(ENV_DRILL_FIRST_SAVE) == "1" and not int(os.environ.get(ENV_RESTART) or 0)
+        self._check_root_conflict(root)
         if self.flag is not None and not self.flag.install():
             log.warning("not in the main thread: warning-signal handlers not installed")
             self.flag = None
@@ -189,13 +212,53 @@ class Checkpointer:
     def rank(self) -> int:
         return self.group.rank
 
+    def _claim_root(self) -> None:
+        """Collective. Rank 0 takes or checks the root's lease (ownership.py); a refusal is raised
+        on every rank (no rank is left waiting in a collective)."""
+        from .ownership import RootOwnedError, for_checkpointer
+
+        error = None
+        if self.rank == 0:
+            try:
+                for_checkpointer(self.root)
+            except RootOwnedError as exc:
+                error = str(exc)
+        error = self.group.broadcast_json(error)
+        if error:
+            self._closed = True
+            self.group.destroy()
+            raise RootOwnedError(error)
+
+    def _check_root_conflict(self, root: str | os.PathLike[str] | None) -> None:
+        """An explicit root that differs from the launcher's ($SLURMRESUME_CKPT_DIR, set by
+        `submit`/`drill`) silently moves every checkpoint where the launcher, `status` and the
+        drill do not look: warn loudly naming both, and leave a `root_conflict` event in the
+        launcher's root so that the drill can say why it found nothing there."""
+        launcher = os.environ.get(ENV_ROOT)
+        if root is None or not launcher or Path(launcher).expanduser().resolve() == self.root.resolve():
+            return
+        if self.rank == 0:
+            log.warning("Checkpointer(root=%s) overrides the launcher's %s=%s: checkpoints go to %s, where the "
+                        "launcher (requeue), `slurmresume status` and `slurmresume drill` do not look; pass "
+                        "root=None to use the launcher's root", self.root, ENV_ROOT, launcher, self.root)
+            try:
+                append_event(Path(launcher), "root_conflict", script_root=str(self.root), launcher_root=launcher)
+            except OSError as exc:
+                log.warning("could not record the root conflict under %s: %s", launcher, exc)
+
     # -- saving ---------------------------------------------------------------------------
 
     def save(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
              reason: str = "explicit") -> Path | None:
         """Collective, synchronous. Save `state` as step `step` (after any in-flight async save);
-        returns the committed directory, or None when the step was already committed. Raises
-        SaveError on every rank if any rank failed; no marker is written then."""
+        returns the committed directory, or None when the step was already committed with this
+        very state. Raises SaveError on every rank if any rank failed; no marker is written then.
+
+        Final saves: when `step` is already committed (a periodic save of the same step) and the
+        state differs from it on any rank (tensors, plain values, RNG states; not metrics), the
+        step is saved again and the new checkpoint replaces the old one atomically, once it is
+        itself committed: state changed after the loop (a final evaluation, `best_val_loss`) is
+        never lost. Saves from `step()` (periodic, emergency) never replace a committed step."""
         self.wait()
         started = time.perf_counter()
         skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
@@ -214,6 +277,10 @@ class Checkpointer:
         skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
         copies, ready = self._pool.snapshot(tensors)
         self._blocking_s = time.perf_counter() - started  # what training paid (Young/Daly's C)
+        # The step is taken care of from now on: the policy must not call it (or the next steps,
+        # by the clock) due again while the write runs, or each timed save is written twice and
+        # the second one waits for the first.
+        self._sched.started(step)
 
         def run() -> None:
             try:
@@ -246,6 +313,14 @@ class Checkpointer:
     def _write_and_commit(self, step: int, skeleton: dict, tensors: list, enc: tuple[Any, Any],
                           reason: str, started: float) -> Path | None:
         decision = self.group.broadcast_json(_commit.prepare(self.root, step) if self.rank == 0 else None)
+        if decision["action"] == "skip" and reason == "explicit":
+            same = same_as_committed(self.root / step_dir_name(step), step, self.rank, self.group.world_size,
+                                     skeleton, tensors)
+            if self.group.max_int(int(not same)):  # any rank's state differs: replace the step
+                if self.rank == 0:
+                    log.info("step %d is committed, but the state changed since: saving it again", step)
+                decision = self.group.broadcast_json(_commit.prepare(self.root, step, replace=True)
+                                                     if self.rank == 0 else None)
         if decision["action"] == "skip":
             self.last_saved_step = step
             return None
@@ -255,13 +330,17 @@ class Checkpointer:
         if self.group.world_size > 1:  # data-parallel replicas are stored once (rank 0's shard)
             digests = tensor_digests(tensors, skeleton.get("dtensors"))
             replicated = replicated_names(self.group.all_gather_json(digests))
-        report = _commit.write_rank(self.root, step, self.group, skeleton, tensors, replicated)
+        into = decision["dir"]  # this save's private directory; the commit publishes it as step_N
+        report = _commit.write_rank(self.root, step, self.group, skeleton, tensors, replicated, into=into)
         reports = self.group.all_gather_json(report)
-        outcome = _commit.commit(self.root, step, reports, *enc) if self.rank == 0 else None
+        outcome = _commit.commit(self.root, step, reports, *enc, into=into,
+                                 replace=bool(decision.get("replace"))) if self.rank == 0 else None
         outcome = self.group.broadcast_json(outcome)
         seconds = time.perf_counter() - started
         if self.rank == 0:
             if outcome["ok"]:
+                log.info("saved step %d in %.2f s (%s, %s)", step, seconds,
+                         log_size(sum(int(r.get("bytes") or 0) for r in reports)), reason)
                 self._event("save_committed", step=step, seconds=round(seconds, 4), reason=reason,
                             world_size=self.group.world_size, run_id=os.environ.get("SLURMRESUME_RUN_ID"),
                             blocking_s=None if self._blocking_s is None else round(self._blocking_s, 4),
@@ -272,7 +351,9 @@ class Checkpointer:
         self.last_saved_step = step
         self._time_due_posted = False
         self._sched.saved(step, self._blocking_s if self._blocking_s is not None else seconds)
-        if self.rank == 0 and self.retention is not None:
+        # An emergency save must reach its exit (and the requeue) at once: retention waits for the
+        # next run's first commit instead of holding the root lock or deleting files now.
+        if self.rank == 0 and self.retention is not None and reason not in EMERGENCY_REASONS:
             self._apply_retention()
         if self.mirror is not None:  # rank 0: background upload, marker last
             self.mirror.enqueue(self.root, step)
@@ -293,8 +374,8 @@ class Checkpointer:
 
         if self.retention is None:
             return
-        try:
-            apply_policy(self.root, self.retention)
+        try:  # a short lock wait: a busy lock (a prune renaming) skips this round, never stalls training
+            apply_policy(self.root, self.retention, lock_timeout=RETENTION_LOCK_WAIT_S)
         except Exception as exc:  # retention must never break training
             log.warning("retention after commit failed: %s", exc)
 
@@ -317,9 +398,18 @@ class Checkpointer:
         if time_due and self.group.world_size > 1:
             self._time_due_posted = True
         agreed = self._agreement.exchange(local * 2 + int(time_due))
+        if agreed % 2:
+            # rank 0's posted "time due" came back: it may post again, whatever this save's fate
+            # (a failed save must not stop time-based saves for the rest of the run)
+            self._time_due_posted = False
         if agreed // 2 != NONE:
             return self._emergency(step, state, agreed // 2, metrics, meta)
         self._check_async_error()
+        if self._first_save:
+            self._first_save = False
+            if step != self.last_saved_step:
+                self.save(step, state, metrics=metrics, meta=meta, reason="drill_first")
+                return False
         if trigger in ("steps", "epoch") or agreed % 2 or (trigger == "seconds" and self.group.world_size == 1):
             self._periodic(step, state, metrics, meta, trigger or "seconds")
         return False
@@ -335,11 +425,28 @@ class Checkpointer:
         except SaveError as exc:
             if self.on_save_error == "raise":
                 raise
+            self._sched.failed()
             log.warning("%s; training continues without this checkpoint", exc)
 
     def _release_at_exit(self) -> None:
-        if self._closed or (self._inflight is not None and self._inflight.is_alive()):
+        """atexit: the script ended without close(). An async save still in flight is finished
+        here (its thread is a daemon, which the interpreter would otherwise freeze mid-write);
+        if it failed and on_save_error is "raise", the process exits with EXIT_SAVE_FAILED and
+        one line on stderr instead of 0. Local only: the writer's collectives pair up with the
+        other ranks' writers, which finish the same way."""
+        if self._closed:
             return
+        if self._inflight is not None and self._inflight.is_alive():
+            log.warning("the script ended while an async save was in flight (no ckpt.close()): finishing it")
+            self._inflight.join()
+        if self._async_error is not None:
+            exc, self._async_error = self._async_error, None
+            if self.on_save_error == "raise":
+                sys.stderr.write(f"slurmresume: the last async save failed and the script ended without "
+                                 f"ckpt.close(): {exc}\n")
+                sys.stderr.flush()
+                os._exit(EXIT_SAVE_FAILED)
+            log.warning("the last async save failed: %s", exc)
         self._closed = True
         if self.flag is not None:
             self.flag.uninstall()
@@ -358,6 +465,7 @@ class Checkpointer:
         except SaveError as exc:
             if self.on_save_error == "raise":
                 raise
+            self._sched.failed()
             log.warning("%s; training continues without this checkpoint", exc)
 
     def _inject_drill_signal(self, step: int) -> None:
@@ -377,50 +485,96 @@ class Checkpointer:
             log.warning("drill: the warning signal did not reach rank 0 within %.0f s", DRILL_RELAY_WAIT_S)
 
     def _emergency(self, step: int, state: Mapping[str, Any], agreed: int, metrics: Any, meta: Any) -> bool:
+        """Every rank: save the agreed step, then (rank 0) write the run's outcome record
+        (contract.write_outcome): committed only when this save of `step` has its marker. A failed
+        save is recorded too (committed=False, the error) and exits EXIT_SAVE_FAILED; the launcher
+        then resumes from the newest complete checkpoint."""
         kind = "preempt" if agreed == PREEMPT else "terminate"
+        run_id = os.environ.get(ENV_RUN_ID)
         if self.rank == 0:
-            self._event("signal_agreed", step=step, kind=kind, run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+            log.warning("warning signal received (%s): saving step %d, then exiting", kind, step)
+            self._event("signal_agreed", step=step, kind=kind, run_id=run_id)
         try:
             self.wait()
         except SaveError as exc:  # the emergency save below is what matters now
             log.warning("in-flight async save failed: %s", exc)
-        if step != self.last_saved_step:
-            self.save(step, state, metrics=metrics, meta=meta, reason=kind)
-        logged = True
+        if self.rank == 0:  # provisional: a crash during the save still tells the launcher the agreed step
+            self._record_outcome(Outcome(run_id or "", kind, step, False, "the emergency save did not finish"))
+        error = ""
+        try:
+            if step != self.last_saved_step:
+                self.save(step, state, metrics=metrics, meta=meta, reason=kind)
+        except (SaveError, CheckpointError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        committed = not error and (self.rank != 0 or (self.root / step_dir_name(step) / MARKER).exists())
+        recorded = True
         if self.rank == 0:
-            logged = self._event("exit_after_save", step=step, kind=kind, run_id=os.environ.get("SLURMRESUME_RUN_ID"))
+            if committed:
+                self._event("exit_after_save", step=step, kind=kind, run_id=run_id)
+            else:
+                error = error or f"step {step} has no commit marker"
+                self._event(EV_EMERGENCY_SAVE_FAILED, step=step, kind=kind, run_id=run_id, error=error)
+            recorded = self._record_outcome(Outcome(run_id or "", kind, step, committed, error))
         if self.exit_on_signal:
             self.mirror = None  # exit now: this step's upload is finished by the next run (Mirror.start)
         if not self.exit_on_signal:
+            if error:
+                raise SaveError(f"the emergency save of step {step} failed: {error}")
             if self.flag is not None:
                 self.flag.request = NONE
             return True
-        self.close()
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; the record says what happened
+            log.warning("close after the emergency save failed: %s", exc)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        # Under our launcher the event log says what happened, and a zero exit keeps torchrun
-        # from reporting a failure and killing peers; run bare, or when the log could not be
-        # written, the distinct code says it (the launcher then trusts the new commit marker).
-        if os.environ.get("SLURMRESUME_LAUNCHER_PID") and logged:
+        if error:
+            os._exit(EXIT_SAVE_FAILED)
+        # Under our launcher the outcome record says what happened, and a zero exit keeps torchrun
+        # from reporting a failure and killing peers; run bare, or when the record could not be
+        # written, the distinct code says it.
+        if os.environ.get(ENV_LAUNCHER_PID) and recorded:
             os._exit(0)
         os._exit(EXIT_PREEMPTED if agreed == PREEMPT else EXIT_TERMINATED)
+
+    def _record_outcome(self, outcome: Outcome) -> bool:
+        """Rank 0. False when there is no run id (run bare) or the record could not be written."""
+        if not outcome.run_id:
+            return False
+        try:
+            write_outcome(self.root, outcome)
+            return True
+        except (OSError, ValueError) as exc:
+            log.warning("could not write the outcome record of run %s under %s: %s", outcome.run_id, self.root, exc)
+            return False
 
     # -- restoring ------------------------------------------------------------------------
 
     def restore(self, state: MutableMapping[str, Any], *, step: int | None = None,
-                verify: bool | None = None, restore_rng: bool = True, strict: bool = True) -> int:
+                verify: bool | None = None, restore_rng: bool = True, strict: bool = True,
+                allow_fresh_start: bool | None = None) -> int:
         """Collective. Load the newest complete checkpoint (or exactly `step`) into `state`:
         `load_state_dict` on stateful objects, plain values assigned into the mapping, RNG
         states restored. Returns the restored step, or 0 on a fresh start (logged once).
-        A newer incomplete or corrupt directory is skipped with a warning naming it."""
+        A newer incomplete or corrupt directory is skipped with a warning naming it.
+
+        Every byte loaded is checked against the digests recorded at save time (`verify=True`
+        adds a whole-shard checksum pass first). When the root holds committed step directories
+        but none of them loads, restore refuses to start from step 0 (CheckpointError) unless
+        `allow_fresh_start=True` (default: $SLURMRESUME_ALLOW_FRESH_START == "1")."""
         self._check_open()
+        self._restore_started = time.perf_counter()
         verify = self.verify_on_restore if verify is None else verify
+        if allow_fresh_start is None:
+            allow_fresh_start = os.environ.get(ENV_ALLOW_FRESH_START) == "1"
         tried: set[int] = set()
         dirty: int | None = None  # a failed attempt that had already written into live tensors
         dirty_error = ""
         while True:
-            choice = self._choose_safely(step, verify or bool(tried), tried) if self.rank == 0 else None
+            choice = self._choose_safely(step, verify or bool(tried), tried,
+                                         allow_fresh_start or dirty is not None) if self.rank == 0 else None
             choice = self.group.broadcast_json(choice)
             if isinstance(choice, dict) and "error" in choice:  # raised on every rank, same type
                 raise _ERROR_TYPES.get(choice.get("type", ""), CheckpointError)(choice["error"])
@@ -459,11 +613,32 @@ class Checkpointer:
                 raise CorruptCheckpointError(errors[0])
             tried.add(int(choice["step"]))
 
-    def _choose_safely(self, step: int | None, verify: bool, tried: set[int]) -> dict | None:
+    def _choose_safely(self, step: int | None, verify: bool, tried: set[int], allow_fresh: bool) -> dict | None:
         try:
-            return self._choose(step, verify, tried)
+            choice = self._choose(step, verify, tried)
+            if choice is None and step is None and not allow_fresh:
+                refusal = self._fresh_start_refusal(tried)
+                if refusal:
+                    return {"error": refusal, "type": "CheckpointError"}
+            if choice is not None:
+                clean_temp_files(Path(choice["path"]))
+            return choice
         except (CheckpointError, ConfigError, OSError) as exc:
             return {"error": str(exc), "type": type(exc).__name__}
+
+    def _fresh_start_refusal(self, tried: set[int]) -> str | None:
+        """Rank 0, when nothing loads: a root that holds committed step directories had progress;
+        starting over from step 0 there would silently throw it away (a transient read error, a
+        damaged disk). Directories without a marker (a save killed before its commit) do not count."""
+        committed = [(s, p) for s, p in step_dirs(self.root) if (p / MARKER).exists()]
+        if not committed:
+            return None
+        newest, path = committed[0]
+        why = "it failed to load (see the warning above)" if newest in tried else inspect_dir(newest, path).problem
+        return (f"refusing a fresh start: {self.root} holds {len(committed)} committed step "
+                f"director{'y' if len(committed) == 1 else 'ies'} but none loads (newest {path.name}: {why}); "
+                f"run `slurmresume verify --all --ckpt-dir {self.root}`, or pass "
+                f"restore(..., allow_fresh_start=True) (or set {ENV_ALLOW_FRESH_START}=1) to start from step 0")
 
     def _choose(self, step: int | None, verify: bool, tried: set[int]) -> dict | None:
         if self.mirror is not None and not tried:  # rank 0: a newer (or the only) step may be on the bucket
@@ -481,9 +656,19 @@ class Checkpointer:
                 return None
             info = found
         assert info.manifest is not None
-        return {"step": info.step, "path": str(info.path), "world_size": info.manifest.world_size,
-                "shards": info.manifest.shards, "sharded": sharding_json(info.manifest.sharded),
-                "elastic": elastic(info.manifest.tensors, info.manifest.world_size)}
+        if not verify and not info.manifest.has_block_digests:
+            # Written before per-block digests: no read can be checked as it happens, so check
+            # the whole shards first (one extra read pass), and fall back like any corruption.
+            info = inspect_dir(info.step, info.path, verify=True)
+            if not info.complete:
+                if step is not None:
+                    raise CorruptCheckpointError(f"checkpoint {info.path}: {info.problem}")
+                log.warning("skipping %s: %s", info.path, info.problem)
+                return self._choose(step, verify, tried | {info.step})
+        m = info.manifest
+        assert m is not None
+        return {"step": info.step, "path": str(info.path), "world_size": m.world_size,
+                "shards": m.shards, "sharded": sharding_json(m.sharded), "elastic": elastic(m.tensors, m.world_size)}
 
     def _load_own_shard(self, choice: dict, state: MutableMapping[str, Any], live: dict[str, Any], fast: bool,
                         strict: bool) -> tuple[tuple[dict, Any] | None, str | None, bool]:
@@ -500,9 +685,13 @@ class Checkpointer:
         wrote = False
         directory = Path(choice["path"])
         try:
+            # Every byte read is checked against the digests the manifest recorded at save time
+            # (hashing while reading); the manifest is re-read here, pinned by its marker.
+            manifest = read_manifest(directory, int(choice["step"]))
+            expect, expect0 = manifest.expected(src), manifest.expected(0)
             # Validate the skeleton against the headers first (no tensor bytes read yet), so a
             # malformed or mismatching checkpoint is refused before any live tensor is written.
-            header, _ = read_header(directory, shard["file"], shard["bytes"])
+            header, _ = read_header(directory, shard["file"], shard["bytes"], expect)
             meta = header.get("__metadata__")
             raw = meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else ""
             skeleton = loads(raw, f"skeleton of {shard['file']}")
@@ -513,7 +702,7 @@ class Checkpointer:
             shared = set(listed) - names - set(sharded)
             infos = {n: header[n] for n in names}
             if shared:
-                header0 = read_header(directory, first["file"], first["bytes"])[0]
+                header0 = read_header(directory, first["file"], first["bytes"], expect0)[0]
                 infos.update({n: header0[n] for n in header0 if n in shared})
                 names |= set(infos)
             validate_skeleton(keys, skeleton, names | set(sharded), strict)
@@ -524,13 +713,15 @@ class Checkpointer:
             wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
             where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
             plain = {n: t for n, t in live.items() if n not in sharded and not is_dtensor(t)} if fast else None
-            tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], plain, names=names - shared)
+            tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], plain, names=names - shared,
+                                             expect=expect)
             if shared:
-                more, _, wrote2 = load_tensors(directory, first["file"], first["bytes"], plain, names=shared)
+                more, _, wrote2 = load_tensors(directory, first["file"], first["bytes"], plain, names=shared,
+                                               expect=expect0)
                 tensors.update(more)
                 wrote = wrote or wrote2
             if wanted:
-                more, wrote3 = load_sharded(directory, choice["shards"], wanted, where, fast)
+                more, wrote3 = load_sharded(directory, choice["shards"], wanted, where, fast, manifest.expected)
                 tensors.update(more)
                 wrote = wrote or wrote3
             decoded, library = decode_entries(keys, skeleton, tensors, strict)
@@ -559,12 +750,14 @@ class Checkpointer:
                         "from rank 0's shard, %d DTensor(s) read by box)", choice["path"], saved_world,
                         self.group.world_size, len(choice.get("sharded") or ()))
         self.last_saved_step = int(choice["step"])
+        self._first_save = False  # a resumed run: its first step is not the run's first
         self._sched.restored(self.last_saved_step)
         if self._drill is not None:
             self._drill = max(self._drill, self.last_saved_step + 1)
         self.restored = inspect_dir(int(choice["step"]), Path(choice["path"]))
         if self.rank == 0:
-            log.info("resumed from %s", choice["path"])
+            log.info("restored from step %d (%s) in %.2f s", int(choice["step"]), choice["path"],
+                     time.perf_counter() - self._restore_started)
             self._event("restored", step=int(choice["step"]), run_id=os.environ.get("SLURMRESUME_RUN_ID"))
 
     def close(self) -> None:

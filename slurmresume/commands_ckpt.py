@@ -48,7 +48,7 @@ def status(
         "--job", "-j", metavar="ID", help="Slurm job id to show. Default: the newest job id in the event log.")] = None,
     best: Annotated[str | None, typer.Option(
         "--best", metavar="METRIC", help="Mark the checkpoint with the best value of METRIC "
-        "(a key of the metrics= you pass when saving, e.g. loss).")] = None,
+        "(a key of the metrics= you pass when saving, e.g. loss). [default: none]")] = None,
     mode: ModeOpt = Mode.min,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Also recompute every complete checkpoint's checksums (reads every shard).")] = False,
@@ -56,12 +56,23 @@ def status(
         "--limit", help="Show at most this many checkpoint rows (newest first; 0: all).")] = 20,
     as_json: JsonOut = False,
     watch: Annotated[str | None, typer.Option(
-        "--watch", metavar="SECONDS", help="Redraw every SECONDS (e.g. 10, 30s, 1m) until Ctrl-C.")] = None,
+        "--watch", metavar="SECONDS", help="Redraw every SECONDS (e.g. 10, 30s, 1m) until Ctrl-C. [default: print once]")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", metavar="PNG", help="Also draw the run's timeline (step over time, saves, warnings, requeues, "
+        "failures) into this PNG file; needs matplotlib: pip install 'slurmresume[plot]'. [default: no picture]")] = None,
 ) -> None:
-    """Is my run healthy? The Slurm job, its requeues and history, and every checkpoint.
+    """Is my run healthy? A three-line verdict, then every checkpoint, then the history.
 
+    The headline says HEALTHY / AT RISK / STOPPED (or STARTING / FINISHED) and why; the last
+    step, its age and speed; the newest complete checkpoint and the work a crash now would lose.
     Reads the checkpoint root, its event log and, when Slurm is installed here, squeue/sacct.
-    Never changes anything. Example: slurmresume status --ckpt-dir runs/exp1 --best loss
+    Never changes anything.
+
+    Exit codes: 0 healthy, starting or finished; 3 at risk (a corrupt checkpoint, a failed
+    save, or no commit for 1.5 save intervals); 4 stopped (Slurm or the log says the run ended
+    without finishing); 1 a usage error. --json carries the same verdict.
+
+    Example: slurmresume status --ckpt-dir runs/exp1 --best loss
     """
     from . import _render
     from .status import compute_status
@@ -85,10 +96,19 @@ def status(
 
     if interval is not None:
         _render.watch(compute, interval, limit)
-    elif as_json:
-        _emit_json(compute().to_json())
+        return
+    st = compute()
+    if as_json:
+        _emit_json(st.to_json())
     else:
-        _render.print_status(compute(), limit)
+        _render.print_status(st, limit)
+    if plot is not None:
+        from .plot import plot_timeline
+
+        written = plot_timeline(root, plot.expanduser().absolute(), now=st.now)
+        typer.echo(f"timeline written to {written}", err=True)
+    if st.verdict is not None and st.verdict.exit_code:
+        raise typer.Exit(st.verdict.exit_code)
 
 
 def _stdin_is_tty() -> bool:
@@ -101,13 +121,13 @@ def prune(
     keep: Annotated[int, typer.Option("--keep", metavar="N", help="Keep the N newest complete checkpoints "
                                       "(N >= 1). Incomplete directories never count.")],
     keep_every: Annotated[int | None, typer.Option(
-        "--keep-every", metavar="M", help="Also keep every complete step divisible by M (e.g. 1000).")] = None,
+        "--keep-every", metavar="M", help="Also keep every complete step divisible by M (e.g. 1000). [default: off]")] = None,
     keep_best: Annotated[str | None, typer.Option(
-        "--keep-best", metavar="METRIC", help="Also keep the complete checkpoint with the best METRIC.")] = None,
+        "--keep-best", metavar="METRIC", help="Also keep the complete checkpoint with the best METRIC. [default: off]")] = None,
     mode: ModeOpt = Mode.min,
     remove_incomplete_older_than: Annotated[str | None, typer.Option(
         "--remove-incomplete-older-than", metavar="DURATION", help="Also remove incomplete or corrupt "
-        "directories idle for DURATION (e.g. 12h, 2d). Without it they are left alone.")] = None,
+        "directories idle for DURATION (e.g. 12h, 2d). [default: leave them alone]")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print the plan; delete nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
     ckpt_dir: CkptDir = None,
@@ -141,7 +161,8 @@ def prune(
     result = None
     if not dry_run and (plan.delete or leftovers):
         _confirm(len(plan.delete) + len(leftovers), yes, as_json)
-        result = rt.execute(root, policy, approved={r.name for r in plan.delete})
+        with _render.progress("deleting") as bar:
+            result = rt.execute(root, policy, approved={r.name for r in plan.delete}, progress=bar)
         if not as_json:
             _render.print_result(result)
     elif not as_json and not dry_run:
@@ -211,7 +232,8 @@ def verify(
         raise ConfigError(f"STEP must be >= 0, got {step}")
     if step is not None and every:
         raise ConfigError("give either a STEP or --all, not both")
-    results = verify_checkpoints(root, step=step, every=every)
+    with _render.progress("verifying checkpoints") as bar:
+        results = verify_checkpoints(root, step=step, every=every, progress=bar)
     _render.print_verify(results)
     bad = [p for r in results if not r.ok for p in r.problems]
     if bad:

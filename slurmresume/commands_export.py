@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -10,6 +9,7 @@ import typer
 
 from .cli import app, handle_errors
 from .errors import ConfigError, NoCheckpointError
+from .options import CkptDir, resolve_root
 
 
 def resolve_step_dir(which: str, ckpt_dir: Path | None) -> Path:
@@ -20,11 +20,7 @@ def resolve_step_dir(which: str, ckpt_dir: Path | None) -> Path:
     path = Path(which).expanduser()
     if parse_step_dir(path.name) is not None and path.is_dir():
         return path
-    root = ckpt_dir or (Path(os.environ["SLURMRESUME_CKPT_DIR"]) if os.environ.get("SLURMRESUME_CKPT_DIR") else None)
-    if root is None:
-        raise ConfigError("no checkpoint root: pass --ckpt-dir DIR or set SLURMRESUME_CKPT_DIR")
-    if not root.is_dir():
-        raise ConfigError(f"checkpoint root {root} does not exist")
+    root = resolve_root(ckpt_dir)
     if which == "latest":
         info = find_latest(root, warn=False)
         if info is None:
@@ -42,7 +38,7 @@ def export(
     out: Annotated[Path, typer.Option("--out", "-o", help="The .safetensors file to write.")] = Path("model.safetensors"),
     only: Annotated[str, typer.Option(help="Which state key to export (the one holding the model).")] = "model",
     rank: Annotated[int, typer.Option(help="Whose shard to read for per-rank tensors (data-parallel replicas are identical; DTensors are consolidated from every rank).")] = 0,
-    ckpt_dir: Annotated[Path | None, typer.Option(help="Checkpoint root. [default: $SLURMRESUME_CKPT_DIR]")] = None,
+    ckpt_dir: CkptDir = None,
 ) -> None:
     """Write a committed checkpoint's model weights to one safetensors file.
 
@@ -54,11 +50,19 @@ def export(
     from .checkpoint.store import inspect_dir
     from .export import export_model
 
+    out = out.expanduser().absolute()
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory: give a file name, e.g. --out {out / 'model.safetensors'}")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: directory {out.parent} does not exist: create it first")
     step_dir = resolve_step_dir(which, ckpt_dir)
     from .checkpoint.layout import parse_step_dir
 
     info = inspect_dir(parse_step_dir(step_dir.name) or 0, step_dir)
     if not info.complete:
         raise ConfigError(f"{step_dir} is not a complete checkpoint: {info.problem}")
-    summary = export_model(step_dir, out.expanduser().absolute(), only=only, rank=rank)
+    from . import _render
+
+    with _render.progress("exporting tensors") as bar:
+        summary = export_model(step_dir, out, only=only, rank=rank, progress=bar)
     typer.echo(f"wrote {summary['out']}: {summary['tensors']} tensors, {summary['bytes']} bytes from step {summary['step']}")

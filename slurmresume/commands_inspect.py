@@ -36,7 +36,8 @@ def inspect(
     target = target.strip()
     root = resolve_root(ckpt_dir) if needs_root(target) else None
     step, path = locate(target, root)
-    report = inspect_checkpoint(step, path, tensors=tensors)
+    with _render.progress("reading tensors") as bar:
+        report = inspect_checkpoint(step, path, tensors=tensors, progress=bar)
     if as_json:
         typer.echo(json.dumps(report.to_json(), indent=2, allow_nan=False))
     else:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,7 +15,9 @@ from .cli import app, handle_errors
 from .config import JobSpec, check_text, load_defaults, parse_sbatch_extras
 from .errors import ConfigError
 
-_DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_requeues": 20, "max_failures": 0}
+# Shown in --help as "(default: ...)": rich would swallow "[default: ...]" as markup. No default for
+# --time (the partition's DefaultTime applies) nor --max-requeues (no cap while runs progress).
+_DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_failures": 0}
 
 Opt = typer.Option
 
@@ -37,6 +43,20 @@ def _spec(script: Path, script_args: list[str] | None, cli: dict[str, Any]) -> J
     return JobSpec(script=script.expanduser().absolute(), script_args=tuple(script_args or ()), **merged)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 (inherited by torchrun and the ranks) at stderr meanwhile."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 ScriptArg = Annotated[Path, typer.Argument(help="Training script run by torchrun on every node.",
                                            show_default=False)]
 ArgsArg = Annotated[list[str] | None, typer.Argument(help="Arguments for the script (put them after --).",
@@ -48,28 +68,29 @@ ArgsArg = Annotated[list[str] | None, typer.Argument(help="Arguments for the scr
 def submit(
     script: ScriptArg,
     script_args: ArgsArg = None,
-    ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root; exported to the script as SLURMRESUME_CKPT_DIR.")] = None,
-    nodes: Annotated[int | None, Opt(help="Number of nodes (one launcher + torchrun per node). [default: 1]")] = None,
-    nproc_per_node: Annotated[int | None, Opt(help="Processes per node. [default: --gpus-per-node, else 1]")] = None,
-    gpus_per_node: Annotated[int | None, Opt(help="GPUs per node to request.")] = None,
-    cpus_per_task: Annotated[int | None, Opt(help="CPUs for each node's task.")] = None,
-    mem: Annotated[str | None, Opt(help="Memory per node, e.g. 64G.")] = None,
-    time: Annotated[str | None, Opt(help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS. [default: 60]")] = None,
-    partition: Annotated[str | None, Opt(help="Slurm partition.")] = None,
-    account: Annotated[str | None, Opt(help="Slurm account.")] = None,
-    qos: Annotated[str | None, Opt(help="Slurm QOS.")] = None,
-    constraint: Annotated[str | None, Opt(help="Node feature constraint.")] = None,
-    job_name: Annotated[str | None, Opt(help="Job name. [default: slurmresume-<script>]")] = None,
-    signal: Annotated[str | None, Opt(help="Warning signal; B:USR1 sends it to the batch shell only. [default: USR1]")] = None,
-    signal_lead: Annotated[int | None, Opt(help="Seconds before the time limit that the warning comes. [default: 120]")] = None,
-    max_requeues: Annotated[int | None, Opt(help="Stop requeueing after this many. [default: 20]")] = None,
-    max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. [default: 0]")] = None,
-    sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive.")] = None,
-    rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. [default: derived from the job id]")] = None,
-    python: Annotated[str | None, Opt(help="Python interpreter on the nodes. [default: this one]")] = None,
-    resume_from: Annotated[str | None, Opt(help="Start from this committed STEP (or step directory) instead of the newest.")] = None,
-    branch: Annotated[Path | None, Opt(help="With --resume-from: continue in this NEW checkpoint root; the old one is untouched.")] = None,
+    ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root; exported to the script as SLURMRESUME_CKPT_DIR. (default: ckpt-dir from slurmresume.toml or pyproject.toml; required)")] = None,
+    nodes: Annotated[int | None, Opt(help="Number of nodes (one launcher + torchrun per node). (default: 1)")] = None,
+    nproc_per_node: Annotated[int | None, Opt(help="Processes per node. (default: --gpus-per-node, else 1)")] = None,
+    gpus_per_node: Annotated[int | None, Opt(help="GPUs per node to request. (default: none)")] = None,
+    cpus_per_task: Annotated[int | None, Opt(help="CPUs for each node's task. (default: the partition's)")] = None,
+    mem: Annotated[str | None, Opt(help="Memory per node, e.g. 64G. (default: the partition's)")] = None,
+    time: Annotated[str | None, Opt(help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS; longer than --signal-lead. (default: the partition's DefaultTime)")] = None,
+    partition: Annotated[str | None, Opt(help="Slurm partition. (default: the cluster's default partition)")] = None,
+    account: Annotated[str | None, Opt(help="Slurm account. (default: your default account)")] = None,
+    qos: Annotated[str | None, Opt(help="Slurm QOS. (default: the account's default)")] = None,
+    constraint: Annotated[str | None, Opt(help="Node feature constraint. (default: none)")] = None,
+    job_name: Annotated[str | None, Opt(help="Job name. (default: slurmresume-<script>)")] = None,
+    signal: Annotated[str | None, Opt(help="Warning signal; B:USR1 sends it to the batch shell only. (default: USR1)")] = None,
+    signal_lead: Annotated[int | None, Opt(help="Seconds before the time limit that the warning comes. (default: 120)")] = None,
+    max_requeues: Annotated[int | None, Opt(help="Cap on requeues (warnings and time limits alike). (default: no cap while each run commits a newer step; two runs in a row without one stop the job)")] = None,
+    max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. (default: 0)")] = None,
+    sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive; arrays and heterogeneous jobs are refused. (default: none)")] = None,
+    rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. (default: derived from the job id)")] = None,
+    python: Annotated[str | None, Opt(help="Python interpreter on the nodes. (default: this one)")] = None,
+    resume_from: Annotated[str | None, Opt(help="Start from this committed STEP (or step directory) instead of the newest. (default: the newest)")] = None,
+    branch: Annotated[Path | None, Opt(help="With --resume-from: continue in this NEW checkpoint root; the old one is untouched. (default: none)")] = None,
     discard_newer: Annotated[bool, Opt("--discard-newer", help="With --resume-from: delete the steps newer than it.")] = False,
+    takeover: Annotated[bool, Opt("--takeover", help="Take the checkpoint root over from a previous run that is provably gone (job not in squeue, pid dead, or heartbeat over 10 min old); a live owner is never taken over.")] = False,
     mirror: Annotated[str | None, Opt(metavar="s3://BUCKET/PREFIX", help="Also copy every committed step there "
                                       "(background upload; restore pulls newer steps from it). Endpoint and credentials "
                                       "from the AWS environment. [default: none]")] = None,
@@ -86,11 +107,14 @@ def submit(
     Example: slurmresume submit train.py --nodes 2 --gpus-per-node 8 --time 4:00:00 --ckpt-dir /ckpt/run1 -- --lr 3e-4
     """
     cli = {k: v for k, v in locals().items()
-           if k not in ("script", "script_args", "local", "dry_run", "json_out", "resume_from", "branch", "discard_newer")}
-    from . import launch
+           if k not in ("script", "script_args", "local", "dry_run", "json_out", "resume_from", "branch", "discard_newer",
+                        "takeover")}
+    from . import launch, ownership
     from ._render_job import print_json, print_submitted
 
     spec = _spec(script, script_args, cli)
+    if not dry_run:  # one owner per root: refused before anything is created, moved or submitted
+        ownership.check_free(spec.ckpt_dir, takeover=takeover)
     # The same checks as every other value, before prepare_resume creates or deletes anything.
     check_text("--resume-from", resume_from or "")
     check_text("--branch", str(branch or ""))
@@ -103,17 +127,27 @@ def submit(
                                                      discard_newer=discard_newer))
     elif branch is not None or discard_newer:
         raise ConfigError("--branch and --discard-newer only make sense with --resume-from STEP")
+    if not dry_run:
+        from .doctor import last_checkpoint_bytes, preflight_root
+
+        preflight_root(spec.ckpt_dir, last_checkpoint_bytes(spec.ckpt_dir))  # before any training
     if local:
         from .node import run_local
 
-        result = run_local(spec)
-        print_json(result) if json_out else typer.echo(f"local run {result['action']}: {result['reason']}")
+        if json_out:  # stdout carries exactly one JSON document: training output goes to stderr
+            with _stdout_to_stderr():
+                result = run_local(spec, takeover=takeover)
+            print_json(result)
+        else:
+            result = run_local(spec, takeover=takeover)
+            typer.echo(f"local run {result['action']}: {result['reason']}")
         return
     sub = launch.preview(spec) if dry_run else launch.submit(spec)
     if not dry_run:
+        launch.claim_root(spec, sub.job_id, takeover=takeover)
         from .events import append_event
 
-        append_event(spec.ckpt_dir, "submitted", job=sub.job_id, script=str(spec.script), nodes=spec.nodes,
+        append_event(spec.ckpt_dir, "submitted", job=sub.job_id, job_id=sub.job_id, script=str(spec.script), nodes=spec.nodes,
                      procs=spec.procs, log_dir=str(sub.log_dir))
     if json_out:
         print_json({"job_id": sub.job_id or None, "log_dir": str(sub.log_dir), "sbatch_script": sub.sbatch_script,
@@ -130,19 +164,23 @@ def drill(
     preemptions: Annotated[int, Opt(help="Warnings to inject at random steps.", min=1)] = 3,
     nproc_per_node: Annotated[int, Opt(help="Processes (gloo on CPU, NCCL on GPU).", min=1)] = 1,
     seed: Annotated[int, Opt(help="Seed for choosing the preemption steps.")] = 0,
-    workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints (wiped first).")] = Path("runs/drill"),
-    ignore: Annotated[list[str] | None, Opt(help="State key allowed to differ (repeatable), e.g. a wall-clock metric.")] = None,
+    workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints: a new or empty directory, or one an earlier drill created (only its run folders are replaced).")] = Path("runs/drill"),
+    ignore: Annotated[list[str] | None, Opt(help="What may differ (repeatable): a state key (e.g. a wall-clock metric), one RNG stream (rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda) or all of them (rng). (default: none)")] = None,
     json_out: Annotated[bool, Opt("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Prove that TRAIN_SCRIPT resumes exactly, here, before spending cluster hours.
 
     Runs it once uninterrupted and once with --preemptions warning signals at seeded random
     steps (through the real launcher and torchrun), then compares the final checkpoints tensor
-    by tensor. Exit 0 when bitwise equal; exit 1 naming what differs.
+    by tensor. Exit 0 when bitwise equal; exit 1 naming what differs, causes first (RNG streams,
+    plain values and user objects, then the optimizer and model they feed). An RNG stream that
+    differed between the runs already at their first step is reported as never seeded, not
+    failed.
 
     Example: slurmresume drill examples/train.py --preemptions 3 --nproc-per-node 2 -- --steps 60
     """
     from ._render_job import print_drill, print_json
+    from .compare import culprits
     from .drill import run_drill
 
     workdir = workdir.expanduser().absolute()
@@ -151,7 +189,8 @@ def drill(
     if json_out:
         print_json({"ok": report.ok, "steps": report.steps, "planned": report.planned,
                     "preemptions": report.preemptions, "missed": report.missed, "saved_steps": report.saved_steps,
-                    "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint}
+                    "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint,
+                                     "cause": d.cause, "culprit": d in culprits(report.differences)}
                                     for d in report.differences]})
     else:
         print_drill(report)

@@ -35,6 +35,11 @@ def check_text(what: str, value: str) -> str:
 
 def slurm_time_minutes(value: str) -> int:
     """Parse a Slurm time ("90", "1:30:00", "2-00:00:00", "MM:SS") into whole minutes (ceil)."""
+    return -(-slurm_time_seconds(value) // 60)
+
+
+def slurm_time_seconds(value: str) -> int:
+    """Parse a Slurm time ("90" minutes, "MM:SS", "HH:MM:SS", "D-HH[:MM[:SS]]") into seconds."""
     check_text("--time", value)
     m = _SLURM_TIME.match(value.strip())
     if not m:
@@ -54,7 +59,19 @@ def slurm_time_minutes(value: str) -> int:
         secs = g[11] * 86400 + g[12] * 3600 + g[13] * 60 + g[14]  # type: ignore[operator]
     if secs <= 0:
         raise ConfigError(f"--time {value!r} must be positive")
-    return -(-secs // 60)
+    return secs
+
+
+def requeue_cap_reached(requeues_done: int, max_requeues: int | None) -> bool:
+    """Pure: whether a preempted run that committed new progress may NOT be requeued again.
+
+    The rule (README, "Hidden defaults"): by default (`max_requeues=None`) there is no cap; a
+    week-long job is requeued at every warning and every time limit for as long as each run
+    commits a newer step. What stops a run that goes nowhere is the launcher's no-progress guard
+    (two consecutive runs without a new committed step), not a count. A cap applies only when the
+    user sets `--max-requeues N` explicitly (command line or [tool.slurmresume]); then it counts
+    every requeue of the job, time-limit requeues included."""
+    return max_requeues is not None and requeues_done >= max_requeues
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +94,7 @@ class JobSpec:
     job_name: str | None = None
     signal: str = "USR1"  # "USR1", or "B:USR1" for delivery to the batch shell only
     signal_lead: int = 120
-    max_requeues: int = 20
+    max_requeues: int | None = None  # None: no cap while runs progress (see requeue_cap_reached)
     max_failures: int = 0
     sbatch: tuple[tuple[str, str], ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
@@ -100,7 +117,7 @@ class JobSpec:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_requeues", "max_failures"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("nproc_per_node", "gpus_per_node", "cpus_per_task"):
             v = getattr(self, name)
@@ -115,14 +132,17 @@ class JobSpec:
             raise ConfigError(f"--constraint {self.constraint!r} is not a Slurm constraint expression")
         if self.mem is not None and not _MEM.match(self.mem):
             raise ConfigError(f"--mem {self.mem!r} is not a Slurm memory size: use e.g. 16G or 4000M")
-        if self.time is not None:
-            slurm_time_minutes(self.time)
+        if self.time is not None and slurm_time_seconds(self.time) <= self.signal_lead:
+            raise ConfigError(f"--time {self.time} is not longer than --signal-lead {self.signal_lead} s: the "
+                              "warning would come as soon as the job starts; give a longer --time or a shorter "
+                              "--signal-lead")
         sig = self.signal.removeprefix("B:")
         try:
             parse_signal(sig)
         except ValueError as exc:
             raise ConfigError(f"--signal {self.signal!r}: {exc}") from None
         for key, _value in self.sbatch:
+            refuse_unsupported_sbatch(key)
             if not _SBATCH_KEY.match(key):
                 raise ConfigError(f"--sbatch key {key!r} is not an sbatch option name (e.g. exclusive, gres)")
             if key in _RESERVED_SBATCH:
@@ -151,16 +171,54 @@ class JobSpec:
         return self.log_dir or self.ckpt_dir / "logs"
 
 
+# Job arrays would share one checkpoint root (and one job-id-named log folder) between tasks that
+# each requeue themselves; heterogeneous jobs have no single node list to run torchrun on.
+_ARRAY_KEYS = {"array", "a"}
+_HET_KEYS = {"hetjob", "packjob", ":"}
+
+
+def refuse_unsupported_sbatch(key: str) -> None:
+    """Job arrays and heterogeneous jobs are refused with one line (ConfigError)."""
+    if key in _ARRAY_KEYS:
+        raise ConfigError("--sbatch array=... is not supported: the tasks of an array would share one checkpoint "
+                          "root and overwrite each other; submit one job per task with its own --ckpt-dir")
+    if key in _HET_KEYS or key.startswith("het") or key.startswith("pack"):
+        raise ConfigError(f"--sbatch {key!r}: heterogeneous jobs are not supported: slurmresume runs one torchrun "
+                          "per node of a single homogeneous allocation")
+
+
 def parse_sbatch_extras(items: list[str]) -> tuple[tuple[str, str], ...]:
     out = []
     for item in items:
         check_text("--sbatch", item)
         key, sep, value = item.partition("=")
         key = key.strip().lstrip("-")
+        if key.strip() == ":" or key.startswith(":"):
+            refuse_unsupported_sbatch(":")
         if not key:
             raise ConfigError(f"--sbatch {item!r} must look like KEY=VALUE or KEY")
         out.append((key, value if sep else ""))
     return tuple(out)
+
+
+_INT_KEYS = {"nodes", "nproc_per_node", "gpus_per_node", "cpus_per_task", "signal_lead", "max_requeues",
+             "max_failures", "rdzv_port"}
+_STR_KEYS = {"ckpt_dir", "mem", "partition", "account", "qos", "constraint", "job_name", "signal", "python",
+             "log_dir"}
+
+
+def check_defaults(conf: dict[str, Any], where: str = "[tool.slurmresume]") -> dict[str, Any]:
+    """Types of the configuration file's values, checked before anything uses them: one line
+    naming the key, the value and what it must be (never a TypeError later)."""
+    for key, value in conf.items():
+        name = key.replace("_", "-")
+        if key in _INT_KEYS and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{name} = {value!r} in {where} must be a whole number, e.g. {name} = 2")
+        if key in _STR_KEYS and not isinstance(value, str):
+            raise ConfigError(f"{name} = {value!r} in {where} must be a quoted string, e.g. {name} = \"...\"")
+        if key == "time" and (isinstance(value, bool) or not isinstance(value, (int, str))):
+            raise ConfigError(f"time = {value!r} in {where} must be minutes or \"HH:MM:SS\"")
+    return conf
 
 
 def load_defaults(start: Path) -> dict[str, Any]:
@@ -183,5 +241,6 @@ def load_defaults(start: Path) -> dict[str, Any]:
                 if table is not None:
                     if not isinstance(table, dict):
                         raise ConfigError(f"[tool.slurmresume] in {p} must be a table")
-                    return {k.replace("-", "_"): v for k, v in table.items()}
+                    where = f"{p}" if name == "slurmresume.toml" else f"[tool.slurmresume] of {p}"
+                    return check_defaults({k.replace("-", "_"): v for k, v in table.items()}, where)
     return {}

@@ -33,12 +33,29 @@ ENV_RESTART = "SLURMRESUME_RESTART_COUNT"  # requeues (Slurm) or local restarts 
 ENV_LAUNCHER_PID = "SLURMRESUME_LAUNCHER_PID"  # the node launcher (drill injections go there)
 ENV_DRILL_AT = "SLURMRESUME_DRILL_AT"  # drill: "12,30,41" = warning at step 12 of restart 0, ...
 ENV_HEARTBEAT_DIR = "SLURMRESUME_HEARTBEAT_DIR"  # node-local directory for per-rank heartbeats
+ENV_OWNER = "SLURMRESUME_OWNER"  # the owner id of the root's lease that this run holds (ownership.py)
 ENV_MIRROR = "SLURMRESUME_MIRROR"  # s3://BUCKET/PREFIX every committed step is copied to (submit --mirror)
+ENV_DRILL_FIRST_SAVE = "SLURMRESUME_DRILL_FIRST_SAVE"  # drill: "1" = save the first step of a fresh start
+# set by the user (not the launcher): "1" lets restore() start from step 0 although the root
+# holds committed step directories of which none loads (it refuses by default)
+ENV_ALLOW_FRESH_START = "SLURMRESUME_ALLOW_FRESH_START"
 
 # -- exit codes of a rank ---------------------------------------------------------------------
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after the warning signal; the launcher requeues
 EXIT_TERMINATED = 76  # saved (best effort) after SIGTERM/SIGINT; never self-requeued
 EXIT_SAVE_FAILED = 77  # the emergency save after a signal failed; nothing new committed
+
+# -- exit code of the node launcher -----------------------------------------------------------
+# After a successful `scontrol requeue` the launcher exits at once with this code: the job is
+# already REQUEUED in Slurm's record, and a non-zero code can never read as COMPLETED.
+LAUNCHER_EXIT_REQUEUED = EXIT_PREEMPTED
+
+# -- events the launcher adds to the human history (never read back for a decision) ----------
+EV_REQUEUE_FAILED = "requeue_failed"  # every `scontrol requeue` attempt failed before the deadline
+EV_NO_CHECKPOINT = "no_checkpoint"  # the run finished and no complete checkpoint exists
+EV_WARNED_WITHOUT_SAVE = "warned_without_save"  # the warning came, the run ended, nothing saved
+EV_INTERRUPTED = "interrupted"  # SIGINT (Ctrl-C) reached the launcher: best-effort save, no requeue
+EV_EMERGENCY_SAVE_FAILED = "emergency_save_failed"  # rank 0: the save after a signal failed
 
 RUNS_DIR = ".runs"
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
@@ -96,3 +113,53 @@ def read_outcome(root: Path, run_id: str) -> Outcome | None:
             or not isinstance(raw.get("step"), int) or not isinstance(raw.get("committed"), bool)):
         return None
     return Outcome(run_id, raw["kind"], raw["step"], raw["committed"], str(raw.get("error") or ""))
+
+
+@dataclass(frozen=True)
+class LastRun:
+    """What the launcher keeps about the previous run of a job (same Slurm job id, or the same
+    local session), so the next restart can apply the no-progress guard without reading the event
+    log. Written atomically by the first node's launcher after each run."""
+
+    job_key: str
+    run_id: str
+    kind: str
+    action: str
+    progressed: bool
+    latest: int | None = None
+    lost_steps: int | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+
+def last_run_path(root: Path, job_key: str) -> Path:
+    return outcome_path(root, f"{job_key}.last").with_name(f"{job_key}.last-run.json")
+
+
+def write_last_run(root: Path, record: LastRun) -> None:
+    from .checkpoint.fsio import makedirs, write_durable
+
+    path = last_run_path(root, record.job_key)
+    makedirs(path.parent, 0o755)
+    write_durable(path, record.to_json(), "last-run")
+
+
+def read_last_run(root: Path, job_key: str) -> LastRun | None:
+    """None when there is none, or it is unreadable or not this job's."""
+    try:
+        fd = os.open(last_run_path(root, job_key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (OSError, ValueError):
+        return None
+    try:
+        raw: Any = json.loads(os.read(fd, MAX_OUTCOME_BYTES + 1))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(raw, dict) or raw.get("job_key") != job_key or not isinstance(raw.get("progressed"), bool):
+        return None
+    latest, lost = raw.get("latest"), raw.get("lost_steps")
+    return LastRun(job_key, str(raw.get("run_id", "")), str(raw.get("kind", "")), str(raw.get("action", "")),
+                   raw["progressed"], latest if isinstance(latest, int) else None,
+                   lost if isinstance(lost, int) else None)

@@ -15,7 +15,7 @@ from typing import Any
 from .checkpoint.fsio import makedirs
 from .checkpoint.layout import EVENTS
 
-MAX_EVENT_LOG = 64 << 20
+MAX_EVENT_LOG = 64 << 20  # read_events reads at most this much, from the end of the log
 log = logging.getLogger("slurmresume")
 
 
@@ -48,8 +48,21 @@ def append_event(root: Path, name: str, /, **fields: Any) -> None:
         os.close(fd)
 
 
+def try_append_event(root: Path, name: str, /, **fields: Any) -> bool:
+    """`append_event` for the launcher: a log that cannot be written (disk full, EIO) is reported
+    and never changes what the launcher does."""
+    try:
+        append_event(root, name, **fields)
+        return True
+    except OSError as exc:
+        log.warning("could not append %r to the event log under %s: %s", name, root, exc)
+        return False
+
+
 def read_events(root: Path) -> list[dict[str, Any]]:
-    """All well-formed events, oldest first; a torn or foreign line is skipped."""
+    """The well-formed events of the log's last MAX_EVENT_LOG bytes, oldest first; a torn or
+    foreign line is skipped. The log is the human history: no decision of the launcher reads it,
+    and a huge log costs a bounded read (its newest events, not its first 64 MiB)."""
     path = root / EVENTS
     try:  # never follow a link, never block on a FIFO, never read a device
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -63,7 +76,12 @@ def read_events(root: Path) -> list[dict[str, Any]]:
         log.warning("ignoring event log %s: not a regular file", path)
         return []
     with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        start = max(0, size - MAX_EVENT_LOG)
+        f.seek(start)
         data = f.read(MAX_EVENT_LOG)
+    if start > 0:  # we landed inside a line: drop it
+        data = data[data.find(b"\n") + 1:] if b"\n" in data else b""
     out = []
     for line in data.splitlines():
         try:

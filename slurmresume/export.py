@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,10 @@ def _tensor_refs(value: Any, prefix: str = "") -> list[tuple[str, str]]:
     return out
 
 
-def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0) -> dict[str, Any]:
-    """Write `state[only]`'s tensors of one rank's shard to `out` (atomically). Returns a summary."""
+def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
+                 progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Write `state[only]`'s tensors of one rank's shard to `out` (atomically). Returns a summary.
+    `progress(done, total)` is called after each tensor (the CLI draws a bar on a terminal)."""
     manifest = read_manifest(step_dir)
     if not 0 <= rank < manifest.world_size:
         raise ConfigError(f"--rank {rank} is not in this checkpoint (world size {manifest.world_size})")
@@ -99,7 +102,9 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0) 
     try:
         sink.feed(len(raw).to_bytes(8, "little") + raw)
         buf = bytearray(CHUNK)
-        for _key, name in refs:
+        for done, (_key, name) in enumerate(refs, 1):
+            if progress is not None:
+                progress(done, len(refs))
             if name in manifest.sharded:
                 _feed_global(sink, pieces, manifest.sharded[name], buf)
                 continue

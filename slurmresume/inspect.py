@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,8 @@ from .checkpoint.layout import parse_step_dir, step_dir_name
 from .checkpoint.shard import _ITEMSIZE as ITEMSIZE
 from .checkpoint.shard import SKELETON_KEY, open_checked, read_header
 from .checkpoint.state import RESERVED
-from .checkpoint.store import find_latest, inspect_dir
-from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+from .checkpoint.store import UNREADABLE, find_latest, inspect_dir
+from .errors import CheckpointError, ConfigError, CorruptCheckpointError, NoCheckpointError
 
 __all__ = ["SCHEMA", "CheckpointReport", "TensorInfo", "TensorStats", "StateKey", "needs_root", "locate",
            "inspect_checkpoint", "tensor_stats"]
@@ -143,14 +144,18 @@ def locate(target: str, root: Path | None) -> tuple[int, Path]:
 
 # -- the report -------------------------------------------------------------------------------
 
-def inspect_checkpoint(step: int, path: Path, *, tensors: bool = False) -> CheckpointReport:
+def inspect_checkpoint(step: int, path: Path, *, tensors: bool = False,
+                       progress: Callable[[int, int], None] | None = None) -> CheckpointReport:
     """What committed checkpoint `path` (of `step`) holds; `tensors` also reads every value
     for min/max/mean/NaN/Inf. Raises NoCheckpointError for a missing or incomplete directory,
-    CorruptCheckpointError when it fails its checks (sizes, headers, manifest index)."""
+    CorruptCheckpointError when it fails its checks (sizes, headers, manifest index).
+    `progress(done, total)` is called after each tensor's statistics (`tensors` only)."""
     info = inspect_dir(step, path)
     root = path.parent
     if not path.exists():
         raise NoCheckpointError(f"no step {step} under {root}: `slurmresume status --ckpt-dir {root}` lists them")
+    if not info.has_marker and info.problem and info.problem.startswith(UNREADABLE):
+        raise CheckpointError(f"{path} is {info.problem}")
     if not info.has_marker:
         raise NoCheckpointError(f"{path} is incomplete (no commit marker): only committed checkpoints can be "
                                 f"inspected; `slurmresume latest --ckpt-dir {root}` names the newest one")
@@ -163,8 +168,12 @@ def inspect_checkpoint(step: int, path: Path, *, tensors: bool = False) -> Check
     state, library = _state_keys(path, m.shards, [h for h, _ in headers], rows)
     if tensors:
         by_key = {(r.rank, r.name): r for r in rows}
+        done = 0
         for rank, (shard, (header, start)) in enumerate(zip(m.shards, headers, strict=True)):
             for name, stats in tensor_stats(path, shard["file"], shard["bytes"], header, start):
+                done += 1
+                if progress is not None:
+                    progress(done, len(rows))
                 if (rank, name) not in by_key:
                     raise CorruptCheckpointError(f"checkpoint {path}: {shard['file']} holds tensor {name!r} that the "
                                                  "manifest's tensor index does not list")

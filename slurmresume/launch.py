@@ -24,10 +24,9 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
         "stderr_to_stdout": True,
         "additional_parameters": {"signal": f"{spec.signal}@{spec.signal_lead}", "requeue": True},
     }
-    if spec.time is not None:
-        params["time"] = slurm_time_minutes(spec.time)
-    else:
-        params["time"] = 60
+    # No --time: no #SBATCH --time line, so the partition's DefaultTime applies (an explicit None,
+    # since submitit would otherwise write its own 5 minutes).
+    params["time"] = slurm_time_minutes(spec.time) if spec.time is not None else None
     for key in ("partition", "account", "qos", "constraint", "mem", "cpus_per_task", "gpus_per_node"):
         value = getattr(spec, key)
         if value is not None:
@@ -60,11 +59,16 @@ def add_signal_relay(text: str, signal_name: str) -> str:
     return "\n".join(lines[:idx] + relay + lines[idx + 1 :]) + "\n"
 
 
-def _executor_class() -> type:
+def _executor_class(preview: bool = False) -> type:
     import submitit
 
     class Executor(submitit.SlurmExecutor):
         warning_signal = "USR1"
+
+        if preview:  # --dry-run prints the script on a machine without srun too
+            @classmethod
+            def affinity(cls) -> int:
+                return 1
 
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             return add_signal_relay(super()._make_submission_file_text(command, uid), self.warning_signal)
@@ -80,11 +84,13 @@ class Submitted:
     torchrun: list[str]
 
 
-def make_executor(spec: JobSpec) -> Any:
+def make_executor(spec: JobSpec, preview: bool = False) -> Any:
+    """The submitit executor; `preview` (--dry-run) creates nothing on disk and needs no srun."""
     from .checkpoint.fsio import makedirs
 
-    makedirs(spec.logs)  # no group/world write on the root or the logs, whatever the parents
-    cls = _executor_class()
+    if not preview:
+        makedirs(spec.logs)  # no group/world write on the root or the logs, whatever the parents
+    cls = _executor_class(preview)
     ex = cls(folder=str(spec.logs / "%j"), max_num_timeout=0, python=spec.python)
     ex.warning_signal = spec.warning_signal
     ex.update_parameters(**executor_parameters(spec))
@@ -93,7 +99,7 @@ def make_executor(spec: JobSpec) -> Any:
 
 def preview(spec: JobSpec) -> Submitted:
     """The sbatch script and per-node torchrun command, without submitting (--dry-run)."""
-    ex = make_executor(spec)
+    ex = make_executor(spec, preview=True)
     text = ex._make_submission_file_text("python -u -m submitit.core._submit <folder>", "<uid>")
     cmd = torchrun_command(spec, nnodes=spec.nodes, endpoint="<first-node>:<port from job id>",
                            rdzv_id="$SLURM_JOB_ID")
@@ -114,6 +120,22 @@ def submit(spec: JobSpec) -> Submitted:
     text = Path(job.paths.submission_file).read_text() if Path(job.paths.submission_file).exists() else ""
     cmd = torchrun_command(spec, nnodes=spec.nodes, endpoint="<first-node>:<port>", rdzv_id=job.job_id)
     return Submitted(str(job.job_id), Path(str(job.paths.folder)), text, cmd)
+
+
+def claim_root(spec: JobSpec, job_id: str, *, takeover: bool) -> None:
+    """After sbatch: the new job owns the root from now on, pending included (its launcher renews
+    the lease when it starts). When another submission won the race for the root in between, the
+    new job is cancelled and the refusal raised: two jobs never write one root."""
+    from . import ownership, slurm
+
+    try:
+        ownership.acquire(spec.ckpt_dir, ownership.slurm_owner(job_id), takeover=takeover)
+    except ownership.RootOwnedError:
+        try:
+            slurm.run(["scancel", job_id])
+        except SlurmError:
+            pass
+        raise
 
 
 def _last_meaningful(lines: list[str]) -> str:

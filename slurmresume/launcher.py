@@ -5,6 +5,12 @@ Why forward at all: under proctrack/cgroup Slurm signals only the srun task (thi
 never torchrun's agent or the workers; and an unhandled SIGUSR1 would kill the agent. So torchrun
 starts with the warning signal ignored (inherited across exec; each worker installs its own
 handler), and this process relays the signal to the worker processes itself.
+
+torchrun runs in its own session (a Ctrl-C in the terminal reaches only this launcher, which turns
+it into a best-effort save), and a guardian process kills the whole tree if this launcher dies.
+
+What a run did is read from the contract (`contract.read_outcome`, written by rank 0), the exit
+code and the commit markers on disk; never from the event log.
 """
 
 from __future__ import annotations
@@ -18,55 +24,141 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.layout import MARKER, step_dir_name
+from . import slurm
 from .checkpoint.store import find_latest
-from .events import append_event, read_events
+from .contract import EV_INTERRUPTED, Outcome, read_outcome
+from .events import try_append_event
+from .guardian import Guardian, kill_tree, start_time
 from .signals import parse_signal
 
 log = logging.getLogger("slurmresume")
 
 RELAY_EVERY = 1.0  # seconds between re-sends while workers have not acted (start-up race)
+TERM_QUERY_TIMEOUT_S = 2.0  # asking slurmctld, at a SIGTERM, whether it is the time limit
+START_QUERY_TIMEOUT_S = 5.0  # the job's EndTime and KillWait, read once at start
+REQUEUE_BUDGET_S = 120.0  # the longest a requeue is retried when no SIGTERM bounds it
 
 
 @dataclass(frozen=True)
 class RunResult:
-    """How one torchrun run ended, as seen from this node."""
+    """How one torchrun run ended, as seen from this node: facts only; `kind` names them."""
 
-    kind: str  # "finished" | "preempted" | "terminated" | "failed"
     returncode: int
-    saved_step: int | None  # the step saved after the signal, when kind is preempted/terminated
-    latest_before: int | None
-    latest_after: int | None
+    outcome: Outcome | None  # rank 0's record of what it did about a signal (None: no record)
+    latest_before: int | None  # the newest complete step before the run
+    latest_after: int | None  # ... and after it
+    warned: bool = False  # the warning signal was relayed to this run
+    stop: str | None = None  # "cancel" | "time_limit" | "interrupt": a SIGTERM/SIGINT, classified
 
     @property
     def progressed(self) -> bool:
         return self.latest_after is not None and (self.latest_before is None or self.latest_after > self.latest_before)
 
+    @property
+    def kind(self) -> str:
+        """finished | failed | preempted | terminated | save_failed | warned_without_save |
+        time_limit | cancelled | interrupted."""
+        if self.stop is not None:
+            return {"interrupt": "interrupted", "cancel": "cancelled", "time_limit": "time_limit"}[self.stop]
+        if self.outcome is not None:
+            if not self.outcome.committed:
+                return "save_failed"
+            return "preempted" if self.outcome.kind == "preempt" else "terminated"
+        if self.warned and self.returncode != 0:
+            return "save_failed"  # a crash (or a lost record) during the emergency save
+        if self.warned and not self.progressed:
+            return "warned_without_save"
+        return "finished" if self.returncode == 0 else "failed"
 
-def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_requeues: int,
-           failures_done: int, max_failures: int, previous_progressed: bool | None,
-           committed: bool) -> tuple[str, str]:
+    @property
+    def saved_step(self) -> int | None:
+        """The step this run's emergency save committed (None: none did)."""
+        return self.outcome.step if self.outcome is not None and self.outcome.committed else None
+
+    @property
+    def lost_steps(self) -> int | None:
+        """Steps the ranks had agreed to save that no complete checkpoint holds (a failed save)."""
+        if self.outcome is None or self.outcome.committed:
+            return None
+        return max(0, self.outcome.step - (self.latest_after or 0))
+
+
+def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_requeues: int | None,
+           failures_done: int, max_failures: int, previous_progressed: bool | None) -> tuple[str, str]:
     """Pure: what to do after a run. Returns (action, reason); action is one of
-    "finish", "requeue", "retry", "stop" (a clean exit without requeue), "give_up" (fail the job)."""
-    if result.kind == "finished":
+    "finish", "requeue", "retry", "stop" (a clean exit without requeue), "give_up" (fail the job).
+
+    One rule for every way a run can end elsewhere than at its last step without a user asking it
+    to stop (a committed preemption, a failed emergency save, the time limit): requeue and resume
+    from the newest complete checkpoint, if there is one. A user's stop (scancel, SIGTERM, Ctrl-C)
+    is never undone by a requeue."""
+    kind = result.kind
+    if kind == "finished":
+        if result.latest_after is None:
+            return "finish", "training finished, but no checkpoint was ever committed (no ckpt.step()/save() call?)"
         return "finish", "training finished"
-    if result.kind == "terminated":
-        return "stop", f"terminated (SIGTERM); saved step {result.saved_step}; not requeueing"
+    if kind in ("cancelled", "terminated", "interrupted"):
+        what = {"cancelled": "cancelled (SIGTERM, not the time limit)", "terminated": "terminated (SIGTERM)",
+                "interrupted": "interrupted (SIGINT)"}[kind]
+        saved = f"saved step {result.saved_step}" if result.saved_step is not None else "no new save"
+        return "stop", f"{what}; {saved}; not requeueing"
+    if kind == "warned_without_save":
+        return "give_up", ("the warning signal reached the script but it saved nothing (no ckpt.step() "
+                           "after it?): this run's work since the last checkpoint is lost")
+    if kind == "failed":
+        if failures_done < max_failures:
+            return "retry", (f"workers failed (exit {result.returncode}); retry {failures_done + 1} of "
+                             f"{max_failures} from the newest complete checkpoint")
+        return "give_up", f"workers failed (exit {result.returncode}) and --max-failures {max_failures} is used up"
+    why = _why(result)
+    if not first_node:
+        return "stop", f"{why}: the first node requeues the job"
+    if result.latest_after is None:
+        return "give_up", f"{why}, and there is no complete checkpoint to resume from"
+    if max_requeues is not None and requeues_done >= max_requeues:
+        return "give_up", f"{why}; after {requeues_done} requeues: --max-requeues {max_requeues} reached"
+    if not result.progressed and previous_progressed is False:
+        return "give_up", ("crash loop: no new committed step in two consecutive runs "
+                           f"(newest is still {result.latest_after})")
+    return "requeue", why
+
+
+def _why(result: RunResult) -> str:
     if result.kind == "preempted":
-        if not first_node:
-            return "stop", "preempted: the first node requeues the job"
-        if not committed:
-            return "give_up", f"warning signal handled but step {result.saved_step} has no commit marker"
-        if requeues_done >= max_requeues:
-            return "give_up", f"preempted after {requeues_done} requeues: --max-requeues {max_requeues} reached"
-        if not result.progressed and previous_progressed is False:
-            return "give_up", ("crash loop: no new committed step in two consecutive runs "
-                               f"(newest is still {result.latest_after})")
-        return "requeue", f"preempted at step {result.saved_step}, committed"
-    if failures_done < max_failures:
-        return "retry", (f"workers failed (exit {result.returncode}); retry {failures_done + 1} of "
-                         f"{max_failures} from the newest complete checkpoint")
-    return "give_up", f"workers failed (exit {result.returncode}) and --max-failures {max_failures} is used up"
+        return f"preempted at step {result.saved_step}, committed"
+    if result.kind == "time_limit":
+        return (f"time limit reached before a new commit; resuming from the newest complete checkpoint "
+                f"(step {result.latest_after})")
+    err = f" ({result.outcome.error})" if result.outcome is not None and result.outcome.error else ""
+    agreed = f" of step {result.outcome.step}" if result.outcome is not None else ""
+    lost = f", {result.lost_steps} step(s) lost" if result.lost_steps is not None else ""
+    return f"the emergency save{agreed} failed{err}; resuming from step {result.latest_after}{lost}"
+
+
+@dataclass(frozen=True)
+class JobClock:
+    """Slurm's facts about this job, read once at start (EndTime, KillWait), and the rule that
+    tells the time limit's SIGTERM from a cancel (`slurm.is_time_limit`)."""
+
+    job_id: str
+    end_time: float | None
+    kill_wait: float
+
+    @classmethod
+    def read(cls, job_id: str) -> JobClock:
+        times = slurm.job_times(job_id, START_QUERY_TIMEOUT_S)
+        return cls(job_id, times.end_time if times else None, slurm.kill_wait(START_QUERY_TIMEOUT_S))
+
+    def classify_term(self, at: float) -> str:
+        now = slurm.job_times(self.job_id, TERM_QUERY_TIMEOUT_S)
+        return "time_limit" if slurm.is_time_limit(now, self.end_time, at) else "cancel"
+
+    def requeue_deadline(self, relay: Relay, began: float) -> float:
+        """A time.time() by which the requeue must have worked: KillWait after a SIGTERM (Slurm
+        SIGKILLs us then; evaluated again before each attempt), else REQUEUE_BUDGET_S from `began`."""
+        if relay.term_at is not None:
+            return min(relay.term_at + self.kill_wait - 0.5, began + REQUEUE_BUDGET_S)
+        return began + REQUEUE_BUDGET_S
 
 
 def worker_pids(agent_pid: int) -> list[int]:
@@ -82,20 +174,27 @@ def worker_pids(agent_pid: int) -> list[int]:
 
 
 class Relay:
-    """Flag-only handlers in the launcher; `pump()` (normal code) forwards what arrived."""
+    """Flag-only handlers in the launcher (the warning, SIGTERM, SIGINT); `pump()`-style normal
+    code in `run_torchrun` forwards what arrived. Installed first thing, before any Slurm call."""
 
     def __init__(self, warn: signal.Signals) -> None:
         self.warn = warn
         self.pending: set[int] = set()
         self.seen: list[int] = []
+        self.term_at: float | None = None  # time.time() of the first SIGTERM
+        self.interrupts = 0
         self._previous: dict[int, Any] = {}
 
     def _handler(self, signum: int, frame: object) -> None:
         self.pending.add(signum)
         self.seen.append(signum)
+        if signum == signal.SIGTERM and self.term_at is None:
+            self.term_at = time.time()
+        if signum == signal.SIGINT:
+            self.interrupts += 1
 
     def install(self) -> None:
-        for s in {self.warn, signal.SIGTERM}:
+        for s in {self.warn, signal.SIGTERM, signal.SIGINT}:
             self._previous[s] = signal.signal(s, self._handler)
 
     def uninstall(self) -> None:
@@ -104,25 +203,38 @@ class Relay:
         self._previous.clear()
 
     def strongest(self) -> int | None:
+        """What the workers are told: the warning, else SIGTERM (for a SIGTERM or a SIGINT)."""
         if self.warn in self.pending:
             return self.warn
-        return signal.SIGTERM if signal.SIGTERM in self.pending else None
+        return signal.SIGTERM if self.pending & {signal.SIGTERM, signal.SIGINT} else None
 
 
-def _ignore_warning(sig: int) -> Any:
+def _child_setup(sig: int) -> Any:
     def preexec() -> None:
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, signal.SIG_IGN)  # the agent must survive the warning (see module doc)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     return preexec
 
 
 def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, warn: signal.Signals,
-                 relay: Relay, log_file: Any = None) -> RunResult:
-    """Start torchrun, relay signals to its workers until it exits, classify the outcome."""
+                 relay: Relay, log_file: Any = None, *, clock: JobClock | None = None,
+                 guardian: Guardian | None = None) -> RunResult:
+    """Start torchrun (own session, tracked by the guardian), relay signals to its workers until
+    it exits, classify the outcome. A SIGTERM is a cancel, or with a `clock` (Slurm) possibly the
+    time limit: then the run is not waited for beyond half of KillWait (no new commit can land
+    in time; the requeue that follows kills it)."""
     latest_before = _latest_step(root)
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_warning(warn), stdout=log_file, stderr=log_file)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup(warn), stdout=log_file, stderr=log_file,
+                            start_new_session=True)
+    tree = {proc.pid: start_time(proc.pid) or 0}
+    if guardian is not None:
+        guardian.track(proc.pid)
     last_sent = 0.0
     sent: int | None = None
+    stop: str | None = None
+    give_up_at: float | None = None
+    rc: int | None = None
     while True:
         try:
             rc = proc.wait(timeout=0.1)
@@ -136,22 +248,31 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
                 _kill(pid, sig)
             if pids:
                 if sig != sent:
-                    append_event(root, "signal_forwarded", signal=signal.Signals(sig).name, workers=len(pids),
+                    try_append_event(root, "signal_forwarded", signal=signal.Signals(sig).name, workers=len(pids),
                                  run_id=run_id)
                 sent, last_sent = sig, time.monotonic()
-    exit_event = _exit_event(root, run_id)
-    latest_after = _latest_step(root)
-    if exit_event is not None:
-        kind = "preempted" if exit_event.get("kind") == "preempt" else "terminated"
-        return RunResult(kind, rc, exit_event.get("step"), latest_before, latest_after)
-    if rc != 0 and relay.strongest() is not None and latest_after is not None and latest_after != latest_before:
-        # The workers saved after the signal but could not log it (event log on a full disk), so
-        # they exited non-zero (a clean exit would read as "finished"): the new marker is the proof.
-        kind = "preempted" if relay.strongest() == warn else "terminated"
-        return RunResult(kind, rc, latest_after, latest_before, latest_after)
-    if relay.strongest() == signal.SIGTERM:
-        return RunResult("terminated", rc, None, latest_before, latest_after)
-    return RunResult("finished" if rc == 0 else "failed", rc, None, latest_before, latest_after)
+        if stop is None:
+            stop = _classify_stop(relay, clock, root, run_id)
+            if stop == "time_limit" and clock is not None and relay.term_at is not None:
+                give_up_at = relay.term_at + clock.kill_wait / 2
+        if relay.interrupts >= 2:  # a second Ctrl-C: stop now, no save
+            kill_tree(tree)
+        if give_up_at is not None and time.time() > give_up_at:
+            rc = proc.poll()
+            break
+    return RunResult(rc if rc is not None else -1, read_outcome(root, run_id), latest_before, _latest_step(root),
+                     warned=warn in relay.pending, stop=stop)
+
+
+def _classify_stop(relay: Relay, clock: JobClock | None, root: Path, run_id: str) -> str | None:
+    if signal.SIGINT in relay.pending:
+        try_append_event(root, EV_INTERRUPTED, run_id=run_id)
+        return "interrupt"
+    if signal.SIGTERM in relay.pending and relay.term_at is not None:
+        stop = clock.classify_term(relay.term_at) if clock is not None else "cancel"
+        try_append_event(root, "sigterm", run_id=run_id, meaning=stop)
+        return stop
+    return None
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -164,25 +285,6 @@ def _kill(pid: int, sig: int) -> None:
 def _latest_step(root: Path) -> int | None:
     info = find_latest(root, warn=False)
     return info.step if info else None
-
-
-def _exit_event(root: Path, run_id: str) -> dict | None:
-    for ev in reversed(read_events(root)):
-        if ev.get("run_id") == run_id and ev["event"] == "exit_after_save":
-            return ev
-    return None
-
-
-def is_committed(root: Path, step: int | None) -> bool:
-    return step is not None and (root / step_dir_name(step) / MARKER).exists()
-
-
-def previous_progressed(root: Path, job_key: str) -> bool | None:
-    """Whether the previous run of this job (same job id, or same local session) progressed."""
-    for ev in reversed(read_events(root)):
-        if ev["event"] == "run_ended" and ev.get("job_key") == job_key:
-            return bool(ev.get("progressed"))
-    return None
 
 
 def run_id_for(job_key: str, restart: int, attempt: int) -> str:

@@ -12,16 +12,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import slurm
+from . import ownership, slurm
 from .config import JobSpec
-from .contract import ENV_MIRROR
-from .events import append_event
+from .contract import (
+    ENV_LAUNCHER_PID,
+    ENV_MIRROR,
+    ENV_OWNER,
+    ENV_RESTART,
+    ENV_ROOT,
+    ENV_RUN_ID,
+    ENV_SIGNAL,
+    EV_NO_CHECKPOINT,
+    EV_REQUEUE_FAILED,
+    EV_WARNED_WITHOUT_SAVE,
+    LAUNCHER_EXIT_REQUEUED,
+    LastRun,
+    read_last_run,
+    write_last_run,
+)
+from .errors import SlurmError
+from .events import try_append_event
+from .guardian import Guardian
 from .launcher import (
+    JobClock,
     Relay,
     RunResult,
     decide,
-    is_committed,
-    previous_progressed,
     run_id_for,
     run_torchrun,
     warn_signal,
@@ -53,11 +69,11 @@ def worker_env(spec: JobSpec, run_id: str, restart: int, extra: dict[str, str] |
     env = dict(os.environ)
     env.update(extra or {})
     env.update({
-        "SLURMRESUME_LAUNCHER_PID": str(os.getpid()),
-        "SLURMRESUME_CKPT_DIR": str(spec.ckpt_dir),
-        "SLURMRESUME_SIGNAL": spec.warning_signal,
-        "SLURMRESUME_RUN_ID": run_id,
-        "SLURMRESUME_RESTART_COUNT": str(restart),
+        ENV_LAUNCHER_PID: str(os.getpid()),
+        ENV_ROOT: str(spec.ckpt_dir),
+        ENV_SIGNAL: spec.warning_signal,
+        ENV_RUN_ID: run_id,
+        ENV_RESTART: str(restart),
         "PYTHONUNBUFFERED": "1",
     })
     if spec.mirror:
@@ -72,78 +88,134 @@ class NodeLauncher:
     spec: JobSpec
 
     def __call__(self) -> dict[str, Any]:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s slurmresume %(message)s")
-        job_id = os.environ.get("SLURM_JOB_ID", "0")
-        restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-        node_id = int(os.environ.get("SLURM_NODEID", "0"))
-        nnodes = int(os.environ.get("SLURM_NNODES", str(self.spec.nodes)))
-        endpoint = f"{_first_node_addr()}:{rdzv_port(job_id, self.spec.rdzv_port)}"
-        cmd = torchrun_command(self.spec, nnodes=nnodes, endpoint=endpoint, rdzv_id=job_id)
-        return _loop(self.spec, cmd, job_key=f"slurm-{job_id}", restart=restart, first_node=node_id == 0,
-                     local=False, extra={"node": node_id, "nodes": nnodes, "job": job_id})
+        # First, before any Slurm call: a warning that lands during start-up must find our
+        # handler (its default action would kill this process, and the job with it).
+        relay = Relay(warn_signal(self.spec.signal))
+        relay.install()
+        try:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s slurmresume %(message)s")
+            job_id = os.environ.get("SLURM_JOB_ID", "0")
+            restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+            node_id = int(os.environ.get("SLURM_NODEID", "0"))
+            nnodes = int(os.environ.get("SLURM_NNODES", str(self.spec.nodes)))
+            clock = JobClock.read(job_id)
+            endpoint = f"{_first_node_addr()}:{rdzv_port(job_id, self.spec.rdzv_port)}"
+            cmd = torchrun_command(self.spec, nnodes=nnodes, endpoint=endpoint, rdzv_id=job_id)
+            return _loop(self.spec, cmd, relay, job_key=f"slurm-{job_id}", restart=restart,
+                         first_node=node_id == 0, clock=clock, extra={"node": node_id, "nodes": nnodes, "job": job_id})
+        finally:
+            relay.uninstall()
 
 
-def run_local(spec: JobSpec, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_local(spec: JobSpec, env: dict[str, str] | None = None, *, takeover: bool = False) -> dict[str, Any]:
     """`submit --local`: the same launcher and torchrun on this machine; a preemption restarts the
-    run from the newest complete checkpoint, as Slurm's requeue would."""
-    cmd = torchrun_command(spec, nnodes=1, endpoint=None, rdzv_id="local")
-    key = f"local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return _loop(spec, cmd, job_key=key, restart=0, first_node=True,
-                 local=True, extra={"node": 0, "nodes": 1, "job": "local"}, env=env)
-
-
-def _loop(spec: JobSpec, cmd: list[str], *, job_key: str, restart: int, first_node: bool, local: bool,
-          extra: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
-    root = spec.ckpt_dir
-    warn = warn_signal(spec.signal)
-    relay = Relay(warn)
+    run from the newest complete checkpoint, as Slurm's requeue would (each restart with a fresh
+    `--max-failures` budget, as a requeued job has). SIGTERM and Ctrl-C (SIGINT) are a best-effort
+    save and a stop; a second Ctrl-C kills the run at once. `takeover`: take the root's lease
+    from an owner that is provably gone (ownership.py)."""
+    relay = Relay(warn_signal(spec.signal))
     relay.install()
-    failures = 0
     try:
+        cmd = torchrun_command(spec, nnodes=1, endpoint=None, rdzv_id="local")
+        key = f"local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        return _loop(spec, cmd, relay, job_key=key, restart=0, first_node=True, clock=None,
+                     extra={"node": 0, "nodes": 1, "job": "local"}, env=env, takeover=takeover)
+    finally:
+        relay.uninstall()
+
+
+def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart: int, first_node: bool,
+          clock: JobClock | None, extra: dict[str, Any], env: dict[str, str] | None = None,
+          takeover: bool = False) -> dict[str, Any]:
+    root = spec.ckpt_dir
+    # One owner per root: the first node holds the lease (job key = owner id, so every requeue of
+    # a Slurm job and every local restart is the same owner); the ranks check it ($SLURMRESUME_OWNER).
+    env = {**(env or {}), ENV_OWNER: job_key}
+    lease = None
+    local = clock is None
+    failures = 0
+    guardian = Guardian()
+    try:
+        lease = ownership.hold(root, job_key, takeover=takeover) if first_node else None
         while True:
             run_id = run_id_for(job_key, restart, failures)
-            append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local, **extra)
+            try_append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local, **extra)
             log.info("run %s: %s", run_id, " ".join(cmd))
-            result = run_torchrun(cmd, worker_env(spec, run_id, restart, env), root, run_id, warn, relay)
+            result = run_torchrun(cmd, worker_env(spec, run_id, restart, env), root, run_id, relay.warn, relay,
+                                  clock=clock, guardian=guardian)
+            last = read_last_run(root, job_key)
             action, reason = decide(result, first_node=first_node, requeues_done=restart,
                                     max_requeues=spec.max_requeues, failures_done=failures,
                                     max_failures=spec.max_failures,
-                                    previous_progressed=previous_progressed(root, job_key),
-                                    committed=is_committed(root, result.saved_step))
+                                    previous_progressed=last.progressed if last is not None else None)
             _record(root, result, action, reason, run_id, job_key, restart, first_node)
             log.info("run %s ended %s: %s -> %s", run_id, result.kind, reason, action)
-            if action == "finish" or action == "stop":
-                return {"action": action, "reason": reason, "restarts": restart, "step": result.latest_after}
+            if lease is not None and action in ("finish", "stop", "give_up"):
+                lease.release()  # the job will not come back: the root is free
+            if action in ("finish", "stop"):
+                return {"action": action, "reason": reason, "restarts": restart, "step": result.latest_after,
+                        "kind": result.kind}
             if action == "give_up":
                 raise SystemExit(f"slurmresume: giving up: {reason}")
             if action == "retry":
                 failures += 1
                 continue
-            relay.pending.clear()
             restart += 1
-            if not local:
-                append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason)
-                sys.stdout.flush()
-                slurm.requeue(extra["job"])  # kills this allocation: everything is committed
-                time.sleep(300)  # never reach a clean exit that Slurm could mistake for COMPLETED
-                raise SystemExit("slurmresume: requeue did not stop this job")
-            append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, local=True)
+            if local:
+                try_append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, local=True)
+                relay.pending.clear()
+                failures = 0  # a requeued Slurm job starts with a fresh budget too
+                continue
+            assert clock is not None
+            _requeue(root, clock, relay, extra["job"], restart, job_key, reason)
     finally:
-        relay.uninstall()
+        guardian.close()
+        if lease is not None:
+            lease.stop()
+
+
+def _requeue(root: Path, clock: JobClock, relay: Relay, job: str, restart: int, job_key: str, reason: str) -> None:
+    """`scontrol requeue`, retried until KillWait after a SIGTERM (or REQUEUE_BUDGET_S); logged
+    only once it worked; then exit at once (the job is REQUEUED: no clean exit, no sleep)."""
+    began = time.time()
+    sys.stdout.flush()
+    try:
+        errors = slurm.requeue_with_retry(job, lambda: clock.requeue_deadline(relay, began), clock=time.time)
+    except SlurmError as exc:
+        try_append_event(root, EV_REQUEUE_FAILED, restart=restart, job_key=job_key, error=str(exc),
+                         seconds=round(time.time() - began, 2))
+        raise SystemExit(f"slurmresume: the requeue failed, the job ends here: {exc}") from None
+    try_append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, attempts=len(errors) + 1,
+                     errors=errors or None)
+    log.info("requeued (%d attempt(s)); exiting", len(errors) + 1)
+    raise SystemExit(LAUNCHER_EXIT_REQUEUED)
 
 
 def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str, job_key: str,
             restart: int, first_node: bool) -> None:
     if not first_node and action == "stop":
         return
-    append_event(root, "run_ended", run_id=run_id, job_key=job_key, restart=restart, outcome=result.kind,
-                 returncode=result.returncode, saved_step=result.saved_step, latest=result.latest_after,
-                 progressed=result.progressed, action=action, reason=reason)
+    try_append_event(root, "run_ended", run_id=run_id, job_key=job_key, restart=restart, outcome=result.kind,
+                     returncode=result.returncode, saved_step=result.saved_step, latest=result.latest_after,
+                     progressed=result.progressed, lost_steps=result.lost_steps, action=action, reason=reason)
+    try:
+        write_last_run(root, LastRun(job_key, run_id, result.kind, action, result.progressed, result.latest_after,
+                                     result.lost_steps))
+    except OSError as exc:
+        log.warning("could not write the run record under %s: %s", root, exc)
+    loud = None
+    if result.kind == "warned_without_save":
+        loud = EV_WARNED_WITHOUT_SAVE
+    elif action == "finish" and result.latest_after is None:
+        loud = EV_NO_CHECKPOINT
+    if loud:
+        try_append_event(root, loud, run_id=run_id, job_key=job_key, reason=reason)
+        print(f"slurmresume: WARNING: {reason}", file=sys.stderr, flush=True)
     terminal = {"finish": "finished", "give_up": "gave_up", "stop": "stopped"}.get(action)
     if terminal:
-        append_event(root, terminal, reason=reason, step=result.latest_after, job_key=job_key)
+        try_append_event(root, terminal, reason=reason, step=result.latest_after, job_key=job_key)
     if result.kind == "failed":
-        append_event(root, "failed", returncode=result.returncode, job_key=job_key, reason=reason)
+        try_append_event(root, "failed", returncode=result.returncode, job_key=job_key, reason=reason)
 
 
 def _first_node_addr() -> str:

@@ -181,6 +181,17 @@ class SaveScheduler:
             self._costs.append(float(seconds_taken))
         self._last_save_end = self.clock()
 
+    def started(self, step: int) -> None:
+        """An (async) save of `step` has begun: not due again, and the seconds timer restarts
+        now, so no step is due by the clock while its write runs; `saved()` follows on commit."""
+        self._saved.add(step)
+        self._last_save_end = self.clock()
+
+    def failed(self) -> None:
+        """A due save failed (and the run goes on): try again after another interval, not at
+        every step."""
+        self._last_save_end = self.clock()
+
     def restored(self, step: int) -> None:
         """Record that `step` is on disk already (restored from it): not due again."""
         self._saved.add(step)

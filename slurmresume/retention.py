@@ -8,9 +8,15 @@ Rules, each answering a failure seen elsewhere (PITFALLS.md, "Commits and retent
   directory that changed less than `young_threshold` seconds ago.
 - Incomplete or corrupt directories are removed only when `remove_incomplete_older_than` is set,
   and only once idle for that long (and for `young_threshold`).
-- Deletion is one rename (`commit.move_aside`) then rmtree, so a kill never leaves a directory
-  that looks complete but misses files. The shell re-lists and re-plans under the root lock,
-  and the rules above keep it safe where that lock does nothing (NFS, Lustre `localflock`).
+- Deletion is one rename (`commit.hide`) then rmtree, so a kill never leaves a directory
+  that looks complete but misses files. The shell plans WITHOUT the root lock (a scan of
+  thousands of directories must not hold up a commit), then takes the lock only for the
+  renames, re-checking each victim just before its rename; the files are removed after the
+  lock is released. The rules above keep it safe where that lock does nothing (NFS, Lustre
+  `localflock`).
+- A save's private `.saving.step_N.<token>/` directory (checkpoint/commit.py) left behind by a
+  killed save is an incomplete record like any other: removed only when asked, once idle and
+  its writer is not running.
 """
 
 from __future__ import annotations
@@ -25,18 +31,18 @@ import shutil
 import socket
 import stat
 import time
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from filelock import Timeout
 
-from .checkpoint.commit import move_aside, root_lock
+from .checkpoint.commit import hide, root_lock
 from .checkpoint.jsonenc import decode
-from .checkpoint.layout import DELETING_PREFIX, INPROGRESS, LOCK
+from .checkpoint.layout import DELETING_PREFIX, INPROGRESS, LOCK, SAVING_PREFIX, saving_dirs
 from .checkpoint.store import CheckpointInfo, inspect_dir, list_checkpoints
 from .duration import format_duration
 from .errors import CheckpointError, ConfigError, SlurmResumeError, UnsafeCheckpointError
@@ -216,8 +222,18 @@ class PruneResult:
 
 
 def scan(root: Path) -> list[CheckpointRecord]:
-    """Records for every step directory under `root` (reads the filesystem; never deletes)."""
-    return [record_from_info(info) for info in list_checkpoints(Path(root))]
+    """Records for every step directory under `root`, and for every save directory left behind
+    (`.saving.*`, never complete: only a commit's rename makes a step). Never deletes."""
+    records = [record_from_info(info) for info in list_checkpoints(Path(root))]
+    return records + [_record(Path(root), step, path.name) for step, path in saving_dirs(Path(root))]
+
+
+def _record(root: Path, step: int, name: str) -> CheckpointRecord:
+    """The record of one entry; a `.saving.*` directory is never complete (it is not a step)."""
+    record = record_from_info(inspect_dir(step, root / name))
+    if name.startswith(SAVING_PREFIX) and record.complete:
+        record = replace(record, complete=False, mtime=_last_activity(root / name))
+    return record
 
 
 def record_from_info(info: CheckpointInfo) -> CheckpointRecord:
@@ -306,43 +322,62 @@ def _refuse_odd_lock(path: Path) -> None:
 
 
 def execute(root: Path, policy: RetentionPolicy, approved: Collection[str] | None = None, *,
-            lock_timeout: float = 30.0, now: float | None = None) -> PruneResult:
-    """Delete per `policy`. Under the root lock: re-list and re-plan; remove what that plan
-    deletes and `approved` allows (the names the user saw; None: all), re-checking each
-    incomplete one just before its rename; then remove leftover `.deleting.*` entries.
-    Raises CheckpointError (lock busy, lock not a plain file) before deleting anything, or
-    naming what was deleted when a rename fails. One process only (rank 0)."""
+            lock_timeout: float = 30.0, now: float | None = None,
+            progress: Callable[[int, int], None] | None = None) -> PruneResult:
+    """Delete per `policy`. The plan is made WITHOUT the root lock (a scan can be slow; a commit
+    must not wait behind it); then, under the lock and only for the renames, each victim that the
+    plan deletes and `approved` allows (the names the user saw; None: all) is re-checked and
+    renamed away; the files are removed, and leftover `.deleting.*` entries cleaned, after the
+    lock is released. Raises CheckpointError (lock busy, lock not a plain file) before deleting
+    anything, or naming what was deleted when a rename fails. One process only (rank 0)."""
     root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"checkpoint root {root} does not exist or is not a directory")
+    plan = plan_prune(scan(root), policy, time.time() if now is None else now)
+    result = PruneResult(plan)
+    chosen = {r.name for r in plan.delete}
+    for name in sorted(set(approved or ()) - chosen):
+        result.skipped.append((name, "kept by the plan"))
+    victims = [r for r in plan.delete if approved is None or r.name in approved]
+    hidden: list[Path] = []
     with locked(root, lock_timeout):
-        plan = plan_prune(scan(root), policy, time.time() if now is None else now)
-        result = PruneResult(plan)
-        chosen = {r.name for r in plan.delete}
-        for name in sorted(set(approved or ()) - chosen):
-            result.skipped.append((name, "kept by the plan re-made under the lock"))
-        for r in plan.delete:
-            if approved is not None and r.name not in approved:
-                continue
-            why = _still_deletable(root, r, policy, now)
+        for i, r in enumerate(victims, 1):
+            if progress is not None:
+                progress(i, len(victims))
+            why = _still_deletable(root, r, plan, policy, now)
             if why is not None:
                 result.skipped.append((r.name, why))
                 continue
             try:
-                move_aside(root / r.name, "prune")
+                hidden.append(hide(root / r.name, "prune"))
+            except FileNotFoundError:  # gone since the plan (a save published it): nothing to do
+                result.skipped.append((r.name, "vanished since the plan"))
+                continue
             except OSError as exc:
                 done = f" after deleting {', '.join(result.deleted)}" if result.deleted else ""
                 raise CheckpointError(f"cannot delete {root / r.name}: {exc.strerror}{done}; "
                                       "the rest is untouched") from None
             result.deleted.append(r.name)
-        result.cleaned = clean_leftovers(root)
+    for path in hidden:
+        shutil.rmtree(path, ignore_errors=True)
+    result.cleaned = clean_leftovers(root)
     return result
 
 
-def _still_deletable(root: Path, r: CheckpointRecord, policy: RetentionPolicy, now: float | None) -> str | None:
-    """None when `r` may go now; else why not. Incomplete directories are looked at again
-    right before the rename: a writer may have started or resumed in one since the scan."""
+def _still_deletable(root: Path, r: CheckpointRecord, plan: PrunePlan, policy: RetentionPolicy,
+                     now: float | None) -> str | None:
+    """None when `r` may go now (called under the lock, right before its rename); else why not.
+    A complete victim goes only while the plan's newest (and best) are still complete: another
+    prune or a user may have removed them since the plan was made. Incomplete directories are
+    looked at again: a writer may have started or resumed in one since the scan."""
     if r.complete:
+        for keeper in (plan.newest, plan.best):
+            if keeper is not None and not inspect_dir(keeper.step, root / keeper.name).complete:
+                return f"{keeper.name}, kept by the plan, is no longer complete: run prune again"
         return None  # committed directories never change, and newer ones only add protection
-    fresh = record_from_info(inspect_dir(r.step, root / r.name))
+    if not os.path.lexists(root / r.name):
+        return "removed since the plan was made"
+    fresh = _record(root, r.step, r.name)
     if fresh.complete:
         return "committed since the plan was made"
     delete, why = _incomplete_reasons(fresh, policy, time.time() if now is None else now)

@@ -6,6 +6,10 @@
     schema        "slurmresume.status/1"
     root, now     checkpoint root (str), time of the snapshot (epoch seconds)
     health        "ok" | "warning" | "error";  problems, warnings: [str] saying why
+    verdict       the headline (health.judge): {verdict: "healthy"|"starting"|"finished"|"at_risk"
+                   |"stopped", reason, exit_code (what `status` exits with), last_step,
+                   last_step_time, steps_per_second, eta_s, total_steps, checkpoint_step,
+                   checkpoint_time, at_stake_s, at_stake_steps}; null: not known yet
     slurm         {available: bool, note: str|null}
     job           {job_id, state, reason, elapsed, exit_code, source: "squeue"|"sacct"|null,
                    runs: int (Slurm runs of the job, requeues included; 0 unknown)}
@@ -35,15 +39,23 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import slurm
 from .checkpoint.layout import LOCK, step_dirs
-from .checkpoint.store import CheckpointInfo, check_checksums, inspect_dir, list_checkpoints
+from .checkpoint.store import (
+    UNREADABLE,
+    CheckpointInfo,
+    check_checksums,
+    inspect_dir,
+    list_checkpoints,
+)
 from .errors import ConfigError, SlurmError
 from .events import read_events
+from .health import Headline, judge
 from .policy import IntervalSummary, interval_summary
 from .retention import best_record, metric_names, metric_value, record_from_info
 from .slurm import parse_sacct, parse_squeue
@@ -105,6 +117,7 @@ class Status:
     warnings: list[str] = field(default_factory=list)
     interval: IntervalSummary | None = None
     omitted: int = 0
+    verdict: Headline | None = None
 
     @property
     def health(self) -> str:
@@ -112,6 +125,8 @@ class Status:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        if self.verdict is not None:
+            data["verdict"]["exit_code"] = self.verdict.exit_code
         if data["interval"] is None:
             del data["interval"]
         if not data["omitted"]:
@@ -149,7 +164,7 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
         raise ConfigError(f"--mode must be 'min' or 'max', got {mode!r}")
     now = time.time() if now is None else now
     events = read_events(root)
-    job_id = job_id or next((str(e["job_id"]) for e in reversed(events) if e.get("job_id")), None)
+    job_id = job_id or _logged_job_id(events)
     job, slurm_note = query_job(job_id)
     limit = None if (best_metric or verify) else rows_limit
     rows, best, omitted = _checkpoint_rows(root, best_metric, mode, verify, now, limit)
@@ -160,9 +175,22 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
     newest = next((r.step for r in rows if r.newest), None)
     status = Status(str(root), now, job, {"available": slurm_note != SLURM_NOT_FOUND, "note": slurm_note},
                     requeues, counts, events[-history_limit:] if history_limit else [], rows, newest, best,
-                    interval=interval_summary(events) if with_interval else None)
+                    interval=interval_summary(events) if with_interval else None, omitted=omitted)
     _judge(status, root, events)
+    iv = status.interval or interval_summary(events)
+    status.verdict = judge(events, rows, slurm_state=job.state, job_id=job.job_id, interval_s=iv.current_s,
+                           problems=status.problems, now=now)
     return status
+
+
+def _logged_job_id(events: list[dict[str, Any]]) -> str | None:
+    """The newest Slurm job id in the log: a run's own `job_id`, or the `job` that `submit`
+    recorded (logged from a login node, where SLURM_JOB_ID is unset)."""
+    for e in reversed(events):
+        for key in ("job_id", "job"):
+            if e.get(key) and str(e[key]).replace("_", "").isdigit():
+                return str(e[key])
+    return None
 
 
 def query_job(job_id: str | None) -> tuple[JobInfo, str | None]:
@@ -233,6 +261,7 @@ def _checkpoint_rows(root: Path, best_metric: str | None, mode: str, verify: boo
 
 def _row(info: CheckpointInfo, rec: Any, verify: bool, now: float) -> CheckpointRow:
     state = ("complete" if info.complete else "corrupt" if info.has_marker
+             else "unreadable" if (info.problem or "").startswith(UNREADABLE)
              else "being_written" if rec.in_progress else "incomplete")
     verified, problem = None, info.problem
     if verify and info.complete and info.manifest is not None:
@@ -257,6 +286,9 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
             p.append(f"checkpoint {row.path} is corrupt: {row.problem}")
     if status.newest_complete is None:
         w.append(f"no complete checkpoint under {root} yet")
+    for row in status.checkpoints:
+        if row.state == "unreadable":
+            w.append(f"{row.name} is {row.problem}; skipped")
     leftovers = [r.name for r in status.checkpoints if r.state == "incomplete"]
     if leftovers:
         w.append(f"{len(leftovers)} incomplete director{'y' if len(leftovers) == 1 else 'ies'} "
@@ -291,7 +323,8 @@ class VerifyResult:
     problems: list[str]
 
 
-def verify_checkpoints(root: Path, step: int | None = None, every: bool = False) -> list[VerifyResult]:
+def verify_checkpoints(root: Path, step: int | None = None, every: bool = False,
+                       progress: Callable[[int, int], None] | None = None) -> list[VerifyResult]:
     """Recompute shard checksums: of `step`, of every marked directory (`every`), or of the
     newest complete one. Each problem names the bad file. Raises NoCheckpointError /
     ConfigError when there is nothing to verify."""
@@ -303,7 +336,7 @@ def verify_checkpoints(root: Path, step: int | None = None, every: bool = False)
     if not root.is_dir():
         raise ConfigError(f"checkpoint root {root} does not exist: pass --ckpt-dir or set SLURMRESUME_CKPT_DIR")
     if every:
-        infos = [i for i in list_checkpoints(root) if i.has_marker]
+        infos = [i for i in list_checkpoints(root) if i.has_marker or (i.problem or "").startswith(UNREADABLE)]
     elif step is not None:
         infos = [inspect_dir(step, root / step_dir_name(step))]
         if not infos[0].path.is_dir():
@@ -315,11 +348,17 @@ def verify_checkpoints(root: Path, step: int | None = None, every: bool = False)
         infos = [latest] if latest is not None else []
     if not infos:
         raise NoCheckpointError(f"no complete checkpoint under {root} to verify")
-    return [_verify_one(i) for i in infos]
+    out = []
+    for done, info in enumerate(infos, 1):
+        out.append(_verify_one(info))
+        if progress is not None:
+            progress(done, len(infos))
+    return out
 
 
 def _verify_one(info: CheckpointInfo) -> VerifyResult:
     if info.manifest is None:
-        return VerifyResult(info.step, str(info.path), False, [info.problem or "unreadable manifest"])
+        return VerifyResult(info.step, str(info.path), False,
+                            [f"{info.path.name}: {info.problem or 'unreadable manifest'}"])
     problems = check_checksums(info.path, info.manifest)
     return VerifyResult(info.step, str(info.path), not problems, problems)

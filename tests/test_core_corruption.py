@@ -36,7 +36,7 @@ from helpers.core import (
     tiny_state,
 )
 
-from slurmresume import Checkpointer, CorruptCheckpointError, UnsafeCheckpointError
+from slurmresume import Checkpointer, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from slurmresume.checkpoint.layout import MANIFEST, MARKER
 from slurmresume.checkpoint.manifest import MAX_MANIFEST, read_manifest
 from slurmresume.checkpoint.shard import load_tensors, read_header
@@ -148,7 +148,10 @@ def test_missing_or_garbage_marker(root: Path) -> None:
     assert "commit marker" in inspect_dir(2, step_dir(root, 2)).problem
     (step_dir(root, 1) / MARKER).unlink()
     assert not inspect_dir(1, step_dir(root, 1)).complete
-    assert restore_fresh(root)[0] == 0  # nothing usable: fresh start
+    # nothing usable, but step 2 was committed once: no silent fresh start (issue #13, item 6)
+    with pytest.raises(CheckpointError, match="refusing a fresh start.*allow_fresh_start=True"):
+        restore_fresh(root)
+    assert restore_fresh(root, allow_fresh_start=True)[0] == 0  # asked for: fresh start
 
 
 def test_corrupt_committed_step_is_rewritten_by_a_later_save(root: Path) -> None:
@@ -160,8 +163,11 @@ def test_corrupt_committed_step_is_rewritten_by_a_later_save(root: Path) -> None
     assert ckpt.save(2, tiny_state(2)) == step_dir(root, 2)
     assert inspect_dir(2, step_dir(root, 2), verify=True).verified
     assert restore_fresh(root)[0] == 2
-    # an intact committed step is still skipped (idempotent final/emergency saves)
-    assert ckpt.save(2, tiny_state(2)) is None
+    # an intact committed step holding this very state is skipped (idempotent final saves); the
+    # RNG states are state too: building tiny_state drew from torch's, so save once more first
+    state = tiny_state(2)
+    ckpt.save(2, state)
+    assert ckpt.save(2, state) is None
 
 
 # -- hostile manifests --------------------------------------------------------------------------
@@ -327,8 +333,11 @@ def test_hostile_checkpoint_is_refused(root: Path, case: str, previous: bool,
     with deadline(10), record_opens() as opened:
         exc = _refusal(root)
         info = inspect_dir(2, step_dir(root, 2), verify=True)
-        step, state = restore_fresh(root)
+        step, state = restore_fresh(root, allow_fresh_start=not previous)
 
+    if not previous:  # a committed (hostile) step 2 and nothing loads: no silent fresh start
+        with pytest.raises(CheckpointError, match="refusing a fresh start"):
+            restore_fresh(root)
     assert isinstance(exc, error), (case, exc)
     assert message in str(exc), str(exc)
     assert "\n" not in str(exc)
@@ -363,8 +372,9 @@ def test_validate_skeleton() -> None:
 
 
 def test_damaged_rng_state_falls_back_without_verify(root: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Zeroed torch RNG bytes (sizes intact, no checksum pass) are refused while nothing has been
-    restored yet: the default restore falls back to step 1 instead of raising half-way."""
+    """Zeroed torch RNG bytes (sizes intact, no separate checksum pass) are refused while nothing
+    has been restored yet: the default restore falls back to step 1 instead of raising half-way.
+    The per-block digests catch it as it is read."""
     path = shard(root, 2)
     header, start = read_header(step_dir(root, 2), path.name, path.stat().st_size)
     name = next(n for n in header if n.endswith("torch_cpu"))
@@ -375,7 +385,7 @@ def test_damaged_rng_state_falls_back_without_verify(root: Path, caplog: pytest.
     with caplog.at_level(logging.WARNING, logger="slurmresume"):
         step, state = restore_fresh(root)
     assert step == 1 and model_equal(state["model"], tiny_model(1))
-    assert any("RNG state is damaged" in r.getMessage() for r in caplog.records)
+    assert any("torch_cpu' fails its checksum" in r.getMessage() for r in caplog.records)
 
 
 def test_a_model_that_does_not_fit_is_refused_before_anything_loads(root: Path) -> None:

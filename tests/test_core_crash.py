@@ -1,6 +1,7 @@
-"""A process SIGKILLed in the middle of its 2nd save (before the commit marker is renamed into
-place): restore skips the partial directory, naming it in a warning, and loads the previous
-complete checkpoint; saving that step again later replaces the partial directory.
+"""A process SIGKILLed in the middle of its 2nd save (before that save's directory is published
+as step_000000002): restore never sees the partial save (it lives in the save's own hidden
+`.saving.*` directory) and loads the previous complete checkpoint; saving that step again later
+publishes a complete step 2; the killed save's directory is removed by the next prune that asks.
 
 The kills go through the test-only fault seam of slurmresume/checkpoint/fsio.py
 (SLURMRESUME_TEST_KILL_AT="label:N"). The label list is checked against a trace of a real save
@@ -18,19 +19,25 @@ import pytest
 from helpers.core import model_equal, restore_fresh, save_steps, step_dir, tiny_model
 from helpers.procs import HELPERS, check, clean_env, run_python
 
-from slurmresume.checkpoint.layout import INPROGRESS, MANIFEST, MARKER, shard_name
+from slurmresume.checkpoint.layout import INPROGRESS, MANIFEST, MARKER, saving_dirs, shard_name
 from slurmresume.checkpoint.store import find_latest, inspect_dir, list_checkpoints
+from slurmresume.retention import RetentionPolicy, execute
 
-# Every label a save crosses before (and including) the marker rename, in order.
+# Every label a save crosses before (and including) the rename that publishes it, in order.
 KILL_LABELS = [
     "write.inprogress", "fsync.inprogress", "rename.inprogress", "fsyncdir.inprogress",
     "fsyncdir.root", "write.shard.header", "write.shard.data", "fsync.shard", "rename.shard",
     "fsyncdir.step", "write.manifest", "fsync.manifest", "rename.manifest", "fsyncdir.manifest",
-    "write.marker", "fsync.marker", "rename.marker",
+    "write.marker", "fsync.marker", "rename.marker", "fsyncdir.marker", "unlink.inprogress",
+    "rename.publish",
 ]
+# Labels after which the save's own directory already holds its marker (still unpublished).
+AFTER_MARKER = {"fsyncdir.marker", "unlink.inprogress", "rename.publish"}
 # (label, which crossing within the 2nd save): also the last data write of the tensor stream
-# (the same as the first when the writer needs only one write for this small shard).
-CASES: list[tuple[str, int | str]] = [(label, 1) for label in KILL_LABELS] + [("write.shard.data", "last")]
+# (the same as the first when the writer needs only one write for this small shard), and the
+# directory fsync after the marker (the 2nd crossing of fsyncdir.step).
+CASES: list[tuple[str, int | str]] = ([(label, 1) for label in KILL_LABELS]
+                                      + [("write.shard.data", "last"), ("fsyncdir.step", 2)])
 
 
 def _split_saves(trace: list[str]) -> list[list[str]]:
@@ -38,7 +45,8 @@ def _split_saves(trace: list[str]) -> list[list[str]]:
     for label in trace:
         if label == "write.inprogress":
             saves.append([])
-        saves[-1].append(label)
+        if saves:  # labels before the first save (the root's lease) are not part of a save
+            saves[-1].append(label)
     return saves
 
 
@@ -66,11 +74,11 @@ def _nth(first_save: list[str], label: str, k: int | str) -> int:
 
 def test_kill_labels_cover_every_step_before_the_marker(traced_save: list[list[str]]) -> None:
     first = traced_save[0]
-    upto = first[: first.index("rename.marker") + 1]
+    upto = first[: first.index("rename.publish") + 1]
     assert list(dict.fromkeys(upto)) == KILL_LABELS
-    # and after the marker rename only clean-up / directory fsyncs remain
-    assert set(first[first.index("rename.marker") + 1:]) <= {"fsyncdir.marker", "unlink.inprogress",
-                                                             "fsyncdir.step", "fsyncdir.root"}
+    assert upto.count("fsyncdir.step") == 2
+    # and after the publishing rename only the root's fsync remains
+    assert first[first.index("rename.publish") + 1:] == ["fsyncdir.root"]
 
 
 @pytest.fixture(scope="module")
@@ -98,46 +106,52 @@ def test_kill_mid_save_falls_back_then_resave_replaces(
     assert r["signal"] == signal.SIGKILL, r
     assert "saved 1" in r["stdout"] and "saved 2" not in r["stdout"], r["stdout"]
 
-    partial = step_dir(root, 2)
-    assert partial.is_dir(), "the kill came before step_000000002/ existed?"
-    assert not (partial / MARKER).exists()
-    assert (partial / INPROGRESS).exists() or label.endswith("inprogress")
-    infos = {i.step: i for i in list_checkpoints(root)}
-    assert infos[1].complete and not infos[2].complete
+    assert not step_dir(root, 2).exists(), "an unpublished save is visible as step 2"
+    [(step2, partial)] = saving_dirs(root)
+    assert step2 == 2 and partial.name.startswith(".saving.step_000000002.")
+    assert (partial / MARKER).exists() == (label in AFTER_MARKER or (label, k) == ("fsyncdir.step", 2))
+    after_note = label.endswith("inprogress") or label == "rename.publish" or (label, k) == ("fsyncdir.step", 2)
+    assert (partial / INPROGRESS).exists() or after_note
+    assert [i.step for i in list_checkpoints(root)] == [1]
 
     caplog.set_level(logging.WARNING, logger="slurmresume")
     step, state = restore_fresh(root)
     assert step == 1
     assert model_equal(state["model"], tiny_model(1))
     assert state["step"] == 1 and state["extra"] == {"tag": "s1", "ints": (1, 2, 1)}
-    warned = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING]
-    assert any(str(partial) in m for m in warned), warned
 
-    # A later save of the same step (a fresh, healthy process) replaces the partial directory.
+    # A later save of the same step (a fresh, healthy process) publishes a complete step 2 and
+    # leaves the killed save's directory alone.
     caplog.clear()
     assert save_steps(root, [2]).last_saved_step == 2
-    assert sorted(os.listdir(partial)) == sorted([MARKER, MANIFEST, shard_name(0, 1)])
+    assert sorted(os.listdir(step_dir(root, 2))) == sorted([MARKER, MANIFEST, shard_name(0, 1)])
     assert [p.name for p in root.iterdir() if p.name.startswith(".deleting.")] == []
-    info = inspect_dir(2, partial, verify=True)
+    assert saving_dirs(root) == [(2, partial)]
+    info = inspect_dir(2, step_dir(root, 2), verify=True)
     assert info.complete and info.verified, info.problem
     step, state = restore_fresh(root)
     assert step == 2 and model_equal(state["model"], tiny_model(2))
     assert find_latest(root, verify=True).step == 2
     assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING]
+    # The killed writer is gone: a prune that asks removes its directory, and nothing else.
+    done = execute(root, RetentionPolicy(keep=5, remove_incomplete_older_than=0, young_threshold=0))
+    assert done.deleted == [partial.name] and saving_dirs(root) == []
+    assert [i.step for i in list_checkpoints(root) if i.complete] == [2, 1]
 
 
 def test_kill_in_a_fresh_process_via_environment(tmp_path: Path, traced_save: list[list[str]]) -> None:
     """The seam as documented: armed by the environment of a new process, read at import.
     Killed right before the marker rename: every other file of step 2 is durable already."""
-    label = "rename.marker"
+    label = "rename.publish"
     root = tmp_path / "root"
     env = clean_env(SLURMRESUME_TEST_KILL_AT=f"{label}:{_nth(traced_save[0], label, 1)}")
     proc = run_python([HELPERS / "save_steps.py", root, 1, 2], env=env)
     check(proc, -signal.SIGKILL)
     assert proc.stdout.split() == ["saved", "1"]
     assert find_latest(root).step == 1
-    assert not (step_dir(root, 2) / MARKER).exists()
-    assert (step_dir(root, 2) / MANIFEST).exists() and (step_dir(root, 2) / shard_name(0, 1)).exists()
+    assert not step_dir(root, 2).exists()
+    [(_, partial)] = saving_dirs(root)
+    assert sorted(os.listdir(partial)) == sorted([MARKER, MANIFEST, shard_name(0, 1)])
 
 
 def test_injected_io_error_fails_the_save_cleanly(tmp_path: Path, traced_save: list[list[str]]) -> None:
@@ -147,8 +161,8 @@ def test_injected_io_error_fails_the_save_cleanly(tmp_path: Path, traced_save: l
     env = clean_env(SLURMRESUME_TEST_FAIL_AT=f"fsync.shard:{_nth(traced_save[0], 'fsync.shard', 1)}")
     proc = run_python([HELPERS / "save_steps.py", root, 1, 2], env=env)
     assert proc.returncode == 1, proc.stderr
-    assert "SaveError" in proc.stderr and str(step_dir(root, 2)) in proc.stderr, proc.stderr
+    assert "SaveError" in proc.stderr and f"{root}/.saving.step_000000002." in proc.stderr, proc.stderr
     assert "injected I/O error" in proc.stderr
     assert find_latest(root).step == 1
-    # nothing of the failed shard is left behind as a temp file
-    assert [p.name for p in step_dir(root, 2).iterdir() if ".tmp." in p.name] == []
+    # nothing of the failed save is left behind: its own directory is removed
+    assert not step_dir(root, 2).exists() and saving_dirs(root) == []

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+import xxhash
 from helpers.core import shard, step_dir, tiny_model
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -76,10 +77,11 @@ def test_shard_is_stock_safetensors_and_equals_state_dict(tmp_path: Path) -> Non
     m = read_manifest(d, 7)
     assert m.raw["format"] == FORMAT and m.world_size == 1 and m.metrics == {"loss": 1.25}
     assert m.shards == [{"file": "rank-00000-of-00001.safetensors", "rank": 0, "bytes": len(raw),
-                         "xxh3": m.shards[0]["xxh3"]}]
+                         "xxh3": m.shards[0]["xxh3"], "header_xxh3": m.shards[0]["header_xxh3"]}]
     index = {t["name"]: t for t in m.tensors}
     assert set(index) == set(loaded)
-    assert index["model/0.weight"] == {"name": "model/0.weight", "rank": 0, "dtype": "F32", "shape": [7, 5]}
+    assert index["model/0.weight"] == {"name": "model/0.weight", "rank": 0, "dtype": "F32", "shape": [7, 5],
+                                       "xxh3": [xxhash.xxh3_64_hexdigest(loaded["model/0.weight"].numpy().tobytes())]}
 
 
 def test_restore_equals_saved_model_and_optimizer(tmp_path: Path) -> None:

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from slurmresume.launcher import RunResult, decide
-
 HELPERS = Path(__file__).parent / "helpers"
 SIG_TRAIN = HELPERS / "sig_train.py"
 
@@ -171,31 +169,7 @@ def test_sigterm_saves_without_requeue(tmp_path: Path) -> None:
     assert (root / f"step_{exits[0]['step']:09d}" / "COMMITTED").exists()
 
 
-def _result(kind: str, before: int | None = 10, after: int | None = 20, saved: int | None = 20) -> RunResult:
-    return RunResult(kind, 0, saved, before, after)
-
-
-@pytest.mark.parametrize(
-    ("result", "kw", "action"),
-    [
-        (_result("finished"), {}, "finish"),
-        (_result("terminated"), {}, "stop"),
-        (_result("preempted"), {}, "requeue"),
-        (_result("preempted"), {"first_node": False}, "stop"),
-        (_result("preempted"), {"committed": False}, "give_up"),
-        (_result("preempted"), {"requeues_done": 3, "max_requeues": 3}, "give_up"),
-        (_result("preempted", before=20, after=20), {"previous_progressed": False}, "give_up"),
-        (_result("preempted", before=20, after=20), {"previous_progressed": True}, "requeue"),
-        (_result("preempted", before=None, after=None), {"previous_progressed": None}, "requeue"),
-        (_result("failed"), {"max_failures": 2, "failures_done": 1}, "retry"),
-        (_result("failed"), {"max_failures": 2, "failures_done": 2}, "give_up"),
-        (_result("failed"), {}, "give_up"),
-    ],
-)
-def test_decide(result: RunResult, kw: dict, action: str) -> None:
-    args = {"first_node": True, "requeues_done": 0, "max_requeues": 20, "failures_done": 0, "max_failures": 0,
-            "previous_progressed": True, "committed": True, **kw}
-    assert decide(result, **args)[0] == action
+# decide() is tested with a table in tests/test_lifecycle.py (it reads the contract's outcome).
 
 
 def test_max_failures_retries_a_crash(tmp_path: Path) -> None:

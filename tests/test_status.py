@@ -18,7 +18,7 @@ from slurmresume.errors import ConfigError, NoCheckpointError, SlurmError
 from slurmresume.events import append_event
 from slurmresume.status import SLURM_NOT_FOUND, compute_status, run_slurm, verify_checkpoints
 
-SCHEMA_KEYS = {"schema", "root", "now", "health", "problems", "warnings", "slurm", "job", "requeues",
+SCHEMA_KEYS = {"schema", "verdict", "root", "now", "health", "problems", "warnings", "slurm", "job", "requeues",
                "event_counts", "history", "checkpoints", "newest_complete", "best"}
 ROW_KEYS = {"step", "name", "path", "state", "created", "age_seconds", "bytes", "shards", "verified",
             "metrics", "newest", "best", "problem"}

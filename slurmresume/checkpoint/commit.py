@@ -1,33 +1,55 @@
 """How a step becomes durable: prepare (rank 0), write shards (all ranks), commit (rank 0).
 
+A save only ever writes into, renames or deletes a directory it created itself: rank 0 creates a
+private `.saving.step_N.<token>/` (unique per save), every rank writes into that one, and the
+commit makes it `step_N` in one rename that cannot replace another writer's directory (a
+non-empty target makes the rename fail). Two writers of the same step in one root can therefore
+both fail or one lose, but neither can destroy a committed step.
+
 Durability order (DESIGN.md section 1):
-  1. rank 0, under the root lock: create step_N/ and its .inprogress note (a stale partial
-     step_N/ from a killed save is moved aside first); the decision is broadcast.
-  2. every rank: its shard to a temp name, fsync, rename, fsync step_N/.
+  1. rank 0: mkdir `.saving.step_N.<token>/` and its `.inprogress` note (pid, host, time);
+     fsync the root. The directory's name is broadcast. No lock: nothing shared is touched.
+  2. every rank: its shard to a temp name in that directory, fsync, rename, fsync the directory.
   3. all ranks report (size, checksum, tensor index) to rank 0.
-  4. rank 0: manifest.json (temp, fsync, rename), then, under the lock, COMMITTED (temp, fsync,
-     rename), drop .inprogress, fsync step_N/ and the root. The outcome is broadcast, so no rank
-     returns "saved" before the marker is durable.
+  4. rank 0: manifest.json (temp, fsync, rename), COMMITTED (temp, fsync, rename), drop
+     `.inprogress`, fsync the directory; then publish: rename it to `step_N`, fsync the root.
+     Only when `step_N` already exists and is not a complete checkpoint (a corrupt one, or a
+     partial one left by an older version) is the root lock taken, with a short timeout, to move
+     that directory aside first. The outcome is broadcast, so no rank returns "saved" before the
+     published directory is durable.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
 import socket
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from ..errors import SaveError
 from . import fsio
 from .collective import Group
 from .jsonenc import dumps
-from .layout import DELETING_PREFIX, INPROGRESS, LOCK, MANIFEST, MARKER, shard_name, step_dir_name
+from .layout import (
+    DELETING_PREFIX,
+    INPROGRESS,
+    LOCK,
+    MANIFEST,
+    MARKER,
+    parse_saving_dir,
+    saving_dir_name,
+    shard_name,
+    step_dir_name,
+)
 from .manifest import build_manifest, marker_bytes
 from .shard import SKELETON_KEY, write_shard
 from .store import inspect_dir
@@ -35,6 +57,7 @@ from .store import inspect_dir
 log = logging.getLogger("slurmresume")
 
 LOCK_TIMEOUT = 120.0
+REPLACE_LOCK_TIMEOUT = 10.0  # a commit waits at most this long to replace a corrupt step_N
 
 
 def root_lock(root: Path, timeout: float = LOCK_TIMEOUT) -> FileLock:
@@ -42,53 +65,88 @@ def root_lock(root: Path, timeout: float = LOCK_TIMEOUT) -> FileLock:
     return FileLock(str(root / LOCK), timeout=timeout, mode=0o644 & ~fsio.umask())
 
 
-def move_aside(path: Path, label: str = "aside") -> None:
-    """Make a step directory invisible in one rename, then delete its files (crash-safe)."""
+def hide(path: Path, label: str = "aside") -> Path:
+    """Make a directory invisible in one rename (to a unique `.deleting.*` name); returns it."""
     hidden = path.with_name(f"{DELETING_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}")
     fsio.rename(path, hidden, f"delete.{label}")
     fsio.fsync_dir(path.parent, f"delete.{label}")
-    shutil.rmtree(hidden, ignore_errors=True)
+    return hidden
 
 
-def prepare(root: Path, step: int) -> dict[str, Any]:
-    """Rank 0. Returns {"action": "write"|"skip"|"error", ...}; never raises."""
+def move_aside(path: Path, label: str = "aside") -> None:
+    """Make a step directory invisible in one rename, then delete its files (crash-safe)."""
+    shutil.rmtree(hide(path, label), ignore_errors=True)
+
+
+def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
+    """Rank 0. Returns {"action": "write", "dir": NAME, "replace": bool} | {"action": "skip"|"error",
+    ...}; never raises. NAME is this save's private directory under root. With `replace`, a
+    complete committed step is not skipped: this save is written beside it and `commit` swaps
+    it in once it is committed itself (the step is never without a complete checkpoint)."""
     d = root / step_dir_name(step)
-    created = False
+    mine: Path | None = None
     try:
         fsio.makedirs(root, 0o755)
-        with root_lock(root):
-            if (d / MARKER).exists():
-                info = inspect_dir(step, d)  # manifest + sizes; a corrupt one is rewritten
-                if info.complete:
-                    return {"action": "skip", "reason": f"step {step} is already committed at {d}"}
-                log.warning("replacing %s: committed but unusable (%s)", d, info.problem)
-            if d.exists() or d.is_symlink():
-                move_aside(d, "stale")
-            d.mkdir(mode=0o755)
-            created = True
+        if (d / MARKER).exists():
+            info = inspect_dir(step, d)  # manifest + sizes; a corrupt one is replaced at the commit
+            if info.complete and not replace:
+                return {"action": "skip", "reason": f"step {step} is already committed at {d}"}
+            if not info.complete:
+                log.warning("%s is committed but unusable (%s): this save will replace it", d, info.problem)
+        mine = root / saving_dir_name(step, uuid.uuid4().hex[:16])
+        # Directory and note appear together for a prune that holds the root lock (it re-checks
+        # each victim under it, for its renames only): a save directory is never seen without
+        # the note that protects it. A lock that stays busy is not waited on for long.
+        with _lock_briefly(root):
+            mine.mkdir(mode=0o755)  # fails if it exists: the name is this save's alone
             note = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-            fsio.write_durable(d / INPROGRESS, dumps(note).encode(), "inprogress")
-            fsio.fsync_dir(root, "root")
-        return {"action": "write"}
+            fsio.write_durable(mine / INPROGRESS, dumps(note).encode(), "inprogress")
+        fsio.fsync_dir(root, "root")
+        return {"action": "write", "dir": mine.name, "replace": replace}
     except Exception as exc:
         error = _describe(exc, root)  # before the clean-up frees space or inodes
-        if created:
-            abandon(d)
+        if mine is not None:
+            discard(mine)
         return {"action": "error", "error": error}
 
 
+@contextmanager
+def _lock_briefly(root: Path) -> Iterator[bool]:
+    """The root lock for a few file operations; yields whether it is held (a lock that stays
+    busy for REPLACE_LOCK_TIMEOUT is not waited on: the save goes on without it)."""
+    lock = root_lock(root, REPLACE_LOCK_TIMEOUT)
+    try:
+        lock.acquire()
+    except Timeout:
+        log.warning("the root lock %s is busy for over %.0f s: saving without it", root / LOCK, REPLACE_LOCK_TIMEOUT)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
+
+
+def _own_dir(root: Path, step: int, name: str) -> Path:
+    if parse_saving_dir(name) != step:
+        raise ValueError(f"{name!r} is not a save directory of step {step}")
+    return root / name
+
+
 def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: list,
-               replicated: set[str] | None = None) -> dict[str, Any]:
-    """Every rank: write its shard. Returns a report; errors are reported, not raised, so that
-    every rank still reaches the gather and nobody deadlocks. Tensors in `replicated` are
-    written by rank 0 only (the skeleton lists them, so other ranks read them from shard 0)."""
+               replicated: set[str] | None = None, *, into: str) -> dict[str, Any]:
+    """Every rank: write its shard into `into` (the directory named by rank 0's prepare).
+    Returns a report; errors are reported, not raised, so that every rank still reaches the
+    gather and nobody deadlocks. Tensors in `replicated` are written by rank 0 only (the
+    skeleton lists them, so other ranks read them from shard 0)."""
     if replicated:
         skeleton = {**skeleton, "replicated": sorted(replicated)}
         if group.rank != 0:
             tensors = [(n, t) for n, t in tensors if n not in replicated]
-    d = root / step_dir_name(step)
     file = shard_name(group.rank, group.world_size)
+    d = root / into
     try:
+        d = _own_dir(root, step, into)
         fsio.makedirs(d, 0o755)
         written = write_shard(d, file, tensors, {SKELETON_KEY: dumps(skeleton), "format": "pt"})
         fsio.fsync_dir(d, "step")
@@ -97,7 +155,7 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: lis
             if name in index:  # where this piece sits in its global tensor (manifest index)
                 index[name] = {**index[name], "global_shape": spec["shape"], "global_offset": spec["offset"]}
         return {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
-                "tensors": index, "replicated": sorted(replicated or ()) if group.rank == 0 else [],
+                "header_xxh3": written.header_xxh3, "tensors": index, "replicated": sorted(replicated or ()) if group.rank == 0 else [],
                 "error": None}
     except Exception as exc:
         error = _describe(exc, d / file)  # before the clean-up frees space or inodes
@@ -105,51 +163,85 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: lis
         return {"rank": group.rank, "file": file, "error": error}
 
 
-def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any) -> dict[str, Any]:
-    """Rank 0: manifest, then the marker. Returns {"ok": bool, "error"?, "path"}."""
-    d = root / step_dir_name(step)
-    files = [r["file"] for r in reports if isinstance(r.get("file"), str)]
+def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any, *, into: str,
+           replace: bool = False) -> dict[str, Any]:
+    """Rank 0: manifest, then the marker, then publish `into` as step_N. Returns
+    {"ok": bool, "error"?, "path"}. On failure this save's directory is removed and nothing of
+    it is visible; nothing else is touched."""
+    mine = _own_dir(root, step, into)
+    target = root / step_dir_name(step)
     errors = [r["error"] for r in reports if r.get("error")]
     if errors:
-        abandon(d, files)
+        discard(mine)
         return {"ok": False, "error": errors[0]}
+    published = False
     try:
         manifest = build_manifest(step, reports, metrics, meta)
         raw = dumps(manifest).encode()
-        fsio.write_durable(d / MANIFEST, raw, "manifest")
-        with root_lock(root):
-            try:
-                fsio.write_durable(d / MARKER, marker_bytes(step, raw), "marker")
-                fsio.unlink(d / INPROGRESS, "inprogress")
-                fsio.fsync_dir(d, "step")
-                fsio.fsync_dir(root, "root")
-            except BaseException:
-                # The marker may already be in place (a failed fsync after its rename): take it
-                # back before releasing the lock, so that no prune or restore counts a step the
-                # caller is told was not committed.
-                fsio._unlink_quiet(d / MARKER)
-                raise
-        return {"ok": True, "path": str(d)}
+        fsio.write_durable(mine / MANIFEST, raw, "manifest")
+        fsio.write_durable(mine / MARKER, marker_bytes(step, raw), "marker")
+        # The note goes and the directory is published under the root lock: a prune (which
+        # re-checks its victims under it) never sees this directory without its note unpublished.
+        with _lock_briefly(root) as held:
+            fsio.unlink(mine / INPROGRESS, "inprogress")
+            fsio.fsync_dir(mine, "step")
+            published = _publish(root, mine, target, replace, held)
+        fsio.fsync_dir(root, "root")
+        return {"ok": True, "path": str(target)}
     except Exception as exc:
-        error = _describe(exc, d)  # before the clean-up frees space or inodes
-        abandon(d, files)
+        error = _describe(exc, target if published else mine)  # before the clean-up frees space
+        if published:
+            # The rename happened but is not durable: take the marker back (the directory is
+            # ours, published a moment ago), so nobody counts a step the caller is told failed.
+            fsio._unlink_quiet(target / MARKER)
+        else:
+            discard(mine)
         return {"ok": False, "error": error}
 
 
-def abandon(d: Path, files: list[str] | tuple[str, ...] = ()) -> None:
-    """After a failed save (every rank has reported): no commit marker may remain, and the
-    failed step's files must not keep holding disk space (on a full disk they would make the
-    next save fail too). Best effort; the directory stays, incomplete, and is replaced by the
-    next save of that step. The `.inprogress` note goes last, so the directory no longer looks
-    like one being written by this (still running) process."""
-    for name in (MARKER, MANIFEST, *files):
-        fsio._unlink_quiet(d / name)
+def _publish(root: Path, mine: Path, target: Path, replace: bool = False, held: bool = False) -> bool:
+    """Rename `mine` to `target`. A rename onto a non-empty directory fails (ENOTEMPTY/EEXIST),
+    so another writer's published step is never replaced. Only a target that is not a complete
+    checkpoint is moved aside, re-checked under the root lock (short timeout) right before."""
+    if not os.path.lexists(target):
+        try:
+            fsio.rename(mine, target, "publish")
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+    step = int(target.name.removeprefix("step_"))
     try:
-        for p in d.glob(".*.tmp.*"):
-            fsio._unlink_quiet(p)
-    except OSError:
-        pass
-    fsio._unlink_quiet(d / INPROGRESS)
+        with nullcontext() if held else root_lock(root, REPLACE_LOCK_TIMEOUT):
+            if os.path.lexists(target):
+                info = inspect_dir(step, target)
+                if info.complete and replace:  # an explicit final save whose state changed
+                    _swap_in(mine, target, root)
+                    return True
+                if info.complete:
+                    raise SaveError(f"step {step} was committed at {target} by another writer while this save "
+                                    "ran; this save's copy is discarded (two runs share this checkpoint root?)")
+                log.warning("replacing %s: %s", target, info.problem)
+                hidden = hide(target, "stale")
+            else:
+                hidden = None
+            fsio.rename(mine, target, "publish")
+    except Timeout:
+        raise SaveError(f"cannot replace the unusable {target}: the root lock {root / LOCK} is held for over "
+                        f"{REPLACE_LOCK_TIMEOUT:.0f} s (a prune?)") from None
+    if hidden is not None:
+        shutil.rmtree(hidden, ignore_errors=True)
+    return True
+
+
+def discard(d: Path) -> None:
+    """Remove this save's own private directory after a failure (best effort): its files must not
+    keep holding disk space (on a full disk they would make the next save fail too)."""
+    if parse_saving_dir(d.name) is None:
+        raise ValueError(f"refusing to discard {d}: not a save directory")
+    for name in (MARKER, MANIFEST):
+        fsio._unlink_quiet(d / name)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _cleanup_temp(d: Path, file: str) -> None:
@@ -164,6 +256,8 @@ def _describe(exc: BaseException, path: Path) -> str:
     """One line: what failed, on which file, and (disk full) how much space is free and needed."""
     import errno
 
+    if isinstance(exc, SaveError):
+        return str(exc)
     where = Path(getattr(exc, "slurmresume_path", None) or path)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         needed = getattr(exc, "slurmresume_needed", None)
@@ -196,3 +290,21 @@ def _free_space(path: Path) -> tuple[int, int | None]:
 def raise_if_failed(outcome: dict[str, Any]) -> None:
     if not outcome.get("ok"):
         raise SaveError(f"checkpoint save failed, nothing committed: {outcome.get('error')}")
+
+
+def _swap_in(staged: Path, final: Path, root: Path) -> None:
+    """Under the root lock: the committed staging directory takes the step directory's name.
+    With renameat2(RENAME_EXCHANGE) the step name always points at a complete checkpoint; where
+    the file system lacks it, the old directory is renamed aside first, leaving the name absent
+    for one rename (a reader then falls back to an older step, never to a partial one)."""
+    if not fsio.exchange(staged, final, "replace"):
+        hidden = final.with_name(f"{DELETING_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}")
+        fsio.rename(final, hidden, "replace.aside")
+        try:
+            fsio.rename(staged, final, "replace")
+        except BaseException:
+            fsio.rename(hidden, final, "replace.back")  # the old checkpoint goes back in place
+            raise
+        staged = hidden
+    fsio.fsync_dir(root, "root")
+    move_aside(staged, "replaced")  # now holds the old checkpoint

@@ -17,7 +17,11 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _counts: dict[str, int] = {}
 
@@ -51,6 +55,33 @@ def _point(label: str, path: str | os.PathLike[str] = "") -> None:
                 raise OSError(errno.EIO, f"injected I/O error at {label}", str(path))
 
 
+# A read that fails with one of these may succeed when repeated (NFS ESTALE after a server-side
+# rename, a flaky block device or network file system): retried, boundedly, before a checkpoint
+# is declared unreadable. About 0.8 s in all.
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EINTR})
+TRANSIENT_DELAYS = (0.05, 0.2, 0.5)
+
+
+def retry_transient(label: str, path: str | os.PathLike[str], fn: Callable[[], T]) -> T:
+    """Run `fn` (a read); repeat it after a transient OSError (TRANSIENT_ERRNOS), at most
+    len(TRANSIENT_DELAYS) more times; the last error propagates, noted with `label` and `path`.
+    Deliberately not a fault point: an injected single EIO is meant to be absorbed here, while the
+    campaigns expect every labelled point to surface its error (tests fake `os` calls instead)."""
+    import time
+
+    for delay in (*TRANSIENT_DELAYS, None):
+        try:
+            return fn()
+        except OSError as exc:
+            if exc.errno not in TRANSIENT_ERRNOS or delay is None:
+                raise
+            import logging
+
+            logging.getLogger("slurmresume").warning("%s of %s: %s; retrying in %.2f s", label, path, exc, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
 def fsync_fd(fd: int, label: str, path: str | os.PathLike[str] = "") -> None:
     _point(f"fsync.{label}", path)
     os.fsync(fd)
@@ -68,6 +99,25 @@ def fsync_dir(path: Path, label: str) -> None:
 def rename(src: Path, dst: Path, label: str) -> None:
     _point(f"rename.{label}", dst)
     os.replace(src, dst)
+
+
+def exchange(a: Path, b: Path, label: str) -> bool:
+    """Swap two directory entries atomically (Linux renameat2 RENAME_EXCHANGE). False when the
+    kernel or file system does not support it (the caller falls back); OSError otherwise."""
+    import ctypes
+
+    _point(f"rename.{label}", b)
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(b))
 
 
 def write_all(fd: int, data: memoryview | bytes, label: str, path: str | os.PathLike[str] = "") -> None:

@@ -5,8 +5,11 @@
     rank-00000-of-00002.safetensors
     manifest.json
     COMMITTED          written last; its presence is what makes the step usable
+  .saving.step_000001400.<hex>/   a save in progress: private to the one save that created it;
+                       its commit renames it to step_000001400 (never seen half-written)
   events.jsonl         append-only event log
-  .slurmresume.lock    filelock guarding commits and retention
+  .slurmresume.lock    filelock guarding the replacement of a corrupt step and retention renames
+  .owner.json          the lease of the run that owns this root (ownership.py)
 """
 
 from __future__ import annotations
@@ -23,11 +26,18 @@ INPROGRESS = ".inprogress"
 EVENTS = "events.jsonl"
 LOCK = ".slurmresume.lock"
 DELETING_PREFIX = ".deleting."
+SAVING_PREFIX = ".saving."
+OWNER = ".owner.json"
+OWNER_LOCK = ".owner.json.lock"
+# A committed step being replaced (a final save whose state changed since a periodic save of the
+# same step) is written and committed as "<REPLACING_PREFIX><step dir>.<id>", then swapped in.
+REPLACING_PREFIX = ".replacing."
 STEP_DIGITS = 9
 
 # ASCII digits and fullmatch: `\d` also matches other scripts' digits (which int() accepts) and
 # `$` matches before a trailing newline, so "step_000000005\n" would pass as step 5.
 _STEP_RE = re.compile(rf"step_([0-9]{{{STEP_DIGITS},}})")
+_SAVING_RE = re.compile(rf"\.saving\.step_([0-9]{{{STEP_DIGITS},}})\.([0-9a-f]{{16}})")
 _SHARD_RE = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.safetensors")
 
 
@@ -44,6 +54,28 @@ def parse_step_dir(name: str) -> int | None:
         return None
     step = int(m.group(1))
     return step if step_dir_name(step) == name else None  # one name per step: no "step_0000000005"
+
+
+def saving_dir_name(step: int, token: str) -> str:
+    """The private directory one save writes into (token: 16 hex digits, unique per save)."""
+    return f"{SAVING_PREFIX}{step_dir_name(step)}.{token}"
+
+
+def parse_saving_dir(name: object) -> int | None:
+    """The step of an in-progress save directory name, or None (also for anything with a path part)."""
+    m = _SAVING_RE.fullmatch(name) if isinstance(name, str) else None
+    return parse_step_dir(f"step_{m.group(1)}") if m else None
+
+
+def saving_dirs(root: Path) -> list[tuple[int, Path]]:
+    """In-progress (or abandoned) save directories under root, newest step first."""
+    try:
+        entries = [e for e in root.iterdir() if e.name.startswith(SAVING_PREFIX)]
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    found = [(step, e) for e in entries if (step := parse_saving_dir(e.name)) is not None]
+    found.sort(key=lambda item: (item[0], item[1].name), reverse=True)
+    return found
 
 
 def shard_name(rank: int, world_size: int) -> str:

@@ -10,8 +10,10 @@ from typing import Any, TypeGuard
 import xxhash
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from . import fsio
 from .jsonenc import dumps, loads
 from .layout import FORMAT, MANIFEST, MARKER, is_plain_shard_name
+from .shard import VERIFY_BLOCK, Expected
 
 MAX_MANIFEST = 64 << 20
 MAX_MARKER = 4096
@@ -22,7 +24,10 @@ def build_manifest(step: int, reports: list[dict], metrics: Any, meta: Any) -> d
     """Rank 0: the manifest from every rank's shard report (ordered by rank)."""
     shards, tensors = [], []
     for rep in sorted(reports, key=lambda r: r["rank"]):
-        shards.append({"file": rep["file"], "rank": rep["rank"], "bytes": rep["bytes"], "xxh3": rep["xxh3"]})
+        entry_s = {"file": rep["file"], "rank": rep["rank"], "bytes": rep["bytes"], "xxh3": rep["xxh3"]}
+        if rep.get("header_xxh3"):
+            entry_s["header_xxh3"] = rep["header_xxh3"]
+        shards.append(entry_s)
         shared = set(rep.get("replicated") or ())
         for name, info in rep["tensors"].items():
             entry = {"name": name, "rank": rep["rank"], **info}
@@ -36,6 +41,7 @@ def build_manifest(step: int, reports: list[dict], metrics: Any, meta: Any) -> d
         "world_size": len(reports),
         "created": now,
         "created_iso": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "verify_block": VERIFY_BLOCK,
         "shards": shards,
         "tensors": tensors,
         "metrics": metrics,
@@ -65,16 +71,32 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(s["bytes"] for s in self.shards)
 
+    @property
+    def has_block_digests(self) -> bool:
+        """Written with per-block tensor digests (every read verifiable as it happens); older
+        checkpoints need the whole-shard checksum pass instead."""
+        return self.raw.get("verify_block") == VERIFY_BLOCK and all("header_xxh3" in s for s in self.shards)
+
+    def expected(self, rank: int) -> Expected | None:
+        """The digests a verified read of shard `rank` checks, or None for an older checkpoint."""
+        if not self.has_block_digests:
+            return None
+        blocks = {t["name"]: t["xxh3"] for t in self.tensors if t.get("rank") == rank and "xxh3" in t}
+        return Expected(self.shards[rank]["header_xxh3"], blocks)
+
 
 def _read_bounded(path: Path, limit: int, what: str) -> bytes:
     import os
     import stat
 
+    label = f"read.{what.replace(' ', '_')}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = fsio.retry_transient(label, path, lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{what} {path} is missing") from None
     except OSError as exc:
+        if exc.errno in fsio.TRANSIENT_ERRNOS:
+            raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
         raise UnsafeCheckpointError(f"refusing {what} {path}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
@@ -82,7 +104,10 @@ def _read_bounded(path: Path, limit: int, what: str) -> bytes:
             raise UnsafeCheckpointError(f"refusing {what} {path}: not a regular file")
         if st.st_size > limit:
             raise UnsafeCheckpointError(f"{what} {path} is {st.st_size} bytes, over the {limit} limit")
-        return os.pread(fd, limit + 1, 0)
+        try:
+            return fsio.retry_transient(label, path, lambda: os.pread(fd, limit + 1, 0))
+        except OSError as exc:
+            raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
     finally:
         os.close(fd)
 
@@ -133,11 +158,20 @@ def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> M
             raise bad(f"shard {s.get('file')} has an invalid size {s.get('bytes')!r}")
         if not (isinstance(s.get("xxh3"), str) and len(s["xxh3"]) == 16):
             raise bad(f"shard {s.get('file')} has no valid checksum")
+        if "header_xxh3" in s and not (isinstance(s["header_xxh3"], str) and len(s["header_xxh3"]) == 16):
+            raise bad(f"shard {s.get('file')} has a malformed header checksum")
     if len({s["file"] for s in shards}) != len(shards):
         raise bad("two shard entries name the same file")
     tensors = data.get("tensors")
     if not isinstance(tensors, list):
         raise bad("tensor index is missing")
+    for t in tensors:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise bad("a tensor index entry is not an object with a name")
+        digests = t.get("xxh3")
+        if digests is not None and not (isinstance(digests, list)
+                                        and all(isinstance(d, str) and len(d) == 16 for d in digests)):
+            raise bad(f"tensor {t.get('name')!r} has malformed checksums")
     created = data.get("created")
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < MAX_TIME:
         raise bad(f"created time {created!r} is missing or not a plausible epoch time")

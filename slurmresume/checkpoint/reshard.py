@@ -16,13 +16,23 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError
-from .shard import _ITEMSIZE, _TORCH_DTYPES, _byte_view, open_checked, pread_exact, read_header
+from .shard import (
+    _ITEMSIZE,
+    _TORCH_DTYPES,
+    VERIFY_BLOCK,
+    Expected,
+    _byte_view,
+    check_blocks,
+    open_checked,
+    pread_exact,
+    read_header,
+)
 from .sharding import Sharded, cover, runs
 
 STATS = {"bytes": 0, "reads": 0}
@@ -114,12 +124,15 @@ def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[st
 
 
 def load_sharded(directory: Path, shards: list[dict], index: Mapping[str, Sharded],
-                 where: Mapping[str, Target], into_live: bool) -> tuple[dict[str, Any], bool]:
+                 where: Mapping[str, Target], into_live: bool,
+                 expect: Callable[[int], Expected | None] | None = None) -> tuple[dict[str, Any], bool]:
     """Every rank: read each tensor in `where` for this rank. With `into_live`, bytes land in the
-    live local tensors (CPU, contiguous) directly. Returns ({name: value}, wrote_live)."""
+    live local tensors (CPU, contiguous) directly. `expect(rank)` gives shard `rank`'s digests:
+    then every byte range read is widened to whole checksum blocks and verified.
+    Returns ({name: value}, wrote_live)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    files = _Files(directory, shards)
+    files = _Files(directory, shards, expect)
     out: dict[str, Any] = {}
     wrote = False
     try:
@@ -172,15 +185,24 @@ def _wrap(local: Any, target: Target, global_shape: tuple) -> Any:
 class _Files:
     """Open shards and their checked headers, opened on first use only."""
 
-    def __init__(self, directory: Path, shards: list[dict]) -> None:
+    def __init__(self, directory: Path, shards: list[dict],
+                 expect: Callable[[int], Expected | None] | None = None) -> None:
         self.directory, self.shards = directory, shards
         self.open: dict[int, tuple[int, dict, int]] = {}
+        self.expect = expect
+        self.expected: dict[int, Expected | None] = {}
+
+    def digests(self, rank: int, name: str) -> list[str] | None:
+        """The block digests of tensor `name` in shard `rank`, or None when not verifying."""
+        exp = self.expected.get(rank)
+        return exp.of(name, self.directory / self.shards[rank]["file"]) if exp is not None else None
 
     def piece(self, rank: int, tensor: Sharded, shape: tuple) -> tuple[int, int, Path]:
         """(fd, file offset of the piece's data, path), after checking its header entry."""
         if rank not in self.open:
             s = self.shards[rank]
-            header, start = read_header(self.directory, s["file"], s["bytes"])
+            self.expected[rank] = self.expect(rank) if self.expect is not None else None
+            header, start = read_header(self.directory, s["file"], s["bytes"], self.expected[rank])
             self.open[rank] = (open_checked(self.directory, s["file"], s["bytes"]), header, start)
         fd, header, start = self.open[rank]
         path = self.directory / self.shards[rank]["file"]
@@ -205,8 +227,12 @@ def read_box(files: _Files, tensor: Sharded, offset: tuple, shape: tuple, dest: 
         fd, start, path = files.piece(piece.rank, tensor, piece.shape)
         rel = tuple(a - o for a, o in zip(lo, piece.offset))
         dst = dest[tuple(slice(a - r, a - r + n) for a, r, n in zip(lo, offset, box))]
-        length, starts = runs(piece.shape, rel, box)
         row = math.prod(piece.shape[1:])
+        digests = files.digests(piece.rank, tensor.name)
+        if digests is not None:
+            _read_verified(fd, start, path, tensor.name, digests, piece.shape, rel, box, dst, size)
+            continue
+        length, starts = runs(piece.shape, rel, box)
         if length * size < SMALL_RUN and len(box) > 1 and box[0] * row <= SLAB_WASTE * math.prod(box):
             slab = torch.empty((box[0], *piece.shape[1:]), dtype=dest.dtype)
             _pread(fd, _byte_view(slab), start + rel[0] * row * size, path)
@@ -220,6 +246,36 @@ def read_box(files: _Files, tensor: Sharded, offset: tuple, shape: tuple, dest: 
             pos += step
         if tmp is not dst:
             dst.copy_(tmp)
+
+
+def _read_verified(fd: int, start: int, path: Path, name: str, digests: list[str], shape: tuple, rel: tuple,
+                   box: tuple, dst: Any, size: int) -> None:
+    """Verified read of one piece's box: the rows it spans, widened to whole checksum blocks, are
+    read into fresh memory and checked before the box is copied into `dst`. For dim-0 pieces
+    that is the run itself plus at most two partial blocks; a box narrower than the rows
+    (Shard(1) restored as Shard(0), ...) reads the whole rows it spans."""
+    import torch
+
+    row_bytes = math.prod(shape[1:]) * size
+    total = math.prod(shape) * size
+    if len(digests) != -(-total // VERIFY_BLOCK):
+        raise CorruptCheckpointError(f"shard {path}: the manifest records {len(digests)} checksum blocks for "
+                                     f"tensor {name!r}, its {total} bytes need {-(-total // VERIFY_BLOCK)}")
+    r0, n0 = (rel[0], box[0]) if shape else (0, 1)
+    lo, hi = r0 * row_bytes, (r0 + n0) * row_bytes
+    first, last = lo // VERIFY_BLOCK, -(-hi // VERIFY_BLOCK)
+    begin, end = first * VERIFY_BLOCK, min(last * VERIFY_BLOCK, total)
+    raw = torch.empty(end - begin, dtype=torch.uint8)
+    view = _byte_view(raw)
+    for i in range(0, len(view), VERIFY_BLOCK):  # hash each block while it is in cache
+        _pread(fd, view[i : i + VERIFY_BLOCK], start + begin + i, path)
+        check_blocks(view[i : i + VERIFY_BLOCK], first + i // VERIFY_BLOCK, digests, path, name)
+    rows = raw[lo - begin : hi - begin].view(dst.dtype)
+    if not shape:
+        dst.copy_(rows.reshape(()))
+        return
+    rows = rows.reshape((n0, *shape[1:]))
+    dst.copy_(rows[(slice(None),) + tuple(slice(r, r + n) for r, n in zip(rel[1:], box[1:]))])
 
 
 def _pread(fd: int, view: memoryview, offset: int, path: Path) -> None:

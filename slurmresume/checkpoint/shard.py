@@ -3,6 +3,14 @@
 The writer computes the header from tensor metadata, then writes each tensor's bytes straight
 from its memory (no second copy of the state), hashing as it goes. It writes to a temp name,
 fsyncs, and renames; the caller fsyncs the directory.
+
+Every byte that loads is verified: while writing, each tensor's bytes are hashed in blocks of
+VERIFY_BLOCK (xxh3-64) and the header bytes as a whole; the manifest records those digests
+(`build_manifest`). A reader given them (`Expected`) hashes each block right after reading it
+(the block is still in cache) and refuses a mismatch with CorruptCheckpointError, so the default
+restore needs no separate checksum pass. Byte-range reads of a resharded tensor widen to whole
+blocks (reshard.read_box). Checkpoints written before block digests existed carry none; their
+restore runs the whole-shard checksum pass instead (Checkpointer._choose).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +33,7 @@ from .jsonenc import MAX_JSON_BYTES, loads
 from .writer import ShardSink, tensor_bytes
 
 CHUNK = 64 << 20
+VERIFY_BLOCK = 4 << 20  # bytes per recorded digest: small enough to stay in cache between read and hash
 SKELETON_KEY = "slurmresume.skeleton"
 MAX_HEADER = MAX_JSON_BYTES
 
@@ -50,7 +60,40 @@ class WrittenShard:
     file: str
     bytes: int
     xxh3: str
-    tensors: dict[str, dict[str, Any]]  # name -> {dtype, shape}
+    tensors: dict[str, dict[str, Any]]  # name -> {dtype, shape, xxh3: [block digests]}
+    header_xxh3: str = ""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a verified read of one shard checks: the digest of its header bytes (8-byte length +
+    JSON) and, per tensor name, the digests of its bytes in VERIFY_BLOCK blocks."""
+
+    header: str
+    blocks: dict[str, list[str]]
+    block: int = VERIFY_BLOCK
+
+    def of(self, name: str, path: Path) -> list[str]:
+        try:
+            return self.blocks[name]
+        except KeyError:
+            raise CorruptCheckpointError(f"shard {path}: the manifest records no checksum for tensor {name!r}") from None
+
+
+def block_digests(view: memoryview, block: int = VERIFY_BLOCK) -> list[str]:
+    """xxh3-64 hex digests of `view` in `block`-byte pieces (the last may be shorter; none when empty)."""
+    return [xxhash.xxh3_64_hexdigest(view[i : i + block]) for i in range(0, len(view), block)]
+
+
+def check_blocks(view: memoryview, first_block: int, digests: list[str], path: Path, name: str,
+                 block: int = VERIFY_BLOCK) -> None:
+    """`view` holds blocks first_block, first_block+1, ... of tensor `name` (block-aligned): each must
+    match its recorded digest."""
+    for i in range(0, len(view), block):
+        k = first_block + i // block
+        if k >= len(digests) or xxhash.xxh3_64_hexdigest(view[i : i + block]) != digests[k]:
+            raise CorruptCheckpointError(f"shard {path}: tensor {name!r} fails its checksum at bytes "
+                                         f"{k * block}..{k * block + min(block, len(view) - i)} (flipped bits?)")
 
 
 def _byte_view(tensor: Any) -> memoryview:
@@ -100,8 +143,10 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
     try:
         fsio._point("write.shard.header", tmp)
         sink.feed(header)
-        for _name, t in tensors:
-            sink.feed(tensor_bytes(_contiguous_cpu(t)))
+        for name, t in tensors:
+            data = tensor_bytes(_contiguous_cpu(t))
+            index[name]["xxh3"] = block_digests(data)
+            sink.feed(data)
         digest = sink.finish()
     except BaseException as exc:
         sink.abort()
@@ -114,7 +159,8 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         fsio._unlink_quiet(tmp)
         fsio.note_failure(exc, final, needed)
         raise
-    return WrittenShard(file=file, bytes=sink.total, xxh3=digest, tensors=index)
+    return WrittenShard(file=file, bytes=sink.total, xxh3=digest, tensors=index,
+                        header_xxh3=xxhash.xxh3_64_hexdigest(header))
 
 
 def _contiguous_cpu(t: Any) -> Any:
@@ -133,10 +179,13 @@ def open_checked(directory: Path, file: str, expected_bytes: int) -> int:
         raise UnsafeCheckpointError(f"refusing shard name {file!r} in {directory}: not a plain shard file name")
     path = directory / file
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = fsio.retry_transient("read.shard.open", path,
+                                  lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"shard {path} is missing") from None
     except OSError as exc:
+        if exc.errno in fsio.TRANSIENT_ERRNOS:
+            raise CorruptCheckpointError(f"cannot open shard {path}: {exc.strerror} (after retries)") from None
         raise UnsafeCheckpointError(f"refusing shard {path}: {exc.strerror} (symlink or special file?)") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -164,20 +213,26 @@ def hash_file(directory: Path, file: str, expected_bytes: int) -> str:
     return hasher.hexdigest()
 
 
-def read_header(directory: Path, file: str, expected_bytes: int) -> tuple[dict, int]:
-    """Parse and bound-check a shard's header. Returns (header, data_start)."""
+def read_header(directory: Path, file: str, expected_bytes: int, expect: Expected | None = None) -> tuple[dict, int]:
+    """Parse and bound-check a shard's header (checked against `expect.header` when given).
+    Returns (header, data_start)."""
     path = directory / file
     fd = open_checked(directory, file, expected_bytes)
     try:
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            raise CorruptCheckpointError(f"shard {path} is too short to be safetensors")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER or 8 + n > expected_bytes:
-            raise UnsafeCheckpointError(f"shard {path} claims a {n}-byte header: refused")
-        raw = os.pread(fd, n, 8)
+        try:
+            head = fsio.retry_transient("read.shard.header", path, lambda: os.pread(fd, 8, 0))
+            if len(head) < 8:
+                raise CorruptCheckpointError(f"shard {path} is too short to be safetensors")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > expected_bytes:
+                raise UnsafeCheckpointError(f"shard {path} claims a {n}-byte header: refused")
+            raw = fsio.retry_transient("read.shard.header", path, lambda: os.pread(fd, n, 8))
+        except OSError as exc:
+            raise CorruptCheckpointError(f"cannot read shard {path}: {exc} (after retries)") from exc
     finally:
         os.close(fd)
+    if expect is not None and xxhash.xxh3_64_hexdigest(head + raw) != expect.header:
+        raise CorruptCheckpointError(f"shard {path}: its header fails its checksum (flipped bits?)")
     header = loads(raw, f"header of {path}")
     if not isinstance(header, dict):
         raise UnsafeCheckpointError(f"header of {path} is not an object")
@@ -213,16 +268,20 @@ def _offsets(path: Path, kv: tuple[str, Any]) -> tuple[int, int]:
 
 
 def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[str, Any] | None = None,
-                 names: set[str] | None = None) -> tuple[dict[str, Any], dict[str, str], bool]:
+                 names: set[str] | None = None,
+                 expect: Expected | None = None) -> tuple[dict[str, Any], dict[str, str], bool]:
     """All tensors of a shard, its metadata, and whether any target was written.
 
     A tensor whose name is in `targets` with the same dtype and shape (a contiguous CPU tensor,
     e.g. a model parameter) is read straight into that tensor's memory: one copy from the file,
     no fresh memory. The others are read, with large sequential reads, into one new buffer and
-    returned as views of it. `names` limits the read to those tensors (only their byte ranges)."""
+    returned as views of it. `names` limits the read to those tensors (only their byte ranges).
+    With `expect`, the header and every tensor's bytes are checked against their digests as they
+    are read (a mismatch in a live tensor sets `partial_write` on the error)."""
     import torch
 
-    header, data_start = read_header(directory, file, expected_bytes)
+    header, data_start = read_header(directory, file, expected_bytes, expect)
+    path = directory / file
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise UnsafeCheckpointError(f"metadata of {directory / file} is malformed")
@@ -242,12 +301,12 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
         for name, info in rest:
             begin, end = info["data_offsets"]
             part = buf[pos : pos + end - begin]
-            _pread_into(fd, part, data_start + begin, directory / file)
+            _pread_into(fd, part, data_start + begin, path, _check(expect, name, path))
             out[name] = _typed(part, info)
             pos += end - begin
         try:
             for name, t in direct.items():
-                _pread_into(fd, t, data_start + info_offsets(header, name), directory / file)
+                _pread_into(fd, t, data_start + info_offsets(header, name), path, _check(expect, name, path))
                 out[name] = t
         except CorruptCheckpointError as exc:
             exc.partial_write = True  # type: ignore[attr-defined]  # live tensors were touched
@@ -261,9 +320,24 @@ def info_offsets(header: dict, name: str) -> int:
     return int(header[name]["data_offsets"][0])
 
 
-def _pread_into(fd: int, t: Any, offset: int, path: Path) -> None:
-    if t.numel():
-        pread_exact(fd, _byte_view(t), offset, path)
+def _check(expect: Expected | None, name: str, path: Path) -> tuple[str, list[str]] | None:
+    return None if expect is None else (name, expect.of(name, path))
+
+
+def _pread_into(fd: int, t: Any, offset: int, path: Path, check: tuple[str, list[str]] | None = None) -> None:
+    view = _byte_view(t) if t.numel() else memoryview(b"")
+    if check is None:
+        if len(view):
+            pread_exact(fd, view, offset, path)
+        return
+    name, digests = check
+    if len(digests) != -(-len(view) // VERIFY_BLOCK):
+        raise CorruptCheckpointError(f"shard {path}: the manifest records {len(digests)} checksum blocks for "
+                                     f"tensor {name!r}, its {len(view)} bytes need {-(-len(view) // VERIFY_BLOCK)}")
+    for i in range(0, len(view), VERIFY_BLOCK):  # read a block, hash it while it is in cache
+        piece = view[i : i + VERIFY_BLOCK]
+        pread_exact(fd, piece, offset + i, path)
+        check_blocks(piece, i // VERIFY_BLOCK, digests, path, name)
 
 
 def pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
@@ -272,7 +346,8 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
     pos = 0
     try:
         while pos < len(view):
-            n = os.preadv(fd, [view[pos : pos + CHUNK]], offset + pos)
+            n = fsio.retry_transient("read.shard.data", path, partial(os.preadv, fd, [view[pos : pos + CHUNK]],
+                                                                      offset + pos))
             if n <= 0:
                 raise CorruptCheckpointError(f"shard {path} ended early while reading")
             pos += n

@@ -202,10 +202,30 @@ def check_fits(state: Mapping[str, Any], decoded: Mapping[str, tuple[str, Any]])
         obj = state.get(key)
         if kind != "stateful" or obj is None or not is_stateful(obj):
             continue
-        problem = _mismatch(obj.state_dict(), value, isinstance(obj, torch.nn.Module), key)
+        live = obj.state_dict()
+        problem = _mismatch(live, value, isinstance(obj, torch.nn.Module), key)
+        if problem is None and isinstance(obj, torch.optim.Optimizer):
+            problem = _param_groups_mismatch(live, value, key)
         if problem:
             raise ConfigError(f"the checkpoint does not fit state['{key}']: {problem}; was it saved by "
                               "another model or optimizer configuration?")
+
+
+def _param_groups_mismatch(live: Any, saved: Any, path: str) -> str | None:
+    """An optimizer's parameter grouping (how many groups, how many parameters in each) must be
+    the same, or `Optimizer.load_state_dict` raises a bare ValueError after the model loaded."""
+    def sizes(sd: Any) -> list[int] | None:
+        groups = sd.get("param_groups") if isinstance(sd, Mapping) else None
+        if not isinstance(groups, (list, tuple)):
+            return None
+        return [len(g["params"]) if isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) else -1
+                for g in groups]
+
+    here, saved_sizes = sizes(live), sizes(saved)
+    if here is None or saved_sizes is None or here == saved_sizes:
+        return None
+    return (f"{path}.param_groups: {len(here)} group(s) of {here} parameters here, {len(saved_sizes)} group(s) of "
+            f"{saved_sizes} in the checkpoint (another parameter grouping, e.g. weight-decay groups)")
 
 
 def _mismatch(live: Any, saved: Any, exact_keys: bool, path: str) -> str | None:

@@ -118,6 +118,9 @@ def check_structure(path: Path, manifest: Manifest) -> list[str]:
     return problems
 
 
+UNREADABLE = "unreadable by this user (permission denied): fix with chmod/chown, or ask its owner"
+
+
 def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
     """Everything knowable about one step directory; never raises for a bad checkpoint."""
     try:
@@ -128,6 +131,8 @@ def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
         info = CheckpointInfo(step, path, (path / MARKER).exists(), mtime=st.st_mtime)
         info.problem = "not a real directory"
         return info
+    if not os.access(path, os.R_OK | os.X_OK):  # one unreadable directory must not break every command
+        return CheckpointInfo(step, path, False, mtime=st.st_mtime, problem=UNREADABLE)
     info = CheckpointInfo(step, path, (path / MARKER).exists(), mtime=st.st_mtime)
     info.in_progress = (path / INPROGRESS).exists()
     if not info.has_marker:
@@ -139,6 +144,9 @@ def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
     except CorruptCheckpointError as exc:
         info.problem = str(exc)
         return _unless_vanished(info)
+    except PermissionError as exc:
+        info.manifest, info.problem = None, f"{UNREADABLE} ({exc.filename})"
+        return info
     if verify:
         problems = check_checksums(path, info.manifest)
         info.verified = not problems
@@ -175,6 +183,31 @@ def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = Non
         if warn:
             log.warning("skipping %s: %s", path, info.problem)
     return None
+
+
+def clean_temp_files(step_dir: Path) -> list[str]:
+    """Remove what a killed writer left inside a *committed* step directory: temp files
+    (`.<name>.tmp.<pid>`) and a stale `.inprogress` note. A committed directory is never written
+    again, and no reader opens these names, so removing them cannot break a reader. Best effort;
+    returns the names removed. Called by restore (rank 0) on the directory it is about to load."""
+    removed: list[str] = []
+    if not (step_dir / MARKER).exists():
+        return removed
+    try:
+        names = [e.name for e in os.scandir(step_dir)
+                 if e.is_file(follow_symlinks=False) and (".tmp." in e.name and e.name.startswith(".")
+                                                          or e.name == INPROGRESS)]
+    except OSError:
+        return removed
+    for name in names:
+        try:
+            os.unlink(step_dir / name)
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed leftovers of a killed writer from %s: %s", step_dir, ", ".join(sorted(removed)))
+    return removed
 
 
 def age_seconds(info: CheckpointInfo, now: float | None = None) -> float:

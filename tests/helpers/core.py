@@ -163,10 +163,11 @@ def save_as_world(root: Path, step: int, world: int) -> Path:
     from slurmresume.checkpoint.state import flatten
 
     root = Path(root)
-    assert commit.prepare(root, step)["action"] == "write"
+    decision = commit.prepare(root, step)
+    assert decision["action"] == "write"
     reports = []
     for r in range(world):
         skeleton, tensors = flatten(tiny_state(step), {"rng": rng.capture()})
-        reports.append(commit.write_rank(root, step, Group(None, r, world), skeleton, tensors))
-    commit.raise_if_failed(commit.commit(root, step, reports, None, None))
+        reports.append(commit.write_rank(root, step, Group(None, r, world), skeleton, tensors, into=decision["dir"]))
+    commit.raise_if_failed(commit.commit(root, step, reports, None, None, into=decision["dir"]))
     return step_dir(root, step)

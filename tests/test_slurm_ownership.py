@@ -1,0 +1,92 @@
+"""One owner per root on the real Slurm cluster (issue #12): resubmitting on the root of a
+running job is refused in one line and leaves its checkpoints untouched; once that job is gone
+(SIGKILLed, so it never released its lease), only --takeover takes the root over."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_slurm_e2e import (  # noqa: F401
+    SIG_TRAIN,
+    cluster,
+    count,
+    final_state,
+    job_log,
+    preempt_at,
+    scancel,
+    submit,
+    wait,
+)
+
+from slurmresume.checkpoint.layout import OWNER
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def _submit_raw(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slurmresume", "submit", str(SIG_TRAIN), "--ckpt-dir", str(root),
+                           "--json", *args, "--", "3000", "0.1", "0"], capture_output=True, text=True, timeout=120)
+
+
+def _owner(root: Path) -> str | None:
+    try:
+        return json.loads((root / OWNER).read_text())["owner"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _steps(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for d in root.glob("step_*") for p in sorted(d.iterdir())}
+
+
+def _squeue_ids() -> set[str]:
+    return set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
+
+
+def test_resubmission_on_a_live_root_is_refused_and_takeover_after_it_ended(cluster: None, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    job = submit(root, "--time", "10", script_args=("3000", "0.1", "0"))
+    second = None
+    try:
+        preempt_at(root, job, 5, 0, "--signal=USR1")  # one committed checkpoint, one requeue
+        wait(lambda: count(root, "started", restart=1) >= 1, 180, f"the requeued run\n{job_log(root, job)}")
+        assert _owner(root) == f"slurm-{job}"  # the requeued run is the same owner
+        before, queued = _steps(root), _squeue_ids()
+        assert before, "no committed checkpoint to protect"
+
+        res = _submit_raw(root)
+        assert res.returncode == 1, res.stdout + res.stderr
+        line = res.stderr.strip()
+        assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+        assert f"Slurm job {job}" in line and "since" in line and "--takeover" in line, line
+        assert _squeue_ids() <= queued | {job}  # nothing submitted
+        assert count(root, "submitted") == 1
+        res = _submit_raw(root, "--takeover")  # a live owner is never taken over
+        assert res.returncode == 1 and "refusing to start a second writer" in res.stderr, res.stderr
+        assert _steps(root) == before and _owner(root) == f"slurm-{job}"
+
+        # SIGKILL everything: the launcher never releases its lease; the job leaves squeue
+        scancel("--full", "--signal=KILL", job)
+        wait(lambda: job not in _squeue_ids(), 120, f"job {job} to leave squeue")
+        assert _owner(root) == f"slurm-{job}"
+        res = _submit_raw(root)
+        assert res.returncode == 1 and "has ended" in res.stderr and "pass --takeover" in res.stderr, res.stderr
+        res = _submit_raw(root, "--takeover")
+        assert res.returncode == 0, res.stderr
+        second = json.loads(res.stdout)["job_id"]
+        assert _owner(root) == f"slurm-{second}"
+        wait(lambda: count(root, "restored", run_id=f"slurm-{second}.0.0") >= 1, 180,
+             f"job {second} to resume\n{job_log(root, second)}")
+        assert _steps(root).items() >= before.items()  # the first job's checkpoints are still there
+    finally:
+        for j in (job, second):
+            if j:
+                subprocess.run(["scancel", j], check=False)
+        for j in (job, second):
+            if j:
+                final_state(j)
