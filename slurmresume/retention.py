@@ -230,9 +230,12 @@ def scan(root: Path) -> list[CheckpointRecord]:
 
 def _record(root: Path, step: int, name: str) -> CheckpointRecord:
     """The record of one entry; a `.saving.*` directory is never complete (it is not a step)."""
-    record = record_from_info(inspect_dir(step, root / name))
+    info = inspect_dir(step, root / name)
+    record = record_from_info(info)
     if name.startswith(SAVING_PREFIX) and record.complete:
-        record = replace(record, complete=False, mtime=_last_activity(root / name))
+        # marker written, not yet published: its note still protects it while the writer may run
+        busy = info.in_progress and _writer_may_run(info.path / INPROGRESS)
+        record = replace(record, complete=False, in_progress=busy, mtime=_last_activity(root / name))
     return record
 
 

@@ -513,3 +513,23 @@ def test_prune_killed_midway_leaves_only_whole_checkpoints(tmp_path, kill):
     execute(tmp_path, RetentionPolicy(keep=1))  # a later prune finishes the job
     assert steps_on_disk(tmp_path) == [20]
     assert not list(tmp_path.glob(f"{DELETING_PREFIX}*"))
+
+
+def test_a_marked_save_directory_not_yet_published_is_kept_while_its_writer_runs(tmp_path: Path) -> None:
+    """Between writing COMMITTED and its publishing rename, a save's private directory is a whole
+    checkpoint under a `.saving.*` name with its `.inprogress` note still inside. A prune that
+    saw it then (young_threshold=0) must keep it: its writer (this process) is alive. The race
+    test above hits this window by chance; this one stands in it."""
+    from helpers.core import save_steps
+
+    root = tmp_path / "root"
+    save_steps(root, [1]).close()
+    staged = root / ".saving.step_000000001.0123456789abcdef"
+    (root / step_dir_name(1)).rename(staged)  # a committed step 1 under its save's private name
+    (staged / INPROGRESS).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": 0}))
+    save_steps(root, [2]).close()
+    policy = RetentionPolicy(keep=1, remove_incomplete_older_than=0, young_threshold=0)
+    assert execute(root, policy).deleted == []
+    assert staged.is_dir() and (staged / MARKER).exists()
+    (staged / INPROGRESS).unlink()  # writer gone without publishing: now it is litter
+    assert execute(root, policy).deleted == [staged.name]
