@@ -389,7 +389,8 @@ def _restore_matches(root: Path, ref: list[Any], verify: bool) -> tuple[int, str
     from slurmresume import Checkpointer
 
     state = _fresh_state()
-    step = Checkpointer(root, handle_signals=False).restore(state, verify=verify)
+    with Checkpointer(root, handle_signals=False) as ck:  # closing frees the root for the next child
+        step = ck.restore(state, verify=verify)
     if step >= len(ref):
         return step, f"restored step {step} is past the reference"
     if not _same(_snapshot(state), ref[step]):
@@ -399,7 +400,7 @@ def _restore_matches(root: Path, ref: list[Any], verify: bool) -> tuple[int, str
 
 def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
     from slurmresume import Checkpointer, RetentionPolicy
-    from slurmresume.checkpoint.layout import step_dir_name
+    from slurmresume.checkpoint.layout import saving_dirs, step_dir_name
     from slurmresume.checkpoint.store import list_checkpoints
     from slurmresume.events import read_events
 
@@ -469,7 +470,8 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
             continue
         events = read_events(root)[n_events:]
         committed = before | {int(e["step"]) for e in events if e.get("event") == "save_committed"}
-        partial = [i.path.name for i in list_checkpoints(root) if not i.complete]
+        partial = [i.path.name for i in list_checkpoints(root) if not i.complete] + [
+            p.name for _, p in saving_dirs(root)]  # a killed save leaves its private .saving.* directory
         if partial:
             report.count_stat("kill_left_partial_dir")
         half = half_checkpoints(root)

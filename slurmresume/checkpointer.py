@@ -191,6 +191,7 @@ class Checkpointer:
         self._inflight: threading.Thread | None = None
         self._async_error: BaseException | None = None
         self.group = Group.create()
+        self._lease_key: tuple[str, str] | None = None
         self._claim_root()  # one owner per root: refused here, before anything is written
         self.agree_group = Group.create()
         self._agreement = LaggedMax(self.agree_group)
@@ -220,7 +221,7 @@ class Checkpointer:
         error = None
         if self.rank == 0:
             try:
-                for_checkpointer(self.root)
+                self._lease_key = for_checkpointer(self.root)
             except RootOwnedError as exc:
                 error = str(exc)
         error = self.group.broadcast_json(error)
@@ -452,6 +453,13 @@ class Checkpointer:
             self.flag.uninstall()
         for g in (self.agree_group, self.group):
             g.destroy()
+        self._unclaim_root()
+
+    def _unclaim_root(self) -> None:
+        from .ownership import unclaim
+
+        key, self._lease_key = self._lease_key, None
+        unclaim(key)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -777,6 +785,7 @@ class Checkpointer:
                 self.flag.uninstall()
             for g in (self.agree_group, self.group):
                 g.destroy()
+            self._unclaim_root()
 
     def __enter__(self) -> Checkpointer:
         return self

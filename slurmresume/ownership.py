@@ -250,15 +250,16 @@ def hold(root: Path, owner: str, *, takeover: bool = False) -> Holder:
     return Holder(root, owner)
 
 
-_HELD: dict[tuple[str, str], Holder] = {}
+_HELD: dict[tuple[str, str], list[Any]] = {}  # (root, owner) -> [Holder, open Checkpointers, pid]
 _HELD_LOCK = threading.Lock()
 
 
-def for_checkpointer(root: Path) -> None:
+def for_checkpointer(root: Path) -> tuple[str, str] | None:
     """Rank 0 of a `Checkpointer`. Under the launcher ($SLURMRESUME_OWNER set): check that the
     lease names this run. Bare (no launcher): take the lease for this Slurm job, or this process,
-    taking over an owner that is provably gone; one heartbeat per root and process. Raises
-    RootOwnedError when another live run owns the root."""
+    taking over an owner that is provably gone; one heartbeat per root and process, shared by the
+    process's open Checkpointers. Returns the key to hand to `unclaim` when the Checkpointer
+    closes (None: nothing taken). Raises RootOwnedError when another live run owns the root."""
     from .contract import ENV_OWNER
 
     mine = os.environ.get(ENV_OWNER)
@@ -267,18 +268,38 @@ def for_checkpointer(root: Path) -> None:
         if current is not None and current.owner != mine:
             raise RootOwnedError(f"checkpoint root {root} is owned by {current.describe()}, not by this run "
                                  f"({mine}): refusing to write into it")
-        return
+        return None
     if not Path(root).is_dir():
-        return  # nothing to protect yet, and restoring must not create the root (the first save does)
+        return None  # nothing to protect yet, and restoring must not create the root (the first save does)
     job = os.environ.get("SLURM_JOB_ID")
     owner = slurm_owner(job) if job else f"local-{socket.gethostname()}-{os.getpid()}"
     key = (str(Path(root).absolute()), owner)
     with _HELD_LOCK:
-        if key in _HELD and not _HELD[key].lost:
-            return
+        held = _HELD.get(key)
+        if held is not None and not held[0].lost:
+            held[1] += 1
+            return key
         try:
             acquire(root, owner, takeover=True)
         except OSError as exc:  # a read-only root can still be restored from; saves will say why they fail
             log.warning("cannot write the lease %s (%s): continuing without one", lease_path(root), exc)
+            return None
+        _HELD[key] = [Holder(root, owner), 1, os.getpid()]
+        return key
+
+
+def unclaim(key: tuple[str, str] | None) -> None:
+    """A Checkpointer that `for_checkpointer` counted closed: the last one of the process frees the
+    root, so that a later run (or a forked child) on this root is not refused by a live process that
+    no longer writes there."""
+    if key is None:
+        return
+    with _HELD_LOCK:
+        held = _HELD.get(key)
+        if held is None or held[2] != os.getpid():  # a forked child never frees its parent's lease
             return
-        _HELD[key] = Holder(root, owner)
+        held[1] -= 1
+        if held[1] > 0:
+            return
+        del _HELD[key]
+    held[0].release()

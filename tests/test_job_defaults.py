@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 from slurmresume.cli import app
 from slurmresume.config import requeue_cap_reached
+from slurmresume.contract import Outcome
 from slurmresume.drill import WORKDIR_MARK, prepare_workdir
 from slurmresume.errors import ConfigError
-from slurmresume.contract import Outcome
 from slurmresume.launcher import RunResult, decide
 
 REPO = Path(__file__).resolve().parents[1]
