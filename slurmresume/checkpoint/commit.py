@@ -185,28 +185,36 @@ def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any, 
         with _lock_briefly(root) as held:
             fsio.unlink(mine / INPROGRESS, "inprogress")
             fsio.fsync_dir(mine, "step")
-            published = _publish(root, mine, target, replace, held)
-        fsio.fsync_dir(root, "root")
+            how = _publish(root, mine, target, replace, held)
+            published = True
+        if how != "swapped":  # a swap made itself durable before it removed the old checkpoint
+            fsio.fsync_dir(root, "root")
         return {"ok": True, "path": str(target)}
     except Exception as exc:
         error = _describe(exc, target if published else mine)  # before the clean-up frees space
         if published:
-            # The rename happened but is not durable: take the marker back (the directory is
-            # ours, published a moment ago), so nobody counts a step the caller is told failed.
+            # The rename happened but is not durable. The directory is ours, published a moment
+            # ago: take the marker back first (nobody may count a step the caller is told
+            # failed), then take the directory back under its private name and remove it, so
+            # that its bytes do not hold the space the next save needs.
             fsio._unlink_quiet(target / MARKER)
-        else:
-            discard(mine)
+            try:
+                os.rename(target, mine)
+            except OSError:
+                return {"ok": False, "error": error}
+        discard(mine)
         return {"ok": False, "error": error}
 
 
-def _publish(root: Path, mine: Path, target: Path, replace: bool = False, held: bool = False) -> bool:
+def _publish(root: Path, mine: Path, target: Path, replace: bool = False, held: bool = False) -> str:
     """Rename `mine` to `target`. A rename onto a non-empty directory fails (ENOTEMPTY/EEXIST),
     so another writer's published step is never replaced. Only a target that is not a complete
-    checkpoint is moved aside, re-checked under the root lock (short timeout) right before."""
+    checkpoint is moved aside, re-checked under the root lock (short timeout) right before.
+    Returns "published", or "swapped" when a complete step was replaced (see `_swap_in`)."""
     if not os.path.lexists(target):
         try:
             fsio.rename(mine, target, "publish")
-            return True
+            return "published"
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                 raise
@@ -217,7 +225,7 @@ def _publish(root: Path, mine: Path, target: Path, replace: bool = False, held: 
                 info = inspect_dir(step, target)
                 if info.complete and replace:  # an explicit final save whose state changed
                     _swap_in(mine, target, root)
-                    return True
+                    return "swapped"
                 if info.complete:
                     raise SaveError(f"step {step} was committed at {target} by another writer while this save "
                                     "ran; this save's copy is discarded (two runs share this checkpoint root?)")
@@ -231,7 +239,7 @@ def _publish(root: Path, mine: Path, target: Path, replace: bool = False, held: 
                         f"{REPLACE_LOCK_TIMEOUT:.0f} s (a prune?)") from None
     if hidden is not None:
         shutil.rmtree(hidden, ignore_errors=True)
-    return True
+    return "published"
 
 
 def discard(d: Path) -> None:
