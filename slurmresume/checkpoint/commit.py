@@ -58,6 +58,9 @@ log = logging.getLogger("slurmresume")
 
 LOCK_TIMEOUT = 120.0
 REPLACE_LOCK_TIMEOUT = 10.0  # a commit waits at most this long to replace a corrupt step_N
+BRIEF_LOCK_TIMEOUT = 2.0  # a save's own directory operations wait at most this long for the lock
+BUSY_MEMORY_S = 60.0  # after a lock was found stuck, saves on that root try it once, without waiting
+_BUSY: dict[str, float] = {}  # root -> when its lock was last found stuck (monotonic)
 
 
 def root_lock(root: Path, timeout: float = LOCK_TIMEOUT) -> FileLock:
@@ -112,15 +115,25 @@ def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
 
 @contextmanager
 def _lock_briefly(root: Path) -> Iterator[bool]:
-    """The root lock for a few file operations; yields whether it is held (a lock that stays
-    busy for REPLACE_LOCK_TIMEOUT is not waited on: the save goes on without it)."""
-    lock = root_lock(root, REPLACE_LOCK_TIMEOUT)
+    """The root lock for a few file operations; yields whether it is held. A prune holds it only
+    for its renames (milliseconds), so a lock busy for BRIEF_LOCK_TIMEOUT is stuck (a hung
+    holder, a node-local flock on NFS): the save goes on without it, and for BUSY_MEMORY_S the
+    next attempts on this root try once instead of waiting again, so that neither the commit of
+    the same save nor the next saves pay that wait twice. Without the lock, prune's age
+    threshold (young_threshold) is what protects a save directory."""
+    key = str(root)
+    recently = time.monotonic() - _BUSY.get(key, float("-inf")) < BUSY_MEMORY_S
+    lock = root_lock(root, 0 if recently else BRIEF_LOCK_TIMEOUT)
     try:
         lock.acquire()
     except Timeout:
-        log.warning("the root lock %s is busy for over %.0f s: saving without it", root / LOCK, REPLACE_LOCK_TIMEOUT)
+        if not recently:
+            log.warning("the root lock %s is busy for over %.0f s: saving without it", root / LOCK,
+                        BRIEF_LOCK_TIMEOUT)
+        _BUSY[key] = time.monotonic()
         yield False
         return
+    _BUSY.pop(key, None)
     try:
         yield True
     finally:
