@@ -650,7 +650,7 @@ class Checkpointer:
 
     def _choose(self, step: int | None, verify: bool, tried: set[int]) -> dict | None:
         if self.mirror is not None and not tried:  # rank 0: a newer (or the only) step may be on the bucket
-            self.mirror.pull_if_newer(self.root)
+            self.mirror.pull(self.root, step)  # step=N: fetched from the bucket if only it has N
             self.mirror.start(self.root)  # and finish an upload a requeued run left
         if step is not None:
             info = inspect_dir(step, self.root / step_dir_name(step), verify)
