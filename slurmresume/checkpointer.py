@@ -89,6 +89,9 @@ def resolve_root(root: str | os.PathLike[str] | None) -> Path:
     value = root if root is not None else os.environ.get(ENV_ROOT)
     if value is None or str(value) == "":
         raise ConfigError(f"no checkpoint root: pass Checkpointer(root=...) or set {ENV_ROOT}")
+    from .mirror.hook import refuse_bucket_root
+
+    refuse_bucket_root(value, "mirror=")  # not a local folder named "s3:"
     path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"checkpoint root {path} is a file, not a directory: choose a directory path")

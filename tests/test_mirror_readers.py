@@ -115,3 +115,26 @@ def test_bad_input_on_a_bucket_is_one_error_line(s3, mirrored, tmp_path: Path, a
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_bucket_as_the_checkpoint_root_is_refused_with_the_mirror_spelling(tmp_path: Path, monkeypatch) -> None:
+    """No bucket-only root (every rank writes its shard into the root, rank 0 commits there):
+    `submit --ckpt-dir s3://...` and `Checkpointer("s3://...")` say to use a directory + mirror,
+    and write nothing (pathlib would otherwise make a local folder named "s3:")."""
+    from slurmresume.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")  # no sbatch is ever reached
+    res = run("submit", script, "--ckpt-dir", "s3://bkt/run1", "--dry-run")
+    assert res.exit_code == 1 and res.stdout == ""
+    assert res.stderr.strip() == ("error: checkpoint root s3://bkt/run1 is a bucket: the root must be a directory "
+                                  "every rank can write (saves land there first, fast); give one and put the bucket "
+                                  "in --mirror, e.g. --ckpt-dir /scratch/run1 --mirror s3://bkt/run1")
+    with pytest.raises(ConfigError, match=r"Checkpointer\('/scratch/run1', mirror='s3://bkt/run1'\)"):
+        Checkpointer("s3://bkt/run1", handle_signals=False)
+    monkeypatch.setenv("SLURMRESUME_CKPT_DIR", "s3://bkt/run1")
+    with pytest.raises(ConfigError, match="is a bucket"):
+        Checkpointer(handle_signals=False)
+    assert list(tmp_path.iterdir()) == [script]
