@@ -89,6 +89,9 @@ def resolve_root(root: str | os.PathLike[str] | None) -> Path:
     value = root if root is not None else os.environ.get(ENV_ROOT)
     if value is None or str(value) == "":
         raise ConfigError(f"no checkpoint root: pass Checkpointer(root=...) or set {ENV_ROOT}")
+    from .mirror.hook import refuse_bucket_root
+
+    refuse_bucket_root(value, "mirror=")  # not a local folder named "s3:"
     path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"checkpoint root {path} is a file, not a directory: choose a directory path")
@@ -650,7 +653,7 @@ class Checkpointer:
 
     def _choose(self, step: int | None, verify: bool, tried: set[int]) -> dict | None:
         if self.mirror is not None and not tried:  # rank 0: a newer (or the only) step may be on the bucket
-            self.mirror.pull_if_newer(self.root)
+            self.mirror.pull(self.root, step)  # step=N: fetched from the bucket if only it has N
             self.mirror.start(self.root)  # and finish an upload a requeued run left
         if step is not None:
             info = inspect_dir(step, self.root / step_dir_name(step), verify)

@@ -35,6 +35,9 @@ def _spec(script: Path, script_args: list[str] | None, cli: dict[str, Any]) -> J
     if isinstance(sbatch, dict):
         sbatch = [f"{k}={v}" for k, v in sbatch.items()]
     merged["sbatch"] = parse_sbatch_extras([str(x) for x in sbatch])
+    from .mirror.hook import refuse_bucket_root
+
+    refuse_bucket_root(merged["ckpt_dir"], "--mirror")
     merged["ckpt_dir"] = Path(merged["ckpt_dir"]).expanduser().absolute()
     if merged.get("log_dir"):
         merged["log_dir"] = Path(merged["log_dir"]).expanduser().absolute()
@@ -68,7 +71,7 @@ ArgsArg = Annotated[list[str] | None, typer.Argument(help="Arguments for the scr
 def submit(
     script: ScriptArg,
     script_args: ArgsArg = None,
-    ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root; exported to the script as SLURMRESUME_CKPT_DIR. (default: ckpt-dir from slurmresume.toml or pyproject.toml; required)")] = None,
+    ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root, a directory every rank can write (an s3:// bucket goes in --mirror); exported to the script as SLURMRESUME_CKPT_DIR. (default: ckpt-dir from slurmresume.toml or pyproject.toml; required)")] = None,
     nodes: Annotated[int | None, Opt(help="Number of nodes (one launcher + torchrun per node). (default: 1)")] = None,
     nproc_per_node: Annotated[int | None, Opt(help="Processes per node. (default: --gpus-per-node, else 1)")] = None,
     gpus_per_node: Annotated[int | None, Opt(help="GPUs per node to request. (default: none)")] = None,

@@ -45,9 +45,12 @@ def _tensor_refs(value: Any, prefix: str = "") -> list[tuple[str, str]]:
 
 
 def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
-                 progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                 progress: Callable[[int, int], None] | None = None, source: str | None = None) -> dict[str, Any]:
     """Write `state[only]`'s tensors of one rank's shard to `out` (atomically). Returns a summary.
-    `progress(done, total)` is called after each tensor (the CLI draws a bar on a terminal)."""
+    `progress(done, total)` is called after each tensor (the CLI draws a bar on a terminal).
+    `source` names the checkpoint in messages and the file's metadata when `step_dir` is a
+    local copy (an s3:// step downloaded and verified by slurmresume.mirror.fetch)."""
+    label = source or str(step_dir)
     manifest = read_manifest(step_dir)
     if not 0 <= rank < manifest.world_size:
         raise ConfigError(f"--rank {rank} is not in this checkpoint (world size {manifest.world_size})")
@@ -58,17 +61,17 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
     validate_skeleton((), skeleton, None, strict=False)  # entries: a dict of {kind, value} (untrusted)
     entries = skeleton["entries"]
     if only not in entries:
-        raise ConfigError(f"checkpoint {step_dir} has no state key {only!r}; it has: "
+        raise ConfigError(f"checkpoint {label} has no state key {only!r}; it has: "
                           f"{', '.join(sorted(map(str, entries)))}")
     try:
         refs = _tensor_refs(entries[only]["value"])
     except (TypeError, ValueError) as exc:
-        raise CorruptCheckpointError(f"checkpoint {step_dir}: the skeleton of state key {only!r} is malformed "
+        raise CorruptCheckpointError(f"checkpoint {label}: the skeleton of state key {only!r} is malformed "
                                      f"({exc})") from None
     if not all(isinstance(name, str) for _, name in refs):
-        raise CorruptCheckpointError(f"checkpoint {step_dir}: a tensor reference of {only!r} is not a name")
+        raise CorruptCheckpointError(f"checkpoint {label}: a tensor reference of {only!r} is not a name")
     if not refs:
-        raise ConfigError(f"state key {only!r} in {step_dir} holds no tensors")
+        raise ConfigError(f"state key {only!r} in {label} holds no tensors")
     # Replicated tensors (data parallelism) are stored once, in rank 0's shard.
     sources = {shard["file"]: (header, data_start, shard["bytes"])}
     first = manifest.shards[0]
@@ -91,7 +94,7 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
         n = info["data_offsets"][1] - info["data_offsets"][0]
         layout[key] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + n]}
         offset += n
-    meta = {"format": "pt", "slurmresume.source": str(step_dir), "slurmresume.step": str(manifest.step)}
+    meta = {"format": "pt", "slurmresume.source": label, "slurmresume.step": str(manifest.step)}
     raw = json.dumps({"__metadata__": meta, **layout}, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -184,3 +184,43 @@ def test_retention_applies_on_both_tiers(s3, url: str, tmp_path: Path) -> None:
     assert [(i.step, i.complete) for i in remote.list_remote(s3, loc)] == [(4, True), (3, True)]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == \
         [step_dir_name(3), step_dir_name(4)]
+
+
+def test_restore_of_a_step_only_the_mirror_holds(s3, url: str, tmp_path: Path) -> None:
+    import shutil
+
+    local = tmp_path / "local"
+    save(local, 2, 4, 6, mirror=url)
+    shutil.rmtree(local / step_dir_name(4))  # e.g. pruned locally, kept on the bucket
+    state = tiny_state(0)
+    ckpt = Checkpointer(local, handle_signals=False, mirror=url)
+    assert ckpt.restore(state, step=4) == 4  # downloaded, verified, then loaded
+    ckpt.close()
+    assert model_equal(state["model"], tiny_state(4)["model"]) and state["extra"] == tiny_state(4)["extra"]
+    assert find_latest(local, warn=False).step == 6  # the newer local step is untouched
+    other = tmp_path / "other-cluster"  # no local root at all
+    state = tiny_state(0)
+    ckpt = Checkpointer(other, handle_signals=False, mirror=url)
+    assert ckpt.restore(state, step=2) == 2
+    ckpt.close()
+    assert model_equal(state["model"], tiny_state(2)["model"])
+    assert [p.name for p in other.iterdir() if p.name.startswith("step_")] == [step_dir_name(2)]
+
+
+def test_restore_of_a_step_on_neither_tier_or_corrupt_on_the_mirror_refuses(s3, url: str, tmp_path: Path) -> None:
+    from slurmresume.errors import CheckpointError
+
+    save(tmp_path / "a", 3, 5, mirror=url)
+    b = tmp_path / "b"
+    ckpt = Checkpointer(b, handle_signals=False, mirror=url)
+    with pytest.raises(CheckpointError, match=r"step 4 is not a complete checkpoint .* nor on the mirror"):
+        ckpt.restore(tiny_state(0), step=4)
+    loc = parse_s3_url(url)
+    key = loc.key(3, "rank-00000-of-00001.safetensors")
+    body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
+    body[-1] ^= 0xFF
+    s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))
+    with pytest.raises(CheckpointError, match="fails its checksum after download"):
+        ckpt.restore(tiny_state(0), step=3)  # never falls back to another step when one was asked for
+    ckpt.close()
+    assert not [p for p in b.iterdir() if p.name.startswith(("step_", ".mirror"))]

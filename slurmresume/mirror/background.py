@@ -7,6 +7,8 @@
   committed step that is newer than the newest complete one on the bucket.
 - `pull_if_newer(root)`, before a restore: when the bucket holds a newer complete step than
   the local root (or the root is empty or lost), download it, verified, into the root.
+- `pull_step(root, step)`, before `restore(step=N)`: when the local root lacks a complete
+  step N and the bucket has it, download it, verified, into the root.
 - `close()` waits for the uploader. An emergency exit does not wait: its upload is finished
   by the next run's `start`.
 Upload errors never reach the training thread: they are logged and recorded as events.
@@ -24,7 +26,8 @@ from typing import Any
 
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import find_latest as find_latest_local
-from ..errors import CheckpointError
+from ..checkpoint.store import inspect_dir
+from ..errors import CheckpointError, NoCheckpointError
 from . import remote
 from .s3 import S3Location, client, parse_s3_url
 from .transfer import CHUNK, CONCURRENCY, Transfer, download_step, upload_step
@@ -171,3 +174,32 @@ class Mirror:
                         bytes=result.bytes, seconds=round(result.seconds, 4))
             return result
 
+
+    def pull(self, root: Path, step: int | None) -> Transfer | None:
+        """What `Checkpointer.restore(step=...)` calls on rank 0 before choosing a step."""
+        return self.pull_if_newer(root) if step is None else self.pull_step(root, step)
+
+    def pull_step(self, root: Path, step: int) -> Transfer | None:
+        """Download step `step` when the local root has no complete copy of it (missing, or a
+        leftover without a valid commit, which the download replaces). None when the local copy
+        is complete, or when the bucket lacks it too and a local copy exists (the restore then
+        reports what is wrong with it). NoCheckpointError when neither tier has it; CorruptCheckpointError
+        when the bucket's copy fails its checksums (nothing is left behind then)."""
+        root = Path(root)
+        if inspect_dir(step, root / step_dir_name(step)).complete:
+            return None
+        steps = remote.scan(self.s3, self.loc)
+        found = next((rs for rs in steps if rs.step == step), None)
+        info = remote.inspect(self.s3, self.loc, found) if found is not None else None
+        if info is None or not info.complete:
+            if (root / step_dir_name(step)).exists():
+                return None  # the local check names what is wrong with the local copy
+            why = "absent" if info is None else info.problem
+            raise NoCheckpointError(f"step {step} is not a complete checkpoint under {root} nor on the mirror "
+                                    f"{self.loc.url} ({why}): `slurmresume status --ckpt-dir {self.loc.url}` "
+                                    "lists the mirror's steps")
+        result = download_step(self.s3, self.loc, step, root)
+        log.info("mirror: step %d downloaded from %s for restore(step=%d)", step, self.loc.url, step)
+        self._event("mirror_downloaded", step=step, url=self.loc.step_url(step), bytes=result.bytes,
+                    seconds=round(result.seconds, 4))
+        return result

@@ -26,3 +26,25 @@ def mirror_for(value: Any, *, rank: int, **kwargs: Any) -> Any:
         raise ConfigError(f"mirror must be an s3:// URL, got {type(value).__name__}")
     loc = value if isinstance(value, S3Location) else parse_s3_url(value)
     return Mirror(loc, **kwargs) if rank == 0 else None
+
+
+def refuse_bucket_root(value: object, how: str) -> None:
+    """A checkpoint root must be a filesystem path: an `s3://` root is refused with the way to
+    get the bucket copy (`how` is how the user spells the mirror: "--mirror" or "mirror=").
+
+    Why not a bucket-only root: every rank writes its own shard into the root and rank 0
+    commits once they are all there, so the root must be one directory every rank writes to;
+    and a bucket-only emergency save would last as long as the whole upload (measured in the
+    issue-19 note), inside the preemption's grace time."""
+    if value is None or not str(value).startswith("s3:/"):
+        return
+    from .s3 import parse_s3_url
+
+    try:
+        url = parse_s3_url(str(value)).url
+    except ConfigError:
+        url = str(value)
+    example = (f"--ckpt-dir /scratch/run1 --mirror {url}" if how == "--mirror"
+               else f"Checkpointer('/scratch/run1', mirror='{url}')")
+    raise ConfigError(f"checkpoint root {url} is a bucket: the root must be a directory every rank can write "
+                      f"(saves land there first, fast); give one and put the bucket in {how}, e.g. {example}")
