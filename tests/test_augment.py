@@ -35,21 +35,24 @@ class Noisy:
         return torch.tensor([float(i), torch.rand(()).item(), np.random.rand(), random.random()])
 
 
-def _batches(recipe: bool, position: int, *, epoch: int = 1, persistent: bool = False) -> list[torch.Tensor]:
+def _batches(recipe: bool, position: int, *, epoch: int = 1, persistent: bool = False,
+             start_method: str = "fork") -> list[torch.Tensor]:
     sampler = ResumableSampler(Noisy(), seed=3, with_epoch=recipe)
     sampler.set_epoch(epoch)
     sampler.position = position
     dataset = SeededDataset(Noisy(), seed=3) if recipe else Noisy()
     loader = DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2, persistent_workers=persistent,
-                        multiprocessing_context="fork", worker_init_fn=ignore_in_worker,
+                        multiprocessing_context=start_method, worker_init_fn=ignore_in_worker,
                         generator=torch.Generator().manual_seed(3))
     return list(loader)
 
 
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
 @pytest.mark.parametrize("persistent", [False, True])
-def test_worker_augmentation_after_a_mid_epoch_restart_matches_the_uninterrupted_epoch(persistent: bool) -> None:
-    whole = _batches(True, 0, persistent=persistent)
-    resumed = _batches(True, 12, persistent=persistent)  # 3 batches in: batch 3 goes to worker 0, not 1
+def test_worker_augmentation_after_a_mid_epoch_restart_matches_the_uninterrupted_epoch(persistent: bool,
+                                                                                       start_method: str) -> None:
+    whole = _batches(True, 0, persistent=persistent, start_method=start_method)
+    resumed = _batches(True, 12, persistent=persistent, start_method=start_method)  # batch 3: worker 0, not 1
     assert len(resumed) == len(whole) - 3
     for a, b in zip(whole[3:], resumed):
         assert torch.equal(a, b)
