@@ -34,7 +34,9 @@ CAUSE_HINTS = {
            "workers are seeded when an iterator is created), a script-owned generator that is not in "
            f"state, or a draw outside the saved state; {ADAPT}",
     "value": "a plain value differs: keep every value carried between steps (prefetched batch, hidden "
-             f"state, best metric) in state and read it back from there after restore(); {ADAPT}",
+             "state, best metric) in state and read it back from there after restore(); a result of the "
+             "step (the last loss) follows from what fed it: worker-side augmentation (SeededDataset) or a "
+             f"script-owned generator; {ADAPT}",
     "object": f"its state_dict() does not capture everything it uses; {ADAPT}",
     "hyper": "the optimizer's hyperparameters (param_groups: lr, ...) differ: did you save the LR "
              f"scheduler, and restore before building anything that changes them? {ADAPT}",

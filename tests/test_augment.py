@@ -103,14 +103,16 @@ def test_sampler_with_epoch_yields_pairs_from_its_position() -> None:
 
 # -- the drill on examples/augment_train.py: 2 workers, 2 epochs of 12 steps; seed 9 plans the
 # warning at step 15, three batches into the second epoch --
-def drill(tmp_path: Path, *script_args: str) -> dict:
+def drill(tmp_path: Path, *script_args: str, nproc: int = 1) -> dict:
     res = subprocess.run([sys.executable, "-m", "slurmresume", "drill", str(EXAMPLE), "--workdir", str(tmp_path / "w"),
-                          "--json", "--preemptions", "1", "--seed", "9", "--", "--steps", "24", "--save-every",
+                          "--json", "--preemptions", "1", "--seed", "9", "--nproc-per-node", str(nproc),
+                          "--", "--steps", "24", "--save-every",
                           "100", "--num-workers", "2", *script_args],
                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert res.returncode in (0, 1), res.stdout[-2000:] + res.stderr[-3000:]
     verdict = json.loads(res.stdout[res.stdout.index("{"):])
     assert verdict["planned"] == [15] and verdict["preemptions"] == 1 and verdict["missed"] == 0, verdict
+    assert verdict["saved_steps"] == [15 + (nproc > 1)], verdict  # 2 ranks act one step later
     assert (res.returncode == 0) == verdict["ok"]
     return verdict
 
@@ -123,10 +125,18 @@ def test_drill_passes_with_worker_augmentation(tmp_path: Path, start_method: str
     assert verdict["ok"] is True and verdict["differences"] == [], verdict
 
 
+@pytest.mark.slow
+def test_drill_passes_with_worker_augmentation_on_two_ranks(tmp_path: Path) -> None:
+    """Each rank reads other samples; the seed is per sample index, so ranks need nothing more."""
+    verdict = drill(tmp_path, "--persistent-workers", nproc=2)
+    assert verdict["ok"] is True and verdict["differences"] == [], verdict
+
+
 def test_drill_fails_on_the_same_script_without_the_recipe(tmp_path: Path) -> None:
     verdict = drill(tmp_path, "--without-recipe")
     assert verdict["ok"] is False
     assert any(d["key"].startswith("model/") for d in verdict["differences"]), verdict["differences"]
+    assert "SeededDataset" in verdict["differences"][0]["hint"]  # the first line points at the recipe
 
 
 # -- torchdata's StatefulDataLoader is a member of the state like any stateful object: its sampler
