@@ -34,9 +34,9 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 class SeededDataset:
     """Wraps a map-style dataset: `dataset[(epoch, index)]` seeds Python's `random`, NumPy's
-    global RNG and torch's CPU generator from `sample_seed(seed, epoch, index)`, returns
-    `inner[index]`, then puts the previous states back (so in the main process, with
-    `num_workers=0`, the training stream is untouched). Keys come from
+    global RNG and torch's default CPU generator from `sample_seed(seed, epoch, index)` and
+    returns `inner[index]`. In the training process (`num_workers=0`) it then puts the previous
+    states back, so the training's own streams are untouched. Keys come from
     `ResumableSampler(..., with_epoch=True)`; a plain int key is refused, since without the
     epoch every epoch would draw the same augmentation."""
 
@@ -50,19 +50,25 @@ class SeededDataset:
 
     def __getitem__(self, key: Any) -> Any:
         import torch
+        from torch.utils.data import get_worker_info
 
         if not (isinstance(key, tuple) and len(key) == 2):
             raise ConfigError(f"SeededDataset got key {key!r}, expected (epoch, index): use "
                               "ResumableSampler(..., with_epoch=True) as the DataLoader's sampler")
         epoch, index = key
         s = sample_seed(self.seed, epoch, index)
-        saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        # A worker's streams serve only its samples, each reseeded here: nothing to put back.
+        # In the training process (num_workers=0) they are the training's streams (dropout).
+        # (torch.manual_seed would also visit every device type: ~0.5 ms a sample.)
+        gen = torch.default_generator
+        saved = None if get_worker_info() is not None else (random.getstate(), np.random.get_state(), gen.get_state())
         try:
             random.seed(s)
             np.random.seed((s & 0xFFFFFFFF) ^ (s >> 32))  # NumPy's legacy seed takes 32 bits
-            torch.manual_seed(s)
+            gen.manual_seed(s)
             return self.dataset[index]
         finally:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-            torch.set_rng_state(saved[2])
+            if saved is not None:
+                random.setstate(saved[0])
+                np.random.set_state(saved[1])
+                gen.set_state(saved[2])
