@@ -3,7 +3,7 @@
 
 In-process checks compare the batches a restarted loader yields with the tail of an
 uninterrupted epoch; the drills run `examples/augment_train.py` through the real launcher, with
-2 workers, fork and spawn, persistent or not, and once without the recipe (the drill fails)."""
+2 workers, fork, spawn and forkserver, persistent or not, and once without the recipe (the drill fails)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,8 @@ def drill(tmp_path: Path, *script_args: str, nproc: int = 1) -> dict:
     return verdict
 
 
-@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("start_method", ["fork", pytest.param("spawn", marks=pytest.mark.slow),
+                                          pytest.param("forkserver", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
 def test_drill_passes_with_worker_augmentation(tmp_path: Path, start_method: str, persistent: bool) -> None:
     opts = ["--start-method", start_method] + (["--persistent-workers"] if persistent else [])
