@@ -18,6 +18,8 @@ _EXPORTS = {
     "find_latest": "checkpoint.store",
     "list_checkpoints": "checkpoint.store",
     "ResumableSampler": "sampler",
+    "SeededDataset": "seeding",
+    "sample_seed": "seeding",
     "RetentionPolicy": "retention",
     "SavePolicy": "policy",
     "apply_policy": "retention",
@@ -68,4 +70,5 @@ if TYPE_CHECKING:  # static checkers see the real names
     from .policy import SavePolicy
     from .retention import RetentionPolicy, apply_policy
     from .sampler import ResumableSampler
+    from .seeding import SeededDataset, sample_seed
     from .signals import EXIT_PREEMPTED, EXIT_TERMINATED, ignore_in_worker

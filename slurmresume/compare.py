@@ -31,17 +31,19 @@ HINTS = {
 }
 CAUSE_HINTS = {
     "rng": "this RNG stream is drawn differently after a resume: worker-side randomness (DataLoader "
-           "workers are seeded when an iterator is created), a script-owned generator that is not in "
-           f"state, or a draw outside the saved state; {ADAPT}",
+           "workers are seeded when an iterator is created: use SeededDataset), a script-owned generator "
+           f"that is not in state, or a draw outside the saved state; {ADAPT}",
     "value": "a plain value differs: keep every value carried between steps (prefetched batch, hidden "
-             f"state, best metric) in state and read it back from there after restore(); {ADAPT}",
+             "state, best metric) in state and read it back from there after restore(); a result of the "
+             "step (the last loss) follows from what fed it: worker-side augmentation (SeededDataset) or a "
+             f"script-owned generator; {ADAPT}",
     "object": f"its state_dict() does not capture everything it uses; {ADAPT}",
     "hyper": "the optimizer's hyperparameters (param_groups: lr, ...) differ: did you save the LR "
              f"scheduler, and restore before building anything that changes them? {ADAPT}",
     "optimizer": "did you save the LR scheduler? Otherwise the data order or randomness is not in the "
                  f"state; {ADAPT}",
     "model": "is the data order or the randomness reproduced (seeded sampler, DataLoader generator, "
-             f"worker-side augmentation)? With DDP on 3+ ranks: the gradient bucket layout; {ADAPT}",
+             f"worker-side augmentation: SeededDataset)? With DDP on 3+ ranks: the gradient bucket layout; {ADAPT}",
     "other": "",
 }
 UNSEEDED = "never seeded: it differed between the two runs already at the first checkpoint; seed it if your " \

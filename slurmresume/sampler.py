@@ -17,10 +17,14 @@ class ResumableSampler(DistributedSampler):
     continues with the next unseen sample. `set_epoch(e)` starts epoch `e` at position 0,
     unless `e` is the epoch already restored (so the usual `for epoch in ...: set_epoch(epoch)`
     loop resumes mid-epoch). Works without torch.distributed (one replica).
+
+    `with_epoch=True` yields `(epoch, index)` pairs instead of indices, for a `SeededDataset`
+    that seeds each sample's augmentation from them (exact resume of worker-side randomness).
     """
 
     def __init__(self, dataset: Sized, *, num_replicas: int | None = None, rank: int | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 with_epoch: bool = False) -> None:
         if num_replicas is None:
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if rank is None:
@@ -28,10 +32,13 @@ class ResumableSampler(DistributedSampler):
         super().__init__(cast(Dataset, dataset), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self.position = 0
+        self.with_epoch = with_epoch
 
-    def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        return iter(indices[self.position :])
+    def __iter__(self) -> Iterator[Any]:
+        indices = list(super().__iter__())[self.position :]
+        if self.with_epoch:
+            return iter([(self.epoch, i) for i in indices])
+        return iter(indices)
 
     def __len__(self) -> int:
         return max(0, self.num_samples - self.position)
