@@ -75,6 +75,13 @@ def signal_when(proc: subprocess.Popen, ready, send, what: str, timeout: float =
                     pass
 
 
+def signalled_workers(piddir: Path, hit: list[int]) -> list[int]:
+    """The DataLoader worker pids of the ranks that were signalled (sig_train.py writes them to
+    workers<rank>-<rank pid>; the restarted run's ranks write their own)."""
+    return [int(w) for p in piddir.glob("workers*") if int(p.name.rsplit("-", 1)[1]) in hit
+            for w in p.read_text().split()]
+
+
 def descendants_alive(marker: str) -> list[int]:
     out = []
     for pid in os.listdir("/proc"):
@@ -140,7 +147,7 @@ def test_dataloader_workers_survive_tree_signal(tmp_path: Path) -> None:
     out = signal_when(proc, lambda: progress(piddir) >= 5 and any(piddir.glob("workers0-*")),
                       lambda: hit.extend(signal_tree(proc.pid, signal.SIGUSR1)), "training to reach step 5")
     assert proc.returncode == 0, out
-    workers = [int(p) for p in next(piddir.glob("workers0-*")).read_text().split()]
+    workers = signalled_workers(piddir, hit)
     assert len(workers) == 2 and set(workers) <= set(hit), (workers, hit)
     ev = events(root)
     assert [e["event"] for e in ev].count("exit_after_save") == 1
@@ -161,8 +168,8 @@ def test_every_process_gets_the_warning_with_spawned_workers(tmp_path: Path, met
     out = signal_when(proc, lambda: progress(piddir) >= 5 and len(list(piddir.glob("workers*"))) >= 2,
                       lambda: hit.extend(signal_tree(proc.pid, signal.SIGUSR1)), "workers and step 5", timeout=300)
     assert proc.returncode == 0, out
-    workers = [int(w) for p in piddir.glob("workers*") for w in p.read_text().split()]
-    assert len(workers) >= 4 and set(workers) <= set(hit), (workers, hit)
+    workers = signalled_workers(piddir, hit)
+    assert len(workers) == 4 and set(workers) <= set(hit), (workers, hit)
     ev = events(root)
     saves = [e for e in ev if e["event"] == "exit_after_save"]
     assert len(saves) == 1 and saves[0]["kind"] == "preempt", out
