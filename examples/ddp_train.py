@@ -11,7 +11,9 @@ uninterrupted one (with 3+ ranks the all-reduce's rounding depends on the layout
 
 import argparse
 import os
+import random
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -35,6 +37,8 @@ if distributed:
     dist.init_process_group("gloo")
 rank = dist.get_rank() if distributed else 0
 torch.manual_seed(args.seed + rank)  # dropout differs per rank
+random.seed(args.seed + rank)  # every stream the run may draw from is seeded
+np.random.seed(args.seed + rank)
 torch.use_deterministic_algorithms(True)
 
 g = torch.Generator().manual_seed(args.seed)  # the same data set on every rank
@@ -58,6 +62,7 @@ if distributed and not args.no_ddp_buckets:
     state["ddp_buckets"] = slurmresume.DDPBuckets(ddp)  # <- the one line DDP needs
 step = ckpt.restore(state)
 
+loss = torch.tensor(float("nan"))  # a run resumed at its last step trains no more
 while step < args.steps:
     for xb, yb in loader:
         loss = F.cross_entropy(ddp(xb), yb)

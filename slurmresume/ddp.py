@@ -69,7 +69,7 @@ class DDPBuckets:
         ddp = self.ddp
         if _can_rebuild(ddp) and ddp.reducer._rebuild_buckets():  # what the next forward would do
             ddp._has_rebuilt_buckets = True
-        if getattr(ddp, "_has_rebuilt_buckets", False):
+        if getattr(ddp, "_has_rebuilt_buckets", False) and ddp.logger is not None:
             ddp.logger.set_runtime_stats_and_log()
         return str(ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices") or "")
 

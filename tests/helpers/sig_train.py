@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import slurmresume
 
+
 def main() -> None:  # guarded: spawned DataLoader workers import this file
     steps = int(sys.argv[1])
     sleep = float(sys.argv[2]) if len(sys.argv) > 2 else 0.05
