@@ -1,5 +1,6 @@
 """Child for tests/test_exact_state.py: save a state holding a torch.Generator and a plain
-generator-state tensor, then restore it by the path named in argv[2] ("verify" or "fallback")
+generator-state tensor, then restore it by the path named in argv[2] ("verify": verify_on_restore,
+"fallback": past a damaged newest checkpoint, "default": the default restore)
 and draw from both. Prints the draws as JSON; a crash (SIGSEGV) fails the test cleanly."""
 
 import json
