@@ -9,14 +9,21 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 from helpers.procs import clean_env, run_python
 
 HERE = Path(__file__).resolve().parent
 
 
-def test_forked_and_spawned_children_of_a_checkpointing_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["process", "torchrun-rank"])
+def test_forked_and_spawned_children_of_a_checkpointing_process(tmp_path: Path, how: str) -> None:
+    """`how`: a plain process, or a rank started by torchrun (its own session, the warning
+    ignored by the agent before it installs its handler)."""
+    helper = [HERE / "helpers" / "fork_children.py", tmp_path / "ck"]
+    if how == "torchrun-rank":
+        helper = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=0", *helper]
     try:
-        res = run_python([HERE / "helpers" / "fork_children.py", tmp_path / "ck"], env=clean_env(), timeout=240)
+        res = run_python(helper, env=clean_env(), timeout=240)
     except subprocess.TimeoutExpired as exc:  # the old code: `with Pool()` hangs forever at exit
         raise AssertionError(f"hung: {exc.stdout!r} {exc.stderr!r}") from None
     assert res.returncode == 0, res.stderr[-3000:]
