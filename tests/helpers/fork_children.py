@@ -17,7 +17,7 @@ def square(x: int) -> int:
     return x * x
 
 
-def sleeper() -> None:
+def sleeper(_: int = 0) -> None:
     time.sleep(120)
 
 
@@ -33,6 +33,8 @@ if __name__ == "__main__":
     t0 = time.monotonic()
     with mp.get_context("fork").Pool(2) as pool:  # __exit__ calls terminate(): SIGTERM to workers
         found["pool"] = pool.map(square, range(4))
+        pool.map_async(sleeper, range(2))  # busy workers: only SIGTERM (terminate()) ends them now
+        time.sleep(0.5)
     found["pool_exit_s"] = round(time.monotonic() - t0, 2)
     p = mp.get_context("fork").Process(target=sleeper)
     p.start()
