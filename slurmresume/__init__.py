@@ -25,6 +25,7 @@ _EXPORTS = {
     "apply_policy": "retention",
     "compare_checkpoints": "compare",
     "ignore_in_worker": "signals",
+    "DDPBuckets": "ddp",
     "EXIT_PREEMPTED": "signals",
     "EXIT_TERMINATED": "signals",
     "SlurmResumeError": "errors",
@@ -57,6 +58,7 @@ if TYPE_CHECKING:  # static checkers see the real names
     from .checkpoint.store import CheckpointInfo, find_latest, list_checkpoints
     from .checkpointer import Checkpointer
     from .compare import compare_checkpoints
+    from .ddp import DDPBuckets
     from .errors import (
         CheckpointError,
         ConfigError,

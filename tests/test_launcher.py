@@ -1,7 +1,8 @@
 """The launcher and the signal path, with real torchrun processes on this machine (local mode).
 
-Delivery models: cgroup-like (the signal reaches only the launcher) and linuxproc-like (the
-whole process group, workers and DataLoader workers included). Each must end in exactly one
+Delivery models: cgroup-like (the signal reaches only the launcher) and linuxproc-like (every
+process of the tree, ranks and DataLoader workers included, found by walking /proc: torchrun
+starts each rank in its own session, so a process-group signal would never reach them). Each must end in exactly one
 save, one restart, a finished run, and no process left behind.
 """
 
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.procs import process_tree, signal_tree
 
 HELPERS = Path(__file__).parent / "helpers"
 SIG_TRAIN = HELPERS / "sig_train.py"
@@ -58,7 +60,7 @@ def start_local(tmp_path: Path, nproc: int, steps: int, sleep: float = 0.05, wor
 
 def signal_when(proc: subprocess.Popen, ready, send, what: str, timeout: float = 180) -> str:
     """Wait for `ready()`, call `send()`, then wait for the launcher to exit; returns its output.
-    The whole process group is killed if anything goes wrong."""
+    The whole process tree is killed if anything goes wrong."""
     try:
         wait_for(ready, what=what)
         send()
@@ -66,7 +68,18 @@ def signal_when(proc: subprocess.Popen, ready, send, what: str, timeout: float =
         return out
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            for pid in reversed(process_tree(proc.pid)):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def signalled_workers(piddir: Path, hit: list[int]) -> list[int]:
+    """The DataLoader worker pids of the ranks that were signalled (sig_train.py writes them to
+    workers<rank>-<rank pid>; the restarted run's ranks write their own)."""
+    return [int(w) for p in piddir.glob("workers*") if int(p.name.rsplit("-", 1)[1]) in hit
+            for w in p.read_text().split()]
 
 
 def descendants_alive(marker: str) -> list[int]:
@@ -82,12 +95,12 @@ def descendants_alive(marker: str) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("delivery", ["launcher-only", "process-group"])
+@pytest.mark.parametrize("delivery", ["launcher-only", "process-tree"])
 def test_one_save_one_restart_per_warning(tmp_path: Path, delivery: str) -> None:
     proc, root, piddir = start_local(tmp_path, nproc=2, steps=60)
     # launcher-only: what Slurm does under proctrack/cgroup; process-group: linuxproc, where
     # every process hears it and the workers are told twice
-    send = os.kill if delivery == "launcher-only" else os.killpg
+    send = os.kill if delivery == "launcher-only" else signal_tree
     out = signal_when(proc, lambda: progress(piddir) >= 5, lambda: send(proc.pid, signal.SIGUSR1),
                       "training to reach step 5")
     assert proc.returncode == 0, out
@@ -126,17 +139,57 @@ def test_signal_to_one_rank_saves_same_step_on_both(tmp_path: Path) -> None:
     assert step < 200
 
 
-def test_dataloader_workers_survive_group_signal(tmp_path: Path) -> None:
-    """num_workers=2 under a process-group signal: workers neither die nor swallow it."""
+def test_dataloader_workers_survive_tree_signal(tmp_path: Path) -> None:
+    """num_workers=2 when every process of the tree gets the warning: workers neither die nor
+    swallow it."""
     proc, root, piddir = start_local(tmp_path, nproc=1, steps=40, workers=2)
-    out = signal_when(proc, lambda: progress(piddir) >= 5, lambda: os.killpg(proc.pid, signal.SIGUSR1),
-                      "training to reach step 5")
+    hit: list[int] = []
+    out = signal_when(proc, lambda: progress(piddir) >= 5 and any(piddir.glob("workers0-*")),
+                      lambda: hit.extend(signal_tree(proc.pid, signal.SIGUSR1)), "training to reach step 5")
     assert proc.returncode == 0, out
+    workers = signalled_workers(piddir, hit)
+    assert len(workers) == 2 and set(workers) <= set(hit), (workers, hit)
     ev = events(root)
     assert [e["event"] for e in ev].count("exit_after_save") == 1
     assert not any(e["event"] == "failed" for e in ev), out
     assert any(e["event"] == "finished" for e in ev)
     assert "DataLoader worker" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_every_process_gets_the_warning_with_spawned_workers(tmp_path: Path, method: str) -> None:
+    """linuxproc-like delivery to the whole tree, DataLoader workers started by spawn/forkserver
+    with no worker_init_fn: they start with the warning at its default action unless it is
+    blocked (a Python handler does not survive exec). The run saves once, restarts, resumes at
+    the saved step, and finishes; no worker died."""
+    proc, root, piddir = _start_with_method(tmp_path / "run", method)
+    hit: list[int] = []
+    out = signal_when(proc, lambda: progress(piddir) >= 5 and len(list(piddir.glob("workers*"))) >= 2,
+                      lambda: hit.extend(signal_tree(proc.pid, signal.SIGUSR1)), "workers and step 5", timeout=300)
+    assert proc.returncode == 0, out
+    workers = signalled_workers(piddir, hit)
+    assert len(workers) == 4 and set(workers) <= set(hit), (workers, hit)
+    ev = events(root)
+    saves = [e for e in ev if e["event"] == "exit_after_save"]
+    assert len(saves) == 1 and saves[0]["kind"] == "preempt", out
+    assert sorted(int(p.read_text()) for p in piddir.glob("start*")) == [0, 0, saves[0]["step"], saves[0]["step"]]
+    assert any(e["event"] == "finished" and e["step"] == 30 for e in ev), out
+    assert not any(e["event"] == "failed" for e in ev), out
+    assert "DataLoader worker" not in out and "killed by signal" not in out, out
+
+
+def _start_with_method(tmp_path: Path, method: str) -> tuple[subprocess.Popen, Path, Path]:
+    tmp_path.mkdir()
+    root, piddir = tmp_path / "ckpt", tmp_path / "pids"
+    piddir.mkdir()
+    env = {**os.environ, "PIDDIR": str(piddir)}
+    env.pop("SLURM_JOB_ID", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slurmresume", "submit", "--local", str(SIG_TRAIN), "--ckpt-dir", str(root),
+         "--nproc-per-node", "2", "--", "30", "0.1", "2", method],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return proc, root, piddir
 
 
 def test_handlers_installed_in_main_thread_only_and_restored(tmp_path: Path) -> None:

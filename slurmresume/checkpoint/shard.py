@@ -274,10 +274,11 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
 
     A tensor whose name is in `targets` with the same dtype and shape (a contiguous CPU tensor,
     e.g. a model parameter) is read straight into that tensor's memory: one copy from the file,
-    no fresh memory. The others are read, with large sequential reads, into one new buffer and
-    returned as views of it. `names` limits the read to those tensors (only their byte ranges).
-    With `expect`, the header and every tensor's bytes are checked against their digests as they
-    are read (a mismatch in a live tensor sets `partial_write` on the error)."""
+    no fresh memory. The others are read into fresh tensors, each owning exactly its bytes (user
+    code may need that: `Generator.set_state` reads a view's storage from offset 0). `names`
+    limits the read to those tensors (only their byte ranges). With `expect`, the header and
+    every tensor's bytes are checked against their digests as they are read (a mismatch in a
+    live tensor sets `partial_write` on the error)."""
     import torch
 
     header, data_start = read_header(directory, file, expected_bytes, expect)
@@ -293,17 +294,14 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
                 and _TORCH_DTYPES[info["dtype"]] == t.dtype and t.numel() > 0):
             direct[name] = t
     rest = [(n, i) for n, i in items if n not in direct]
-    buf = torch.empty(sum(i["data_offsets"][1] - i["data_offsets"][0] for _, i in rest), dtype=torch.uint8)
     out: dict[str, Any] = {}
     fd = open_checked(directory, file, expected_bytes)  # re-checked: a link swapped in since fails
     try:
-        pos = 0
         for name, info in rest:
             begin, end = info["data_offsets"]
-            part = buf[pos : pos + end - begin]
+            part = torch.empty(end - begin, dtype=torch.uint8)  # one per tensor, not views of one buffer
             _pread_into(fd, part, data_start + begin, path, _check(expect, name, path))
             out[name] = _typed(part, info)
-            pos += end - begin
         try:
             for name, t in direct.items():
                 _pread_into(fd, t, data_start + info_offsets(header, name), path, _check(expect, name, path))

@@ -7,6 +7,7 @@ Tensors that share storage (tied weights) are stored once and come back as one t
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Container, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -18,7 +19,44 @@ RESERVED = "__slurmresume__"
 
 
 def is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    return _is_generator(obj) or (callable(getattr(obj, "state_dict", None))
+                                  and callable(getattr(obj, "load_state_dict", None)))
+
+
+def _is_generator(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Generator)
+
+
+class GeneratorState:
+    """A `torch.Generator` seen as a stateful object (it has get_state/set_state instead), so a
+    script-owned generator (`state["gen"] = g`) is saved and restored in place."""
+
+    def __init__(self, gen: Any) -> None:
+        self.gen = gen
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng_state": self.gen.get_state(), "device": str(self.gen.device)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        # set_state reads the tensor's storage from offset 0: hand it a tensor that owns its bytes
+        self.gen.set_state(owned(state["rng_state"]).cpu())
+
+
+def as_stateful(obj: Any) -> Any:
+    """The object whose state_dict()/load_state_dict() stands for `obj` in a checkpoint."""
+    return GeneratorState(obj) if _is_generator(obj) else obj
+
+
+def owned(t: Any) -> Any:
+    """`t` itself when it owns exactly its bytes (offset 0, the whole storage, contiguous), else a
+    copy that does. Every tensor handed to user code goes through here."""
+    if t.device.type == "meta" or is_dtensor(t):
+        return t
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    c = t.contiguous()
+    return c if c is not t else t.clone()
 
 
 class TensorTable:
@@ -28,6 +66,7 @@ class TensorTable:
         self.tensors: list[tuple[str, Any]] = []
         self.live: dict[str, Any] = {}  # name -> the tensor as found in the state (DTensors too)
         self.dtensors: dict[str, dict] = {}  # name -> spec (reshard.describe) of a DTensor
+        self.devices: dict[str, str] = {}  # name -> device of a tensor not on the CPU ("cuda:0")
         self._names: set[str] = set()
         self._by_view: dict[tuple, str] = {}
 
@@ -47,6 +86,8 @@ class TensorTable:
         self._names.add(name)
         self.tensors.append((name, tensor))
         self.live[name] = original
+        if spec is None and tensor.device.type != "cpu":
+            self.devices[name] = str(tensor.device)
         if spec is not None:
             self.dtensors[name] = spec
         if key is not None:
@@ -84,7 +125,7 @@ def _flatten(state: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[dict, 
         if not isinstance(key, str) or not key or key == RESERVED:
             raise ConfigError(f"state key {key!r} is not allowed: use a non-empty string")
         if is_stateful(obj):
-            value = obj.state_dict()
+            value = as_stateful(obj).state_dict()
             entries[key] = {"kind": "stateful", "value": encode(value, table.add, [key])}
         elif hasattr(obj, "state_dict") or hasattr(obj, "load_state_dict"):
             raise ConfigError(
@@ -96,6 +137,8 @@ def _flatten(state: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[dict, 
     skeleton = {"entries": entries, "library": lib}
     if table.dtensors:
         skeleton["dtensors"] = table.dtensors
+    if table.devices:
+        skeleton["devices"] = table.devices
     return skeleton, table
 
 
@@ -123,6 +166,9 @@ def validate_skeleton(keys: Iterable[str], skeleton: Any, tensor_names: Containe
     for key, entry in entries.items():
         if not isinstance(entry, dict) or "value" not in entry or entry.get("kind") not in ("stateful", "value"):
             raise CorruptCheckpointError(f"checkpoint skeleton entry {key!r} is malformed")
+    devices = skeleton.get("devices", {})
+    if not (isinstance(devices, dict) and all(isinstance(v, str) and len(v) < 64 for v in devices.values())):
+        raise CorruptCheckpointError("checkpoint skeleton's 'devices' is not a map of tensor name -> device")
     if "dtensors" in skeleton:
         from .sharding import check_specs
 
@@ -167,15 +213,62 @@ def decode_entries(keys: Iterable[str], skeleton: Any, tensors: Mapping[str, Any
 
     def lookup(name: str) -> Any:
         try:
-            return tensors[name]
+            return owned(tensors[name])
         except (KeyError, TypeError):
             raise CorruptCheckpointError(f"checkpoint references tensor {name!r} that its shard lacks") from None
 
     wanted = list(keys)
     validate_skeleton(wanted, skeleton, None, strict)
     entries = skeleton["entries"]
-    decoded = {k: (entries[k]["kind"], decode(entries[k]["value"], lookup)) for k in wanted if k in entries}
+    devices = skeleton.get("devices") or {}
+
+    def lookup_value(name: str) -> Any:  # a plain value: back to the device it was saved from
+        t = lookup(name)
+        return _to_device(t, saved_device(devices.get(name), t.device.type))
+
+    decoded = {k: (entries[k]["kind"], decode(entries[k]["value"], lookup_value if entries[k]["kind"] == "value"
+                                              else lookup)) for k in wanted if k in entries}
     return decoded, decode(skeleton.get("library", {}), lookup)
+
+
+def saved_device(recorded: str | None, loaded_type: str, cuda_devices: int | None = None) -> str | None:
+    """Where a plain tensor saved from `recorded` ("cuda:1"; None = the CPU) goes now: None to
+    leave it where it was loaded (the CPU, or "meta" for shape checks). A CUDA device this process
+    does not have (fewer GPUs, or none) becomes the current CUDA device, or the CPU without CUDA.
+    Pure given `cuda_devices` (None: ask torch)."""
+    if recorded is None or loaded_type == "meta" or not recorded.startswith("cuda"):
+        return None
+    if cuda_devices is None:
+        import torch
+
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cuda_devices == 0:
+        return None
+    index = recorded.partition(":")[2]
+    return recorded if index.isdigit() and int(index) < cuda_devices else "cuda"
+
+
+def live_device(saved: Any, live: Any) -> Any:
+    """Move the tensors of a decoded plain value onto the device of the live value at the same
+    place (a hidden state or prefetched batch already on the GPU stays there). Pure structure
+    walk; values without a live tensor counterpart are returned unchanged."""
+    import torch
+
+    if isinstance(saved, torch.Tensor):
+        return _to_device(saved, str(live.device)) if isinstance(live, torch.Tensor) and not is_dtensor(live) \
+            and live.device.type != "meta" else saved
+    if isinstance(saved, dict) and isinstance(live, Mapping):
+        return {k: live_device(v, live[k]) if k in live else v for k, v in saved.items()}
+    if isinstance(saved, (list, tuple)) and isinstance(live, (list, tuple)) and len(saved) == len(live):
+        moved = [live_device(a, b) for a, b in zip(saved, live, strict=True)]
+        return moved if isinstance(saved, list) else type(saved)(moved) if type(saved) is tuple else saved
+    return saved
+
+
+def _to_device(t: Any, device: str | None) -> Any:
+    if device is None or str(t.device) == device:
+        return t
+    return t.to(device)
 
 
 def apply_entries(state: MutableMapping[str, Any], decoded: Mapping[str, tuple[str, Any]]) -> None:
@@ -186,9 +279,9 @@ def apply_entries(state: MutableMapping[str, Any], decoded: Mapping[str, tuple[s
                               f"got {type(state[key]).__name__} now")
     for key, (kind, value) in decoded.items():
         if kind == "stateful":
-            state[key].load_state_dict(value)
+            as_stateful(state[key]).load_state_dict(value)
         else:
-            state[key] = value
+            state[key] = live_device(value, state.get(key))
 
 
 def check_fits(state: Mapping[str, Any], decoded: Mapping[str, tuple[str, Any]]) -> None:
@@ -202,7 +295,7 @@ def check_fits(state: Mapping[str, Any], decoded: Mapping[str, tuple[str, Any]])
         obj = state.get(key)
         if kind != "stateful" or obj is None or not is_stateful(obj):
             continue
-        live = obj.state_dict()
+        live = as_stateful(obj).state_dict()
         problem = _mismatch(live, value, isinstance(obj, torch.nn.Module), key)
         if problem is None and isinstance(obj, torch.optim.Optimizer):
             problem = _param_groups_mismatch(live, value, key)

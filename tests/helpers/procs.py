@@ -88,3 +88,36 @@ def printed_start(stdout: str) -> tuple[int, int] | None:
     """(world size, starting step) from the example's first line."""
     m = _START_RE.search(stdout)
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process below it, found by walking /proc/<pid>/task/*/children (not the
+    process group: torchrun starts each rank in its own session)."""
+    seen, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.append(pid)
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                todo.extend(int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+            except (OSError, ValueError):
+                continue
+    return seen
+
+
+def signal_tree(root: int, sig: int) -> list[int]:
+    """Send `sig` to every process of the tree under `root` (what proctrack/linuxproc does);
+    returns the pids signalled."""
+    pids = process_tree(root)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return pids

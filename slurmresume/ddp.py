@@ -1,0 +1,130 @@
+"""DDP's gradient-bucket layout as part of the state, so a resumed run reduces like the
+uninterrupted one.
+
+DDP starts a process with one layout (all parameters in one bucket unless
+`find_unused_parameters`), records the order in which gradients become ready during the first
+backward, and rebuilds its buckets in that order before the second forward. A resumed process
+starts over with the initial layout, so its first step reduces gradients in other buckets than
+the uninterrupted run did at that step. With 3+ ranks the ring all-reduce splits each bucket into
+chunks and the floating-point sums round differently per chunk boundary: the resumed run drifts
+(2 ranks hide it, since a+b == b+a). `DDPBuckets` saves what the rebuild decided and, on restore,
+rebuilds the reducer with that assignment before the first resumed step:
+
+    state["ddp_buckets"] = slurmresume.DDPBuckets(ddp_model)   # one line, before ckpt.restore
+
+Not restored (a warning says so, and the resumed run may differ in the last bits on 3+ ranks):
+a communication hook registered before the restore (register it after `ckpt.restore`), and
+`static_graph=True` or mixed precision, whose reducers carry more state than the layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+log = logging.getLogger("slurmresume")
+
+
+def parse_layout(raw: Any) -> list[list[int]] | None:
+    """A bucket assignment as DDP's logging data writes it ("5 4 3 2, 1 0" -> [[5, 4, 3, 2],
+    [1, 0]]); None for an empty one. ValueError when malformed."""
+    if not isinstance(raw, str) or not raw.strip():
+        return None
+    return [[int(i) for i in bucket.split()] for bucket in raw.split(",")]
+
+
+def check_layout(buckets: Any, n_params: int) -> list[list[int]]:
+    """A saved layout must assign each of this model's `n_params` parameters exactly once."""
+    if not (isinstance(buckets, list) and all(isinstance(b, list) and b for b in buckets)):
+        raise ValueError("the saved DDP bucket layout is not a list of non-empty lists")
+    flat = [i for b in buckets for i in b]
+    if sorted(flat) != list(range(n_params)) or not all(isinstance(i, int) for i in flat):
+        raise ValueError(f"the saved DDP bucket layout does not cover this model's {n_params} parameters once each")
+    return buckets
+
+
+class DDPBuckets:
+    """A stateful view of a `DistributedDataParallel` module's bucket layout (see module doc).
+    Its `state_dict()` is collective when the rebuild has not happened yet but gradients of one
+    iteration were recorded: it asks the reducer to rebuild now (what the next forward would do),
+    so even a save after the first step carries the layout."""
+
+    def __init__(self, ddp: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"DDPBuckets wraps a DistributedDataParallel module, got {type(ddp).__name__}")
+        self.ddp = ddp
+        self._restored = ""  # the layout restore pinned, saved again until DDP's own rebuild shows
+
+    def state_dict(self) -> dict[str, Any]:
+        # kept as DDP's own string: a scalar, so a live state that has no layout yet still "fits"
+        return {"buckets": self.layout() or self._restored or ""}
+
+    def layout(self) -> str:
+        """What DDP's rebuild decided, or None before its first backward. DDP's logging data
+        shows it only from the iteration after the rebuild: refresh it first."""
+        ddp = self.ddp
+        if _can_rebuild(ddp) and ddp.reducer._rebuild_buckets():  # what the next forward would do
+            ddp._has_rebuilt_buckets = True
+        if getattr(ddp, "_has_rebuilt_buckets", False) and ddp.logger is not None:
+            ddp.logger.set_runtime_stats_and_log()
+        return str(ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices") or "")
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = state.get("buckets") or ""
+        try:
+            buckets = parse_layout(saved)
+        except ValueError:
+            raise ValueError(f"the saved DDP bucket layout {str(saved)[:80]!r} is malformed") from None
+        if buckets is None:
+            return  # saved before DDP's first backward: the initial layout is the right one
+        why = _unsupported(self.ddp)
+        if why:
+            log.warning("DDP bucket layout not restored (%s): with 3+ ranks the first resumed step may "
+                        "differ from an uninterrupted run in the last bits", why)
+            return
+        params, expect_sparse = self.ddp._build_params_for_reducer()
+        rebuild_reducer(self.ddp, check_layout(buckets, len(params)), params, expect_sparse)
+        self._restored = saved
+
+
+def _can_rebuild(ddp: Any) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and not getattr(ddp, "_has_rebuilt_buckets", True)
+
+
+def _unsupported(ddp: Any) -> str:
+    data = ddp._get_ddp_logging_data()
+    if data.get("comm_hook"):
+        return f"a communication hook ({data['comm_hook']}) is registered; register it after ckpt.restore()"
+    if getattr(ddp, "static_graph", False):
+        return "static_graph=True"
+    if getattr(ddp, "mixed_precision", None) is not None:
+        return "mixed precision"
+    if getattr(ddp, "_use_python_reducer", False):
+        return "the Python reducer"
+    return ""
+
+
+def rebuild_reducer(ddp: Any, buckets: list[list[int]], params: list[Any], expect_sparse: list[bool]) -> None:
+    """Replace `ddp.reducer` by one built with `buckets` (in the order the rebuild produced), the
+    way DDP's own constructor builds it (`_ddp_init_helper`), with the bucket assignment pinned."""
+    import torch.distributed as dist
+
+    def pinned(*_: Any, **__: Any) -> tuple[list[list[int]], list[int]]:
+        # _ddp_init_helper reverses what this returns (it expects definition order)
+        return list(reversed(buckets)), [sys.maxsize] * len(buckets)
+
+    ddp.reducer._remove_autograd_hooks()
+    original = dist._compute_bucket_assignment_by_size
+    dist._compute_bucket_assignment_by_size = pinned
+    try:
+        ddp._ddp_init_helper(params, expect_sparse, ddp._build_debug_param_to_name_mapping(params),
+                             getattr(ddp, "static_graph", False))
+    finally:
+        dist._compute_bucket_assignment_by_size = original
+    ddp._has_rebuilt_buckets = False
