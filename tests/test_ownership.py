@@ -64,13 +64,17 @@ def test_without_an_answer_from_squeue_the_heartbeat_decides(tmp_path, monkeypat
 
 
 def test_a_local_owner_is_gone_when_its_pid_is_dead_or_reused() -> None:
-    me = ownership.new_lease("local-x")
-    assert ownership.judge(me)[0] is False
-    assert ownership.judge(replace(me, pid_start="1"))[0] is True  # the pid now names another process
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    assert ownership.judge(replace(me, pid=dead.pid))[0] is True
-    far = replace(me, host="elsewhere")  # another host: only the heartbeat can tell
+    assert ownership.judge(ownership.new_lease("local-x"))[0] is True  # this very process: not a second writer
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        other = ownership.new_lease("local-y", pid=alive.pid)
+        assert ownership.judge(other)[0] is False
+        assert ownership.judge(replace(other, pid_start="1"))[0] is True  # the pid now names another process
+    finally:
+        alive.kill()
+        alive.wait()
+    assert ownership.judge(other)[0] is True  # dead
+    far = replace(other, host="elsewhere")  # another host: only the heartbeat can tell
     assert ownership.judge(far)[0] is False
     assert ownership.judge(replace(far, heartbeat=time.time() - 601))[0] is True
 
