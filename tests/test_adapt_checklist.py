@@ -4,14 +4,12 @@ DataLoader's own generator."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers.core import warn_self
 from torch.utils.data import DataLoader
 
 from slurmresume import Checkpointer
@@ -45,8 +43,7 @@ def test_a_warning_during_an_eval_loop_is_saved_when_the_loop_calls_step(tmp_pat
         assert ckpt.step(5, state) is False  # periodic save of step 5, then an eval loop at step 5
         for batch in range(3):
             if batch == 1:
-                os.kill(os.getpid(), signal.SIGUSR1)
-                time.sleep(0.2)  # the warning is taken by the library's signal thread, not in this one
+                warn_self(ckpt)
             if ckpt.step(5, state):
                 break
         else:

@@ -4,11 +4,10 @@ policy says, never twice for one step, and a warning signal still saves between 
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import torch
+from helpers.core import warn_self
 
 import slurmresume
 
@@ -29,7 +28,7 @@ def test_steps_seconds_epoch_and_signal(tmp_path: Path) -> None:
     for step in range(1, 21):
         now[0] += 3.0  # every step takes 3 s of (fake) wall time
         if step == 12:
-            os.kill(os.getpid(), signal.SIGUSR1)  # the warning, between two periodic saves
+            warn_self(ck)  # the warning, between two periodic saves
         signalled.append(ck.step(step, state, epoch_end=step == 7))
     ck.close()
     got = saved_steps(tmp_path)

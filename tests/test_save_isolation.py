@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.core import model_equal, restore_fresh, step_dir, tiny_model, tiny_state
+from helpers.core import model_equal, restore_fresh, step_dir, tiny_model, tiny_state, warn_self
 
 import slurmresume.checkpoint.commit as commit_mod
 from slurmresume import Checkpointer
@@ -114,7 +113,7 @@ def test_emergency_save_does_not_wait_behind_a_held_root_lock(held_lock: Path) -
     root = held_lock
     ckpt = Checkpointer(root, exit_on_signal=False, retention=RetentionPolicy(keep=1))
     try:
-        os.kill(os.getpid(), signal.SIGUSR1)  # the warning: the next step() saves and returns True
+        warn_self(ckpt)  # the warning: the next step() saves and returns True
         acted, seconds = _timed(lambda: ckpt.step(3, tiny_state(3)), bound=20)
         assert acted is True and seconds < 5, seconds
         assert (step_dir(root, 3) / MARKER).exists() and ckpt.last_saved_step == 3

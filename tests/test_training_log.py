@@ -13,14 +13,14 @@ SCRIPT = """
 import os, signal, sys, torch
 sys.path.insert(0, {tests!r})
 import slurmresume
-from helpers.core import tiny_state
+from helpers.core import tiny_state, warn_self
 ckpt = slurmresume.Checkpointer({root!r}, save_every=2)
 state = tiny_state(0)
 step = ckpt.restore(state)
 while step < 6:
     step += 1
     if step == 5 and os.environ.get("WARN"):
-        os.kill(os.getpid(), signal.SIGUSR1)
+        warn_self(ckpt)
     ckpt.step(step, state)
 ckpt.close()
 """

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -171,3 +172,14 @@ def save_as_world(root: Path, step: int, world: int) -> Path:
         reports.append(commit.write_rank(root, step, Group(None, r, world), skeleton, tensors, into=decision["dir"]))
     commit.raise_if_failed(commit.commit(root, step, reports, None, None, into=decision["dir"]))
     return step_dir(root, step)
+
+
+def warn_self(ckpt: Any, sig: int = signal.SIGUSR1, timeout: float = 10.0) -> None:
+    """Send this process the warning and wait until `ckpt` has taken it. The library blocks the
+    signal in the main thread (so children cannot die of it) and takes it in its own thread, so
+    it is recorded a moment after os.kill returns, as a warning from Slurm is; a test that acts
+    at the very next step() waits for that moment instead of racing it."""
+    os.kill(os.getpid(), sig)
+    deadline = time.monotonic() + timeout
+    while ckpt.flag.request == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
