@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers.procs import clean_env
+from helpers.procs import clean_env, process_tree
 from typer.testing import CliRunner
 
 from slurmresume import ownership
@@ -103,20 +103,6 @@ time.sleep(600)
 """
 
 
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            pass
-    return out
-
-
 def _snapshot(root: Path) -> dict[str, tuple[int, float]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime) for p in sorted(root.rglob("*"))
             if p.is_file() and p.name != OWNER}
@@ -162,7 +148,7 @@ def test_a_second_writer_is_refused_while_the_owner_lives_then_takes_over(tmp_pa
         assert _snapshot(root) == before
         assert not (root / "logs").exists()  # _snapshot: events.jsonl and the step unchanged
     finally:
-        for pid in reversed(_tree(holder.pid)):
+        for pid in reversed(process_tree(holder.pid)):
             os.kill(pid, signal.SIGKILL)
         holder.wait()
 

@@ -4,15 +4,14 @@ running job is refused in one line and leaves its checkpoints untouched; once th
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.procs import signal_tree
 from test_slurm_e2e import (  # noqa: F401
     SIG_TRAIN,
     cluster,
@@ -48,18 +47,6 @@ def _steps(root: Path) -> dict[str, tuple[int, int]]:
             for d in root.glob("step_*") for p in sorted(d.iterdir())}
 
 
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-    return out
-
-
 def _squeue_ids() -> set[str]:
     return set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
 
@@ -91,9 +78,7 @@ def test_resubmission_on_a_live_root_is_refused_and_takeover_after_it_ended(clus
         # released; the job then leaves squeue. (`scancel --signal=KILL` is not this: Slurm
         # delivered SIGTERM to the launcher here, which then ends the run and frees the root.)
         launcher = [e["pid"] for e in events(root) if e.get("event") == "started"][-1]
-        for pid in _tree(launcher):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        signal_tree(launcher, signal.SIGKILL)
         wait(lambda: job not in _squeue_ids(), 120, f"job {job} to leave squeue")
         assert _owner(root) == f"slurm-{job}"
         res = _submit_raw(root)

@@ -5,13 +5,11 @@ own session, so a process group would miss them)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from helpers.procs import REPO, clean_env
+from helpers.procs import REPO, clean_env, process_tree, signal_tree  # noqa: F401 - re-exported
 
 EXAMPLES = REPO / "examples"
 
@@ -34,34 +32,6 @@ def drill(tmp_path: Path, script: str, nproc: int, *script_args: str, seed: int 
     verdict["returncode"] = res.returncode
     verdict["stderr"] = res.stderr[-4000:]
     return verdict
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and all its descendants, from /proc/<pid>/task/*/children."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                todo.extend(int(c) for c in Path(f"/proc/{p}/task/{t}/children").read_text().split())
-            except OSError:
-                pass
-    return out
-
-
-def signal_tree(pid: int, sig: signal.Signals = signal.SIGUSR1) -> list[int]:
-    pids = process_tree(pid)
-    for p in pids:
-        try:
-            os.kill(p, sig)
-        except ProcessLookupError:
-            pass
-    return pids
 
 
 def events(root: Path) -> list[dict]:
