@@ -452,15 +452,17 @@ class Checkpointer:
                 os._exit(EXIT_SAVE_FAILED)
             log.warning("the last async save failed: %s", exc)
         self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        """Local, after the last collective: the previous signal handlers back, the side process
+        groups gone, and the root's lease freed if this was the process's last Checkpointer on it."""
+        from .ownership import unclaim
+
         if self.flag is not None:
             self.flag.uninstall()
         for g in (self.agree_group, self.group):
             g.destroy()
-        self._unclaim_root()
-
-    def _unclaim_root(self) -> None:
-        from .ownership import unclaim
-
         key, self._lease_key = self._lease_key, None
         unclaim(key)
 
@@ -784,11 +786,7 @@ class Checkpointer:
             if self.mirror is not None:
                 self.mirror.close()  # the final step reaches the bucket before the run ends
         finally:
-            if self.flag is not None:
-                self.flag.uninstall()
-            for g in (self.agree_group, self.group):
-                g.destroy()
-            self._unclaim_root()
+            self._teardown()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -250,7 +250,16 @@ def hold(root: Path, owner: str, *, takeover: bool = False) -> Holder:
     return Holder(root, owner)
 
 
-_HELD: dict[tuple[str, str], list[Any]] = {}  # (root, owner) -> [Holder, open Checkpointers, pid]
+@dataclass
+class _Claim:
+    """This process's lease on one root, shared by its open Checkpointers."""
+
+    holder: Holder
+    users: int  # open Checkpointers counting on it
+    pid: int  # the process that took it (a forked child inherits the entry, not the lease)
+
+
+_HELD: dict[tuple[str, str], _Claim] = {}  # (root, owner) -> claim
 _HELD_LOCK = threading.Lock()
 
 
@@ -276,15 +285,15 @@ def for_checkpointer(root: Path) -> tuple[str, str] | None:
     key = (str(Path(root).absolute()), owner)
     with _HELD_LOCK:
         held = _HELD.get(key)
-        if held is not None and not held[0].lost:
-            held[1] += 1
+        if held is not None and not held.holder.lost:
+            held.users += 1
             return key
         try:
             acquire(root, owner, takeover=True)
         except OSError as exc:  # a read-only root can still be restored from; saves will say why they fail
             log.warning("cannot write the lease %s (%s): continuing without one", lease_path(root), exc)
             return None
-        _HELD[key] = [Holder(root, owner), 1, os.getpid()]
+        _HELD[key] = _Claim(Holder(root, owner), 1, os.getpid())
         return key
 
 
@@ -296,10 +305,10 @@ def unclaim(key: tuple[str, str] | None) -> None:
         return
     with _HELD_LOCK:
         held = _HELD.get(key)
-        if held is None or held[2] != os.getpid():  # a forked child never frees its parent's lease
+        if held is None or held.pid != os.getpid():  # a forked child never frees its parent's lease
             return
-        held[1] -= 1
-        if held[1] > 0:
+        held.users -= 1
+        if held.users > 0:
             return
         del _HELD[key]
-    held[0].release()
+    held.holder.release()

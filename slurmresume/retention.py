@@ -230,25 +230,25 @@ def scan(root: Path) -> list[CheckpointRecord]:
 
 def _record(root: Path, step: int, name: str) -> CheckpointRecord:
     """The record of one entry; a `.saving.*` directory is never complete (it is not a step)."""
-    info = inspect_dir(step, root / name)
-    record = record_from_info(info)
+    record = record_from_info(inspect_dir(step, root / name))
     if name.startswith(SAVING_PREFIX) and record.complete:
-        # marker written, not yet published: its note still protects it while the writer may run
-        busy = info.in_progress and _writer_may_run(info.path / INPROGRESS)
-        record = replace(record, complete=False, in_progress=busy, mtime=_last_activity(root / name))
+        # marker written, not yet published: its note (kept in the record) still protects it
+        record = replace(record, complete=False, mtime=_last_activity(root / name))
     return record
 
 
 def record_from_info(info: CheckpointInfo) -> CheckpointRecord:
     """The planner's view of an inspected directory. Incomplete ones get their last activity
-    (newest mtime of the directory and its entries: a streaming shard keeps it fresh)."""
+    (newest mtime of the directory and its entries: a streaming shard keeps it fresh). Every
+    record keeps whether an `.inprogress` writer may still run, complete ones too: a save's
+    private directory is whole before its publishing rename (see `_record`)."""
+    busy = info.in_progress and _writer_may_run(info.path / INPROGRESS)
     if info.complete:
         try:
             metrics = decode(info.metrics)
         except (SlurmResumeError, ValueError, TypeError, KeyError):  # odd metrics never block a prune
             metrics = None
-        return CheckpointRecord(info.step, info.path.name, True, True, False, info.mtime, metrics)
-    busy = info.in_progress and _writer_may_run(info.path / INPROGRESS)
+        return CheckpointRecord(info.step, info.path.name, True, True, busy, info.mtime, metrics)
     return CheckpointRecord(info.step, info.path.name, False, info.has_marker, busy, _last_activity(info.path))
 
 
