@@ -21,6 +21,26 @@ SLURM_VARS = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID":
               "SLURM_NODELIST": "localhost"}
 
 
+def _signal_when_ready(tmp_path: Path, env: dict[str, str], ours: bool, sig: signal.Signals) -> tuple[int, str]:
+    """Run helpers/lightning_slurm.py (400 steps), send `sig` once it is training, and return its
+    exit code and output."""
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, str(HELPERS / "lightning_slurm.py"), str(tmp_path / "ckpt"), "400",
+                             "1" if ours else "0", str(ready)], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), proc.communicate(timeout=60)[0][-3000:]
+        proc.send_signal(sig)
+        out = proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out
+
+
 # Seed 85 plans warnings at steps 7 and 23 of 24. One rank has 8 batches per epoch (mid-epoch
 # saves); two ranks have 4, and their agreed saves land one step later, at 8 and 24: the last
 # batch of an epoch, the case Lightning's own restart miscounted.
@@ -41,28 +61,15 @@ def test_lightning_slurm_handler_does_not_act(tmp_path: Path, ours: bool) -> Non
     it). With SlurmResume: slurmresume's save at a step boundary and exit 75, no Lightning
     checkpoint, no scontrol call."""
     bindir, log = fake_scontrol(tmp_path)
-    ready = tmp_path / "ready"
     env = offline_env(**SLURM_VARS, PATH=f"{bindir}:{offline_env()['PATH']}")
-    proc = subprocess.Popen([sys.executable, str(HELPERS / "lightning_slurm.py"), str(tmp_path / "ckpt"), "400",
-                             "1" if ours else "0", str(ready)], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ready.exists(), proc.communicate(timeout=60)[0][-3000:]
-        proc.send_signal(signal.SIGUSR1)
-        out = proc.communicate(timeout=240)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    returncode, out = _signal_when_ready(tmp_path, env, ours, signal.SIGUSR1)
     hpc = list((tmp_path / "lightning_root").glob("hpc_ckpt_*.ckpt")) if (tmp_path / "lightning_root").exists() \
         else []
     if not ours:
         assert log.exists() and "requeue 4242" in log.read_text(), out[-3000:]
         assert hpc, out[-3000:]
         return
-    assert proc.returncode == 75, out[-3000:]  # EXIT_PREEMPTED: saved, for the launcher to requeue
+    assert returncode == 75, out[-3000:]  # EXIT_PREEMPTED: saved, for the launcher to requeue
     assert not log.exists(), log.read_text()
     assert hpc == []
     saved = [e for e in events(tmp_path / "ckpt") if e["event"] == "exit_after_save"]
@@ -75,21 +82,8 @@ def test_lightning_sigterm_handler_is_not_installed(tmp_path: Path) -> None:
     """Lightning's SIGTERM handler would run next to ours (it composes with an existing one) and,
     with several ranks, broadcast from inside the handler. With SlurmResume it is not installed:
     SIGTERM is slurmresume's best-effort save and exit 76, and Lightning never logs it."""
-    ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, str(HELPERS / "lightning_slurm.py"), str(tmp_path / "ckpt"), "400", "1",
-                             str(ready)], env=offline_env(**SLURM_VARS), cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ready.exists(), proc.communicate(timeout=60)[0][-3000:]
-        proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=240)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 76, out[-3000:]  # EXIT_TERMINATED
+    returncode, out = _signal_when_ready(tmp_path, offline_env(**SLURM_VARS), True, signal.SIGTERM)
+    assert returncode == 76, out[-3000:]  # EXIT_TERMINATED
     assert "Received SIGTERM" not in out and "Bypassing SIGTERM" not in out, out[-3000:]
     saved = [e for e in events(tmp_path / "ckpt") if e["event"] == "exit_after_save"]
     assert len(saved) == 1 and saved[0]["kind"] == "terminate"
