@@ -40,7 +40,7 @@ def test_sigusr1_to_every_process_saves_and_resumes(tmp_path: Path, script: str)
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             time.sleep(0.1)
         assert (root / "step_000000002" / "COMMITTED").exists(), "training never reached step 2"
-        pids = signal_tree(proc.pid)
+        pids = signal_tree(proc.pid, signal.SIGUSR1)
         assert len(pids) >= 4  # launcher, torchrun agent, two ranks
         out = proc.communicate(timeout=600)[0]
     finally:
