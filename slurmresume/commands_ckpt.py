@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli import app, handle_errors
+from .app import app, handle_errors
 from .duration import parse_duration
 from .errors import ConfigError, CorruptCheckpointError, NoCheckpointError
 from .options import CkptDir, JsonOut, Mode, ModeOpt, resolve_root

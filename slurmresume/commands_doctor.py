@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .cli import app, handle_errors
+from .app import app, handle_errors
 from .errors import ConfigError
 from .options import JsonOut, configured_root
 

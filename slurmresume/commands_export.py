@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from .cli import app, handle_errors
+from .app import app, handle_errors
 from .errors import ConfigError, NoCheckpointError
 from .mirror.s3 import is_s3_url
 from .options import CkptDir, configured_root, resolve_root

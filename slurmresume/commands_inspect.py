@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from .cli import app, handle_errors
+from .app import app, handle_errors
 from .mirror.s3 import is_s3_url
 from .options import CkptDir, JsonOut, configured_root, resolve_root
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli import app, handle_errors
+from .app import app, handle_errors
 from .config import JobSpec, check_text, load_defaults, parse_sbatch_extras
 from .errors import ConfigError
 

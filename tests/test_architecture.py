@@ -1,0 +1,54 @@
+"""The layout's rules, checked from the source (scripts/import_graph.py): no import-time cycle,
+no module importing a role above its own, the public names pinned, and `import slurmresume`
+as cheap as its docstring says."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import slurmresume
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _import_graph():  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location("import_graph", REPO / "scripts" / "import_graph.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_no_import_time_cycle_and_no_upward_import() -> None:
+    ig = _import_graph()
+    top, lazy, _, _ = ig.graph()
+    assert ig.cycles(top) == []
+    assert ig.violations({m: top[m] | lazy[m] for m in top}) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    ig = _import_graph()
+    assert ig.cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert ig.violations({"checkpoint.store": {"status"}}) == ["checkpoint.store (base) imports status (tools)"]
+
+
+def test_public_names_are_pinned() -> None:
+    assert slurmresume.__all__ == sorted([
+        "CheckpointError", "CheckpointInfo", "Checkpointer", "ConfigError", "CorruptCheckpointError",
+        "DDPBuckets", "EXIT_PREEMPTED", "EXIT_TERMINATED", "NoCheckpointError", "RetentionPolicy",
+        "ResumableSampler", "SavePolicy", "SaveError", "SeededDataset", "SlurmError", "SlurmResumeError",
+        "UnsafeCheckpointError", "apply_policy", "compare_checkpoints", "find_latest", "ignore_in_worker",
+        "list_checkpoints", "sample_seed"])
+    for name in slurmresume.__all__:
+        assert getattr(slurmresume, name) is not None
+
+
+def test_import_slurmresume_loads_no_torch_typer_rich() -> None:
+    probe = ("import sys, slurmresume\n"
+             "print(' '.join(m for m in ('torch', 'typer', 'rich', 'submitit', 'numpy') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == []
