@@ -38,3 +38,16 @@ def run_example() -> Callable[..., object]:
 def run_python() -> Callable[..., object]:
     """`run_python([script, args...], env=...)` -> CompletedProcess, clean env by default."""
     return procs.run_python
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n N --dist loadgroup`, what scripts/test uses): every test on the
+    real Slurm cluster joins one group, so they run one after another on one worker (they share
+    one node, and a preemption test needs all of its CPUs), and that group is collected first, so
+    its long serial chain starts while the other workers take everything else."""
+    slurm = [item for item in items if item.get_closest_marker("slurm")]
+    for item in slurm:
+        item.add_marker(pytest.mark.xdist_group("slurm"))
+    rest = [item for item in items if not item.get_closest_marker("slurm")]
+    items[:] = slurm + rest

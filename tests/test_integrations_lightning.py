@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,11 @@ SLURM_VARS = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID":
               "SLURM_NODELIST": "localhost"}
 
 
-def _signal_when_ready(tmp_path: Path, env: dict[str, str], ours: bool, sig: signal.Signals) -> tuple[int, str]:
+def _signal_when_ready(tmp_path: Path, env: dict[str, str], ours: bool, sig: signal.Signals,
+                      done: Callable[[], bool] | None = None) -> tuple[int, str]:
     """Run helpers/lightning_slurm.py (400 steps), send `sig` once it is training, and return its
-    exit code and output."""
+    exit code and output. `done`: stop waiting (and kill it) as soon as this holds (Lightning
+    alone goes on training after its `scontrol requeue`, which is fake here)."""
     ready = tmp_path / "ready"
     proc = subprocess.Popen([sys.executable, str(HELPERS / "lightning_slurm.py"), str(tmp_path / "ckpt"), "400",
                              "1" if ours else "0", str(ready)], env=env, cwd=tmp_path,
@@ -34,6 +37,11 @@ def _signal_when_ready(tmp_path: Path, env: dict[str, str], ours: bool, sig: sig
             time.sleep(0.1)
         assert ready.exists(), proc.communicate(timeout=60)[0][-3000:]
         proc.send_signal(sig)
+        deadline = time.monotonic() + 240
+        while done is not None and proc.poll() is None and not done() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if done is not None and proc.poll() is None:
+            proc.kill()
         out = proc.communicate(timeout=240)[0]
     finally:
         if proc.poll() is None:
@@ -62,7 +70,8 @@ def test_lightning_slurm_handler_does_not_act(tmp_path: Path, ours: bool) -> Non
     checkpoint, no scontrol call."""
     bindir, log = fake_scontrol(tmp_path)
     env = offline_env(**SLURM_VARS, PATH=f"{bindir}:{offline_env()['PATH']}")
-    returncode, out = _signal_when_ready(tmp_path, env, ours, signal.SIGUSR1)
+    requeued = None if ours else (lambda: log.exists() and "requeue 4242" in log.read_text())
+    returncode, out = _signal_when_ready(tmp_path, env, ours, signal.SIGUSR1, requeued)
     hpc = list((tmp_path / "lightning_root").glob("hpc_ckpt_*.ckpt")) if (tmp_path / "lightning_root").exists() \
         else []
     if not ours:
