@@ -3,6 +3,7 @@ test module can also import them directly: `from helpers.procs import run_exampl
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +46,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Under pytest-xdist (`-n N --dist loadgroup`, what scripts/test uses): every test on the
     real Slurm cluster joins one group, so they run one after another on one worker (they share
     one node, and a preemption test needs all of its CPUs), and that group is collected first, so
-    its long serial chain starts while the other workers take everything else."""
+    its long serial chain starts while the other workers take everything else.
+
+    Tests marked `exhaustive` (the remaining points of a matrix such as start method x worker
+    persistence, whose every value another test covers) run only with SLURMRESUME_EXHAUSTIVE=1
+    (`bash scripts/test --exhaustive`) or when `-m` names them."""
+    if os.environ.get("SLURMRESUME_EXHAUSTIVE") != "1" and "exhaustive" not in (config.getoption("markexpr") or ""):
+        extra = [item for item in items if item.get_closest_marker("exhaustive")]
+        if extra:  # the rest of a matrix whose every value another test already covers
+            config.hook.pytest_deselected(items=extra)
+            items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
     slurm = [item for item in items if item.get_closest_marker("slurm")]
     for item in slurm:
         item.add_marker(pytest.mark.xdist_group("slurm"))

@@ -12,7 +12,8 @@ pytest.importorskip("accelerate")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
+# one rank count here; the other with `bash scripts/test --exhaustive`
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.exhaustive)])
 def test_drill_passes_bitwise_on_the_accelerate_example(tmp_path: Path, nproc: int) -> None:
     verdict = run_drill(tmp_path, "accelerate_train.py", nproc, "--steps", "24", "--batch-size", "8")
     assert verdict["returncode"] == 0 and verdict["ok"] is True, (verdict["differences"][:5], verdict["stderr"])

@@ -53,7 +53,7 @@ def _signal_when_ready(tmp_path: Path, env: dict[str, str], ours: bool, sig: sig
 # saves); two ranks have 4, and their agreed saves land one step later, at 8 and 24: the last
 # batch of an epoch, the case Lightning's own restart miscounted.
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.exhaustive), 2])
 def test_drill_passes_bitwise_on_the_lightning_example(tmp_path: Path, nproc: int) -> None:
     verdict = run_drill(tmp_path, "lightning_train.py", nproc, "--steps", "24", "--batch-size", "8")
     assert verdict["returncode"] == 0 and verdict["ok"] is True, (verdict["differences"][:5], verdict["stderr"])
