@@ -32,7 +32,9 @@ ENV_RUN_ID = "SLURMRESUME_RUN_ID"  # one torchrun invocation: "<job key>.<restar
 ENV_RESTART = "SLURMRESUME_RESTART_COUNT"  # requeues (Slurm) or local restarts so far
 ENV_LAUNCHER_PID = "SLURMRESUME_LAUNCHER_PID"  # the node launcher (drill injections go there)
 ENV_DRILL_AT = "SLURMRESUME_DRILL_AT"  # drill: "12,30,41" = warning at step 12 of restart 0, ...
-ENV_HEARTBEAT_DIR = "SLURMRESUME_HEARTBEAT_DIR"  # node-local directory for per-rank heartbeats
+ENV_HEARTBEAT_DIR = "SLURMRESUME_HEARTBEAT_DIR"  # node-local directory for per-rank heartbeats (heartbeat.py)
+ENV_DUMP_SIGNAL = "SLURMRESUME_DUMP_SIGNAL"  # the signal (name) on which each rank dumps its stacks there
+ENV_DRILL_HANG = "SLURMRESUME_DRILL_HANG"  # drill: "1:12,0:30" = rank 1 stops at step 12 of attempt 0, ...
 ENV_OWNER = "SLURMRESUME_OWNER"  # the owner id of the root's lease that this run holds (ownership.py)
 ENV_MIRROR = "SLURMRESUME_MIRROR"  # s3://BUCKET/PREFIX every committed step is copied to (submit --mirror)
 ENV_DRILL_FIRST_SAVE = "SLURMRESUME_DRILL_FIRST_SAVE"  # drill: "1" = save the first step of a fresh start
@@ -56,6 +58,9 @@ EV_NO_CHECKPOINT = "no_checkpoint"  # the run finished and no complete checkpoin
 EV_WARNED_WITHOUT_SAVE = "warned_without_save"  # the warning came, the run ended, nothing saved
 EV_INTERRUPTED = "interrupted"  # SIGINT (Ctrl-C) reached the launcher: best-effort save, no requeue
 EV_EMERGENCY_SAVE_FAILED = "emergency_save_failed"  # rank 0: the save after a signal failed
+EV_HANG = "hang"  # a rank made no progress within its phase's budget: stacks dumped, run killed
+EV_RESUMED = "resumed"  # the first step after an in-allocation restart (seconds since the death/kill)
+EV_HELD = "held"  # the same hang twice without progress: the job is held (scontrol requeuehold)
 
 RUNS_DIR = ".runs"
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
