@@ -15,6 +15,7 @@ The longest save is the larger of this run's and the log's recent saves (`save_c
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -135,7 +136,7 @@ def percentile(values: list[float] | tuple[float, ...], q: float) -> float | Non
     if not values:
         return None
     ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, int(round(q / 100 * len(ordered) + 0.5)) - 1))
+    k = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
     return ordered[k]
 
 

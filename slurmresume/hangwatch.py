@@ -56,9 +56,12 @@ class HangWatch:
         self.death_at: float | None = None  # a worker vanished while torchrun still ran
         self._published = 0.0
 
-    def poll(self, now: float, pids: list[int]) -> Hang | None:
+    def refresh(self) -> None:
         found = read_all(self.directory)
         self.records = {r: found.get(r) for r in self.ranks}
+
+    def poll(self, now: float, pids: list[int]) -> Hang | None:
+        self.refresh()
         if self.death_at is None and self.seen_pids - set(pids):
             self.death_at = now
         self.seen_pids |= set(pids)

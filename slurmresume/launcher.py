@@ -276,7 +276,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
             pass
         if watch is not None and relay.strongest() is None:
             hang = watch.poll(time.time(), worker_pids(proc.pid))
-            watch.publish(root, run_id.rsplit(".", 2)[0] + f".node-{env.get('SLURM_NODEID', '0')}", time.time())
+            watch.publish(root, _summary_key(run_id, env), time.time())
             if watch.resumed is not None and not watch.resumed_logged:
                 watch.resumed_logged = True  # the first step after a death/kill: the recovery time
                 try_append_event(root, EV_RESUMED, run_id=run_id, **watch.resumed)
@@ -305,10 +305,18 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
         if give_up_at is not None and time.time() > give_up_at:
             rc = proc.poll()
             break
-    if watch is not None and watch.death_at is not None and hang is None:
-        ended_at = min(watch.death_at, ended_at or watch.death_at)
+    if watch is not None:
+        if watch.death_at is not None and hang is None:
+            ended_at = min(watch.death_at, ended_at or watch.death_at)
+        watch.refresh()  # the ranks' last word, for `status`
+        watch.publish(root, _summary_key(run_id, env), time.time(), force=True)
     return RunResult(rc if rc is not None else -1, read_outcome(root, run_id), latest_before, _latest_step(root),
                      warned=warn in relay.pending, stop=stop, hang=hang, ended_at=ended_at)
+
+
+def _summary_key(run_id: str, env: dict[str, str]) -> str:
+    """`<job key>.node-<n>`: one summary per node of a job, replaced by each run on it."""
+    return run_id.rsplit(".", 2)[0] + f".node-{env.get('SLURM_NODEID', '0')}"
 
 
 def _handle_hang(hang: Hang, watch: HangWatch, agent: int, tree: dict[int, int], root: Path, run_id: str,
@@ -327,7 +335,7 @@ def _handle_hang(hang: Hang, watch: HangWatch, agent: int, tree: dict[int, int],
                      beyond_budget_s=round(detected - hang.last_heartbeat - hang.budget_s, 3),
                      dump_s=dump_s, dump_dir=str(folder), rank_states={str(r): v for r, v in hang.ranks_state.items()},
                      host=os.uname().nodename)
-    watch.publish(root, run_id.rsplit(".", 2)[0] + f".node-{env.get('SLURM_NODEID', '0')}", time.time(), force=True)
+    watch.publish(root, _summary_key(run_id, env), time.time(), force=True)
     killed = time.time()
     kill_tree(tree)
     return killed
