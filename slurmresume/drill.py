@@ -50,7 +50,7 @@ class DrillReport:
     first_checkpoints: tuple[Path, Path] | None = None  # both runs' first step, before any warning
     hangs_planned: list[tuple[int, int]] = field(default_factory=list)  # (rank, step) per attempt
     hangs: list[dict] = field(default_factory=list)  # the `hang` events of the drill run
-    resumed: list[dict] = field(default_factory=list)  # the `resumed` events (seconds from kill to first step)
+    recoveries: list[dict] = field(default_factory=list)  # `resumed` events: seconds from the kill to the first step
     hang_problems: list[str] = field(default_factory=list)  # why a hang's proof is missing
 
     @property
@@ -68,7 +68,7 @@ class DrillReport:
         if not self.hangs_planned:
             return None
         return {"planned": [{"rank": r, "step": s} for r, s in self.hangs_planned], "detected": self.hangs,
-                "resumed": self.resumed, "problems": self.hang_problems}
+                "resumed": self.recoveries, "problems": self.hang_problems}
 
 
 def pick_steps(total: int, n: int, seed: int) -> list[int]:
@@ -153,7 +153,7 @@ def _check_hangs(report: DrillReport, root: Path, world: int) -> None:
     rank's showing the frame it hung in), an in-allocation restart (no requeue) that resumed."""
     events = read_events(root)
     report.hangs = [e for e in events if e["event"] == EV_HANG]
-    report.resumed = [e for e in events if e["event"] == EV_RESUMED]
+    report.recoveries = [e for e in events if e["event"] == EV_RESUMED]
     problems = report.hang_problems
     if len(report.hangs) != len(report.hangs_planned):
         problems.append(f"{len(report.hangs_planned)} hang(s) injected, {len(report.hangs)} detected")
@@ -171,7 +171,7 @@ def _check_hangs(report: DrillReport, root: Path, world: int) -> None:
     retries = [e for e in events if e["event"] == "run_ended" and e.get("outcome") == "hung"]
     if sum(1 for e in retries if e.get("action") == "retry") != len(report.hangs_planned):
         problems.append("not every hang was followed by an in-allocation restart")
-    if len([e for e in report.resumed if e.get("cause") == "hang"]) != len(report.hangs_planned):
+    if len([e for e in report.recoveries if e.get("cause") == "hang"]) != len(report.hangs_planned):
         problems.append("not every restart after a hang reached its first step")
 
 

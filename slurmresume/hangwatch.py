@@ -90,18 +90,18 @@ class HangWatch:
         _wait_quiet([stacks_path(self.directory, r) for r in by_rank], sizes, began + DUMP_WAIT_S)
         spied = _collect_pyspy(spies)
         for rank in self.ranks:
-            rec = self.records.get(rank)
+            last = self.records.get(rank)
             state = hang.ranks_state.get(rank, {})
             head = [f"rank {rank}" + (" (HUNG: over its budget)" if rank in hang.ranks else ""),
-                    f"pid {rec.pid if rec else 'unknown (no heartbeat yet)'}",
+                    f"pid {last.pid if last else 'unknown (no heartbeat yet)'}",
                     f"phase {state.get('phase')}, last step {state.get('step')}, silent {state.get('age_s')} s",
                     ""]
             body = ""
             if rank in by_rank:
                 body = _read_from(stacks_path(self.directory, rank), sizes[rank]) or \
                     "(faulthandler wrote nothing within the wait)\n"
-                if rec is not None and rec.pid in spied:
-                    body += "\n--- py-spy dump ---\n" + spied[rec.pid]
+                if last is not None and last.pid in spied:
+                    body += "\n--- py-spy dump ---\n" + spied[last.pid]
             else:
                 body = "(no heartbeat from this rank: it had not created its Checkpointer, or it is gone)\n"
             (out / f"rank-{rank}.txt").write_text("\n".join(head) + "\n" + body)
