@@ -10,6 +10,9 @@ by global rank 0, under `<root>/.runs/`; the launcher of the first node reads it
 exits. Rank 0 may live on any node, so the record lives on the shared checkpoint root.
 
 Who writes what:
+    a node's launcher, before it kills a hung run: `<run id>.hang.json` (write_hang): the other
+                                               nodes' launchers, whose ranks then fail in a
+                                               collective, count their run as the same hang
     rank 0, after the agreed emergency save:   kind=preempt|terminate, step, committed=True
     rank 0, when that save failed:             kind=preempt|terminate, step, committed=False, error
     nobody (no record):                        the run finished or crashed; the launcher uses the
@@ -168,3 +171,32 @@ def read_last_run(root: Path, job_key: str) -> LastRun | None:
     return LastRun(job_key, str(raw.get("run_id", "")), str(raw.get("kind", "")), str(raw.get("action", "")),
                    raw["progressed"], latest if isinstance(latest, int) else None,
                    lost if isinstance(lost, int) else None)
+
+
+def hang_path(root: Path, run_id: str) -> Path:
+    return outcome_path(root, run_id).with_name(f"{run_id}.hang.json")
+
+
+def write_hang(root: Path, run_id: str, record: dict[str, Any]) -> None:
+    """The launcher that found a hung rank, before it kills its ranks. Atomic and durable."""
+    from .checkpoint.fsio import makedirs, write_durable
+
+    path = hang_path(root, run_id)
+    makedirs(path.parent, 0o755)
+    write_durable(path, json.dumps({**record, "run_id": run_id}, separators=(",", ":")).encode(), "hang record")
+
+
+def read_hang(root: Path, run_id: str) -> dict[str, Any] | None:
+    """Another node's hang verdict on this run, or None (none, unreadable, not this run's)."""
+    try:
+        fd = os.open(hang_path(root, run_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (OSError, ValueError):
+        return None
+    try:
+        raw: Any = json.loads(os.read(fd, MAX_OUTCOME_BYTES + 1))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    ok = isinstance(raw, dict) and raw.get("run_id") == run_id and isinstance(raw.get("step"), int)
+    return raw if ok and isinstance(raw.get("ranks"), list) else None

@@ -29,7 +29,16 @@ if TYPE_CHECKING:
 
 from . import slurm
 from .checkpoint.store import find_latest
-from .contract import ENV_DUMP_SIGNAL, EV_HANG, EV_INTERRUPTED, EV_RESUMED, Outcome, read_outcome
+from .contract import (
+    ENV_DUMP_SIGNAL,
+    EV_HANG,
+    EV_INTERRUPTED,
+    EV_RESUMED,
+    Outcome,
+    read_hang,
+    read_outcome,
+    write_hang,
+)
 from .events import try_append_event
 from .guardian import Guardian, kill_tree, start_time
 from .hang import Hang
@@ -310,8 +319,18 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
             ended_at = min(watch.death_at, ended_at or watch.death_at)
         watch.refresh()  # the ranks' last word, for `status`
         watch.publish(root, _summary_key(run_id, env), time.time(), force=True)
+        if hang is None and rc not in (None, 0):
+            hang = _peer_hang(root, run_id)  # our ranks failed because another node killed its hung ones
     return RunResult(rc if rc is not None else -1, read_outcome(root, run_id), latest_before, _latest_step(root),
                      warned=warn in relay.pending, stop=stop, hang=hang, ended_at=ended_at)
+
+
+def _peer_hang(root: Path, run_id: str) -> Hang | None:
+    record = read_hang(root, run_id)
+    if record is None:
+        return None
+    return Hang(tuple(int(r) for r in record["ranks"]), str(record.get("phase", "step")), int(record["step"]),
+                float(record.get("silent_s") or 0), float(record.get("budget_s") or 0), 0.0, {})
 
 
 def _summary_key(run_id: str, env: dict[str, str]) -> str:
@@ -336,6 +355,11 @@ def _handle_hang(hang: Hang, watch: HangWatch, agent: int, tree: dict[int, int],
                      dump_s=dump_s, dump_dir=str(folder), rank_states={str(r): v for r, v in hang.ranks_state.items()},
                      host=os.uname().nodename)
     watch.publish(root, _summary_key(run_id, env), time.time(), force=True)
+    try:
+        write_hang(root, run_id, {"ranks": list(hang.ranks), "step": hang.step, "phase": hang.phase,
+                                  "silent_s": hang.silent_s, "budget_s": hang.budget_s, "dump_dir": str(folder)})
+    except (OSError, ValueError) as exc:
+        log.warning("could not write the hang record of run %s: %s", run_id, exc)
     killed = time.time()
     kill_tree(tree)
     return killed

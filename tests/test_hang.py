@@ -312,3 +312,27 @@ def test_hang_drill_passes_on_the_example_with_two_ranks(tmp_path: Path) -> None
     assert "drill_hang_here" in dump.read_text() and "train.py" in dump.read_text()
     assert report["differences"] == [] and report["hangs"]["resumed"][0]["cause"] == "hang"
     assert _alive(str(EXAMPLE)) == []
+
+
+def test_a_run_failed_by_another_nodes_hang_kill_counts_as_that_hang(tmp_path: Path) -> None:
+    """Multi-node: node A kills its hung ranks; node B's ranks then fail in a collective. B's
+    launcher reads A's hang record (contract.write_hang) and restarts as for a hang, so every node
+    restarts together and the run is not failed by --max-failures 0."""
+    from slurmresume.contract import write_hang
+    from slurmresume.hangwatch import HangWatch
+    from slurmresume.launcher import Relay, run_torchrun
+
+    root, hb = tmp_path / "ckpt", tmp_path / "hb"
+    root.mkdir()
+    hb.mkdir()
+    write_hang(root, "job.0.0", {"ranks": [5], "step": 11, "phase": "step", "silent_s": 130.0, "budget_s": 121.0})
+    crash = [sys.executable, "-c", "raise SystemExit(3)"]
+    kw = {"first_node": True, "requeues_done": 0, "max_requeues": None, "failures_done": 0, "max_failures": 0,
+          "previous_progressed": True, "max_hangs": 3}
+    got = run_torchrun(crash, dict(os.environ), root, "job.0.0", signal.SIGUSR1, Relay(signal.SIGUSR1),
+                       watch=HangWatch(hb, [0, 1], B))
+    assert got.kind == "hung" and got.hang is not None and got.hang.key == ((5,), 11)
+    assert decide(got, **kw)[0] == "retry"
+    other = run_torchrun(crash, dict(os.environ), root, "job.0.1", signal.SIGUSR1, Relay(signal.SIGUSR1),
+                         watch=HangWatch(hb, [0, 1], B))
+    assert other.kind == "failed" and decide(other, **kw)[0] == "give_up"  # no record for that run: a crash
