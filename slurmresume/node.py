@@ -173,7 +173,7 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
             if action == "give_up":
                 raise SystemExit(f"slurmresume: giving up: {reason}")
             if action == "hold":
-                _hold(root, clock, extra["job"], job_key, reason)
+                _hold(root, clock if first_node else None, extra["job"], job_key, reason)
             if action == "retry":
                 recovering = (result.ended_at or time.time(), "hang" if result.kind == "hung" else "failure")
                 if result.hang is not None:
@@ -211,7 +211,8 @@ def _watch(spec: JobSpec, run_id: str, node: int, recovering: tuple[float, str] 
 def _hold(root: Path, clock: JobClock | None, job: str, job_key: str, reason: str) -> None:
     """The same hang twice: stop here. Under Slurm the job is held in the queue (`scontrol
     requeuehold`: not failed, not rerun until `scontrol release`), so the allocation is not burnt
-    on a third identical hang and nothing is lost; locally the run simply stops."""
+    on a third identical hang and nothing is lost; locally (clock None), and on the other nodes
+    (the first node holds the job), the run simply stops."""
     try_append_event(root, EV_HELD, job_key=job_key, reason=reason)
     if clock is None:
         raise SystemExit(f"slurmresume: stopping: {reason}")
