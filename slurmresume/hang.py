@@ -94,13 +94,15 @@ def budget(rec: Record | None, b: HangBudgets, save_cost_s: float = 0.0) -> tupl
 class Hang:
     """What the launcher found: the ranks over their budget, and every local rank's last state."""
 
-    ranks: tuple[int, ...]  # over budget
+    ranks: tuple[int, ...]  # the suspects: of the ranks over budget, those at the lowest step (the others
+    # passed it and wait for them in a collective)
     phase: str  # the phase of the first of them
     step: int  # the lowest last step among them (-1: before any step)
     silent_s: float  # how long the first of them had been silent
     budget_s: float
     last_heartbeat: float  # time.time() of that rank's last heartbeat (or of the run's start)
     ranks_state: dict[int, dict]  # rank -> {step, phase, age_s}
+    over: tuple[int, ...] = ()  # every rank over its budget at the verdict
 
     @property
     def key(self) -> tuple[tuple[int, ...], int]:
@@ -125,10 +127,11 @@ def judge(records: dict[int, Record | None], now: float, started: float, b: Hang
     if not over:
         return None
     over.sort()
-    last, _, phase, silent, allowed = over[0]
-    ranks = tuple(sorted(r for _, r, _, _, _ in over))
-    step = min(state[r]["step"] for r in ranks)
-    return Hang(ranks, phase, step, round(silent, 3), round(allowed, 3), last, state)
+    silent_ranks = tuple(sorted(r for _, r, _, _, _ in over))
+    step = min(state[r]["step"] for r in silent_ranks)
+    suspects = tuple(r for r in silent_ranks if state[r]["step"] == step)
+    last, _, phase, silent, allowed = next(o for o in over if o[1] in suspects)
+    return Hang(suspects, phase, step, round(silent, 3), round(allowed, 3), last, state, silent_ranks)
 
 
 def percentile(values: list[float] | tuple[float, ...], q: float) -> float | None:

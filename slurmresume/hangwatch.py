@@ -92,7 +92,9 @@ class HangWatch:
         for rank in self.ranks:
             last = self.records.get(rank)
             state = hang.ranks_state.get(rank, {})
-            head = [f"rank {rank}" + (" (HUNG: over its budget)" if rank in hang.ranks else ""),
+            mark = (" (HUNG: over its budget, at the lowest step)" if rank in hang.ranks else
+                    " (silent too, but past the hung rank's step: waiting for it)" if rank in hang.over else "")
+            head = [f"rank {rank}{mark}",
                     f"pid {last.pid if last else 'unknown (no heartbeat yet)'}",
                     f"phase {state.get('phase')}, last step {state.get('step')}, silent {state.get('age_s')} s",
                     ""]

@@ -348,7 +348,8 @@ def _handle_hang(hang: Hang, watch: HangWatch, agent: int, tree: dict[int, int],
     folder, dump_s = watch.dump(hang, worker_pids(agent), dumps / f"hang-{stamp}", sig)
     log.warning("hang: rank(s) %s silent %.1f s in %s after step %d (budget %.1f s); stacks in %s",
                 list(hang.ranks), hang.silent_s, hang.phase, hang.step, hang.budget_s, folder)
-    try_append_event(root, EV_HANG, run_id=run_id, ranks=list(hang.ranks), phase=hang.phase, step=hang.step,
+    try_append_event(root, EV_HANG, run_id=run_id, ranks=list(hang.ranks), over_budget=list(hang.over),
+                     phase=hang.phase, step=hang.step,
                      silent_s=hang.silent_s, budget_s=hang.budget_s,
                      detect_latency_s=round(detected - hang.last_heartbeat, 3),
                      beyond_budget_s=round(detected - hang.last_heartbeat - hang.budget_s, 3),

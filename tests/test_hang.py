@@ -63,6 +63,9 @@ def test_judge_names_the_rank_over_budget_and_everyone_state() -> None:
     assert hang is not None and hang.ranks == (1,) and hang.step == 7 and hang.phase == STEP
     assert hang.ranks_state[0] == {"step": 8, "phase": STEP, "age_s": 0.6}
     assert hang.ranks_state[2]["phase"] == STARTUP
+    # both silent: the one behind is the suspect (the other passed its step and waits for it)
+    both = judge({0: rec(step=8, t=100.0), 1: rec(step=7, t=99.95)}, now=102.0, started=0.0, b=b)
+    assert both is not None and both.ranks == (1,) and both.over == (0, 1) and both.step == 7
     assert judge(records, now=1e9, started=0.0, b=HangBudgets(enabled=False)) is None
 
 
