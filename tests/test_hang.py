@@ -147,6 +147,39 @@ def test_heartbeat_costs_far_under_one_percent_of_a_50ms_step(tmp_path: Path) ->
     assert per_step < 0.01 * 0.050 / 10, f"{per_step * 1e6:.1f} us per heartbeat"  # < 0.1% of 50 ms
 
 
+def test_checkpointer_reports_each_phase(tmp_path: Path, monkeypatch) -> None:
+    """What the launcher sees of one rank: start-up until step(), step, save (measured), restore,
+    busy (an evaluation), done after close(); bare runs write nothing."""
+    from helpers.core import tiny_state
+
+    from slurmresume import Checkpointer
+
+    hb = tmp_path / "hb"
+    hb.mkdir()
+    monkeypatch.setenv("SLURMRESUME_HEARTBEAT_DIR", str(hb))
+    phase = lambda: read_record(record_path(hb, 0)).phase  # noqa: E731
+    ckpt = Checkpointer(tmp_path / "ckpt", handle_signals=False, save_every=2)
+    assert phase() == STARTUP
+    state = tiny_state(1)
+    assert ckpt.restore(state) == 0 and phase() == STARTUP  # restore ends where it began: no step yet
+    ckpt.step(1, state)
+    assert phase() == STEP and read_record(record_path(hb, 0)).step == 1
+    ckpt.step(2, state)  # a periodic save inside step(): measured, then back to stepping
+    got = read_record(record_path(hb, 0))
+    assert got.phase == STEP and got.longest_save > 0
+    with ckpt.busy("eval"):
+        assert phase() == "busy"
+    assert phase() == STEP
+    ckpt.close()
+    assert phase() == "done"
+    monkeypatch.delenv("SLURMRESUME_HEARTBEAT_DIR")
+    bare = Checkpointer(tmp_path / "ckpt2", handle_signals=False)
+    with bare.busy():
+        pass
+    bare.close()
+    assert sorted(p.name for p in hb.iterdir()) == ["rank-00000.hb"]
+
+
 # -- status: per rank, stragglers, the last hang --------------------------------------------------
 
 def test_status_shows_ranks_stragglers_and_the_last_hang(tmp_path: Path, monkeypatch) -> None:
