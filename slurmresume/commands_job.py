@@ -173,7 +173,7 @@ def drill(
     script_args: ArgsArg = None,
     preemptions: Annotated[int | None, Opt(help="Warnings to inject at random steps. (default: 3, or 0 with --hang)", min=1)] = None,
     hang: Annotated[int, Opt("--hang", help="Hangs to inject instead: a seeded rank stops making progress at a seeded step; each must be detected, dumped for every rank and restarted in the allocation. (default: 0)", min=0)] = 0,
-    hang_timeout: Annotated[str, Opt(metavar="auto|SECONDS|off", help="As for submit; auto in a drill uses a 3 s floor instead of 120 s and a 120 s start-up budget (the script is short and its steps are measured). (default: auto)")] = "auto",
+    hang_timeout: Annotated[str, Opt(metavar="auto|SECONDS|off", help="As for submit; auto in a hang drill uses a 5 s floor instead of 120 s and a 120 s start-up budget (the script is short and its steps are measured). (default: auto)")] = "auto",
     nproc_per_node: Annotated[int, Opt(help="Processes (gloo on CPU, NCCL on GPU).", min=1)] = 1,
     seed: Annotated[int, Opt(help="Seed for choosing the preemption steps.")] = 0,
     workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints: a new or empty directory, or one an earlier drill created (only its run folders are replaced).")] = Path("runs/drill"),

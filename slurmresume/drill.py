@@ -27,9 +27,10 @@ from .events import read_events
 from .hang import HangBudgets
 from .node import run_local
 
-# The drill's script is short and its steps are measured: a 3 s floor instead of 120 s keeps each
-# hang's detection within seconds; start-up and save keep generous budgets (no false positives).
-DRILL_BUDGETS = HangBudgets(floor_s=3.0, startup_s=120.0, save_floor_s=30.0)
+# A hang drill's script is short and its steps are measured: a 5 s floor instead of 120 s keeps
+# each hang's detection within seconds; start-up and save keep generous budgets (no false
+# positives on a loaded machine). A warning drill keeps the default budgets.
+DRILL_BUDGETS = HangBudgets(floor_s=5.0, startup_s=120.0, save_floor_s=30.0)
 HANG_SPACING = 6  # steps between injected hangs: each restart's warm-up (3 steps) is judged by start-up
 
 # The drill marks the directories it creates, and deletes only the two run roots inside a marked
@@ -103,7 +104,7 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     prepare_workdir(workdir)
     ref_root, drill_root = (workdir / name for name in RUN_DIRS)
     first = {ENV_DRILL_FIRST_SAVE: "1"}
-    if spec.hang_budgets == HangBudgets():
+    if hangs and spec.hang_budgets == HangBudgets():
         spec = replace(spec, hang_budgets=DRILL_BUDGETS)
     run_local(replace(spec, ckpt_dir=ref_root, max_requeues=preemptions + 2, max_failures=0), env=first)
     ref = find_latest(ref_root, warn=False)
