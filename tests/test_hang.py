@@ -296,6 +296,11 @@ def test_same_hang_twice_stops_with_stacks_of_every_rank(tmp_path: Path) -> None
         assert 0 < h["dump_s"] < 6 and h["detect_latency_s"] >= h["budget_s"]
     assert [e.get("action") for e in ev if e["event"] == "run_ended"] == ["retry", "hold"]
     assert any(e["event"] == "held" for e in ev)
+    from slurmresume.status import compute_status
+
+    st = compute_status(tmp_path / "ckpt")  # the headline says why, the last hang says where to look
+    assert st.verdict is not None and st.verdict.verdict == "stopped" and "held" in st.verdict.reason
+    assert st.last_hang is not None and st.last_hang["dump_dir"] == hangs[-1]["dump_dir"]
     assert [e["cause"] for e in ev if e["event"] == "resumed"] == ["hang"]
     assert not any(e["event"] == "requeued" for e in ev)
     assert _alive(str(HANG_TRAIN)) == []
