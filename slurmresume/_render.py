@@ -144,11 +144,51 @@ def status_view(st: Status, limit: int = 20, height: int | None = None) -> Rende
             parts.append(_history_table(st.history[-left:]))
         return Group(*parts)
     parts.append(_checkpoint_table(st, limit))
+    parts += hang_view(st)
     if st.interval is not None:
         parts.append(interval_view(st.interval))
     if st.history:
         parts.append(_history_table(st.history))
     return Group(*parts)
+
+
+RANK_ROWS = 8  # ranks shown: the stragglers, then the longest silent (a 512-rank job fits a screen)
+
+
+def hang_view(st: Status) -> list[RenderableType]:
+    """Per rank: last step, its age, phase, step-time median and p99 (the stragglers and the
+    longest silent first); the hang watch's budgets; the last hang and where its stacks are."""
+    out: list[RenderableType] = []
+    view = st.ranks
+    if view is not None and view.get("ranks"):
+        rows = view["ranks"]
+        order = sorted(rows, key=lambda r: (int(r) not in view["stragglers"], -(rows[r].get("age_s") or 0), int(r)))
+        out.append(Text(f"hang watch: {view.get('budgets')}", style="dim"))
+        table = Table(box=None)
+        for col in ("rank", "last step", "age", "phase", "median step", "p99 step", ""):
+            table.add_column(col, justify="right" if col in ("rank", "last step") else "left")
+        for r in order[:RANK_ROWS]:
+            row = rows[r]
+            note = f"straggler (> {100 * view['straggler_margin']:.0f}% slower)" if int(r) in view["stragglers"] else ""
+            table.add_row(r, str(row.get("step")), _secs(row.get("age_s")), str(row.get("phase")),
+                          _secs(row.get("median_s")), _secs(row.get("p99_s")), Text(note, style="yellow"))
+        out.append(table)
+        if len(order) > RANK_ROWS:
+            out.append(Text(f"... {len(order) - RANK_ROWS} more ranks (slurmresume status --json)", style="dim"))
+    hang = st.last_hang
+    if hang is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(hang.get("time") or 0)))
+        out.append(Text(f"last hang ({hang.get('hangs')} in all): {when}, rank(s) {hang.get('ranks')} silent "
+                        f"{_secs(hang.get('silent_s'))} in {hang.get('phase')} after step {hang.get('step')}; stacks of "
+                        f"every rank in {hang.get('dump_dir')}", style="yellow"))
+    return out
+
+
+def _secs(x: Any) -> str:
+    """Step times need milliseconds; ages and hangs do not."""
+    if not isinstance(x, (int, float)):
+        return "?"
+    return f"{1000 * x:.0f}ms" if x < 1 else f"{x:.1f}s" if x < 60 else format_duration(x)
 
 
 def _pct(x: float | None) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 console = Console()
@@ -34,18 +35,28 @@ def print_submitted(job_id: str, log_dir: Path, script: str | None, torchrun: li
 def print_drill(report: Any) -> None:
     table = Table(title="slurmresume drill", show_header=False)
     table.add_row("steps", str(report.steps))
-    table.add_row("warnings planned at", ", ".join(map(str, report.planned)))
-    table.add_row("saves after a warning", ", ".join(map(str, report.saved_steps)) or "none")
-    table.add_row("restarts", str(report.preemptions))
+    if report.hangs_planned:
+        table.add_row("hangs planned (rank@step)", ", ".join(f"{r}@{s}" for r, s in report.hangs_planned))
+        for h, r in zip(report.hangs, report.recoveries + [None] * len(report.hangs), strict=False):
+            table.add_row("hang detected", f"rank(s) {h.get('ranks')} after step {h.get('step')}: "
+                          f"{h.get('detect_latency_s')} s after the last heartbeat, stacks in {h.get('dump_s')} s "
+                          f"-> {h.get('dump_dir')}" + (f"; first step {r['seconds']} s after the kill" if r else ""))
+    else:
+        table.add_row("warnings planned at", ", ".join(map(str, report.planned)))
+        table.add_row("saves after a warning", ", ".join(map(str, report.saved_steps)) or "none")
+        table.add_row("restarts", str(report.preemptions))
     table.add_row("reference", str(report.reference))
     table.add_row("resumed", str(report.resumed))
-    console.print(table)
+    console.print(table, markup=False)
     if report.ok:
-        console.print("[green]PASS[/green]: the resumed run ended bitwise equal to the uninterrupted one")
+        what = "restarted after every hang and " if report.hangs_planned else ""
+        console.print(f"[green]PASS[/green]: the run {what}ended bitwise equal to the uninterrupted one")
         return
-    if report.preemptions == 0:
+    for problem in report.hang_problems:
+        console.print(f"[red]FAIL[/red]: {escape(problem)}", markup=True, highlight=False)
+    if not report.hangs_planned and report.preemptions == 0:
         console.print("[red]FAIL[/red]: no warning led to a save and restart (is ckpt.step() called every step?)")
-    elif report.missed:
+    elif not report.hangs_planned and report.missed:
         console.print(f"[red]FAIL[/red]: {report.missed} of {len(report.planned)} warnings led to no save and "
                       "restart (is ckpt.step() called after every step, up to the last?)")
     # every differing top-level key (or RNG stream), causes first; one line each, however many

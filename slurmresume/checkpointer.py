@@ -13,12 +13,13 @@ Call order (every rank, same order):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .events import append_event, read_events
+from .heartbeat import BUSY, DONE, RESTORE, SAVE, beat_from_env, drill_hang_here, drill_hang_step
 from .logs import ensure_handler
 from .logs import size as log_size
 from .signals import (
@@ -204,6 +206,9 @@ class Checkpointer:
         ensure_handler()  # the training log shows restored / warning / saved lines without setup
         self.flag = SignalFlag(warning_signal_from_env()) if handle_signals else None
         self._drill = _drill_step()
+        # the launcher's hang watch (heartbeat.py): one pwrite per step(); None when run bare
+        self._beat = beat_from_env(self.group.rank)
+        self._drill_hang = drill_hang_step(self.group.rank)
         # drill: both runs save their first step, so that what differs between them before any
         # warning (an RNG stream the script never seeds) is not blamed on the resume
         self._first_save = os.environ.get(ENV_DRILL_FIRST_SAVE) == "1" and not int(os.environ.get(ENV_RESTART) or 0)
@@ -263,11 +268,16 @@ class Checkpointer:
         step is saved again and the new checkpoint replaces the old one atomically, once it is
         itself committed: state changed after the loop (a final evaluation, `best_val_loss`) is
         never lost. Saves from `step()` (periodic, emergency) never replace a committed step."""
-        self.wait()
-        started = time.perf_counter()
-        skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
-        self._blocking_s = None  # a synchronous save blocks for all of it
-        return self._write_and_commit(step, skeleton, tensors, enc, reason, started)
+        began = self._beat.enter(SAVE) if self._beat is not None else 0.0
+        try:
+            self.wait()
+            started = time.perf_counter()
+            skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
+            self._blocking_s = None  # a synchronous save blocks for all of it
+            return self._write_and_commit(step, skeleton, tensors, enc, reason, started)
+        finally:
+            if self._beat is not None:
+                self._beat.leave(began, measured_save=True)
 
     def save_async(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
                    reason: str = "async") -> bool:
@@ -276,10 +286,16 @@ class Checkpointer:
         if self._inflight is not None and self._inflight.is_alive() and self.async_overlap == "skip":
             log.info("step %d: previous async save still in flight, skipping this one", step)
             return False
-        self.wait()
-        started = time.perf_counter()
-        skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
-        copies, ready = self._pool.snapshot(tensors)
+        # waiting for the previous write and taking the snapshot are save time, not step time
+        began = self._beat.enter(SAVE) if self._beat is not None else 0.0
+        try:
+            self.wait()
+            started = time.perf_counter()
+            skeleton, tensors, enc = self._prepare_payload(step, state, metrics, meta)
+            copies, ready = self._pool.snapshot(tensors)
+        finally:
+            if self._beat is not None:
+                self._beat.leave(began)
         self._blocking_s = time.perf_counter() - started  # what training paid (Young/Daly's C)
         # The step is taken care of from now on: the policy must not call it (or the next steps,
         # by the clock) due again while the write runs, or each timed save is written twice and
@@ -394,6 +410,10 @@ class Checkpointer:
         With several ranks the agreement is pipelined (see LaggedMax): a signal that arrives
         during step k is acted on at step k+1 by every rank, so no step pays a round trip. A
         time-based save is decided by rank 0's clock and travels in the same agreement."""
+        if self._drill_hang is not None and step >= self._drill_hang:
+            drill_hang_here(step)  # as a hang in the training step would: before this step's heartbeat
+        if self._beat is not None:
+            self._beat.beat_step(step)
         if self._drill is not None and self.rank == 0 and step >= self._drill:
             self._inject_drill_signal(step)
         local = self.flag.request if self.flag is not None else NONE
@@ -578,6 +598,27 @@ class Checkpointer:
         but none of them loads, restore refuses to start from step 0 (CheckpointError) unless
         `allow_fresh_start=True` (default: $SLURMRESUME_ALLOW_FRESH_START == "1")."""
         self._check_open()
+        began = self._beat.enter(RESTORE) if self._beat is not None else 0.0
+        try:
+            return self._restore(state, step, verify, restore_rng, strict, allow_fresh_start)
+        finally:
+            if self._beat is not None:
+                self._beat.leave(began)
+
+    @contextlib.contextmanager
+    def busy(self, what: str = "busy") -> Iterator[None]:
+        """Local (any rank). Wrap long work between step() calls (an evaluation, a final test) so
+        that the launcher's hang watch judges it by the start-up budget, not the step budget:
+        `with ckpt.busy("eval"): evaluate()`. No-op when run without the launcher."""
+        began = self._beat.enter(BUSY) if self._beat is not None else 0.0
+        try:
+            yield
+        finally:
+            if self._beat is not None:
+                self._beat.leave(began)
+
+    def _restore(self, state: MutableMapping[str, Any], step: int | None, verify: bool | None, restore_rng: bool,
+                 strict: bool, allow_fresh_start: bool | None) -> int:
         self._restore_started = time.perf_counter()
         verify = self.verify_on_restore if verify is None else verify
         if allow_fresh_start is None:
@@ -780,6 +821,8 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        if self._beat is not None:
+            self._beat.enter(DONE)
         try:
             self._agreement.drain()
             self.wait()

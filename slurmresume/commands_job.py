@@ -17,7 +17,12 @@ from .errors import ConfigError
 
 # Shown in --help as "(default: ...)": rich would swallow "[default: ...]" as markup. No default for
 # --time (the partition's DefaultTime applies) nor --max-requeues (no cap while runs progress).
-_DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_failures": 0}
+_DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_failures": 0, "hang_timeout": "auto",
+             "max_hangs": 3}
+_HANG_TIMEOUT_HELP = ("Hang watch: a rank silent longer than its phase's budget gets every rank's stacks dumped, then "
+                      "the run is killed and restarted in the allocation. auto: 10x the longest step + 120 s after 3 "
+                      "warm-up steps; start-up 900 s; save/restore 5x the longest save + 300 s. SECONDS: that step "
+                      "budget instead. off: no watch. (default: auto)")
 
 Opt = typer.Option
 
@@ -87,6 +92,8 @@ def submit(
     signal_lead: Annotated[int | None, Opt(help="Seconds before the time limit that the warning comes. (default: 120)")] = None,
     max_requeues: Annotated[int | None, Opt(help="Cap on requeues (warnings and time limits alike). (default: no cap while each run commits a newer step; two runs in a row without one stop the job)")] = None,
     max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. (default: 0)")] = None,
+    hang_timeout: Annotated[str | None, Opt(metavar="auto|SECONDS|off", help=_HANG_TIMEOUT_HELP)] = None,
+    max_hangs: Annotated[int | None, Opt(help="In-allocation restarts after a hang; the same hang twice in a row without a new checkpoint stops (and under Slurm holds) the job. (default: 3)")] = None,
     sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive; arrays and heterogeneous jobs are refused. (default: none)")] = None,
     rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. (default: derived from the job id)")] = None,
     python: Annotated[str | None, Opt(help="Python interpreter on the nodes. (default: this one)")] = None,
@@ -164,7 +171,9 @@ def submit(
 def drill(
     script: ScriptArg,
     script_args: ArgsArg = None,
-    preemptions: Annotated[int, Opt(help="Warnings to inject at random steps.", min=1)] = 3,
+    preemptions: Annotated[int | None, Opt(help="Warnings to inject at random steps. (default: 3, or 0 with --hang)", min=1)] = None,
+    hang: Annotated[int, Opt("--hang", help="Hangs to inject instead: a seeded rank stops making progress at a seeded step; each must be detected, dumped for every rank and restarted in the allocation. (default: 0)", min=0)] = 0,
+    hang_timeout: Annotated[str, Opt(metavar="auto|SECONDS|off", help="As for submit; auto in a hang drill uses a 5 s floor instead of 120 s and a 120 s start-up budget (the script is short and its steps are measured). (default: auto)")] = "auto",
     nproc_per_node: Annotated[int, Opt(help="Processes (gloo on CPU, NCCL on GPU).", min=1)] = 1,
     seed: Annotated[int, Opt(help="Seed for choosing the preemption steps.")] = 0,
     workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints: a new or empty directory, or one an earlier drill created (only its run folders are replaced).")] = Path("runs/drill"),
@@ -180,18 +189,28 @@ def drill(
     differed between the runs already at their first step is reported as never seeded, not
     failed.
 
+    With --hang N it injects N hangs instead, and passes only when each was detected, every rank's
+    stacks were dumped, the run restarted inside the allocation, and the final checkpoint is
+    bitwise equal to the uninterrupted run's.
+
     Example: slurmresume drill examples/train.py --preemptions 3 --nproc-per-node 2 -- --steps 60
+    Example: slurmresume drill examples/train.py --hang 2 --nproc-per-node 2 -- --steps 40
     """
     from ._render_job import print_drill, print_json
     from .compare import culprits
     from .drill import run_drill
 
+    if hang and preemptions:
+        raise ConfigError("--hang and --preemptions cannot be combined in one drill: run one drill of each")
     workdir = workdir.expanduser().absolute()
-    spec = _spec(script, script_args, {"ckpt_dir": workdir, "nproc_per_node": nproc_per_node})
-    report = run_drill(spec, preemptions=preemptions, seed=seed, workdir=workdir, ignore_keys=tuple(ignore or ()))
+    spec = _spec(script, script_args, {"ckpt_dir": workdir, "nproc_per_node": nproc_per_node,
+                                       "hang_timeout": hang_timeout})
+    report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,
+                       ignore_keys=tuple(ignore or ()), hangs=hang)
     if json_out:
         print_json({"ok": report.ok, "steps": report.steps, "planned": report.planned,
                     "preemptions": report.preemptions, "missed": report.missed, "saved_steps": report.saved_steps,
+                    "hangs": report.hang_json(),
                     "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint,
                                      "cause": d.cause, "culprit": d in culprits(report.differences)}
                                     for d in report.differences]})

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .hang import HangBudgets, parse_hang_timeout
 from .signals import parse_signal
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -101,6 +102,9 @@ class JobSpec:
     rdzv_port: int | None = None
     log_dir: Path | None = None  # default: <ckpt_dir>/logs
     mirror: str | None = None  # s3://BUCKET/PREFIX: exported as SLURMRESUME_MIRROR (slurmresume/mirror/)
+    hang_timeout: str = "auto"  # "auto" | "off" | SECONDS (hang.py): the step budget of the hang watch
+    max_hangs: int = 3  # in-allocation restarts after a hang, per allocation (a requeue starts afresh)
+    hang_budgets: HangBudgets = field(default_factory=HangBudgets)  # library/drill only: the other budgets
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -116,7 +120,8 @@ class JobSpec:
         for name in ("nodes", "signal_lead"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_requeues", "max_failures"):
+        parse_hang_timeout(self.hang_timeout)  # ConfigError naming the value
+        for name in ("max_requeues", "max_failures", "max_hangs"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("nproc_per_node", "gpus_per_node", "cpus_per_task"):
@@ -153,6 +158,14 @@ class JobSpec:
             parse_s3_url(self.mirror)  # ConfigError naming the bad part
         if self.rdzv_port is not None and not 1024 <= self.rdzv_port <= 65535:
             raise ConfigError(f"--rdzv-port must be in 1024..65535, got {self.rdzv_port}")
+
+    @property
+    def budgets(self) -> HangBudgets:
+        """The hang watch's budgets: `hang_budgets` with --hang-timeout applied."""
+        from dataclasses import replace
+
+        enabled, seconds = parse_hang_timeout(self.hang_timeout)
+        return replace(self.hang_budgets, enabled=enabled, timeout_s=seconds)
 
     @property
     def procs(self) -> int:
@@ -202,7 +215,7 @@ def parse_sbatch_extras(items: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 _INT_KEYS = {"nodes", "nproc_per_node", "gpus_per_node", "cpus_per_task", "signal_lead", "max_requeues",
-             "max_failures", "rdzv_port"}
+             "max_failures", "max_hangs", "rdzv_port"}
 _STR_KEYS = {"ckpt_dir", "mem", "partition", "account", "qos", "constraint", "job_name", "signal", "python",
              "log_dir"}
 
@@ -216,6 +229,8 @@ def check_defaults(conf: dict[str, Any], where: str = "[tool.slurmresume]") -> d
             raise ConfigError(f"{name} = {value!r} in {where} must be a whole number, e.g. {name} = 2")
         if key in _STR_KEYS and not isinstance(value, str):
             raise ConfigError(f"{name} = {value!r} in {where} must be a quoted string, e.g. {name} = \"...\"")
+        if key == "hang_timeout" and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
+            raise ConfigError(f"hang-timeout = {value!r} in {where} must be \"auto\", \"off\" or seconds")
         if key == "time" and (isinstance(value, bool) or not isinstance(value, (int, str))):
             raise ConfigError(f"time = {value!r} in {where} must be minutes or \"HH:MM:SS\"")
     return conf

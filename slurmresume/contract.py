@@ -10,6 +10,9 @@ by global rank 0, under `<root>/.runs/`; the launcher of the first node reads it
 exits. Rank 0 may live on any node, so the record lives on the shared checkpoint root.
 
 Who writes what:
+    a node's launcher, before it kills a hung run: `<run id>.hang.json` (write_hang): the other
+                                               nodes' launchers, whose ranks then fail in a
+                                               collective, count their run as the same hang
     rank 0, after the agreed emergency save:   kind=preempt|terminate, step, committed=True
     rank 0, when that save failed:             kind=preempt|terminate, step, committed=False, error
     nobody (no record):                        the run finished or crashed; the launcher uses the
@@ -32,7 +35,9 @@ ENV_RUN_ID = "SLURMRESUME_RUN_ID"  # one torchrun invocation: "<job key>.<restar
 ENV_RESTART = "SLURMRESUME_RESTART_COUNT"  # requeues (Slurm) or local restarts so far
 ENV_LAUNCHER_PID = "SLURMRESUME_LAUNCHER_PID"  # the node launcher (drill injections go there)
 ENV_DRILL_AT = "SLURMRESUME_DRILL_AT"  # drill: "12,30,41" = warning at step 12 of restart 0, ...
-ENV_HEARTBEAT_DIR = "SLURMRESUME_HEARTBEAT_DIR"  # node-local directory for per-rank heartbeats
+ENV_HEARTBEAT_DIR = "SLURMRESUME_HEARTBEAT_DIR"  # node-local directory for per-rank heartbeats (heartbeat.py)
+ENV_DUMP_SIGNAL = "SLURMRESUME_DUMP_SIGNAL"  # the signal (name) on which each rank dumps its stacks there
+ENV_DRILL_HANG = "SLURMRESUME_DRILL_HANG"  # drill: "1:12,0:30" = rank 1 stops at step 12 of attempt 0, ...
 ENV_OWNER = "SLURMRESUME_OWNER"  # the owner id of the root's lease that this run holds (ownership.py)
 ENV_MIRROR = "SLURMRESUME_MIRROR"  # s3://BUCKET/PREFIX every committed step is copied to (submit --mirror)
 ENV_DRILL_FIRST_SAVE = "SLURMRESUME_DRILL_FIRST_SAVE"  # drill: "1" = save the first step of a fresh start
@@ -56,6 +61,9 @@ EV_NO_CHECKPOINT = "no_checkpoint"  # the run finished and no complete checkpoin
 EV_WARNED_WITHOUT_SAVE = "warned_without_save"  # the warning came, the run ended, nothing saved
 EV_INTERRUPTED = "interrupted"  # SIGINT (Ctrl-C) reached the launcher: best-effort save, no requeue
 EV_EMERGENCY_SAVE_FAILED = "emergency_save_failed"  # rank 0: the save after a signal failed
+EV_HANG = "hang"  # a rank made no progress within its phase's budget: stacks dumped, run killed
+EV_RESUMED = "resumed"  # the first step after an in-allocation restart (seconds since the death/kill)
+EV_HELD = "held"  # the same hang twice without progress: the job is held (scontrol requeuehold)
 
 RUNS_DIR = ".runs"
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")
@@ -163,3 +171,32 @@ def read_last_run(root: Path, job_key: str) -> LastRun | None:
     return LastRun(job_key, str(raw.get("run_id", "")), str(raw.get("kind", "")), str(raw.get("action", "")),
                    raw["progressed"], latest if isinstance(latest, int) else None,
                    lost if isinstance(lost, int) else None)
+
+
+def hang_path(root: Path, run_id: str) -> Path:
+    return outcome_path(root, run_id).with_name(f"{run_id}.hang.json")
+
+
+def write_hang(root: Path, run_id: str, record: dict[str, Any]) -> None:
+    """The launcher that found a hung rank, before it kills its ranks. Atomic and durable."""
+    from .checkpoint.fsio import makedirs, write_durable
+
+    path = hang_path(root, run_id)
+    makedirs(path.parent, 0o755)
+    write_durable(path, json.dumps({**record, "run_id": run_id}, separators=(",", ":")).encode(), "hang record")
+
+
+def read_hang(root: Path, run_id: str) -> dict[str, Any] | None:
+    """Another node's hang verdict on this run, or None (none, unreadable, not this run's)."""
+    try:
+        fd = os.open(hang_path(root, run_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (OSError, ValueError):
+        return None
+    try:
+        raw: Any = json.loads(os.read(fd, MAX_OUTCOME_BYTES + 1))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    ok = isinstance(raw, dict) and raw.get("run_id") == run_id and isinstance(raw.get("step"), int)
+    return raw if ok and isinstance(raw.get("ranks"), list) else None

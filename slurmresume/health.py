@@ -29,7 +29,7 @@ RISK_FACTOR = 1.5  # a commit later than 1.5 intervals is overdue (saves jitter 
 MIN_SAVES_FOR_RATE = 2  # steps/s and ETA need two commits of one run
 
 # Events that end a run for good (the launcher writes them; unknown names are ignored).
-STOPPED_EVENTS = {"gave_up", "stopped", "failed", "requeue_failed", "interrupted", "no_checkpoint"}
+STOPPED_EVENTS = {"gave_up", "stopped", "failed", "requeue_failed", "interrupted", "no_checkpoint", "held"}
 LIFECYCLE = STOPPED_EVENTS | {"started", "requeued", "finished", "submitted", "restored"}
 BAD_SLURM = {"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "TIMEOUT", "CANCELLED",
              "PREEMPTED"}

@@ -22,13 +22,26 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .hangwatch import HangWatch
 
 from . import slurm
 from .checkpoint.store import find_latest
-from .contract import EV_INTERRUPTED, Outcome, read_outcome
+from .contract import (
+    ENV_DUMP_SIGNAL,
+    EV_HANG,
+    EV_INTERRUPTED,
+    EV_RESUMED,
+    Outcome,
+    read_hang,
+    read_outcome,
+    write_hang,
+)
 from .events import try_append_event
 from .guardian import Guardian, kill_tree, start_time
+from .hang import Hang
 from .signals import parse_signal
 
 log = logging.getLogger("slurmresume")
@@ -49,6 +62,8 @@ class RunResult:
     latest_after: int | None  # ... and after it
     warned: bool = False  # the warning signal was relayed to this run
     stop: str | None = None  # "cancel" | "time_limit" | "interrupt": a SIGTERM/SIGINT, classified
+    hang: Hang | None = None  # the hang watch found ranks stuck; the launcher dumped and killed the run
+    ended_at: float | None = None  # time.time() of the first death seen, the hang kill, or torchrun's exit
 
     @property
     def progressed(self) -> bool:
@@ -56,8 +71,10 @@ class RunResult:
 
     @property
     def kind(self) -> str:
-        """finished | failed | preempted | terminated | save_failed | warned_without_save |
+        """finished | failed | hung | preempted | terminated | save_failed | warned_without_save |
         time_limit | cancelled | interrupted."""
+        if self.hang is not None:
+            return "hung"
         if self.stop is not None:
             return {"interrupt": "interrupted", "cancel": "cancelled", "time_limit": "time_limit"}[self.stop]
         if self.outcome is not None:
@@ -84,15 +101,19 @@ class RunResult:
 
 
 def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_requeues: int | None,
-           failures_done: int, max_failures: int, previous_progressed: bool | None) -> tuple[str, str]:
+           failures_done: int, max_failures: int, previous_progressed: bool | None, hangs_done: int = 0,
+           max_hangs: int = 0, previous_hang: tuple[tuple[int, ...], int] | None = None) -> tuple[str, str]:
     """Pure: what to do after a run. Returns (action, reason); action is one of
-    "finish", "requeue", "retry", "stop" (a clean exit without requeue), "give_up" (fail the job).
+    "finish", "requeue", "retry" (restart inside the allocation), "stop" (a clean exit without
+    requeue), "give_up" (fail the job), "hold" (the same hang twice: keep the job, held).
 
     One rule for every way a run can end elsewhere than at its last step without a user asking it
     to stop (a committed preemption, a failed emergency save, the time limit): requeue and resume
     from the newest complete checkpoint, if there is one. A user's stop (scancel, SIGTERM, Ctrl-C)
     is never undone by a requeue."""
     kind = result.kind
+    if kind == "hung":
+        return _decide_hang(result, hangs_done, max_hangs, previous_hang)
     if kind == "finished":
         if result.latest_after is None:
             return "finish", "training finished, but no checkpoint was ever committed (no ckpt.step()/save() call?)"
@@ -121,6 +142,21 @@ def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_reque
         return "give_up", ("crash loop: no new committed step in two consecutive runs "
                            f"(newest is still {result.latest_after})")
     return "requeue", why
+
+
+def _decide_hang(result: RunResult, hangs_done: int, max_hangs: int,
+                 previous_hang: tuple[tuple[int, ...], int] | None) -> tuple[str, str]:
+    hang = result.hang
+    assert hang is not None
+    what = (f"rank(s) {', '.join(map(str, hang.ranks))} hung in {hang.phase} after step {hang.step} "
+            f"(silent {hang.silent_s:.0f} s, budget {hang.budget_s:.0f} s)")
+    if previous_hang == hang.key and not result.progressed:
+        return "hold", (f"{what}, the same hang as the previous run and no new checkpoint since: restarting "
+                        "again would hang again; see the stack dumps (slurmresume status), fix, then release the job")
+    if hangs_done < max_hangs:
+        return "retry", (f"{what}; restart {hangs_done + 1} of {max_hangs} (--max-hangs) in this allocation from the "
+                         f"newest complete checkpoint (step {result.latest_after})")
+    return "give_up", f"{what}, and --max-hangs {max_hangs} is used up"
 
 
 def _why(result: RunResult) -> str:
@@ -219,11 +255,14 @@ def _child_setup(sig: int) -> Any:
 
 def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, warn: signal.Signals,
                  relay: Relay, log_file: Any = None, *, clock: JobClock | None = None,
-                 guardian: Guardian | None = None) -> RunResult:
+                 guardian: Guardian | None = None, watch: HangWatch | None = None,
+                 dumps: Path | None = None) -> RunResult:
     """Start torchrun (own session, tracked by the guardian), relay signals to its workers until
     it exits, classify the outcome. A SIGTERM is a cancel, or with a `clock` (Slurm) possibly the
     time limit: then the run is not waited for beyond half of KillWait (no new commit can land
-    in time; the requeue that follows kills it)."""
+    in time; the requeue that follows kills it). With a `watch`: a rank silent beyond its phase's
+    budget makes every rank dump its stacks (under `dumps`), a `hang` event, and the whole tree
+    killed; the result then carries the hang."""
     latest_before = _latest_step(root)
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup(warn), stdout=log_file, stderr=log_file,
                             start_new_session=True)
@@ -235,12 +274,27 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
     stop: str | None = None
     give_up_at: float | None = None
     rc: int | None = None
+    hang: Hang | None = None
+    ended_at: float | None = None
     while True:
         try:
             rc = proc.wait(timeout=0.1)
+            ended_at = time.time()
             break
         except subprocess.TimeoutExpired:
             pass
+        if watch is not None and relay.strongest() is None:
+            hang = watch.poll(time.time(), worker_pids(proc.pid))
+            watch.publish(root, _summary_key(run_id, env), time.time())
+            if watch.resumed is not None and not watch.resumed_logged:
+                watch.resumed_logged = True  # the first step after a death/kill: the recovery time
+                try_append_event(root, EV_RESUMED, run_id=run_id, **watch.resumed)
+                log.info("resumed %.2f s after the %s", watch.resumed["seconds"], watch.resumed["cause"])
+            if hang is not None:
+                ended_at = _handle_hang(hang, watch, proc.pid, tree, root, run_id, dumps or root / "logs" / run_id,
+                                        env)
+                rc = proc.wait()
+                break
         sig = relay.strongest()
         if sig is not None and (sig != sent or time.monotonic() - last_sent > RELAY_EVERY):
             pids = worker_pids(proc.pid)
@@ -260,8 +314,56 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
         if give_up_at is not None and time.time() > give_up_at:
             rc = proc.poll()
             break
+    if watch is not None:
+        if watch.death_at is not None and hang is None:
+            ended_at = min(watch.death_at, ended_at or watch.death_at)
+        watch.refresh()  # the ranks' last word, for `status`
+        watch.publish(root, _summary_key(run_id, env), time.time(), force=True)
+        if hang is None and rc not in (None, 0):
+            hang = _peer_hang(root, run_id)  # our ranks failed because another node killed its hung ones
     return RunResult(rc if rc is not None else -1, read_outcome(root, run_id), latest_before, _latest_step(root),
-                     warned=warn in relay.pending, stop=stop)
+                     warned=warn in relay.pending, stop=stop, hang=hang, ended_at=ended_at)
+
+
+def _peer_hang(root: Path, run_id: str) -> Hang | None:
+    record = read_hang(root, run_id)
+    if record is None:
+        return None
+    return Hang(tuple(int(r) for r in record["ranks"]), str(record.get("phase", "step")), int(record["step"]),
+                float(record.get("silent_s") or 0), float(record.get("budget_s") or 0), 0.0, {})
+
+
+def _summary_key(run_id: str, env: dict[str, str]) -> str:
+    """`<job key>.node-<n>`: one summary per node of a job, replaced by each run on it."""
+    return run_id.rsplit(".", 2)[0] + f".node-{env.get('SLURM_NODEID', '0')}"
+
+
+def _handle_hang(hang: Hang, watch: HangWatch, agent: int, tree: dict[int, int], root: Path, run_id: str,
+                 dumps: Path, env: dict[str, str]) -> float:
+    """Stacks first (every rank), then the event, then the kill (the whole tree: agent, ranks,
+    DataLoader workers). Returns when the kill was sent."""
+    sig = signal.Signals[env.get(ENV_DUMP_SIGNAL, "SIGUSR2")]
+    detected = time.time()
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(detected))
+    folder, dump_s = watch.dump(hang, worker_pids(agent), dumps / f"hang-{stamp}", sig)
+    log.warning("hang: rank(s) %s silent %.1f s in %s after step %d (budget %.1f s); stacks in %s",
+                list(hang.ranks), hang.silent_s, hang.phase, hang.step, hang.budget_s, folder)
+    try_append_event(root, EV_HANG, run_id=run_id, ranks=list(hang.ranks), over_budget=list(hang.over),
+                     phase=hang.phase, step=hang.step,
+                     silent_s=hang.silent_s, budget_s=hang.budget_s,
+                     detect_latency_s=round(detected - hang.last_heartbeat, 3),
+                     beyond_budget_s=round(detected - hang.last_heartbeat - hang.budget_s, 3),
+                     dump_s=dump_s, dump_dir=str(folder), rank_states={str(r): v for r, v in hang.ranks_state.items()},
+                     host=os.uname().nodename)
+    watch.publish(root, _summary_key(run_id, env), time.time(), force=True)
+    try:
+        write_hang(root, run_id, {"ranks": list(hang.ranks), "step": hang.step, "phase": hang.phase,
+                                  "silent_s": hang.silent_s, "budget_s": hang.budget_s, "dump_dir": str(folder)})
+    except (OSError, ValueError) as exc:
+        log.warning("could not write the hang record of run %s: %s", run_id, exc)
+    killed = time.time()
+    kill_tree(tree)
+    return killed
 
 
 def _classify_stop(relay: Relay, clock: JobClock | None, root: Path, run_id: str) -> str | None:

@@ -15,6 +15,8 @@ from typing import Any
 from . import ownership, slurm
 from .config import JobSpec
 from .contract import (
+    ENV_DUMP_SIGNAL,
+    ENV_HEARTBEAT_DIR,
     ENV_LAUNCHER_PID,
     ENV_MIRROR,
     ENV_OWNER,
@@ -22,6 +24,7 @@ from .contract import (
     ENV_ROOT,
     ENV_RUN_ID,
     ENV_SIGNAL,
+    EV_HELD,
     EV_NO_CHECKPOINT,
     EV_REQUEUE_FAILED,
     EV_WARNED_WITHOUT_SAVE,
@@ -33,6 +36,8 @@ from .contract import (
 from .errors import SlurmError
 from .events import try_append_event
 from .guardian import Guardian
+from .hangwatch import HangWatch, heartbeat_dir
+from .heartbeat import dump_signal
 from .launcher import (
     JobClock,
     Relay,
@@ -74,6 +79,7 @@ def worker_env(spec: JobSpec, run_id: str, restart: int, extra: dict[str, str] |
         ENV_SIGNAL: spec.warning_signal,
         ENV_RUN_ID: run_id,
         ENV_RESTART: str(restart),
+        ENV_DUMP_SIGNAL: dump_signal(warn_signal(spec.signal)).name,
         "PYTHONUNBUFFERED": "1",
     })
     if spec.mirror:
@@ -134,37 +140,54 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
     lease = None
     local = clock is None
     failures = 0
+    hangs = 0  # in-allocation restarts after a hang (--max-hangs), this allocation
+    previous_hang: tuple[tuple[int, ...], int] | None = None
+    recovering: tuple[float, str] | None = None  # (when the last run died or was killed, why)
     guardian = Guardian()
     try:
         lease = ownership.hold(root, job_key, takeover=takeover) if first_node else None
         while True:
-            run_id = run_id_for(job_key, restart, failures)
+            run_id = run_id_for(job_key, restart, failures + hangs)
             try_append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local, **extra)
             log.info("run %s: %s", run_id, " ".join(cmd))
-            result = run_torchrun(cmd, worker_env(spec, run_id, restart, env), root, run_id, relay.warn, relay,
-                                  clock=clock, guardian=guardian)
+            watch = _watch(spec, run_id, int(extra["node"]), recovering)
+            wenv = worker_env(spec, run_id, restart, {**env, ENV_HEARTBEAT_DIR: str(watch.directory)})
+            try:
+                result = run_torchrun(cmd, wenv, root, run_id, relay.warn, relay, clock=clock, guardian=guardian,
+                                      watch=watch, dumps=spec.logs / run_id)
+            finally:
+                watch.close()
             last = read_last_run(root, job_key)
             action, reason = decide(result, first_node=first_node, requeues_done=restart,
                                     max_requeues=spec.max_requeues, failures_done=failures,
                                     max_failures=spec.max_failures,
-                                    previous_progressed=last.progressed if last is not None else None)
+                                    previous_progressed=last.progressed if last is not None else None,
+                                    hangs_done=hangs, max_hangs=spec.max_hangs, previous_hang=previous_hang)
             _record(root, result, action, reason, run_id, job_key, restart, first_node)
             log.info("run %s ended %s: %s -> %s", run_id, result.kind, reason, action)
-            if lease is not None and action in ("finish", "stop", "give_up"):
+            if lease is not None and (action in ("finish", "stop", "give_up") or (action == "hold" and local)):
                 lease.release()  # the job will not come back: the root is free
             if action in ("finish", "stop"):
                 return {"action": action, "reason": reason, "restarts": restart, "step": result.latest_after,
                         "kind": result.kind}
             if action == "give_up":
                 raise SystemExit(f"slurmresume: giving up: {reason}")
+            if action == "hold":
+                _hold(root, clock if first_node else None, extra["job"], job_key, reason)
             if action == "retry":
-                failures += 1
+                recovering = (result.ended_at or time.time(), "hang" if result.kind == "hung" else "failure")
+                if result.hang is not None:
+                    hangs += 1
+                    previous_hang = result.hang.key
+                else:
+                    failures += 1
                 continue
             restart += 1
             if local:
                 try_append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, local=True)
                 relay.pending.clear()
-                failures = 0  # a requeued Slurm job starts with a fresh budget too
+                failures = hangs = 0  # a requeued Slurm job starts with fresh budgets too
+                previous_hang = None
                 continue
             assert clock is not None
             _requeue(root, clock, relay, extra["job"], restart, job_key, reason)
@@ -172,6 +195,34 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
         guardian.close()
         if lease is not None:
             lease.stop()
+
+
+def _watch(spec: JobSpec, run_id: str, node: int, recovering: tuple[float, str] | None) -> HangWatch:
+    """This node's ranks' hang watch for one run; the save budget starts from the log's recent saves."""
+    from .events import read_events
+
+    saves = [float(e["seconds"]) for e in read_events(spec.ckpt_dir)[-200:]
+             if e.get("event") == "save_committed" and isinstance(e.get("seconds"), (int, float))]
+    ranks = list(range(node * spec.procs, (node + 1) * spec.procs))
+    return HangWatch(heartbeat_dir(run_id), ranks, spec.budgets, save_cost_s=max(saves[-20:], default=0.0),
+                     recovering=recovering)
+
+
+def _hold(root: Path, clock: JobClock | None, job: str, job_key: str, reason: str) -> None:
+    """The same hang twice: stop here. Under Slurm the job is held in the queue (`scontrol
+    requeuehold`: not failed, not rerun until `scontrol release`), so the allocation is not burnt
+    on a third identical hang and nothing is lost; locally (clock None), and on the other nodes
+    (the first node holds the job), the run simply stops."""
+    try_append_event(root, EV_HELD, job_key=job_key, reason=reason)
+    if clock is None:
+        raise SystemExit(f"slurmresume: stopping: {reason}")
+    sys.stdout.flush()
+    try:
+        slurm.run(["scontrol", "requeuehold", job], timeout=30.0)
+    except SlurmError as exc:
+        raise SystemExit(f"slurmresume: stopping: {reason} (scontrol requeuehold failed: {exc})") from None
+    log.info("job %s held: %s", job, reason)
+    raise SystemExit(LAUNCHER_EXIT_REQUEUED)
 
 
 def _requeue(root: Path, clock: JobClock, relay: Relay, job: str, restart: int, job_key: str, reason: str) -> None:

@@ -21,6 +21,11 @@
     newest_complete  step or null;  best: {metric, mode, step, value} or null
     omitted       only when compute_status(rows_limit=N) left older step directories out (their
                   number): large roots answer fast; `--limit 0` / `--best` / `--verify` list all
+    ranks         the hang watch's last view of the newest run (null: none published): {job_key, time,
+                   budgets (text), ranks: {rank: {step, phase, age_s (now - its last heartbeat),
+                   median_s, p99_s, samples, ...}}, stragglers: [rank], straggler_margin}
+    last_hang     the newest `hang` event (null: none): {time, run_id, ranks, step, phase, silent_s,
+                   budget_s, dump_dir, rank_states, host}, plus hangs: int (all logged)
     interval      only with compute_status(with_interval=True): the save interval and its cost
                   (policy.interval_summary; seconds unless named otherwise; null: not known yet)
                   {current_s, source: "logged"|"observed"|null, auto_s (Young/Daly clamped to
@@ -118,6 +123,8 @@ class Status:
     interval: IntervalSummary | None = None
     omitted: int = 0
     verdict: Headline | None = None
+    ranks: dict[str, Any] | None = None
+    last_hang: dict[str, Any] | None = None
 
     @property
     def health(self) -> str:
@@ -176,11 +183,49 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
     status = Status(str(root), now, job, {"available": slurm_note != SLURM_NOT_FOUND, "note": slurm_note},
                     requeues, counts, events[-history_limit:] if history_limit else [], rows, newest, best,
                     interval=interval_summary(events) if with_interval else None, omitted=omitted)
+    status.ranks = rank_view(root, now)
+    hangs = [e for e in events if e["event"] == "hang"]
+    if hangs:
+        status.last_hang = {**{k: v for k, v in hangs[-1].items() if k not in ("event", "pid", "job_id")},
+                            "hangs": len(hangs)}
     _judge(status, root, events)
     iv = status.interval or interval_summary(events)
     status.verdict = judge(events, rows, slurm_state=job.state, job_id=job.job_id, interval_s=iv.current_s,
                            problems=status.problems, now=now)
     return status
+
+
+def rank_view(root: Path, now: float) -> dict[str, Any] | None:
+    """The newest job's per-node summaries (`<root>/.runs/<job>.node-<n>.ranks.json`, written by
+    each node's launcher every few seconds) merged, with ages recomputed at `now` and the
+    stragglers named (hang.stragglers)."""
+    import json
+
+    from .hang import STRAGGLER_MARGIN, stragglers
+
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for path in (root / ".runs").glob("*.ranks.json"):
+        try:
+            data = json.loads(path.read_text()[:1 << 22])
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("ranks"), dict):
+            groups.setdefault(path.name.rsplit(".node-", 1)[0], []).append(data)
+    if not groups:
+        return None
+    key, nodes = max(groups.items(), key=lambda kv: max(float(d.get("time") or 0) for d in kv[1]))
+    ranks: dict[str, Any] = {}
+    for node in nodes:
+        for rank, row in node["ranks"].items():
+            if isinstance(row, dict):
+                if isinstance(row.get("time"), (int, float)):
+                    row["age_s"] = round(now - row["time"], 1)
+                ranks[rank] = row
+    medians = {int(r): float(v["median_s"]) for r, v in ranks.items() if isinstance(v.get("median_s"), (int, float))}
+    samples = {int(r): int(v.get("samples") or 0) for r, v in ranks.items()}
+    return {"job_key": key, "time": max(float(d.get("time") or 0) for d in nodes),
+            "budgets": nodes[0].get("budgets"), "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0]))),
+            "stragglers": stragglers(medians, samples), "straggler_margin": STRAGGLER_MARGIN}
 
 
 def _logged_job_id(events: list[dict[str, Any]]) -> str | None:

@@ -118,6 +118,13 @@ ROWS = [
     Row("inspect nonsense", lambda t: ["inspect", "foo", "-d", str(save(t / "r", 1))], "is not a step number"),
     Row("latest on an empty root", lambda t: ["latest", "-d", str(t)], "no complete checkpoint"),
     Row("drill --preemptions 0", lambda t: ["drill", str(SCRIPT), "--preemptions", "0"], "--preemptions", code=2),
+    Row("submit --hang-timeout soon", lambda t: ["submit", str(SCRIPT), "--local", "--ckpt-dir", str(t / "r"),
+                                                 "--hang-timeout", "soon"],
+        "is not valid: use auto, off or a positive number of seconds"),
+    Row("submit --max-hangs -1", lambda t: ["submit", str(SCRIPT), "--local", "--ckpt-dir", str(t / "r"), "--max-hangs",
+                                            "-1"], "--max-hangs must be >= 0"),
+    Row("drill --hang with --preemptions", lambda t: ["drill", str(SCRIPT), "--hang", "1", "--preemptions", "2",
+                                                      "--workdir", str(t / "d")], "cannot be combined"),
     Row("doctor a missing script", lambda t: ["doctor", str(t / "train.py")], "training script"),
 ]
 

@@ -1,0 +1,66 @@
+"""A small training loop for the hang tests: gloo, a DDP-like all_reduce per step.
+
+Usage: hang_train.py STEPS STEP_SLEEP [SLOW_STEP SLOW_FACTOR] [SLOW_SAVE_S] [SAVE_EVERY]
+SLOW_STEP: that step sleeps SLOW_FACTOR x STEP_SLEEP (once, in the first run only: a legitimately
+slow step). SLOW_SAVE_S: every save's state_dict() of the `slow` entry takes that long (a slow
+save). Writes $PIDDIR/rank<R>.pid and progress<R> like sig_train.py.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import slurmresume
+
+
+class SlowToSave:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.value = 0
+
+    def state_dict(self) -> dict:
+        time.sleep(self.seconds)
+        return {"value": self.value}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.value = sd["value"]
+
+
+def main() -> None:
+    steps, sleep = int(sys.argv[1]), float(sys.argv[2])
+    slow_step = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    slow_factor = float(sys.argv[4]) if len(sys.argv) > 4 else 1.0
+    slow_save = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+    save_every = int(sys.argv[6]) if len(sys.argv) > 6 else None
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    piddir = Path(os.environ["PIDDIR"])
+    piddir.mkdir(parents=True, exist_ok=True)
+    (piddir / f"rank{rank}.pid").write_text(str(os.getpid()))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    ckpt = slurmresume.Checkpointer(save_every=save_every)
+    state = {"model": model, "slow": SlowToSave(slow_save)}
+    step = ckpt.restore(state)
+    first_run = step == 0
+    while step < steps:
+        x = torch.randn(4, 8)
+        model(x).square().mean().backward()
+        if dist.is_initialized():
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+        step += 1
+        time.sleep(sleep * (slow_factor if step == slow_step and first_run else 1.0))
+        (piddir / f"progress{rank}").write_text(str(step))
+        ckpt.step(step, state)
+    ckpt.save(step, state, reason="final")
+    ckpt.close()
+
+
+if __name__ == "__main__":
+    main()
