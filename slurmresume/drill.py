@@ -27,7 +27,7 @@ from .events import read_events
 from .hang import HangBudgets
 from .node import run_local
 
-# A hang drill's script is short and its steps are measured: a 5 s floor instead of 120 s keeps
+# A hang drill's script is short and its steps are measured: a 5 s floor instead of 600 s keeps
 # each hang's detection within seconds; start-up and save keep generous budgets (no false
 # positives on a loaded machine). A warning drill keeps the default budgets.
 DRILL_BUDGETS = HangBudgets(floor_s=5.0, startup_s=120.0, save_floor_s=30.0)

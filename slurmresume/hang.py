@@ -4,7 +4,7 @@ whether a hang is the same as the last one, which rank straggles. Time is always
 The budgets (README, "Hang detection"), per rank and per phase:
     start-up  (no step() yet: imports, NCCL init, data, restore)    startup_s            (900 s)
     step      during the first `warmup_steps` steps                 startup_s
-              after them, auto:    multiple x longest step seen + floor_s    (10 x + 120 s)
+              after them, auto:    multiple x longest step seen + floor_s    (10 x + 600 s)
               after them, SECONDS: that many seconds
     busy      (`with ckpt.busy("eval"):` between steps)            startup_s
     save      (a synchronous or emergency save in progress)         save_multiple x longest save
@@ -33,7 +33,9 @@ class HangBudgets:
     enabled: bool = True  # --hang-timeout off: False
     timeout_s: float | None = None  # --hang-timeout SECONDS: the step budget after warm-up; None: auto
     multiple: float = 10.0  # auto step budget: multiple x longest step + floor_s
-    floor_s: float = 120.0
+    # 10 min: PyTorch's default collective timeout; an evaluation or a data reload between
+    # steps that is not wrapped in ckpt.busy() gets that long before it is taken for a hang
+    floor_s: float = 600.0
     warmup_steps: int = 3  # steps judged by startup_s (first steps compile, warm caches, build buckets)
     startup_s: float = 900.0
     save_multiple: float = 5.0  # save/restore budget: save_multiple x longest save + save_floor_s

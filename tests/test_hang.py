@@ -37,8 +37,8 @@ B = HangBudgets()
         (None, B, STARTUP, 900.0),  # no heartbeat yet
         (rec(STARTUP), B, STARTUP, 900.0),
         (rec(seen=3), B, STEP, 900.0),  # still in the warm-up steps
-        (rec(longest=0.05), B, STEP, 10 * 0.05 + 120),
-        (rec(longest=2.0), B, STEP, 10 * 2.0 + 120),
+        (rec(longest=0.05), B, STEP, 10 * 0.05 + 600),
+        (rec(longest=2.0), B, STEP, 10 * 2.0 + 600),
         (rec(longest=2.0), HangBudgets(timeout_s=45), STEP, 45.0),  # --hang-timeout 45
         (rec(SAVE), B, SAVE, 300.0),  # no save measured yet: the floor
         (rec(SAVE, save=100.0), B, SAVE, 5 * 100 + 300.0),
