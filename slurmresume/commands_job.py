@@ -205,8 +205,9 @@ def drill(
     workdir = workdir.expanduser().absolute()
     spec = _spec(script, script_args, {"ckpt_dir": workdir, "nproc_per_node": nproc_per_node,
                                        "hang_timeout": hang_timeout})
-    report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,
-                       ignore_keys=tuple(ignore or ()), hangs=hang)
+    with _stdout_to_stderr(json_out):  # --json: stdout carries the verdict alone (`| jq` works)
+        report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,
+                           ignore_keys=tuple(ignore or ()), hangs=hang)
     if json_out:
         print_json({"ok": report.ok, "steps": report.steps, "planned": report.planned,
                     "preemptions": report.preemptions, "missed": report.missed, "saved_steps": report.saved_steps,
@@ -218,3 +219,22 @@ def drill(
         print_drill(report)
     if not report.ok:
         raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """While active, file descriptor 1 is stderr: the training runs' output (inherited by the
+    launcher, torchrun and the ranks) goes to stderr instead of mixing with the JSON verdict."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+

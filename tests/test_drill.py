@@ -27,7 +27,8 @@ def drill(tmp_path: Path, script: Path, *opts: str) -> subprocess.CompletedProce
 def test_drill_passes_on_the_example(tmp_path: Path, nproc: int) -> None:
     res = drill(tmp_path, EXAMPLE, "--preemptions", "2", "--nproc-per-node", str(nproc), "--seed", "85")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    verdict = json.loads(res.stdout[res.stdout.index("{"):])
+    verdict = json.loads(res.stdout)  # --json: stdout is the verdict alone; the runs' output is on stderr
+    assert "done at step 24" in res.stderr
     assert verdict["ok"] is True and verdict["differences"] == []
     assert verdict["planned"] == [7, 23]
     assert verdict["preemptions"] == 2 and verdict["missed"] == 0 and len(verdict["saved_steps"]) == 2
