@@ -205,7 +205,8 @@ def drill(
     workdir = workdir.expanduser().absolute()
     spec = _spec(script, script_args, {"ckpt_dir": workdir, "nproc_per_node": nproc_per_node,
                                        "hang_timeout": hang_timeout})
-    with _stdout_to_stderr(json_out):  # --json: stdout carries the verdict alone (`| jq` works)
+    # --json: stdout carries the verdict alone (`| jq` works); the runs' output goes to stderr
+    with _stdout_to_stderr() if json_out else contextlib.nullcontext():
         report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,
                            ignore_keys=tuple(ignore or ()), hangs=hang)
     if json_out:
@@ -219,22 +220,3 @@ def drill(
         print_drill(report)
     if not report.ok:
         raise typer.Exit(1)
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr(active: bool) -> Iterator[None]:
-    """While active, file descriptor 1 is stderr: the training runs' output (inherited by the
-    launcher, torchrun and the ranks) goes to stderr instead of mixing with the JSON verdict."""
-    if not active:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
