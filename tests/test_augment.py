@@ -47,6 +47,7 @@ def _batches(recipe: bool, position: int, *, epoch: int = 1, persistent: bool = 
     return list(loader)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
 @pytest.mark.parametrize("persistent", [False, True])
 def test_worker_augmentation_after_a_mid_epoch_restart_matches_the_uninterrupted_epoch(persistent: bool,
@@ -141,6 +142,7 @@ def test_drill_passes_with_worker_augmentation_on_two_ranks(tmp_path: Path) -> N
     assert verdict["ok"] is True and verdict["differences"] == [], verdict
 
 
+@pytest.mark.slow
 def test_drill_fails_on_the_same_script_without_the_recipe(tmp_path: Path) -> None:
     verdict = drill(tmp_path, "--without-recipe")
     assert verdict["ok"] is False

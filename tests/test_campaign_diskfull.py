@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from campaign import assert_clean, run_in_subprocess  # noqa: E402
 
 
+@pytest.mark.slow
 def test_disk_full_campaign(tmp_path: Path) -> None:
     report = run_in_subprocess("diskfull", 1, tmp_path)
     if report["skipped"]:

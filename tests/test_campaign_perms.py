@@ -7,11 +7,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from campaign import assert_clean, run_in_subprocess  # noqa: E402
 
 
+@pytest.mark.slow
 def test_permissions_campaign(tmp_path: Path) -> None:
     report = run_in_subprocess("perms", 1, tmp_path)
     assert_clean(report)

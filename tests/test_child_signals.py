@@ -15,6 +15,7 @@ from helpers.procs import clean_env, run_python
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["process", "torchrun-rank"])
 def test_forked_and_spawned_children_of_a_checkpointing_process(tmp_path: Path, how: str) -> None:
     """`how`: a plain process, or a rank started by torchrun (its own session, the warning

@@ -97,6 +97,7 @@ def killed_roots(tmp_path_factory: pytest.TempPathFactory, traced_save: list[lis
     return {(label, k): r for (label, k), r in zip(CASES, results, strict=True)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("label", "k"), CASES, ids=[f"{lb}-{k}" for lb, k in CASES])
 def test_kill_mid_save_falls_back_then_resave_replaces(
     killed_roots: dict, label: str, k: int | str, caplog: pytest.LogCaptureFixture

@@ -80,6 +80,7 @@ def containers(children: st.SearchStrategy) -> st.SearchStrategy:
 state_values = st.recursive(leaves, containers, max_leaves=25)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(state_values)
 def test_roundtrip_is_exact(value: Any) -> None:

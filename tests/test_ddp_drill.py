@@ -27,6 +27,7 @@ def drill(tmp_path: Path, nproc: int, *script_args: str) -> tuple[subprocess.Com
     return res, json.loads(res.stdout[start:])
 
 
+@pytest.mark.slow
 def test_ddp_drill_passes_bitwise_on_3_ranks(tmp_path: Path) -> None:
     res, verdict = drill(tmp_path, 3)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -43,6 +44,7 @@ def test_ddp_drill_passes_bitwise_on_4_ranks(tmp_path: Path) -> None:
     assert verdict["preemptions"] == 2 and verdict["missed"] == 0
 
 
+@pytest.mark.slow
 def test_ddp_drill_without_the_bucket_layout_drifts_on_3_ranks(tmp_path: Path) -> None:
     """The control: the same script without `DDPBuckets` in its state is not bitwise after a
     resume, and the drill says so (what the line in the example prevents)."""

@@ -23,6 +23,7 @@ def drill(tmp_path: Path, script: Path, *opts: str) -> subprocess.CompletedProce
 
 # Seed 85 plans the warnings at steps 7 and 23 of 24: the last one races the end of training (a
 # fast script used to finish before the launcher's relay landed, and the drill lost it).
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_drill_passes_on_the_example(tmp_path: Path, nproc: int) -> None:
     res = drill(tmp_path, EXAMPLE, "--preemptions", "2", "--nproc-per-node", str(nproc), "--seed", "85")
@@ -35,6 +36,7 @@ def test_drill_passes_on_the_example(tmp_path: Path, nproc: int) -> None:
     assert all(0 < s <= 24 for s in verdict["saved_steps"])  # 2 ranks act one step later (pipelined)
 
 
+@pytest.mark.slow
 def test_drill_fails_on_a_script_that_forgets_its_scheduler(tmp_path: Path) -> None:
     res = drill(tmp_path, FORGETFUL, "--preemptions", "1", "--seed", "1")
     assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-3000:]

@@ -63,6 +63,7 @@ def ddp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_replicated_tensors_are_stored_once(ddp_root: Path) -> None:
     d = ddp_root / "step_000000010"
     s0, s1 = (d / "rank-00000-of-00002.safetensors").stat().st_size, (d / "rank-00001-of-00002.safetensors").stat().st_size
@@ -74,6 +75,7 @@ def test_replicated_tensors_are_stored_once(ddp_root: Path) -> None:
     assert "model/head.weight" not in load_file(str(d / "rank-00001-of-00002.safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_ddp_checkpoint_loads_on_another_world_size(ddp_root: Path, tmp_path: Path, nproc: int) -> None:
     import os
@@ -96,6 +98,7 @@ def test_ddp_checkpoint_loads_on_another_world_size(ddp_root: Path, tmp_path: Pa
         assert "re-seeded from step and rank" in res.stderr
 
 
+@pytest.mark.slow
 def test_sharded_state_refuses_another_world_size(tmp_path: Path) -> None:
     import os
 

@@ -13,6 +13,7 @@ from helpers.procs import run_python
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("members", ["gen_state", "gen,gen_state"])
 @pytest.mark.parametrize("mode", ["verify", "fallback", "default"])
 def test_generator_state_restores_on_every_path(tmp_path: Path, mode: str, members: str) -> None:

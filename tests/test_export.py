@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
@@ -41,6 +42,7 @@ def test_export_loads_into_model_bitwise(tmp_path: Path) -> None:
         assert torch.equal(fresh.state_dict()[k], v), k
 
 
+@pytest.mark.slow
 def test_export_of_two_rank_checkpoint_equals_each_replica(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -163,6 +163,7 @@ def test_a_header_tensor_missing_from_the_manifest_index(root):
         inspect_checkpoint(*locate("7", root), tensors=True)
 
 
+@pytest.mark.slow
 def test_two_ranks(tmp_path):
     """A two-rank checkpoint written by two gloo processes: state keys and rows per rank."""
     script = textwrap.dedent(f"""

@@ -95,6 +95,7 @@ def descendants_alive(marker: str) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delivery", ["launcher-only", "process-tree"])
 def test_one_save_one_restart_per_warning(tmp_path: Path, delivery: str) -> None:
     proc, root, piddir = start_local(tmp_path, nproc=2, steps=60)
@@ -117,6 +118,7 @@ def test_one_save_one_restart_per_warning(tmp_path: Path, delivery: str) -> None
     assert descendants_alive(str(SIG_TRAIN)) == []
 
 
+@pytest.mark.slow
 def test_signal_to_one_rank_saves_same_step_on_both(tmp_path: Path) -> None:
     """Only rank 1 hears the signal: the MAX agreement makes both ranks save one step, once."""
     root, piddir = tmp_path / "ckpt", tmp_path / "pids"
@@ -139,6 +141,7 @@ def test_signal_to_one_rank_saves_same_step_on_both(tmp_path: Path) -> None:
     assert step < 200
 
 
+@pytest.mark.slow
 def test_dataloader_workers_survive_tree_signal(tmp_path: Path) -> None:
     """num_workers=2 when every process of the tree gets the warning: workers neither die nor
     swallow it."""
@@ -210,6 +213,7 @@ def test_handlers_installed_in_main_thread_only_and_restored(tmp_path: Path) -> 
     assert signal.getsignal(signal.SIGUSR1) == before_usr1
 
 
+@pytest.mark.slow
 def test_sigterm_saves_without_requeue(tmp_path: Path) -> None:
     proc, root, piddir = start_local(tmp_path, nproc=1, steps=200)
     out = signal_when(proc, lambda: progress(piddir) >= 4, lambda: os.kill(proc.pid, signal.SIGTERM),
@@ -225,6 +229,7 @@ def test_sigterm_saves_without_requeue(tmp_path: Path) -> None:
 # decide() is tested with a table in tests/test_lifecycle.py (it reads the contract's outcome).
 
 
+@pytest.mark.slow
 def test_max_failures_retries_a_crash(tmp_path: Path) -> None:
     """A crash without a signal is retried from the newest checkpoint, at most --max-failures."""
     script = tmp_path / "crash.py"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -50,6 +51,7 @@ def test_discard_newer_removes_only_newer(tmp_path: Path) -> None:
     assert not list((tmp_path / "r").glob(".deleting.*"))
 
 
+@pytest.mark.slow
 def test_branch_continues_from_step_and_leaves_old_root_untouched(tmp_path: Path) -> None:
     old, new = tmp_path / "old", tmp_path / "new"
     run = [sys.executable, str(EXAMPLE), "--steps", "30", "--save-every", "10", "--batch-size", "8"]

@@ -73,6 +73,7 @@ def test_multipart_upload_and_ranged_download_of_a_larger_step(s3, url: str, tmp
     assert torch.equal(out["w"], torch.arange(3 << 20, dtype=torch.float32))
 
 
+@pytest.mark.slow
 def test_concurrent_marker_writers_exactly_one_wins(s3, url: str, tmp_path: Path) -> None:
     """N writers race If-None-Match PUTs of one step's marker, each with its own client and
     token: exactly one is told it won, and the stored marker carries the winner's token."""

@@ -38,6 +38,7 @@ def mirrored(s3, tmp_path: Path) -> tuple[Path, str]:
     return local, url
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tensors", [False, True])
 def test_inspect_on_a_bucket_matches_the_local_root(mirrored, tensors: bool) -> None:
     local, url = mirrored
@@ -78,6 +79,7 @@ def test_export_on_a_bucket_writes_the_same_weights(mirrored, tmp_path: Path) ->
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_export_refuses_a_bucket_step_that_fails_its_checksum(s3, mirrored, tmp_path: Path) -> None:
     _, url = mirrored
     loc = parse_s3_url(url)
@@ -93,6 +95,7 @@ def test_export_refuses_a_bucket_step_that_fails_its_checksum(s3, mirrored, tmp_
     assert list(out.parent.iterdir()) == []  # no output, no leftover download
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["inspect", "latest", "--ckpt-dir", "s3://no-such-bucket-xyz/run"], "NoSuchBucket"),
     (["export", "latest", "--ckpt-dir", "s3://no-such-bucket-xyz/run"], "NoSuchBucket"),

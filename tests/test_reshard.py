@@ -59,6 +59,7 @@ def baseline(saved: tuple[Path, Path]) -> list[str]:
     return results[0]["losses"]
 
 
+@pytest.mark.slow
 def test_manifest_records_global_offsets(saved: tuple[Path, Path]) -> None:
     manifest = json.loads((saved[1] / STEP / "manifest.json").read_text())
     pieces = {(t["name"], t["rank"]): t for t in manifest["tensors"]}
@@ -71,6 +72,7 @@ def test_manifest_records_global_offsets(saved: tuple[Path, Path]) -> None:
     assert pieces["extra/rep", 0]["replicated"] and ("extra/rep", 1) not in pieces
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,dim", [(1, 0), (4, 0), (2, 1)])
 def test_restore_on_another_world_or_sharding(saved: tuple[Path, Path], baseline: list[str], tmp_path: Path,
                                               world: int, dim: int) -> None:
@@ -106,6 +108,7 @@ def test_export_consolidates_dtensor_checkpoint(saved: tuple[Path, Path]) -> Non
     _check_export(saved[1], saved[0])
 
 
+@pytest.mark.slow
 def test_reshard_4_to_2_reads_only_its_share(tmp_path: Path) -> None:
     _torchrun(4, "bytes", tmp_path, tmp_path / "ck")
     _torchrun(2, "bytes", tmp_path, tmp_path / "ck")

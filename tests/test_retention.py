@@ -418,6 +418,7 @@ class _NoLock:
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["lock+marker", "age-only"])
 def test_prune_racing_a_writer(tmp_path, monkeypatch, variant):
     """`lock+marker`: the lock works and young_threshold=0, so only the .inprogress note keeps
