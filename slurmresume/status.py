@@ -29,6 +29,11 @@
                    runtime_s, interruptions: int (unwarned: failed or killed runs),
                    failures_per_hour, mtbf_s, expected_loss: {interval_s, saves (C/T),
                    failures (T/(2*MTBF), null without an observed failure), total} or null}
+    lead          {lead_s (the --signal-lead submit logged), predicted_save_s, predicted_bytes, basis:
+                   "rate"|"seconds", required_s (2 x save + a step + 10 s), margin_s (lead - required),
+                   step_s, late: [{step, seconds, lead_s, time}] emergency saves slower than the lead}
+    writer        null, or {last_save (the strategy the newest save used), strategy (calibrated for
+                   this root's file system), source, key, measured_at, gbps: {strategy: GB/s}, stale}
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from .checkpoint.store import (
 from .errors import ConfigError, SlurmError
 from .events import read_events
 from .health import Headline, judge
+from .leadtime import LeadReport, late_warning, lead_report, lead_warning
 from .policy import IntervalSummary, interval_summary
 from .retention import best_record, metric_names, metric_value, record_from_info
 from .slurm import parse_sacct, parse_squeue
@@ -118,6 +124,8 @@ class Status:
     interval: IntervalSummary | None = None
     omitted: int = 0
     verdict: Headline | None = None
+    lead: LeadReport | None = None
+    writer: dict[str, Any] | None = None
 
     @property
     def health(self) -> str:
@@ -176,11 +184,33 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
     status = Status(str(root), now, job, {"available": slurm_note != SLURM_NOT_FOUND, "note": slurm_note},
                     requeues, counts, events[-history_limit:] if history_limit else [], rows, newest, best,
                     interval=interval_summary(events) if with_interval else None, omitted=omitted)
+    status.lead = _lead(events, rows)
+    status.writer = writer_summary(root, events)
     _judge(status, root, events)
     iv = status.interval or interval_summary(events)
     status.verdict = judge(events, rows, slurm_state=job.state, job_id=job.job_id, interval_s=iv.current_s,
                            problems=status.problems, now=now)
     return status
+
+
+def _lead(events: list[dict[str, Any]], rows: list[CheckpointRow]) -> LeadReport:
+    from .policy import estimate_from_events
+
+    newest = next((r for r in rows if r.newest), None)
+    step_s = estimate_from_events(events).step_s if events else None
+    return lead_report(events, step_s=step_s, size_now=newest.bytes if newest is not None and newest.bytes else None)
+
+
+def writer_summary(root: Path, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The write path chosen for this root's file system (the calibration cache) and the one the
+    newest save used (event log); None when neither is known."""
+    from .checkpoint.calibrate import cached_choice
+
+    last = next((e for e in reversed(events) if e.get("event") == "save_committed" and e.get("writer")), None)
+    cached = cached_choice(root)
+    if last is None and cached is None:
+        return None
+    return {"last_save": last.get("writer") if last else None, **(cached or {})}
 
 
 def _logged_job_id(events: list[dict[str, Any]]) -> str | None:
@@ -297,6 +327,11 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
     saves = [e for e in events if e["event"] in ("save_committed", "save_failed")]
     if saves and saves[-1]["event"] == "save_failed":
         w.append(f"the last save failed: {saves[-1].get('error')}")
+    if status.lead is not None:
+        w.extend(late_warning(late) for late in status.lead.late)
+        short = lead_warning(status.lead)
+        if short:
+            w.append(short)
     w.extend(root_warnings(root))
 
 
