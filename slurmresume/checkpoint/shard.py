@@ -146,8 +146,8 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         sink.feed(header)
         for name, t in tensors:
             data = tensor_bytes(_contiguous_cpu(t))
+            sink.feed(data)  # first: the writer thread starts on it while this thread hashes blocks
             index[name]["xxh3"] = block_digests(data)
-            sink.feed(data)
         digest = sink.finish()
     except BaseException as exc:
         sink.abort()

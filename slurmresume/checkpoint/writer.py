@@ -13,6 +13,8 @@ behind them the next. So the writer offers:
                32 MiB range is handed to the kernel at once (sync_file_range WRITE) and the
                range before it waited for, so the final fsync finds little left dirty
   buffered     plain writes from tensor memory, then fsync (what most peers do)
+The buffered paths write from a thread while the caller hashes, so that the copy into the page
+cache and the checksums use both cores.
 
 Every path writes the same bytes, hashes them with xxh3 in order, and `finish()` fsyncs.
 Staging buffers are allocated once per thread and reused. Where O_DIRECT is refused (some file
@@ -39,6 +41,7 @@ ALIGN = 4096
 STRATEGIES = ("direct", "direct-par", "buffered-wb", "buffered")
 # strategy -> (staging buffers, bytes each, writer threads); buffered paths stage nothing
 _DIRECT = {"direct": (2, CHUNK, 1), "direct-par": (4, CHUNK // 2, 4)}
+QUEUED = 4  # buffered paths: views of the caller's memory waiting for the writer thread
 _local = threading.local()
 
 _SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
@@ -109,17 +112,22 @@ class ShardSink:
         self.started = time.perf_counter()
         self.seconds = 0.0
         self.kicked = self.waited = 0  # buffered-wb: bytes handed to writeback / known written
+        self.error: BaseException | None = None
         if self.direct:
             count, self.size, threads = _DIRECT[strategy]
             self.bufs = _staging(count, self.size)
             self.cur, self.fill, self.offset = 0, 0, 0
-            self.q: queue.Queue[tuple[int, int, int] | None] = queue.Queue(maxsize=count)
+            self.q: queue.Queue[Any] = queue.Queue(maxsize=count)
             self.free = [threading.Semaphore(1) for _ in range(count)]
-            self.error: BaseException | None = None
-            self.threads = [threading.Thread(target=self._writer, name="slurmresume-shard-writer", daemon=True)
-                            for _ in range(threads)]
-            for t in self.threads:
-                t.start()
+            target = self._writer
+        else:
+            # the caller hashes while this thread copies into the page cache: two cores at work
+            self.q = queue.Queue(maxsize=QUEUED)
+            target, threads = self._buffered_writer, 1
+        self.threads = [threading.Thread(target=target, name="slurmresume-shard-writer", daemon=True)
+                        for _ in range(threads)]
+        for t in self.threads:
+            t.start()
 
     # -- producer side (caller's thread) ---------------------------------------------------
 
@@ -127,11 +135,10 @@ class ShardSink:
         view = memoryview(data).cast("B")
         self.total += len(view)
         if not self.direct:
-            self.hasher.update(view)
+            self._raise_if_failed()
             for start in range(0, len(view), CHUNK):
-                fsio.write_all(self.fd, view[start : start + CHUNK], "shard.data", self.path)
-                if self.strategy == "buffered-wb":
-                    self._writeback(self.total - len(view) + min(start + CHUNK, len(view)))
+                self.q.put(view[start : start + CHUNK])  # a view: the caller keeps the tensor alive
+            self.hasher.update(view)
             return
         src = np.frombuffer(view, dtype=np.uint8) if len(view) else np.empty(0, np.uint8)
         pos = 0
@@ -173,11 +180,11 @@ class ShardSink:
     def finish(self) -> str:
         """Write what is left, fsync, close. Returns the xxh3 hex digest of all bytes fed."""
         try:
+            if self.direct and self.fill:
+                self._flush_buffer()
+            self._stop_writers()
+            self._raise_if_failed()
             if self.direct:
-                if self.fill:
-                    self._flush_buffer()
-                self._stop_writers()
-                self._raise_if_failed()
                 os.ftruncate(self.fd, self.total)  # drop the alignment padding of the last block
             fsio.fsync_fd(self.fd, "shard", self.path)
         finally:
@@ -191,7 +198,7 @@ class ShardSink:
         return self.hasher.hexdigest()
 
     def abort(self) -> None:
-        if self.direct and any(t.is_alive() for t in self.threads):
+        if any(t.is_alive() for t in self.threads):
             self._stop_writers()
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
@@ -207,7 +214,7 @@ class ShardSink:
             t.join()
 
     def _raise_if_failed(self) -> None:
-        if self.direct and self.error is not None:
+        if self.error is not None:
             raise self.error
 
     # -- writer threads --------------------------------------------------------------------
@@ -225,6 +232,19 @@ class ShardSink:
                 self.error = exc
             finally:
                 self.free[idx].release()
+
+
+    def _buffered_writer(self) -> None:
+        written = 0
+        while (view := self.q.get()) is not None:
+            try:
+                if self.error is None:
+                    fsio.write_all(self.fd, view, "shard.data", self.path)
+                    written += len(view)
+                    if self.strategy == "buffered-wb":
+                        self._writeback(written)
+            except BaseException as exc:  # handed to the producer, raised on its thread
+                self.error = exc
 
 
 def tensor_bytes(t: Any) -> memoryview:
