@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -121,11 +122,17 @@ def test_a_much_slower_save_marks_the_choice_stale(tmp_path: Path, _own_cache: P
     calibrate._write_cache(key, {"strategy": "direct", "gbps": {"direct": 2.0}, "measured_at": 0})
     assert calibrate.choose(tmp_path, 0) == ("direct", "calibrated")
     calibrate.observe(tmp_path, "direct", 1 << 30, 0.6)  # 1.8 GB/s: fine
+    calibrate.observe(tmp_path, "direct", 1 << 30, 1.0)  # 1.07 GB/s: a slow hour, not a reason
     assert not json.loads(_own_cache.read_text())[key].get("stale")
     calibrate.observe(tmp_path, "direct", 1 << 30, 5.0)  # 0.2 GB/s: re-measure next time
     assert json.loads(_own_cache.read_text())[key]["stale"] is True
     assert calibrate.choose(tmp_path, 0) == (calibrate.DEFAULT, "default")  # small: not now
     assert calibrate.cached_choice(tmp_path)["stale"] is True  # type: ignore[index]
+    # a calibration minutes old is not redone for one slow save
+    calibrate._write_cache(key, {"strategy": "direct", "gbps": {"direct": 2.0}, "measured_at": time.time()})
+    calibrate._memo.clear()
+    calibrate.observe(tmp_path, "direct", 1 << 30, 5.0)
+    assert not json.loads(_own_cache.read_text())[key].get("stale")
 
 
 def test_real_calibration_on_this_disk(tmp_path: Path) -> None:

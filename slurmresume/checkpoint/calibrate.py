@@ -12,8 +12,9 @@
      lowest median wins. About a second on these disks, once per node and file system; the cache
      file is locked meanwhile so the ranks of one node do not measure each other.
   4. otherwise `direct` (the best path on most days here), source "default".
-A save that runs at under half the speed its strategy was calibrated at (`observe`, shards of
-at least RECHECK_MIN_BYTES) marks the entry stale: the next large save measures again.
+A save that runs at under 1/SLOW_FACTOR of the speed its strategy was calibrated at (`observe`,
+shards of at least RECHECK_MIN_BYTES, a calibration older than RECHECK_AFTER_S) marks the entry
+stale: the next large save measures again.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ PROBE_BYTES = 128 << 20
 ROUNDS = 2
 CALIBRATE_MIN_BYTES = 64 << 20
 RECHECK_MIN_BYTES = 256 << 20
-SLOW_FACTOR = 2.0
+SLOW_FACTOR = 3.0  # the disk here drifts 2x within an hour: that alone is no reason to measure again
+RECHECK_AFTER_S = 600.0  # nor is a slow save right after a calibration (measuring costs ~1 GiB of writes)
 _memo: dict[str, dict[str, Any]] = {}
 _guard = threading.Lock()
 _state = threading.local()
@@ -227,7 +229,8 @@ def time_probe(strategy: str, probe: Path, src: memoryview, nbytes: int) -> floa
 
 def observe(directory: str | os.PathLike[str], strategy: str, nbytes: int, seconds: float) -> None:
     """After a save with a calibrated strategy: mark the entry stale when it ran at under
-    1/SLOW_FACTOR of its calibrated speed (the disk changed, or another path now wins)."""
+    1/SLOW_FACTOR of its calibrated speed (the disk changed, or another path now wins) and the
+    calibration is older than RECHECK_AFTER_S."""
     if nbytes < RECHECK_MIN_BYTES or seconds <= 0:
         return
     try:
@@ -237,7 +240,8 @@ def observe(directory: str | os.PathLike[str], strategy: str, nbytes: int, secon
             return
         expected = float(entry["gbps"][strategy])  # type: ignore[index]
         got = nbytes / seconds / 1e9
-        if got * SLOW_FACTOR < expected:
+        young = time.time() - float(entry.get("measured_at") or 0) < RECHECK_AFTER_S  # type: ignore[union-attr]
+        if got * SLOW_FACTOR < expected and not young:
             log.warning("this save wrote %.2f GB/s with %s, calibrated at %.2f GB/s: measuring again next time",
                         got, strategy, expected)
             stale = {**entry, "stale": True, "stale_gbps": round(got, 3)}  # type: ignore[dict-item]
