@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurmresume.checkpoint.jsonenc import dumps, loads  # noqa: E402
 from slurmresume.checkpoint.layout import shard_name  # noqa: E402
-from slurmresume.checkpoint.manifest import build_manifest, validate_manifest, MAX_MANIFEST  # noqa: E402
+from slurmresume.checkpoint.manifest import MAX_MANIFEST, build_manifest, validate_manifest  # noqa: E402
 from slurmresume.checkpoint.shard import VERIFY_BLOCK  # noqa: E402
 from slurmresume.checkpoint.sharding import cover  # noqa: E402
 

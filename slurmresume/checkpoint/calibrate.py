@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 log = logging.getLogger("slurmresume")
 
@@ -119,7 +119,7 @@ def _write_cache(key: str, entry: dict[str, Any]) -> None:
         log.warning("could not write the writer calibration cache %s: %s", path, exc)
 
 
-def _valid(entry: Any) -> bool:
+def _valid(entry: Any) -> TypeGuard[dict[str, Any]]:
     from .writer import STRATEGIES
 
     return isinstance(entry, dict) and entry.get("strategy") in STRATEGIES and not entry.get("stale")
@@ -137,7 +137,7 @@ def choose(directory: str | os.PathLike[str], size_hint: int = 0) -> tuple[str, 
         return DEFAULT, "default"
     entry = _memo.get(key)
     if _valid(entry):
-        return entry["strategy"], "calibrated"  # type: ignore[index]
+        return entry["strategy"], "calibrated"
     entry = _read_cache().get(key)
     if _valid(entry):
         _memo[key] = entry
@@ -200,11 +200,12 @@ def calibrate(directory: Path, strategies: tuple[str, ...] | None = None, nbytes
     med = {n: statistics.median(v) for n, v in times.items()}
     best = min(med, key=med.__getitem__)
     writer.release_staging(keep=best)
-    entry = {"strategy": best, "gbps": {n: round(nbytes / s / 1e9, 3) for n, s in med.items()},
+    gbps = {n: round(nbytes / s / 1e9, 3) for n, s in med.items()}
+    entry = {"strategy": best, "gbps": gbps,
              "seconds": {n: [round(x, 4) for x in v] for n, v in times.items()}, "probe_bytes": nbytes,
              "measured_at": time.time()}
     log.info("write path for %s: %s (%s)", directory, best,
-             ", ".join(f"{n} {g:.2f} GB/s" for n, g in entry["gbps"].items()))
+             ", ".join(f"{n} {g:.2f} GB/s" for n, g in gbps.items()))
     return entry
 
 
@@ -236,15 +237,15 @@ def observe(directory: str | os.PathLike[str], strategy: str, nbytes: int, secon
     try:
         key = fs_key(directory)
         entry = _memo.get(key) or _read_cache().get(key)
-        if not _valid(entry) or entry["strategy"] != strategy:  # type: ignore[index]
+        if not _valid(entry) or entry["strategy"] != strategy:
             return
-        expected = float(entry["gbps"][strategy])  # type: ignore[index]
+        expected = float(entry["gbps"][strategy])
         got = nbytes / seconds / 1e9
-        young = time.time() - float(entry.get("measured_at") or 0) < RECHECK_AFTER_S  # type: ignore[union-attr]
+        young = time.time() - float(entry.get("measured_at") or 0) < RECHECK_AFTER_S
         if got * SLOW_FACTOR < expected and not young:
             log.warning("this save wrote %.2f GB/s with %s, calibrated at %.2f GB/s: measuring again next time",
                         got, strategy, expected)
-            stale = {**entry, "stale": True, "stale_gbps": round(got, 3)}  # type: ignore[dict-item]
+            stale = {**entry, "stale": True, "stale_gbps": round(got, 3)}
             _memo.pop(key, None)
             _write_cache(key, stale)
     except (OSError, KeyError, TypeError, ValueError):
