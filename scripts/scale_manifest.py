@@ -116,6 +116,23 @@ def model_row(model: str, world: int, m: dict, rank_gbps: float, fs_gbps: float)
             "save_s": io + m["encode_s"], "restore_s": io + m["parse_s"] + m["plan_one_rank_s"]}
 
 
+def marker_cost(directory: Path, n: int = 20) -> dict:
+    """Median seconds of a durable marker (temp, fsync, rename, dir fsync) and of a durable
+    manifest of `size` bytes, on the disk holding `directory`."""
+    import shutil
+    import tempfile
+
+    from slurmresume.checkpoint import fsio
+
+    d = Path(tempfile.mkdtemp(prefix="scale-marker-", dir=directory))
+    try:
+        marker = timed(lambda: fsio.write_durable(d / "COMMITTED", b'{"step":1,"manifest_xxh3":"0123456789abcdef"}',
+                                                  "marker"), n)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return {"marker_s": marker}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="8,64,512,4096")
@@ -123,8 +140,11 @@ def main() -> None:
     ap.add_argument("--max-entries", type=int, default=400_000, help="build manifests up to this many entries")
     ap.add_argument("--rank-gbps", type=float, default=1.0, help="one rank's durable write speed, GB/s")
     ap.add_argument("--fs-gbps", type=float, default=100.0, help="the file system's aggregate speed, GB/s")
+    ap.add_argument("--dir", default="/tmp", help="where to time the durable marker")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    marker = marker_cost(Path(args.dir))
+    print(f"durable commit marker (temp, fsync, rename, dir fsync): {marker['marker_s'] * 1e3:.2f} ms median of 20")
     rows = []
     for model in args.models.split(","):
         per_rank_entries = len(parameters(model)) * len(MOMENTS)
@@ -147,7 +167,7 @@ def main() -> None:
                   f"parse {r['parse_s']:.2f} s, plan one rank {r['plan_one_rank_s']:.2f} s, "
                   f"save ~{r['save_s']:.1f} s, restore ~{r['restore_s']:.1f} s"
                   f"{'' if r['measured'] else '  [extrapolated]'}", flush=True)
-    data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rank_gbps": args.rank_gbps,
+    data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rank_gbps": args.rank_gbps, **marker,
             "fs_gbps": args.fs_gbps, "rows": rows}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(data, indent=1))
