@@ -82,7 +82,7 @@ def main() -> None:
     print(f"job {job}, {n} preemptions, 2 gloo ranks, medians (min-max) in seconds")
     for name, vals in rows.items():
         if vals:
-            print(f"  {name:44s} {statistics.median(vals):7.2f}  ({min(vals):.2f}-{max(vals):.2f})")
+            print(f"  {name:58s} {statistics.median(vals):7.2f}  ({min(vals):.2f}-{max(vals):.2f})")
     print(json.dumps({k: [round(v, 3) for v in vals] for k, vals in rows.items()}))
     subprocess.run(["scancel", job])
 
