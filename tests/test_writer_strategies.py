@@ -139,3 +139,20 @@ def test_real_calibration_on_this_disk(tmp_path: Path) -> None:
     entry = calibrate.calibrate(tmp_path, nbytes=4 << 20, rounds=1)
     assert entry["strategy"] in writer.STRATEGIES and all(g > 0 for g in entry["gbps"].values())
     assert not list(tmp_path.iterdir())
+
+
+def test_early_writeback_unsupported_falls_back_to_plain_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes
+    import errno
+
+    def refuse(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(writer, "_sync_file_range", refuse)
+    p = tmp_path / "f"
+    sink = writer.ShardSink(p, strategy="buffered-wb")
+    for c in _chunks():
+        sink.feed(c)
+    sink.finish()
+    assert p.read_bytes() == b"".join(_chunks()) and sink.strategy == "buffered"

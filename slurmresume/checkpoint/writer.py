@@ -24,6 +24,7 @@ systems), a direct path falls back to `buffered`.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import queue
@@ -156,7 +157,7 @@ class ShardSink:
     def _writeback(self, written: int) -> None:
         """Start writeback of each new CHUNK range, and wait for the one before it: the page cache
         holds at most ~2 chunks of this file dirty, and the fsync at the end has little left."""
-        if _sync_file_range is None or written - self.kicked < CHUNK:
+        if written - self.kicked < CHUNK:
             return
         self._srf(self.kicked, written - self.kicked, _SYNC_FILE_RANGE_WRITE)
         if self.kicked > self.waited:
@@ -166,8 +167,13 @@ class ShardSink:
         self.kicked = written
 
     def _srf(self, offset: int, nbytes: int, flags: int) -> None:
-        if _sync_file_range is not None and _sync_file_range(self.fd, offset, nbytes, flags) != 0:
+        if self.strategy != "buffered-wb" or _sync_file_range is None:
+            return
+        if _sync_file_range(self.fd, offset, nbytes, flags) != 0:
             err = ctypes.get_errno()
+            if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):
+                self.strategy = "buffered"  # not here: plain writes, the final fsync makes them durable
+                return
             raise OSError(err, f"sync_file_range: {os.strerror(err)}", os.fspath(self.path))
 
     def _flush_buffer(self) -> None:
