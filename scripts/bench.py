@@ -391,16 +391,22 @@ def report(sizes: list[dict], scan: dict | None, agree: dict | None) -> None:
               f"{agree['blocking_allreduce_us']:.0f} us")
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default in --help."""
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     ap.add_argument("--sizes", default="1", help="GiB, comma separated (e.g. 1,4)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="state dtype")
     ap.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=5,
-                    help="interleaved rounds, at least 5 for a spread worth reading (default: 5)")
+                    help="interleaved rounds, at least 5 for a spread worth reading")
     ap.add_argument("--quick", action="store_true", help="skip the directory scan and the agreement benchmark")
-    ap.add_argument("--dir", default=None, help="benchmark directory (default: a temp dir under /tmp)")
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--dir", default=None, help="benchmark directory; none: a temp dir under /tmp")
+    ap.add_argument("--json-out", default=None, help="also write every figure there as JSON")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1 (5 or more for a spread worth reading)")
     work = Path(args.dir or tempfile.mkdtemp(prefix="slurmresume-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     import torch.distributed as dist

@@ -133,23 +133,33 @@ def marker_cost(directory: Path, n: int = 20) -> dict:
     return {"marker_s": marker}
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default in --help."""
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", default="8,64,512,4096")
-    ap.add_argument("--models", default="7B,70B")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--ranks", default="8,64,512,4096", help="world sizes, comma separated")
+    ap.add_argument("--models", default="7B,70B", help="of: " + ", ".join(MODELS))
     ap.add_argument("--max-entries", type=int, default=400_000, help="build manifests up to this many entries")
     ap.add_argument("--rank-gbps", type=float, default=1.0, help="one rank's durable write speed, GB/s")
     ap.add_argument("--fs-gbps", type=float, default=100.0, help="the file system's aggregate speed, GB/s")
     ap.add_argument("--dir", default="/tmp", help="where to time the durable marker")
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--json-out", default=None, help="also write the figures there as JSON")
     args = ap.parse_args()
+    try:
+        worlds = [int(x) for x in args.ranks.split(",")]
+    except ValueError:
+        ap.error(f"--ranks {args.ranks!r}: expected positive integers separated by commas, e.g. 8,64")
+    if any(w < 1 for w in worlds) or any(m not in MODELS for m in args.models.split(",")):
+        ap.error(f"--ranks must be positive and --models among {', '.join(MODELS)}")
     marker = marker_cost(Path(args.dir))
     print(f"durable commit marker (temp, fsync, rename, dir fsync): {marker['marker_s'] * 1e3:.2f} ms median of 20")
     rows = []
     for model in args.models.split(","):
         per_rank_entries = len(parameters(model)) * len(MOMENTS)
         last: tuple[int, dict] | None = None
-        for world in (int(x) for x in args.ranks.split(",")):
+        for world in worlds:
             if per_rank_entries * world <= args.max_entries or last is None:
                 m = measure(model, world)
                 last = (world, m)
