@@ -93,6 +93,9 @@ def test_calibration_picks_the_fastest_and_caches_it(tmp_path: Path, monkeypatch
     assert got == ("buffered-wb", "calibrated")
     entry = next(iter(json.loads(_own_cache.read_text()).values()))
     assert entry["strategy"] == "buffered-wb" and set(entry["gbps"]) == set(writer.STRATEGIES)
+    # paths over 2x the fastest after round one are not measured again
+    assert {k: len(v) for k, v in entry["seconds"].items()} == {"buffered-wb": 2, "direct": 1, "direct-par": 1,
+                                                                  "buffered": 1}
     assert not list(tmp_path.glob(".slurmresume-calibrate*"))  # probes removed
     # the cache answers the next process (memory cleared) without measuring again
     calibrate._memo.clear()

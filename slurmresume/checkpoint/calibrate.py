@@ -39,6 +39,7 @@ PROBE_ENV = "SLURMRESUME_CALIBRATE_MIB"
 DEFAULT = "direct"
 PROBE_BYTES = 128 << 20
 ROUNDS = 2
+PRUNE = 2.0
 CALIBRATE_MIN_BYTES = 64 << 20
 RECHECK_MIN_BYTES = 256 << 20
 SLOW_FACTOR = 3.0  # the disk here drifts 2x within an hour: that alone is no reason to measure again
@@ -178,19 +179,23 @@ def probe_bytes() -> int:
 def calibrate(directory: Path, strategies: tuple[str, ...] | None = None, nbytes: int | None = None,
               rounds: int = ROUNDS) -> dict[str, Any]:
     """Write a probe of `nbytes` durably with each strategy, `rounds` interleaved rounds (the order
-    rotates each round), in `directory`. Returns {strategy, gbps: {name: GB/s median},
+    rotates each round; a strategy over PRUNE x the fastest in round one is not measured again),
+    in `directory`. Returns {strategy, gbps: {name: GB/s median},
     seconds: {name: [s, ...]}, probe_bytes, measured_at}."""
     import numpy as np
 
     from . import writer
 
-    names = strategies or writer.STRATEGIES
+    names: tuple[str, ...] = strategies or writer.STRATEGIES
     nbytes = nbytes or probe_bytes()
     src = np.frombuffer(os.urandom(min(nbytes, 8 << 20)), dtype=np.uint8)  # touched memory, like tensors
     times: dict[str, list[float]] = {n: [] for n in names}
     probe = directory / f".slurmresume-calibrate.{os.getpid()}.{threading.get_ident()}"
     try:
         for r in range(rounds):
+            if r == 1:  # a path over PRUNE x the best after one round is out: less to write
+                best_s = min(v[0] for v in times.values())
+                names = tuple(n for n in names if times[n][0] <= PRUNE * best_s)
             for name in names[r % len(names):] + names[: r % len(names)]:
                 times[name].append(time_probe(name, probe, src.data, nbytes))
                 os.unlink(probe)
