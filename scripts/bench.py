@@ -1,15 +1,21 @@
 """Save/restore benchmark: slurmresume against the disk's own limits and the peers, in one run.
 
-    python scripts/bench.py --sizes 1,4 --repeats 3 --dir /work/bench --json-out bench.json
+    python scripts/bench.py --sizes 1,4 --rounds 5 --dir /work/bench --json-out bench.json
 
-For each state size (GiB of a transformer-like mix of large and small tensors) it measures,
-interleaved on the same directory, median of --repeats:
-  physical limits: O_DIRECT write + fsync, buffered write + fdatasync, read (cold when caches
-                   can be dropped, and warm), memory copy of the state into touched buffers
+For each state size (GiB of a transformer-like mix of large and small tensors) it runs every
+method once per round, --rounds rounds (at least 5), the order rotating each round and the page
+cache dropped (as root) before each method, so that a disk whose speed drifts within the hour
+hits every method alike:
+  physical limits: O_DIRECT write + fsync, buffered write + fdatasync, read (cold and page
+                   cache), memory copy of the state into touched buffers
   peers:           torch.save + fsync, safetensors save_file + fsync, DCP save, DCP async_save
-  slurmresume:     sync save to a durable commit, async save (blocking / total), restore
-plus peak extra RSS of each save, `find_latest` among 10,000 step directories and the per-step
-preemption agreement with 2 gloo ranks. Ratios: vs the best raw durable write, vs the best peer.
+  slurmresume:     sync save to a durable commit with the calibrated write path (the
+                   calibration runs once before timing, as a first large save would), the same
+                   with each write path forced, async save (blocking / total), restore
+It prints, per method, the median, min-max and IQR over the rounds, and for each slurmresume
+save the best peer's seconds / ours, round by round: median and min-max of that ratio, saying
+when the spread straddles 1.0. Also: peak extra RSS of each save, `find_latest` among 10,000
+step directories and the per-step preemption agreement with 2 gloo ranks (skip with --quick).
 """
 
 from __future__ import annotations
@@ -126,7 +132,16 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-def bench_size(gib: float, dtype: torch.dtype, repeats: int, work: Path) -> dict:
+PEERS = ("torch.save + fsync", "safetensors save_file + fsync", "DCP save", "DCP async_save total")
+OURS = "slurmresume save (durable commit)"
+
+
+def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
+    """Every method once per round, in an order that rotates each round, the page cache dropped
+    (when allowed) before each one, so that a disk that drifts within the hour hits all methods
+    alike; the round-to-round spread is reported with each median."""
+    from slurmresume.checkpoint import calibrate, writer
+
     state = make_state(gib, dtype)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     largest = max(t.numel() * t.element_size() for t in state.values())
@@ -155,25 +170,32 @@ def bench_size(gib: float, dtype: torch.dtype, repeats: int, work: Path) -> dict
     copies = {k: torch.empty_like(v) for k, v in state.items()}
     for v in copies.values():
         v.zero_()
+    # the write-path calibration a first large save would run, done before timing starts
+    os.environ[calibrate.CACHE_ENV] = str(work / "writer-cache.json")
+    fresh("ours")
+    t0 = time.perf_counter()
+    chosen = calibrate.choose(work / "ours", size_hint=nbytes)
+    calibration = {"choice": chosen[0], "seconds": round(time.perf_counter() - t0, 3),
+                   "entry": calibrate.cached_choice(work / "ours")}
     ck = slurmresume.Checkpointer(work / "ours", handle_signals=False)
     ack = slurmresume.Checkpointer(work / "ours_async", handle_signals=False)
-    warm_async = False
-    dcp_stager = None
-    for rep in range(repeats):
-        record("raw O_DIRECT write+fsync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, True)))
-        record("raw buffered write+fdatasync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, False)))
-        cold = drop_caches()
-        record("raw read (cold)" if cold else "raw read", timed(lambda: raw_read(work / "raw" / "f")))
-        record("raw read (page cache)", timed(lambda: raw_read(work / "raw" / "f")))
-        record("memory copy of the state", timed(lambda: [copies[k].copy_(v) for k, v in state.items()]))
+    counter = iter(range(1, 1 << 30))
 
-        d = fresh("torch_save")
-        record("torch.save + fsync", with_mem("torch.save + fsync", lambda d=d: (torch.save(state, d / "s.pt"), fsync_path(d / "s.pt"))))
-        d = fresh("save_file")
-        record("safetensors save_file + fsync", with_mem("safetensors save_file + fsync",
-                                                        lambda d=d: (save_file(state, str(d / "s.st")), fsync_path(d / "s.st"))))
-        d = fresh("dcp")
-        record("DCP save", with_mem("DCP save", lambda d=d: dcp.save({"m": state}, checkpoint_id=str(d))))
+    def ours(strategy: str | None) -> Callable[[], None]:
+        def run() -> None:
+            if strategy:
+                os.environ[calibrate.ENV] = strategy
+            else:
+                os.environ.pop(calibrate.ENV, None)
+            shutil.rmtree(work / "ours", ignore_errors=True)
+            name = OURS if strategy is None else f"slurmresume save, writer={strategy}"
+            try:
+                record(name, with_mem(name, lambda: ck.save(next(counter), {"m": Holder(state)})))
+            finally:
+                os.environ.pop(calibrate.ENV, None)
+        return run
+
+    def dcp_async() -> None:
         d = fresh("dcp_async")
         t0 = time.perf_counter()
         fut = dcp.async_save({"m": state}, checkpoint_id=str(d))
@@ -181,44 +203,90 @@ def bench_size(gib: float, dtype: torch.dtype, repeats: int, work: Path) -> dict
         fut.result()
         record("DCP async_save total", time.perf_counter() - t0)
 
-        shutil.rmtree(work / "ours", ignore_errors=True)
-        record("slurmresume save (durable commit)", with_mem("slurmresume save (durable commit)",
-                                                             lambda rep=rep: ck.save(rep + 1, {"m": Holder(state)})))
+    def ours_async() -> None:
         shutil.rmtree(work / "ours_async", ignore_errors=True)
-        for attempt in range(2 if not warm_async else 1):  # first call allocates the snapshot buffers
-            t0 = time.perf_counter()
-            reset_hwm()
-            base = rss()
-            ack.save_async(rep * 10 + attempt + 1, {"m": Holder(state)})
-            blocking = time.perf_counter() - t0
-            ack.wait()
-            total = time.perf_counter() - t0
-            # the first call's peak includes allocating the reused snapshot buffers (one copy)
-            memory["slurmresume async (with buffers)"] = max(memory.get("slurmresume async (with buffers)", 0),
-                                                              hwm() - base)
-            if attempt == 0 and not warm_async:
-                record("slurmresume async blocking (first call)", blocking)
-                warm_async = True
-                continue
-            record("slurmresume async blocking", blocking)
-            record("slurmresume async total", total)
+        t0 = time.perf_counter()
+        reset_hwm()
+        base = rss()
+        ack.save_async(next(counter), {"m": Holder(state)})
+        blocking = time.perf_counter() - t0
+        ack.wait()
+        total = time.perf_counter() - t0
+        memory["slurmresume async (with buffers)"] = max(memory.get("slurmresume async (with buffers)", 0), hwm() - base)
+        record("slurmresume async blocking", blocking)
+        record("slurmresume async total", total)
+
+    def raw_reads() -> None:
+        raw_write(fresh("raw") / "f", nbytes, True)
+        cold = drop_caches()
+        record("raw read (cold)" if cold else "raw read", timed(lambda: raw_read(work / "raw" / "f")))
+        record("raw read (page cache)", timed(lambda: raw_read(work / "raw" / "f")))
+
+    def restore() -> None:
+        if not (work / "ours").is_dir():
+            ours(None)()
         for v in copies.values():
             v.zero_()
         target = Holder(copies)  # reuse the copy buffers: a 4 GiB run must fit in 24 GiB
 
-        def restore(target: Holder = target) -> None:
+        def load() -> None:
             slurmresume.Checkpointer(work / "ours", handle_signals=False).restore({"m": target})
 
         cold = drop_caches()
-        record("slurmresume restore (cold)" if cold else "slurmresume restore", timed(restore))
-        record("slurmresume restore (page cache)", timed(restore))
+        record("slurmresume restore (cold)" if cold else "slurmresume restore", timed(load))
+        record("slurmresume restore (page cache)", timed(load))
         assert all(torch.equal(target.tensors[k], state[k]) for k in list(state)[:3])
-    del dcp_stager
+
+    methods: list[Callable[[], None]] = [
+        lambda: record("raw O_DIRECT write+fsync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, True))),
+        lambda: record("raw buffered write+fdatasync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, False))),
+        lambda: record("memory copy of the state", timed(lambda: [copies[k].copy_(v) for k, v in state.items()])),
+        lambda: record("torch.save + fsync", with_mem("torch.save + fsync", lambda: (
+            torch.save(state, fresh("torch_save") / "s.pt"), fsync_path(work / "torch_save" / "s.pt")))),
+        lambda: record("safetensors save_file + fsync", with_mem("safetensors save_file + fsync", lambda: (
+            save_file(state, str(fresh("save_file") / "s.st")), fsync_path(work / "save_file" / "s.st")))),
+        lambda: record("DCP save", with_mem("DCP save", lambda: dcp.save({"m": state}, checkpoint_id=str(fresh("dcp"))))),
+        dcp_async,
+        ours(None),
+        *(ours(s) for s in writer.STRATEGIES),
+        ours_async,
+        raw_reads,
+    ]
+    ours_async()  # the first async call allocates the reused snapshot buffers: not timed
+    ours(None)()  # and the first sync save pays one-time costs (imports, staging buffers): not timed
+    results.clear()
+    memory.clear()
+    for r in range(rounds):
+        k = r % len(methods)
+        for m in methods[k:] + methods[:k]:
+            drop_caches()
+            m()
+        restore()
+        print(f"  {gib} GiB round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
     ack.close()
     ck.close()
+    for name in ("raw", "torch_save", "save_file", "dcp", "dcp_async", "ours", "ours_async"):
+        shutil.rmtree(work / name, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in results.items()}
-    return {"gib": gib, "bytes": nbytes, "largest_tensor_bytes": largest, "dtype": str(dtype), "seconds": med,
-            "all": results, "peak_extra_bytes": memory}
+    return {"gib": gib, "bytes": nbytes, "largest_tensor_bytes": largest, "dtype": str(dtype), "rounds": rounds,
+            "seconds": med, "all": results, "peak_extra_bytes": memory, "calibration": calibration}
+
+
+def spread(values: list[float]) -> tuple[float, float, float, float]:
+    """(median, min, max, IQR) of the rounds."""
+    q = statistics.quantiles(values, n=4) if len(values) >= 2 else [values[0]] * 3
+    return statistics.median(values), min(values), max(values), q[2] - q[0]
+
+
+def ratio_to_best_peer(r: dict, name: str = OURS) -> dict:
+    """Per round: the best peer's seconds (best by median) / ours, so > 1 means we are faster.
+    Median and min-max of those round-to-round ratios; `straddles` when min < 1 < max."""
+    peers = {k: statistics.median(r["all"][k]) for k in PEERS if k in r["all"]}
+    best = min(peers, key=peers.__getitem__)
+    per_round = [p / o for p, o in zip(r["all"][best], r["all"][name], strict=False)]
+    return {"best_peer": best, "ratios": per_round, "median": statistics.median(per_round), "min": min(per_round),
+            "max": max(per_round), "straddles": min(per_round) < 1.0 < max(per_round),
+            "median_of_ours_le_best_peer": statistics.median(r["all"][name]) <= peers[best]}
 
 
 def bench_scan(work: Path, n: int = 10_000) -> dict:
@@ -289,36 +357,56 @@ def _agree_worker(rank: int, port: int, iters: int, q) -> None:  # noqa: ANN001
     dist.destroy_process_group()
 
 
-def report(sizes: list[dict], scan: dict, agree: dict) -> None:
+def report(sizes: list[dict], scan: dict | None, agree: dict | None) -> None:
     for r in sizes:
         s = r["seconds"]
         gb = r["bytes"] / 1e9
         best_raw = min(v for k, v in s.items() if k.startswith("raw") and "write" in k)
-        peers = {k: v for k, v in s.items() if k in ("torch.save + fsync", "safetensors save_file + fsync", "DCP save",
-                                                    "DCP async_save total")}
-        best_peer = min(peers.values())
+        best_peer = min(v for k, v in s.items() if k in PEERS)
+        cal = r["calibration"]
         print(f"\n## {r['gib']} GiB state ({r['dtype']}, {r['bytes'] / GiB:.2f} GiB, largest tensor "
-              f"{r['largest_tensor_bytes'] / 2**20:.0f} MiB)")
-        print(f"| {'method':40s} | {'s':>7s} | {'GB/s':>6s} | {'vs raw':>6s} | {'vs best peer':>12s} | {'peak extra MiB':>14s} |")
-        print(f"|{'-' * 42}|{'-' * 9}|{'-' * 8}|{'-' * 8}|{'-' * 14}|{'-' * 16}|")
-        for k, v in s.items():
+              f"{r['largest_tensor_bytes'] / 2**20:.0f} MiB), {r['rounds']} interleaved rounds, page cache dropped "
+              "before each method")
+        rates = ", ".join(f"{k} {v:.2f}" for k, v in ((cal.get("entry") or {}).get("gbps") or {}).items())
+        print(f"write-path calibration: chose {cal['choice']} in {cal['seconds']:.2f} s (GB/s: {rates})")
+        print(f"| {'method':40s} | {'median s':>8s} | {'min-max s':>13s} | {'IQR s':>6s} | {'GB/s':>5s} | "
+              f"{'raw/it':>6s} | {'peer/it':>7s} | {'peak extra MiB':>14s} |")
+        print(f"|{'-' * 42}|{'-' * 10}|{'-' * 15}|{'-' * 8}|{'-' * 7}|{'-' * 8}|{'-' * 9}|{'-' * 16}|")
+        for k in sorted(s, key=lambda k: (k.startswith("slurmresume"), k not in PEERS, s[k])):
+            med, lo, hi, iqr = spread(r["all"][k])
             mem = r["peak_extra_bytes"].get(k)
-            print(f"| {k:40s} | {v:7.3f} | {gb / v:6.2f} | {best_raw / v:6.2f} | {best_peer / v:12.2f} | "
-                  f"{(mem / 2**20 if mem is not None else float('nan')):14.0f} |")
-    print(f"\nfind_latest among {scan['directories']} step directories (warm): {scan['find_latest_warm_s'] * 1e3:.1f} ms")
-    print(f"per-step preemption agreement, 2 gloo ranks (pipelined, as used): {agree['per_step_us']:.0f} us "
-          f"= {agree['percent_of_50ms_step']:.3f}% of a 50 ms step; a blocking all-reduce would cost "
-          f"{agree['blocking_allreduce_us']:.0f} us")
+            print(f"| {k:40s} | {med:8.3f} | {lo:6.2f}-{hi:6.2f} | {iqr:6.3f} | {gb / med:5.2f} | {best_raw / med:6.2f} | "
+                  f"{best_peer / med:7.2f} | {(mem / 2**20 if mem is not None else float('nan')):14.0f} |")
+        for name in [OURS] + [k for k in s if k.startswith("slurmresume save, writer=")]:
+            q = ratio_to_best_peer(r, name)
+            note = ("  THE SPREAD STRADDLES 1.0: not a clear win or loss" if q["straddles"] else "")
+            print(f"{name}: best peer ({q['best_peer']}) / ours per round: median {q['median']:.2f}x, "
+                  f"min-max {q['min']:.2f}-{q['max']:.2f}x; median ours <= median best peer: "
+                  f"{q['median_of_ours_le_best_peer']}{note}")
+    if scan:
+        print(f"\nfind_latest among {scan['directories']} step directories (warm): {scan['find_latest_warm_s'] * 1e3:.1f} ms")
+    if agree:
+        print(f"per-step preemption agreement, 2 gloo ranks (pipelined, as used): {agree['per_step_us']:.0f} us "
+              f"= {agree['percent_of_50ms_step']:.3f}% of a 50 ms step; a blocking all-reduce would cost "
+              f"{agree['blocking_allreduce_us']:.0f} us")
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default in --help."""
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     ap.add_argument("--sizes", default="1", help="GiB, comma separated (e.g. 1,4)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="benchmark directory (default: a temp dir under /tmp)")
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="state dtype")
+    ap.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=5,
+                    help="interleaved rounds, at least 5 for a spread worth reading")
+    ap.add_argument("--quick", action="store_true", help="skip the directory scan and the agreement benchmark")
+    ap.add_argument("--dir", default=None, help="benchmark directory; none: a temp dir under /tmp")
+    ap.add_argument("--json-out", default=None, help="also write every figure there as JSON")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1 (5 or more for a spread worth reading)")
     work = Path(args.dir or tempfile.mkdtemp(prefix="slurmresume-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     import torch.distributed as dist
@@ -330,18 +418,22 @@ def main() -> None:
 
     sizes = []
     for s in args.sizes.split(","):
-        sizes.append(bench_size(float(s), getattr(torch, args.dtype), args.repeats, work))
+        sizes.append(bench_size(float(s), getattr(torch, args.dtype), args.rounds, work))
         gc.collect()
-    scan = bench_scan(work)
+    scan = None if args.quick else bench_scan(work)
     dist.destroy_process_group()
-    agree = bench_agreement()
+    agree = None if args.quick else bench_agreement()
+    for r in sizes:
+        r["ratio_to_best_peer"] = {k: ratio_to_best_peer(r, k) for k in r["all"]
+                                   if k == OURS or k.startswith("slurmresume save, writer=")}
     report(sizes, scan, agree)
-    data = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
+    data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
             "sizes": sizes, "scan": scan, "agreement": agree}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(data, indent=2))
-    print(json.dumps({"sizes": [{"gib": r["gib"], "seconds": r["seconds"], "peak_extra_bytes": r["peak_extra_bytes"]}
-                                for r in sizes], "scan": scan, "agreement": agree}))
+    print(json.dumps({"sizes": [{"gib": r["gib"], "seconds": r["seconds"], "ratio_to_best_peer": {
+        k: {x: v for x, v in q.items() if x != "ratios"} for k, q in r["ratio_to_best_peer"].items()}}
+        for r in sizes]}))
     shutil.rmtree(work, ignore_errors=True) if not args.dir else None
 
 

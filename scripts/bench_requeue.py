@@ -1,5 +1,6 @@
-"""Seconds from warning to commit, commit to requeue, requeue to the first resumed step, on the
-real cluster (`bash scripts/cluster.sh up` first). Usage: python scripts/bench_requeue.py [N]
+"""Where the seconds of a preemption go, phase by phase (warning -> agreement -> commit ->
+requeue -> Slurm restarts the launcher -> torchrun + restore), on the real cluster
+(`bash scripts/cluster.sh up` first). Usage: python scripts/bench_requeue.py [N]
 
 Submits tests/helpers/sig_train.py (2 ranks), sends `scancel --signal=USR1` N times (default 3),
 and reads the times from the event log. Prints a table and JSON; medians over the N preemptions.
@@ -33,6 +34,34 @@ def wait(pred, timeout: float = 300) -> None:
     raise SystemExit("timed out")
 
 
+# Each phase ends at the first event of its kind after the previous phase's end (per preemption).
+PHASES = (
+    ("warning -> ranks agree on a step", "signal_agreed", None),
+    ("agreed -> commit marker durable (the save)", "save_committed", "preempt"),
+    ("commit -> scontrol requeue", "requeued", None),
+    ("requeue -> launcher started (Slurm)", "started", None),
+    ("launcher started -> restored (torchrun, imports, restore)", "restored", None),
+)
+
+
+def phases(ev: list[dict], sent: list[float]) -> dict[str, list[float]]:
+    """Seconds of each phase of each preemption, from the event log's times."""
+    out: dict[str, list[float]] = {name: [] for name, _, _ in PHASES}
+    out["warning -> training resumed (total)"] = []
+    for t0 in sent:
+        t = t0
+        for name, event, reason in PHASES:
+            nxt = next((e["time"] for e in ev if e["event"] == event and e["time"] >= t
+                        and (reason is None or e.get("reason") == reason)), None)
+            if nxt is None:
+                break
+            out[name].append(nxt - t)
+            t = nxt
+        else:
+            out["warning -> training resumed (total)"].append(t - t0)
+    return out
+
+
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     root = Path(tempfile.mkdtemp(prefix="bench-requeue-")) / "run"
@@ -49,17 +78,11 @@ def main() -> None:
         subprocess.run(["scancel", "--signal=USR1", job], check=True)
         wait(lambda k=k: sum(e["event"] == "restored" for e in events(root)) >= k + 1)
     ev = events(root)
-    commits = [e["time"] for e in ev if e["event"] == "save_committed" and e.get("reason") == "preempt"]
-    requeues = [e["time"] for e in ev if e["event"] == "requeued"]
-    restored = [e["time"] for e in ev if e["event"] == "restored"]
-    rows = {
-        "signal to commit": [c - s for s, c in zip(sent, commits)],
-        "commit to requeue": [r - c for c, r in zip(commits, requeues)],
-        "requeue to first resumed step": [r - q for q, r in zip(requeues, restored)],
-    }
+    rows = phases(ev, sent)
     print(f"job {job}, {n} preemptions, 2 gloo ranks, medians (min-max) in seconds")
     for name, vals in rows.items():
-        print(f"  {name:32s} {statistics.median(vals):7.2f}  ({min(vals):.2f}-{max(vals):.2f})")
+        if vals:
+            print(f"  {name:58s} {statistics.median(vals):7.2f}  ({min(vals):.2f}-{max(vals):.2f})")
     print(json.dumps({k: [round(v, 3) for v in vals] for k, vals in rows.items()}))
     subprocess.run(["scancel", job])
 

@@ -119,6 +119,32 @@ def headline_view(st: Status) -> list[Text]:
     return [first, Text(second), third]
 
 
+def lead_line(st: Status) -> Text | None:
+    """The --signal-lead against the predicted emergency save, with the margin left."""
+    lr = st.lead
+    if lr is None or lr.predicted_save_s is None:
+        return None
+    amount = f" of {size(lr.predicted_bytes)}" if lr.predicted_bytes else ""
+    text = f"lead: predicted emergency save{amount} {lr.predicted_save_s:.1f} s, needs --signal-lead >= {lr.required_s:.0f} s"
+    if lr.lead_s is None:
+        return Text(text + " (the lead in force is not logged: submit logs it)", style="dim")
+    ok = (lr.margin_s or 0) >= 0
+    return Text(f"{text}; --signal-lead {lr.lead_s} s: margin {lr.margin_s:+.0f} s", style="" if ok else "yellow")
+
+
+def writer_line(st: Status) -> Text | None:
+    w = st.writer
+    if not w:
+        return None
+    text = "write path: " + (f"last save {w['last_save']}" if w.get("last_save") else "no save logged")
+    if w.get("strategy"):
+        rates = ", ".join(f"{k} {v:.2f}" for k, v in (w.get("gbps") or {}).items())
+        text += f"; {w.get('source')} here: {w['strategy']}" + (f" (GB/s: {rates})" if rates else "")
+        if w.get("stale"):
+            text += ", stale: re-measured at the next large save"
+    return Text(text, style="dim")
+
+
 def status_view(st: Status, limit: int = 20, height: int | None = None) -> RenderableType:
     """The whole status screen as one renderable (also what `--watch` refreshes): the headline,
     problems, the checkpoints, then the save interval and the history. With `height` (watch),
@@ -133,6 +159,7 @@ def status_view(st: Status, limit: int = 20, height: int | None = None) -> Rende
     if st.slurm.get("note") and (st.job.job_id or not st.slurm.get("available")):
         notes.append(Text(st.slurm["note"], style="dim"))
     parts += notes
+    parts += [line for line in (lead_line(st), writer_line(st)) if line is not None]
     if height is not None:  # one line each, so that the budget below holds
         for part in parts:
             if isinstance(part, Text):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import rng
+from .checkpoint import calibrate as _calibrate
 from .checkpoint import commit as _commit
 from .checkpoint.collective import Group, LaggedMax
 from .checkpoint.jsonenc import encode, loads
@@ -351,7 +352,9 @@ class Checkpointer:
             digests = tensor_digests(tensors, skeleton.get("dtensors"))
             replicated = replicated_names(self.group.all_gather_json(digests))
         into = decision["dir"]  # this save's private directory; the commit publishes it as step_N
-        report = _commit.write_rank(self.root, step, self.group, skeleton, tensors, replicated, into=into)
+        # an emergency save never spends its lead on measuring write paths (calibrate.choose)
+        with _calibrate.emergency() if reason in EMERGENCY_REASONS else contextlib.nullcontext():
+            report = _commit.write_rank(self.root, step, self.group, skeleton, tensors, replicated, into=into)
         reports = self.group.all_gather_json(report)
         outcome = _commit.commit(self.root, step, reports, *enc, into=into,
                                  replace=bool(decision.get("replace"))) if self.rank == 0 else None
@@ -364,7 +367,9 @@ class Checkpointer:
                 self._event("save_committed", step=step, seconds=round(seconds, 4), reason=reason,
                             world_size=self.group.world_size, run_id=os.environ.get("SLURMRESUME_RUN_ID"),
                             blocking_s=None if self._blocking_s is None else round(self._blocking_s, 4),
-                            interval_s=self._sched.interval_s)
+                            interval_s=self._sched.interval_s,
+                            bytes=sum(int(r.get("bytes") or 0) for r in reports),  # for leadtime.predict_save
+                            writer=report.get("writer"))
             else:
                 self._event("save_failed", step=step, error=outcome.get("error"), reason=reason)
         _commit.raise_if_failed(outcome)

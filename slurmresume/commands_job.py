@@ -65,6 +65,25 @@ def _stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def _warn_lead(root: Path, lead: int) -> None:
+    """One line on stderr when --signal-lead is shorter than the measured saves under `root` need
+    (leadtime.required_lead); a warning, not a refusal: the prediction may be stale."""
+    from .doctor import last_checkpoint_bytes
+    from .events import read_events
+    from .leadtime import lead_report, lead_warning
+    from .policy import estimate_from_events
+
+    if not root.is_dir():
+        return
+    events = read_events(root)
+    if not events:
+        return
+    rep = lead_report(events, lead, estimate_from_events(events).step_s, last_checkpoint_bytes(root) or None)
+    line = lead_warning(rep)
+    if line:
+        typer.echo(f"warning: {line}", err=True)
+
+
 ScriptArg = Annotated[Path, typer.Argument(help="Training script run by torchrun on every node.",
                                            show_default=False)]
 ArgsArg = Annotated[list[str] | None, typer.Argument(help="Arguments for the script (put them after --).",
@@ -137,6 +156,7 @@ def submit(
                                                      discard_newer=discard_newer))
     elif branch is not None or discard_newer:
         raise ConfigError("--branch and --discard-newer only make sense with --resume-from STEP")
+    _warn_lead(spec.ckpt_dir, spec.signal_lead)
     if not dry_run:
         from .doctor import last_checkpoint_bytes, preflight_root
 
@@ -158,7 +178,7 @@ def submit(
         from .events import append_event
 
         append_event(spec.ckpt_dir, "submitted", job=sub.job_id, job_id=sub.job_id, script=str(spec.script), nodes=spec.nodes,
-                     procs=spec.procs, log_dir=str(sub.log_dir))
+                     procs=spec.procs, signal_lead=spec.signal_lead, log_dir=str(sub.log_dir))
     if json_out:
         print_json({"job_id": sub.job_id or None, "log_dir": str(sub.log_dir), "sbatch_script": sub.sbatch_script,
                     "torchrun": sub.torchrun, "ckpt_dir": str(spec.ckpt_dir), "dry_run": dry_run})

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .checkpoint.fsio import fs_type
 from .errors import ConfigError, SlurmError
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -194,8 +195,10 @@ def check_lead(lead: int, saves: list[float], step_s: float | None) -> Check:
     if not saves:
         return Check("--signal-lead", OK, f"{lead} s; no save measured under this root yet (run one, then "
                                           "doctor again)")
+    from .leadtime import required_lead
+
     slow = max(saves)
-    need = 2 * slow + (step_s or 0) + 10
+    need = required_lead(slow, step_s)
     what = f"{lead} s vs slowest of the last {len(saves)} saves {slow:.1f} s"
     if lead < slow + (step_s or 0):
         return Check("--signal-lead", FAIL, what + ": the job is killed before the save commits",
@@ -243,19 +246,6 @@ def _walk(node: ast.AST, in_loop: bool, calls: dict[str, list[bool]]) -> None:
             calls.setdefault(name, []).append(loop)
     for child in ast.iter_child_nodes(node):
         _walk(child, loop, calls)
-
-
-def fs_type(path: Path, mounts: str) -> tuple[str, str]:
-    """(filesystem type, mount point) of `path` from /proc/mounts text: the longest prefix."""
-    best = ("unknown", "")
-    real = str(path.resolve())
-    for line in mounts.splitlines():
-        f = line.split()
-        if len(f) >= 3:
-            mnt = f[1].replace("\\040", " ")
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
-                best = (f[2], mnt)
-    return best
 
 
 def check_filesystem(path: Path, mounts: str) -> Check:

@@ -34,6 +34,11 @@
                    runtime_s, interruptions: int (unwarned: failed or killed runs),
                    failures_per_hour, mtbf_s, expected_loss: {interval_s, saves (C/T),
                    failures (T/(2*MTBF), null without an observed failure), total} or null}
+    lead          {lead_s (the --signal-lead submit logged), predicted_save_s, predicted_bytes, basis:
+                   "rate"|"seconds", required_s (2 x save + a step + 10 s), margin_s (lead - required),
+                   step_s, late: [{step, seconds, lead_s, time}] emergency saves slower than the lead}
+    writer        null, or {last_save (the strategy the newest save used), strategy (calibrated for
+                   this root's file system), source, key, measured_at, gbps: {strategy: GB/s}, stale}
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from .checkpoint.store import (
 from .errors import ConfigError, SlurmError
 from .events import read_events
 from .health import Headline, judge
+from .leadtime import LeadReport, late_warning, lead_report, lead_warning
 from .policy import IntervalSummary, interval_summary
 from .retention import best_record, metric_names, metric_value, record_from_info
 from .slurm import parse_sacct, parse_squeue
@@ -125,6 +131,8 @@ class Status:
     verdict: Headline | None = None
     ranks: dict[str, Any] | None = None
     last_hang: dict[str, Any] | None = None
+    lead: LeadReport | None = None
+    writer: dict[str, Any] | None = None
 
     @property
     def health(self) -> str:
@@ -188,6 +196,8 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
     if hangs:
         status.last_hang = {**{k: v for k, v in hangs[-1].items() if k not in ("event", "pid", "job_id")},
                             "hangs": len(hangs)}
+    status.lead = _lead(events, rows)
+    status.writer = writer_summary(root, events)
     _judge(status, root, events)
     iv = status.interval or interval_summary(events)
     status.verdict = judge(events, rows, slurm_state=job.state, job_id=job.job_id, interval_s=iv.current_s,
@@ -226,6 +236,26 @@ def rank_view(root: Path, now: float) -> dict[str, Any] | None:
     return {"job_key": key, "time": max(float(d.get("time") or 0) for d in nodes),
             "budgets": nodes[0].get("budgets"), "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0]))),
             "stragglers": stragglers(medians, samples), "straggler_margin": STRAGGLER_MARGIN}
+
+
+def _lead(events: list[dict[str, Any]], rows: list[CheckpointRow]) -> LeadReport:
+    from .policy import estimate_from_events
+
+    newest = next((r for r in rows if r.newest), None)
+    step_s = estimate_from_events(events).step_s if events else None
+    return lead_report(events, step_s=step_s, size_now=newest.bytes if newest is not None and newest.bytes else None)
+
+
+def writer_summary(root: Path, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The write path chosen for this root's file system (the calibration cache) and the one the
+    newest save used (event log); None when neither is known."""
+    from .checkpoint.calibrate import cached_choice
+
+    last = next((e for e in reversed(events) if e.get("event") == "save_committed" and e.get("writer")), None)
+    cached = cached_choice(root)
+    if last is None and cached is None:
+        return None
+    return {"last_save": last.get("writer") if last else None, **(cached or {})}
 
 
 def _logged_job_id(events: list[dict[str, Any]]) -> str | None:
@@ -342,6 +372,11 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
     saves = [e for e in events if e["event"] in ("save_committed", "save_failed")]
     if saves and saves[-1]["event"] == "save_failed":
         w.append(f"the last save failed: {saves[-1].get('error')}")
+    if status.lead is not None:
+        w.extend(late_warning(late) for late in status.lead.late)
+        short = lead_warning(status.lead)
+        if short:
+            w.append(short)
     w.extend(root_warnings(root))
 
 

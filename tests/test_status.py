@@ -19,7 +19,8 @@ from slurmresume.events import append_event
 from slurmresume.status import SLURM_NOT_FOUND, compute_status, run_slurm, verify_checkpoints
 
 SCHEMA_KEYS = {"schema", "verdict", "root", "now", "health", "problems", "warnings", "slurm", "job", "requeues",
-               "event_counts", "history", "checkpoints", "newest_complete", "best", "ranks", "last_hang"}
+               "event_counts", "history", "checkpoints", "newest_complete", "best", "ranks", "last_hang",
+               "lead", "writer"}
 ROW_KEYS = {"step", "name", "path", "state", "created", "age_seconds", "bytes", "shards", "verified",
             "metrics", "newest", "best", "problem"}
 JOB_KEYS = {"job_id", "state", "reason", "elapsed", "exit_code", "source", "runs"}

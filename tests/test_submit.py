@@ -67,7 +67,7 @@ def test_submit_builds_the_sbatch_call(tmp_path: Path) -> None:
     called = log.read_text()
     assert called.splitlines()[0].endswith(".sh") and "#SBATCH --signal=USR1@120" in called and "#SBATCH --requeue" in called
     events = [json.loads(x) for x in (tmp_path / "ck" / "events.jsonl").read_text().splitlines()]
-    assert events[-1]["event"] == "submitted" and events[-1]["job"] == "4242"
+    assert events[-1]["event"] == "submitted" and events[-1]["job"] == "4242" and events[-1]["signal_lead"] == 120
 
 
 def test_defaults_from_pyproject_cli_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -128,6 +128,15 @@ def write_all(fd: int, data: memoryview | bytes, label: str, path: str | os.Path
         view = view[n:]
 
 
+def pwrite_all(fd: int, data: memoryview | bytes, offset: int, label: str, path: str | os.PathLike[str] = "") -> None:
+    """`write_all` at a file offset (several writer threads on one file): the same fault point."""
+    _point(f"write.{label}", path)
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 def note_failure(exc: BaseException, path: str | os.PathLike[str], needed: int | None = None) -> None:
     """Attach to a failed write's OSError which file it was writing and how many bytes that
     file needs, so that the error message can name both (ENOSPC: "... bytes needed")."""
@@ -166,6 +175,19 @@ def write_durable(path: Path, data: bytes, label: str, mode: int = 0o644) -> Non
     except BaseException as exc:
         note_failure(exc, path.parent)
         raise
+
+
+def fs_type(path: Path, mounts: str) -> tuple[str, str]:
+    """(filesystem type, mount point) of `path` from /proc/mounts text: the longest prefix."""
+    best = ("unknown", "")
+    real = str(path.resolve())
+    for line in mounts.splitlines():
+        f = line.split()
+        if len(f) >= 3:
+            mnt = f[1].replace("\\040", " ")
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
+                best = (f[2], mnt)
+    return best
 
 
 def makedirs(path: Path, mode: int = 0o755) -> None:

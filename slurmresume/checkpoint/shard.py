@@ -62,6 +62,7 @@ class WrittenShard:
     xxh3: str
     tensors: dict[str, dict[str, Any]]  # name -> {dtype, shape, xxh3: [block digests]}
     header_xxh3: str = ""
+    writer: str = ""  # the write path used (writer.STRATEGIES)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
     tmp = directory / f".{file}.tmp.{os.getpid()}"
     needed = len(header) + sum(t.numel() * t.element_size() for _, t in tensors)
     try:
-        sink = ShardSink(tmp)
+        sink = ShardSink(tmp, size_hint=needed)
     except BaseException as exc:
         fsio.note_failure(exc, final, needed)
         raise
@@ -145,8 +146,8 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         sink.feed(header)
         for name, t in tensors:
             data = tensor_bytes(_contiguous_cpu(t))
+            sink.feed(data)  # first: the writer thread starts on it while this thread hashes blocks
             index[name]["xxh3"] = block_digests(data)
-            sink.feed(data)
         digest = sink.finish()
     except BaseException as exc:
         sink.abort()
@@ -160,7 +161,7 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         fsio.note_failure(exc, final, needed)
         raise
     return WrittenShard(file=file, bytes=sink.total, xxh3=digest, tensors=index,
-                        header_xxh3=xxhash.xxh3_64_hexdigest(header))
+                        header_xxh3=xxhash.xxh3_64_hexdigest(header), writer=sink.strategy)
 
 
 def _contiguous_cpu(t: Any) -> Any:

@@ -1,20 +1,35 @@
-"""How a shard's bytes reach the disk: large aligned O_DIRECT writes from a reused staging buffer,
-double-buffered so that copying + hashing one chunk overlaps writing the previous one.
+"""How a shard's bytes reach the disk: one of several write paths, chosen per file system by
+measurement (`calibrate.choose`), each ending in an fsync before the caller renames the file.
 
-Measured on these machines (perf-facts.md, scripts/bench.py): page-cache writeback is the
-bottleneck for buffered writes + fsync (0.2-1.2 GB/s), while O_DIRECT with 32-64 MiB aligned
-buffers reaches 1.4-2 GB/s. The staging buffers (2 x CHUNK) are allocated once per thread and
-reused, so a save's extra memory is about the largest tensor that needs a contiguous copy plus
-2 x CHUNK. Where O_DIRECT is refused (some file systems), the writer falls back to plain writes
-straight from tensor memory.
+No single path wins on these machines from hour to hour (perf-facts.md, "the disk changes which
+path wins"): O_DIRECT with large aligned buffers was 2-4x ahead of buffered writes one day and
+behind them the next. So the writer offers:
+
+  direct       O_DIRECT from 2 reused 32 MiB staging buffers: copying + hashing one chunk
+               overlaps writing the previous one (one write in flight)
+  direct-par   O_DIRECT from 4 reused 16 MiB buffers written by 4 threads with pwrite (up to
+               four writes in flight, for devices that need queue depth); same 64 MiB of staging
+  buffered-wb  plain writes straight from tensor memory, with early writeback: each written
+               32 MiB range is handed to the kernel at once (sync_file_range WRITE) and the
+               range before it waited for, so the final fsync finds little left dirty
+  buffered     plain writes from tensor memory, then fsync (what most peers do)
+The buffered paths write from a thread while the caller hashes, so that the copy into the page
+cache and the checksums use both cores.
+
+Every path writes the same bytes, hashes them with xxh3 in order, and `finish()` fsyncs.
+Staging buffers are allocated once per thread and reused. Where O_DIRECT is refused (some file
+systems), a direct path falls back to `buffered`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -24,45 +39,96 @@ from . import fsio
 
 CHUNK = 32 << 20
 ALIGN = 4096
+STRATEGIES = ("direct", "direct-par", "buffered-wb", "buffered")
+# strategy -> (staging buffers, bytes each, writer threads); buffered paths stage nothing
+_DIRECT = {"direct": (2, CHUNK, 1), "direct-par": (4, CHUNK // 2, 4)}
+QUEUED = 4  # buffered paths: views of the caller's memory waiting for the writer thread
 _local = threading.local()
 
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 
-def _staging() -> tuple[np.ndarray, np.ndarray]:
-    bufs = getattr(_local, "bufs", None)
+
+def _libc_sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # ctypes releases the GIL
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+def _staging(count: int, size: int) -> tuple[np.ndarray, ...]:
+    pools: dict[tuple[int, int], tuple[np.ndarray, ...]] = getattr(_local, "pools", None) or {}
+    bufs = pools.get((count, size))
     if bufs is None:
         # mmap'ed memory is page-aligned, as O_DIRECT requires; touching it once up front
         # avoids first-touch page faults during the first save.
-        bufs = tuple(np.frombuffer(mmap.mmap(-1, CHUNK), dtype=np.uint8) for _ in range(2))
+        bufs = tuple(np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8) for _ in range(count))
         for b in bufs:
             b[::4096] = 0
-        _local.bufs = bufs
+        pools[(count, size)] = bufs
+        _local.pools = pools
     return bufs
 
 
-class ShardSink:
-    """Writes a byte stream to `fd` durably; `feed()` chunks, `finish()` fsyncs. Hashes with xxh3."""
+def release_staging(keep: str | None = None) -> None:
+    """Drop this thread's staging buffers except those of `keep` (after a calibration)."""
+    pools = getattr(_local, "pools", None) or {}
+    wanted = _DIRECT.get(keep or "")
+    _local.pools = {k: v for k, v in pools.items() if wanted is not None and k == wanted[:2]}
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+
+class ShardSink:
+    """Writes a byte stream durably: `feed()` chunks, `finish()` fsyncs and returns the xxh3
+    digest. `strategy` (one of STRATEGIES) defaults to the choice for this file system
+    (`calibrate.choose`; `size_hint` bytes of a large shard allow a first calibration there)."""
+
+    def __init__(self, path: str | os.PathLike[str], strategy: str | None = None, size_hint: int = 0) -> None:
         self.path = path
         self.hasher = xxhash.xxh3_64()
         self.total = 0
+        self.source = "given"
+        if strategy is None:
+            from .calibrate import choose
+
+            strategy, self.source = choose(os.path.dirname(os.path.abspath(path)), size_hint)
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown write strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-        self.direct = hasattr(os, "O_DIRECT") and os.environ.get("SLURMRESUME_NO_ODIRECT") != "1"
         fd = -1
-        if self.direct:
+        if strategy in _DIRECT and hasattr(os, "O_DIRECT"):
             try:
                 fd = os.open(path, flags | os.O_DIRECT, 0o644)
             except OSError:
-                self.direct = False
+                strategy = "buffered"
+        elif strategy in _DIRECT:
+            strategy = "buffered"
+        self.strategy = strategy
+        self.direct = strategy in _DIRECT
         self.fd = fd if fd >= 0 else os.open(path, flags, 0o644)
+        self.started = time.perf_counter()
+        self.seconds = 0.0
+        self.kicked = self.waited = 0  # buffered-wb: bytes handed to writeback / known written
+        self.error: BaseException | None = None
         if self.direct:
-            self.bufs = _staging()
-            self.cur, self.fill = 0, 0
-            self.q: queue.Queue[tuple[int, int] | None] = queue.Queue(maxsize=1)
-            self.free = [threading.Semaphore(1), threading.Semaphore(1)]
-            self.error: BaseException | None = None
-            self.thread = threading.Thread(target=self._writer, name="slurmresume-shard-writer", daemon=True)
-            self.thread.start()
+            count, self.size, threads = _DIRECT[strategy]
+            self.bufs = _staging(count, self.size)
+            self.cur, self.fill, self.offset = 0, 0, 0
+            self.q: queue.Queue[Any] = queue.Queue(maxsize=count)
+            self.free = [threading.Semaphore(1) for _ in range(count)]
+            target = self._writer
+        else:
+            # the caller hashes while this thread copies into the page cache: two cores at work
+            self.q = queue.Queue(maxsize=QUEUED)
+            target, threads = self._buffered_writer, 1
+        self.threads = [threading.Thread(target=target, name="slurmresume-shard-writer", daemon=True)
+                        for _ in range(threads)]
+        for t in self.threads:
+            t.start()
 
     # -- producer side (caller's thread) ---------------------------------------------------
 
@@ -70,49 +136,76 @@ class ShardSink:
         view = memoryview(data).cast("B")
         self.total += len(view)
         if not self.direct:
-            self.hasher.update(view)
+            self._raise_if_failed()
             for start in range(0, len(view), CHUNK):
-                fsio.write_all(self.fd, view[start : start + CHUNK], "shard.data", self.path)
+                self.q.put(view[start : start + CHUNK])  # a view: the caller keeps the tensor alive
+            self.hasher.update(view)
             return
         src = np.frombuffer(view, dtype=np.uint8) if len(view) else np.empty(0, np.uint8)
         pos = 0
         while pos < len(src):
             if self.fill == 0:
-                self.free[self.cur].acquire()  # wait until the writer is done with this buffer
+                self.free[self.cur].acquire()  # wait until a writer is done with this buffer
                 self._raise_if_failed()
-            n = min(CHUNK - self.fill, len(src) - pos)
+            n = min(self.size - self.fill, len(src) - pos)
             np.copyto(self.bufs[self.cur][self.fill : self.fill + n], src[pos : pos + n])
             self.fill += n
             pos += n
-            if self.fill == CHUNK:
+            if self.fill == self.size:
                 self._flush_buffer()
+
+    def _writeback(self, written: int) -> None:
+        """Start writeback of each new CHUNK range, and wait for the one before it: the page cache
+        holds at most ~2 chunks of this file dirty, and the fsync at the end has little left."""
+        if written - self.kicked < CHUNK:
+            return
+        self._srf(self.kicked, written - self.kicked, _SYNC_FILE_RANGE_WRITE)
+        if self.kicked > self.waited:
+            self._srf(self.waited, self.kicked - self.waited,
+                      _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER)
+            self.waited = self.kicked
+        self.kicked = written
+
+    def _srf(self, offset: int, nbytes: int, flags: int) -> None:
+        if self.strategy != "buffered-wb" or _sync_file_range is None:
+            return
+        if _sync_file_range(self.fd, offset, nbytes, flags) != 0:
+            err = ctypes.get_errno()
+            if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):
+                self.strategy = "buffered"  # not here: plain writes, the final fsync makes them durable
+                return
+            raise OSError(err, f"sync_file_range: {os.strerror(err)}", os.fspath(self.path))
 
     def _flush_buffer(self) -> None:
         filled = self.fill
         self.hasher.update(self.bufs[self.cur][:filled].data)
-        self.q.put((self.cur, filled))
-        self.cur, self.fill = 1 - self.cur, 0
+        self.q.put((self.cur, filled, self.offset))
+        self.offset += filled
+        self.cur, self.fill = (self.cur + 1) % len(self.bufs), 0
 
     def finish(self) -> str:
         """Write what is left, fsync, close. Returns the xxh3 hex digest of all bytes fed."""
         try:
+            if self.direct and self.fill:
+                self._flush_buffer()
+            self._stop_writers()
+            self._raise_if_failed()
             if self.direct:
-                if self.fill:
-                    self._flush_buffer()
-                self.q.put(None)
-                self.thread.join()
-                self._raise_if_failed()
                 os.ftruncate(self.fd, self.total)  # drop the alignment padding of the last block
             fsio.fsync_fd(self.fd, "shard", self.path)
         finally:
             fd, self.fd = self.fd, -1  # abort() after a failed finish() must not close it again:
             os.close(fd)  # by then the number may belong to a file another thread opened
+        self.seconds = time.perf_counter() - self.started
+        if self.source == "calibrated":
+            from .calibrate import observe
+
+            observe(os.path.dirname(os.path.abspath(self.path)), self.strategy, self.total, self.seconds)
         return self.hasher.hexdigest()
 
     def abort(self) -> None:
-        if self.direct and self.thread.is_alive():
-            self.q.put(None)
-            self.thread.join()
+        if any(t.is_alive() for t in self.threads):
+            self._stop_writers()
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             try:
@@ -120,25 +213,44 @@ class ShardSink:
             except OSError:
                 pass
 
+    def _stop_writers(self) -> None:
+        for _ in self.threads:
+            self.q.put(None)
+        for t in self.threads:
+            t.join()
+
     def _raise_if_failed(self) -> None:
-        if self.direct and self.error is not None:
+        if self.error is not None:
             raise self.error
 
-    # -- writer thread ---------------------------------------------------------------------
+    # -- writer threads --------------------------------------------------------------------
 
     def _writer(self) -> None:
         while (item := self.q.get()) is not None:
-            idx, filled = item
+            idx, filled, offset = item
             try:
                 if self.error is None:
                     padded = -(-filled // ALIGN) * ALIGN
                     if padded != filled:
                         self.bufs[idx][filled:padded] = 0
-                    fsio.write_all(self.fd, self.bufs[idx][:padded].data, "shard.data", self.path)
+                    fsio.pwrite_all(self.fd, self.bufs[idx][:padded].data, offset, "shard.data", self.path)
             except BaseException as exc:  # handed to the producer, raised on its thread
                 self.error = exc
             finally:
                 self.free[idx].release()
+
+
+    def _buffered_writer(self) -> None:
+        written = 0
+        while (view := self.q.get()) is not None:
+            try:
+                if self.error is None:
+                    fsio.write_all(self.fd, view, "shard.data", self.path)
+                    written += len(view)
+                    if self.strategy == "buffered-wb":
+                        self._writeback(written)
+            except BaseException as exc:  # handed to the producer, raised on its thread
+                self.error = exc
 
 
 def tensor_bytes(t: Any) -> memoryview:
