@@ -104,6 +104,7 @@ def _check_export(root: Path, out: Path) -> None:
     model.load_state_dict(got, strict=True)
 
 
+@pytest.mark.slow
 def test_export_consolidates_dtensor_checkpoint(saved: tuple[Path, Path]) -> None:
     _check_export(saved[1], saved[0])
 

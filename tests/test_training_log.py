@@ -26,6 +26,7 @@ ckpt.close()
 """
 
 
+@pytest.mark.slow
 def test_log_lines_without_logging_setup(tmp_path):
     script = tmp_path / "t.py"
     script.write_text(SCRIPT.format(tests=str(REPO / "tests"), root=str(tmp_path / "root")))
