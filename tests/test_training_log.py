@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from helpers.procs import REPO, clean_env
 
 SCRIPT = """
