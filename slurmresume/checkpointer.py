@@ -47,37 +47,41 @@ from .heartbeat import BUSY, DONE, RESTORE, SAVE, beat_from_env, drill_hang_here
 from .logs import ensure_handler
 from .logs import size as log_size
 from .restoring import Request, restore_collective
+from .roots import ENV_ROOT, claim_root, resolve_root, warn_if_not_launchers_root  # noqa: F401 - ENV_ROOT re-exported
 from .saving import Payload, raise_if_failed, save_collective
 from .signals import (
-    EXIT_PREEMPTED,
-    EXIT_TERMINATED,
     NONE,
     PREEMPT,
     SignalFlag,
     warning_signal_from_env,
 )
 from .snapshot import SnapshotPool
-from .verdict import StepBoundary, drill_step_from_env
+from .verdict import StepBoundary, drill_step_from_env, exit_code
 
 log = logging.getLogger("slurmresume")
 
-ENV_ROOT = "SLURMRESUME_CKPT_DIR"
 EMERGENCY_REASONS = ("preempt", "terminate")  # save reasons after a signal: no retention then
 RETENTION_LOCK_WAIT_S = 1.0  # retention after a periodic commit skips a round rather than wait
 
 
-def resolve_root(root: str | os.PathLike[str] | None) -> Path:
-    """The checkpoint root: the argument, else $SLURMRESUME_CKPT_DIR. Refuses a file."""
-    value = root if root is not None else os.environ.get(ENV_ROOT)
-    if value is None or str(value) == "":
-        raise ConfigError(f"no checkpoint root: pass Checkpointer(root=...) or set {ENV_ROOT}")
-    from .mirror.hook import refuse_bucket_root
+def _check_options(save_every: Any, async_overlap: Any, retention: Any, on_save_error: Any,
+                   save_policy: Any) -> None:
+    """Checkpointer's arguments, checked before anything is set up (ConfigError names the bad one)."""
+    from .policy import SavePolicy
+    from .retention import RetentionPolicy
 
-    refuse_bucket_root(value, "mirror=")  # not a local folder named "s3:"
-    path = Path(value).expanduser()
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"checkpoint root {path} is a file, not a directory: choose a directory path")
-    return path
+    if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
+        raise ConfigError(f"save_every must be a positive integer or None, got {save_every!r}")
+    if async_overlap not in ("wait", "skip"):
+        raise ConfigError(f"async_overlap must be 'wait' or 'skip', got {async_overlap!r}")
+    if retention is not None and not isinstance(retention, RetentionPolicy):
+        raise ConfigError(f"retention must be a slurmresume.RetentionPolicy, got {type(retention).__name__}")
+    if on_save_error not in ("raise", "warn"):
+        raise ConfigError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
+    if save_policy is not None and save_every is not None:
+        raise ConfigError("pass either save_every or save_policy, not both")
+    if save_policy is not None and not isinstance(save_policy, SavePolicy):
+        raise ConfigError(f"save_policy must be a slurmresume.SavePolicy, got {type(save_policy).__name__}")
 
 
 class Checkpointer:
@@ -124,16 +128,7 @@ class Checkpointer:
         save_policy: Any = None,
         mirror: Any = None,
     ) -> None:
-        if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
-            raise ConfigError(f"save_every must be a positive integer or None, got {save_every!r}")
-        if async_overlap not in ("wait", "skip"):
-            raise ConfigError(f"async_overlap must be 'wait' or 'skip', got {async_overlap!r}")
-        from .retention import RetentionPolicy
-
-        if retention is not None and not isinstance(retention, RetentionPolicy):
-            raise ConfigError(f"retention must be a slurmresume.RetentionPolicy, got {type(retention).__name__}")
-        if on_save_error not in ("raise", "warn"):
-            raise ConfigError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
+        _check_options(save_every, async_overlap, retention, on_save_error, save_policy)
         self.root = resolve_root(root)
         self.save_every = save_every
         self.verify_on_restore = verify_on_restore
@@ -145,10 +140,6 @@ class Checkpointer:
         self.mirror = mirror_for(mirror, rank=-1)  # validates the URL (ConfigError) before any setup
         from .policy import SavePolicy, SaveScheduler, estimate_from_events
 
-        if save_policy is not None and save_every is not None:
-            raise ConfigError("pass either save_every or save_policy, not both")
-        if save_policy is not None and not isinstance(save_policy, SavePolicy):
-            raise ConfigError(f"save_policy must be a slurmresume.SavePolicy, got {type(save_policy).__name__}")
         self.save_policy = save_policy or SavePolicy(every_steps=save_every)
         self._sched = SaveScheduler(self.save_policy, history=estimate_from_events(read_events(self.root))
                                     if self.save_policy.interval == "auto" else None)
@@ -164,8 +155,12 @@ class Checkpointer:
         self._inflight: threading.Thread | None = None
         self._async_error: BaseException | None = None
         self.group = Group.create()
-        self._lease_key: tuple[str, str] | None = None
-        self._claim_root()  # one owner per root: refused here, before anything is written
+        try:  # one owner per root: refused here, before anything is written
+            self._lease_key = claim_root(self.group, self.root)
+        except BaseException:
+            self._closed = True
+            self.group.destroy()
+            raise
         self.agree_group = Group.create()
         self.mirror = mirror_for(mirror, rank=self.group.rank, retention=retention, on_event=self._event)
         self.last_saved_step: int | None = None
@@ -178,7 +173,7 @@ class Checkpointer:
         # drill: both runs save their first step, so that what differs between them before any
         # warning (an RNG stream the script never seeds) is not blamed on the resume
         self._first_save = os.environ.get(ENV_DRILL_FIRST_SAVE) == "1" and not int(os.environ.get(ENV_RESTART) or 0)
-        self._check_root_conflict(root)
+        warn_if_not_launchers_root(root, self.root, self.rank)
         if self.flag is not None and not self.flag.install():
             log.warning("not in the main thread: warning-signal handlers not installed")
             self.flag = None
@@ -188,40 +183,6 @@ class Checkpointer:
     @property
     def rank(self) -> int:
         return self.group.rank
-
-    def _claim_root(self) -> None:
-        """Collective. Rank 0 takes or checks the root's lease (ownership.py); a refusal is raised
-        on every rank (no rank is left waiting in a collective)."""
-        from .ownership import RootOwnedError, for_checkpointer
-
-        error = None
-        if self.rank == 0:
-            try:
-                self._lease_key = for_checkpointer(self.root)
-            except RootOwnedError as exc:
-                error = str(exc)
-        error = self.group.broadcast_json(error)
-        if error:
-            self._closed = True
-            self.group.destroy()
-            raise RootOwnedError(error)
-
-    def _check_root_conflict(self, root: str | os.PathLike[str] | None) -> None:
-        """An explicit root that differs from the launcher's ($SLURMRESUME_CKPT_DIR, set by
-        `submit`/`drill`) silently moves every checkpoint where the launcher, `status` and the
-        drill do not look: warn loudly naming both, and leave a `root_conflict` event in the
-        launcher's root so that the drill can say why it found nothing there."""
-        launcher = os.environ.get(ENV_ROOT)
-        if root is None or not launcher or Path(launcher).expanduser().resolve() == self.root.resolve():
-            return
-        if self.rank == 0:
-            log.warning("Checkpointer(root=%s) overrides the launcher's %s=%s: checkpoints go to %s, where the "
-                        "launcher (requeue), `slurmresume status` and `slurmresume drill` do not look; pass "
-                        "root=None to use the launcher's root", self.root, ENV_ROOT, launcher, self.root)
-            try:
-                append_event(Path(launcher), "root_conflict", script_root=str(self.root), launcher_root=launcher)
-            except OSError as exc:
-                log.warning("could not record the root conflict under %s: %s", launcher, exc)
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -439,12 +400,34 @@ class Checkpointer:
             self._sched.failed()
             log.warning("%s; training continues without this checkpoint", exc)
 
-    def _emergency(self, step: int, state: Mapping[str, Any], agreed: int, metrics: Any, meta: Any) -> bool:
-        """Every rank: save the agreed step, then (rank 0) write the run's outcome record
-        (contract.write_outcome): committed only when this save of `step` has its marker. A failed
-        save is recorded too (committed=False, the error) and exits EXIT_SAVE_FAILED; the launcher
-        then resumes from the newest complete checkpoint."""
-        kind = "preempt" if agreed == PREEMPT else "terminate"
+    def _emergency(self, step: int, state: Mapping[str, Any], signal: int, metrics: Any, meta: Any) -> bool:
+        """Every rank, on an emergency verdict: save the agreed step (rank 0 records the run's
+        outcome, `_emergency_save`), then exit (verdict.exit_code), or return True when
+        `exit_on_signal=False`. A failed save exits EXIT_SAVE_FAILED; the launcher then resumes
+        from the newest complete checkpoint."""
+        error, recorded = self._emergency_save(step, state, "preempt" if signal == PREEMPT else "terminate",
+                                               metrics, meta)
+        if not self.exit_on_signal:
+            if error:
+                raise SaveError(f"the emergency save of step {step} failed: {error}")
+            if self.flag is not None:
+                self.flag.request = NONE
+            return True
+        self.mirror = None  # exit now: this step's upload is finished by the next run (Mirror.start)
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - exiting anyway; the record says what happened
+            log.warning("close after the emergency save failed: %s", exc)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code(signal, bool(error), bool(os.environ.get(ENV_LAUNCHER_PID)), recorded))
+
+    def _emergency_save(self, step: int, state: Mapping[str, Any], kind: str, metrics: Any,
+                        meta: Any) -> tuple[str, bool]:
+        """Every rank: wait for an in-flight save, save `step` synchronously; rank 0 writes the
+        run's outcome record (contract.write_outcome) before (provisional) and after, committed
+        only when this save of `step` has its marker. Returns (error or "", record written)."""
         run_id = os.environ.get(ENV_RUN_ID)
         if self.rank == 0:
             log.warning("warning signal received (%s): saving step %d, then exiting", kind, step)
@@ -461,38 +444,14 @@ class Checkpointer:
                 self.save(step, state, metrics=metrics, meta=meta, reason=kind)
         except (SaveError, CheckpointError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}"
-        committed = not error and (self.rank != 0 or (self.root / step_dir_name(step) / MARKER).exists())
-        recorded = True
-        if self.rank == 0:
-            if committed:
-                self._event("exit_after_save", step=step, kind=kind, run_id=run_id)
-            else:
-                error = error or f"step {step} has no commit marker"
-                self._event(EV_EMERGENCY_SAVE_FAILED, step=step, kind=kind, run_id=run_id, error=error)
-            recorded = self._record_outcome(Outcome(run_id or "", kind, step, committed, error))
-        if self.exit_on_signal:
-            self.mirror = None  # exit now: this step's upload is finished by the next run (Mirror.start)
-        if not self.exit_on_signal:
-            if error:
-                raise SaveError(f"the emergency save of step {step} failed: {error}")
-            if self.flag is not None:
-                self.flag.request = NONE
-            return True
-        try:
-            self.close()
-        except Exception as exc:  # noqa: BLE001 - exiting anyway; the record says what happened
-            log.warning("close after the emergency save failed: %s", exc)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if error:
-            os._exit(EXIT_SAVE_FAILED)
-        # Under our launcher the outcome record says what happened, and a zero exit keeps torchrun
-        # from reporting a failure and killing peers; run bare, or when the record could not be
-        # written, the distinct code says it.
-        if os.environ.get(ENV_LAUNCHER_PID) and recorded:
-            os._exit(0)
-        os._exit(EXIT_PREEMPTED if agreed == PREEMPT else EXIT_TERMINATED)
+        if self.rank != 0:
+            return error, True
+        if not error and (self.root / step_dir_name(step) / MARKER).exists():
+            self._event("exit_after_save", step=step, kind=kind, run_id=run_id)
+        else:
+            error = error or f"step {step} has no commit marker"
+            self._event(EV_EMERGENCY_SAVE_FAILED, step=step, kind=kind, run_id=run_id, error=error)
+        return error, self._record_outcome(Outcome(run_id or "", kind, step, not error, error))
 
     def _record_outcome(self, outcome: Outcome) -> bool:
         """Rank 0. False when there is no run id (run bare) or the record could not be written."""

@@ -15,8 +15,15 @@ import time
 from dataclasses import dataclass
 
 from .checkpoint.collective import Group, LaggedMax
-from .contract import ENV_LAUNCHER_PID
-from .signals import NONE, SignalFlag, warning_signal_from_env
+from .contract import ENV_LAUNCHER_PID, EXIT_SAVE_FAILED
+from .signals import (
+    EXIT_PREEMPTED,
+    EXIT_TERMINATED,
+    NONE,
+    PREEMPT,
+    SignalFlag,
+    warning_signal_from_env,
+)
 
 log = logging.getLogger("slurmresume")
 
@@ -53,6 +60,18 @@ def judge(agreed: int, trigger: str | None, world_size: int) -> Verdict:
     if trigger in PERIODIC_TRIGGERS or time_due or (trigger == "seconds" and world_size == 1):
         return Verdict(save=trigger or "seconds")
     return Verdict()
+
+
+def exit_code(signal: int, failed: bool, under_launcher: bool, recorded: bool) -> int:
+    """Pure. What a rank exits with after the emergency save of an agreed `signal`: a failed save
+    says so; under our launcher with the outcome record written, 0 (the record says what happened,
+    and torchrun must not report a failure and kill peers); else (run bare, or no record) the
+    signal's distinct code."""
+    if failed:
+        return EXIT_SAVE_FAILED
+    if under_launcher and recorded:
+        return 0
+    return EXIT_PREEMPTED if signal == PREEMPT else EXIT_TERMINATED
 
 
 class StepBoundary:
