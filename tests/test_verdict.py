@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from slurmresume.checkpoint.collective import Group
+from slurmresume.contract import EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_TERMINATED
 from slurmresume.signals import NONE, PREEMPT, TERMINATE
-from slurmresume.verdict import StepBoundary, Verdict, drill_step_from_env, encode, judge
+from slurmresume.verdict import StepBoundary, Verdict, drill_step_from_env, encode, exit_code, judge
 
 
 @pytest.mark.parametrize(("signal", "time_due", "trigger", "world", "expected"), [
@@ -67,3 +68,17 @@ def test_drill_step_from_env(monkeypatch: pytest.MonkeyPatch, plan: str, restart
     monkeypatch.setenv("SLURMRESUME_DRILL_AT", plan)
     monkeypatch.setenv("SLURMRESUME_RESTART_COUNT", restart)
     assert drill_step_from_env() == expected
+
+
+@pytest.mark.parametrize(("signal", "failed", "launcher", "recorded", "code"), [
+    (PREEMPT, True, True, True, EXIT_SAVE_FAILED),
+    (TERMINATE, True, False, False, EXIT_SAVE_FAILED),
+    (PREEMPT, False, True, True, 0),  # the outcome record says what happened
+    (PREEMPT, False, True, False, EXIT_PREEMPTED),  # no record: the code must say it
+    (TERMINATE, False, True, False, EXIT_TERMINATED),
+    (PREEMPT, False, False, False, EXIT_PREEMPTED),  # run bare
+    (TERMINATE, False, False, True, EXIT_TERMINATED),
+])
+def test_exit_code_after_the_emergency_save(signal: int, failed: bool, launcher: bool, recorded: bool,
+                                            code: int) -> None:
+    assert exit_code(signal, failed, launcher, recorded) == code
