@@ -346,10 +346,14 @@ class Checkpointer:
             else:
                 self.save(step, state, metrics=metrics, meta=meta, reason="periodic")
         except SaveError as exc:
-            if self.on_save_error == "raise":
-                raise
-            self._sched.failed()
-            log.warning("%s; training continues without this checkpoint", exc)
+            self._tolerate(exc)
+
+    def _tolerate(self, exc: SaveError) -> None:
+        """A failed periodic save: raised with on_save_error="raise", else logged; training goes on."""
+        if self.on_save_error == "raise":
+            raise exc
+        self._sched.failed()
+        log.warning("%s; training continues without this checkpoint", exc)
 
     def _release_at_exit(self) -> None:
         """atexit: the script ended without close(). An async save still in flight is finished
@@ -395,10 +399,7 @@ class Checkpointer:
         try:
             self.wait()
         except SaveError as exc:
-            if self.on_save_error == "raise":
-                raise
-            self._sched.failed()
-            log.warning("%s; training continues without this checkpoint", exc)
+            self._tolerate(exc)
 
     def _emergency(self, step: int, state: Mapping[str, Any], signal: int, metrics: Any, meta: Any) -> bool:
         """Every rank, on an emergency verdict: save the agreed step (rank 0 records the run's
