@@ -10,7 +10,7 @@ VERIFY_BLOCK (xxh3-64) and the header bytes as a whole; the manifest records tho
 (the block is still in cache) and refuses a mismatch with CorruptCheckpointError, so the default
 restore needs no separate checksum pass. Byte-range reads of a resharded tensor widen to whole
 blocks (reshard.read_box). Checkpoints written before block digests existed carry none; their
-restore runs the whole-shard checksum pass instead (Checkpointer._choose).
+restore runs the whole-shard checksum pass instead (restoring.choose).
 """
 
 from __future__ import annotations

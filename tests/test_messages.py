@@ -1,0 +1,104 @@
+"""What ranks tell each other (messages.py) survives the JSON trip of a collective unchanged, and
+an error crosses ranks as (kind, message) and comes out as the same exception class. The save
+sequence's messages are checked against what `checkpoint.commit` really writes and reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from slurmresume.checkpoint import commit as _commit
+from slurmresume.checkpoint.collective import Group
+from slurmresume.checkpoint.store import find_latest
+from slurmresume.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    SaveError,
+    UnsafeCheckpointError,
+)
+from slurmresume.messages import (
+    Failure,
+    PrepareDecision,
+    RestoreChoice,
+    SaveOutcome,
+    WriteReport,
+    pick_from_json,
+    pick_to_json,
+)
+from slurmresume.saving import Payload, save_collective
+
+
+def _wire(d: Any) -> Any:
+    """What a real all_gather_json does to a value: JSON out and back."""
+    return json.loads(json.dumps(d, separators=(",", ":")))
+
+
+MESSAGES = [
+    Failure("corrupt", "shard rank-00000-of-00001 fails its checksum"),
+    PrepareDecision("write", ".saving.step_000000003.abcdef0123456789", True),
+    PrepareDecision("skip"),
+    PrepareDecision("error", error="no space left on device"),
+    WriteReport(0, "rank-00000-of-00002.safetensors", 1234, "ab" * 8, "cd" * 8,
+                {"model.w": {"dtype": "F32", "shape": [2, 2], "offsets": [0, 16]}}, ("model.b",)),
+    WriteReport(1, "rank-00001-of-00002.safetensors", error="permission denied writing /x"),
+    SaveOutcome(True, "/ckpt/step_000000003"),
+    SaveOutcome(False, error="disk quota exceeded"),
+    RestoreChoice(7, "/ckpt/step_000000007", 2, ({"file": "rank-00000-of-00002.safetensors", "bytes": 10},
+                                                 {"file": "rank-00001-of-00002.safetensors", "bytes": 12}),
+                  {"model.w": {"dtype": "F32"}}, True),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_through_json(message: Any) -> None:
+    assert type(message).from_json(_wire(message.to_json())) == message
+
+
+@pytest.mark.parametrize("pick", [None, MESSAGES[0], MESSAGES[-1]], ids=["none", "failure", "choice"])
+def test_rank_zeros_restore_pick_round_trips(pick: Any) -> None:
+    assert pick_from_json(_wire(pick_to_json(pick))) == pick
+
+
+@pytest.mark.parametrize(("exc", "kind", "raised"), [
+    (UnsafeCheckpointError("x"), "unsafe", UnsafeCheckpointError),
+    (CorruptCheckpointError("x"), "corrupt", CorruptCheckpointError),
+    (ConfigError("x"), "config", ConfigError),
+    (CheckpointError("x"), "checkpoint", CheckpointError),
+    (SaveError("x"), "checkpoint", CheckpointError),
+    (NoCheckpointError("x"), "checkpoint", CheckpointError),
+    (OSError(5, "Input/output error"), "checkpoint", CheckpointError),
+])
+def test_an_error_crosses_ranks_as_kind_and_message(exc: BaseException, kind: str, raised: type) -> None:
+    failure = Failure.from_json(_wire(Failure.of(exc).to_json()))
+    assert failure.kind == kind and failure.message == str(exc)
+    err = failure.error()
+    assert type(err) is raised and str(err) == str(exc)
+
+
+def test_an_unknown_kind_from_a_peer_is_a_checkpoint_error() -> None:
+    assert type(Failure("from-a-newer-version", "m").error()) is CheckpointError
+
+
+def test_the_typed_messages_carry_exactly_what_commit_writes_and_reads(tmp_path: Path) -> None:
+    decision = _commit.prepare(tmp_path, 5)
+    assert PrepareDecision.from_json(decision).to_json() == {**decision, "error": ""}
+    report = _commit.write_rank(tmp_path, 5, Group(), {"w": {"__tensor__": "w"}}, [("w", torch.arange(4.0))],
+                                into=decision["dir"])
+    assert WriteReport.from_json(report).to_json() == report  # build_manifest reads the same dict
+    outcome = _commit.commit(tmp_path, 5, [WriteReport.from_json(report).to_json()], None, None, into=decision["dir"])
+    assert SaveOutcome.from_json(outcome) == SaveOutcome(True, str(tmp_path / "step_000000005"))
+
+
+def test_save_collective_on_a_world_of_one_commits_then_skips(tmp_path: Path) -> None:
+    payload = Payload({"w": {"__tensor__": "w"}}, [("w", torch.arange(4.0))])
+    first = save_collective(Group(), tmp_path, 3, payload, replace_if_changed=False)
+    assert not first.skipped and first.outcome == SaveOutcome(True, str(tmp_path / "step_000000003"))
+    assert first.bytes > 0 and find_latest(tmp_path).step == 3
+    again = save_collective(Group(), tmp_path, 3, payload, replace_if_changed=False)
+    assert again.skipped and again.outcome is None
