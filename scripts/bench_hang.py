@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def heartbeat_cost(n: int = 50000) -> dict:
-    from slurmresume.heartbeat import Beat
+    from slurmresume.train.heartbeat import Beat
 
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as d:
         beat = Beat(Path(d), 0)

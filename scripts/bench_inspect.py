@@ -35,7 +35,7 @@ BLOCK = 64 << 20
 PROBE = r"""
 import contextlib, io, json, sys, time
 method, path = sys.argv[1], sys.argv[2]
-import slurmresume.commands_inspect, slurmresume.inspect, torch, safetensors.torch  # imports do not count
+import slurmresume.cli.commands_inspect, slurmresume.tools.inspect, torch, safetensors.torch  # imports do not count
 from slurmresume.cli import app
 
 def kib(field):
@@ -68,7 +68,6 @@ def build(root: Path, gib: float) -> Path:
     import torch
 
     from slurmresume import Checkpointer
-
     total = int(gib * (1 << 30))
     state: dict[str, torch.Tensor] = {}
     done = i = 0

@@ -30,11 +30,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from slurmresume import Checkpointer, status
+from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import MANIFEST, MARKER, step_dir_name
 from slurmresume.checkpoint.manifest import marker_bytes
 from slurmresume.checkpoint.store import find_latest, list_checkpoints
 from slurmresume.retention import RetentionPolicy, plan_prune, scan
+from slurmresume.tools import status
 
 
 def build(root: Path, steps: int, complete_fraction: float) -> dict[str, int]:

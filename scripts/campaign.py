@@ -183,7 +183,7 @@ def seam_spec(trace: list[str], i: int) -> str:
 # -- what is on disk ---------------------------------------------------------------------------
 
 def where(exc: BaseException) -> str:
-    """The innermost frame of `exc` inside the slurmresume package ("slurmresume/rng.py:restore"):
+    """The innermost frame of `exc` inside the slurmresume package ("slurmresume/train/rng.py:restore"):
     which file a crash belongs to."""
     import traceback
 

@@ -217,9 +217,9 @@ def _unicode(report: Report, env: Env) -> None:
 
 
 def _argv_verbatim(report: Report, env: Env, rng: random.Random) -> None:
-    from slurmresume.config import JobSpec
-    from slurmresume.launch import preview
-    from slurmresume.node import torchrun_command
+    from slurmresume.job.config import JobSpec
+    from slurmresume.job.node import torchrun_command
+    from slurmresume.job.submit import preview
 
     for n in range(40):
         args = tuple(rng.sample(ARGV_HOSTILE, rng.randrange(1, 6))) if n else tuple(ARGV_HOSTILE)

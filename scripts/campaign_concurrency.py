@@ -82,7 +82,7 @@ while not stop.exists():
 
 STATUS = r"""
 import json, sys, time, pathlib, traceback
-import slurmresume.status as st
+import slurmresume.tools.status as st
 from slurmresume.checkpoint.store import find_latest
 st.query_job = lambda job_id: (st.JobInfo(job_id), "campaign: Slurm not queried")
 root, stop, log = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), open(sys.argv[3], "a")

@@ -71,7 +71,6 @@ def _equal(a: dict[str, Any], step: int) -> str | None:
 
 def _restore(root: Path, verify: bool) -> tuple[int | None, dict[str, Any], BaseException | None, list[str]]:
     from slurmresume import Checkpointer
-
     state = _state(987654)
     with LogCapture() as logs:
         try:
@@ -159,7 +158,7 @@ def run(seed: int, count: int, work: Path) -> Report:
     from slurmresume import Checkpointer
     from slurmresume.checkpoint.layout import MARKER, step_dir_name
     from slurmresume.checkpoint.store import inspect_dir
-    from slurmresume.status import compute_status, verify_checkpoints
+    from slurmresume.tools.status import compute_status, verify_checkpoints
 
     report = Report(NAME, seed, count)
     rng = random.Random(seed)

@@ -92,7 +92,6 @@ def _save(root: Path, steps: list[int], **kw: Any) -> None:
     from helpers.core import tiny_state
 
     from slurmresume import Checkpointer
-
     ck = Checkpointer(root, handle_signals=False, **kw)
     for s in steps:
         ck.save(s, tiny_state(s), metrics={"step": s})
@@ -171,7 +170,6 @@ def _scenarios() -> list[Scenario]:
         from helpers.core import tiny_state
 
         from slurmresume import Checkpointer
-
         ck = Checkpointer(root, handle_signals=False, save_every=1, async_save=True)
         ck.step(3, tiny_state(3), metrics={"step": 3})
         ck.close()
@@ -365,7 +363,6 @@ def _reference(max_step: int) -> list[Any]:
 
 def _train_child(root: Path, variant: str, ready_fd: int, until: int) -> None:
     from slurmresume import Checkpointer, RetentionPolicy
-
     kw: dict[str, Any] = {"save_every": 1}
     if variant == "async":
         kw["async_save"] = True
@@ -387,7 +384,6 @@ def _train_child(root: Path, variant: str, ready_fd: int, until: int) -> None:
 
 def _restore_matches(root: Path, ref: list[Any], verify: bool) -> tuple[int, str | None]:
     from slurmresume import Checkpointer
-
     state = _fresh_state()
     with Checkpointer(root, handle_signals=False) as ck:  # closing frees the root for the next child
         step = ck.restore(state, verify=verify)

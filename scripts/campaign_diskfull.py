@@ -184,7 +184,6 @@ def torch_equal(t: Any, step: int, extra: int) -> bool:
 
 def _attempt(root: Path, extra: int, trace: Path, mode: str) -> BaseException | None:
     from slurmresume import Checkpointer
-
     trace.unlink(missing_ok=True)
     with armed({"SLURMRESUME_TEST_TRACE": str(trace)}):
         try:
@@ -285,7 +284,7 @@ def _event_log_page(report: Report, root: Path, mnt: Path, events: bytes, extra:
     """Another job fills the disk between our commit (or our failed save) and the event-log
     append that follows it, while the log sits at a page boundary: the append gets a real ENOSPC.
     The save must still report what happened to the checkpoint (committed / SaveError)."""
-    import slurmresume.checkpointer as cp
+    import slurmresume.train.checkpointer as cp
     from slurmresume import Checkpointer
     from slurmresume.checkpoint.layout import step_dir_name
 

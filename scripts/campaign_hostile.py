@@ -117,7 +117,7 @@ def _battery(root: Path, step2: Path, scratch: Path) -> dict[str, Any]:
     from slurmresume.checkpoint.store import find_latest, inspect_dir, list_checkpoints
     from slurmresume.errors import ConfigError, CorruptCheckpointError
     from slurmresume.retention import RetentionPolicy, plan_prune, scan
-    from slurmresume.status import compute_status, verify_checkpoints
+    from slurmresume.tools.status import compute_status, verify_checkpoints
 
     r: dict[str, Any] = {"crashes": []}
 

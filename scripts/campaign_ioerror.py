@@ -67,7 +67,6 @@ def _warn_action(sc: cc.Scenario) -> Any:
         from helpers.core import tiny_state
 
         from slurmresume import Checkpointer, RetentionPolicy
-
         kw: dict[str, Any] = {"retention": RetentionPolicy(keep=sc.keep)} if sc.keep else {}
         ck = Checkpointer(root, handle_signals=False, save_every=sc.new, on_save_error="warn",
                           async_save=sc.name == "async", **kw)

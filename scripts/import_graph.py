@@ -8,15 +8,16 @@
   and the roles listed after it, never one listed before it;
 - modules over 300 lines and the 10 longest functions.
 
-Roles, from the top (may import downwards only):
-  cli      the command line: app, cli, commands_*, options, _render*, the s3:// commands
-  tools    read-only tools over a root: status, inspect, export, compare, drill, lineage, doctor, plot
-  job      the job side: submit (launch), node launcher, guardian, Slurm, mirror uploads
-  library  what training scripts import: Checkpointer and its helpers (incl. the mirror hook a
-           rank calls after a commit)
-  base     the checkpoint format and commit protocol (slurmresume.checkpoint), the errors, the
-           launcher<->worker contract, the one seam that runs Slurm commands, and the bucket's
-           twin of the format (mirror.s3, mirror.transfer: one step moved with its commit intact)
+Roles, from the top (may import downwards only); the package a module lives in is its role:
+  cli      slurmresume/cli/: the command line (app, commands_*, options, render*), mirror.commands
+  tools    slurmresume/tools/: read-only tools over a root (status, inspect, export, compare,
+           drill, lineage, doctor, plot, health), mirror.fetch
+  job      slurmresume/job/: the job side (submit, node loop, launcher, guardian, hang watch, config)
+  train    slurmresume/train/: what runs inside the training processes (Checkpointer and its
+           helpers), the framework integrations, the mirror's uploader
+  base     slurmresume/checkpoint/ (format, commit protocol) and the top-level modules every role
+           shares: errors, contract (launcher <-> worker), events, retention, ownership, duration,
+           slurm (the one seam that runs Slurm commands), mirror.s3/transfer
 """
 
 from __future__ import annotations
@@ -26,24 +27,23 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "slurmresume"
-ROLES = ["cli", "tools", "job", "library", "base"]
-ROLE_OF = {
-    "cli": {"app", "cli", "__main__", "options", "_render", "_render_job", "commands_ckpt",
-            "commands_doctor", "commands_export", "commands_inspect", "commands_job", "mirror.commands"},
-    "tools": {"status", "inspect", "export", "compare", "drill", "lineage", "doctor", "plot", "health",
-              "mirror.fetch"},
-    "job": {"launch", "launcher", "node", "guardian", "config", "mirror", "mirror.__main__"},
-    "base": {"errors", "contract", "duration", "slurm", "mirror.s3", "mirror.transfer"},
-}
+ROLES = ["cli", "tools", "job", "train", "base"]
 
 
 def role(mod: str) -> str:
-    if mod == "checkpoint" or mod.startswith("checkpoint."):
-        return "base"
-    for name, mods in ROLE_OF.items():
-        if mod in mods:
-            return name
-    return "library"
+    """The role of a module: its package (cli/, tools/, job/, train/), else the base."""
+    top = mod.split(".")[0]
+    if top in ("cli", "tools", "job", "train"):
+        return top
+    if mod in ("__main__", "mirror.commands"):
+        return "cli"
+    if mod == "mirror.fetch":
+        return "tools"
+    if mod in ("mirror", "mirror.__main__"):
+        return "job"
+    if top == "integrations" or mod in ("mirror.hook", "mirror.background", "mirror.remote"):
+        return "train"
+    return "base"
 
 
 def module_name(path: Path) -> str:

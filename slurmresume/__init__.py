@@ -13,21 +13,21 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Checkpointer": "checkpointer",
+    "Checkpointer": "train.checkpointer",
     "CheckpointInfo": "checkpoint.store",
     "find_latest": "checkpoint.store",
     "list_checkpoints": "checkpoint.store",
-    "ResumableSampler": "sampler",
-    "SeededDataset": "seeding",
-    "sample_seed": "seeding",
+    "ResumableSampler": "train.sampler",
+    "SeededDataset": "train.seeding",
+    "sample_seed": "train.seeding",
     "RetentionPolicy": "retention",
-    "SavePolicy": "policy",
+    "SavePolicy": "train.policy",
     "apply_policy": "retention",
-    "compare_checkpoints": "compare",
-    "ignore_in_worker": "signals",
-    "DDPBuckets": "ddp",
-    "EXIT_PREEMPTED": "signals",
-    "EXIT_TERMINATED": "signals",
+    "compare_checkpoints": "tools.compare",
+    "ignore_in_worker": "train.signals",
+    "DDPBuckets": "train.ddp",
+    "EXIT_PREEMPTED": "train.signals",
+    "EXIT_TERMINATED": "train.signals",
     "SlurmResumeError": "errors",
     "ConfigError": "errors",
     "CheckpointError": "errors",
@@ -56,9 +56,6 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # static checkers see the real names
     from .checkpoint.store import CheckpointInfo, find_latest, list_checkpoints
-    from .checkpointer import Checkpointer
-    from .compare import compare_checkpoints
-    from .ddp import DDPBuckets
     from .errors import (
         CheckpointError,
         ConfigError,
@@ -69,8 +66,11 @@ if TYPE_CHECKING:  # static checkers see the real names
         SlurmResumeError,
         UnsafeCheckpointError,
     )
-    from .policy import SavePolicy
     from .retention import RetentionPolicy, apply_policy
-    from .sampler import ResumableSampler
-    from .seeding import SeededDataset, sample_seed
-    from .signals import EXIT_PREEMPTED, EXIT_TERMINATED, ignore_in_worker
+    from .tools.compare import compare_checkpoints
+    from .train.checkpointer import Checkpointer
+    from .train.ddp import DDPBuckets
+    from .train.policy import SavePolicy
+    from .train.sampler import ResumableSampler
+    from .train.seeding import SeededDataset, sample_seed
+    from .train.signals import EXIT_PREEMPTED, EXIT_TERMINATED, ignore_in_worker

@@ -32,7 +32,7 @@ def test_no_import_time_cycle_and_no_upward_import() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     ig = _import_graph()
     assert ig.cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert ig.violations({"checkpoint.store": {"status"}}) == ["checkpoint.store (base) imports status (tools)"]
+    assert ig.violations({"checkpoint.store": {"tools.status"}}) == ["checkpoint.store (base) imports tools.status (tools)"]
 
 
 def test_public_names_are_pinned() -> None:

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from slurmresume import ConfigError, ResumableSampler, SeededDataset, sample_seed
-from slurmresume.signals import ignore_in_worker
+from slurmresume.train.signals import ignore_in_worker
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "augment_train.py"
@@ -159,7 +159,6 @@ def test_stateful_dataloader_resumes_the_same_samples_through_a_checkpoint(tmp_p
                                                                            num_workers: int) -> None:
     stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
     from slurmresume import Checkpointer
-
     def loader() -> DataLoader:
         return stateful_dataloader.StatefulDataLoader(
             Noisy(), batch_size=4, shuffle=True, num_workers=num_workers, generator=torch.Generator().manual_seed(3),

@@ -14,11 +14,12 @@ from helpers.core import tiny_state
 from helpers.procs import REPO
 from typer.testing import CliRunner
 
-from slurmresume import Checkpointer, commands_ckpt, status
+from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import DELETING_PREFIX, step_dir_name
 from slurmresume.checkpoint.store import list_checkpoints
-from slurmresume.cli import app
-from slurmresume.status import SLURM_NOT_FOUND
+from slurmresume.cli import app, commands_ckpt
+from slurmresume.tools import status
+from slurmresume.tools.status import SLURM_NOT_FOUND
 
 ENV = {"COLUMNS": "120", "TERM": "dumb", "NO_COLOR": "1", "SLURMRESUME_CKPT_DIR": ""}
 
@@ -89,7 +90,7 @@ def test_status_json(tmp_path):
     r = run("status", "-d", tmp_path, "--json", "--best", "loss", "--job", "123")
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    assert data["schema"] == "slurmresume.status/1" and data["newest_complete"] == 2
+    assert data["schema"] == "slurmresume.tools.status/1" and data["newest_complete"] == 2
     assert data["best"]["step"] == 2 and data["job"]["job_id"] == "123"
     assert [c["step"] for c in data["checkpoints"]] == [2, 1]
 
@@ -116,7 +117,7 @@ def test_status_watch_redraws_until_ctrl_c(tmp_path, monkeypatch):
         if len(naps) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("slurmresume._render.time.sleep", sleep)
+    monkeypatch.setattr("slurmresume.cli.render.time.sleep", sleep)
     r = run("status", "-d", tmp_path, "--watch", "2s")
     assert r.exit_code == 0, r.output
     assert naps == [2.0, 2.0] and "checkpoints" in r.stdout

@@ -396,7 +396,6 @@ def test_a_model_that_does_not_fit_is_refused_before_anything_loads(root: Path) 
     from torch import nn
 
     from slurmresume import ConfigError
-
     wide = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
     before = {k: v.clone() for k, v in wide.state_dict().items()}
     state = {"model": wide, "step": -1, "extra": None}

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.checkpoint.manifest import read_manifest
 from slurmresume.checkpoint.store import inspect_dir, list_checkpoints
-from slurmresume.compare import compare_checkpoints
+from slurmresume.tools.compare import compare_checkpoints
 
 
 def _resume_pair(tmp: Path, steps: int, every: int, resume_at: int, nproc: int, *extra: str) -> dict:

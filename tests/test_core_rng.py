@@ -12,7 +12,7 @@ import torch
 from helpers.core import tiny_model
 
 from slurmresume import Checkpointer
-from slurmresume.compare import compare_checkpoints
+from slurmresume.tools.compare import compare_checkpoints
 
 
 def _draws() -> tuple:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers.procs import REPO, clean_env
 
-from slurmresume import doctor as d
+from slurmresume.tools import doctor as d
 
 SCRIPT = REPO / "examples" / "train.py"
 BAD_SCRIPT = """import slurmresume

@@ -20,7 +20,7 @@ import torch
 from helpers.procs import HELPERS
 
 from slurmresume import Checkpointer
-from slurmresume.compare import compare_checkpoints, culprits, explain
+from slurmresume.tools.compare import compare_checkpoints, culprits, explain
 
 SCRIPT = HELPERS / "train_drill_cases.py"
 

@@ -14,9 +14,25 @@ from pathlib import Path
 import pytest
 from helpers.procs import HELPERS, clean_env, process_tree
 
-from slurmresume.hang import HangBudgets, budget, judge, parse_hang_timeout, percentile, stragglers
-from slurmresume.heartbeat import RING, SAVE, STARTUP, STEP, Beat, Record, read_record, record_path
-from slurmresume.launcher import RunResult, decide
+from slurmresume.job.hang import (
+    HangBudgets,
+    budget,
+    judge,
+    parse_hang_timeout,
+    percentile,
+    stragglers,
+)
+from slurmresume.job.launcher import RunResult, decide
+from slurmresume.train.heartbeat import (
+    RING,
+    SAVE,
+    STARTUP,
+    STEP,
+    Beat,
+    Record,
+    read_record,
+    record_path,
+)
 
 HANG_TRAIN = HELPERS / "hang_train.py"
 
@@ -153,7 +169,6 @@ def test_checkpointer_reports_each_phase(tmp_path: Path, monkeypatch) -> None:
     from helpers.core import tiny_state
 
     from slurmresume import Checkpointer
-
     hb = tmp_path / "hb"
     hb.mkdir()
     monkeypatch.setenv("SLURMRESUME_HEARTBEAT_DIR", str(hb))
@@ -187,8 +202,8 @@ def test_status_shows_ranks_stragglers_and_the_last_hang(tmp_path: Path, monkeyp
 
     from rich.console import Console
 
-    from slurmresume import _render, status
-
+    from slurmresume.cli import render as _render
+    from slurmresume.tools import status
     monkeypatch.setattr(status, "run_slurm", lambda args, timeout=10.0: None)
     now = 1_000_000.0
     runs = tmp_path / ".runs"
@@ -221,8 +236,8 @@ def test_status_shows_ranks_stragglers_and_the_last_hang(tmp_path: Path, monkeyp
 
 def _local(tmp_path: Path, args: list[str], env: dict[str, str], budgets: str) -> subprocess.Popen:
     """`run_local` with small budgets (the library's own fields; the CLI exposes --hang-timeout)."""
-    code = ("import sys, json; from pathlib import Path; from slurmresume.config import JobSpec; "
-            "from slurmresume.hang import HangBudgets; from slurmresume.node import run_local; "
+    code = ("import sys, json; from pathlib import Path; from slurmresume.job.config import JobSpec; "
+            "from slurmresume.job.hang import HangBudgets; from slurmresume.job.node import run_local; "
             f"spec = JobSpec(script=Path({str(HANG_TRAIN)!r}), script_args=tuple(sys.argv[1:]), "
             f"ckpt_dir=Path({str(tmp_path / 'ckpt')!r}), nproc_per_node=2, max_hangs=2, max_failures=1, "
             f"hang_budgets=HangBudgets({budgets})); print(json.dumps(run_local(spec)))")
@@ -296,7 +311,7 @@ def test_same_hang_twice_stops_with_stacks_of_every_rank(tmp_path: Path) -> None
         assert 0 < h["dump_s"] < 6 and h["detect_latency_s"] >= h["budget_s"]
     assert [e.get("action") for e in ev if e["event"] == "run_ended"] == ["retry", "hold"]
     assert any(e["event"] == "held" for e in ev)
-    from slurmresume.status import compute_status
+    from slurmresume.tools.status import compute_status
 
     st = compute_status(tmp_path / "ckpt")  # the headline says why, the last hang says where to look
     assert st.verdict is not None and st.verdict.verdict == "stopped" and "held" in st.verdict.reason
@@ -360,8 +375,8 @@ def test_a_run_failed_by_another_nodes_hang_kill_counts_as_that_hang(tmp_path: P
     launcher reads A's hang record (contract.write_hang) and restarts as for a hang, so every node
     restarts together and the run is not failed by --max-failures 0."""
     from slurmresume.contract import write_hang
-    from slurmresume.hangwatch import HangWatch
-    from slurmresume.launcher import Relay, run_torchrun
+    from slurmresume.job.hangwatch import HangWatch
+    from slurmresume.job.launcher import Relay, run_torchrun
 
     root, hb = tmp_path / "ckpt", tmp_path / "hb"
     root.mkdir()

@@ -20,13 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import slurmresume.commands_inspect  # noqa: F401  (registers `inspect` until cli.py imports it)
+import slurmresume.cli.commands_inspect  # noqa: F401  (registers `inspect` until cli.py imports it)
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.checkpoint.shard import read_header
 from slurmresume.cli import app
 from slurmresume.errors import ConfigError, CorruptCheckpointError, NoCheckpointError
-from slurmresume.inspect import _Accumulator, inspect_checkpoint, locate, tensor_stats
+from slurmresume.tools.inspect import _Accumulator, inspect_checkpoint, locate, tensor_stats
 
 ENV = {"COLUMNS": "120", "TERM": "dumb", "NO_COLOR": "1", "SLURMRESUME_CKPT_DIR": ""}
 REPORT_KEYS = {"schema", "step", "path", "world_size", "bytes", "created", "created_iso", "metrics", "meta",
@@ -202,7 +202,7 @@ def test_cli_json_schema(root):
     r = run("inspect", "latest", "--json", env={"SLURMRESUME_CKPT_DIR": str(root)})
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    assert set(data) == REPORT_KEYS and data["schema"] == "slurmresume.inspect/1" and data["step"] == 9
+    assert set(data) == REPORT_KEYS and data["schema"] == "slurmresume.tools.inspect/1" and data["step"] == 9
     assert data["stats_computed"] is False and data["nan_count"] is None
     r = run("inspect", root / step_dir_name(7), "--json", "--tensors")
     data = json.loads(r.stdout)
@@ -210,7 +210,7 @@ def test_cli_json_schema(root):
     assert next(t for t in data["tensors"] if t["name"] == "weights")["stats"]["nan_count"] == 3
     assert data["nan_count"] == 3 and data["inf_count"] == 1
     assert {s["key"]: s["kind"] for s in data["state"]}["model"] == "stateful"
-    assert all(k in slurmresume.inspect.__doc__ for k in REPORT_KEYS | TENSOR_KEYS | STATS_KEYS)
+    assert all(k in slurmresume.tools.inspect.__doc__ for k in REPORT_KEYS | TENSOR_KEYS | STATS_KEYS)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -242,7 +242,7 @@ def test_cli_help():
 
 PROBE = """
 import contextlib, io, json, sys
-import slurmresume.commands_inspect, slurmresume._render, slurmresume.inspect  # imports are not the cost
+import slurmresume.cli.commands_inspect, slurmresume.cli.render, slurmresume.tools.inspect  # imports are not the cost
 from slurmresume.cli import app
 
 def kib(field):

@@ -14,7 +14,7 @@ from helpers.integrations import EXAMPLES, events, offline_env
 from test_slurm_e2e import cluster, final_state, job_log, sacct_states, scancel, submit, wait  # noqa: F401
 
 from slurmresume.checkpoint.store import find_latest
-from slurmresume.compare import compare_checkpoints
+from slurmresume.tools.compare import compare_checkpoints
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ARGS = ("--steps", "16", "--save-every", "2", "--batch-size", "8")

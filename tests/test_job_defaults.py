@@ -13,11 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from slurmresume.cli import app
-from slurmresume.config import requeue_cap_reached
 from slurmresume.contract import Outcome
-from slurmresume.drill import WORKDIR_MARK, prepare_workdir
 from slurmresume.errors import ConfigError
-from slurmresume.launcher import RunResult, decide
+from slurmresume.job.config import requeue_cap_reached
+from slurmresume.job.launcher import RunResult, decide
+from slurmresume.tools.drill import WORKDIR_MARK, prepare_workdir
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train.py"

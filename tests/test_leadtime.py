@@ -8,10 +8,12 @@ import pytest
 from helpers.core import tiny_state
 from typer.testing import CliRunner
 
-from slurmresume import Checkpointer, leadtime, status
+from slurmresume import Checkpointer
 from slurmresume.cli import app
-from slurmresume.doctor import check_lead
 from slurmresume.events import append_event
+from slurmresume.job import leadtime
+from slurmresume.tools import status
+from slurmresume.tools.doctor import check_lead
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train.py"

@@ -21,8 +21,8 @@ from slurmresume import slurm
 from slurmresume.contract import LastRun, Outcome, read_last_run, write_last_run, write_outcome
 from slurmresume.errors import SlurmError
 from slurmresume.events import read_events
-from slurmresume.guardian import start_time
-from slurmresume.launcher import RunResult, decide
+from slurmresume.job.guardian import start_time
+from slurmresume.job.launcher import RunResult, decide
 
 HELPERS = Path(__file__).parent / "helpers"
 LC_TRAIN = HELPERS / "lifecycle_train.py"
@@ -288,7 +288,7 @@ def test_warned_run_that_saved_nothing_is_not_success(tmp_path: Path) -> None:
 
 
 def _tree(pid: int) -> dict[int, int]:
-    from slurmresume.guardian import walk
+    from slurmresume.job.guardian import walk
 
     known = {pid: start_time(pid) or 0}
     walk(known)
@@ -353,8 +353,8 @@ def test_warning_during_start_up_does_not_kill_the_launcher(tmp_path: Path) -> N
     (bindir / "scontrol").write_text(FAKE_SCONTROL)
     (bindir / "scontrol").chmod(0o755)
     root, piddir, fake_log = tmp_path / "ckpt", tmp_path / "pids", tmp_path / "scontrol.log"
-    code = ("import sys; from pathlib import Path; from slurmresume.config import JobSpec; "
-            "from slurmresume.node import NodeLauncher; "
+    code = ("import sys; from pathlib import Path; from slurmresume.job.config import JobSpec; "
+            "from slurmresume.job.node import NodeLauncher; "
             f"NodeLauncher(JobSpec(script=Path({str(LC_TRAIN)!r}), script_args=('200', '0.05'), "
             f"ckpt_dir=Path({str(root)!r})))()")
     env = clean_env(PIDDIR=str(piddir), PYTHONPATH=os.environ.get("PYTHONPATH", ""), FAKE_LOG=str(fake_log),

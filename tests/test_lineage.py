@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import slurmresume
 from slurmresume.cli import app
-from slurmresume.compare import compare_checkpoints
+from slurmresume.tools.compare import compare_checkpoints
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 
@@ -42,7 +42,7 @@ def test_refused_without_a_decision(tmp_path: Path) -> None:
 
 
 def test_discard_newer_removes_only_newer(tmp_path: Path) -> None:
-    from slurmresume.lineage import prepare_resume
+    from slurmresume.tools.lineage import prepare_resume
 
     make_root(tmp_path / "r", (10, 20, 30))
     assert prepare_resume(tmp_path / "r", "20", branch=None, discard_newer=True) == tmp_path / "r"

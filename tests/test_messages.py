@@ -22,7 +22,7 @@ from slurmresume.errors import (
     SaveError,
     UnsafeCheckpointError,
 )
-from slurmresume.messages import (
+from slurmresume.train.messages import (
     Failure,
     PrepareDecision,
     RestoreChoice,
@@ -31,7 +31,7 @@ from slurmresume.messages import (
     pick_from_json,
     pick_to_json,
 )
-from slurmresume.saving import Payload, save_collective
+from slurmresume.train.saving import Payload, save_collective
 
 
 def _wire(d: Any) -> Any:

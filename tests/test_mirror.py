@@ -175,7 +175,6 @@ def test_bad_mirror_urls_are_one_line_config_errors(tmp_path: Path) -> None:
 
 def test_retention_applies_on_both_tiers(s3, url: str, tmp_path: Path) -> None:
     from slurmresume import RetentionPolicy
-
     ckpt = Checkpointer(tmp_path, handle_signals=False, mirror=url, retention=RetentionPolicy(keep=2))
     for s in (1, 2, 3, 4):
         ckpt.save(s, tiny_state(s))

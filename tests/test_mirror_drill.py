@@ -15,10 +15,10 @@ from helpers.objstore import aws_env, ensure_bucket, unique_url
 from helpers.procs import EXAMPLE, REPO, check, clean_env, run_example
 
 from slurmresume.checkpoint.store import find_latest
-from slurmresume.compare import compare_checkpoints
 from slurmresume.mirror import parse_s3_url, remote
 from slurmresume.mirror.s3 import client
 from slurmresume.mirror.transfer import download_step
+from slurmresume.tools.compare import compare_checkpoints
 
 pytestmark = pytest.mark.slow
 ARGS = ("--steps", "30", "--save-every", "5")

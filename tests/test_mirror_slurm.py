@@ -13,10 +13,10 @@ from helpers.objstore import aws_env, ensure_bucket, unique_url
 from test_slurm_e2e import SIG_TRAIN, cluster, events, final_state, job_log, preempt_at  # noqa: F401
 
 from slurmresume.checkpoint.store import find_latest
-from slurmresume.compare import compare_checkpoints
 from slurmresume.mirror import parse_s3_url, remote
 from slurmresume.mirror.s3 import client
 from slurmresume.mirror.transfer import download_step
+from slurmresume.tools.compare import compare_checkpoints
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

@@ -6,9 +6,9 @@ import pytest
 from helpers.timeline import example_events, write_events
 from typer.testing import CliRunner
 
-from slurmresume import status
 from slurmresume.cli import app
-from slurmresume.plot import build_timeline
+from slurmresume.tools import status
+from slurmresume.tools.plot import build_timeline
 
 
 def test_timeline_runs_and_lost_work():
@@ -16,7 +16,7 @@ def test_timeline_runs_and_lost_work():
     assert [r.end_kind for r in tl.runs] == ["preempt", "failed", "preempt", "finished"]
     assert [r.start_step for r in tl.runs] == [0, 892, 1492, 2324]
     assert len(tl.requeues) == 2 and len(tl.runs[0].warnings) == 1
-    from slurmresume.plot import _lost
+    from slurmresume.tools.plot import _lost
 
     _lost(tl)
     failed = tl.runs[1]

@@ -14,10 +14,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
 
-from slurmresume import _render, status
+from slurmresume.cli import render as _render
 from slurmresume.errors import ConfigError
 from slurmresume.events import append_event
-from slurmresume.policy import (
+from slurmresume.tools import status
+from slurmresume.train.policy import (
     Estimate,
     SavePolicy,
     SaveScheduler,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from slurmresume.checkpoint.store import find_latest
-from slurmresume.compare import compare_checkpoints
+from slurmresume.tools.compare import compare_checkpoints
 
 pytestmark = pytest.mark.slurm
 

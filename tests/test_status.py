@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from helpers.core import rewrite_manifest, tiny_state
 
-from slurmresume import Checkpointer, status
+from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import INPROGRESS, LOCK, step_dir_name
 from slurmresume.errors import ConfigError, NoCheckpointError, SlurmError
 from slurmresume.events import append_event
-from slurmresume.status import SLURM_NOT_FOUND, compute_status, run_slurm, verify_checkpoints
+from slurmresume.tools import status
+from slurmresume.tools.status import SLURM_NOT_FOUND, compute_status, run_slurm, verify_checkpoints
 
 SCHEMA_KEYS = {"schema", "verdict", "root", "now", "health", "problems", "warnings", "slurm", "job", "requeues",
                "event_counts", "history", "checkpoints", "newest_complete", "best", "ranks", "last_hang",
@@ -99,7 +100,7 @@ def test_healthy_run_and_json_schema(tmp_path, no_slurm):
     st = compute_status(tmp_path)
     assert st.health == "ok", (st.problems, st.warnings)
     data = json.loads(json.dumps(st.to_json(), allow_nan=False))
-    assert set(data) == SCHEMA_KEYS and data["schema"] == "slurmresume.status/1"
+    assert set(data) == SCHEMA_KEYS and data["schema"] == "slurmresume.tools.status/1"
     assert set(data["job"]) == JOB_KEYS and set(data["slurm"]) == {"available", "note"}
     assert all(set(r) == ROW_KEYS for r in data["checkpoints"])
     assert all(key in status.__doc__ for key in SCHEMA_KEYS | ROW_KEYS | JOB_KEYS)  # documented

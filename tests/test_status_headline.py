@@ -13,10 +13,12 @@ from helpers.core import tiny_state
 from rich.console import Console
 from typer.testing import CliRunner
 
-from slurmresume import Checkpointer, _render, status
+from slurmresume import Checkpointer
 from slurmresume.cli import app
-from slurmresume.health import EXIT_AT_RISK, EXIT_STOPPED
-from slurmresume.status import compute_status
+from slurmresume.cli import render as _render
+from slurmresume.tools import status
+from slurmresume.tools.health import EXIT_AT_RISK, EXIT_STOPPED
+from slurmresume.tools.status import compute_status
 
 ENV = {"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb", "SLURMRESUME_CKPT_DIR": ""}
 

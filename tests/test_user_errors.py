@@ -181,8 +181,8 @@ def test_unreadable_step_is_skipped_by_status_latest_and_prune(tmp_path: Path) -
 def test_ckpt_dir_from_pyproject_for_every_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from slurmresume import status
     from slurmresume.cli import app
+    from slurmresume.tools import status
 
     monkeypatch.setattr(status, "run_slurm", lambda args, timeout=10.0: None)
     save(tmp_path / "runs" / "exp1", 1, 2)

@@ -7,8 +7,15 @@ import pytest
 
 from slurmresume.checkpoint.collective import Group
 from slurmresume.contract import EXIT_PREEMPTED, EXIT_SAVE_FAILED, EXIT_TERMINATED
-from slurmresume.signals import NONE, PREEMPT, TERMINATE
-from slurmresume.verdict import StepBoundary, Verdict, drill_step_from_env, encode, exit_code, judge
+from slurmresume.train.signals import NONE, PREEMPT, TERMINATE
+from slurmresume.train.verdict import (
+    StepBoundary,
+    Verdict,
+    drill_step_from_env,
+    encode,
+    exit_code,
+    judge,
+)
 
 
 @pytest.mark.parametrize(("signal", "time_due", "trigger", "world", "expected"), [

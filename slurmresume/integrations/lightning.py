@@ -37,9 +37,9 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from torch.utils.data import DataLoader
 
 from ..checkpoint.jsonenc import encode
-from ..checkpointer import Checkpointer
 from ..errors import ConfigError
-from ..sampler import ResumableSampler
+from ..train.checkpointer import Checkpointer
+from ..train.sampler import ResumableSampler
 
 log = logging.getLogger("slurmresume")
 

@@ -38,8 +38,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .. import rng
-from ..checkpointer import Checkpointer
+from ..train import rng
+from ..train.checkpointer import Checkpointer
 
 log = logging.getLogger("slurmresume")
 

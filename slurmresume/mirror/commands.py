@@ -23,8 +23,8 @@ def latest(url: object) -> None:
 
 def verify(url: object, step: int | None, every: bool) -> None:
     """Hash every shard object of the chosen step(s) against its manifest."""
-    from .. import _render
-    from ..status import VerifyResult
+    from ..cli import render as _render
+    from ..tools.status import VerifyResult
 
     loc, s3 = parse_s3_url(str(url)), client()
     if step is not None and step < 0:
@@ -58,9 +58,9 @@ def verify(url: object, step: int | None, every: bool) -> None:
 
 def prune(url: object, policy: Any, *, dry_run: bool, yes: bool, as_json: bool) -> None:
     """The plan first; then marker-first deletion of what a re-made plan still deletes."""
-    from .. import _render
     from .. import retention as rt
-    from ..commands_ckpt import _confirm, _emit_json, _prune_json
+    from ..cli import render as _render
+    from ..cli.commands_ckpt import _confirm, _emit_json, _prune_json
 
     loc, s3 = parse_s3_url(str(url)), client()
     records = remote.records(s3, loc)

@@ -158,10 +158,10 @@ def deadline(seconds: int) -> Iterator[None]:
 def save_as_world(root: Path, step: int, world: int) -> Path:
     """Commit `tiny_state(step)` as if `world` ranks had saved it (each rank's shard written in
     this process through the same prepare / write_rank / commit protocol)."""
-    from slurmresume import rng
     from slurmresume.checkpoint import commit
     from slurmresume.checkpoint.collective import Group
     from slurmresume.checkpoint.state import flatten
+    from slurmresume.train import rng
 
     root = Path(root)
     decision = commit.prepare(root, step)

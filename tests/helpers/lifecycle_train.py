@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import slurmresume
-from slurmresume.signals import warning_signal_from_env
+from slurmresume.train.signals import warning_signal_from_env
 
 steps = int(sys.argv[1])
 sleep = float(sys.argv[2]) if len(sys.argv) > 2 else 0.05

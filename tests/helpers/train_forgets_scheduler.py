@@ -5,7 +5,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from slurmresume import checkpointer as c
+from slurmresume.train import checkpointer as c
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train.py")
 

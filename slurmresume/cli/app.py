@@ -1,0 +1,81 @@
+"""The `slurmresume` Typer application and the one place where domain errors become a one-line
+message and a non-zero exit code (`handle_errors`). The command modules register themselves on
+`app`; `cli.py` imports them, so nothing here imports a command back (no import cycle)."""
+
+from __future__ import annotations
+
+import errno
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+
+from ..errors import SlurmResumeError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+class _Command(typer.core.TyperCommand):
+    """Rich reads `[default: 1]` in a help string as a markup tag and drops it: escape the
+    brackets of every option's and argument's help once, here, instead of in each string."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for p in self.params:
+            text = getattr(p, "help", None)
+            if text and "[" in text and "\\[" not in text:
+                p.help = text.replace("[", "\\[")  # type: ignore[attr-defined]
+
+
+class _App(typer.Typer):
+    def command(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("cls", _Command)
+        return super().command(*args, **kwargs)
+
+
+app = _App(
+    name="slurmresume",
+    help="Preemptible PyTorch training on Slurm: submit, watch, and manage checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+_OS_HINTS = {
+    errno.EACCES: "check its owner and permissions (ls -ld), or choose another path",
+    errno.EPERM: "check its owner and permissions (ls -ld), or choose another path",
+    errno.EROFS: "the filesystem is read-only: choose a writable --ckpt-dir / --out",
+    errno.ENOSPC: "the disk is full: free space (slurmresume prune --keep N) or choose another path",
+    errno.EDQUOT: "your disk quota is exhausted: free space (slurmresume prune --keep N) or choose another path",
+    errno.EISDIR: "it is a directory: give a file path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: fix the path",
+    errno.ENOENT: "it does not exist: check the path",
+}
+
+
+def os_error_message(exc: OSError) -> str:
+    """One line for an OSError the user can fix: what failed, on which path, and what to do."""
+    what = exc.strerror or str(exc)
+    where = f" {exc.filename}" if exc.filename else ""
+    hint = _OS_HINTS.get(exc.errno or 0, "check the path and try again")
+    return f"{what}:{where}: {hint}"
+
+
+def handle_errors(fn: F) -> F:
+    """Wrap a command: SlurmResumeError or an OSError (a path the user gave: permissions, a full
+    or read-only disk) -> `error: <message>` on stderr and exit code 1, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except SlurmResumeError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
+        except OSError as exc:
+            typer.echo(f"error: {os_error_message(exc)}", err=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,260 @@
+"""Checkpoint commands (status, prune, verify, latest), registered on the app in cli.py.
+
+Each is a thin adapter: options -> one library call (status.py, retention.py, store.py) ->
+render (_render.py) or JSON. Errors are SlurmResumeError subclasses; `handle_errors` turns
+them into one `error: ...` line on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ..duration import parse_duration
+from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+from .app import app, handle_errors
+from .options import CkptDir, JsonOut, Mode, ModeOpt, resolve_root
+
+PRUNE_SCHEMA = "slurmresume.prune/1"
+
+
+def is_s3_url(value: object) -> bool:
+    """--ckpt-dir s3://BUCKET/PREFIX (pathlib turns the "//" into "/")."""
+    return str(value).startswith("s3:/")
+
+
+def s3_commands() -> Any:
+    from ..mirror import commands
+
+    return commands
+
+
+def _emit_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, allow_nan=False))
+
+
+@app.command()
+@handle_errors
+def status(
+    ckpt_dir: CkptDir = None,
+    job: Annotated[str | None, typer.Option(
+        "--job", "-j", metavar="ID", help="Slurm job id to show. Default: the newest job id in the event log.")] = None,
+    best: Annotated[str | None, typer.Option(
+        "--best", metavar="METRIC", help="Mark the checkpoint with the best value of METRIC "
+        "(a key of the metrics= you pass when saving, e.g. loss). [default: none]")] = None,
+    mode: ModeOpt = Mode.min,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Also recompute every complete checkpoint's checksums (reads every shard).")] = False,
+    limit: Annotated[int, typer.Option(
+        "--limit", help="Show at most this many checkpoint rows (newest first; 0: all).")] = 20,
+    as_json: JsonOut = False,
+    watch: Annotated[str | None, typer.Option(
+        "--watch", metavar="SECONDS", help="Redraw every SECONDS (e.g. 10, 30s, 1m) until Ctrl-C. [default: print once]")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", metavar="PNG", help="Also draw the run's timeline (step over time, saves, warnings, requeues, "
+        "failures) into this PNG file; needs matplotlib: pip install 'slurmresume[plot]'. [default: no picture]")] = None,
+) -> None:
+    """Is my run healthy? A three-line verdict, then every checkpoint, then the history.
+
+    The headline says HEALTHY / AT RISK / STOPPED (or STARTING / FINISHED) and why; the last
+    step, its age and speed; the newest complete checkpoint and the work a crash now would lose.
+    Reads the checkpoint root, its event log and, when Slurm is installed here, squeue/sacct.
+    Never changes anything.
+
+    Exit codes: 0 healthy, starting or finished; 3 at risk (a corrupt checkpoint, a failed
+    save, or no commit for 1.5 save intervals); 4 stopped (Slurm or the log says the run ended
+    without finishing); 1 a usage error. --json carries the same verdict.
+
+    Example: slurmresume status --ckpt-dir runs/exp1 --best loss
+    """
+    from ..tools.status import compute_status
+    from . import render as _render
+
+    if limit < 0:
+        raise ConfigError(f"--limit must be >= 0 (0 shows all), got {limit}")
+    if is_s3_url(ckpt_dir):  # the bucket's steps only (no job, no event log there)
+        return s3_commands().status(ckpt_dir, verify=verify, limit=limit, as_json=as_json)
+    root = resolve_root(ckpt_dir)
+    if job is not None and not re.fullmatch(r"\d+(_\d+)?", job):
+        raise ConfigError(f"--job {job!r} is not a Slurm job id: use digits, e.g. --job 12345")
+    interval = parse_duration(watch, "--watch") if watch is not None else None
+    if interval is not None and interval <= 0:
+        raise ConfigError(f"--watch {watch!r} must be more than 0 seconds")
+    if interval is not None and as_json:
+        raise ConfigError("--watch and --json cannot be combined: poll `status --json` instead")
+
+    def compute() -> Any:
+        return compute_status(root, job_id=job, best_metric=best, mode=mode.value, verify=verify,
+                              with_interval=True, rows_limit=limit or None)
+
+    if interval is not None:
+        _render.watch(compute, interval, limit)
+        return
+    st = compute()
+    if as_json:
+        _emit_json(st.to_json())
+    else:
+        _render.print_status(st, limit)
+    if plot is not None:
+        from ..tools.plot import plot_timeline
+
+        written = plot_timeline(root, plot.expanduser().absolute(), now=st.now)
+        typer.echo(f"timeline written to {written}", err=True)
+    if st.verdict is not None and st.verdict.exit_code:
+        raise typer.Exit(st.verdict.exit_code)
+
+
+def _stdin_is_tty() -> bool:
+    return sys.stdin.isatty()
+
+
+@app.command()
+@handle_errors
+def prune(
+    keep: Annotated[int, typer.Option("--keep", metavar="N", help="Keep the N newest complete checkpoints "
+                                      "(N >= 1). Incomplete directories never count.")],
+    keep_every: Annotated[int | None, typer.Option(
+        "--keep-every", metavar="M", help="Also keep every complete step divisible by M (e.g. 1000). [default: off]")] = None,
+    keep_best: Annotated[str | None, typer.Option(
+        "--keep-best", metavar="METRIC", help="Also keep the complete checkpoint with the best METRIC. [default: off]")] = None,
+    mode: ModeOpt = Mode.min,
+    remove_incomplete_older_than: Annotated[str | None, typer.Option(
+        "--remove-incomplete-older-than", metavar="DURATION", help="Also remove incomplete or corrupt "
+        "directories idle for DURATION (e.g. 12h, 2d). [default: leave them alone]")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print the plan; delete nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
+    ckpt_dir: CkptDir = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Delete old checkpoints, keeping the newest N (and, if asked, every M-th and the best).
+
+    Never deletes the newest complete checkpoint, the best one under --keep-best, or a
+    directory being written. Prints the plan first; asks before deleting unless --yes.
+    Deletion is crash-safe: each directory disappears in one rename before its files go.
+    Example: slurmresume prune --keep 3 --keep-best loss --dry-run
+    """
+    from .. import retention as rt
+    from . import render as _render
+
+    older = (parse_duration(remove_incomplete_older_than, "--remove-incomplete-older-than")
+             if remove_incomplete_older_than is not None else None)
+    policy = rt.RetentionPolicy(keep=keep, keep_every=keep_every, keep_best=keep_best, mode=mode.value,
+                                remove_incomplete_older_than=older)
+    if is_s3_url(ckpt_dir):  # a bucket: same plan, marker-first deletion (slurmresume/mirror/)
+        return s3_commands().prune(ckpt_dir, policy, dry_run=dry_run, yes=yes, as_json=as_json)
+    root = resolve_root(ckpt_dir)
+    records = rt.scan(root)
+    plan = rt.plan_prune(records, policy, time.time())
+    if plan.missing_metric:
+        raise ConfigError(f"--keep-best {keep_best!r}: no complete checkpoint records that metric; "
+                          f"metrics found: {', '.join(rt.metric_names(records)) or 'none'}")
+    leftovers = rt.leftovers(root)
+    if not as_json:
+        _render.print_plan(plan, leftovers, dry_run)
+    result = None
+    if not dry_run and (plan.delete or leftovers):
+        _confirm(len(plan.delete) + len(leftovers), yes, as_json)
+        with _render.progress("deleting") as bar:
+            result = rt.execute(root, policy, approved={r.name for r in plan.delete}, progress=bar)
+        if not as_json:
+            _render.print_result(result)
+    elif not as_json and not dry_run:
+        typer.echo("nothing to delete")
+    if as_json:
+        _emit_json(_prune_json(root, policy, plan, leftovers, dry_run, result))
+
+
+def _confirm(count: int, yes: bool, as_json: bool) -> None:
+    if yes:
+        return
+    if as_json or not _stdin_is_tty():
+        raise ConfigError(f"refusing to delete {count} entr{'y' if count == 1 else 'ies'} without confirmation: "
+                          "pass --yes to delete without asking (or --dry-run to only see the plan)")
+    if not typer.confirm(f"Delete {count} entr{'y' if count == 1 else 'ies'} listed above?", default=False):
+        typer.echo("aborted: nothing deleted", err=True)
+        raise typer.Exit(1)
+
+
+def _prune_json(root: Path, policy: Any, plan: Any, leftovers: list[str], dry_run: bool, result: Any) -> dict:
+    """Schema "slurmresume.prune/1" (what `prune --json` prints):
+
+    schema, root, dry_run   "slurmresume.prune/1", the root (str), bool
+    policy                  the RetentionPolicy fields (durations in seconds)
+    plan                    newest first: [{step, name, complete, action: "keep"|"delete", reasons}]
+    newest_complete, best   steps (or null)
+    leftovers               .deleting.* entries found (removed unless a dry run)
+    deleted, cleaned        directory / leftover names removed (empty on a dry run)
+    skipped                 [{name, reason}]: planned, but kept when re-checked under the lock
+    """
+    from dataclasses import asdict
+
+    return {
+        "schema": PRUNE_SCHEMA, "root": str(root), "dry_run": dry_run, "policy": asdict(policy),
+        "plan": [{"step": d.record.step, "name": d.record.name, "complete": d.record.complete,
+                  "action": "delete" if d.delete else "keep", "reasons": list(d.reasons)} for d in plan.decisions],
+        "newest_complete": plan.newest.step if plan.newest else None,
+        "best": plan.best.step if plan.best else None,
+        "leftovers": leftovers,
+        "deleted": result.deleted if result else [],
+        "skipped": [{"name": n, "reason": why} for n, why in result.skipped] if result else [],
+        "cleaned": result.cleaned if result else [],
+    }
+
+
+@app.command()
+@handle_errors
+def verify(
+    step: Annotated[int | None, typer.Argument(
+        help="Step to verify. Default: the newest complete checkpoint.")] = None,
+    every: Annotated[bool, typer.Option("--all", help="Verify every committed checkpoint.")] = False,
+    ckpt_dir: CkptDir = None,
+) -> None:
+    """Recompute shard checksums and compare them with the manifest.
+
+    Exits 1 and names each bad file when a checkpoint fails (restore would then fall back to
+    the previous one). Reads every byte of the checked shards.
+    Example: slurmresume verify --all --ckpt-dir runs/exp1
+    """
+    from ..tools.status import verify_checkpoints
+    from . import render as _render
+
+    if is_s3_url(ckpt_dir):
+        return s3_commands().verify(ckpt_dir, step, every)
+    root = resolve_root(ckpt_dir)
+    if step is not None and step < 0:
+        raise ConfigError(f"STEP must be >= 0, got {step}")
+    if step is not None and every:
+        raise ConfigError("give either a STEP or --all, not both")
+    with _render.progress("verifying checkpoints") as bar:
+        results = verify_checkpoints(root, step=step, every=every, progress=bar)
+    _render.print_verify(results)
+    bad = [p for r in results if not r.ok for p in r.problems]
+    if bad:
+        failed = sum(not r.ok for r in results)
+        raise CorruptCheckpointError(f"{failed} of {len(results)} checkpoint(s) failed verification: {'; '.join(bad)}")
+
+
+@app.command()
+@handle_errors
+def latest(ckpt_dir: CkptDir = None) -> None:
+    """Print the path of the newest complete checkpoint (for scripts).
+
+    Prints nothing on stdout and exits 1 when there is none. Incomplete or corrupt newer
+    directories are skipped. Example: cp -r "$(slurmresume latest)" /archive/
+    """
+    from ..checkpoint.store import find_latest
+
+    if is_s3_url(ckpt_dir):
+        return s3_commands().latest(ckpt_dir)
+    root = resolve_root(ckpt_dir)
+    info = find_latest(root, warn=False)
+    if info is None:
+        raise NoCheckpointError(f"no complete checkpoint under {root}")
+    typer.echo(os.fspath(info.path))

@@ -1,0 +1,243 @@
+"""Job commands: `submit` (to Slurm, or `--local`) and `drill`. Thin adapters over the library."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ..errors import ConfigError
+from ..job.config import JobSpec, check_text, load_defaults, parse_sbatch_extras
+from .app import app, handle_errors
+
+# Shown in --help as "(default: ...)": rich would swallow "[default: ...]" as markup. No default for
+# --time (the partition's DefaultTime applies) nor --max-requeues (no cap while runs progress).
+_DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_failures": 0, "hang_timeout": "auto",
+             "max_hangs": 3}
+_HANG_TIMEOUT_HELP = ("Hang watch: a rank silent longer than its phase's budget gets every rank's stacks dumped, then "
+                      "the run is killed and restarted in the allocation. auto: 10x the longest step + 120 s after 3 "
+                      "warm-up steps; start-up 900 s; save/restore 5x the longest save + 300 s. SECONDS: that step "
+                      "budget instead. off: no watch. (default: auto)")
+
+Opt = typer.Option
+
+
+def _spec(script: Path, script_args: list[str] | None, cli: dict[str, Any]) -> JobSpec:
+    """CLI values win over [tool.slurmresume] / slurmresume.toml defaults, which win over ours."""
+    conf = load_defaults(Path.cwd())
+    unknown = set(conf) - set(JobSpec.__dataclass_fields__) - {"sbatch"}
+    if unknown:
+        raise ConfigError(f"unknown key(s) {sorted(unknown)} in [tool.slurmresume]: see `slurmresume submit --help`")
+    merged: dict[str, Any] = {**_DEFAULTS, **conf, **{k: v for k, v in cli.items() if v is not None}}
+    if merged.get("ckpt_dir") is None:
+        raise ConfigError("no checkpoint directory: pass --ckpt-dir DIR or set ckpt-dir in [tool.slurmresume]")
+    sbatch = cli.get("sbatch") or conf.get("sbatch") or []
+    if isinstance(sbatch, dict):
+        sbatch = [f"{k}={v}" for k, v in sbatch.items()]
+    merged["sbatch"] = parse_sbatch_extras([str(x) for x in sbatch])
+    from ..mirror.hook import refuse_bucket_root
+
+    refuse_bucket_root(merged["ckpt_dir"], "--mirror")
+    merged["ckpt_dir"] = Path(merged["ckpt_dir"]).expanduser().absolute()
+    if merged.get("log_dir"):
+        merged["log_dir"] = Path(merged["log_dir"]).expanduser().absolute()
+    if merged.get("time") is not None:
+        merged["time"] = str(merged["time"])
+    return JobSpec(script=script.expanduser().absolute(), script_args=tuple(script_args or ()), **merged)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Point file descriptor 1 (inherited by torchrun and the ranks) at stderr meanwhile."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _warn_lead(root: Path, lead: int) -> None:
+    """One line on stderr when --signal-lead is shorter than the measured saves under `root` need
+    (leadtime.required_lead); a warning, not a refusal: the prediction may be stale."""
+    from ..events import read_events
+    from ..job.leadtime import lead_report, lead_warning
+    from ..tools.doctor import last_checkpoint_bytes
+    from ..train.policy import estimate_from_events
+
+    if not root.is_dir():
+        return
+    events = read_events(root)
+    if not events:
+        return
+    rep = lead_report(events, lead, estimate_from_events(events).step_s, last_checkpoint_bytes(root) or None)
+    line = lead_warning(rep)
+    if line:
+        typer.echo(f"warning: {line}", err=True)
+
+
+ScriptArg = Annotated[Path, typer.Argument(help="Training script run by torchrun on every node.",
+                                           show_default=False)]
+ArgsArg = Annotated[list[str] | None, typer.Argument(help="Arguments for the script (put them after --).",
+                                                     show_default=False)]
+
+
+@app.command()
+@handle_errors
+def submit(
+    script: ScriptArg,
+    script_args: ArgsArg = None,
+    ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root, a directory every rank can write (an s3:// bucket goes in --mirror); exported to the script as SLURMRESUME_CKPT_DIR. (default: ckpt-dir from slurmresume.toml or pyproject.toml; required)")] = None,
+    nodes: Annotated[int | None, Opt(help="Number of nodes (one launcher + torchrun per node). (default: 1)")] = None,
+    nproc_per_node: Annotated[int | None, Opt(help="Processes per node. (default: --gpus-per-node, else 1)")] = None,
+    gpus_per_node: Annotated[int | None, Opt(help="GPUs per node to request. (default: none)")] = None,
+    cpus_per_task: Annotated[int | None, Opt(help="CPUs for each node's task. (default: the partition's)")] = None,
+    mem: Annotated[str | None, Opt(help="Memory per node, e.g. 64G. (default: the partition's)")] = None,
+    time: Annotated[str | None, Opt(help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS; longer than --signal-lead. (default: the partition's DefaultTime)")] = None,
+    partition: Annotated[str | None, Opt(help="Slurm partition. (default: the cluster's default partition)")] = None,
+    account: Annotated[str | None, Opt(help="Slurm account. (default: your default account)")] = None,
+    qos: Annotated[str | None, Opt(help="Slurm QOS. (default: the account's default)")] = None,
+    constraint: Annotated[str | None, Opt(help="Node feature constraint. (default: none)")] = None,
+    job_name: Annotated[str | None, Opt(help="Job name. (default: slurmresume-<script>)")] = None,
+    signal: Annotated[str | None, Opt(help="Warning signal; B:USR1 sends it to the batch shell only. (default: USR1)")] = None,
+    signal_lead: Annotated[int | None, Opt(help="Seconds before the time limit that the warning comes. (default: 120)")] = None,
+    max_requeues: Annotated[int | None, Opt(help="Cap on requeues (warnings and time limits alike). (default: no cap while each run commits a newer step; two runs in a row without one stop the job)")] = None,
+    max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. (default: 0)")] = None,
+    hang_timeout: Annotated[str | None, Opt(metavar="auto|SECONDS|off", help=_HANG_TIMEOUT_HELP)] = None,
+    max_hangs: Annotated[int | None, Opt(help="In-allocation restarts after a hang; the same hang twice in a row without a new checkpoint stops (and under Slurm holds) the job. (default: 3)")] = None,
+    sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive; arrays and heterogeneous jobs are refused. (default: none)")] = None,
+    rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. (default: derived from the job id)")] = None,
+    python: Annotated[str | None, Opt(help="Python interpreter on the nodes. (default: this one)")] = None,
+    resume_from: Annotated[str | None, Opt(help="Start from this committed STEP (or step directory) instead of the newest. (default: the newest)")] = None,
+    branch: Annotated[Path | None, Opt(help="With --resume-from: continue in this NEW checkpoint root; the old one is untouched. (default: none)")] = None,
+    discard_newer: Annotated[bool, Opt("--discard-newer", help="With --resume-from: delete the steps newer than it.")] = False,
+    takeover: Annotated[bool, Opt("--takeover", help="Take the checkpoint root over from a previous run that is provably gone (job not in squeue, pid dead, or heartbeat over 10 min old); a live owner is never taken over.")] = False,
+    mirror: Annotated[str | None, Opt(metavar="s3://BUCKET/PREFIX", help="Also copy every committed step there "
+                                      "(background upload; restore pulls newer steps from it). Endpoint and credentials "
+                                      "from the AWS environment. [default: none]")] = None,
+    local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
+    dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
+    json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Submit TRAIN_SCRIPT to Slurm so that preemptions and time limits cost no work.
+
+    Each node runs torchrun under a launcher that relays the warning signal (--signal, sent
+    --signal-lead seconds before the end) to every rank; the ranks agree on one step, save it,
+    commit, and the job requeues itself and resumes from the newest complete checkpoint.
+
+    Example: slurmresume submit train.py --nodes 2 --gpus-per-node 8 --time 4:00:00 --ckpt-dir /ckpt/run1 -- --lr 3e-4
+    """
+    cli = {k: v for k, v in locals().items()
+           if k not in ("script", "script_args", "local", "dry_run", "json_out", "resume_from", "branch", "discard_newer",
+                        "takeover")}
+    from .. import ownership
+    from ..job import submit as launch
+    from .render_job import print_json, print_submitted
+
+    spec = _spec(script, script_args, cli)
+    if not dry_run:  # one owner per root: refused before anything is created, moved or submitted
+        ownership.check_free(spec.ckpt_dir, takeover=takeover)
+    # The same checks as every other value, before prepare_resume creates or deletes anything.
+    check_text("--resume-from", resume_from or "")
+    check_text("--branch", str(branch or ""))
+    if resume_from is not None and not dry_run:
+        from dataclasses import replace
+
+        from ..tools.lineage import prepare_resume
+
+        spec = replace(spec, ckpt_dir=prepare_resume(spec.ckpt_dir, resume_from, branch=branch,
+                                                     discard_newer=discard_newer))
+    elif branch is not None or discard_newer:
+        raise ConfigError("--branch and --discard-newer only make sense with --resume-from STEP")
+    _warn_lead(spec.ckpt_dir, spec.signal_lead)
+    if not dry_run:
+        from ..tools.doctor import last_checkpoint_bytes, preflight_root
+
+        preflight_root(spec.ckpt_dir, last_checkpoint_bytes(spec.ckpt_dir))  # before any training
+    if local:
+        from ..job.node import run_local
+
+        if json_out:  # stdout carries exactly one JSON document: training output goes to stderr
+            with _stdout_to_stderr():
+                result = run_local(spec, takeover=takeover)
+            print_json(result)
+        else:
+            result = run_local(spec, takeover=takeover)
+            typer.echo(f"local run {result['action']}: {result['reason']}")
+        return
+    sub = launch.preview(spec) if dry_run else launch.submit(spec)
+    if not dry_run:
+        launch.claim_root(spec, sub.job_id, takeover=takeover)
+        from ..events import append_event
+
+        append_event(spec.ckpt_dir, "submitted", job=sub.job_id, job_id=sub.job_id, script=str(spec.script), nodes=spec.nodes,
+                     procs=spec.procs, signal_lead=spec.signal_lead, log_dir=str(sub.log_dir))
+    if json_out:
+        print_json({"job_id": sub.job_id or None, "log_dir": str(sub.log_dir), "sbatch_script": sub.sbatch_script,
+                    "torchrun": sub.torchrun, "ckpt_dir": str(spec.ckpt_dir), "dry_run": dry_run})
+    else:
+        print_submitted(sub.job_id, sub.log_dir, sub.sbatch_script if dry_run else None, sub.torchrun, spec.ckpt_dir)
+
+
+@app.command()
+@handle_errors
+def drill(
+    script: ScriptArg,
+    script_args: ArgsArg = None,
+    preemptions: Annotated[int | None, Opt(help="Warnings to inject at random steps. (default: 3, or 0 with --hang)", min=1)] = None,
+    hang: Annotated[int, Opt("--hang", help="Hangs to inject instead: a seeded rank stops making progress at a seeded step; each must be detected, dumped for every rank and restarted in the allocation. (default: 0)", min=0)] = 0,
+    hang_timeout: Annotated[str, Opt(metavar="auto|SECONDS|off", help="As for submit; auto in a hang drill uses a 5 s floor instead of 120 s and a 120 s start-up budget (the script is short and its steps are measured). (default: auto)")] = "auto",
+    nproc_per_node: Annotated[int, Opt(help="Processes (gloo on CPU, NCCL on GPU).", min=1)] = 1,
+    seed: Annotated[int, Opt(help="Seed for choosing the preemption steps.")] = 0,
+    workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints: a new or empty directory, or one an earlier drill created (only its run folders are replaced).")] = Path("runs/drill"),
+    ignore: Annotated[list[str] | None, Opt(help="What may differ (repeatable): a state key (e.g. a wall-clock metric), one RNG stream (rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda) or all of them (rng). (default: none)")] = None,
+    json_out: Annotated[bool, Opt("--json", help="Print the verdict as JSON.")] = False,
+) -> None:
+    """Prove that TRAIN_SCRIPT resumes exactly, here, before spending cluster hours.
+
+    Runs it once uninterrupted and once with --preemptions warning signals at seeded random
+    steps (through the real launcher and torchrun), then compares the final checkpoints tensor
+    by tensor. Exit 0 when bitwise equal; exit 1 naming what differs, causes first (RNG streams,
+    plain values and user objects, then the optimizer and model they feed). An RNG stream that
+    differed between the runs already at their first step is reported as never seeded, not
+    failed.
+
+    With --hang N it injects N hangs instead, and passes only when each was detected, every rank's
+    stacks were dumped, the run restarted inside the allocation, and the final checkpoint is
+    bitwise equal to the uninterrupted run's.
+
+    Example: slurmresume drill examples/train.py --preemptions 3 --nproc-per-node 2 -- --steps 60
+    Example: slurmresume drill examples/train.py --hang 2 --nproc-per-node 2 -- --steps 40
+    """
+    from ..tools.compare import culprits
+    from ..tools.drill import run_drill
+    from .render_job import print_drill, print_json
+
+    if hang and preemptions:
+        raise ConfigError("--hang and --preemptions cannot be combined in one drill: run one drill of each")
+    workdir = workdir.expanduser().absolute()
+    spec = _spec(script, script_args, {"ckpt_dir": workdir, "nproc_per_node": nproc_per_node,
+                                       "hang_timeout": hang_timeout})
+    # --json: stdout carries the verdict alone (`| jq` works); the runs' output goes to stderr
+    with _stdout_to_stderr() if json_out else contextlib.nullcontext():
+        report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,
+                           ignore_keys=tuple(ignore or ()), hangs=hang)
+    if json_out:
+        print_json({"ok": report.ok, "steps": report.steps, "planned": report.planned,
+                    "preemptions": report.preemptions, "missed": report.missed, "saved_steps": report.saved_steps,
+                    "hangs": report.hang_json(),
+                    "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint,
+                                     "cause": d.cause, "culprit": d in culprits(report.differences)}
+                                    for d in report.differences]})
+    else:
+        print_drill(report)
+    if not report.ok:
+        raise typer.Exit(1)

@@ -1,0 +1,58 @@
+"""Options and helpers shared by the CLI command modules (no command lives here)."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..errors import ConfigError
+
+ENV_ROOT = "SLURMRESUME_CKPT_DIR"
+
+
+class Mode(str, Enum):
+    min = "min"
+    max = "max"
+
+
+CkptDir = Annotated[Path | None, typer.Option(
+    "--ckpt-dir", "-d", metavar="DIR", envvar=ENV_ROOT, show_envvar=True,
+    help="Checkpoint root: the directory holding the step_* folders. Default: $SLURMRESUME_CKPT_DIR, "
+    "else ckpt-dir in [tool.slurmresume] of pyproject.toml.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+ModeOpt = Annotated[Mode, typer.Option("--mode", help="Whether the lowest (min, e.g. loss) or highest "
+                                       "(max, e.g. accuracy) metric value is best.")]
+
+
+def configured_root() -> Path | None:
+    """`ckpt-dir` of [tool.slurmresume] (nearest pyproject.toml) or slurmresume.toml, if set."""
+    from ..job.config import load_defaults
+
+    value = load_defaults(Path.cwd()).get("ckpt_dir")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"ckpt-dir = {value!r} in [tool.slurmresume] must be a path string, e.g. \"runs/exp1\"")
+    return Path(value)
+
+
+def resolve_root(ckpt_dir: Path | None) -> Path:
+    """The checkpoint root from --ckpt-dir, else $SLURMRESUME_CKPT_DIR, else `ckpt-dir` in
+    [tool.slurmresume] / slurmresume.toml (what `submit` uses); it must be a directory."""
+    if ckpt_dir is None or str(ckpt_dir) == "":
+        ckpt_dir = configured_root()
+    if ckpt_dir is None:
+        raise ConfigError(f"no checkpoint root: pass --ckpt-dir DIR, set {ENV_ROOT}, "
+                          "or set ckpt-dir in [tool.slurmresume] of pyproject.toml")
+    root = ckpt_dir.expanduser().absolute()
+    if not root.exists():
+        raise ConfigError(f"checkpoint root {root} does not exist: check --ckpt-dir / {ENV_ROOT}")
+    if not root.is_dir():
+        raise ConfigError(f"checkpoint root {root} is not a directory: point --ckpt-dir at the run's directory")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise ConfigError(f"checkpoint root {root} is not readable by this user: check its permissions")
+    return root

@@ -1,0 +1,159 @@
+"""Hang decisions, pure: how long each phase may go without a heartbeat, which ranks are stuck,
+whether a hang is the same as the last one, which rank straggles. Time is always passed in.
+
+The budgets (README, "Hang detection"), per rank and per phase:
+    start-up  (no step() yet: imports, NCCL init, data, restore)    startup_s            (900 s)
+    step      during the first `warmup_steps` steps                 startup_s
+              after them, auto:    multiple x longest step seen + floor_s    (10 x + 600 s)
+              after them, SECONDS: that many seconds
+    busy      (`with ckpt.busy("eval"):` between steps)            startup_s
+    save      (a synchronous or emergency save in progress)         save_multiple x longest save
+    restore                                                          + save_floor_s  (5 x + 300 s),
+                                                                     restore: at least startup_s
+The longest save is the larger of this run's and the log's recent saves (`save_cost_s`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..train.heartbeat import BUSY, RESTORE, SAVE, STARTUP, STEP, Record
+
+STRAGGLER_MARGIN = 0.2  # a rank whose median step is 20% above the others' median is named
+STRAGGLER_MIN_SAMPLES = 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangBudgets:
+    """How long a rank may go without a heartbeat, by phase (see the module doc)."""
+
+    enabled: bool = True  # --hang-timeout off: False
+    timeout_s: float | None = None  # --hang-timeout SECONDS: the step budget after warm-up; None: auto
+    multiple: float = 10.0  # auto step budget: multiple x longest step + floor_s
+    # 10 min: PyTorch's default collective timeout; an evaluation or a data reload between
+    # steps that is not wrapped in ckpt.busy() gets that long before it is taken for a hang
+    floor_s: float = 600.0
+    warmup_steps: int = 3  # steps judged by startup_s (first steps compile, warm caches, build buckets)
+    startup_s: float = 900.0
+    save_multiple: float = 5.0  # save/restore budget: save_multiple x longest save + save_floor_s
+    save_floor_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("multiple", "floor_s", "startup_s", "save_multiple", "save_floor_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"hang budget {name} must be > 0, got {getattr(self, name)}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ConfigError(f"--hang-timeout must be auto, off or a positive number of seconds, got {self.timeout_s}")
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "off"
+        step = f"{self.timeout_s:g} s" if self.timeout_s is not None else f"{self.multiple:g}x longest step + {self.floor_s:g} s"
+        return (f"step: {step} (after {self.warmup_steps} warm-up steps); start-up: {self.startup_s:g} s; "
+                f"save/restore: {self.save_multiple:g}x longest save + {self.save_floor_s:g} s")
+
+
+def parse_hang_timeout(value: str) -> tuple[bool, float | None]:
+    """'auto' -> (True, None); 'off' -> (False, None); '90' / '90s' -> (True, 90.0). ConfigError else."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return True, None
+    if text == "off":
+        return False, None
+    try:
+        seconds = float(text.removesuffix("s"))
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise ConfigError(f"--hang-timeout {value!r} is not valid: use auto, off or a positive number of seconds (e.g. 600)")
+    return True, seconds
+
+
+def budget(rec: Record | None, b: HangBudgets, save_cost_s: float = 0.0) -> tuple[str, float]:
+    """(phase, seconds the rank may go without a heartbeat in it). No record yet: start-up."""
+    if rec is None or rec.phase == STARTUP:
+        return STARTUP, b.startup_s
+    if rec.phase == BUSY:
+        return BUSY, b.startup_s
+    save = b.save_multiple * max(rec.longest_save, save_cost_s) + b.save_floor_s
+    if rec.phase == SAVE:
+        return SAVE, save
+    if rec.phase == RESTORE:
+        return RESTORE, max(b.startup_s, save)
+    if rec.phase == STEP:
+        if rec.steps_seen <= b.warmup_steps or rec.longest_step <= 0:
+            return STEP, b.startup_s
+        if b.timeout_s is not None:
+            return STEP, b.timeout_s
+        return STEP, b.multiple * rec.longest_step + b.floor_s
+    return rec.phase, float("inf")  # done: the script is finishing; torchrun's exit decides
+
+
+@dataclass(frozen=True)
+class Hang:
+    """What the launcher found: the ranks over their budget, and every local rank's last state."""
+
+    ranks: tuple[int, ...]  # the suspects: of the ranks over budget, those at the lowest step (the others
+    # passed it and wait for them in a collective)
+    phase: str  # the phase of the first of them
+    step: int  # the lowest last step among them (-1: before any step)
+    silent_s: float  # how long the first of them had been silent
+    budget_s: float
+    last_heartbeat: float  # time.time() of that rank's last heartbeat (or of the run's start)
+    ranks_state: dict[int, dict]  # rank -> {step, phase, age_s}
+    over: tuple[int, ...] = ()  # every rank over its budget at the verdict
+
+    @property
+    def key(self) -> tuple[tuple[int, ...], int]:
+        """Two hangs are 'the same' when the same ranks stop at the same step."""
+        return self.ranks, self.step
+
+
+def judge(records: dict[int, Record | None], now: float, started: float, b: HangBudgets,
+          save_cost_s: float = 0.0) -> Hang | None:
+    """`records`: this node's ranks (None: no heartbeat yet, silent since `started`)."""
+    if not b.enabled:
+        return None
+    over: list[tuple[float, int, str, float, float]] = []
+    state: dict[int, dict] = {}
+    for rank, rec in sorted(records.items()):
+        last = rec.time if rec is not None else started
+        phase, allowed = budget(rec, b, save_cost_s)
+        silent = now - last
+        state[rank] = {"step": rec.step if rec is not None else -1, "phase": phase, "age_s": round(silent, 3)}
+        if silent > allowed:
+            over.append((last, rank, phase, silent, allowed))
+    if not over:
+        return None
+    over.sort()
+    silent_ranks = tuple(sorted(r for _, r, _, _, _ in over))
+    step = min(state[r]["step"] for r in silent_ranks)
+    suspects = tuple(r for r in silent_ranks if state[r]["step"] == step)
+    last, _, phase, silent, allowed = next(o for o in over if o[1] in suspects)
+    return Hang(suspects, phase, step, round(silent, 3), round(allowed, 3), last, state, silent_ranks)
+
+
+def percentile(values: list[float] | tuple[float, ...], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[k]
+
+
+def stragglers(medians: dict[int, float], samples: dict[int, int]) -> list[int]:
+    """Ranks whose median step time exceeds the median of the other ranks' medians by more than
+    STRAGGLER_MARGIN (each with at least STRAGGLER_MIN_SAMPLES steps measured)."""
+    known = {r: m for r, m in medians.items() if samples.get(r, 0) >= STRAGGLER_MIN_SAMPLES and m > 0}
+    if len(known) < 2:
+        return []
+    out = []
+    for rank, med in sorted(known.items()):
+        others = statistics.median(m for r, m in known.items() if r != rank)
+        if med > (1 + STRAGGLER_MARGIN) * others:
+            out.append(rank)
+    return out

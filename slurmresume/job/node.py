@@ -1,0 +1,285 @@
+"""What runs on each node: the torchrun command line, the workers' environment, and the loop that
+turns run outcomes into requeues (Slurm) or local restarts (`--local`, as Slurm's requeue would)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import ownership, slurm
+from ..contract import (
+    ENV_DUMP_SIGNAL,
+    ENV_HEARTBEAT_DIR,
+    ENV_LAUNCHER_PID,
+    ENV_MIRROR,
+    ENV_OWNER,
+    ENV_RESTART,
+    ENV_ROOT,
+    ENV_RUN_ID,
+    ENV_SIGNAL,
+    EV_HELD,
+    EV_NO_CHECKPOINT,
+    EV_REQUEUE_FAILED,
+    EV_WARNED_WITHOUT_SAVE,
+    LAUNCHER_EXIT_REQUEUED,
+    LastRun,
+    read_last_run,
+    write_last_run,
+)
+from ..errors import SlurmError
+from ..events import try_append_event
+from ..train.heartbeat import dump_signal
+from .config import JobSpec
+from .guardian import Guardian
+from .hangwatch import HangWatch, heartbeat_dir
+from .launcher import (
+    JobClock,
+    Relay,
+    RunResult,
+    decide,
+    run_id_for,
+    run_torchrun,
+    warn_signal,
+)
+
+log = logging.getLogger("slurmresume")
+
+
+def rdzv_port(job_id: str, override: int | None) -> int:
+    """A port derived from the job id, so concurrent jobs on one node do not collide."""
+    if override:
+        return override
+    digits = "".join(c for c in job_id if c.isdigit()) or "0"
+    return 20000 + int(digits) % 20000
+
+
+def torchrun_command(spec: JobSpec, *, nnodes: int, endpoint: str | None, rdzv_id: str) -> list[str]:
+    """The torchrun command, as an argument list (never through a shell)."""
+    cmd = [spec.python, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+           f"--nproc-per-node={spec.procs}", "--max-restarts=0"]
+    if endpoint is None:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+    return cmd + [str(spec.script), *spec.script_args]
+
+
+def worker_env(spec: JobSpec, run_id: str, restart: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra or {})
+    env.update({
+        ENV_LAUNCHER_PID: str(os.getpid()),
+        ENV_ROOT: str(spec.ckpt_dir),
+        ENV_SIGNAL: spec.warning_signal,
+        ENV_RUN_ID: run_id,
+        ENV_RESTART: str(restart),
+        ENV_DUMP_SIGNAL: dump_signal(warn_signal(spec.signal)).name,
+        "PYTHONUNBUFFERED": "1",
+    })
+    if spec.mirror:
+        env[ENV_MIRROR] = spec.mirror
+    return env
+
+
+@dataclass(frozen=True)
+class NodeLauncher:
+    """The callable submitit runs once per node (one task per node), and again after each requeue."""
+
+    spec: JobSpec
+
+    def __call__(self) -> dict[str, Any]:
+        # First, before any Slurm call: a warning that lands during start-up must find our
+        # handler (its default action would kill this process, and the job with it).
+        relay = Relay(warn_signal(self.spec.signal))
+        relay.install()
+        try:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s slurmresume %(message)s")
+            job_id = os.environ.get("SLURM_JOB_ID", "0")
+            restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+            node_id = int(os.environ.get("SLURM_NODEID", "0"))
+            nnodes = int(os.environ.get("SLURM_NNODES", str(self.spec.nodes)))
+            clock = JobClock.read(job_id)
+            endpoint = f"{_first_node_addr()}:{rdzv_port(job_id, self.spec.rdzv_port)}"
+            cmd = torchrun_command(self.spec, nnodes=nnodes, endpoint=endpoint, rdzv_id=job_id)
+            return _loop(self.spec, cmd, relay, job_key=f"slurm-{job_id}", restart=restart,
+                         first_node=node_id == 0, clock=clock, extra={"node": node_id, "nodes": nnodes, "job": job_id})
+        finally:
+            relay.uninstall()
+
+
+def run_local(spec: JobSpec, env: dict[str, str] | None = None, *, takeover: bool = False) -> dict[str, Any]:
+    """`submit --local`: the same launcher and torchrun on this machine; a preemption restarts the
+    run from the newest complete checkpoint, as Slurm's requeue would (each restart with a fresh
+    `--max-failures` budget, as a requeued job has). SIGTERM and Ctrl-C (SIGINT) are a best-effort
+    save and a stop; a second Ctrl-C kills the run at once. `takeover`: take the root's lease
+    from an owner that is provably gone (ownership.py)."""
+    relay = Relay(warn_signal(spec.signal))
+    relay.install()
+    try:
+        cmd = torchrun_command(spec, nnodes=1, endpoint=None, rdzv_id="local")
+        key = f"local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        return _loop(spec, cmd, relay, job_key=key, restart=0, first_node=True, clock=None,
+                     extra={"node": 0, "nodes": 1, "job": "local"}, env=env, takeover=takeover)
+    finally:
+        relay.uninstall()
+
+
+def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart: int, first_node: bool,
+          clock: JobClock | None, extra: dict[str, Any], env: dict[str, str] | None = None,
+          takeover: bool = False) -> dict[str, Any]:
+    root = spec.ckpt_dir
+    # One owner per root: the first node holds the lease (job key = owner id, so every requeue of
+    # a Slurm job and every local restart is the same owner); the ranks check it ($SLURMRESUME_OWNER).
+    env = {**(env or {}), ENV_OWNER: job_key}
+    lease = None
+    local = clock is None
+    failures = 0
+    hangs = 0  # in-allocation restarts after a hang (--max-hangs), this allocation
+    previous_hang: tuple[tuple[int, ...], int] | None = None
+    recovering: tuple[float, str] | None = None  # (when the last run died or was killed, why)
+    guardian = Guardian()
+    try:
+        lease = ownership.hold(root, job_key, takeover=takeover) if first_node else None
+        while True:
+            run_id = run_id_for(job_key, restart, failures + hangs)
+            try_append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local, **extra)
+            log.info("run %s: %s", run_id, " ".join(cmd))
+            watch = _watch(spec, run_id, int(extra["node"]), recovering)
+            wenv = worker_env(spec, run_id, restart, {**env, ENV_HEARTBEAT_DIR: str(watch.directory)})
+            try:
+                result = run_torchrun(cmd, wenv, root, run_id, relay.warn, relay, clock=clock, guardian=guardian,
+                                      watch=watch, dumps=spec.logs / run_id)
+            finally:
+                watch.close()
+            last = read_last_run(root, job_key)
+            action, reason = decide(result, first_node=first_node, requeues_done=restart,
+                                    max_requeues=spec.max_requeues, failures_done=failures,
+                                    max_failures=spec.max_failures,
+                                    previous_progressed=last.progressed if last is not None else None,
+                                    hangs_done=hangs, max_hangs=spec.max_hangs, previous_hang=previous_hang)
+            _record(root, result, action, reason, run_id, job_key, restart, first_node)
+            log.info("run %s ended %s: %s -> %s", run_id, result.kind, reason, action)
+            if lease is not None and (action in ("finish", "stop", "give_up") or (action == "hold" and local)):
+                lease.release()  # the job will not come back: the root is free
+            if action in ("finish", "stop"):
+                return {"action": action, "reason": reason, "restarts": restart, "step": result.latest_after,
+                        "kind": result.kind}
+            if action == "give_up":
+                raise SystemExit(f"slurmresume: giving up: {reason}")
+            if action == "hold":
+                _hold(root, clock if first_node else None, extra["job"], job_key, reason)
+            if action == "retry":
+                recovering = (result.ended_at or time.time(), "hang" if result.kind == "hung" else "failure")
+                if result.hang is not None:
+                    hangs += 1
+                    previous_hang = result.hang.key
+                else:
+                    failures += 1
+                continue
+            restart += 1
+            if local:
+                try_append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, local=True)
+                relay.pending.clear()
+                failures = hangs = 0  # a requeued Slurm job starts with fresh budgets too
+                previous_hang = None
+                continue
+            assert clock is not None
+            _requeue(root, clock, relay, extra["job"], restart, job_key, reason)
+    finally:
+        guardian.close()
+        if lease is not None:
+            lease.stop()
+
+
+def _watch(spec: JobSpec, run_id: str, node: int, recovering: tuple[float, str] | None) -> HangWatch:
+    """This node's ranks' hang watch for one run; the save budget starts from the log's recent saves."""
+    from ..events import read_events
+
+    saves = [float(e["seconds"]) for e in read_events(spec.ckpt_dir)[-200:]
+             if e.get("event") == "save_committed" and isinstance(e.get("seconds"), (int, float))]
+    ranks = list(range(node * spec.procs, (node + 1) * spec.procs))
+    return HangWatch(heartbeat_dir(run_id), ranks, spec.budgets, save_cost_s=max(saves[-20:], default=0.0),
+                     recovering=recovering)
+
+
+def _hold(root: Path, clock: JobClock | None, job: str, job_key: str, reason: str) -> None:
+    """The same hang twice: stop here. Under Slurm the job is held in the queue (`scontrol
+    requeuehold`: not failed, not rerun until `scontrol release`), so the allocation is not burnt
+    on a third identical hang and nothing is lost; locally (clock None), and on the other nodes
+    (the first node holds the job), the run simply stops."""
+    try_append_event(root, EV_HELD, job_key=job_key, reason=reason)
+    if clock is None:
+        raise SystemExit(f"slurmresume: stopping: {reason}")
+    sys.stdout.flush()
+    try:
+        slurm.run(["scontrol", "requeuehold", job], timeout=30.0)
+    except SlurmError as exc:
+        raise SystemExit(f"slurmresume: stopping: {reason} (scontrol requeuehold failed: {exc})") from None
+    log.info("job %s held: %s", job, reason)
+    raise SystemExit(LAUNCHER_EXIT_REQUEUED)
+
+
+def _requeue(root: Path, clock: JobClock, relay: Relay, job: str, restart: int, job_key: str, reason: str) -> None:
+    """`scontrol requeue`, retried until KillWait after a SIGTERM (or REQUEUE_BUDGET_S); logged
+    only once it worked; then exit at once (the job is REQUEUED: no clean exit, no sleep)."""
+    began = time.time()
+    sys.stdout.flush()
+    try:
+        errors = slurm.requeue_with_retry(job, lambda: clock.requeue_deadline(relay, began), clock=time.time)
+    except SlurmError as exc:
+        try_append_event(root, EV_REQUEUE_FAILED, restart=restart, job_key=job_key, error=str(exc),
+                         seconds=round(time.time() - began, 2))
+        raise SystemExit(f"slurmresume: the requeue failed, the job ends here: {exc}") from None
+    try_append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, attempts=len(errors) + 1,
+                     errors=errors or None)
+    log.info("requeued (%d attempt(s)); exiting", len(errors) + 1)
+    raise SystemExit(LAUNCHER_EXIT_REQUEUED)
+
+
+def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str, job_key: str,
+            restart: int, first_node: bool) -> None:
+    if not first_node and action == "stop":
+        return
+    try_append_event(root, "run_ended", run_id=run_id, job_key=job_key, restart=restart, outcome=result.kind,
+                     returncode=result.returncode, saved_step=result.saved_step, latest=result.latest_after,
+                     progressed=result.progressed, lost_steps=result.lost_steps, action=action, reason=reason)
+    try:
+        write_last_run(root, LastRun(job_key, run_id, result.kind, action, result.progressed, result.latest_after,
+                                     result.lost_steps))
+    except OSError as exc:
+        log.warning("could not write the run record under %s: %s", root, exc)
+    loud = None
+    if result.kind == "warned_without_save":
+        loud = EV_WARNED_WITHOUT_SAVE
+    elif action == "finish" and result.latest_after is None:
+        loud = EV_NO_CHECKPOINT
+    if loud:
+        try_append_event(root, loud, run_id=run_id, job_key=job_key, reason=reason)
+        print(f"slurmresume: WARNING: {reason}", file=sys.stderr, flush=True)
+    terminal = {"finish": "finished", "give_up": "gave_up", "stop": "stopped"}.get(action)
+    if terminal:
+        try_append_event(root, terminal, reason=reason, step=result.latest_after, job_key=job_key)
+    if result.kind == "failed":
+        try_append_event(root, "failed", returncode=result.returncode, job_key=job_key, reason=reason)
+
+
+def _first_node_addr() -> str:
+    """Address of the allocation's first node (NodeAddr, so emulated nodes resolve too)."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+    if not nodelist:
+        return "127.0.0.1"
+    first = slurm.hostnames(nodelist)[0]
+    try:
+        out = slurm.run(["scontrol", "show", "node", first, "-o"]).stdout
+        for tok in out.split():
+            if tok.startswith("NodeAddr="):
+                return tok.split("=", 1)[1]
+    except Exception:  # noqa: BLE001 - fall back to the name; torchrun will say if it fails
+        pass
+    return first

@@ -1,0 +1,226 @@
+"""`slurmresume drill`: prove a script resumes exactly, before spending cluster hours.
+
+Runs the script once uninterrupted and once with N warning signals injected at seeded random
+steps (through the real launcher, torchrun and signal relay, in local mode), then compares the
+final checkpoints of both runs tensor by tensor and value by value.
+
+Both runs also save their first step (`ENV_DRILL_FIRST_SAVE`), before any warning: what differs
+between the runs already there is not a resume failure. An RNG stream that differs there is
+"never seeded" (reported, not failed); other state that differs there is run-to-run
+non-determinism (failed, and said so). Differences are listed causes first (compare.py).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..checkpoint.store import find_latest
+from ..contract import ENV_DRILL_AT, ENV_DRILL_FIRST_SAVE, ENV_DRILL_HANG, EV_HANG, EV_RESUMED
+from ..errors import CheckpointError, ConfigError
+from ..events import read_events
+from ..job.config import JobSpec
+from ..job.hang import HangBudgets
+from ..job.node import run_local
+from .compare import Difference, compare_checkpoints, culprits, explain
+
+# A hang drill's script is short and its steps are measured: a 5 s floor instead of 600 s keeps
+# each hang's detection within seconds; start-up and save keep generous budgets (no false
+# positives on a loaded machine). A warning drill keeps the default budgets.
+DRILL_BUDGETS = HangBudgets(floor_s=5.0, startup_s=120.0, save_floor_s=30.0)
+HANG_SPACING = 6  # steps between injected hangs: each restart's warm-up (3 steps) is judged by start-up
+
+# The drill marks the directories it creates, and deletes only the two run roots inside a marked
+# one: a --workdir the user pointed at their own files is refused, never wiped.
+WORKDIR_MARK = ".slurmresume-drill"
+RUN_DIRS = ("uninterrupted", "preempted")
+
+
+@dataclass
+class DrillReport:
+    steps: int
+    planned: list[int]
+    preemptions: int  # warnings that ended in a committed save and a restart
+    saved_steps: list[int]
+    reference: Path
+    resumed: Path
+    differences: list[Difference] = field(default_factory=list)
+    first_checkpoints: tuple[Path, Path] | None = None  # both runs' first step, before any warning
+    hangs_planned: list[tuple[int, int]] = field(default_factory=list)  # (rank, step) per attempt
+    hangs: list[dict] = field(default_factory=list)  # the `hang` events of the drill run
+    recoveries: list[dict] = field(default_factory=list)  # `resumed` events: seconds from the kill to the first step
+    hang_problems: list[str] = field(default_factory=list)  # why a hang's proof is missing
+
+    @property
+    def missed(self) -> int:
+        """Planned warnings that did not end in a save and a restart (the proof is weaker)."""
+        return max(0, len(self.planned) - self.preemptions)
+
+    @property
+    def ok(self) -> bool:
+        if self.hangs_planned:
+            return not culprits(self.differences) and not self.hang_problems
+        return not culprits(self.differences) and self.preemptions > 0 and self.missed == 0
+
+    def hang_json(self) -> dict | None:
+        if not self.hangs_planned:
+            return None
+        return {"planned": [{"rank": r, "step": s} for r, s in self.hangs_planned], "detected": self.hangs,
+                "resumed": self.recoveries, "problems": self.hang_problems}
+
+
+def pick_steps(total: int, n: int, seed: int) -> list[int]:
+    """n distinct steps in [1, total-1], reproducible from the seed."""
+    if total < 2:
+        return []
+    return sorted(random.Random(seed).sample(range(1, total), min(n, total - 1)))
+
+
+def pick_hangs(total: int, n: int, seed: int, world: int, warmup: int) -> list[tuple[int, int]]:
+    """n (rank, step) pairs, reproducible from the seed: steps after the warm-up, HANG_SPACING
+    apart (each restart measures its steps afresh), before the last step."""
+    rnd = random.Random(seed)
+    out: list[tuple[int, int]] = []
+    step = warmup + 2
+    for _ in range(n):
+        if step >= total:
+            break
+        at = step + rnd.randrange(0, 3)
+        if at >= total:
+            break
+        out.append((rnd.randrange(world), at))
+        step = at + HANG_SPACING
+    return out
+
+
+def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
+              ignore_keys: tuple[str, ...] = (), hangs: int = 0) -> DrillReport:
+    """Both runs under `workdir` (see `prepare_workdir`). Raises CheckpointError when a run
+    leaves no final checkpoint (the script must save at its end). `hangs` > 0: a hang drill
+    (no warnings): each planned hang must be detected, dumped and restarted in the allocation."""
+    prepare_workdir(workdir)
+    ref_root, drill_root = (workdir / name for name in RUN_DIRS)
+    first = {ENV_DRILL_FIRST_SAVE: "1"}
+    if hangs and spec.hang_budgets == HangBudgets():
+        spec = replace(spec, hang_budgets=DRILL_BUDGETS)
+    run_local(replace(spec, ckpt_dir=ref_root, max_requeues=preemptions + 2, max_failures=0), env=first)
+    ref = find_latest(ref_root, warn=False)
+    if ref is None:
+        raise CheckpointError(_no_checkpoint("uninterrupted", ref_root))
+    planned = pick_steps(ref.step, preemptions, seed)
+    hang_plan = pick_hangs(ref.step, hangs, seed, spec.procs * spec.nodes, spec.budgets.warmup_steps)
+    if hangs and len(hang_plan) < hangs:
+        raise ConfigError(f"--hang {hangs} needs more steps: the script ran {ref.step} steps, and hangs are placed "
+                          f"after {spec.budgets.warmup_steps + 2} steps and {HANG_SPACING} apart; run more steps")
+    env = {**first, ENV_DRILL_AT: ",".join(map(str, planned))}
+    if hang_plan:
+        env[ENV_DRILL_HANG] = ",".join(f"{r}:{s}" for r, s in hang_plan)
+    try:
+        run_local(replace(spec, ckpt_dir=drill_root, max_requeues=preemptions + 2, max_failures=0,
+                          max_hangs=len(hang_plan) + 1), env=env)
+    except SystemExit as exc:
+        if not hang_plan:
+            raise
+        report = DrillReport(ref.step, planned, 0, [], ref.path, drill_root, hangs_planned=hang_plan)
+        _check_hangs(report, drill_root, spec.procs * spec.nodes)
+        report.hang_problems.insert(0, f"the drill run stopped: {exc}")
+        return report
+    final = find_latest(drill_root, warn=False)
+    if final is None:
+        raise CheckpointError(_no_checkpoint("preempted", drill_root))
+    events = read_events(drill_root)
+    saved = [e["step"] for e in events if e["event"] == "exit_after_save" and e.get("kind") == "preempt"]
+    restarts = sum(1 for e in events if e["event"] == "requeued")
+    report = DrillReport(ref.step, planned, restarts, saved, ref.path, final.path, hangs_planned=hang_plan)
+    if hang_plan:
+        _check_hangs(report, drill_root, spec.procs * spec.nodes)
+    if final.step != ref.step:
+        report.differences = [Difference(0, "step", f"uninterrupted run ended at step {ref.step}, "
+                                                    f"preempted run at {final.step}")]
+        return report
+    report.first_checkpoints = _first_checkpoints(ref_root, drill_root)
+    at_first = compare_checkpoints(*report.first_checkpoints, ignore_keys) if report.first_checkpoints else []
+    report.differences = compare_checkpoints(ref.path, final.path, ignore_keys)
+    explain(report.differences, unseeded={d.key for d in at_first if d.cause == "rng"},
+            first={d.top for d in at_first if d.cause != "rng"})
+    return report
+
+
+def _check_hangs(report: DrillReport, root: Path, world: int) -> None:
+    """Each planned hang: a `hang` event naming that rank, a dump file for every rank (the hung
+    rank's showing the frame it hung in), an in-allocation restart (no requeue) that resumed."""
+    events = read_events(root)
+    report.hangs = [e for e in events if e["event"] == EV_HANG]
+    report.recoveries = [e for e in events if e["event"] == EV_RESUMED]
+    problems = report.hang_problems
+    if len(report.hangs) != len(report.hangs_planned):
+        problems.append(f"{len(report.hangs_planned)} hang(s) injected, {len(report.hangs)} detected")
+    for (rank, step), event in zip(report.hangs_planned, report.hangs, strict=False):
+        if rank not in (event.get("ranks") or []):
+            problems.append(f"the hang of rank {rank} at step {step} was reported for rank(s) {event.get('ranks')}")
+        folder = Path(str(event.get("dump_dir", "")))
+        missing = [r for r in range(world) if not (folder / f"rank-{r}.txt").is_file()]
+        if missing:
+            problems.append(f"no stack dump for rank(s) {missing} in {folder}")
+        elif "drill_hang_here" not in (folder / f"rank-{rank}.txt").read_text(errors="replace"):
+            problems.append(f"the dump of rank {rank} ({folder}) does not show the frame it hung in")
+    if any(e["event"] == "requeued" for e in events):
+        problems.append("the run was requeued: a hang must restart inside the allocation")
+    retries = [e for e in events if e["event"] == "run_ended" and e.get("outcome") == "hung"]
+    if sum(1 for e in retries if e.get("action") == "retry") != len(report.hangs_planned):
+        problems.append("not every hang was followed by an in-allocation restart")
+    if len([e for e in report.recoveries if e.get("cause") == "hang"]) != len(report.hangs_planned):
+        problems.append("not every restart after a hang reached its first step")
+
+
+def prepare_workdir(workdir: Path) -> None:
+    """Make `workdir` ready for a drill without deleting anything the drill did not create.
+
+    A missing or empty directory is created and marked; a directory marked by an earlier drill
+    loses only its two run roots (`uninterrupted/`, `preempted/`); anything else (a non-empty
+    directory without the mark, a file) is refused with ConfigError before anything changes."""
+    if workdir.is_symlink() or (workdir.exists() and not workdir.is_dir()):
+        raise ConfigError(f"--workdir {workdir} is not a directory: choose a new directory for the drill")
+    if workdir.is_dir():
+        marked = (workdir / WORKDIR_MARK).is_file()
+        if not marked and any(os.scandir(workdir)):
+            raise ConfigError(f"--workdir {workdir} is not empty and was not created by a drill: refusing to "
+                              "delete its contents; choose a new or empty directory")
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / WORKDIR_MARK).write_text("created by `slurmresume drill`; its run directories are replaced "
+                                        "by the next drill in this directory\n")
+    for name in RUN_DIRS:
+        path = workdir / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+
+
+def _first_checkpoints(ref_root: Path, drill_root: Path) -> tuple[Path, Path] | None:
+    """The step directories of both runs' first save (made before any warning), when both still
+    exist at the same step (retention may have deleted them)."""
+    dirs = []
+    for root in (ref_root, drill_root):
+        steps = [e["step"] for e in read_events(root) if e["event"] == "save_committed"
+                 and e.get("reason") == "drill_first" and isinstance(e.get("step"), int)]
+        info = find_latest(root, max_step=min(steps), warn=False) if steps else None
+        if info is None or info.step != min(steps):
+            return None
+        dirs.append(info.path)
+    return dirs[0], dirs[1]
+
+
+def _no_checkpoint(which: str, root: Path) -> str:
+    """Why a run left nothing under the drill's root: the script saved elsewhere (an explicit
+    Checkpointer(root=...) overriding the launcher's), or it never saved."""
+    conflicts = [e for e in read_events(root) if e["event"] == "root_conflict"]
+    if conflicts:
+        return (f"the {which} run saved to {conflicts[-1].get('script_root')}, not to the drill's root {root}: "
+                "the script passes its own root to Checkpointer(root=...), which overrides the launcher's "
+                "$SLURMRESUME_CKPT_DIR; pass root=None (or the launcher's root) under submit/drill")
+    return (f"the {which} run left no complete checkpoint in {root}: save at the end of training "
+            "(ckpt.save(step, state))")

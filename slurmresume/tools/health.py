@@ -1,0 +1,151 @@
+"""The verdict at the top of `slurmresume status`: healthy / at risk / stopped, and why.
+
+Pure: `judge(...)` takes the event log, the checkpoint rows, the Slurm state and the save
+interval, and returns a `Headline`; nothing here reads a file or runs a command. The exit
+code of `status` is `EXIT_CODES[headline.verdict]`.
+
+Verdicts, in the order they are decided:
+    stopped   Slurm reports the job ended badly, or the log's last word about the run is a
+              terminal event other than "finished" (gave up, stopped, failed, requeue failed...)
+    finished  the last run logged "finished"
+    starting  nothing logged and no checkpoint yet
+    at_risk   a corrupt checkpoint, the last save failed, or no commit for longer than
+              RISK_FACTOR x the save interval while the run is not known to be waiting
+    healthy   anything else
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+EXIT_HEALTHY = 0
+EXIT_AT_RISK = 3
+EXIT_STOPPED = 4
+EXIT_CODES = {"healthy": EXIT_HEALTHY, "starting": EXIT_HEALTHY, "finished": EXIT_HEALTHY,
+              "at_risk": EXIT_AT_RISK, "stopped": EXIT_STOPPED}
+RISK_FACTOR = 1.5  # a commit later than 1.5 intervals is overdue (saves jitter by a step or two)
+MIN_SAVES_FOR_RATE = 2  # steps/s and ETA need two commits of one run
+
+# Events that end a run for good (the launcher writes them; unknown names are ignored).
+STOPPED_EVENTS = {"gave_up", "stopped", "failed", "requeue_failed", "interrupted", "no_checkpoint", "held"}
+LIFECYCLE = STOPPED_EVENTS | {"started", "requeued", "finished", "submitted", "restored"}
+BAD_SLURM = {"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "TIMEOUT", "CANCELLED",
+             "PREEMPTED"}
+WAITING_SLURM = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"}
+
+
+@dataclass
+class Headline:
+    verdict: str  # one of EXIT_CODES
+    reason: str  # one sentence: why
+    last_step: int | None = None  # the newest step any event mentions
+    last_step_time: float | None = None
+    steps_per_second: float | None = None
+    eta_s: float | None = None  # only when the log carries total_steps
+    total_steps: int | None = None
+    checkpoint_step: int | None = None  # the newest complete checkpoint
+    checkpoint_time: float | None = None
+    at_stake_s: float | None = None  # work a crash now would lose (seconds since that commit)
+    at_stake_steps: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _rate(events: list[dict[str, Any]]) -> float | None:
+    """Steps per second between the first and last commit of the newest run (None: < 2 commits)."""
+    run_start = max((i for i, e in enumerate(events) if e.get("event") == "started"), default=0)
+    saves: list[tuple[int, float]] = []
+    for e in events[run_start:]:
+        t = _num(e.get("time"))
+        if e.get("event") == "save_committed" and isinstance(e.get("step"), int) and t is not None:
+            saves.append((e["step"], t))
+    if len(saves) < MIN_SAVES_FOR_RATE:
+        return None
+    (s0, t0), (s1, t1) = saves[0], saves[-1]
+    return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
+
+
+def _last_step(events: list[dict[str, Any]]) -> tuple[int | None, float | None]:
+    for e in reversed(events):
+        if isinstance(e.get("step"), int) and e.get("event") not in ("discarded_newer", "branched"):
+            return e["step"], _num(e.get("time"))
+    return None, None
+
+
+def judge(events: list[dict[str, Any]], rows: list[Any], *, slurm_state: str | None, job_id: str | None,
+          interval_s: float | None, problems: list[str], now: float) -> Headline:
+    """The headline of `status` (see the module docstring for the rules)."""
+    last_step, last_time = _last_step(events)
+    newest = next((r for r in rows if r.state == "complete"), None)
+    h = Headline("healthy", "", last_step, last_time, _rate(events))
+    total = next((e["total_steps"] for e in reversed(events) if isinstance(e.get("total_steps"), int)), None)
+    if total and h.steps_per_second and last_step is not None:
+        h.total_steps, h.eta_s = total, max(0, total - last_step) / h.steps_per_second
+    if newest is not None:
+        h.checkpoint_step, h.checkpoint_time = newest.step, newest.created
+    life = [e for e in events if e.get("event") in LIFECYCLE]
+    last = life[-1] if life else None
+    state = (slurm_state or "").split()[0] if slurm_state else ""
+    h.verdict, h.reason = _verdict(events, last, state, job_id, newest, interval_s, problems, now)
+    running = state in ("RUNNING", "COMPLETING") or (
+        last is not None and last.get("event") in ("started", "restored") and state not in WAITING_SLURM)
+    if running and h.verdict in ("healthy", "at_risk"):
+        since = newest.created if newest is not None else _run_started(events, now)
+        h.at_stake_s = max(0.0, now - since)
+        if last_step is not None and newest is not None and last_step >= newest.step:
+            h.at_stake_steps = last_step - newest.step
+    if h.verdict in ("finished", "stopped"):
+        h.eta_s = None
+    return h
+
+
+def _verdict(events: list[dict[str, Any]], last: dict[str, Any] | None, state: str, job_id: str | None,
+             newest: Any, interval_s: float | None, problems: list[str], now: float) -> tuple[str, str]:
+    if state in BAD_SLURM:
+        return "stopped", f"Slurm reports job {job_id} as {state}"
+    if last is not None and last["event"] == "finished":
+        return "finished", f"finished at step {last.get('step', '?')}"
+    if last is not None and last["event"] in STOPPED_EVENTS:
+        why = last.get("reason") or last.get("error") or (
+            f"exit code {last['returncode']}" if last.get("returncode") is not None else "")
+        return "stopped", f"{last['event'].replace('_', ' ')}" + (f": {why}" if why else "")
+    if state == "COMPLETED":
+        return "stopped", f"Slurm reports job {job_id} as COMPLETED but the log never says 'finished'"
+    if not events and newest is None:
+        return "starting", "nothing logged yet: no run has started on this root"
+    if problems:
+        return "at_risk", problems[0]
+    saves = [e for e in events if e.get("event") in ("save_committed", "save_failed")]
+    if saves and saves[-1]["event"] == "save_failed":
+        return "at_risk", f"the last save (step {saves[-1].get('step')}) failed: {saves[-1].get('error')}"
+    if state in WAITING_SLURM:
+        return "healthy", f"waiting in the Slurm queue ({state})"
+    since = now - (newest.created if newest is not None else _run_started(events, now))
+    if interval_s and since > RISK_FACTOR * interval_s:
+        what = f"since step {newest.step}" if newest is not None else "since the run started"
+        return "at_risk", (f"no checkpoint committed for {_dur(since)} {what} (save interval {_dur(interval_s)}): "
+                           "hung, killed, or saving too rarely")
+    if last is None and not state:
+        return "healthy", "saving (no launcher events: only runs started by `slurmresume submit` are tracked)"
+    if last is not None and last["event"] == "requeued":
+        return "healthy", "requeued after a committed save: waiting to restart"
+    return "healthy", "running" + (f" (Slurm: {state})" if state else "")
+
+
+def _run_started(events: list[dict[str, Any]], now: float) -> float:
+    t = next((_num(e.get("time")) for e in reversed(events) if e.get("event") == "started"), None)
+    return t if t is not None else now
+
+
+def _dur(s: float) -> str:
+    from ..duration import format_duration
+
+    return format_duration(s)

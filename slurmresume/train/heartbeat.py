@@ -1,0 +1,250 @@
+"""The heartbeat channel from each rank to its node's launcher (the contract's ENV_HEARTBEAT_DIR).
+
+Every rank owns one fixed-size file, `<dir>/rank-<global rank>.hb`, in a node-local directory
+the launcher creates per run (under /dev/shm when it exists, else $TMPDIR): no collective, no
+shared filesystem, one `pwrite` per `ckpt.step()` (measured by scripts/bench_hang.py: a few
+microseconds, far under 1% of a 50 ms step). The launcher `pread`s the files on its own clock.
+
+A record says: which process (pid, rank), what it is doing (phase: start-up, step, save,
+restore, busy (`ckpt.busy()`: an evaluation between steps), done), since when, the last step it reported and when, the longest step and save it has
+measured in this run, and a ring of its last RING step durations (status: median, p99). A seq
+number at both ends of the record lets a reader drop a torn read (it retries once, then reports
+nothing rather than a mix of two records).
+
+Stack dumps ride on the same directory: each rank registers `faulthandler` (all threads) on the
+dump signal (`dump_signal`, never the warning signal), writing into `<dir>/rank-<r>.stacks`; the
+launcher sends the signal before it kills a hung run and copies what was written.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import struct
+import time
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from ..contract import ENV_DRILL_HANG, ENV_DUMP_SIGNAL, ENV_HEARTBEAT_DIR, ENV_RUN_ID
+
+STARTUP, STEP, SAVE, RESTORE, DONE, BUSY = "start-up", "step", "save", "restore", "done", "busy"
+PHASES = (STARTUP, STEP, SAVE, RESTORE, DONE, BUSY)  # the index is what the record stores
+RING = 256
+_MAGIC = b"SRHB"
+# magic, version, seq, pid, rank, phase, steps_seen, durations written (ring index = n % RING), step, time, phase_since,
+# longest_step, longest_save
+_HEAD = struct.Struct("<4sIQiiIIIqdddd")
+_RING = struct.Struct(f"<{RING}f")
+_TAIL = struct.Struct("<Q")
+SIZE = _HEAD.size + _RING.size + _TAIL.size
+
+
+def dump_signal(warning: signal.Signals) -> signal.Signals:
+    """The signal the launcher sends for a stack dump: SIGUSR2, or SIGUSR1 when the warning signal
+    is USR2 (the warning must keep meaning 'save now')."""
+    return signal.SIGUSR1 if warning == signal.SIGUSR2 else signal.SIGUSR2
+
+
+def record_path(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"rank-{rank:05d}.hb"
+
+
+def stacks_path(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"rank-{rank:05d}.stacks"
+
+
+@dataclass(frozen=True)
+class Record:
+    """One rank's last heartbeat, as the launcher reads it."""
+
+    pid: int
+    rank: int
+    phase: str
+    step: int  # the last step passed to ckpt.step() (-1: none yet)
+    time: float  # time.time() of the last heartbeat
+    phase_since: float  # when the current phase began
+    longest_step: float  # seconds, after the warm-up steps; 0: not measured yet
+    longest_save: float  # seconds, the longest save of this run (0: none yet)
+    steps_seen: int  # step() calls of this process
+    durations: tuple[float, ...]  # the last step durations (seconds), oldest first
+
+
+class Beat:
+    """The rank's writer. Cheap by construction: one struct pack and one pwrite per call.
+    Not thread-safe: only the training thread beats (an async save's thread never does)."""
+
+    def __init__(self, directory: Path, rank: int, warmup: int = 3) -> None:
+        self.rank = rank
+        self.warmup = warmup
+        self.fd = os.open(record_path(directory, rank), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self.seq = 0
+        self.phase = STARTUP
+        self.step = -1
+        self.last = time.time()
+        self.phase_since = self.last
+        self.longest_step = 0.0
+        self.longest_save = 0.0
+        self.steps_seen = 0
+        self.ring = array("f", bytes(_RING.size))  # written as is; the reader puts it in order
+        self.ring_len = 0
+        self._stacks: IO[str] | None = None
+        self._dump_sig: signal.Signals | None = None
+        self._write()
+
+    def beat_step(self, step: int) -> None:
+        """At ckpt.step(step)'s entry: the step just finished; its duration is measured from the
+        previous heartbeat (the previous step()'s return, after any save it did)."""
+        now = time.time()
+        if self.phase == STEP:
+            took = now - self.last
+            self.ring[self.ring_len % RING] = took
+            self.ring_len += 1
+            if self.steps_seen >= self.warmup and took > self.longest_step:
+                self.longest_step = took
+        else:
+            self.phase, self.phase_since = STEP, now
+        self.steps_seen += 1
+        self.step = step
+        self.last = now
+        self._write()
+
+    def enter(self, phase: str) -> float:
+        """A save or a restore begins (or the script is done); returns the time it began."""
+        now = time.time()
+        self.phase, self.phase_since, self.last = phase, now, now
+        self._write()
+        return now
+
+    def leave(self, began: float, measured_save: bool = False) -> None:
+        """Back to stepping after a save/restore (a restore returns to start-up: step() has not
+        been called since). The next step's duration is counted from here."""
+        now = time.time()
+        if measured_save:
+            self.longest_save = max(self.longest_save, now - began)
+        self.phase = STEP if self.steps_seen else STARTUP
+        self.phase_since, self.last = now, now
+        self._write()
+
+    def _write(self) -> None:
+        self.seq += 1
+        data = (_HEAD.pack(_MAGIC, 1, self.seq, os.getpid(), self.rank, PHASES.index(self.phase), self.steps_seen,
+                           self.ring_len, self.step, self.last, self.phase_since, self.longest_step, self.longest_save)
+                + self.ring.tobytes() + _TAIL.pack(self.seq))
+        try:
+            os.pwrite(self.fd, data, 0)
+        except OSError:
+            pass  # a full /dev/shm must never break training; the launcher sees a stale record
+
+    def register_dumps(self, directory: Path, sig: signal.Signals) -> None:
+        """faulthandler on `sig`, all threads, into <dir>/rank-<r>.stacks (kept open)."""
+        try:
+            self._stacks = open(stacks_path(directory, self.rank), "a")  # noqa: SIM115 - faulthandler keeps it
+            faulthandler.register(sig, file=self._stacks, all_threads=True, chain=False)
+            self._dump_sig = sig
+        except (OSError, RuntimeError, ValueError):
+            self._stacks = None
+
+    def close(self) -> None:
+        if self._dump_sig is not None:
+            try:
+                faulthandler.unregister(self._dump_sig)
+            except (RuntimeError, ValueError):
+                pass
+            self._dump_sig = None
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def read_record(path: Path) -> Record | None:
+    """The launcher. None when there is no record yet, or it is not one (torn twice, foreign)."""
+    for _ in range(2):
+        try:
+            with open(path, "rb") as f:
+                data = f.read(SIZE)
+        except OSError:
+            return None
+        if len(data) != SIZE:
+            continue
+        head = _HEAD.unpack_from(data, 0)
+        if head[0] != _MAGIC or head[2] != _TAIL.unpack_from(data, _HEAD.size + _RING.size)[0]:
+            continue
+        _, _, _, pid, rank, phase, steps_seen, n, step, t, since, longest, save = head
+        if phase >= len(PHASES):
+            return None
+        raw = _RING.unpack_from(data, _HEAD.size)
+        ring = tuple(raw[(n - min(n, RING) + i) % RING] for i in range(min(n, RING)))  # oldest first
+        return Record(pid, rank, PHASES[phase], step, t, since, longest, save, steps_seen, ring)
+    return None
+
+
+def read_all(directory: Path) -> dict[int, Record]:
+    """Every rank's record in `directory`, by global rank."""
+    out: dict[int, Record] = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return out
+    for name in names:
+        if name.endswith(".hb"):
+            rec = read_record(Path(directory) / name)
+            if rec is not None:
+                out[rec.rank] = rec
+    return out
+
+
+def dump_signal_from_env() -> signal.Signals | None:
+    value = os.environ.get(ENV_DUMP_SIGNAL, "")
+    try:
+        return signal.Signals[value] if value else None
+    except KeyError:
+        return None
+
+
+def beat_from_env(rank: int) -> Beat | None:
+    """The rank's writer when a launcher asked for heartbeats ($SLURMRESUME_HEARTBEAT_DIR), else
+    None (a bare run costs nothing). Registers the stack dump on the launcher's dump signal."""
+    directory = os.environ.get(ENV_HEARTBEAT_DIR)
+    if not directory or not os.path.isdir(directory):
+        return None
+    try:
+        beat = Beat(Path(directory), rank)
+    except Exception as exc:  # noqa: BLE001 - the watch is an aid; it must never stop training
+        import logging
+
+        logging.getLogger("slurmresume").warning("no heartbeats (the hang watch cannot see rank %d): %s", rank, exc)
+        return None
+    sig = dump_signal_from_env()
+    if sig is not None:
+        beat.register_dumps(Path(directory), sig)
+    return beat
+
+
+def drill_hang_step(rank: int) -> int | None:
+    """`slurmresume drill --hang`: the step at which this rank stops making progress in this
+    attempt, from $SLURMRESUME_DRILL_HANG="1:12,0:30" (entry k: rank:step for attempt k of the
+    run id "<job>.<restart>.<attempt>"); None for every other rank and attempt."""
+    planned = os.environ.get(ENV_DRILL_HANG, "").split(",")
+    try:
+        attempt = int(os.environ.get(ENV_RUN_ID, "").rsplit(".", 1)[1])
+    except (IndexError, ValueError):
+        return None
+    if attempt >= len(planned):
+        return None
+    who, _, at = planned[attempt].partition(":")
+    return int(at) if who.strip().isdigit() and at.strip().isdigit() and int(who) == rank else None
+
+
+def drill_hang_here(step: int) -> None:
+    """The injected hang: this rank stops before the step's collective and never returns; the
+    other ranks wait for it in theirs. The launcher must detect it, dump the stacks (this frame
+    is what the hung rank's dump shows) and kill the run."""
+    import logging
+
+    logging.getLogger("slurmresume").warning("drill: rank hangs at step %d (pid %d)", step, os.getpid())
+    while True:
+        time.sleep(3600)

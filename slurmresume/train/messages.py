@@ -1,0 +1,160 @@
+"""What ranks tell each other during a save or a restore: small frozen dataclasses, each turned
+into a JSON-able dict (`to_json`) right before a collective (`Group.all_gather_json` /
+`broadcast_json`) and back (`from_json`) right after it. Nothing else crosses ranks.
+
+An error crosses ranks as data, `Failure(kind, message)`, and becomes the same exception on
+every rank through one table (`KINDS`), never by looking up an exception class by its name.
+`from_json` trusts its input only as far as the peer that sent it: a missing key is a bug in
+this module, so it raises KeyError rather than guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
+
+# kind -> the exception every rank raises; most specific class first (classify picks the first match)
+KINDS: dict[str, type[Exception]] = {
+    "unsafe": UnsafeCheckpointError,
+    "corrupt": CorruptCheckpointError,
+    "config": ConfigError,
+    "checkpoint": CheckpointError,
+}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An error on one rank (rank 0, usually), to be raised on all: `kind` is a key of KINDS."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        """The kind of `exc` (anything else, e.g. an OSError, is a plain 'checkpoint' error)."""
+        kind = next((k for k, c in KINDS.items() if isinstance(exc, c)), "checkpoint")
+        return cls(kind, str(exc))
+
+    def error(self) -> Exception:
+        return KINDS.get(self.kind, CheckpointError)(self.message)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "message": self.message}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Failure:
+        return cls(str(d["kind"]), str(d["message"]))
+
+
+# -- saving ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrepareDecision:
+    """Rank 0 -> all, before anything is written: "write" into the private directory `dir`
+    (`replace`: swap out a complete committed step at the commit), "skip" (already committed),
+    or "error" (nothing was created; `error` says why). Wraps `checkpoint.commit.prepare`."""
+
+    action: str
+    dir: str = ""
+    replace: bool = False
+    error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"action": self.action, "dir": self.dir, "replace": self.replace, "error": self.error}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PrepareDecision:
+        return cls(str(d["action"]), str(d.get("dir") or ""), bool(d.get("replace")), str(d.get("error") or ""))
+
+
+@dataclass(frozen=True)
+class WriteReport:
+    """Each rank -> rank 0, after writing its shard: what the manifest records for it, or the
+    error that stops the commit. Wraps the dict of `checkpoint.commit.write_rank`."""
+
+    rank: int
+    file: str
+    bytes: int = 0
+    xxh3: str = ""
+    header_xxh3: str = ""
+    tensors: dict[str, Any] = field(default_factory=dict)
+    replicated: tuple[str, ...] = ()
+    error: str | None = None
+    writer: str | None = None  # the write path used (checkpoint.calibrate), for the save event
+
+    def to_json(self) -> dict[str, Any]:
+        """The dict `checkpoint.commit.commit` and `build_manifest` read (a failed write: only the
+        rank, the file and the error, as `write_rank` returns it)."""
+        if self.error is not None:
+            return {"rank": self.rank, "file": self.file, "error": self.error}
+        return {"rank": self.rank, "file": self.file, "bytes": self.bytes, "xxh3": self.xxh3,
+                "header_xxh3": self.header_xxh3, "tensors": self.tensors, "replicated": list(self.replicated),
+                "error": None, "writer": self.writer}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WriteReport:
+        if d.get("error") is not None:
+            return cls(int(d["rank"]), str(d["file"]), error=str(d["error"]))
+        return cls(int(d["rank"]), str(d["file"]), int(d["bytes"]), str(d["xxh3"]), str(d["header_xxh3"]),
+                   dict(d["tensors"]), tuple(d.get("replicated") or ()), None,
+                   str(d["writer"]) if d.get("writer") is not None else None)
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """Rank 0 -> all, after the commit: `ok` when `path` (step_N) is published and durable."""
+
+    ok: bool
+    path: str = ""
+    error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "path": self.path, "error": self.error}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SaveOutcome:
+        return cls(bool(d["ok"]), str(d.get("path") or ""), str(d.get("error") or ""))
+
+
+# -- restoring ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RestoreChoice:
+    """Rank 0 -> all: the checkpoint every rank loads now. `shards` are the manifest's per-rank
+    entries (file, bytes, ...), `sharded` the DTensor index as `checkpoint.sharding.to_json`
+    writes it, `elastic` whether another world size may load it."""
+
+    step: int
+    path: str
+    world_size: int
+    shards: tuple[dict[str, Any], ...]
+    sharded: dict[str, Any] = field(default_factory=dict)
+    elastic: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "path": self.path, "world_size": self.world_size, "shards": list(self.shards),
+                "sharded": self.sharded, "elastic": self.elastic}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RestoreChoice:
+        return cls(int(d["step"]), str(d["path"]), int(d["world_size"]), tuple(d["shards"]),
+                   dict(d.get("sharded") or {}), bool(d.get("elastic")))
+
+
+Pick = RestoreChoice | Failure | None  # rank 0's answer to "what do we load?" (None: nothing)
+
+
+def pick_to_json(pick: Pick) -> dict[str, Any] | None:
+    if pick is None:
+        return None
+    return {"choice": pick.to_json()} if isinstance(pick, RestoreChoice) else {"failure": pick.to_json()}
+
+
+def pick_from_json(d: dict[str, Any] | None) -> Pick:
+    if d is None:
+        return None
+    return RestoreChoice.from_json(d["choice"]) if "choice" in d else Failure.from_json(d["failure"])

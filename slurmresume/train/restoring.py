@@ -1,0 +1,261 @@
+"""Restore with fallback: the newest checkpoint that loads on every rank, as one collective call.
+
+Call order (`restore_collective`, every rank; "0" = rank 0 only; each arrow one collective):
+
+  1. 0:   choose (`pick`): pull a newer step from the mirror (first round only), find the
+          newest committed step not tried yet (or exactly `step`), check its shards when it
+          predates per-block digests; or refuse a fresh start on a root that had progress
+          -> broadcast RestoreChoice | Failure | None
+  2. all: a Failure raises its exception on every rank; None is a fresh start (or, for an
+          explicit `step`, an error); a world size the checkpoint cannot be loaded on raises.
+  3. all: read this rank's part (`load_own_shard`): straight into the live tensors on the fast
+          path (no verification, first try), else into fresh memory
+          -> all_gather the load errors (Failure | None); MAX of "wrote into live tensors"
+  4. all: no error anywhere: apply (`apply_loaded`) and return the choice; else (rank 0
+          logs) fall back to the next older step from 1, unless `step` was explicit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.collective import Group
+from ..checkpoint.jsonenc import loads
+from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
+from ..checkpoint.manifest import read_manifest
+from ..checkpoint.replicas import elastic
+from ..checkpoint.reshard import is_dtensor, load_sharded
+from ..checkpoint.reshard import targets as reshard_targets
+from ..checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header
+from ..checkpoint.sharding import from_json
+from ..checkpoint.sharding import to_json as sharding_json
+from ..checkpoint.state import (
+    apply_entries,
+    check_fits,
+    decode_entries,
+    flatten_live,
+    referenced,
+    validate_skeleton,
+)
+from ..checkpoint.store import clean_temp_files, find_latest, inspect_dir
+from ..contract import ENV_ALLOW_FRESH_START
+from ..errors import CheckpointError, ConfigError, CorruptCheckpointError
+from . import rng
+from .messages import Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
+
+log = logging.getLogger("slurmresume")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What `Checkpointer.restore` asks for (its arguments, defaults resolved)."""
+
+    step: int | None
+    verify: bool
+    restore_rng: bool
+    strict: bool
+    allow_fresh_start: bool
+
+
+def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any], req: Request,
+                       mirror: Any = None) -> RestoreChoice | None:
+    """Collective (see the module docstring). Returns the checkpoint loaded into `state`, or None
+    on a fresh start. Raises the same error on every rank when nothing may be loaded."""
+    tried: set[int] = set()
+    dirty: int | None = None  # a failed attempt that had already written into live tensors
+    dirty_error = ""
+    while True:
+        verify = req.verify or bool(tried)
+        mine = pick(root, req.step, verify, tried, req.allow_fresh_start or dirty is not None,
+                    mirror) if group.rank == 0 else None
+        choice = pick_from_json(group.broadcast_json(pick_to_json(mine)))
+        if isinstance(choice, Failure):  # raised on every rank, same kind
+            raise choice.error()
+        if choice is None:
+            if dirty is not None:
+                raise CheckpointError(f"restoring step {dirty} under {root} failed after it had "
+                                      f"written into the model ({dirty_error}), and no older checkpoint loads: the "
+                                      f"in-memory state is undefined; run `slurmresume verify --all "
+                                      f"--ckpt-dir {root}` and restart")
+            if req.step is not None:
+                raise CheckpointError(f"step {req.step} is not a complete checkpoint under {root}: "
+                                      f"run `slurmresume status --ckpt-dir {root}` to list them")
+            return None
+        if choice.world_size != group.world_size and not choice.elastic:
+            raise CheckpointError(
+                f"checkpoint {choice.path} was written by {choice.world_size} ranks, this run has "
+                f"{group.world_size}, and it holds per-rank (sharded) tensors: run with "
+                f"--nodes/--nproc-per-node giving {choice.world_size} ranks")
+        # Fast path (no checksum pass): read straight into the live tensors. With verification,
+        # or when falling back, read into fresh memory so a bad file cannot touch the state.
+        got = load_own_shard(group.rank, choice, state, flatten_live(state), not verify, req.strict)
+        failures = [Failure.from_json(f) for f in group.all_gather_json(got.failure and got.failure.to_json()) if f]
+        if failures and group.max_int(int(got.wrote)):
+            dirty, dirty_error = choice.step, failures[0].message
+        if not failures:
+            apply_loaded(group, state, got, choice, req.restore_rng)
+            return choice
+        if group.rank == 0:
+            log.warning("checkpoint step %s (%s) unusable: %s; falling back to the previous one",
+                        choice.step, choice.path, failures[0].message)
+        if req.step is not None:
+            raise CorruptCheckpointError(failures[0].message)
+        tried.add(choice.step)
+
+
+def pick(root: Path, step: int | None, verify: bool, tried: set[int], allow_fresh: bool, mirror: Any) -> Pick:
+    """Rank 0: what every rank loads next; never raises (an error is returned as a Failure)."""
+    try:
+        choice = choose(root, step, verify, tried, mirror)
+        if choice is None and step is None and not allow_fresh:
+            refusal = fresh_start_refusal(root, tried)
+            if refusal:
+                return Failure("checkpoint", refusal)
+        if choice is not None:
+            clean_temp_files(Path(choice.path))
+        return choice
+    except (CheckpointError, ConfigError, OSError) as exc:
+        return Failure.of(exc)
+
+
+def fresh_start_refusal(root: Path, tried: set[int]) -> str | None:
+    """Rank 0, when nothing loads: a root that holds committed step directories had progress;
+    starting over from step 0 there would silently throw it away (a transient read error, a
+    damaged disk). Directories without a marker (a save killed before its commit) do not count."""
+    committed = [(s, p) for s, p in step_dirs(root) if (p / MARKER).exists()]
+    if not committed:
+        return None
+    newest, path = committed[0]
+    why = "it failed to load (see the warning above)" if newest in tried else inspect_dir(newest, path).problem
+    return (f"refusing a fresh start: {root} holds {len(committed)} committed step "
+            f"director{'y' if len(committed) == 1 else 'ies'} but none loads (newest {path.name}: {why}); "
+            f"run `slurmresume verify --all --ckpt-dir {root}`, or pass "
+            f"restore(..., allow_fresh_start=True) (or set {ENV_ALLOW_FRESH_START}=1) to start from step 0")
+
+
+def choose(root: Path, step: int | None, verify: bool, tried: set[int], mirror: Any = None) -> RestoreChoice | None:
+    """Rank 0: the newest complete step not in `tried` (or exactly `step`); None when there is none."""
+    if mirror is not None and not tried:  # a newer (or the only) step may be on the bucket
+        mirror.pull(root, step)  # step=N: fetched from the bucket if only it has N
+        mirror.start(root)  # and finish an upload a requeued run left
+    if step is not None:
+        info = inspect_dir(step, root / step_dir_name(step), verify)
+        if not info.complete:
+            if info.has_marker:
+                raise CorruptCheckpointError(f"checkpoint {info.path}: {info.problem}")
+            return None
+    else:
+        found = find_latest(root, verify=verify, exclude=tried)
+        if found is None:
+            return None
+        info = found
+    if not verify and info.manifest is not None and not info.manifest.has_block_digests:
+        # Written before per-block digests: no read can be checked as it happens, so check
+        # the whole shards first (one extra read pass), and fall back like any corruption.
+        info = inspect_dir(info.step, info.path, verify=True)
+        if not info.complete:
+            if step is not None:
+                raise CorruptCheckpointError(f"checkpoint {info.path}: {info.problem}")
+            log.warning("skipping %s: %s", info.path, info.problem)
+            return choose(root, step, verify, tried | {info.step})
+    m = info.manifest
+    if m is None:  # inspect_dir gives a manifest with every complete step
+        raise CorruptCheckpointError(f"checkpoint {info.path}: no manifest")
+    return RestoreChoice(info.step, str(info.path), m.world_size, tuple(m.shards), sharding_json(m.sharded),
+                         elastic(m.tensors, m.world_size))
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One rank's read of its part of a checkpoint: the decoded entries and the library's own
+    state (RNG), or the failure; `wrote`: live tensors were already written into."""
+
+    decoded: dict | None = None
+    library: Any = None
+    failure: Failure | None = None
+    wrote: bool = False
+
+
+def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
+                   fast: bool, strict: bool) -> Loaded:
+    """Every rank: read and decode this rank's part of `choice` without touching user objects,
+    except on the fast path (`fast`), which reads straight into the live tensors."""
+    # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (see apply_loaded for
+    # its RNG). Replicated tensors live in shard 0 only and are read from there. DTensor pieces
+    # are read by box from whichever shards hold this rank's new region (reshard).
+    src = rank if rank < choice.world_size else rank % choice.world_size
+    shard, first = choice.shards[src], choice.shards[0]
+    sharded = from_json(choice.sharded)
+    keys = list(state)
+    wrote = False
+    directory = Path(choice.path)
+    try:
+        # Every byte read is checked against the digests the manifest recorded at save time
+        # (hashing while reading); the manifest is re-read here, pinned by its marker.
+        manifest = read_manifest(directory, choice.step)
+        expect, expect0 = manifest.expected(src), manifest.expected(0)
+        # Validate the skeleton against the headers first (no tensor bytes read yet), so a
+        # malformed or mismatching checkpoint is refused before any live tensor is written.
+        header, _ = read_header(directory, shard["file"], shard["bytes"], expect)
+        meta = header.get("__metadata__")
+        raw = meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else ""
+        skeleton = loads(raw, f"skeleton of {shard['file']}")
+        names = {n for n in header if n != "__metadata__"} - set(sharded)
+        listed = skeleton.get("replicated") or [] if isinstance(skeleton, dict) else []
+        if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+            raise CorruptCheckpointError(f"skeleton of {shard['file']}: 'replicated' is not a list of names")
+        shared = set(listed) - names - set(sharded)
+        infos = {n: header[n] for n in names}
+        if shared:
+            header0 = read_header(directory, first["file"], first["bytes"], expect0)[0]
+            infos.update({n: header0[n] for n in header0 if n in shared})
+            names |= set(infos)
+        validate_skeleton(keys, skeleton, names | set(sharded), strict)
+        # Shapes from the headers (a DTensor: its global shape), as meta tensors: a checkpoint
+        # that does not fit the live objects is refused before any byte is loaded.
+        shapes = {**infos, **{n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sharded.items()}}
+        check_fits(state, decode_entries(keys, skeleton, meta_tensors(shapes), strict)[0])
+        wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
+        where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
+        plain = {n: t for n, t in live.items() if n not in sharded and not is_dtensor(t)} if fast else None
+        tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], plain, names=names - shared,
+                                         expect=expect)
+        if shared:
+            more, _, wrote2 = load_tensors(directory, first["file"], first["bytes"], plain, names=shared,
+                                           expect=expect0)
+            tensors.update(more)
+            wrote = wrote or wrote2
+        if wanted:
+            more, wrote3 = load_sharded(directory, list(choice.shards), wanted, where, fast, manifest.expected)
+            tensors.update(more)
+            wrote = wrote or wrote3
+        decoded, library = decode_entries(keys, skeleton, tensors, strict)
+        if rank < choice.world_size and isinstance(library, dict) and "rng" in library:
+            rng.validate(library["rng"])  # before apply_loaded touches anything
+        return Loaded(decoded, library, None, wrote)
+    except CheckpointError as exc:
+        return Loaded(failure=Failure.of(exc), wrote=wrote or getattr(exc, "partial_write", False))
+
+
+def apply_loaded(group: Group, state: MutableMapping[str, Any], got: Loaded, choice: RestoreChoice,
+                 restore_rng: bool) -> None:
+    """Every rank, once every rank has loaded its part: the values into `state`, the RNG states."""
+    assert got.decoded is not None  # only called when no rank failed
+    apply_entries(state, got.decoded)
+    rank, saved_world = group.rank, choice.world_size
+    if rank >= saved_world:
+        # No saved RNG for this rank: re-derive it from the step and rank (documented rule),
+        # rather than cloning another rank's stream.
+        rng.reseed(choice.step, rank)
+        log.warning("rank %d: checkpoint %s has %d ranks; this rank's RNG is re-seeded from step and rank "
+                    "and its per-rank state comes from rank %d", rank, choice.path, saved_world, rank % saved_world)
+    elif restore_rng and isinstance(got.library, dict) and "rng" in got.library:
+        rng.restore(got.library["rng"])
+    if saved_world != group.world_size and rank == 0:
+        log.warning("resharded: checkpoint %s was written by %d ranks, restored on %d (replicated tensors "
+                    "from rank 0's shard, %d DTensor(s) read by box)", choice.path, saved_world,
+                    group.world_size, len(choice.sharded))

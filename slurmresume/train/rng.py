@@ -1,0 +1,82 @@
+"""Each rank's random number generator states: Python, NumPy's global RNG, torch CPU, CUDA."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("slurmresume")
+
+
+def capture() -> dict[str, Any]:
+    import torch
+
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=True),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def validate(state: Any) -> None:
+    """Check a decoded RNG state by applying it to scratch generators, so that a damaged one is
+    refused (CorruptCheckpointError) while nothing has been restored yet, not half-way through."""
+    import torch
+
+    from ..errors import CorruptCheckpointError
+
+    try:
+        if not isinstance(state, dict):
+            raise TypeError(f"expected a dict, got {type(state).__name__}")
+        py = state["python"]
+        random.Random().setstate((py[0], tuple(py[1]), py[2]))
+        np.random.RandomState().set_state(state["numpy"])
+        cpu = state["torch_cpu"]
+        if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8:
+            raise TypeError("torch_cpu is not a uint8 tensor")
+        torch.Generator().set_state(cpu.clone())
+        cuda = state.get("torch_cuda")
+        if cuda is not None and not (isinstance(cuda, list)
+                                     and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)):
+            raise TypeError("torch_cuda is not a list of uint8 tensors")
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise CorruptCheckpointError(f"the saved RNG state is damaged ({type(exc).__name__}: {exc})") from None
+
+
+def restore(state: dict[str, Any]) -> None:
+    """Apply a state that `validate` accepted."""
+    import torch
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np.random.set_state(state["numpy"])
+    # clone: the loaded tensor may be a view into the shard buffer, and set_rng_state reads its
+    # storage from offset 0 (a view there crashed the process)
+    torch.set_rng_state(state["torch_cpu"].clone())
+    cuda = state.get("torch_cuda")
+    if cuda is not None:
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            if len(cuda) != n:
+                log.warning("checkpoint has CUDA RNG states for %d devices, this process sees %d; "
+                            "restoring the first %d", len(cuda), n, min(n, len(cuda)))
+            for i, s in enumerate(cuda[:n]):
+                torch.cuda.set_rng_state(s.clone(), i)
+        else:
+            log.warning("checkpoint has CUDA RNG states but CUDA is not available: not restored")
+
+
+def reseed(step: int, rank: int) -> None:
+    """Deterministic fresh streams for a rank that has no saved RNG state (a larger world)."""
+    import torch
+
+    seed = (step * 1_000_003 + rank * 7919 + 12345) % (2**32)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,68 @@
+"""Which checkpoint root a `Checkpointer` uses, and that its run alone writes there.
+
+`resolve_root` is local; `claim_root` is collective (rank 0 takes the lease, every rank learns
+the answer); `warn_if_not_launchers_root` runs on every rank and speaks on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from ..checkpoint.collective import Group
+from ..contract import ENV_ROOT
+from ..errors import ConfigError
+from ..events import append_event
+
+log = logging.getLogger("slurmresume")
+
+
+def resolve_root(root: str | os.PathLike[str] | None) -> Path:
+    """The checkpoint root: the argument, else $SLURMRESUME_CKPT_DIR. Refuses a file."""
+    value = root if root is not None else os.environ.get(ENV_ROOT)
+    if value is None or str(value) == "":
+        raise ConfigError(f"no checkpoint root: pass Checkpointer(root=...) or set {ENV_ROOT}")
+    from ..mirror.hook import refuse_bucket_root
+
+    refuse_bucket_root(value, "mirror=")  # not a local folder named "s3:"
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"checkpoint root {path} is a file, not a directory: choose a directory path")
+    return path
+
+
+def claim_root(group: Group, root: Path) -> tuple[str, str] | None:
+    """Collective. Rank 0 takes or checks the root's lease (ownership.py) and returns its key
+    (None on other ranks); a refusal is raised on every rank as RootOwnedError (no rank is left
+    waiting in a collective)."""
+    from ..ownership import RootOwnedError, for_checkpointer
+
+    key, error = None, None
+    if group.rank == 0:
+        try:
+            key = for_checkpointer(root)
+        except RootOwnedError as exc:
+            error = str(exc)
+    error = group.broadcast_json(error)
+    if error:
+        raise RootOwnedError(error)
+    return key
+
+
+def warn_if_not_launchers_root(explicit: str | os.PathLike[str] | None, root: Path, rank: int) -> None:
+    """An explicit root that differs from the launcher's ($SLURMRESUME_CKPT_DIR, set by
+    `submit`/`drill`) silently moves every checkpoint where the launcher, `status` and the
+    drill do not look: warn loudly naming both, and leave a `root_conflict` event in the
+    launcher's root so that the drill can say why it found nothing there."""
+    launcher = os.environ.get(ENV_ROOT)
+    if explicit is None or not launcher or Path(launcher).expanduser().resolve() == root.resolve():
+        return
+    if rank == 0:
+        log.warning("Checkpointer(root=%s) overrides the launcher's %s=%s: checkpoints go to %s, where the "
+                    "launcher (requeue), `slurmresume status` and `slurmresume drill` do not look; pass "
+                    "root=None to use the launcher's root", root, ENV_ROOT, launcher, root)
+        try:
+            append_event(Path(launcher), "root_conflict", script_root=str(root), launcher_root=launcher)
+        except OSError as exc:
+            log.warning("could not record the root conflict under %s: %s", launcher, exc)

@@ -1,0 +1,117 @@
+"""The save sequence, as one collective function (`save_collective`), used by every kind of save:
+`Checkpointer.save`, the writer thread of `save_async`, periodic and emergency saves.
+
+Call order (every rank calls `save_collective` with the same step; "all" = every rank, in the
+same order, "0" = rank 0 only; each arrow is one collective on the side group):
+
+  1. 0:   `checkpoint.commit.prepare` creates this save's private `.saving.step_N.<token>/`
+          (or finds the step committed: skip, or fails: error)        -> broadcast PrepareDecision
+  2. all: only for an explicit save of a committed step: compare the live state with it
+          (`checkpoint.same`); if any rank differs (MAX), 0 prepares again with replace=True
+          -> broadcast PrepareDecision
+  3. all: skip returns SaveResult(skipped=True); error raises SaveError on every rank.
+  4. all: world > 1: tensor digests -> all_gather; data-parallel replicas are stored once
+          (rank 0's shard).
+  5. all: `checkpoint.commit.write_rank` writes, fsyncs and renames this rank's shard into
+          the private directory; an error is reported, not raised  -> all_gather WriteReport
+  6. 0:   `checkpoint.commit.commit`: manifest, COMMITTED, publish as step_N (or discard the
+          directory when any report failed)                        -> broadcast SaveOutcome
+  7. all: return SaveResult; the caller records it and raises when `outcome.ok` is False.
+
+No rank leaves before step 6's broadcast, so no rank says "saved" before the step is durable,
+and no rank raises between collectives (each failure travels as data to the next one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint import calibrate as _calibrate
+from ..checkpoint import commit as _commit
+from ..checkpoint.collective import Group
+from ..checkpoint.layout import step_dir_name
+from ..checkpoint.replicas import replicated_names, tensor_digests
+from ..checkpoint.same import same_as_committed
+from ..errors import SaveError
+from .messages import PrepareDecision, SaveOutcome, WriteReport
+
+log = logging.getLogger("slurmresume")
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What one rank saves: the flattened state (`checkpoint.state.flatten`) and the encoded
+    metrics and meta (`checkpoint.jsonenc.encode`; rank 0's go into the manifest)."""
+
+    skeleton: dict
+    tensors: list
+    metrics: Any = None
+    meta: Any = None
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """How a save ended, the same on every rank. `skipped`: the step was already committed with
+    this state (no outcome, nothing written)."""
+
+    skipped: bool
+    outcome: SaveOutcome | None = None
+    reports: tuple[WriteReport, ...] = ()
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self.reports)
+
+
+def save_collective(group: Group, root: Path, step: int, payload: Payload, *, replace_if_changed: bool,
+                    emergency: bool = False) -> SaveResult:
+    """Collective (see the module docstring for the call order). `replace_if_changed`: an
+    explicit save, which replaces a committed step whose state differs (periodic and emergency
+    saves never replace one). `emergency`: a save after a signal, which never spends its lead
+    measuring write paths (`checkpoint.calibrate.emergency`). Raises SaveError on every rank when the prepare fails; a failed
+    write or commit is returned (`outcome.ok` False), for the caller to record, then raise."""
+    decision = _decide(group, root, step)
+    if decision.action == "skip" and replace_if_changed:
+        same = same_as_committed(root / step_dir_name(step), step, group.rank, group.world_size,
+                                 payload.skeleton, payload.tensors)
+        if group.max_int(int(not same)):  # any rank's state differs: replace the step
+            if group.rank == 0:
+                log.info("step %d is committed, but the state changed since: saving it again", step)
+            decision = _decide(group, root, step, replace=True)
+    if decision.action == "skip":
+        return SaveResult(skipped=True)
+    if decision.action == "error":
+        raise SaveError(f"checkpoint save failed, nothing committed: {decision.error}")
+    replicated: set[str] = set()
+    if group.world_size > 1:
+        digests = tensor_digests(payload.tensors, payload.skeleton.get("dtensors"))
+        replicated = replicated_names(group.all_gather_json(digests))
+    with _calibrate.emergency() if emergency else contextlib.nullcontext():
+        mine = WriteReport.from_json(_commit.write_rank(root, step, group, payload.skeleton, payload.tensors,
+                                                        replicated, into=decision.dir))
+    reports = [WriteReport.from_json(r) for r in group.all_gather_json(mine.to_json())]
+    outcome = None
+    if group.rank == 0:
+        outcome = SaveOutcome.from_json(_commit.commit(root, step, [r.to_json() for r in reports], payload.metrics,
+                                                       payload.meta, into=decision.dir, replace=decision.replace))
+    outcome = SaveOutcome.from_json(group.broadcast_json(outcome.to_json() if outcome else None))
+    return SaveResult(skipped=False, outcome=outcome, reports=tuple(reports))
+
+
+def _decide(group: Group, root: Path, step: int, replace: bool = False) -> PrepareDecision:
+    """Collective: rank 0 prepares, every rank gets its decision."""
+    mine = None
+    if group.rank == 0:  # `replace` only when asked: fault campaigns wrap prepare(root, step)
+        mine = PrepareDecision.from_json(_commit.prepare(root, step, replace=True) if replace
+                                         else _commit.prepare(root, step))
+    return PrepareDecision.from_json(group.broadcast_json(mine.to_json() if mine else None))
+
+
+def raise_if_failed(result: SaveResult) -> None:
+    """Every rank, after recording the result: the same SaveError everywhere on a failed commit."""
+    if result.outcome is not None and not result.outcome.ok:
+        raise SaveError(f"checkpoint save failed, nothing committed: {result.outcome.error}")
