@@ -41,7 +41,12 @@ def test_submit_with_mirror_uploads_the_emergency_step_after_the_requeue(cluster
     assert len(saved) == 1
     restart1 = next(i for i, e in enumerate(ev) if e["event"] == "started" and e.get("restart") == 1)
     uploaded = [e["step"] for e in ev[restart1:] if e["event"] == "mirror_uploaded"]
-    assert saved[0] in uploaded and steps in uploaded, ev  # the requeued run finished the upload
+    # The emergency step's upload is not waited for at the exit: the requeued run finishes it, or
+    # a newer commit supersedes it while it waits (the uploader keeps only the newest waiting step;
+    # a loaded machine makes that likely). Either way the mirror never stays behind the emergency step.
+    before = [e["step"] for e in ev[:restart1] if e["event"] == "mirror_uploaded"]
+    assert saved[0] in before + uploaded or any(u > saved[0] for u in uploaded), ev
+    assert steps in uploaded, ev
     loc = parse_s3_url(url)
     newest = remote.find_latest(s3, loc, verify=True)
     assert newest is not None and newest.step == steps and newest.verified

@@ -146,7 +146,7 @@ def _own_dir(root: Path, step: int, name: str) -> Path:
     return root / name
 
 
-def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: list,
+def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], tensors: list[Any],
                replicated: set[str] | None = None, *, into: str) -> dict[str, Any]:
     """Every rank: write its shard into `into` (the directory named by rank 0's prepare).
     Returns a report; errors are reported, not raised, so that every rank still reaches the
@@ -176,7 +176,7 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict, tensors: lis
         return {"rank": group.rank, "file": file, "error": error}
 
 
-def commit(root: Path, step: int, reports: list[dict], metrics: Any, meta: Any, *, into: str,
+def commit(root: Path, step: int, reports: list[dict[str, Any]], metrics: Any, meta: Any, *, into: str,
            replace: bool = False) -> dict[str, Any]:
     """Rank 0: manifest, then the marker, then publish `into` as step_N. Returns
     {"ok": bool, "error"?, "path"}. On failure this save's directory is removed and nothing of

@@ -75,7 +75,7 @@ def encode(obj: Any, on_tensor: TensorHook | None = None, path: list[str] | None
     )
 
 
-def _encode_dict(obj: dict, on_tensor: TensorHook | None, path: list[str]) -> Any:
+def _encode_dict(obj: dict[str, Any], on_tensor: TensorHook | None, path: list[str]) -> Any:
     plain = all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)) in TAGS)
     if plain:
         return {k: encode(v, on_tensor, path + [k]) for k, v in obj.items()}
@@ -165,8 +165,8 @@ def loads(text: str | bytes, what: str) -> Any:
     if len(text) > MAX_JSON_BYTES:
         raise UnsafeCheckpointError(f"{what} is {len(text)} bytes, over the {MAX_JSON_BYTES} limit")
 
-    def pairs(items: list[tuple[str, Any]]) -> dict:
-        out: dict = {}
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for k, v in items:
             if k in out:
                 raise UnsafeCheckpointError(f"{what} has duplicate key {k!r}")

@@ -20,7 +20,7 @@ MAX_MARKER = 4096
 MAX_TIME = 1e11  # epoch seconds (year 5138): what time.strftime and datetime can render
 
 
-def build_manifest(step: int, reports: list[dict], metrics: Any, meta: Any) -> dict:
+def build_manifest(step: int, reports: list[dict[str, Any]], metrics: Any, meta: Any) -> dict[str, Any]:
     """Rank 0: the manifest from every rank's shard report (ordered by rank)."""
     shards, tensors = [], []
     for rep in sorted(reports, key=lambda r: r["rank"]):
@@ -60,12 +60,12 @@ class Manifest:
     step: int
     world_size: int
     created: float
-    shards: list[dict]
-    tensors: list[dict]
+    shards: list[dict[str, Any]]
+    tensors: list[dict[str, Any]]
     metrics: Any
     meta: Any
-    raw: dict = field(repr=False)
-    sharded: dict = field(default_factory=dict, repr=False)  # name -> sharding.Sharded (DTensors)
+    raw: dict[str, Any] = field(repr=False)
+    sharded: dict[str, Any] = field(default_factory=dict, repr=False)  # name -> sharding.Sharded (DTensors)
 
     @property
     def total_bytes(self) -> int:

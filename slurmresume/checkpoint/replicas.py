@@ -18,10 +18,10 @@ from .writer import tensor_bytes
 LIBRARY_PREFIX = "__slurmresume__/"
 
 
-def tensor_digests(tensors: list[tuple[str, Any]], dtensors: dict[str, dict] | None = None) -> dict[str, list]:
+def tensor_digests(tensors: list[tuple[str, Any]], dtensors: dict[str, dict[str, Any]] | None = None) -> dict[str, list[Any]]:
     """Per name: dtype, shape, hash and, for a DTensor's local piece, its global offset: equal
     pieces at different offsets (a sharded LayerNorm weight of ones) are not replicas."""
-    out: dict[str, list] = {}
+    out: dict[str, list[Any]] = {}
     for name, t in tensors:
         cpu = t.detach()
         cpu = (cpu.cpu() if cpu.device.type != "cpu" else cpu).contiguous()
@@ -31,13 +31,13 @@ def tensor_digests(tensors: list[tuple[str, Any]], dtensors: dict[str, dict] | N
     return out
 
 
-def replicated_names(per_rank: list[dict[str, list]]) -> set[str]:
+def replicated_names(per_rank: list[dict[str, list[Any]]]) -> set[str]:
     """Names present with identical (dtype, shape, hash) on every rank."""
     first, rest = per_rank[0], per_rank[1:]
     return {n for n, d in first.items() if all(r.get(n) == d for r in rest)}
 
 
-def elastic(manifest_tensors: list[dict], world_size: int) -> bool:
+def elastic(manifest_tensors: list[dict[str, Any]], world_size: int) -> bool:
     """A checkpoint can be loaded on another world size (or sharding) when every tensor is
     replicated, a DTensor piece with its global offset (read by box on restore), or the
     library's own per-rank state (RNG): only genuinely per-rank plain tensors pin the world."""

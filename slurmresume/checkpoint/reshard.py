@@ -123,7 +123,7 @@ def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[st
     return out
 
 
-def load_sharded(directory: Path, shards: list[dict], index: Mapping[str, Sharded],
+def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[str, Sharded],
                  where: Mapping[str, Target], into_live: bool,
                  expect: Callable[[int], Expected | None] | None = None) -> tuple[dict[str, Any], bool]:
     """Every rank: read each tensor in `where` for this rank. With `into_live`, bytes land in the
@@ -160,7 +160,7 @@ def load_sharded(directory: Path, shards: list[dict], index: Mapping[str, Sharde
     return out, wrote
 
 
-def _fits(t: Any, shape: tuple, dtype: str) -> bool:
+def _fits(t: Any, shape: tuple[Any, ...], dtype: str) -> bool:
     return (t is not None and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
             and t.dtype == _TORCH_DTYPES[dtype])
 
@@ -171,7 +171,7 @@ def _empty(shape: Any, dtype: str) -> Any:
     return torch.empty(tuple(shape), dtype=_TORCH_DTYPES[dtype])
 
 
-def _wrap(local: Any, target: Target, global_shape: tuple) -> Any:
+def _wrap(local: Any, target: Target, global_shape: tuple[Any, ...]) -> Any:
     if target.mesh is None:
         return local
     import torch
@@ -185,10 +185,10 @@ def _wrap(local: Any, target: Target, global_shape: tuple) -> Any:
 class _Files:
     """Open shards and their checked headers, opened on first use only."""
 
-    def __init__(self, directory: Path, shards: list[dict],
+    def __init__(self, directory: Path, shards: list[dict[str, Any]],
                  expect: Callable[[int], Expected | None] | None = None) -> None:
         self.directory, self.shards = directory, shards
-        self.open: dict[int, tuple[int, dict, int]] = {}
+        self.open: dict[int, tuple[int, dict[str, Any], int]] = {}
         self.expect = expect
         self.expected: dict[int, Expected | None] = {}
 
@@ -197,7 +197,7 @@ class _Files:
         exp = self.expected.get(rank)
         return exp.of(name, self.directory / self.shards[rank]["file"]) if exp is not None else None
 
-    def piece(self, rank: int, tensor: Sharded, shape: tuple) -> tuple[int, int, Path]:
+    def piece(self, rank: int, tensor: Sharded, shape: tuple[Any, ...]) -> tuple[int, int, Path]:
         """(fd, file offset of the piece's data, path), after checking its header entry."""
         if rank not in self.open:
             s = self.shards[rank]
@@ -218,7 +218,7 @@ class _Files:
         self.open.clear()
 
 
-def read_box(files: _Files, tensor: Sharded, offset: tuple, shape: tuple, dest: Any) -> None:
+def read_box(files: _Files, tensor: Sharded, offset: tuple[Any, ...], shape: tuple[Any, ...], dest: Any) -> None:
     """Fill `dest` (CPU, `shape`) with the global box at `offset`, from the pieces covering it."""
     import torch
 
@@ -248,8 +248,8 @@ def read_box(files: _Files, tensor: Sharded, offset: tuple, shape: tuple, dest: 
             dst.copy_(tmp)
 
 
-def _read_verified(fd: int, start: int, path: Path, name: str, digests: list[str], shape: tuple, rel: tuple,
-                   box: tuple, dst: Any, size: int) -> None:
+def _read_verified(fd: int, start: int, path: Path, name: str, digests: list[str], shape: tuple[Any, ...], rel: tuple[Any, ...],
+                   box: tuple[Any, ...], dst: Any, size: int) -> None:
     """Verified read of one piece's box: the rows it spans, widened to whole checksum blocks, are
     read into fresh memory and checked before the box is copied into `dst`. For dim-0 pieces
     that is the run itself plus at most two partial blocks; a box narrower than the rows

@@ -20,7 +20,7 @@ from .shard import SKELETON_KEY, block_digests, read_header
 from .writer import tensor_bytes
 
 
-def same_as_committed(step_dir: Path, step: int, rank: int, world_size: int, skeleton: dict,
+def same_as_committed(step_dir: Path, step: int, rank: int, world_size: int, skeleton: dict[str, Any],
                       tensors: list[tuple[str, Any]]) -> bool:
     """True only when the committed checkpoint in `step_dir` holds exactly this rank's `skeleton`
     and `tensors` (False on any doubt: an older format, another world size, an unreadable file)."""

@@ -107,7 +107,7 @@ def _byte_view(tensor: Any) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def build_header(tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> tuple[bytes, dict]:
+def build_header(tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> tuple[bytes, dict[str, Any]]:
     """safetensors header bytes (8-byte length + padded JSON) and the tensor index."""
     header: dict[str, Any] = {"__metadata__": metadata}
     index: dict[str, dict[str, Any]] = {}
@@ -214,7 +214,7 @@ def hash_file(directory: Path, file: str, expected_bytes: int) -> str:
     return hasher.hexdigest()
 
 
-def read_header(directory: Path, file: str, expected_bytes: int, expect: Expected | None = None) -> tuple[dict, int]:
+def read_header(directory: Path, file: str, expected_bytes: int, expect: Expected | None = None) -> tuple[dict[str, Any], int]:
     """Parse and bound-check a shard's header (checked against `expect.header` when given).
     Returns (header, data_start)."""
     path = directory / file
@@ -315,7 +315,7 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
     return out, meta, bool(direct)
 
 
-def info_offsets(header: dict, name: str) -> int:
+def info_offsets(header: dict[str, Any], name: str) -> int:
     return int(header[name]["data_offsets"][0])
 
 
@@ -354,7 +354,7 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
         raise CorruptCheckpointError(f"cannot read shard {path}: {exc}") from exc
 
 
-def _typed(part: Any, info: dict) -> Any:
+def _typed(part: Any, info: dict[str, Any]) -> Any:
     dtype = _TORCH_DTYPES[info["dtype"]]
     try:
         t = part.view(dtype)
@@ -369,7 +369,7 @@ def _torch_dtypes() -> dict[str, Any]:
     return {v: getattr(torch, k) for k, v in _DTYPES.items() if hasattr(torch, k)}
 
 
-class _LazyDtypes(dict):
+class _LazyDtypes(dict[str, Any]):
     def __missing__(self, key: str) -> Any:
         self.update(_torch_dtypes())
         if key not in self:

@@ -64,7 +64,7 @@ class Sharded:
     pieces: tuple[Piece, ...]
 
 
-def check_piece(entry: dict, world_size: int) -> Piece:
+def check_piece(entry: dict[str, Any], world_size: int) -> Piece:
     """Validate one manifest tensor entry that carries `global_shape` / `global_offset`."""
     name = entry.get("name")
     what = f"tensor {name!r} of rank {entry.get('rank')!r}"
@@ -86,11 +86,11 @@ def check_piece(entry: dict, world_size: int) -> Piece:
     return Piece(rank, tuple(offset), tuple(local))
 
 
-def index_pieces(tensors: list[dict], world_size: int) -> dict[str, Sharded]:
+def index_pieces(tensors: list[dict[str, Any]], world_size: int) -> dict[str, Sharded]:
     """Group the manifest's sharded entries by name. All pieces of a name must agree on dtype and
     global shape; identical boxes (a piece replicated over a mesh dimension) are kept once."""
     heads: dict[str, tuple[str, tuple[int, ...]]] = {}
-    pieces: dict[str, dict[tuple, Piece]] = {}
+    pieces: dict[str, dict[tuple[Any, ...], Piece]] = {}
     ranks: set[tuple[str, int]] = set()
     for entry in tensors:
         if not isinstance(entry, dict) or ("global_offset" not in entry and "global_shape" not in entry):
@@ -131,7 +131,7 @@ def check_placements(placements: Any, ndim: int, what: str) -> list[str]:
     return placements
 
 
-def check_specs(specs: Any) -> dict[str, dict]:
+def check_specs(specs: Any) -> dict[str, dict[str, Any]]:
     """A skeleton's "dtensors" section: name -> {shape, offset, local_shape, placements, ...}."""
     if not isinstance(specs, dict):
         raise CorruptCheckpointError("checkpoint skeleton: 'dtensors' is not an object")
@@ -154,7 +154,7 @@ def intersect(lo_a: tuple[int, ...], shape_a: tuple[int, ...], lo_b: tuple[int, 
     return lo, tuple(h - low for low, h in zip(lo, hi))
 
 
-def cover(tensor: Sharded, offset: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple[Piece, tuple, tuple]]:
+def cover(tensor: Sharded, offset: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple[Piece, tuple[Any, ...], tuple[Any, ...]]]:
     """The saved pieces that hold the box (offset, shape), each with its intersection box.
     Refuses a checkpoint whose pieces leave part of the box uncovered or overlap inside it."""
     if len(offset) != len(tensor.shape):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Container, Iterable, Iterator, Mapping, MutableMapping
-from typing import Any
+from typing import Any, cast
 
 from ..errors import ConfigError, CorruptCheckpointError
 from .jsonenc import decode, encode
@@ -65,10 +65,10 @@ class TensorTable:
     def __init__(self) -> None:
         self.tensors: list[tuple[str, Any]] = []
         self.live: dict[str, Any] = {}  # name -> the tensor as found in the state (DTensors too)
-        self.dtensors: dict[str, dict] = {}  # name -> spec (reshard.describe) of a DTensor
+        self.dtensors: dict[str, dict[str, Any]] = {}  # name -> spec (reshard.describe) of a DTensor
         self.devices: dict[str, str] = {}  # name -> device of a tensor not on the CPU ("cuda:0")
         self._names: set[str] = set()
-        self._by_view: dict[tuple, str] = {}
+        self._by_view: dict[tuple[Any, ...], str] = {}
 
     def add(self, path: list[str], tensor: Any) -> str:
         original, spec = tensor, None
@@ -95,7 +95,7 @@ class TensorTable:
         return name
 
 
-def _view_key(t: Any) -> tuple | None:
+def _view_key(t: Any) -> tuple[Any, ...] | None:
     if t.numel() == 0:
         return None
     storage = t.untyped_storage()
@@ -103,7 +103,7 @@ def _view_key(t: Any) -> tuple | None:
             tuple(t.stride()), t.dtype)
 
 
-def flatten(state: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[dict, list[tuple[str, Any]]]:
+def flatten(state: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
     """Skeleton (plain JSON) + tensors for one rank. `extra` holds library-owned entries (RNG).
     A DTensor contributes its local tensor; the skeleton's "dtensors" maps its name to its
     global shape, this rank's offset and local shape, and its placements."""
@@ -116,7 +116,7 @@ def flatten_live(state: Mapping[str, Any]) -> dict[str, Any]:
     return _flatten(state, {})[1].live
 
 
-def _flatten(state: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[dict, TensorTable]:
+def _flatten(state: Mapping[str, Any], extra: Mapping[str, Any]) -> tuple[dict[str, Any], TensorTable]:
     if not isinstance(state, Mapping):
         raise ConfigError(f"state must be a dict of name -> object, got {type(state).__name__}")
     table = TensorTable()
@@ -150,7 +150,7 @@ def unflatten_into(state: MutableMapping[str, Any], skeleton: Any, tensors: Mapp
     decoded, library = decode_entries(list(state), skeleton, tensors, strict)
     check_fits(state, decoded)
     apply_entries(state, decoded)
-    return library
+    return cast(dict[str, Any], library)
 
 
 def validate_skeleton(keys: Iterable[str], skeleton: Any, tensor_names: Container[str] | None = None,

@@ -28,7 +28,7 @@ class _Command(typer.core.TyperCommand):
 
 
 class _App(typer.Typer):
-    def command(self, *args: Any, **kwargs: Any) -> Any:
+    def command(self, *args: Any, **kwargs: Any) -> Callable[[F], F]:
         kwargs.setdefault("cls", _Command)
         return super().command(*args, **kwargs)
 

@@ -80,7 +80,8 @@ def status(
     if limit < 0:
         raise ConfigError(f"--limit must be >= 0 (0 shows all), got {limit}")
     if is_s3_url(ckpt_dir):  # the bucket's steps only (no job, no event log there)
-        return s3_commands().status(ckpt_dir, verify=verify, limit=limit, as_json=as_json)
+        s3_commands().status(ckpt_dir, verify=verify, limit=limit, as_json=as_json)
+        return
     root = resolve_root(ckpt_dir)
     if job is not None and not re.fullmatch(r"\d+(_\d+)?", job):
         raise ConfigError(f"--job {job!r} is not a Slurm job id: use digits, e.g. --job 12345")
@@ -148,7 +149,8 @@ def prune(
     policy = rt.RetentionPolicy(keep=keep, keep_every=keep_every, keep_best=keep_best, mode=mode.value,
                                 remove_incomplete_older_than=older)
     if is_s3_url(ckpt_dir):  # a bucket: same plan, marker-first deletion (slurmresume/mirror/)
-        return s3_commands().prune(ckpt_dir, policy, dry_run=dry_run, yes=yes, as_json=as_json)
+        s3_commands().prune(ckpt_dir, policy, dry_run=dry_run, yes=yes, as_json=as_json)
+        return
     root = resolve_root(ckpt_dir)
     records = rt.scan(root)
     plan = rt.plan_prune(records, policy, time.time())
@@ -182,7 +184,7 @@ def _confirm(count: int, yes: bool, as_json: bool) -> None:
         raise typer.Exit(1)
 
 
-def _prune_json(root: Path, policy: Any, plan: Any, leftovers: list[str], dry_run: bool, result: Any) -> dict:
+def _prune_json(root: Path, policy: Any, plan: Any, leftovers: list[str], dry_run: bool, result: Any) -> dict[str, Any]:
     """Schema "slurmresume.prune/1" (what `prune --json` prints):
 
     schema, root, dry_run   "slurmresume.prune/1", the root (str), bool
@@ -226,7 +228,8 @@ def verify(
     from . import render as _render
 
     if is_s3_url(ckpt_dir):
-        return s3_commands().verify(ckpt_dir, step, every)
+        s3_commands().verify(ckpt_dir, step, every)
+        return
     root = resolve_root(ckpt_dir)
     if step is not None and step < 0:
         raise ConfigError(f"STEP must be >= 0, got {step}")
@@ -252,7 +255,8 @@ def latest(ckpt_dir: CkptDir = None) -> None:
     from ..checkpoint.store import find_latest
 
     if is_s3_url(ckpt_dir):
-        return s3_commands().latest(ckpt_dir)
+        s3_commands().latest(ckpt_dir)
+        return
     root = resolve_root(ckpt_dir)
     info = find_latest(root, warn=False)
     if info is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -77,7 +77,7 @@ def export(
     typer.echo(f"wrote {summary['out']}: {summary['tensors']} tensors, {summary['bytes']} bytes from step {summary['step']}")
 
 
-def _export_s3(which: str, root: Path | None, out: Path, only: str, rank: int) -> dict:
+def _export_s3(which: str, root: Path | None, out: Path, only: str, rank: int) -> dict[str, Any]:
     """Export from a bucket step: a verified download beside `out`, then the local export."""
     from ..mirror.fetch import local_copy, locate
     from ..tools.export import export_model

@@ -33,7 +33,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 from torch.utils.data import DataLoader
 
 from ..checkpoint.jsonenc import encode
@@ -47,7 +47,7 @@ STATE_KEY = "lightning"  # the one entry of the slurmresume state: Lightning's c
 _HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
 
 
-class ResumableDataLoader(DataLoader):
+class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
     """A `DataLoader` over a `slurmresume.ResumableSampler` whose position is part of
     Lightning's checkpoint (Lightning saves and restores loaders that have `state_dict()`).
 

@@ -157,7 +157,7 @@ class SlurmResumeCallback(TrainerCallback):
         self.ckpt = None
 
 
-def _write_resume_dir(trainer: Any, trainer_state: dict) -> str:
+def _write_resume_dir(trainer: Any, trainer_state: dict[str, Any]) -> str:
     """What `Trainer.train(resume_from_checkpoint=...)` reads: trainer_state.json and the
     (already restored) weights; nothing pickled. One directory per rank, so no rank waits."""
     import json

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError
 from ..train.heartbeat import BUSY, RESTORE, SAVE, STARTUP, STEP, Record
@@ -103,7 +104,7 @@ class Hang:
     silent_s: float  # how long the first of them had been silent
     budget_s: float
     last_heartbeat: float  # time.time() of that rank's last heartbeat (or of the run's start)
-    ranks_state: dict[int, dict]  # rank -> {step, phase, age_s}
+    ranks_state: dict[int, dict[str, Any]]  # rank -> {step, phase, age_s}
     over: tuple[int, ...] = ()  # every rank over its budget at the verdict
 
     @property
@@ -118,7 +119,7 @@ def judge(records: dict[int, Record | None], now: float, started: float, b: Hang
     if not b.enabled:
         return None
     over: list[tuple[float, int, str, float, float]] = []
-    state: dict[int, dict] = {}
+    state: dict[int, dict[str, Any]] = {}
     for rank, rec in sorted(records.items()):
         last = rec.time if rec is not None else started
         phase, allowed = budget(rec, b, save_cost_s)

@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ..contract import RUNS_DIR
 from ..train.heartbeat import STEP, Record, read_all, stacks_path
@@ -50,7 +51,7 @@ class HangWatch:
         self.started = time.time()
         self.records: dict[int, Record | None] = dict.fromkeys(ranks)
         self.recovering = recovering  # (time of the death/kill that ended the previous run, cause)
-        self.resumed: dict | None = None  # set once: {seconds, step, cause}
+        self.resumed: dict[str, Any] | None = None  # set once: {seconds, step, cause}
         self.resumed_logged = False
         self.seen_pids: set[int] = set()
         self.death_at: float | None = None  # a worker vanished while torchrun still ran
@@ -109,7 +110,7 @@ class HangWatch:
             (out / f"rank-{rank}.txt").write_text("\n".join(head) + "\n" + body)
         return out, round(time.monotonic() - began, 3)
 
-    def summary(self, now: float) -> dict:
+    def summary(self, now: float) -> dict[str, Any]:
         """Per rank: last step, its age, phase, step-time median and p99 (seconds)."""
         ranks = {}
         for rank, rec in self.records.items():

@@ -102,7 +102,7 @@ def inspect(s3: Any, loc: S3Location, rs: RemoteStep, verify: bool = False) -> R
     return info
 
 
-def _check_shard(s3: Any, loc: S3Location, step: int, shard: dict) -> str | None:
+def _check_shard(s3: Any, loc: S3Location, step: int, shard: dict[str, Any]) -> str | None:
     key = loc.key(step, shard["file"])
     obj = call(f"reading s3://{loc.bucket}/{key}", s3.get_object, Bucket=loc.bucket, Key=key)
     hasher, body = xxhash.xxh3_64(), obj["Body"]

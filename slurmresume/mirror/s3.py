@@ -126,7 +126,7 @@ def get_bounded(s3: Any, loc: S3Location, key: str, limit: int) -> bytes | None:
     return data
 
 
-def head(s3: Any, loc: S3Location, key: str) -> dict | None:
+def head(s3: Any, loc: S3Location, key: str) -> dict[str, Any] | None:
     from botocore.exceptions import ClientError
 
     try:
@@ -137,7 +137,7 @@ def head(s3: Any, loc: S3Location, key: str) -> dict | None:
         raise CheckpointError(f"looking up s3://{loc.bucket}/{key}: {error_code(exc)}") from exc
 
 
-def list_objects(s3: Any, loc: S3Location, prefix: str, delimiter: str = "") -> Iterator[dict]:
+def list_objects(s3: Any, loc: S3Location, prefix: str, delimiter: str = "") -> Iterator[dict[str, Any]]:
     """Pages of list_objects_v2 under `prefix` (each page a dict with Contents/CommonPrefixes)."""
     kwargs: dict[str, Any] = {"Bucket": loc.bucket, "Prefix": prefix}
     if delimiter:

@@ -97,7 +97,7 @@ def ignored(key: str, ignore: tuple[str, ...]) -> bool:
     return key.split("/", 1)[0] in ignore
 
 
-def _kinds(skeleton: dict) -> dict[str, str]:
+def _kinds(skeleton: dict[str, Any]) -> dict[str, str]:
     """Top-level state key -> cause class, from the saved skeleton's shape."""
     out: dict[str, str] = {}
     for key, entry in (skeleton.get("entries") or {}).items():
@@ -114,7 +114,7 @@ def _kinds(skeleton: dict) -> dict[str, str]:
     return out
 
 
-def _load(step_dir: Path, rank: int, shard: dict) -> tuple[dict, dict]:
+def _load(step_dir: Path, rank: int, shard: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     tensors, meta, _ = load_tensors(step_dir, shard["file"], shard["bytes"])
     return tensors, loads(meta.get(SKELETON_KEY, "{}"), "skeleton")
 
@@ -160,7 +160,7 @@ def _cause(name: str, kinds: dict[str, str]) -> str:
     return "rng" if rng_stream(name) else kinds.get(name.split("/", 1)[0], "other")
 
 
-def _library_values(skeleton: dict) -> dict[str, Any]:
+def _library_values(skeleton: dict[str, Any]) -> dict[str, Any]:
     lib = skeleton.get("library")
     if not isinstance(lib, dict):
         return {}
@@ -222,7 +222,7 @@ def _max_delta(x: Any, y: Any) -> str:
     return f"{int((x != y).sum())} elements differ"
 
 
-def _compare_values(rank: int, ea: dict, eb: dict, ignore: tuple[str, ...]) -> list[Difference]:
+def _compare_values(rank: int, ea: dict[str, Any], eb: dict[str, Any], ignore: tuple[str, ...]) -> list[Difference]:
     out = []
     for key in sorted(set(ea) | set(eb)):
         if key in ignore:

@@ -17,6 +17,7 @@ import random
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from ..checkpoint.store import find_latest
 from ..contract import ENV_DRILL_AT, ENV_DRILL_FIRST_SAVE, ENV_DRILL_HANG, EV_HANG, EV_RESUMED
@@ -50,8 +51,8 @@ class DrillReport:
     differences: list[Difference] = field(default_factory=list)
     first_checkpoints: tuple[Path, Path] | None = None  # both runs' first step, before any warning
     hangs_planned: list[tuple[int, int]] = field(default_factory=list)  # (rank, step) per attempt
-    hangs: list[dict] = field(default_factory=list)  # the `hang` events of the drill run
-    recoveries: list[dict] = field(default_factory=list)  # `resumed` events: seconds from the kill to the first step
+    hangs: list[dict[str, Any]] = field(default_factory=list)  # the `hang` events of the drill run
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # `resumed` events: seconds from the kill to the first step
     hang_problems: list[str] = field(default_factory=list)  # why a hang's proof is missing
 
     @property
@@ -65,7 +66,7 @@ class DrillReport:
             return not culprits(self.differences) and not self.hang_problems
         return not culprits(self.differences) and self.preemptions > 0 and self.missed == 0
 
-    def hang_json(self) -> dict | None:
+    def hang_json(self) -> dict[str, Any] | None:
         if not self.hangs_planned:
             return None
         return {"planned": [{"rank": r, "step": s} for r, s in self.hangs_planned], "detected": self.hangs,

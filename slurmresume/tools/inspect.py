@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -104,13 +104,13 @@ class CheckpointReport:
         """Total `nan_count` or `inf_count` over every tensor (None without stats)."""
         if not self.stats_computed:
             return None
-        return sum(getattr(t.stats, what) for t in self.tensors if t.stats is not None)
+        return sum(int(getattr(t.stats, what)) for t in self.tensors if t.stats is not None)
 
     def to_json(self) -> dict[str, Any]:
         from .status import plain_json
 
-        return plain_json({"schema": SCHEMA, **asdict(self), "nan_count": self.count("nan_count"),
-                           "inf_count": self.count("inf_count")})
+        return cast(dict[str, Any], plain_json({"schema": SCHEMA, **asdict(self), "nan_count": self.count("nan_count"),
+                                                "inf_count": self.count("inf_count")}))
 
 
 # -- which checkpoint -------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def inspect_checkpoint(step: int, path: Path, *, tensors: bool = False,
                             m.metrics, m.meta, state, library, rows, stats_computed=tensors)
 
 
-def _tensor_rows(path: Path, index: list[Any], headers: list[dict]) -> list[TensorInfo]:
+def _tensor_rows(path: Path, index: list[Any], headers: list[dict[str, Any]]) -> list[TensorInfo]:
     """Rows from the manifest's tensor index, each checked against its shard's header."""
     rows = []
     for entry in index:
@@ -216,7 +216,7 @@ def _tensor_refs(value: Any, out: set[str]) -> set[str]:
     return out
 
 
-def _state_keys(path: Path, shards: list[dict], headers: list[dict],
+def _state_keys(path: Path, shards: list[dict[str, Any]], headers: list[dict[str, Any]],
                 rows: list[TensorInfo]) -> tuple[list[StateKey], list[str]]:
     """Top-level state keys (union over ranks) with their tensors, from each shard's skeleton."""
     nbytes = {(r.rank, r.name): r.bytes for r in rows}
@@ -298,7 +298,7 @@ def _decode(buf: memoryview, dtype: str, scratch: np.ndarray) -> np.ndarray:
     return np.frombuffer(buf, _NUMPY[dtype])
 
 
-def tensor_stats(path: Path, file: str, expected_bytes: int, header: dict, data_start: int,
+def tensor_stats(path: Path, file: str, expected_bytes: int, header: dict[str, Any], data_start: int,
                  chunk: int = STATS_CHUNK) -> list[tuple[str, TensorStats]]:
     """Stats of every tensor of one shard (header as `shard.read_header` validated it), read
     in `chunk`-byte pieces through one reused buffer: memory is O(chunk), not O(shard)."""

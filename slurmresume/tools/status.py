@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .. import slurm
 from ..checkpoint.layout import LOCK, step_dirs
@@ -146,7 +146,7 @@ class Status:
             del data["interval"]
         if not data["omitted"]:
             del data["omitted"]
-        return plain_json({"schema": SCHEMA, "health": self.health, **data})
+        return cast(dict[str, Any], plain_json({"schema": SCHEMA, "health": self.health, **data}))
 
 
 def plain_json(obj: Any) -> Any:

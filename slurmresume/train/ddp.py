@@ -120,11 +120,11 @@ def rebuild_reducer(ddp: Any, buckets: list[list[int]], params: list[Any], expec
         return list(reversed(buckets)), [sys.maxsize] * len(buckets)
 
     ddp.reducer._remove_autograd_hooks()
-    original = dist._compute_bucket_assignment_by_size
-    dist._compute_bucket_assignment_by_size = pinned
+    original = dist._compute_bucket_assignment_by_size  # type: ignore[attr-defined]
+    dist._compute_bucket_assignment_by_size = pinned  # type: ignore[attr-defined]
     try:
         ddp._ddp_init_helper(params, expect_sparse, ddp._build_debug_param_to_name_mapping(params),
                              getattr(ddp, "static_graph", False))
     finally:
-        dist._compute_bucket_assignment_by_size = original
+        dist._compute_bucket_assignment_by_size = original  # type: ignore[attr-defined]
     ddp._has_rebuilt_buckets = False

@@ -174,7 +174,7 @@ class Loaded:
     """One rank's read of its part of a checkpoint: the decoded entries and the library's own
     state (RNG), or the failure; `wrote`: live tensors were already written into."""
 
-    decoded: dict | None = None
+    decoded: dict[str, Any] | None = None
     library: Any = None
     failure: Failure | None = None
     wrote: bool = False

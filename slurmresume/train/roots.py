@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ..checkpoint.collective import Group
-from ..contract import ENV_ROOT
+from ..contract import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
 from ..errors import ConfigError
 from ..events import append_event
 

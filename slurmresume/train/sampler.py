@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 
-class ResumableSampler(DistributedSampler):
+class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
     """`DistributedSampler` (same index order for a given seed and epoch) plus a position.
 
     Tell it what the training loop consumed with `advance(n_samples)` after each batch; its
@@ -29,7 +29,7 @@ class ResumableSampler(DistributedSampler):
             num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        super().__init__(cast(Dataset, dataset), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+        super().__init__(cast("Dataset[Any]", dataset), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
                          drop_last=drop_last)
         self.position = 0
         self.with_epoch = with_epoch

@@ -47,8 +47,8 @@ class Payload:
     """What one rank saves: the flattened state (`checkpoint.state.flatten`) and the encoded
     metrics and meta (`checkpoint.jsonenc.encode`; rank 0's go into the manifest)."""
 
-    skeleton: dict
-    tensors: list
+    skeleton: dict[str, Any]
+    tensors: list[Any]
     metrics: Any = None
     meta: Any = None
 

@@ -12,7 +12,9 @@ import threading
 from types import FrameType
 from typing import Any
 
-from ..contract import ENV_SIGNAL, EXIT_PREEMPTED, EXIT_TERMINATED  # noqa: F401 - re-exported
+from ..contract import ENV_SIGNAL
+from ..contract import EXIT_PREEMPTED as EXIT_PREEMPTED  # re-exported (slurmresume.EXIT_PREEMPTED)
+from ..contract import EXIT_TERMINATED as EXIT_TERMINATED  # re-exported
 
 NONE, TERMINATE, PREEMPT = 0, 1, 2  # ordered: the MAX over ranks is what everyone acts on
 
