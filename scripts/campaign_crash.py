@@ -72,7 +72,7 @@ def _install_dying_rmtree() -> None:
             for dirpath, dirnames, filenames in os.walk(path, topdown=False):
                 for name in sorted(filenames, reverse=True):
                     p = os.path.join(dirpath, name)
-                    fsio._point("rmtree.file", p)
+                    fsio.fault_point("rmtree.file", p)
                     os.unlink(p)
                 for name in dirnames:
                     p = os.path.join(dirpath, name)

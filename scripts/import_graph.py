@@ -6,6 +6,8 @@
   function runs later and is listed separately, it cannot form an import-time cycle);
 - layer violations: each module belongs to one role (below); a module may import its own role
   and the roles listed after it, never one listed before it;
+- private names crossing modules: `from .x import _name` of a non-module name (each private name
+  stays in the module that defines it);
 - modules over 300 lines and the 10 longest functions.
 
 Roles, from the top (may import downwards only); the package a module lives in is its role:
@@ -108,6 +110,27 @@ def graph() -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, int], l
     return top, lazy, lines, sorted(funcs, reverse=True)
 
 
+def private_imports() -> list[str]:
+    """`from <package module> import _name` anywhere in the package (at module level or inside a
+    function), where `_name` is not a module: a private name used outside its module."""
+    files = {module_name(p): p for p in PKG.rglob("*.py")}
+    known = set(files)
+    bad = []
+    for mod, path in sorted(files.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            targets = resolve(mod, path.name == "__init__.py", node, known)
+            if not targets:
+                continue
+            for alias in node.names:
+                name = alias.name
+                if name.startswith("_") and not name.startswith("__") and not any(
+                        t == name or t.endswith("." + name) for t in targets):
+                    bad.append(f"{mod} imports {name} from {targets[0]}")
+    return bad
+
+
 def _under_type_checking(node: ast.stmt) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
@@ -171,6 +194,10 @@ def main() -> int:
     print(f"layer violations (import-time or deferred): {len(bad)}")
     for b in bad:
         print("  " + b)
+    private = private_imports()
+    print(f"private names used outside their module: {len(private)}")
+    for b in private:
+        print("  " + b)
     by_role: dict[str, list[str]] = {}
     for m in sorted(top):
         by_role.setdefault(role(m), []).append(m)
@@ -178,7 +205,7 @@ def main() -> int:
         print(f"{r:8} {len(by_role.get(r, []))} modules, {sum(lines[m] for m in by_role.get(r, []))} lines")
     print("modules over 300 lines: " + ", ".join(f"{m} ({n})" for m, n in sorted(lines.items(), key=lambda x: -x[1]) if n > 300))
     print("longest functions: " + ", ".join(f"{name} ({n})" for n, name in funcs[:10]))
-    return 1 if cyc or bad else 0
+    return 1 if cyc or bad or private else 0
 
 
 if __name__ == "__main__":

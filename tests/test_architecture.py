@@ -29,6 +29,10 @@ def test_no_import_time_cycle_and_no_upward_import() -> None:
     assert ig.violations({m: top[m] | lazy[m] for m in top}) == []
 
 
+def test_no_private_name_is_used_outside_its_module() -> None:
+    assert _import_graph().private_imports() == []
+
+
 def test_the_cycle_finder_finds_a_cycle() -> None:
     ig = _import_graph()
     assert ig.cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

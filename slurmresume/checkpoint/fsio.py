@@ -1,6 +1,6 @@
 """Durable file-system operations, and the one seam tests use to crash or fail them.
 
-Every step that matters for durability goes through `_point(label, path)`. In production
+Every step that matters for durability goes through `fault_point(label, path)`. In production
 it is a no-op (one global lookup). Tests set, before the process starts:
 
   SLURMRESUME_TEST_KILL_AT="label[:N]"   SIGKILL this process at the N-th (default 1st)
@@ -39,7 +39,7 @@ _TRACE = os.environ.get("SLURMRESUME_TEST_TRACE")
 _ACTIVE = bool(_KILL or _FAIL or _TRACE)
 
 
-def _point(label: str, path: str | os.PathLike[str] = "") -> None:
+def fault_point(label: str, path: str | os.PathLike[str] = "") -> None:
     if not _ACTIVE:
         return
     if _TRACE:
@@ -83,12 +83,12 @@ def retry_transient(label: str, path: str | os.PathLike[str], fn: Callable[[], T
 
 
 def fsync_fd(fd: int, label: str, path: str | os.PathLike[str] = "") -> None:
-    _point(f"fsync.{label}", path)
+    fault_point(f"fsync.{label}", path)
     os.fsync(fd)
 
 
 def fsync_dir(path: Path, label: str) -> None:
-    _point(f"fsyncdir.{label}", path)
+    fault_point(f"fsyncdir.{label}", path)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -97,7 +97,7 @@ def fsync_dir(path: Path, label: str) -> None:
 
 
 def rename(src: Path, dst: Path, label: str) -> None:
-    _point(f"rename.{label}", dst)
+    fault_point(f"rename.{label}", dst)
     os.replace(src, dst)
 
 
@@ -106,7 +106,7 @@ def exchange(a: Path, b: Path, label: str) -> bool:
     kernel or file system does not support it (the caller falls back); OSError otherwise."""
     import ctypes
 
-    _point(f"rename.{label}", b)
+    fault_point(f"rename.{label}", b)
     fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if fn is None:
         return False
@@ -121,7 +121,7 @@ def exchange(a: Path, b: Path, label: str) -> bool:
 
 
 def write_all(fd: int, data: memoryview | bytes, label: str, path: str | os.PathLike[str] = "") -> None:
-    _point(f"write.{label}", path)
+    fault_point(f"write.{label}", path)
     view = memoryview(data).cast("B")
     while view:
         n = os.write(fd, view)
@@ -130,7 +130,7 @@ def write_all(fd: int, data: memoryview | bytes, label: str, path: str | os.Path
 
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int, label: str, path: str | os.PathLike[str] = "") -> None:
     """`write_all` at a file offset (several writer threads on one file): the same fault point."""
-    _point(f"write.{label}", path)
+    fault_point(f"write.{label}", path)
     view = memoryview(data).cast("B")
     while view:
         n = os.pwrite(fd, view, offset)
@@ -221,7 +221,7 @@ def umask() -> int:
 
 
 def unlink(path: Path, label: str) -> None:
-    _point(f"unlink.{label}", path)
+    fault_point(f"unlink.{label}", path)
     os.unlink(path)
 
 

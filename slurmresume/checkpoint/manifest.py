@@ -85,7 +85,7 @@ class Manifest:
         return Expected(self.shards[rank]["header_xxh3"], blocks)
 
 
-def _read_bounded(path: Path, limit: int, what: str) -> bytes:
+def read_bounded(path: Path, limit: int, what: str) -> bytes:
     import os
     import stat
 
@@ -117,8 +117,8 @@ def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
     (or UnsafeCheckpointError) naming the file; never reads outside `step_dir`."""
     if step_dir.is_symlink():  # its files would be read from wherever the link points
         raise UnsafeCheckpointError(f"refusing checkpoint {step_dir}: not a real directory (a symbolic link)")
-    marker_raw = _read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
-    raw = _read_bounded(step_dir / MANIFEST, MAX_MANIFEST, "manifest")
+    marker_raw = read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
+    raw = read_bounded(step_dir / MANIFEST, MAX_MANIFEST, "manifest")
     marker = loads(marker_raw, f"commit marker {step_dir / MARKER}")
     if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(raw):
         raise CorruptCheckpointError(f"manifest {step_dir / MANIFEST} does not match its commit marker "

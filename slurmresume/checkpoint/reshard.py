@@ -23,11 +23,11 @@ from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError
 from .shard import (
-    _ITEMSIZE,
-    _TORCH_DTYPES,
+    ITEMSIZE,
+    TORCH_DTYPES,
     VERIFY_BLOCK,
     Expected,
-    _byte_view,
+    byte_view,
     check_blocks,
     open_checked,
     pread_exact,
@@ -132,7 +132,7 @@ def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[s
     Returns ({name: value}, wrote_live)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    files = _Files(directory, shards, expect)
+    files = ShardFiles(directory, shards, expect)
     out: dict[str, Any] = {}
     wrote = False
     try:
@@ -162,13 +162,13 @@ def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[s
 
 def _fits(t: Any, shape: tuple[Any, ...], dtype: str) -> bool:
     return (t is not None and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
-            and t.dtype == _TORCH_DTYPES[dtype])
+            and t.dtype == TORCH_DTYPES[dtype])
 
 
 def _empty(shape: Any, dtype: str) -> Any:
     import torch
 
-    return torch.empty(tuple(shape), dtype=_TORCH_DTYPES[dtype])
+    return torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype])
 
 
 def _wrap(local: Any, target: Target, global_shape: tuple[Any, ...]) -> Any:
@@ -182,7 +182,7 @@ def _wrap(local: Any, target: Target, global_shape: tuple[Any, ...]) -> Any:
                               run_check=False, shape=torch.Size(global_shape), stride=stride)
 
 
-class _Files:
+class ShardFiles:
     """Open shards and their checked headers, opened on first use only."""
 
     def __init__(self, directory: Path, shards: list[dict[str, Any]],
@@ -218,11 +218,11 @@ class _Files:
         self.open.clear()
 
 
-def read_box(files: _Files, tensor: Sharded, offset: tuple[Any, ...], shape: tuple[Any, ...], dest: Any) -> None:
+def read_box(files: ShardFiles, tensor: Sharded, offset: tuple[Any, ...], shape: tuple[Any, ...], dest: Any) -> None:
     """Fill `dest` (CPU, `shape`) with the global box at `offset`, from the pieces covering it."""
     import torch
 
-    size = _ITEMSIZE[tensor.dtype]
+    size = ITEMSIZE[tensor.dtype]
     for piece, lo, box in cover(tensor, offset, shape):
         fd, start, path = files.piece(piece.rank, tensor, piece.shape)
         rel = tuple(a - o for a, o in zip(lo, piece.offset))
@@ -235,12 +235,12 @@ def read_box(files: _Files, tensor: Sharded, offset: tuple[Any, ...], shape: tup
         length, starts = runs(piece.shape, rel, box)
         if length * size < SMALL_RUN and len(box) > 1 and box[0] * row <= SLAB_WASTE * math.prod(box):
             slab = torch.empty((box[0], *piece.shape[1:]), dtype=dest.dtype)
-            _pread(fd, _byte_view(slab), start + rel[0] * row * size, path)
+            _pread(fd, byte_view(slab), start + rel[0] * row * size, path)
             cols = tuple(slice(r, r + n) for r, n in zip(rel[1:], box[1:]))
             dst.copy_(slab[(slice(None),) + cols])
             continue
         tmp = dst if dst.is_contiguous() else torch.empty(box, dtype=dest.dtype)
-        view, pos, step = _byte_view(tmp), 0, length * size
+        view, pos, step = byte_view(tmp), 0, length * size
         for first in starts:
             _pread(fd, view[pos:pos + step], start + first * size, path)
             pos += step
@@ -266,7 +266,7 @@ def _read_verified(fd: int, start: int, path: Path, name: str, digests: list[str
     first, last = lo // VERIFY_BLOCK, -(-hi // VERIFY_BLOCK)
     begin, end = first * VERIFY_BLOCK, min(last * VERIFY_BLOCK, total)
     raw = torch.empty(end - begin, dtype=torch.uint8)
-    view = _byte_view(raw)
+    view = byte_view(raw)
     for i in range(0, len(view), VERIFY_BLOCK):  # hash each block while it is in cache
         _pread(fd, view[i : i + VERIFY_BLOCK], start + begin + i, path)
         check_blocks(view[i : i + VERIFY_BLOCK], first + i // VERIFY_BLOCK, digests, path, name)

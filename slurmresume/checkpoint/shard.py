@@ -43,7 +43,7 @@ _DTYPES: dict[str, str] = {
     "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
     "uint16": "U16", "uint32": "U32", "uint64": "U64",
 }
-_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
              "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
@@ -97,7 +97,7 @@ def check_blocks(view: memoryview, first_block: int, digests: list[str], path: P
                                          f"{k * block}..{k * block + min(block, len(view) - i)} (flipped bits?)")
 
 
-def _byte_view(tensor: Any) -> memoryview:
+def byte_view(tensor: Any) -> memoryview:
     """The tensor's bytes without copying (a contiguous CPU tensor is required)."""
     import torch
 
@@ -142,7 +142,7 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         fsio.note_failure(exc, final, needed)
         raise
     try:
-        fsio._point("write.shard.header", tmp)
+        fsio.fault_point("write.shard.header", tmp)
         sink.feed(header)
         for name, t in tensors:
             data = tensor_bytes(_contiguous_cpu(t))
@@ -243,14 +243,14 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
                              key=lambda kv: _offsets(path, kv)[0]):
         begin, stop = _offsets(path, (name, info))
         dtype, shape = info.get("dtype"), info.get("shape")
-        if not isinstance(dtype, str) or dtype not in _ITEMSIZE or not isinstance(shape, list) or not all(
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE or not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
         ):
             raise UnsafeCheckpointError(f"tensor {name!r} in {path} has a bad dtype or shape")
         numel = 1
         for d in shape:
             numel *= d
-        if begin != end or stop - begin != numel * _ITEMSIZE[dtype] or stop > data_len:
+        if begin != end or stop - begin != numel * ITEMSIZE[dtype] or stop > data_len:
             raise UnsafeCheckpointError(f"tensor {name!r} in {path} has offsets outside the file")
         end = stop
     if end != data_len:
@@ -292,7 +292,7 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
     for name, info in items:
         t = (targets or {}).get(name)
         if (t is not None and t.device.type == "cpu" and t.is_contiguous() and list(t.shape) == info["shape"]
-                and _TORCH_DTYPES[info["dtype"]] == t.dtype and t.numel() > 0):
+                and TORCH_DTYPES[info["dtype"]] == t.dtype and t.numel() > 0):
             direct[name] = t
     rest = [(n, i) for n, i in items if n not in direct]
     out: dict[str, Any] = {}
@@ -324,7 +324,7 @@ def _check(expect: Expected | None, name: str, path: Path) -> tuple[str, list[st
 
 
 def _pread_into(fd: int, t: Any, offset: int, path: Path, check: tuple[str, list[str]] | None = None) -> None:
-    view = _byte_view(t) if t.numel() else memoryview(b"")
+    view = byte_view(t) if t.numel() else memoryview(b"")
     if check is None:
         if len(view):
             pread_exact(fd, view, offset, path)
@@ -355,7 +355,7 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
 
 
 def _typed(part: Any, info: dict[str, Any]) -> Any:
-    dtype = _TORCH_DTYPES[info["dtype"]]
+    dtype = TORCH_DTYPES[info["dtype"]]
     try:
         t = part.view(dtype)
     except RuntimeError:  # not aligned for this dtype (a file we did not write): copy it
@@ -377,7 +377,7 @@ class _LazyDtypes(dict[str, Any]):
         return dict.__getitem__(self, key)
 
 
-_TORCH_DTYPES: dict[str, Any] = _LazyDtypes()
+TORCH_DTYPES: dict[str, Any] = _LazyDtypes()
 
 
 def meta_tensors(infos: dict[str, Any]) -> dict[str, Any]:
@@ -386,7 +386,7 @@ def meta_tensors(infos: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     try:
-        return {n: torch.empty([int(d) for d in i["shape"]], dtype=_TORCH_DTYPES[i["dtype"]], device="meta")
+        return {n: torch.empty([int(d) for d in i["shape"]], dtype=TORCH_DTYPES[i["dtype"]], device="meta")
                 for n, i in infos.items()}
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CorruptCheckpointError(f"a safetensors header entry is malformed ({type(exc).__name__}: {exc})") from None

@@ -36,7 +36,7 @@ def s3_commands() -> Any:
     return commands
 
 
-def _emit_json(data: Any) -> None:
+def emit_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, allow_nan=False))
 
 
@@ -100,7 +100,7 @@ def status(
         return
     st = compute()
     if as_json:
-        _emit_json(st.to_json())
+        emit_json(st.to_json())
     else:
         _render.print_status(st, limit)
     if plot is not None:
@@ -162,7 +162,7 @@ def prune(
         _render.print_plan(plan, leftovers, dry_run)
     result = None
     if not dry_run and (plan.delete or leftovers):
-        _confirm(len(plan.delete) + len(leftovers), yes, as_json)
+        confirm_delete(len(plan.delete) + len(leftovers), yes, as_json)
         with _render.progress("deleting") as bar:
             result = rt.execute(root, policy, approved={r.name for r in plan.delete}, progress=bar)
         if not as_json:
@@ -170,10 +170,10 @@ def prune(
     elif not as_json and not dry_run:
         typer.echo("nothing to delete")
     if as_json:
-        _emit_json(_prune_json(root, policy, plan, leftovers, dry_run, result))
+        emit_json(prune_json(root, policy, plan, leftovers, dry_run, result))
 
 
-def _confirm(count: int, yes: bool, as_json: bool) -> None:
+def confirm_delete(count: int, yes: bool, as_json: bool) -> None:
     if yes:
         return
     if as_json or not _stdin_is_tty():
@@ -184,7 +184,7 @@ def _confirm(count: int, yes: bool, as_json: bool) -> None:
         raise typer.Exit(1)
 
 
-def _prune_json(root: Path, policy: Any, plan: Any, leftovers: list[str], dry_run: bool, result: Any) -> dict[str, Any]:
+def prune_json(root: Path, policy: Any, plan: Any, leftovers: list[str], dry_run: bool, result: Any) -> dict[str, Any]:
     """Schema "slurmresume.prune/1" (what `prune --json` prints):
 
     schema, root, dry_run   "slurmresume.prune/1", the root (str), bool

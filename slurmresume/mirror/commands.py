@@ -60,7 +60,7 @@ def prune(url: object, policy: Any, *, dry_run: bool, yes: bool, as_json: bool) 
     """The plan first; then marker-first deletion of what a re-made plan still deletes."""
     from .. import retention as rt
     from ..cli import render as _render
-    from ..cli.commands_ckpt import _confirm, _emit_json, _prune_json
+    from ..cli.commands_ckpt import confirm_delete, emit_json, prune_json
 
     loc, s3 = parse_s3_url(str(url)), client()
     records = remote.records(s3, loc)
@@ -72,14 +72,14 @@ def prune(url: object, policy: Any, *, dry_run: bool, yes: bool, as_json: bool) 
         _render.print_plan(plan, [], dry_run)
     result = None
     if not dry_run and plan.delete:
-        _confirm(len(plan.delete), yes, as_json)
+        confirm_delete(len(plan.delete), yes, as_json)
         result = remote.prune(s3, loc, policy, approved={r.name for r in plan.delete})
         if not as_json:
             _render.print_result(result)  # type: ignore[arg-type]  # same fields as PruneResult
     elif not as_json and not dry_run:
         typer.echo("nothing to delete")
     if as_json:
-        _emit_json(_prune_json(loc.url, policy, plan, [], dry_run, result))  # type: ignore[arg-type]
+        emit_json(prune_json(loc.url, policy, plan, [], dry_run, result))  # type: ignore[arg-type]
 
 
 def status(url: object, *, verify: bool, limit: int, as_json: bool) -> None:

@@ -1,6 +1,6 @@
 """The object-store seam: `s3://` locations, the boto3 client, and the few calls we make.
 
-Every call that matters for the commit crosses `fsio._point("mirror.<label>")`, so the crash
+Every call that matters for the commit crosses `fsio.fault_point("mirror.<label>")`, so the crash
 tests can SIGKILL the uploading process at a named place (SLURMRESUME_TEST_KILL_AT, see
 checkpoint/fsio.py). Errors from botocore become `CheckpointError`s naming the object.
 """
@@ -103,9 +103,9 @@ def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 def point(label: str, where: str = "") -> None:
     """The crash-test seam (a no-op in production)."""
-    from ..checkpoint.fsio import _point
+    from ..checkpoint.fsio import fault_point
 
-    _point(f"mirror.{label}", where)
+    fault_point(f"mirror.{label}", where)
 
 
 def get_bounded(s3: Any, loc: S3Location, key: str, limit: int) -> bytes | None:

@@ -34,7 +34,7 @@ from ..checkpoint.manifest import (
     MAX_MANIFEST,
     MAX_MARKER,
     Manifest,
-    _read_bounded,
+    read_bounded,
     read_manifest,
     validate_manifest,
 )
@@ -72,8 +72,8 @@ def transfer_config(chunk: int = CHUNK, concurrency: int = CONCURRENCY) -> Any:
 
 def read_committed(step_dir: Path, step: int) -> tuple[bytes, bytes, Manifest]:
     """(marker bytes, manifest bytes, validated manifest) of a local committed step."""
-    marker_raw = _read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
-    manifest_raw = _read_bounded(step_dir / MANIFEST, MAX_MANIFEST, "manifest")
+    marker_raw = read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
+    manifest_raw = read_bounded(step_dir / MANIFEST, MAX_MANIFEST, "manifest")
     manifest = read_manifest(step_dir, expected_step=step)
     marker = loads(marker_raw, f"commit marker {step_dir / MARKER}")
     if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(manifest_raw):

@@ -18,8 +18,8 @@ from typing import Any
 from ..checkpoint import fsio
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.manifest import read_manifest
-from ..checkpoint.reshard import _Files, read_box
-from ..checkpoint.shard import _ITEMSIZE, SKELETON_KEY, _byte_view, open_checked, read_header
+from ..checkpoint.reshard import ShardFiles, read_box
+from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY, byte_view, open_checked, read_header
 from ..checkpoint.sharding import Sharded, cover
 from ..checkpoint.state import validate_skeleton
 from ..checkpoint.writer import ShardSink
@@ -83,7 +83,7 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
     for key, name in refs:
         if name in manifest.sharded:  # a DTensor: its global tensor, assembled from every rank's piece
             tensor = manifest.sharded[name]
-            n = math.prod(tensor.shape) * _ITEMSIZE[tensor.dtype]
+            n = math.prod(tensor.shape) * ITEMSIZE[tensor.dtype]
             layout[key] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + n]}
             offset += n
             continue
@@ -100,7 +100,7 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
     fds = {f: open_checked(step_dir, f, size) for f, (_, _, size) in sources.items()}
-    pieces = _Files(step_dir, manifest.shards)
+    pieces = ShardFiles(step_dir, manifest.shards)
     sink = ShardSink(tmp)
     try:
         sink.feed(len(raw).to_bytes(8, "little") + raw)
@@ -131,7 +131,7 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
     return {"step": manifest.step, "out": str(out), "tensors": len(refs), "bytes": out.stat().st_size}
 
 
-def _feed_global(sink: ShardSink, files: _Files, tensor: Sharded, buf: bytearray) -> None:
+def _feed_global(sink: ShardSink, files: ShardFiles, tensor: Sharded, buf: bytearray) -> None:
     """Stream one DTensor's global bytes. Pieces that are whole rows (dim-0 sharding, the FSDP2
     default) are copied in order in CHUNK slices, so memory stays at one CHUNK; any other
     sharding is assembled in one tensor of the global size first (memory ~ that tensor)."""
@@ -140,7 +140,7 @@ def _feed_global(sink: ShardSink, files: _Files, tensor: Sharded, buf: bytearray
     if all(p.shape[1:] == shape[1:] for p, _, _ in hits):
         for piece, _, _ in sorted(hits, key=lambda h: h[1][:1]):
             fd, pos, path = files.piece(piece.rank, tensor, piece.shape)
-            end = pos + piece.numel * _ITEMSIZE[tensor.dtype]
+            end = pos + piece.numel * ITEMSIZE[tensor.dtype]
             while pos < end:
                 n = os.preadv(fd, [memoryview(buf)[: min(CHUNK, end - pos)]], pos)
                 if n <= 0:
@@ -150,8 +150,8 @@ def _feed_global(sink: ShardSink, files: _Files, tensor: Sharded, buf: bytearray
         return
     import torch
 
-    from ..checkpoint.shard import _TORCH_DTYPES
+    from ..checkpoint.shard import TORCH_DTYPES
 
-    dest = torch.empty(shape, dtype=_TORCH_DTYPES[tensor.dtype])
+    dest = torch.empty(shape, dtype=TORCH_DTYPES[tensor.dtype])
     read_box(files, tensor, (0,) * len(shape), shape, dest)
-    sink.feed(_byte_view(dest))
+    sink.feed(byte_view(dest))

@@ -38,8 +38,7 @@ import numpy as np
 
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import parse_step_dir, step_dir_name
-from ..checkpoint.shard import _ITEMSIZE as ITEMSIZE
-from ..checkpoint.shard import SKELETON_KEY, open_checked, read_header
+from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY, open_checked, read_header
 from ..checkpoint.state import RESERVED
 from ..checkpoint.store import UNREADABLE, find_latest, inspect_dir
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError, NoCheckpointError
