@@ -82,6 +82,10 @@ def test_judge_names_the_rank_over_budget_and_everyone_state() -> None:
     # both silent: the one behind is the suspect (the other passed its step and waits for it)
     both = judge({0: rec(step=8, t=100.0), 1: rec(step=7, t=99.95)}, now=102.0, started=0.0, b=b)
     assert both is not None and both.ranks == (1,) and both.over == (0, 1) and both.step == 7
+    # only the waiting rank crossed its (smaller) budget: the rank behind it is still the suspect
+    # (seen in CI: rank 1 hung before step 6, rank 0 waited at step 6 and crossed first)
+    waiting = judge({0: rec(step=6, t=100.0), 1: rec(step=5, t=99.9, longest=0.5)}, now=101.55, started=0.0, b=b)
+    assert waiting is not None and waiting.over == (0,) and waiting.ranks == (1,) and waiting.step == 5
     assert judge(records, now=1e9, started=0.0, b=HangBudgets(enabled=False)) is None
 
 

@@ -97,8 +97,8 @@ def budget(rec: Record | None, b: HangBudgets, save_cost_s: float = 0.0) -> tupl
 class Hang:
     """What the launcher found: the ranks over their budget, and every local rank's last state."""
 
-    ranks: tuple[int, ...]  # the suspects: of the ranks over budget, those at the lowest step (the others
-    # passed it and wait for them in a collective)
+    ranks: tuple[int, ...]  # the suspects: of the ranks over budget and the ranks behind them, those at
+    # the lowest step (the others passed it and wait for them in a collective)
     phase: str  # the phase of the first of them
     step: int  # the lowest last step among them (-1: before any step)
     silent_s: float  # how long the first of them had been silent
@@ -118,22 +118,28 @@ def judge(records: dict[int, Record | None], now: float, started: float, b: Hang
     """`records`: this node's ranks (None: no heartbeat yet, silent since `started`)."""
     if not b.enabled:
         return None
-    over: list[tuple[float, int, str, float, float]] = []
+    every: list[tuple[float, int, str, float, float]] = []
     state: dict[int, dict[str, Any]] = {}
     for rank, rec in sorted(records.items()):
         last = rec.time if rec is not None else started
         phase, allowed = budget(rec, b, save_cost_s)
         silent = now - last
         state[rank] = {"step": rec.step if rec is not None else -1, "phase": phase, "age_s": round(silent, 3)}
-        if silent > allowed:
-            over.append((last, rank, phase, silent, allowed))
+        every.append((last, rank, phase, silent, allowed))
+    over = sorted(o for o in every if o[3] > o[4])
     if not over:
         return None
-    over.sort()
     silent_ranks = tuple(sorted(r for _, r, _, _, _ in over))
-    step = min(state[r]["step"] for r in silent_ranks)
-    suspects = tuple(r for r in silent_ranks if state[r]["step"] == step)
-    last, _, phase, silent, allowed = next(o for o in over if o[1] in suspects)
+    # The suspects: the ranks at the lowest step among those over budget and those behind them (a
+    # rank that stops before its next step() leaves the others a step ahead, waiting in a
+    # collective; budgets differ per rank, so a waiting rank may cross its budget first). A rank
+    # still in start-up is never "behind": the others cannot have passed a collective without it.
+    ahead = min(state[r]["step"] for r in silent_ranks)
+    behind = {r for r, s in state.items() if s["phase"] != STARTUP and s["step"] < ahead}
+    candidates = set(silent_ranks) | behind
+    step = min(state[r]["step"] for r in candidates)
+    suspects = tuple(r for r in sorted(candidates) if state[r]["step"] == step)
+    last, _, phase, silent, allowed = min(o for o in every if o[1] in suspects)
     return Hang(suspects, phase, step, round(silent, 3), round(allowed, 3), last, state, silent_ranks)
 
 
