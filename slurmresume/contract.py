@@ -102,21 +102,7 @@ def write_outcome(root: Path, outcome: Outcome) -> None:
 def read_outcome(root: Path, run_id: str) -> Outcome | None:
     """The launcher. None when the run left no record (finished, crashed) or it is unreadable;
     a record that is not ours (wrong run id, malformed) counts as none."""
-    path = outcome_path(root, run_id)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        data = os.read(fd, MAX_OUTCOME_BYTES + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    try:
-        raw: Any = json.loads(data)
-    except ValueError:
-        return None
+    raw = _read_record(outcome_path(root, run_id))
     if (not isinstance(raw, dict) or raw.get("run_id") != run_id or raw.get("kind") not in ("preempt", "terminate")
             or not isinstance(raw.get("step"), int) or not isinstance(raw.get("committed"), bool)):
         return None
@@ -155,16 +141,7 @@ def write_last_run(root: Path, record: LastRun) -> None:
 
 def read_last_run(root: Path, job_key: str) -> LastRun | None:
     """None when there is none, or it is unreadable or not this job's."""
-    try:
-        fd = os.open(last_run_path(root, job_key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except (OSError, ValueError):
-        return None
-    try:
-        raw: Any = json.loads(os.read(fd, MAX_OUTCOME_BYTES + 1))
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
+    raw = _read_record(last_run_path(root, job_key))
     if not isinstance(raw, dict) or raw.get("job_key") != job_key or not isinstance(raw.get("progressed"), bool):
         return None
     latest, lost = raw.get("latest"), raw.get("lost_steps")
@@ -188,15 +165,22 @@ def write_hang(root: Path, run_id: str, record: dict[str, Any]) -> None:
 
 def read_hang(root: Path, run_id: str) -> dict[str, Any] | None:
     """Another node's hang verdict on this run, or None (none, unreadable, not this run's)."""
+    raw = _read_record(hang_path(root, run_id))
+    ok = isinstance(raw, dict) and raw.get("run_id") == run_id and isinstance(raw.get("step"), int)
+    return raw if ok and isinstance(raw.get("ranks"), list) else None
+
+
+def _read_record(path: Path) -> Any:
+    """The JSON of a small record file under `<root>/.runs/`, or None when it is missing,
+    unreadable or not JSON. No symlink is followed and at most MAX_OUTCOME_BYTES + 1 bytes are
+    read (a larger file fails to parse)."""
     try:
-        fd = os.open(hang_path(root, run_id), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except (OSError, ValueError):
         return None
     try:
-        raw: Any = json.loads(os.read(fd, MAX_OUTCOME_BYTES + 1))
+        return json.loads(os.read(fd, MAX_OUTCOME_BYTES + 1))
     except (OSError, ValueError):
         return None
     finally:
         os.close(fd)
-    ok = isinstance(raw, dict) and raw.get("run_id") == run_id and isinstance(raw.get("step"), int)
-    return raw if ok and isinstance(raw.get("ranks"), list) else None
