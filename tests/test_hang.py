@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import HELPERS, clean_env, process_tree
+from helpers.procs import HELPERS, clean_env, signal_tree
 
 from slurmresume.job.hang import (
     HangBudgets,
@@ -255,11 +255,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> str:
         return out
     finally:
         if proc.poll() is None:
-            for pid in reversed(process_tree(proc.pid)):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_tree(proc.pid, signal.SIGKILL)
 
 
 def _events(root: Path) -> list[dict]:

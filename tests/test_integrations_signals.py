@@ -4,7 +4,6 @@ save, one restart that resumes at the saved step, the run finishes, no process i
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from helpers.integrations import (
     events,
     fake_scontrol,
     offline_env,
-    process_tree,
     signal_tree,
 )
 
@@ -45,8 +43,7 @@ def test_sigusr1_to_every_process_saves_and_resumes(tmp_path: Path, script: str)
         out = proc.communicate(timeout=600)[0]
     finally:
         if proc.poll() is None:
-            for p in reversed(process_tree(proc.pid)):
-                os.kill(p, signal.SIGKILL)
+            signal_tree(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-3000:]
     ev = events(root)
     saves = [e for e in ev if e["event"] == "exit_after_save"]

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import process_tree, signal_tree
+from helpers.procs import signal_tree
 
 HELPERS = Path(__file__).parent / "helpers"
 SIG_TRAIN = HELPERS / "sig_train.py"
@@ -68,11 +68,7 @@ def signal_when(proc: subprocess.Popen, ready, send, what: str, timeout: float =
         return out
     finally:
         if proc.poll() is None:
-            for pid in reversed(process_tree(proc.pid)):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_tree(proc.pid, signal.SIGKILL)
 
 
 def signalled_workers(piddir: Path, hit: list[int]) -> list[int]:

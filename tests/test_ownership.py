@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers.procs import clean_env, process_tree
+from helpers.procs import clean_env, signal_tree
 from typer.testing import CliRunner
 
 from slurmresume import ownership
@@ -148,8 +148,7 @@ def test_a_second_writer_is_refused_while_the_owner_lives_then_takes_over(tmp_pa
         assert _snapshot(root) == before
         assert not (root / "logs").exists()  # _snapshot: events.jsonl and the step unchanged
     finally:
-        for pid in reversed(process_tree(holder.pid)):
-            os.kill(pid, signal.SIGKILL)
+        signal_tree(holder.pid, signal.SIGKILL)
         holder.wait()
 
     # the owner died without releasing: provably gone (pid dead on this host), yet only --takeover takes it

@@ -112,10 +112,10 @@ def process_tree(root: int) -> list[int]:
 
 
 def signal_tree(root: int, sig: int) -> list[int]:
-    """Send `sig` to every process of the tree under `root` (what proctrack/linuxproc does);
-    returns the pids signalled."""
+    """Send `sig` to every process of the tree under `root` (what proctrack/linuxproc does),
+    the deepest first (SIGKILL then leaves no child to a dead parent); returns the pids."""
     pids = process_tree(root)
-    for pid in pids:
+    for pid in reversed(pids):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
