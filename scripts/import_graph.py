@@ -25,6 +25,7 @@ Roles, from the top (may import downwards only); the package a module lives in i
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -81,18 +82,25 @@ def resolve(mod: str, is_pkg: bool, node: ast.ImportFrom | ast.Import, known: se
     return sorted(set(out))
 
 
+@functools.lru_cache(maxsize=1)
+def sources() -> dict[str, tuple[bool, ast.Module, int]]:
+    """Every module of the package, parsed once: {module: (is a package, its tree, its lines)}."""
+    out = {}
+    for path in PKG.rglob("*.py"):
+        text = path.read_text()
+        out[module_name(path)] = (path.name == "__init__.py", ast.parse(text), len(text.splitlines()))
+    return out
+
+
 def graph() -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, int], list[tuple[int, str]]]:
-    files = {module_name(p): p for p in PKG.rglob("*.py")}
+    files = sources()
     known = set(files)
     top: dict[str, set[str]] = {m: set() for m in files}
     lazy: dict[str, set[str]] = {m: set() for m in files}
     lines: dict[str, int] = {}
     funcs: list[tuple[int, str]] = []
-    for mod, path in files.items():
-        text = path.read_text()
-        lines[mod] = len(text.splitlines())
-        tree = ast.parse(text)
-        is_pkg = path.name == "__init__.py"
+    for mod, (is_pkg, tree, count) in files.items():
+        lines[mod] = count
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 funcs.append(((node.end_lineno or node.lineno) - node.lineno + 1, f"{mod}.{node.name}"))
@@ -113,14 +121,14 @@ def graph() -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, int], l
 def private_imports() -> list[str]:
     """`from <package module> import _name` anywhere in the package (at module level or inside a
     function), where `_name` is not a module: a private name used outside its module."""
-    files = {module_name(p): p for p in PKG.rglob("*.py")}
+    files = sources()
     known = set(files)
     bad = []
-    for mod, path in sorted(files.items()):
-        for node in ast.walk(ast.parse(path.read_text())):
+    for mod, (is_pkg, tree, _) in sorted(files.items()):
+        for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            targets = resolve(mod, path.name == "__init__.py", node, known)
+            targets = resolve(mod, is_pkg, node, known)
             if not targets:
                 continue
             for alias in node.names:
