@@ -74,11 +74,11 @@ def test_async_buffers_are_reused(tmp_path: Path) -> None:
     model = torch.nn.Linear(256, 256)
     ck = slurmresume.Checkpointer(tmp_path, handle_signals=False, async_save=True, save_every=1)
     ck.step(1, {"model": model})
-    ptrs = {k: v.data_ptr() for k, v in ck._pool.buffers.items()}
+    ptrs = {k: v.data_ptr() for k, v in ck._async.pool.buffers.items()}
     ck.step(2, {"model": model})
     ck.wait()
-    assert {k: v.data_ptr() for k, v in ck._pool.buffers.items()} == ptrs
-    assert ck._pool.nbytes < 2 * sum(p.numel() * 4 for p in model.parameters()) + 50_000
+    assert {k: v.data_ptr() for k, v in ck._async.pool.buffers.items()} == ptrs
+    assert ck._async.pool.nbytes < 2 * sum(p.numel() * 4 for p in model.parameters()) + 50_000
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000000001", "step_000000002"]
     ck.close()
 
@@ -111,7 +111,7 @@ def test_async_error_with_warn_policy_continues(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(fsio, "_FAIL", ("rename.marker", 1))
     monkeypatch.setattr(fsio, "_counts", {})
     ck.step(1, {"model": model})
-    ck._inflight.join()
+    ck._async.thread.join()
     ck.step(2, {"model": model})  # warns about step 1 and saves step 2
     ck.close()
     assert not (tmp_path / "step_000000001" / "COMMITTED").exists()
@@ -123,7 +123,7 @@ def test_save_waits_for_inflight_async(tmp_path: Path) -> None:
     ck = slurmresume.Checkpointer(tmp_path, handle_signals=False, async_save=True, save_every=1)
     ck.step(1, {"model": model})
     ck.save(2, {"model": model})  # must not interleave with the in-flight step 1
-    assert ck._inflight is None
+    assert ck._async.thread is None
     assert (tmp_path / "step_000000001" / "COMMITTED").exists()
     assert (tmp_path / "step_000000002" / "COMMITTED").exists()
     ck.close()
@@ -138,6 +138,6 @@ def test_cuda_snapshot_pinned_and_consistent(tmp_path: Path) -> None:  # pragma:
     with torch.no_grad():
         model.weight.add_(1.0)
     ck.wait()
-    assert all(b.is_pinned() for b in ck._pool.buffers.values() if b.numel() > 100)
+    assert all(b.is_pinned() for b in ck._async.pool.buffers.values() if b.numel() > 100)
     saved = load_file(tmp_path / "step_000000001" / "rank-00000-of-00001.safetensors")
     assert torch.equal(saved["model/weight"], before)

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import replace
@@ -26,62 +25,46 @@ from typing import Any
 
 from ..checkpoint.collective import Group
 from ..checkpoint.jsonenc import encode
-from ..checkpoint.layout import MARKER, step_dir_name
+from ..checkpoint.layout import step_dir_name
 from ..checkpoint.state import flatten
 from ..checkpoint.store import CheckpointInfo, inspect_dir
 from ..contract import (
     ENV_ALLOW_FRESH_START,
-    ENV_DRILL_FIRST_SAVE,
     ENV_LAUNCHER_PID,
-    ENV_RESTART,
     ENV_RUN_ID,
-    EV_EMERGENCY_SAVE_FAILED,
     EXIT_SAVE_FAILED,
-    Outcome,
-    write_outcome,
 )
-from ..errors import CheckpointError, ConfigError, SaveError
-from ..events import append_event, read_events
+from ..errors import ConfigError, SaveError
+from ..events import try_append_event
 from . import rng
-from .heartbeat import BUSY, DONE, RESTORE, SAVE, beat_from_env, drill_hang_here, drill_hang_step
+from .asyncsave import AsyncWriter
+from .emergency import emergency_save, exit_now
+from .heartbeat import (
+    BUSY,
+    DONE,
+    RESTORE,
+    SAVE,
+    beat_from_env,
+    drill_hang_here,
+    drill_hang_step,
+    phase,
+)
 from .logs import ensure_handler
-from .logs import size as log_size
+from .options import check_options
 from .restoring import Request, restore_collective
 from .roots import ENV_ROOT, claim_root, resolve_root, warn_if_not_launchers_root  # noqa: F401 - ENV_ROOT re-exported
-from .saving import Payload, raise_if_failed, save_collective
-from .signals import (
-    NONE,
-    PREEMPT,
-    SignalFlag,
-    warning_signal_from_env,
+from .saving import (
+    EMERGENCY_REASONS,
+    Payload,
+    apply_retention,
+    raise_if_failed,
+    record,
+    save_collective,
 )
-from .snapshot import SnapshotPool
-from .verdict import StepBoundary, drill_step_from_env, exit_code
+from .signals import NONE, PREEMPT, install_flag
+from .verdict import StepBoundary, drill_first_save_from_env, drill_step_from_env, exit_code
 
 log = logging.getLogger("slurmresume")
-
-EMERGENCY_REASONS = ("preempt", "terminate")  # save reasons after a signal: no retention then
-RETENTION_LOCK_WAIT_S = 1.0  # retention after a periodic commit skips a round rather than wait
-
-
-def _check_options(save_every: Any, async_overlap: Any, retention: Any, on_save_error: Any,
-                   save_policy: Any) -> None:
-    """Checkpointer's arguments, checked before anything is set up (ConfigError names the bad one)."""
-    from ..retention import RetentionPolicy
-    from .policy import SavePolicy
-
-    if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
-        raise ConfigError(f"save_every must be a positive integer or None, got {save_every!r}")
-    if async_overlap not in ("wait", "skip"):
-        raise ConfigError(f"async_overlap must be 'wait' or 'skip', got {async_overlap!r}")
-    if retention is not None and not isinstance(retention, RetentionPolicy):
-        raise ConfigError(f"retention must be a slurmresume.RetentionPolicy, got {type(retention).__name__}")
-    if on_save_error not in ("raise", "warn"):
-        raise ConfigError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
-    if save_policy is not None and save_every is not None:
-        raise ConfigError("pass either save_every or save_policy, not both")
-    if save_policy is not None and not isinstance(save_policy, SavePolicy):
-        raise ConfigError(f"save_policy must be a slurmresume.SavePolicy, got {type(save_policy).__name__}")
 
 
 class Checkpointer:
@@ -128,7 +111,7 @@ class Checkpointer:
         save_policy: Any = None,
         mirror: Any = None,
     ) -> None:
-        _check_options(save_every, async_overlap, retention, on_save_error, save_policy)
+        check_options(save_every, async_overlap, retention, on_save_error, save_policy)
         self.root = resolve_root(root)
         self.save_every = save_every
         self.verify_on_restore = verify_on_restore
@@ -138,11 +121,10 @@ class Checkpointer:
         from ..mirror.hook import mirror_for
 
         self.mirror = mirror_for(mirror, rank=-1)  # validates the URL (ConfigError) before any setup
-        from .policy import SavePolicy, SaveScheduler, estimate_from_events
+        from .policy import scheduler_for
 
-        self.save_policy = save_policy or SavePolicy(every_steps=save_every)
-        self._sched = SaveScheduler(self.save_policy, history=estimate_from_events(read_events(self.root))
-                                    if self.save_policy.interval == "auto" else None)
+        self._sched = scheduler_for(save_policy, save_every, self.root)
+        self.save_policy = self._sched.policy
         self._blocking_s: float | None = None
         self._closed = False
         # gloo groups still alive at interpreter teardown can abort the process ("terminate
@@ -151,9 +133,7 @@ class Checkpointer:
         atexit.register(self._release_at_exit)
         self.async_save = async_save
         self.async_overlap = async_overlap
-        self._pool = SnapshotPool()
-        self._inflight: threading.Thread | None = None
-        self._async_error: BaseException | None = None
+        self._async = AsyncWriter()
         self.group = Group.create()
         try:  # one owner per root: refused here, before anything is written
             self._lease_key = claim_root(self.group, self.root)
@@ -162,21 +142,16 @@ class Checkpointer:
             self.group.destroy()
             raise
         self.agree_group = Group.create()
-        self.mirror = mirror_for(mirror, rank=self.group.rank, retention=retention, on_event=self._event)
+        self.mirror = mirror_for(mirror, rank=self.group.rank, retention=retention, on_event=lambda name, **f: try_append_event(self.root, name, **f))
         self.last_saved_step: int | None = None
         self.restored: CheckpointInfo | None = None
         ensure_handler()  # the training log shows restored / warning / saved lines without setup
-        self.flag = SignalFlag(warning_signal_from_env()) if handle_signals else None
         # the launcher's hang watch (heartbeat.py): one pwrite per step(); None when run bare
         self._beat = beat_from_env(self.group.rank)
         self._drill_hang = drill_hang_step(self.group.rank)
-        # drill: both runs save their first step, so that what differs between them before any
-        # warning (an RNG stream the script never seeds) is not blamed on the resume
-        self._first_save = os.environ.get(ENV_DRILL_FIRST_SAVE) == "1" and not int(os.environ.get(ENV_RESTART) or 0)
+        self._first_save = drill_first_save_from_env()
         warn_if_not_launchers_root(root, self.root, self.rank)
-        if self.flag is not None and not self.flag.install():
-            log.warning("not in the main thread: warning-signal handlers not installed")
-            self.flag = None
+        self.flag = install_flag(handle_signals)
         # the warning flag, drill injection and time-based saves, agreed on at each step()
         self._boundary = StepBoundary(self.agree_group, self.flag, drill_step_from_env())
 
@@ -197,34 +172,26 @@ class Checkpointer:
         step is saved again and the new checkpoint replaces the old one atomically, once it is
         itself committed: state changed after the loop (a final evaluation, `best_val_loss`) is
         never lost. Saves from `step()` (periodic, emergency) never replace a committed step."""
-        began = self._beat.enter(SAVE) if self._beat is not None else 0.0
-        try:
+        with phase(self._beat, SAVE, measured_save=True):
             self.wait()
             started = time.perf_counter()
             payload = self._prepare_payload(step, state, metrics, meta)
             self._blocking_s = None  # a synchronous save blocks for all of it
             return self._save_now(step, payload, reason, started)
-        finally:
-            if self._beat is not None:
-                self._beat.leave(began, measured_save=True)
 
     def save_async(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
                    reason: str = "async") -> bool:
         """Collective. Snapshot now, write + commit in the background. Returns False when skipped
         (`async_overlap="skip"` and a save is in flight)."""
-        if self._inflight is not None and self._inflight.is_alive() and self.async_overlap == "skip":
+        if self._async.in_flight() and self.async_overlap == "skip":
             log.info("step %d: previous async save still in flight, skipping this one", step)
             return False
         # waiting for the previous write and taking the snapshot are save time, not step time
-        began = self._beat.enter(SAVE) if self._beat is not None else 0.0
-        try:
+        with phase(self._beat, SAVE):
             self.wait()
             started = time.perf_counter()
             payload = self._prepare_payload(step, state, metrics, meta)
-            copies, ready = self._pool.snapshot(payload.tensors)
-        finally:
-            if self._beat is not None:
-                self._beat.leave(began)
+            copies, ready = self._async.snapshot(payload.tensors)
         self._blocking_s = time.perf_counter() - started  # what training paid (Young/Daly's C)
         # The step is taken care of from now on: the policy must not call it (or the next steps,
         # by the clock) due again while the write runs, or each timed save is written twice and
@@ -232,25 +199,16 @@ class Checkpointer:
         self._sched.started(step)
         snapshot = replace(payload, tensors=copies)
 
-        def run() -> None:
-            try:
-                ready()
-                self._save_now(step, snapshot, reason, started)
-            except BaseException as exc:  # raised on the training thread by wait()
-                self._async_error = exc
+        def write() -> None:
+            ready()
+            self._save_now(step, snapshot, reason, started)
 
-        self._inflight = threading.Thread(target=run, name=f"slurmresume-save-{step}", daemon=True)
-        self._inflight.start()
+        self._async.start(step, write)
         return True
 
     def wait(self) -> None:
         """Block until the in-flight async save (if any) has committed; re-raise its error here."""
-        if self._inflight is not None:
-            self._inflight.join()
-            self._inflight = None
-        if self._async_error is not None:
-            exc, self._async_error = self._async_error, None
-            raise exc
+        self._async.wait()
 
     def _prepare_payload(self, step: int, state: Mapping[str, Any], metrics: Any, meta: Any) -> Payload:
         self._check_open()
@@ -267,50 +225,19 @@ class Checkpointer:
         if result.skipped:
             self.last_saved_step = step
             return None
-        assert result.outcome is not None
         seconds = time.perf_counter() - started
         if self.rank == 0:
-            if result.outcome.ok:
-                log.info("saved step %d in %.2f s (%s, %s)", step, seconds, log_size(result.bytes), reason)
-                self._event("save_committed", step=step, seconds=round(seconds, 4), reason=reason,
-                            world_size=self.group.world_size, run_id=os.environ.get(ENV_RUN_ID),
-                            blocking_s=None if self._blocking_s is None else round(self._blocking_s, 4),
-                            interval_s=self._sched.interval_s,
-                            bytes=result.bytes,  # for leadtime.predict_save
-                            writer=result.reports[0].writer if result.reports else None)
-            else:
-                self._event("save_failed", step=step, error=result.outcome.error, reason=reason)
+            record(self.root, result, step, reason, seconds, world_size=self.group.world_size,
+                   blocking_s=self._blocking_s, interval_s=self._sched.interval_s)
         raise_if_failed(result)
         self.last_saved_step = step
         self._boundary.saved()
         self._sched.saved(step, self._blocking_s if self._blocking_s is not None else seconds)
-        # An emergency save must reach its exit (and the requeue) at once: retention waits for the
-        # next run's first commit instead of holding the root lock or deleting files now.
         if self.rank == 0 and self.retention is not None and reason not in EMERGENCY_REASONS:
-            self._apply_retention()
+            apply_retention(self.root, self.retention)
         if self.mirror is not None:  # rank 0: background upload, marker last
             self.mirror.enqueue(self.root, step)
         return self.root / step_dir_name(step)
-
-    def _event(self, name: str, **fields: Any) -> bool:
-        """Append to the event log; a failure (disk full, EIO) is logged, never raised: the log is
-        a record, and a committed checkpoint must not turn into an error because of it."""
-        try:
-            append_event(self.root, name, **fields)
-            return True
-        except OSError as exc:
-            log.warning("could not append %r to the event log under %s: %s", name, self.root, exc)
-            return False
-
-    def _apply_retention(self) -> None:
-        from ..retention import apply_policy
-
-        if self.retention is None:
-            return
-        try:  # a short lock wait: a busy lock (a prune renaming) skips this round, never stalls training
-            apply_policy(self.root, self.retention, lock_timeout=RETENTION_LOCK_WAIT_S)
-        except Exception as exc:  # retention must never break training
-            log.warning("retention after commit failed: %s", exc)
 
     # -- the per-step hook ----------------------------------------------------------------
 
@@ -366,16 +293,14 @@ class Checkpointer:
         other ranks' writers, which finish the same way."""
         if self._closed:
             return
-        if self._inflight is not None and self._inflight.is_alive():
+        if self._async.in_flight():
             log.warning("the script ended while an async save was in flight (no ckpt.close()): finishing it")
-            self._inflight.join()
-        if self._async_error is not None:
-            exc, self._async_error = self._async_error, None
-            if self.on_save_error == "raise":
-                sys.stderr.write(f"slurmresume: the last async save failed and the script ended without "
-                                 f"ckpt.close(): {exc}\n")
-                sys.stderr.flush()
-                os._exit(EXIT_SAVE_FAILED)
+        exc = self._async.finish()
+        if exc is not None and self.on_save_error == "raise":
+            print(f"slurmresume: the last async save failed and the script ended without ckpt.close(): {exc}",
+                  file=sys.stderr, flush=True)
+            exit_now(EXIT_SAVE_FAILED)
+        if exc is not None:
             log.warning("the last async save failed: %s", exc)
         self._closed = True
         self._teardown()
@@ -397,20 +322,19 @@ class Checkpointer:
             raise ConfigError("this Checkpointer is closed: create a new one to save or restore")
 
     def _check_async_error(self) -> None:
-        if self._async_error is None or (self._inflight is not None and self._inflight.is_alive()):
-            return
-        try:
-            self.wait()
-        except SaveError as exc:
-            self._tolerate(exc)
+        if self._async.failed():
+            try:
+                self.wait()
+            except SaveError as exc:
+                self._tolerate(exc)
 
     def _emergency(self, step: int, state: Mapping[str, Any], signal: int, metrics: Any, meta: Any) -> bool:
         """Every rank, on an emergency verdict: save the agreed step (rank 0 records the run's
-        outcome, `_emergency_save`), then exit (verdict.exit_code), or return True when
+        outcome, `emergency.emergency_save`), then exit (verdict.exit_code), or return True when
         `exit_on_signal=False`. A failed save exits EXIT_SAVE_FAILED; the launcher then resumes
         from the newest complete checkpoint."""
-        error, recorded = self._emergency_save(step, state, "preempt" if signal == PREEMPT else "terminate",
-                                               metrics, meta)
+        error, recorded = emergency_save(self, step, state, "preempt" if signal == PREEMPT else "terminate",
+                                         metrics, meta)
         if not self.exit_on_signal:
             if error:
                 raise SaveError(f"the emergency save of step {step} failed: {error}")
@@ -422,51 +346,7 @@ class Checkpointer:
             self.close()
         except Exception as exc:  # noqa: BLE001 - exiting anyway; the record says what happened
             log.warning("close after the emergency save failed: %s", exc)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exit_code(signal, bool(error), bool(os.environ.get(ENV_LAUNCHER_PID)), recorded))
-
-    def _emergency_save(self, step: int, state: Mapping[str, Any], kind: str, metrics: Any,
-                        meta: Any) -> tuple[str, bool]:
-        """Every rank: wait for an in-flight save, save `step` synchronously; rank 0 writes the
-        run's outcome record (contract.write_outcome) before (provisional) and after, committed
-        only when this save of `step` has its marker. Returns (error or "", record written)."""
-        run_id = os.environ.get(ENV_RUN_ID)
-        if self.rank == 0:
-            log.warning("warning signal received (%s): saving step %d, then exiting", kind, step)
-            self._event("signal_agreed", step=step, kind=kind, run_id=run_id)
-        try:
-            self.wait()
-        except SaveError as exc:  # the emergency save below is what matters now
-            log.warning("in-flight async save failed: %s", exc)
-        if self.rank == 0:  # provisional: a crash during the save still tells the launcher the agreed step
-            self._record_outcome(Outcome(run_id or "", kind, step, False, "the emergency save did not finish"))
-        error = ""
-        try:
-            if step != self.last_saved_step:
-                self.save(step, state, metrics=metrics, meta=meta, reason=kind)
-        except (SaveError, CheckpointError, OSError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        if self.rank != 0:
-            return error, True
-        if not error and (self.root / step_dir_name(step) / MARKER).exists():
-            self._event("exit_after_save", step=step, kind=kind, run_id=run_id)
-        else:
-            error = error or f"step {step} has no commit marker"
-            self._event(EV_EMERGENCY_SAVE_FAILED, step=step, kind=kind, run_id=run_id, error=error)
-        return error, self._record_outcome(Outcome(run_id or "", kind, step, not error, error))
-
-    def _record_outcome(self, outcome: Outcome) -> bool:
-        """Rank 0. False when there is no run id (run bare) or the record could not be written."""
-        if not outcome.run_id:
-            return False
-        try:
-            write_outcome(self.root, outcome)
-            return True
-        except (OSError, ValueError) as exc:
-            log.warning("could not write the outcome record of run %s under %s: %s", outcome.run_id, self.root, exc)
-            return False
+        exit_now(exit_code(signal, bool(error), bool(os.environ.get(ENV_LAUNCHER_PID)), recorded))
 
     # -- restoring ------------------------------------------------------------------------
 
@@ -483,24 +363,16 @@ class Checkpointer:
         but none of them loads, restore refuses to start from step 0 (CheckpointError) unless
         `allow_fresh_start=True` (default: $SLURMRESUME_ALLOW_FRESH_START == "1")."""
         self._check_open()
-        began = self._beat.enter(RESTORE) if self._beat is not None else 0.0
-        try:
+        with phase(self._beat, RESTORE):
             return self._restore(state, step, verify, restore_rng, strict, allow_fresh_start)
-        finally:
-            if self._beat is not None:
-                self._beat.leave(began)
 
     @contextlib.contextmanager
     def busy(self, what: str = "busy") -> Iterator[None]:
         """Local (any rank). Wrap long work between step() calls (an evaluation, a final test) so
         that the launcher's hang watch judges it by the start-up budget, not the step budget:
         `with ckpt.busy("eval"): evaluate()`. No-op when run without the launcher."""
-        began = self._beat.enter(BUSY) if self._beat is not None else 0.0
-        try:
+        with phase(self._beat, BUSY):
             yield
-        finally:
-            if self._beat is not None:
-                self._beat.leave(began)
 
     def _restore(self, state: MutableMapping[str, Any], step: int | None, verify: bool | None, restore_rng: bool,
                  strict: bool, allow_fresh_start: bool | None) -> int:
@@ -521,7 +393,7 @@ class Checkpointer:
         self.restored = inspect_dir(choice.step, Path(choice.path))
         if self.rank == 0:
             log.info("restored from step %d (%s) in %.2f s", choice.step, choice.path, time.perf_counter() - started)
-            self._event("restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID))
+            try_append_event(self.root, "restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID))
         return choice.step
 
     def close(self) -> None:

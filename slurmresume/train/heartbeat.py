@@ -18,12 +18,14 @@ launcher sends the signal before it kills a hung run and copies what was written
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
 import struct
 import time
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -248,3 +250,15 @@ def drill_hang_here(step: int) -> None:
     logging.getLogger("slurmresume").warning("drill: rank hangs at step %d (pid %d)", step, os.getpid())
     while True:
         time.sleep(3600)
+
+
+@contextlib.contextmanager
+def phase(beat: Beat | None, name: str, *, measured_save: bool = False) -> Iterator[None]:
+    """A save, restore or busy stretch of the training thread, as the hang watch sees it (a
+    no-op when run bare, `beat` None)."""
+    began = beat.enter(name) if beat is not None else 0.0
+    try:
+        yield
+    finally:
+        if beat is not None:
+            beat.leave(began, measured_save=measured_save)

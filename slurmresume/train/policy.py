@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import pairwise
+from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import ConfigError
@@ -382,3 +383,12 @@ def interval_summary(events: list[dict[str, Any]], policy: SavePolicy | None = N
         interruptions=est.interruptions,
         failures_per_hour=est.interruptions / (est.runtime_s / 3600) if est.runtime_s > 0 else None,
         mtbf_s=est.mtbf_s, expected_loss=loss)
+
+
+def scheduler_for(policy: SavePolicy | None, save_every: int | None, root: Path) -> SaveScheduler:
+    """`Checkpointer`'s scheduler: `policy`, or every `save_every` steps; interval="auto" starts
+    from the save costs and failures already in the root's event log."""
+    from ..events import read_events
+
+    policy = policy or SavePolicy(every_steps=save_every)
+    return SaveScheduler(policy, history=estimate_from_events(read_events(root)) if policy.interval == "auto" else None)

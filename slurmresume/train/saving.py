@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,16 @@ from ..checkpoint.collective import Group
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.replicas import replicated_names, tensor_digests
 from ..checkpoint.same import same_as_committed
+from ..contract import ENV_RUN_ID
 from ..errors import SaveError
+from ..events import try_append_event
+from .logs import size as log_size
 from .messages import PrepareDecision, SaveOutcome, WriteReport
 
 log = logging.getLogger("slurmresume")
+
+EMERGENCY_REASONS = ("preempt", "terminate")  # save reasons after a signal: no retention then
+RETENTION_LOCK_WAIT_S = 1.0  # retention after a periodic commit skips a round rather than wait
 
 
 @dataclass(frozen=True)
@@ -115,3 +122,31 @@ def raise_if_failed(result: SaveResult) -> None:
     """Every rank, after recording the result: the same SaveError everywhere on a failed commit."""
     if result.outcome is not None and not result.outcome.ok:
         raise SaveError(f"checkpoint save failed, nothing committed: {result.outcome.error}")
+
+
+def record(root: Path, result: SaveResult, step: int, reason: str, seconds: float, *, world_size: int,
+           blocking_s: float | None, interval_s: float | None) -> None:
+    """Rank 0, after a save that wrote: the log line and the `save_committed` event (its seconds
+    and bytes feed `job.leadtime` and the auto save interval), or `save_failed`."""
+    if result.outcome is None:
+        return
+    if not result.outcome.ok:
+        try_append_event(root, "save_failed", step=step, error=result.outcome.error, reason=reason)
+        return
+    log.info("saved step %d in %.2f s (%s, %s)", step, seconds, log_size(result.bytes), reason)
+    try_append_event(root, "save_committed", step=step, seconds=round(seconds, 4), reason=reason,
+                     world_size=world_size, run_id=os.environ.get(ENV_RUN_ID),
+                     blocking_s=None if blocking_s is None else round(blocking_s, 4), interval_s=interval_s,
+                     bytes=result.bytes, writer=result.reports[0].writer if result.reports else None)
+
+
+def apply_retention(root: Path, retention: Any) -> None:
+    """Rank 0, after a periodic or explicit commit (an emergency save leaves retention to the
+    next run's first commit, so that it reaches its exit at once). A busy lock (a prune renaming)
+    skips this round rather than stall training; a failure is logged, never raised."""
+    from ..retention import apply_policy
+
+    try:
+        apply_policy(root, retention, lock_timeout=RETENTION_LOCK_WAIT_S)
+    except Exception as exc:  # noqa: BLE001 - retention must never break training
+        log.warning("retention after commit failed: %s", exc)

@@ -6,6 +6,7 @@ exiting) happens later, in normal code, at `Checkpointer.step()`.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -15,6 +16,8 @@ from typing import Any
 from ..contract import ENV_SIGNAL
 from ..contract import EXIT_PREEMPTED as EXIT_PREEMPTED  # re-exported (slurmresume.EXIT_PREEMPTED)
 from ..contract import EXIT_TERMINATED as EXIT_TERMINATED  # re-exported
+
+log = logging.getLogger("slurmresume")
 
 NONE, TERMINATE, PREEMPT = 0, 1, 2  # ordered: the MAX over ranks is what everyone acts on
 
@@ -129,6 +132,18 @@ class SignalFlag:
     @property
     def installed(self) -> bool:
         return bool(self._previous)
+
+
+def install_flag(handle_signals: bool) -> SignalFlag | None:
+    """The warning flag for `Checkpointer(handle_signals=...)`, installed; None when not asked or
+    not in the main thread (logged: no handler can be installed there)."""
+    if not handle_signals:
+        return None
+    flag = SignalFlag(warning_signal_from_env())
+    if flag.install():
+        return flag
+    log.warning("not in the main thread: warning-signal handlers not installed")
+    return None
 
 
 _INSTALLED: list[SignalFlag] = []  # installed and not uninstalled, oldest first

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from ..checkpoint.collective import Group, LaggedMax
-from ..contract import ENV_LAUNCHER_PID, EXIT_SAVE_FAILED
+from ..contract import ENV_DRILL_FIRST_SAVE, ENV_LAUNCHER_PID, ENV_RESTART, EXIT_SAVE_FAILED
 from .signals import (
     EXIT_PREEMPTED,
     EXIT_TERMINATED,
@@ -120,6 +120,13 @@ def drill_step_from_env() -> int | None:
     planned = [int(x) for x in os.environ.get("SLURMRESUME_DRILL_AT", "").split(",") if x.strip().isdigit()]
     k = int(os.environ.get("SLURMRESUME_RESTART_COUNT") or 0)
     return planned[k] if k < len(planned) else None
+
+
+def drill_first_save_from_env() -> bool:
+    """`slurmresume drill`: both runs save their first step (not a resumed run's), so that what
+    differs between them before any warning (an RNG stream the script never seeds) is not blamed
+    on the resume."""
+    return os.environ.get(ENV_DRILL_FIRST_SAVE) == "1" and not int(os.environ.get(ENV_RESTART) or 0)
 
 
 def inject_drill_signal(step: int, flag: SignalFlag | None) -> None:

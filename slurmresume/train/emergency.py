@@ -1,0 +1,95 @@
+"""The emergency sequence: what every rank does once the step-boundary verdict (`verdict.py`)
+says a warning signal (or SIGTERM) arrived. In order:
+
+  1. rank 0: a `signal_agreed` event;
+  2. all: wait for an async save in flight (its failure is logged: this save is what matters);
+  3. rank 0: a provisional outcome record (`contract.write_outcome`): a crash during the save
+     still tells the launcher which step was agreed;
+  4. all: a synchronous save of the agreed step (`Checkpointer.save`, hence `saving.save_collective`),
+     unless that very step is already committed;
+  5. rank 0: `exit_after_save`, or `emergency_save_failed` when the step has no marker, and the
+     final outcome record (committed only when the step has its marker);
+  6. the caller exits with `verdict.exit_code` (`exit_now`), or returns to the script.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
+
+from ..checkpoint.layout import MARKER, step_dir_name
+from ..contract import ENV_RUN_ID, EV_EMERGENCY_SAVE_FAILED, Outcome, write_outcome
+from ..errors import CheckpointError, SaveError
+from ..events import try_append_event
+
+log = logging.getLogger("slurmresume")
+
+
+class Saver(Protocol):
+    """What the sequence needs of a `Checkpointer`."""
+
+    root: Path
+    last_saved_step: int | None
+
+    @property
+    def rank(self) -> int: ...
+
+    def wait(self) -> None: ...
+
+    def save(self, step: int, state: Mapping[str, Any], *, metrics: Any = ..., meta: Any = ...,
+             reason: str = ...) -> Path | None: ...
+
+
+def emergency_save(ckpt: Saver, step: int, state: Mapping[str, Any], kind: str, metrics: Any,
+                   meta: Any) -> tuple[str, bool]:
+    """Every rank, steps 1-5 above. Returns (the error, or "" when `step` is committed; whether
+    rank 0 wrote the outcome record — always True on the other ranks)."""
+    run_id = os.environ.get(ENV_RUN_ID)
+    if ckpt.rank == 0:
+        log.warning("warning signal received (%s): saving step %d, then exiting", kind, step)
+        try_append_event(ckpt.root, "signal_agreed", step=step, kind=kind, run_id=run_id)
+    try:
+        ckpt.wait()
+    except SaveError as exc:
+        log.warning("in-flight async save failed: %s", exc)
+    if ckpt.rank == 0:
+        record_outcome(ckpt.root, Outcome(run_id or "", kind, step, False, "the emergency save did not finish"))
+    error = ""
+    try:
+        if step != ckpt.last_saved_step:
+            ckpt.save(step, state, metrics=metrics, meta=meta, reason=kind)
+    except (SaveError, CheckpointError, OSError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    if ckpt.rank != 0:
+        return error, True
+    if not error and (ckpt.root / step_dir_name(step) / MARKER).exists():
+        try_append_event(ckpt.root, "exit_after_save", step=step, kind=kind, run_id=run_id)
+    else:
+        error = error or f"step {step} has no commit marker"
+        try_append_event(ckpt.root, EV_EMERGENCY_SAVE_FAILED, step=step, kind=kind, run_id=run_id, error=error)
+    return error, record_outcome(ckpt.root, Outcome(run_id or "", kind, step, not error, error))
+
+
+def record_outcome(root: Path, outcome: Outcome) -> bool:
+    """Rank 0. False when there is no run id (run bare) or the record could not be written."""
+    if not outcome.run_id:
+        return False
+    try:
+        write_outcome(root, outcome)
+        return True
+    except (OSError, ValueError) as exc:
+        log.warning("could not write the outcome record of run %s under %s: %s", outcome.run_id, root, exc)
+        return False
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave at once (no atexit, no interpreter teardown that could hang on a process group),
+    with the logs and the standard streams flushed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
