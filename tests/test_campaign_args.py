@@ -1,18 +1,14 @@
-"""Campaign 6, CI size (scripts/campaign_args.py): every ASCII control character in every `submit`
+"""Campaign 6, CI size (tests/campaigns/args.py): every ASCII control character in every `submit`
 option, the --sbatch key and value, the script path and arguments, --resume-from, --branch and
 slurmresume.toml defaults (plus 100 seeded fuzz trials): refused, nothing written, the fake sbatch
 never called; script arguments reach torchrun verbatim as list elements."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from campaign import assert_clean, run_in_subprocess  # noqa: E402
+from campaigns.harness import assert_clean, run_in_subprocess
 
 
 @pytest.mark.slow

@@ -1,16 +1,12 @@
-"""Campaign 7, CI size (scripts/campaign_concurrency.py): one ~6 s round of a writer, two prunes
+"""Campaign 7, CI size (tests/campaigns/concurrency.py): one ~6 s round of a writer, two prunes
 (library and CLI) and a status reader at once while the lock file is swapped for a symlink."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from campaign import assert_clean, run_in_subprocess  # noqa: E402
+from campaigns.harness import assert_clean, run_in_subprocess
 
 
 @pytest.mark.slow

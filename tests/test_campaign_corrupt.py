@@ -1,17 +1,13 @@
-"""Campaign 4, CI size (scripts/campaign_corrupt.py): 200 seeded damages after commit (bit flips,
+"""Campaign 4, CI size (tests/campaigns/corrupt.py): 200 seeded damages after commit (bit flips,
 zeroed ranges, truncation, deletion, hand edits): restore(verify=True) never returns damaged
 data, falls back naming the file; `verify --all` (also the real CLI) flags it."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from campaign import assert_clean, run_in_subprocess  # noqa: E402
+from campaigns.harness import assert_clean, run_in_subprocess
 
 
 @pytest.mark.slow

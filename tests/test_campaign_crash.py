@@ -1,17 +1,13 @@
-"""Campaign 1, CI size (scripts/campaign_crash.py): a SIGKILL at every file-system step of six
+"""Campaign 1, CI size (tests/campaigns/crash.py): a SIGKILL at every file-system step of six
 save/prune scenarios (~145 kills) plus 60 seeded random SIGKILLs of a training process while it
 saves. After each: no partial restore, no committed checkpoint lost, the next save works."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from campaign import assert_clean, run_in_subprocess  # noqa: E402
+from campaigns.harness import assert_clean, run_in_subprocess
 
 
 @pytest.mark.slow

@@ -1,17 +1,13 @@
-"""Campaign 2, CI size (scripts/campaign_diskfull.py): ENOSPC in every phase of a save on a small
+"""Campaign 2, CI size (tests/campaigns/diskfull.py): ENOSPC in every phase of a save on a small
 tmpfs (bytes and inodes swept page by page, O_DIRECT and buffered; ENOSPC at fsync simulated).
 Needs root for `mount -t tmpfs`; skipped otherwise, saying why."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from campaign import assert_clean, run_in_subprocess  # noqa: E402
+from campaigns.harness import assert_clean, run_in_subprocess
 
 
 @pytest.mark.slow

@@ -1,17 +1,13 @@
-"""Campaign 5, CI size (scripts/campaign_hostile.py): the hostile corpus of tests/hostile/corpus.py
+"""Campaign 5, CI size (tests/campaigns/hostile.py): the hostile corpus of tests/hostile/corpus.py
 in full, plus 30 seeded structural fuzz trials: refused with a clear error, nothing outside the
 step directory opened, nothing unpickled or executed, memory bounded, nothing hangs."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from campaign import assert_clean, run_in_subprocess  # noqa: E402
+from campaigns.harness import assert_clean, run_in_subprocess
 
 
 @pytest.mark.slow

@@ -1,17 +1,13 @@
-"""Campaign 3, CI size (scripts/campaign_ioerror.py): an injected EIO at every file-system step
+"""Campaign 3, CI size (tests/campaigns/ioerror.py): an injected EIO at every file-system step
 of the six save/prune scenarios, in raise and warn mode: SaveError, no marker, nothing left
 behind, previous checkpoint intact, the next save works."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from campaign import assert_clean, run_in_subprocess  # noqa: E402
+from campaigns.harness import assert_clean, run_in_subprocess
 
 
 @pytest.mark.slow

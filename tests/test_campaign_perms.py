@@ -1,17 +1,13 @@
-"""Campaign 9 (scripts/campaign_perms.py): under umask 022 and 077 (and 027/002/000) nothing that
+"""Campaign 9 (tests/campaigns/perms.py): under umask 022 and 077 (and 027/002/000) nothing that
 slurmresume creates (root and parents, step files, events.jsonl, the lock) has group/world write
 bits or more than the umask allows."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from campaign import assert_clean, run_in_subprocess  # noqa: E402
+from campaigns.harness import assert_clean, run_in_subprocess
 
 
 @pytest.mark.slow

@@ -1,17 +1,13 @@
-"""Campaign 8, CI size (scripts/campaign_readers.py): three readers list the root while a writer
+"""Campaign 8, CI size (tests/campaigns/readers.py): three readers list the root while a writer
 saves; every "complete" checkpoint they see has all its files whole. A negative control (a
 writer that puts the marker first) must be caught."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from campaign import assert_clean, run_in_subprocess  # noqa: E402
+from campaigns.harness import assert_clean, run_in_subprocess
 
 
 @pytest.mark.slow

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 5: hostile checkpoints.
 
 Part A: the corpus of tests/hostile/corpus.py (path traversal and absolute names, symlinks and
@@ -35,11 +34,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import TESTS, LogCapture, Report, fork_call, tail  # noqa: E402
-from campaign import where as _where  # noqa: E402
+from campaigns.harness import LogCapture, Report, fork_call, tail
+from campaigns.harness import where as _where
 
 NAME = "hostile"
 DEFAULT_COUNT = 1000  # fuzz trials (the corpus always runs whole)
@@ -389,18 +385,11 @@ def fuzz(report: Report, work: Path, seed: int, count: int) -> None:
         _judge(report, c, res)
 
 
-def run(seed: int, count: int, work: Path) -> Report:
+def run(report: Report, work: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
     sys.addaudithook(_audit)
-    report = Report(NAME, seed, count)
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
     corpus(report, work)
-    fuzz(report, work, seed, count)
-    return report
+    fuzz(report, work, report.seed, report.count)
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

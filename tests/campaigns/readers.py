@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 8: readers listing the root while a writer saves.
 
 Each round (--count rounds of ~ROUND_S seconds) starts a writer process that saves step after
@@ -28,10 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import REPO, TESTS, Report, half_checkpoints  # noqa: E402
+from campaigns.harness import REPO, TESTS, Report, half_checkpoints
 
 NAME = "readers"
 DEFAULT_COUNT = 10
@@ -194,15 +190,10 @@ def control(report: Report, work: Path) -> None:
     shutil.rmtree(base, ignore_errors=True)
 
 
-def run(seed: int, count: int, work: Path) -> Report:
-    report = Report(NAME, seed, count)
+def run(report: Report, work: Path) -> None:
     control(report, work)
-    for rnd in range(count):
+    for rnd in range(report.count):
         one_round(report, work, rnd)
     for key in ("partial_checkpoints_seen_complete", "complete_observations"):
         report.stats.setdefault(key, 0)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

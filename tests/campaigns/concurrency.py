@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 7: concurrency: a writer, two prunes and a status reader at once, while the lock
 file is swapped for a symbolic link at seeded random moments.
 
@@ -31,10 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import REPO, TESTS, Report, half_checkpoints  # noqa: E402
+from campaigns.harness import REPO, TESTS, Report, half_checkpoints
 
 NAME = "concurrency"
 DEFAULT_COUNT = 10
@@ -247,13 +243,8 @@ def one_round(report: Report, work: Path, rng: random.Random, rnd: int) -> None:
     shutil.rmtree(base, ignore_errors=True)
 
 
-def run(seed: int, count: int, work: Path) -> Report:
-    report = Report(NAME, seed, count)
-    rng = random.Random(seed)
-    for rnd in range(count):
+def run(report: Report, work: Path) -> None:
+    rng = random.Random(report.seed)
+    for rnd in range(report.count):
         one_round(report, work, rng, rnd)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

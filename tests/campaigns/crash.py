@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 1: crash at every boundary, then at random.
 
 Part A, the boundary matrix (fixed size, ~200 kills): for each scenario below, trace the seam
@@ -34,17 +33,13 @@ import random
 import select
 import shutil
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import (  # noqa: E402
+from campaigns.harness import (
     Report,
     check_survivors,
     complete_steps,
@@ -507,17 +502,12 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
             report.fail(trial, f"restore / next save raised {type(exc).__name__}: {exc}")
 
 
-def run(seed: int, count: int, work: Path) -> Report:
+def run(report: Report, work: Path) -> None:
     import torch
 
     torch.set_num_threads(1)  # forked children must not inherit a thread pool
-    report = Report(NAME, seed, count)
     boundary_matrix(report, work)
-    random_kills(report, work, seed, count)
+    random_kills(report, work, report.seed, report.count)
     report.stats.setdefault("partial_loads", 0)
     report.stats.setdefault("lost_committed", 0)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 4: damage after commit.
 
 A root with steps 1, 2, 3 committed (tiny model, plain values, a 64 KiB tensor). Each trial
@@ -35,10 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import REPO, LogCapture, Report, where  # noqa: E402
+from campaigns.harness import REPO, LogCapture, Report, where
 
 NAME = "corrupt"
 DEFAULT_COUNT = 2000
@@ -154,13 +150,13 @@ def _damage(rng: random.Random, d: Path, kind: str) -> tuple[str, str, bool]:
     return MANIFEST, f"{field} edited", True
 
 
-def run(seed: int, count: int, work: Path) -> Report:
+def run(report: Report, work: Path) -> None:
     from slurmresume import Checkpointer
     from slurmresume.checkpoint.layout import MARKER, step_dir_name
     from slurmresume.checkpoint.store import inspect_dir
     from slurmresume.tools.status import compute_status, verify_checkpoints
 
-    report = Report(NAME, seed, count)
+    seed, count = report.seed, report.count
     rng = random.Random(seed)
     pristine = work / "pristine"
     ck = Checkpointer(pristine, handle_signals=False)
@@ -237,8 +233,4 @@ def run(seed: int, count: int, work: Path) -> Report:
                 report.stats["default_partial_by_kind"][kind] = report.stats["default_partial_by_kind"].get(kind, 0) + 1
     report.stats.setdefault("partial_loads_verify", 0)
     report.stats.setdefault("partial_loads_default_restore", 0)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 3: an I/O error (EIO) at every file-system step of a save and of a prune.
 
 The scenarios of the crash campaign (save, save over a stale partial, save + retention, prune,
@@ -20,16 +19,12 @@ the checkpoint it concerned is complete and verifies.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-import campaign_crash as cc  # noqa: E402
-from campaign import (  # noqa: E402
+from campaigns import crash as cc
+from campaigns.harness import (
     LogCapture,
     Report,
     armed,
@@ -171,13 +166,8 @@ def matrix(report: Report, work: Path) -> None:
                 shutil.rmtree(root, ignore_errors=True)
 
 
-def run(seed: int, count: int, work: Path) -> Report:
-    report = Report(NAME, seed, count)
-    for rep in range(max(1, count)):
+def run(report: Report, work: Path) -> None:
+    for rep in range(max(1, report.count)):
         matrix(report, work / f"rep{rep}")
     report.stats.setdefault("partial_loads", 0)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

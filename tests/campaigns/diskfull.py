@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 2: disk full in every phase of a save.
 
 A small tmpfs (`mount -t tmpfs -o size=...,nr_inodes=...`, unmounted at the end) is the
@@ -29,15 +28,11 @@ import re
 import shutil
 import stat
 import subprocess
-import sys
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import LogCapture, Report, armed, temp_leftovers  # noqa: E402
+from campaigns.harness import LogCapture, Report, armed, temp_leftovers
 
 NAME = "diskfull"
 DEFAULT_COUNT = 3
@@ -325,23 +320,18 @@ def _event_log_page(report: Report, root: Path, mnt: Path, events: bytes, extra:
     _reset(root, events)
 
 
-def run(seed: int, count: int, work: Path) -> Report:
-    report = Report(NAME, seed, count)
+def run(report: Report, work: Path) -> None:
     mnt = work / "mnt"
     why = mount_tmpfs(mnt, SIZE, inodes=256)
     if why:
         report.skipped = why
-        return report
+        return
     try:
-        rng = random.Random(seed)
-        for rep in range(max(1, count)):
+        rng = random.Random(report.seed)
+        for rep in range(max(1, report.count)):
             sweep(report, mnt, rng, rep)
     finally:
         with suppress(Exception):
             _unfill(mnt)
         umount(mnt)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))
