@@ -18,7 +18,8 @@ NAME (one module tests/campaigns/NAME.py each; docs/reliability.md has the table
 
 Every campaign module has one shape: NAME (its name above), DEFAULT_COUNT (the size of a full
 run) and `run(report, work)`, which records into `report` (a Report carrying the seed and the
-count) and uses `work` as scratch.
+count) and uses `work` as scratch. The programs a campaign runs as processes of their own are
+modules under tests/campaigns/children/ (spawn_child starts them).
 
 Each run prints a one-line summary and one JSON report: trials, failures (each a sentence
 naming the trial, seed and what broke), known issues hit (bugs reported in files this campaign
@@ -47,6 +48,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 REPO = TESTS.parent
+CHILDREN = HERE / "children"
 
 CAMPAIGNS = ("crash", "diskfull", "ioerror", "corrupt", "hostile", "args", "concurrency", "readers", "perms")
 TMP_RE = re.compile(r"^\..+\.tmp\.\d+$")
@@ -281,6 +283,18 @@ class LogCapture:
 
     def __exit__(self, *exc: object) -> None:
         self.logger.removeHandler(self.handler)
+
+
+# -- the programs a campaign runs as processes of their own (tests/campaigns/children/) ---------
+
+def spawn_child(name: str, *args: str | Path, stdout: int | None = None) -> subprocess.Popen[str]:
+    """Start tests/campaigns/children/NAME.py with `args` (clean environment, cwd the repository);
+    its stderr is a pipe (read it after it ends), its stdout goes to `stdout` (default: nowhere)."""
+    from helpers.procs import clean_env
+
+    return subprocess.Popen([sys.executable, str(CHILDREN / f"{name}.py"), *map(str, args)], env=clean_env(),
+                            cwd=str(REPO), stdout=subprocess.DEVNULL if stdout is None else stdout,
+                            stderr=subprocess.PIPE, text=True)
 
 
 # -- for the CI-sized tests (tests/test_campaigns.py) -------------------------------------------
