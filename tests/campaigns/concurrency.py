@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from campaigns.harness import Report, half_checkpoints, spawn_child
 
@@ -40,7 +41,7 @@ LOCK = ".slurmresume.lock"
 LOCK_WORDS = ("symbolic link", "Too many levels of symbolic links", "lock file", "not a regular file", "ELOOP")
 
 
-def _lines(path: Path) -> list[dict]:
+def _lines(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     out = []

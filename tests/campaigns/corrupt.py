@@ -125,7 +125,7 @@ def _damage(rng: random.Random, d: Path, kind: str) -> tuple[str, str, bool]:
     field = rng.choice(["metrics", "bytes", "xxh3", "step", "tensor", "world_size", "format"])
     changed = field not in ("metrics", "tensor")  # the tensor index is informational
 
-    def edit(m: dict) -> None:
+    def edit(m: dict[str, Any]) -> None:
         if field == "metrics":
             m["metrics"] = {"step": 3, "loss": 0.001}
         elif field == "bytes":
@@ -206,8 +206,8 @@ def run(report: Report, work: Path) -> None:
                                   env={**os.environ, "COLUMNS": "200"})
             report.count_stat("cli_verify_runs")
             if step == 2 and (d / MARKER).exists():
-                named = fname in proc.stderr + proc.stdout or kind == "edit+mark" and str(d) in proc.stderr
-                report.check(proc.returncode == 1 and named, trial,
+                cli_named = fname in proc.stderr + proc.stdout or kind == "edit+mark" and str(d) in proc.stderr
+                report.check(proc.returncode == 1 and cli_named, trial,
                              f"CLI verify --all: exit {proc.returncode}, {proc.stderr.strip()[-300:]}")
             elif step == 3:
                 report.check(proc.returncode == 0, trial, f"CLI verify --all failed on intact data: {proc.stderr}")

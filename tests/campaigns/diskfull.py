@@ -98,7 +98,7 @@ class FsyncENOSPC:
         self.n, self.calls, self.real = n, 0, os.fsync
 
     def __enter__(self) -> FsyncENOSPC:
-        def fsync(fd: int) -> None:
+        def fsync(fd: Any) -> None:
             if stat.S_ISDIR(os.fstat(fd).st_mode):  # directory fsyncs need no data blocks
                 return self.real(fd)
             self.calls += 1
@@ -190,7 +190,7 @@ def _attempt(root: Path, extra: int, trace: Path, mode: str) -> BaseException | 
     return None
 
 
-def _warn_mode(report: Report, trial: str, root: Path, mnt: Path, extra: int, fill: dict) -> None:
+def _warn_mode(report: Report, trial: str, root: Path, mnt: Path, extra: int, fill: dict[str, int]) -> None:
     """on_save_error="warn": step() logs and returns; after space is freed the next save works."""
     from slurmresume import Checkpointer
     from slurmresume.checkpoint.store import find_latest
@@ -298,7 +298,7 @@ def _event_log_page(report: Report, root: Path, mnt: Path, events: bytes, extra:
             _fill(mnt, leave_bytes=2 * PAGE)  # room for .inprogress, not for the shard
         trial = f"rep {rep} event log full right after a {outcome} save"
         report.trials += 1
-        cp.append_event = filled_first  # type: ignore[assignment]
+        cp.append_event = filled_first
         try:
             if outcome == "committed":
                 Checkpointer(root, handle_signals=False).save(2, _state(2, extra))
@@ -308,7 +308,7 @@ def _event_log_page(report: Report, root: Path, mnt: Path, events: bytes, extra:
         except BaseException as e:  # noqa: BLE001
             exc = e
         finally:
-            cp.append_event = real  # type: ignore[assignment]
+            cp.append_event = real
             _unfill(mnt)
         marked = (root / step_dir_name(2) / "COMMITTED").exists()
         if outcome == "committed":

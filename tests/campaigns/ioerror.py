@@ -49,7 +49,7 @@ def _in_process(fn: Any, env: dict[str, str]) -> BaseException | None:
     except BaseException as exc:  # noqa: BLE001
         return exc
     finally:
-        shutil.rmtree = real  # type: ignore[assignment]
+        shutil.rmtree = real
     return None
 
 
@@ -57,19 +57,20 @@ def _warn_action(sc: cc.Scenario) -> Any:
     """The scenario's save as a periodic save in warn mode (None when it is not a save)."""
     if sc.new is None or sc.world != 1:
         return None
+    new = sc.new
 
     def act(root: Path) -> None:
         from helpers.core import tiny_state
 
         from slurmresume import Checkpointer, RetentionPolicy
         kw: dict[str, Any] = {"retention": RetentionPolicy(keep=sc.keep)} if sc.keep else {}
-        ck = Checkpointer(root, handle_signals=False, save_every=sc.new, on_save_error="warn",
+        ck = Checkpointer(root, handle_signals=False, save_every=new, on_save_error="warn",
                           async_save=sc.name == "async", **kw)
-        ck.step(sc.new, tiny_state(sc.new), metrics={"step": sc.new})
+        ck.step(new, tiny_state(new), metrics={"step": new})
         if sc.name == "async":  # the background error is handled at the next step
             while ck._inflight is not None and ck._inflight.is_alive():
                 time.sleep(0.001)
-            ck.step(sc.new + 1, tiny_state(sc.new + 1))
+            ck.step(new + 1, tiny_state(new + 1))
         ck.close()
 
     return act
