@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 3: an I/O error (EIO) at every file-system step of a save and of a prune.
 
 The scenarios of the crash campaign (save, save over a stale partial, save + retention, prune,
@@ -20,16 +19,12 @@ the checkpoint it concerned is complete and verifies.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-import campaign_crash as cc  # noqa: E402
-from campaign import (  # noqa: E402
+from campaigns import crash as cc
+from campaigns.harness import (
     LogCapture,
     Report,
     armed,
@@ -54,7 +49,7 @@ def _in_process(fn: Any, env: dict[str, str]) -> BaseException | None:
     except BaseException as exc:  # noqa: BLE001
         return exc
     finally:
-        shutil.rmtree = real  # type: ignore[assignment]
+        shutil.rmtree = real
     return None
 
 
@@ -62,19 +57,20 @@ def _warn_action(sc: cc.Scenario) -> Any:
     """The scenario's save as a periodic save in warn mode (None when it is not a save)."""
     if sc.new is None or sc.world != 1:
         return None
+    new = sc.new
 
     def act(root: Path) -> None:
         from helpers.core import tiny_state
 
         from slurmresume import Checkpointer, RetentionPolicy
         kw: dict[str, Any] = {"retention": RetentionPolicy(keep=sc.keep)} if sc.keep else {}
-        ck = Checkpointer(root, handle_signals=False, save_every=sc.new, on_save_error="warn",
+        ck = Checkpointer(root, handle_signals=False, save_every=new, on_save_error="warn",
                           async_save=sc.name == "async", **kw)
-        ck.step(sc.new, tiny_state(sc.new), metrics={"step": sc.new})
+        ck.step(new, tiny_state(new), metrics={"step": new})
         if sc.name == "async":  # the background error is handled at the next step
             while ck._inflight is not None and ck._inflight.is_alive():
                 time.sleep(0.001)
-            ck.step(sc.new + 1, tiny_state(sc.new + 1))
+            ck.step(new + 1, tiny_state(new + 1))
         ck.close()
 
     return act
@@ -171,13 +167,8 @@ def matrix(report: Report, work: Path) -> None:
                 shutil.rmtree(root, ignore_errors=True)
 
 
-def run(seed: int, count: int, work: Path) -> Report:
-    report = Report(NAME, seed, count)
-    for rep in range(max(1, count)):
+def run(report: Report, work: Path) -> None:
+    for rep in range(max(1, report.count)):
         matrix(report, work / f"rep{rep}")
     report.stats.setdefault("partial_loads", 0)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

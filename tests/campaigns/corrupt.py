@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 4: damage after commit.
 
 A root with steps 1, 2, 3 committed (tiny model, plain values, a 64 KiB tensor). Each trial
@@ -35,10 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import REPO, LogCapture, Report, where  # noqa: E402
+from campaigns.harness import REPO, LogCapture, Report, where
 
 NAME = "corrupt"
 DEFAULT_COUNT = 2000
@@ -129,7 +125,7 @@ def _damage(rng: random.Random, d: Path, kind: str) -> tuple[str, str, bool]:
     field = rng.choice(["metrics", "bytes", "xxh3", "step", "tensor", "world_size", "format"])
     changed = field not in ("metrics", "tensor")  # the tensor index is informational
 
-    def edit(m: dict) -> None:
+    def edit(m: dict[str, Any]) -> None:
         if field == "metrics":
             m["metrics"] = {"step": 3, "loss": 0.001}
         elif field == "bytes":
@@ -154,13 +150,13 @@ def _damage(rng: random.Random, d: Path, kind: str) -> tuple[str, str, bool]:
     return MANIFEST, f"{field} edited", True
 
 
-def run(seed: int, count: int, work: Path) -> Report:
+def run(report: Report, work: Path) -> None:
     from slurmresume import Checkpointer
     from slurmresume.checkpoint.layout import MARKER, step_dir_name
     from slurmresume.checkpoint.store import inspect_dir
     from slurmresume.tools.status import compute_status, verify_checkpoints
 
-    report = Report(NAME, seed, count)
+    seed, count = report.seed, report.count
     rng = random.Random(seed)
     pristine = work / "pristine"
     ck = Checkpointer(pristine, handle_signals=False)
@@ -210,8 +206,8 @@ def run(seed: int, count: int, work: Path) -> Report:
                                   env={**os.environ, "COLUMNS": "200"})
             report.count_stat("cli_verify_runs")
             if step == 2 and (d / MARKER).exists():
-                named = fname in proc.stderr + proc.stdout or kind == "edit+mark" and str(d) in proc.stderr
-                report.check(proc.returncode == 1 and named, trial,
+                cli_named = fname in proc.stderr + proc.stdout or kind == "edit+mark" and str(d) in proc.stderr
+                report.check(proc.returncode == 1 and cli_named, trial,
                              f"CLI verify --all: exit {proc.returncode}, {proc.stderr.strip()[-300:]}")
             elif step == 3:
                 report.check(proc.returncode == 0, trial, f"CLI verify --all failed on intact data: {proc.stderr}")
@@ -237,8 +233,4 @@ def run(seed: int, count: int, work: Path) -> Report:
                 report.stats["default_partial_by_kind"][kind] = report.stats["default_partial_by_kind"].get(kind, 0) + 1
     report.stats.setdefault("partial_loads_verify", 0)
     report.stats.setdefault("partial_loads_default_restore", 0)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 9: permissions of what slurmresume creates, under umask 022 and 077 (the guarantee)
 and 027, 002, 000 (same rule, reported).
 
@@ -20,13 +19,9 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import REPO, Report, fork_call, tail  # noqa: E402
+from campaigns.harness import REPO, Report, arm, fork_call, tail
 
 NAME = "perms"
 DEFAULT_COUNT = 1
@@ -46,12 +41,12 @@ def _actions(base: Path) -> None:
     ck = Checkpointer(root, handle_signals=False, retention=RetentionPolicy(keep=1))
     ck.save(1, tiny_state(1))
     ck.save(2, tiny_state(2))
-    campaign.arm({"SLURMRESUME_TEST_FAIL_AT": "write.manifest"})
+    arm({"SLURMRESUME_TEST_FAIL_AT": "write.manifest"})
     try:
         ck.save(3, tiny_state(3))
     except Exception:  # noqa: BLE001 - the failure is the point
         pass
-    campaign.arm(None)
+    arm(None)
     ck.close()
     append_event(base / "x" / "events-only", "note")
     res = CliRunner().invoke(app, ["submit", str(REPO / "examples" / "train.py"), "--ckpt-dir", str(base / "sub" / "ck"),
@@ -83,9 +78,8 @@ def _check(report: Report, base: Path, umask: int, guaranteed: bool) -> None:
             report.stats.setdefault("modes", {}).setdefault(f"{umask:03o}", {})[str(rel)] = f"{mode:03o}"
 
 
-def run(seed: int, count: int, work: Path) -> Report:
-    report = Report(NAME, seed, count)
-    for rep in range(max(1, count)):
+def run(report: Report, work: Path) -> None:
+    for rep in range(max(1, report.count)):
         for umask in (*GUARANTEED, *REPORTED):
             base = work / f"u{umask:03o}-{rep}"
             shutil.rmtree(base, ignore_errors=True)
@@ -101,8 +95,4 @@ def run(seed: int, count: int, work: Path) -> Report:
                 report.fail(f"umask {umask:03o}", f"child failed {code}/{sig}: {tail(work / 'child.out')}")
                 continue
             _check(report, base, umask, umask in GUARANTEED)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 6: hostile arguments to `submit`.
 
 A fake `sbatch` first on PATH records every call (its argv and the script it was given). A
@@ -32,10 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import REPO, Report  # noqa: E402
+from campaigns.harness import REPO, Report
 
 NAME = "args"
 DEFAULT_COUNT = 2000
@@ -253,8 +249,8 @@ def _real_process(report: Report, env: Env) -> None:
         report.check(not env.calls.exists() and not ck.exists(), trial, "sbatch called or files written")
 
 
-def run(seed: int, count: int, work: Path) -> Report:
-    report = Report(NAME, seed, count)
+def run(report: Report, work: Path) -> None:
+    seed, count = report.seed, report.count
     rng = random.Random(seed)
     env = Env(work)
     # positive control: a clean submit reaches the fake sbatch, once, and writes the event log
@@ -265,7 +261,7 @@ def run(seed: int, count: int, work: Path) -> Report:
     calls = env.calls.read_text() if env.calls.exists() else ""
     ok = res.exit_code == 0 and calls.count("ARGV ") == 1 and (ck / "events.jsonl").exists()
     if not report.check(ok, "control", f"a clean submit did not reach the fake sbatch: {res.output[-400:]} {calls[:200]}"):
-        return report
+        return
     report.stats["control_sbatch_lines"] = len(calls.splitlines())
     shutil.rmtree(ck, ignore_errors=True)
     for option in OPTIONS:
@@ -281,8 +277,4 @@ def run(seed: int, count: int, work: Path) -> Report:
     _unicode(report, env)
     _argv_verbatim(report, env, rng)
     _real_process(report, env)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

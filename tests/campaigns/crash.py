@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 1: crash at every boundary, then at random.
 
 Part A, the boundary matrix (fixed size, ~200 kills): for each scenario below, trace the seam
@@ -34,17 +33,13 @@ import random
 import select
 import shutil
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import (  # noqa: E402
+from campaigns.harness import (
     Report,
     check_survivors,
     complete_steps,
@@ -108,17 +103,17 @@ def save_world(root: Path, step: int, world: int) -> None:
 
     real = commit.prepare
 
-    def prepare(root: Path, step: int) -> dict:
-        decision = real(root, step)
+    def prepare(root: Path, step: int) -> dict[str, Any]:
+        decision: dict[str, Any] = real(root, step)
         if decision["action"] == "error":
             raise SaveError(f"checkpoint save failed, nothing committed: {decision['error']}")
         return decision
 
-    commit.prepare = prepare  # type: ignore[assignment]
+    commit.prepare = prepare
     try:
         save_as_world(root, step, world)
     finally:
-        commit.prepare = real  # type: ignore[assignment]
+        commit.prepare = real
 
 
 def _make_old_partial(root: Path, step: int) -> None:
@@ -210,7 +205,7 @@ def _data_ok(root: Path, step: int, world: int, verify: bool = False) -> str | N
     if info is None or info.step != step:
         return f"newest complete is {info and info.step}, expected {step}"
     want = dict(flatten(tiny_state(step), {})[1])
-    for s in info.manifest.shards:  # type: ignore[union-attr]
+    for s in info.manifest.shards:
         tensors, _, _ = load_tensors(info.path, s["file"], s["bytes"])
         for name, t in want.items():
             if not torch.equal(tensors[name], t):
@@ -321,7 +316,7 @@ def _train_step(model: Any, opt: Any, step: int) -> None:
     x, y = torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     opt.step()
 
 
@@ -414,7 +409,10 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
             os.read(r, 1)
             ready_at.append(time.perf_counter())
 
-        fork_call(lambda cal=cal, variant=variant, w=w: _train_child(cal, variant, w, K_STEPS), on_started=timer)
+        def calibrate(cal: Path = cal, variant: str = variant, w: int = w) -> None:
+            _train_child(cal, variant, w, K_STEPS)
+
+        fork_call(calibrate, on_started=timer)
         spans[variant] = time.perf_counter() - ready_at[0]  # from "restored" to the end
         os.close(r)
         os.close(w)
@@ -449,9 +447,10 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
             except ProcessLookupError:
                 pass
 
-        code, sig = fork_call(lambda root=root, variant=variant, w=w, start=start:
-                              _train_child(root, variant, w, start + UNTIL), on_started=killer,
-                              out=work / "train-child.out")
+        def train(root: Path = root, variant: str = variant, w: int = w, start: int = start) -> None:
+            _train_child(root, variant, w, start + UNTIL)
+
+        code, sig = fork_call(train, on_started=killer, out=work / "train-child.out")
         os.close(r)
         os.close(w)
         report.trials += 1
@@ -507,17 +506,12 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
             report.fail(trial, f"restore / next save raised {type(exc).__name__}: {exc}")
 
 
-def run(seed: int, count: int, work: Path) -> Report:
+def run(report: Report, work: Path) -> None:
     import torch
 
     torch.set_num_threads(1)  # forked children must not inherit a thread pool
-    report = Report(NAME, seed, count)
     boundary_matrix(report, work)
-    random_kills(report, work, seed, count)
+    random_kills(report, work, report.seed, report.count)
     report.stats.setdefault("partial_loads", 0)
     report.stats.setdefault("lost_committed", 0)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

@@ -1,8 +1,8 @@
-#!/usr/bin/env python3
 """Campaign 7: concurrency: a writer, two prunes and a status reader at once, while the lock
 file is swapped for a symbolic link at seeded random moments.
 
-Each round (--count rounds, ~ROUND_S seconds each, a fresh root) runs, as separate processes:
+Each round (--count rounds, ~ROUND_S seconds each, a fresh root) runs, as separate processes
+(tests/campaigns/children/concurrency_*.py):
   writer     Checkpointer.save of steps 1, 2, ... (a 4 MiB tensor: saves take a while); logs
              every committed step and every SaveError
   prune A    retention.execute(keep=2, remove_incomplete_older_than=0, young_threshold=0) in a
@@ -27,84 +27,21 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import REPO, TESTS, Report, half_checkpoints  # noqa: E402
+from campaigns.harness import Report, half_checkpoints, spawn_child
 
 NAME = "concurrency"
 DEFAULT_COUNT = 10
 ROUND_S = 6.0
 LOCK = ".slurmresume.lock"
 
-WRITER = r"""
-import json, sys, time, pathlib, torch
-sys.path.insert(0, sys.argv[3])
-from helpers.core import tiny_state
-from slurmresume import Checkpointer, SaveError
-root, stop, log = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), open(sys.argv[4], "a")
-ck = Checkpointer(root, handle_signals=False)
-step = 0
-while not stop.exists():
-    step += 1
-    state = {**tiny_state(step), "big": torch.full((1 << 20,), float(step))}
-    t0 = time.time()
-    try:
-        ck.save(step, state, metrics={"loss": 1.0 / step})
-        log.write(json.dumps({"ok": step, "t0": t0, "t1": time.time()}) + "\n")
-    except SaveError as exc:
-        log.write(json.dumps({"failed": step, "t0": t0, "t1": time.time(), "error": str(exc)}) + "\n")
-    log.flush()
-"""
-
-PRUNER = r"""
-import json, sys, time, pathlib, traceback
-from slurmresume.retention import RetentionPolicy, execute
-from slurmresume.errors import CheckpointError
-root, stop, log = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), open(sys.argv[3], "a")
-policy = RetentionPolicy(keep=2, remove_incomplete_older_than=0, young_threshold=0)
-while not stop.exists():
-    t0 = time.time()
-    try:
-        r = execute(root, policy, lock_timeout=5)
-        log.write(json.dumps({"deleted": r.deleted, "t0": t0, "t1": time.time()}) + "\n")
-    except CheckpointError as exc:
-        log.write(json.dumps({"refused": str(exc), "type": type(exc).__name__, "t0": t0, "t1": time.time()}) + "\n")
-    except Exception as exc:
-        log.write(json.dumps({"crash": traceback.format_exc()[-1500:]}) + "\n")
-    log.flush()
-    time.sleep(0.003)
-"""
-
-STATUS = r"""
-import json, sys, time, pathlib, traceback
-import slurmresume.tools.status as st
-from slurmresume.checkpoint.store import find_latest
-st.query_job = lambda job_id: (st.JobInfo(job_id), "campaign: Slurm not queried")
-root, stop, log = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), open(sys.argv[3], "a")
-while not stop.exists():
-    t0 = time.time()
-    try:
-        s = st.compute_status(root, history_limit=0)
-        latest = find_latest(root, warn=False)
-        log.write(json.dumps({"t0": t0, "t1": time.time(), "newest": s.newest_complete,
-                              "latest": latest.step if latest else None,
-                              "corrupt": [(r.name, r.problem) for r in s.checkpoints if r.state == "corrupt"],
-                              "problems": s.problems}) + "\n")
-    except Exception as exc:
-        log.write(json.dumps({"crash": traceback.format_exc()[-1500:]}) + "\n")
-    log.flush()
-    time.sleep(0.003)
-"""
-
 LOCK_WORDS = ("symbolic link", "Too many levels of symbolic links", "lock file", "not a regular file", "ELOOP")
 
 
-def _lines(path: Path) -> list[dict]:
+def _lines(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     out = []
@@ -114,23 +51,6 @@ def _lines(path: Path) -> list[dict]:
         except ValueError:
             pass
     return out
-
-
-def _spawn(code: str, *args: str) -> subprocess.Popen:
-    from helpers.procs import clean_env
-
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=clean_env(), cwd=str(REPO),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _cli_pruner(root: Path, stop: Path, log: Path) -> subprocess.Popen:
-    from helpers.procs import clean_env
-
-    loop = (f'while [ ! -e "{stop}" ]; do t0=$(date +%s.%N); out=$("{sys.executable}" -m slurmresume prune --keep 2 '
-            f'--yes --ckpt-dir "{root}" 2>&1); rc=$?; printf "%s\\n" "{{\\"rc\\": $rc, \\"t0\\": $t0}}" >> "{log}"; '
-            f'if [ $rc -gt 1 ]; then printf "%s\\n" "$out" >> "{log}.out"; fi; done; true')
-    return subprocess.Popen(["bash", "-c", loop], env=clean_env(), cwd=str(REPO), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
 
 
 def one_round(report: Report, work: Path, rng: random.Random, rnd: int) -> None:
@@ -147,13 +67,13 @@ def one_round(report: Report, work: Path, rng: random.Random, rnd: int) -> None:
     os.chmod(victim, 0o600)
     vstat = victim.stat()
     logs = {k: base / f"{k}.jsonl" for k in ("writer", "pruneA", "pruneB", "status")}
-    writer = _spawn(WRITER, str(root), str(stop), str(TESTS), str(logs["writer"]))
+    writer = spawn_child("concurrency_writer", root, stop, logs["writer"])
     deadline = time.time() + 120  # the writer imports torch first
     while not (root / "step_000000001" / "COMMITTED").exists() and time.time() < deadline and writer.poll() is None:
         time.sleep(0.02)
-    procs = {"writer": writer, "pruneA": _spawn(PRUNER, str(root), str(stop), str(logs["pruneA"])),
-             "pruneB": _cli_pruner(root, stop, logs["pruneB"]),
-             "status": _spawn(STATUS, str(root), str(stop), str(logs["status"]))}
+    procs = {"writer": writer, "pruneA": spawn_child("concurrency_pruner", root, stop, logs["pruneA"]),
+             "pruneB": spawn_child("concurrency_cli_pruner", root, stop, logs["pruneB"]),
+             "status": spawn_child("concurrency_status", root, stop, logs["status"])}
     windows: list[tuple[float, float]] = []
     end = time.time() + ROUND_S
     while time.time() < end:
@@ -247,13 +167,8 @@ def one_round(report: Report, work: Path, rng: random.Random, rnd: int) -> None:
     shutil.rmtree(base, ignore_errors=True)
 
 
-def run(seed: int, count: int, work: Path) -> Report:
-    report = Report(NAME, seed, count)
-    rng = random.Random(seed)
-    for rnd in range(count):
+def run(report: Report, work: Path) -> None:
+    rng = random.Random(report.seed)
+    for rnd in range(report.count):
         one_round(report, work, rng, rnd)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 2: disk full in every phase of a save.
 
 A small tmpfs (`mount -t tmpfs -o size=...,nr_inodes=...`, unmounted at the end) is the
@@ -29,15 +28,11 @@ import re
 import shutil
 import stat
 import subprocess
-import sys
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import LogCapture, Report, armed, temp_leftovers  # noqa: E402
+from campaigns.harness import LogCapture, Report, armed, temp_leftovers
 
 NAME = "diskfull"
 DEFAULT_COUNT = 3
@@ -103,7 +98,7 @@ class FsyncENOSPC:
         self.n, self.calls, self.real = n, 0, os.fsync
 
     def __enter__(self) -> FsyncENOSPC:
-        def fsync(fd: int) -> None:
+        def fsync(fd: Any) -> None:
             if stat.S_ISDIR(os.fstat(fd).st_mode):  # directory fsyncs need no data blocks
                 return self.real(fd)
             self.calls += 1
@@ -195,7 +190,7 @@ def _attempt(root: Path, extra: int, trace: Path, mode: str) -> BaseException | 
     return None
 
 
-def _warn_mode(report: Report, trial: str, root: Path, mnt: Path, extra: int, fill: dict) -> None:
+def _warn_mode(report: Report, trial: str, root: Path, mnt: Path, extra: int, fill: dict[str, int]) -> None:
     """on_save_error="warn": step() logs and returns; after space is freed the next save works."""
     from slurmresume import Checkpointer
     from slurmresume.checkpoint.store import find_latest
@@ -303,7 +298,7 @@ def _event_log_page(report: Report, root: Path, mnt: Path, events: bytes, extra:
             _fill(mnt, leave_bytes=2 * PAGE)  # room for .inprogress, not for the shard
         trial = f"rep {rep} event log full right after a {outcome} save"
         report.trials += 1
-        cp.append_event = filled_first  # type: ignore[assignment]
+        cp.append_event = filled_first
         try:
             if outcome == "committed":
                 Checkpointer(root, handle_signals=False).save(2, _state(2, extra))
@@ -313,7 +308,7 @@ def _event_log_page(report: Report, root: Path, mnt: Path, events: bytes, extra:
         except BaseException as e:  # noqa: BLE001
             exc = e
         finally:
-            cp.append_event = real  # type: ignore[assignment]
+            cp.append_event = real
             _unfill(mnt)
         marked = (root / step_dir_name(2) / "COMMITTED").exists()
         if outcome == "committed":
@@ -325,23 +320,18 @@ def _event_log_page(report: Report, root: Path, mnt: Path, events: bytes, extra:
     _reset(root, events)
 
 
-def run(seed: int, count: int, work: Path) -> Report:
-    report = Report(NAME, seed, count)
+def run(report: Report, work: Path) -> None:
     mnt = work / "mnt"
     why = mount_tmpfs(mnt, SIZE, inodes=256)
     if why:
         report.skipped = why
-        return report
+        return
     try:
-        rng = random.Random(seed)
-        for rep in range(max(1, count)):
+        rng = random.Random(report.seed)
+        for rep in range(max(1, report.count)):
             sweep(report, mnt, rng, rep)
     finally:
         with suppress(Exception):
             _unfill(mnt)
         umount(mnt)
-    return report
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Campaign 5: hostile checkpoints.
 
 Part A: the corpus of tests/hostile/corpus.py (path traversal and absolute names, symlinks and
@@ -35,11 +34,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import campaign  # noqa: E402
-from campaign import TESTS, LogCapture, Report, fork_call, tail  # noqa: E402
-from campaign import where as _where  # noqa: E402
+from campaigns.harness import LogCapture, Report, fork_call, tail
+from campaigns.harness import where as _where
 
 NAME = "hostile"
 DEFAULT_COUNT = 1000  # fuzz trials (the corpus always runs whole)
@@ -49,7 +45,7 @@ PICKLES = ("x.pt", "pytorch_model.bin", ".metadata")
 _rec: dict[str, Any] = {"on": False, "opens": [], "events": []}
 
 
-def _audit(event: str, args: tuple) -> None:
+def _audit(event: str, args: tuple[Any, ...]) -> None:
     if not _rec["on"]:
         return
     if event == "open":
@@ -152,9 +148,9 @@ def _battery(root: Path, step2: Path, scratch: Path) -> dict[str, Any]:
         tensors, meta, _ = load_tensors(step2, s["file"], s["bytes"])
         unflatten_into(tiny_state(0), loads(meta.get(SKELETON_KEY, ""), "skeleton"), tensors, strict=False)
 
-    exc = guard("reads", reads)
-    r["refusal"] = f"{type(exc).__name__}: {exc}" if isinstance(exc, Exception) else None
-    r["refusal_is_checkpoint_error"] = isinstance(exc, CorruptCheckpointError)
+    refusal = guard("reads", reads)
+    r["refusal"] = f"{type(refusal).__name__}: {refusal}" if isinstance(refusal, Exception) else None
+    r["refusal_is_checkpoint_error"] = isinstance(refusal, CorruptCheckpointError)
     r["inspect_complete"] = bool(getattr(guard("inspect_dir", lambda: inspect_dir(2, step2, verify=True)),
                                          "complete", False))
     guard("list_checkpoints", lambda: list_checkpoints(root, verify=True))
@@ -224,7 +220,7 @@ def _judge(report: Report, c: Any, res: dict[str, Any]) -> None:
         report.check(call["code"] in allowed, t, f"CLI {' '.join(call['args'])} exit {call['code']}")
     if c.expect == "refused":
         for v in (False, True):
-            report.check(res.get(f"restore_{v}") == 1 and res.get(f"data_ok_{v}"), t,
+            report.check(res.get(f"restore_{v}") == 1 and bool(res.get(f"data_ok_{v}")), t,
                          f"restore(verify={v}) gave {res.get(f'restore_{v}')!r}, expected a fall back to step 1")
             named = [w for w in res.get(f"warnings_{v}", []) if str(c.step2) in w or "step 2 " in w]
             report.check(bool(named), t, f"no warning names step 2: {res.get(f'warnings_{v}')}")
@@ -239,7 +235,7 @@ def _judge(report: Report, c: Any, res: dict[str, Any]) -> None:
                      f"verify --all did not exit 1 with an error line: {bad}")
     elif c.expect == "ignored":
         for v in (False, True):
-            report.check(res.get(f"restore_{v}") == 2 and res.get(f"data_ok_{v}"), t,
+            report.check(res.get(f"restore_{v}") == 2 and bool(res.get(f"data_ok_{v}")), t,
                          f"restore(verify={v}) gave {res.get(f'restore_{v}')!r}, expected step 2 intact")
     elif c.expect == "root":
         for v in (False, True):
@@ -271,7 +267,8 @@ def _control(work: Path) -> dict[str, Any]:
         out.write_text(json.dumps({"opens": [p for p, _ in _rec["opens"]], "events": _rec["events"]}))
 
     fork_call(child)
-    return json.loads(out.read_text())
+    seen: dict[str, Any] = json.loads(out.read_text())
+    return seen
 
 
 def corpus(report: Report, work: Path) -> None:
@@ -301,7 +298,8 @@ def _run_child(report: Report, c: Any, out: Path, work: Path, stat: str) -> dict
     if code != 0 or not out.exists():
         report.fail(c.name, f"child ended {code}/{sig}: {tail(work / 'child.log')}")
         return None
-    return json.loads(out.read_text())
+    res: dict[str, Any] = json.loads(out.read_text())
+    return res
 
 
 # -- part B: structural fuzzing ---------------------------------------------------------------
@@ -314,7 +312,7 @@ HOSTILE_VALUES: list[Any] = [
 ]
 
 
-def _paths(node: Any, prefix: tuple = ()) -> list[tuple]:
+def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     out = [prefix]
     if isinstance(node, dict):
         for k, v in node.items():
@@ -326,7 +324,7 @@ def _paths(node: Any, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
-def _set(node: Any, path: tuple, value: Any) -> Any:
+def _set(node: Any, path: tuple[Any, ...], value: Any) -> Any:
     if not path:
         return value
     node[path[0]] = _set(node[path[0]], path[1:], value)
@@ -389,18 +387,11 @@ def fuzz(report: Report, work: Path, seed: int, count: int) -> None:
         _judge(report, c, res)
 
 
-def run(seed: int, count: int, work: Path) -> Report:
+def run(report: Report, work: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
     sys.addaudithook(_audit)
-    report = Report(NAME, seed, count)
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
     corpus(report, work)
-    fuzz(report, work, seed, count)
-    return report
+    fuzz(report, work, report.seed, report.count)
 
-
-if __name__ == "__main__":
-    sys.exit(campaign.main(only=NAME))
