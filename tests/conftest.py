@@ -3,6 +3,7 @@ test module can also import them directly: `from helpers.procs import run_exampl
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -46,7 +47,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Under pytest-xdist (`-n N --dist loadgroup`, what scripts/test uses): every test on the
     real Slurm cluster joins one group, so they run one after another on one worker (they share
     one node, and a preemption test needs all of its CPUs), and that group is collected first, so
-    its long serial chain starts while the other workers take everything else.
+    its long serial chain starts while the other workers take everything else (xdist hands out
+the biggest group first, then single tests in this order).
 
     Tests marked `exhaustive` (the remaining points of a matrix such as start method x worker
     persistence, whose every value another test covers) run only with SLURMRESUME_EXHAUSTIVE=1
@@ -59,5 +61,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     slurm = [item for item in items if item.get_closest_marker("slurm")]
     for item in slurm:
         item.add_marker(pytest.mark.xdist_group("slurm"))
-    rest = [item for item in items if not item.get_closest_marker("slurm")]
+    # The longest first (tests/durations.json, from a recorded run: scripts/durations.py): each
+    # worker holds at most ~3 tests ahead, so a long test is never the last one left running
+    # while the other workers are idle. Unlisted (short) tests keep their collection order.
+    order = json.loads((TESTS / "durations.json").read_text()) if (TESTS / "durations.json").exists() else {}
+    rest = sorted((item for item in items if not item.get_closest_marker("slurm")),
+                  key=lambda item: -order.get(item.nodeid, 0))
     items[:] = slurm + rest

@@ -41,6 +41,9 @@ NAME = "hostile"
 DEFAULT_COUNT = 1000  # fuzz trials (the corpus always runs whole)
 SHARD = "rank-00000-of-00001.safetensors"
 PICKLES = ("x.pt", "pytorch_model.bin", ".metadata")
+# A battery that runs this long is blocked (a FIFO read, a lock): generous, since its CLI calls are
+# subprocesses and a starved 2-core machine makes each take seconds (30 s failed under load).
+BLOCKED_S = 90
 
 _rec: dict[str, Any] = {"on": False, "opens": [], "events": []}
 
@@ -173,8 +176,8 @@ def _battery(root: Path, step2: Path, scratch: Path) -> dict[str, Any]:
 def _child(c: Any, out: Path) -> None:
     scratch = c.root.parent / "scratch"
     scratch.mkdir(exist_ok=True)
-    signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("blocked for 30 s")))
-    signal.alarm(30)
+    signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError(f"blocked for {BLOCKED_S} s")))
+    signal.alarm(BLOCKED_S)
     start = _reset_peak()
     _rec.update(on=True, opens=[], events=[])
     try:
@@ -292,7 +295,7 @@ def corpus(report: Report, work: Path) -> None:
 def _run_child(report: Report, c: Any, out: Path, work: Path, stat: str) -> dict[str, Any] | None:
     """One trial: the battery in a forked child, its results read back (None: it failed)."""
     out.unlink(missing_ok=True)
-    code, sig = fork_call(lambda: _child(c, out), timeout=60, out=work / "child.log")
+    code, sig = fork_call(lambda: _child(c, out), timeout=BLOCKED_S + 60, out=work / "child.log")
     report.trials += 1
     report.count_stat(stat)
     if code != 0 or not out.exists():
