@@ -39,7 +39,10 @@ rank = dist.get_rank() if distributed else 0
 torch.manual_seed(args.seed + rank)  # dropout differs per rank
 random.seed(args.seed + rank)  # every stream the run may draw from is seeded
 np.random.seed(args.seed + rank)
-torch.use_deterministic_algorithms(True)
+# Nondeterministic kernels are CUDA's (scatter/index adds, cuBLAS workspaces); on torch 2.13 this call
+# also imports torch._inductor, ~3 s of CPU per process and per restart, so a CPU run skips it.
+if torch.cuda.is_available():
+    torch.use_deterministic_algorithms(True)
 
 g = torch.Generator().manual_seed(args.seed)  # the same data set on every rank
 x = torch.randn(4096, 32, generator=g)
