@@ -33,7 +33,7 @@ from ..contract import (
     write_last_run,
 )
 from ..errors import SlurmError
-from ..events import try_append_event
+from ..events import process_started_at, try_append_event
 from ..train.heartbeat import dump_signal
 from .config import JobSpec
 from .guardian import Guardian
@@ -143,12 +143,16 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
     hangs = 0  # in-allocation restarts after a hang (--max-hangs), this allocation
     previous_hang: tuple[tuple[int, ...], int] | None = None
     recovering: tuple[float, str] | None = None  # (when the last run died or was killed, why)
+    launcher_started_at = process_started_at()
+    if restart and not local:  # a requeued job: its first step is logged (`resumed`) from our start
+        recovering = (launcher_started_at or time.time(), "requeue")
     guardian = Guardian()
     try:
         lease = ownership.hold(root, job_key, takeover=takeover) if first_node else None
         while True:
             run_id = run_id_for(job_key, restart, failures + hangs)
-            try_append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local, **extra)
+            try_append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local,
+                             launcher_started_at=launcher_started_at, **extra)
             log.info("run %s: %s", run_id, " ".join(cmd))
             watch = _watch(spec, run_id, int(extra["node"]), recovering)
             wenv = worker_env(spec, run_id, restart, {**env, ENV_HEARTBEAT_DIR: str(watch.directory)})
@@ -185,6 +189,7 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
             restart += 1
             if local:
                 try_append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, local=True)
+                recovering = (result.ended_at or time.time(), "requeue")
                 relay.pending.clear()
                 failures = hangs = 0  # a requeued Slurm job starts with fresh budgets too
                 previous_hang = None
