@@ -60,8 +60,11 @@ def rdzv_port(job_id: str, override: int | None) -> int:
 
 
 def torchrun_command(spec: JobSpec, *, nnodes: int, endpoint: str | None, rdzv_id: str) -> list[str]:
-    """The torchrun command, as an argument list (never through a shell)."""
-    cmd = [spec.python, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+    """The torchrun command, as an argument list (never through a shell). On one node through
+    `slurmresume.job.agent` (torchrun, then no interpreter teardown: the launcher's decision
+    after a preemption does not wait for it); with several nodes plain torchrun (agent.py says why)."""
+    runner = "slurmresume.job.agent" if nnodes == 1 else "torch.distributed.run"
+    cmd = [spec.python, "-m", runner, f"--nnodes={nnodes}",
            f"--nproc-per-node={spec.procs}", "--max-restarts=0"]
     if endpoint is None:
         cmd.append("--standalone")
