@@ -9,14 +9,55 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from slurmresume.job.config import JobSpec
-from slurmresume.job.node import torchrun_command
+from slurmresume.job.launcher import JobClock
+from slurmresume.job.node import rdzv_host, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def blocking_scontrol(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A `scontrol` that records each call, then blocks until `go` exists. Returns (bin, log, go)."""
+    bindir, log, go = tmp_path / "bin", tmp_path / "scontrol.log", tmp_path / "go"
+    bindir.mkdir()
+    script = bindir / "scontrol"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"echo \"$@\" >> {log}\n"
+        f"while [ ! -e {go} ]; do sleep 0.02; done\n"
+        "case \"$2\" in config) echo 'KillWait                = 7 sec' ;; *) echo 'JobId=5 JobState=RUNNING' ;; esac\n")
+    script.chmod(0o755)
+    return bindir, log, go
+
+
+def test_job_clock_does_not_hold_up_the_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bindir, log, go = blocking_scontrol(tmp_path)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    got: list[JobClock] = []
+    reader = threading.Thread(target=lambda: got.append(JobClock.read("5")), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    returned = bool(got)
+    go.touch()  # unblock the fake scontrol in every case
+    assert returned, "JobClock.read waited for slurmctld: torchrun would start only after its answers"
+    assert got[0].kill_wait == 7.0  # the first use waits for the answer
+    assert "show config" in log.read_text()
+
+
+def test_one_node_rendezvous_needs_no_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bindir, log, go = blocking_scontrol(tmp_path)
+    go.touch()
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")
+    assert rdzv_host(1) == "127.0.0.1"
+    assert not log.exists()
+    rdzv_host(2)  # several nodes: the first node's NodeAddr, from scontrol
+    assert "show node" in log.read_text()
 
 
 def test_one_node_runs_torchrun_through_the_fast_exit_agent(tmp_path: Path) -> None:

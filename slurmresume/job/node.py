@@ -107,8 +107,8 @@ class NodeLauncher:
             restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
             node_id = int(os.environ.get("SLURM_NODEID", "0"))
             nnodes = int(os.environ.get("SLURM_NNODES", str(self.spec.nodes)))
-            clock = JobClock.read(job_id)
-            endpoint = f"{_first_node_addr()}:{rdzv_port(job_id, self.spec.rdzv_port)}"
+            clock = JobClock.read(job_id)  # in the background: torchrun does not wait for slurmctld
+            endpoint = f"{rdzv_host(nnodes)}:{rdzv_port(job_id, self.spec.rdzv_port)}"
             cmd = torchrun_command(self.spec, nnodes=nnodes, endpoint=endpoint, rdzv_id=job_id)
             return _loop(self.spec, cmd, relay, job_key=f"slurm-{job_id}", restart=restart,
                          first_node=node_id == 0, clock=clock, extra={"node": node_id, "nodes": nnodes, "job": job_id})
@@ -275,6 +275,12 @@ def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str
         try_append_event(root, terminal, reason=reason, step=result.latest_after, job_key=job_key)
     if result.kind == "failed":
         try_append_event(root, "failed", returncode=result.returncode, job_key=job_key, reason=reason)
+
+
+def rdzv_host(nnodes: int) -> str:
+    """Where torchrun's rendezvous store listens: this node on a one-node job (no `scontrol`
+    call before torchrun starts), else the allocation's first node."""
+    return "127.0.0.1" if nnodes == 1 else _first_node_addr()
 
 
 def _first_node_addr() -> str:
