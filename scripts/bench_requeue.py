@@ -1,20 +1,30 @@
 """Where the seconds of a preemption go, phase by phase (warning -> agreement -> commit ->
-requeue -> Slurm restarts the launcher -> torchrun + restore), on the real cluster
-(`bash scripts/cluster.sh up` first). Usage: python scripts/bench_requeue.py [N]
+requeue -> Slurm restarts the launcher -> torchrun -> the ranks' imports, process group, restore
+-> the first resumed step), on the real cluster (`bash scripts/cluster.sh up` first).
 
-Submits tests/helpers/sig_train.py (2 ranks), sends `scancel --signal=USR1` N times (default 3),
-and reads the times from the event log. Prints a table and JSON; medians over the N preemptions.
+    python scripts/bench_requeue.py [N]           # real Slurm: scancel --signal=USR1, N times (default 3)
+    python scripts/bench_requeue.py [N] --local   # `submit --local`: the same launcher restarts torchrun
+
+Submits tests/helpers/sig_train.py (2 gloo ranks) and reads the times from the event log: the
+coarse rows of earlier runs (kept, so that before/after compare), then the launcher's start-up
+split finer from the fields the events carry (`started.launcher_started_at`: the launcher
+process's start from /proc; `restored`: rank 0's process start, end of imports, Checkpointer
+creation, restore; `resumed` (cause requeue): the first step after the restore, from the
+heartbeat). Prints a table and JSON; medians (min-max) over the N preemptions.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "helpers" / "sig_train.py"
@@ -22,7 +32,13 @@ SCRIPT = REPO / "tests" / "helpers" / "sig_train.py"
 
 def events(root: Path) -> list[dict]:
     p = root / "events.jsonl"
-    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+    out = []
+    for line in (p.read_text().splitlines() if p.exists() else []):
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written
+            pass
+    return out
 
 
 def wait(pred, timeout: float = 300) -> None:
@@ -34,7 +50,8 @@ def wait(pred, timeout: float = 300) -> None:
     raise SystemExit("timed out")
 
 
-# Each phase ends at the first event of its kind after the previous phase's end (per preemption).
+# The coarse phases (as measured before 2026-12-03 evening): each ends at the first event of its
+# kind after the previous phase's end (per preemption).
 PHASES = (
     ("warning -> ranks agree on a step", "signal_agreed", None),
     ("agreed -> commit marker durable (the save)", "save_committed", "preempt"),
@@ -42,49 +59,132 @@ PHASES = (
     ("requeue -> launcher started (Slurm)", "started", None),
     ("launcher started -> restored (torchrun, imports, restore)", "restored", None),
 )
+TOTAL = "warning -> training resumed (total, to restored)"
+# The finer split, from the fields of the `started`, `restored` and `resumed` events.
+FINE = (
+    "requeue -> launcher process start (Slurm: requeue, schedule, batch script, srun)",
+    "launcher process start -> torchrun exec (python, launcher imports, start-up)",
+    "torchrun exec -> rank 0 process start (torchrun: python, import torch, rendezvous)",
+    "rank 0 start -> script imports done (python, import torch)",
+    "imports -> Checkpointer created (process group init, model)",
+    "Checkpointer created -> restore begins (side groups, lease)",
+    "restore (collective: choose, load, verify)",
+    "restored -> first resumed step done",
+    "launcher process start -> first resumed step (goal <= 5 s)",
+    "torchrun exec -> first resumed step",
+    "warning -> first resumed step (total)",
+)
+
+
+def first_after(ev: list[dict], t: float, event: str, reason: str | None = None, **match: Any) -> dict | None:
+    return next((e for e in ev if e["event"] == event and e["time"] >= t
+                 and (reason is None or e.get("reason") == reason)
+                 and all(e.get(k) == v for k, v in match.items())), None)
 
 
 def phases(ev: list[dict], sent: list[float]) -> dict[str, list[float]]:
     """Seconds of each phase of each preemption, from the event log's times."""
     out: dict[str, list[float]] = {name: [] for name, _, _ in PHASES}
-    out["warning -> training resumed (total)"] = []
+    out[TOTAL] = []
+    out.update({name: [] for name in FINE})
     for t0 in sent:
         t = t0
+        found: dict[str, dict] = {}
         for name, event, reason in PHASES:
-            nxt = next((e["time"] for e in ev if e["event"] == event and e["time"] >= t
-                        and (reason is None or e.get("reason") == reason)), None)
-            if nxt is None:
+            e = first_after(ev, t, event, reason)
+            if e is None:
                 break
-            out[name].append(nxt - t)
-            t = nxt
+            found[event] = e
+            out[name].append(e["time"] - t)
+            t = e["time"]
         else:
-            out["warning -> training resumed (total)"].append(t - t0)
+            out[TOTAL].append(t - t0)
+        if "restored" not in found:
+            continue
+        req, st, rs = found["requeued"], found["started"], found["restored"]
+        resumed = first_after(ev, st["time"], "resumed", cause="requeue")
+        first = resumed["first_step_at"] if resumed and "first_step_at" in resumed else None
+        launcher = st.get("launcher_started_at") if not st.get("local") else None
+        marks = [
+            (FINE[0], req["time"], launcher),
+            (FINE[1], launcher, st["time"]),
+            (FINE[2], st["time"], rs.get("process_started_at")),
+            (FINE[3], rs.get("process_started_at"), rs.get("imported_at")),
+            (FINE[4], rs.get("imported_at"), rs.get("created_at")),
+            (FINE[5], rs.get("created_at"), rs.get("restore_began_at")),
+            (FINE[6], rs.get("restore_began_at"), rs["time"]),
+            (FINE[7], rs["time"], first),
+            (FINE[8], launcher, first),
+            (FINE[9], st["time"], first),
+            (FINE[10], t0, first),
+        ]
+        for name, a, b in marks:
+            if a is not None and b is not None:
+                out[name].append(b - a)
     return out
 
 
-def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    root = Path(tempfile.mkdtemp(prefix="bench-requeue-")) / "run"
+def run_slurm(n: int, root: Path) -> tuple[str, list[float]]:
     out = subprocess.run([sys.executable, "-m", "slurmresume", "submit", str(SCRIPT), "--ckpt-dir", str(root),
                           "--nproc-per-node", "2", "--cpus-per-task", "2", "--time", "15", "--json", "--",
                           str(40 * (n + 1)), "0.1", "0"], capture_output=True, text=True, check=True)
     job = json.loads(out.stdout)["job_id"]
     sent: list[float] = []
-    for k in range(n):
-        wait(lambda k=k: sum(e["event"] == "restored" for e in events(root)) >= k
-             and (root / "pids" / "progress0").exists()
-             and int((root / "pids" / "progress0").read_text() or 0) >= 5 + 30 * k)
-        sent.append(time.time())
-        subprocess.run(["scancel", "--signal=USR1", job], check=True)
-        wait(lambda k=k: sum(e["event"] == "restored" for e in events(root)) >= k + 1)
-    ev = events(root)
-    rows = phases(ev, sent)
-    print(f"job {job}, {n} preemptions, 2 gloo ranks, medians (min-max) in seconds")
+    try:
+        for k in range(n):
+            wait(lambda k=k: sum(e["event"] == "restored" for e in events(root)) >= k
+                 and (root / "pids" / "progress0").exists()
+                 and int((root / "pids" / "progress0").read_text() or 0) >= 5 + 30 * k)
+            sent.append(time.time())
+            subprocess.run(["scancel", "--signal=USR1", job], check=True)
+            wait(lambda k=k: sum(e["event"] == "resumed" and e.get("cause") == "requeue"
+                                 for e in events(root)) >= k + 1)
+    finally:
+        subprocess.run(["scancel", job])
+    return f"job {job}", sent
+
+
+def run_local(n: int, root: Path) -> tuple[str, list[float]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PIDDIR"] = str(root.parent / "pids")
+    log = open(root.parent / "launcher.log", "w")  # noqa: SIM115 - kept open for the launcher's life
+    proc = subprocess.Popen([sys.executable, "-m", "slurmresume", "submit", "--local", str(SCRIPT), "--ckpt-dir",
+                             str(root), "--nproc-per-node", "2", "--", str(40 * (n + 1)), "0.1", "0"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    progress = root.parent / "pids" / "progress0"
+    sent: list[float] = []
+    try:
+        for k in range(n):
+            wait(lambda k=k: sum(e["event"] == "restored" for e in events(root)) >= k and progress.exists()
+                 and int(progress.read_text() or 0) >= 5 + 30 * k)
+            sent.append(time.time())
+            os.kill(proc.pid, signal.SIGUSR1)  # what Slurm does under proctrack/cgroup: the launcher only
+            wait(lambda k=k: sum(e["event"] == "resumed" and e.get("cause") == "requeue"
+                                 for e in events(root)) >= k + 1)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return f"local launcher pid {proc.pid}", sent
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    local = "--local" in sys.argv[1:]
+    n = int(args[0]) if args else 3
+    root = Path(tempfile.mkdtemp(prefix="bench-requeue-")) / "run"
+    what, sent = (run_local if local else run_slurm)(n, root)
+    time.sleep(0.5)
+    rows = phases(events(root), sent)
+    print(f"{what}, {n} preemptions, 2 gloo ranks, medians (min-max) in seconds, {root}")
     for name, vals in rows.items():
+        if name == FINE[0]:
+            print("  finer:")
         if vals:
-            print(f"  {name:58s} {statistics.median(vals):7.2f}  ({min(vals):.2f}-{max(vals):.2f})")
+            print(f"  {name:82s} {statistics.median(vals):7.2f}  ({min(vals):.2f}-{max(vals):.2f})")
     print(json.dumps({k: [round(v, 3) for v in vals] for k, vals in rows.items()}))
-    subprocess.run(["scancel", job])
 
 
 if __name__ == "__main__":

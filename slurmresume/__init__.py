@@ -8,9 +8,11 @@ submitit until it needs them.
 from __future__ import annotations
 
 import importlib
+import time
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+IMPORTED_AT = time.time()  # for the start-up breakdown of the `restored` event (after the script's imports)
 
 _EXPORTS = {
     "Checkpointer": "train.checkpointer",

@@ -62,7 +62,10 @@ EV_WARNED_WITHOUT_SAVE = "warned_without_save"  # the warning came, the run ende
 EV_INTERRUPTED = "interrupted"  # SIGINT (Ctrl-C) reached the launcher: best-effort save, no requeue
 EV_EMERGENCY_SAVE_FAILED = "emergency_save_failed"  # rank 0: the save after a signal failed
 EV_HANG = "hang"  # a rank made no progress within its phase's budget: stacks dumped, run killed
-EV_RESUMED = "resumed"  # the first step after an in-allocation restart (seconds since the death/kill)
+# the first step after an in-allocation restart (seconds since the death/kill), or after a requeue
+# (cause "requeue": seconds since the requeued launcher's process started; locally, since the
+# previous run ended)
+EV_RESUMED = "resumed"
 EV_HELD = "held"  # the same hang twice without progress: the job is held (scontrol requeuehold)
 
 RUNS_DIR = ".runs"

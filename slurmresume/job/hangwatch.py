@@ -71,6 +71,7 @@ class HangWatch:
             if first:
                 at = min(rec.phase_since for rec in first)
                 self.resumed = {"seconds": round(at - self.recovering[0], 3), "cause": self.recovering[1],
+                                "first_step_at": round(at, 3),
                                 "step": min(rec.step for rec in first)}
         if self.death_at is not None:
             return None  # a rank died: torchrun tears the run down; that is a failure, not a hang

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,19 +172,47 @@ def _why(result: RunResult) -> str:
     return f"the emergency save{agreed} failed{err}; resuming from step {result.latest_after}{lost}"
 
 
-@dataclass(frozen=True)
 class JobClock:
     """Slurm's facts about this job, read once at start (EndTime, KillWait), and the rule that
-    tells the time limit's SIGTERM from a cancel (`slurm.is_time_limit`)."""
+    tells the time limit's SIGTERM from a cancel (`slurm.is_time_limit`).
 
-    job_id: str
-    end_time: float | None
-    kill_wait: float
+    `read` asks slurmctld in a background thread: torchrun starts without waiting for the
+    answers (a controller busy with a wave of preemptions answers slowly, exactly when a
+    requeued job starts); the first use of `end_time` or `kill_wait` waits for them (each query
+    bounded by START_QUERY_TIMEOUT_S, then Slurm's defaults)."""
+
+    def __init__(self, job_id: str, end_time: float | None = None,
+                 kill_wait: float = slurm.DEFAULT_KILL_WAIT_S) -> None:
+        self.job_id = job_id
+        self._end_time = end_time
+        self._kill_wait = kill_wait
+        self._reader: threading.Thread | None = None
 
     @classmethod
     def read(cls, job_id: str) -> JobClock:
-        times = slurm.job_times(job_id, START_QUERY_TIMEOUT_S)
-        return cls(job_id, times.end_time if times else None, slurm.kill_wait(START_QUERY_TIMEOUT_S))
+        clock = cls(job_id)
+        clock._reader = threading.Thread(target=clock._read, name="slurmresume-job-clock", daemon=True)
+        clock._reader.start()
+        return clock
+
+    def _read(self) -> None:
+        times = slurm.job_times(self.job_id, START_QUERY_TIMEOUT_S)
+        self._end_time = times.end_time if times else None
+        self._kill_wait = slurm.kill_wait(START_QUERY_TIMEOUT_S)
+
+    def _wait(self) -> None:
+        if self._reader is not None:
+            self._reader.join()
+
+    @property
+    def end_time(self) -> float | None:
+        self._wait()
+        return self._end_time
+
+    @property
+    def kill_wait(self) -> float:
+        self._wait()
+        return self._kill_wait
 
     def classify_term(self, at: float) -> str:
         now = slurm.job_times(self.job_id, TERM_QUERY_TIMEOUT_S)

@@ -33,7 +33,7 @@ from ..contract import (
     write_last_run,
 )
 from ..errors import SlurmError
-from ..events import try_append_event
+from ..events import process_started_at, try_append_event
 from ..train.heartbeat import dump_signal
 from .config import JobSpec
 from .guardian import Guardian
@@ -60,8 +60,11 @@ def rdzv_port(job_id: str, override: int | None) -> int:
 
 
 def torchrun_command(spec: JobSpec, *, nnodes: int, endpoint: str | None, rdzv_id: str) -> list[str]:
-    """The torchrun command, as an argument list (never through a shell)."""
-    cmd = [spec.python, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+    """The torchrun command, as an argument list (never through a shell). On one node through
+    `slurmresume.job.agent` (torchrun, then no interpreter teardown: the launcher's decision
+    after a preemption does not wait for it); with several nodes plain torchrun (agent.py says why)."""
+    runner = "slurmresume.job.agent" if nnodes == 1 else "torch.distributed.run"
+    cmd = [spec.python, "-m", runner, f"--nnodes={nnodes}",
            f"--nproc-per-node={spec.procs}", "--max-restarts=0"]
     if endpoint is None:
         cmd.append("--standalone")
@@ -104,8 +107,8 @@ class NodeLauncher:
             restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
             node_id = int(os.environ.get("SLURM_NODEID", "0"))
             nnodes = int(os.environ.get("SLURM_NNODES", str(self.spec.nodes)))
-            clock = JobClock.read(job_id)
-            endpoint = f"{_first_node_addr()}:{rdzv_port(job_id, self.spec.rdzv_port)}"
+            clock = JobClock.read(job_id)  # in the background: torchrun does not wait for slurmctld
+            endpoint = f"{rdzv_host(nnodes)}:{rdzv_port(job_id, self.spec.rdzv_port)}"
             cmd = torchrun_command(self.spec, nnodes=nnodes, endpoint=endpoint, rdzv_id=job_id)
             return _loop(self.spec, cmd, relay, job_key=f"slurm-{job_id}", restart=restart,
                          first_node=node_id == 0, clock=clock, extra={"node": node_id, "nodes": nnodes, "job": job_id})
@@ -143,12 +146,16 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
     hangs = 0  # in-allocation restarts after a hang (--max-hangs), this allocation
     previous_hang: tuple[tuple[int, ...], int] | None = None
     recovering: tuple[float, str] | None = None  # (when the last run died or was killed, why)
+    launcher_started_at = process_started_at()
+    if restart and not local:  # a requeued job: its first step is logged (`resumed`) from our start
+        recovering = (launcher_started_at or time.time(), "requeue")
     guardian = Guardian()
     try:
         lease = ownership.hold(root, job_key, takeover=takeover) if first_node else None
         while True:
             run_id = run_id_for(job_key, restart, failures + hangs)
-            try_append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local, **extra)
+            try_append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local,
+                             launcher_started_at=launcher_started_at, **extra)
             log.info("run %s: %s", run_id, " ".join(cmd))
             watch = _watch(spec, run_id, int(extra["node"]), recovering)
             wenv = worker_env(spec, run_id, restart, {**env, ENV_HEARTBEAT_DIR: str(watch.directory)})
@@ -185,6 +192,7 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
             restart += 1
             if local:
                 try_append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, local=True)
+                recovering = (result.ended_at or time.time(), "requeue")
                 relay.pending.clear()
                 failures = hangs = 0  # a requeued Slurm job starts with fresh budgets too
                 previous_hang = None
@@ -267,6 +275,12 @@ def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str
         try_append_event(root, terminal, reason=reason, step=result.latest_after, job_key=job_key)
     if result.kind == "failed":
         try_append_event(root, "failed", returncode=result.returncode, job_key=job_key, reason=reason)
+
+
+def rdzv_host(nnodes: int) -> str:
+    """Where torchrun's rendezvous store listens: this node on a one-node job (no `scontrol`
+    call before torchrun starts), else the allocation's first node."""
+    return "127.0.0.1" if nnodes == 1 else _first_node_addr()
 
 
 def _first_node_addr() -> str:

@@ -155,7 +155,7 @@ def _check_hangs(report: DrillReport, root: Path, world: int) -> None:
     rank's showing the frame it hung in), an in-allocation restart (no requeue) that resumed."""
     events = read_events(root)
     report.hangs = [e for e in events if e["event"] == EV_HANG]
-    report.recoveries = [e for e in events if e["event"] == EV_RESUMED]
+    report.recoveries = [e for e in events if e["event"] == EV_RESUMED and e.get("cause") != "requeue"]
     problems = report.hang_problems
     if len(report.hangs) != len(report.hangs_planned):
         problems.append(f"{len(report.hangs_planned)} hang(s) injected, {len(report.hangs)} detected")

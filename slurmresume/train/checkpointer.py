@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .. import IMPORTED_AT
 from ..checkpoint.collective import Group
 from ..checkpoint.jsonenc import encode
 from ..checkpoint.layout import step_dir_name
@@ -35,7 +36,7 @@ from ..contract import (
     EXIT_SAVE_FAILED,
 )
 from ..errors import ConfigError, SaveError
-from ..events import try_append_event
+from ..events import process_started_at, try_append_event
 from . import rng
 from .asyncsave import AsyncWriter
 from .emergency import emergency_save, exit_now
@@ -111,6 +112,7 @@ class Checkpointer:
         save_policy: Any = None,
         mirror: Any = None,
     ) -> None:
+        self._created_at = time.time()  # the script's imports, process group and model are done
         check_options(save_every, async_overlap, retention, on_save_error, save_policy)
         self.root = resolve_root(root)
         self.save_every = save_every
@@ -377,6 +379,7 @@ class Checkpointer:
     def _restore(self, state: MutableMapping[str, Any], step: int | None, verify: bool | None, restore_rng: bool,
                  strict: bool, allow_fresh_start: bool | None) -> int:
         started = time.perf_counter()
+        restore_began = time.time()
         if allow_fresh_start is None:
             allow_fresh_start = os.environ.get(ENV_ALLOW_FRESH_START) == "1"
         req = Request(step, self.verify_on_restore if verify is None else verify, restore_rng, strict,
@@ -393,7 +396,12 @@ class Checkpointer:
         self.restored = inspect_dir(choice.step, Path(choice.path))
         if self.rank == 0:
             log.info("restored from step %d (%s) in %.2f s", choice.step, choice.path, time.perf_counter() - started)
-            try_append_event(self.root, "restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID))
+            # with the start-up breakdown of this rank: the process's start, the end of the
+            # script's imports (slurmresume imported), the Checkpointer's creation, the restore
+            try_append_event(self.root, "restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID),
+                             process_started_at=process_started_at(), imported_at=IMPORTED_AT,
+                             created_at=self._created_at, restore_began_at=restore_began,
+                             restore_s=round(time.time() - restore_began, 4))
         return choice.step
 
     def close(self) -> None:

@@ -1,0 +1,92 @@
+"""What stands between a requeued job's launcher and its first step, and between a commit and the
+requeue: the launcher does not wait for slurmctld before starting torchrun, a one-node job asks
+no `scontrol` for its rendezvous address, and a one-node torchrun agent exits without the
+interpreter's teardown once its workers are done (failures keep the ordinary path and status).
+No timings are asserted here: scripts/bench_requeue.py measures them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from slurmresume.job.config import JobSpec
+from slurmresume.job.launcher import JobClock
+from slurmresume.job.node import rdzv_host, torchrun_command
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def blocking_scontrol(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A `scontrol` that records each call, then blocks until `go` exists. Returns (bin, log, go)."""
+    bindir, log, go = tmp_path / "bin", tmp_path / "scontrol.log", tmp_path / "go"
+    bindir.mkdir()
+    script = bindir / "scontrol"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"echo \"$@\" >> {log}\n"
+        f"while [ ! -e {go} ]; do sleep 0.02; done\n"
+        "case \"$2\" in config) echo 'KillWait                = 7 sec' ;; *) echo 'JobId=5 JobState=RUNNING' ;; esac\n")
+    script.chmod(0o755)
+    return bindir, log, go
+
+
+def test_job_clock_does_not_hold_up_the_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bindir, log, go = blocking_scontrol(tmp_path)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    got: list[JobClock] = []
+    reader = threading.Thread(target=lambda: got.append(JobClock.read("5")), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    returned = bool(got)
+    go.touch()  # unblock the fake scontrol in every case
+    assert returned, "JobClock.read waited for slurmctld: torchrun would start only after its answers"
+    assert got[0].kill_wait == 7.0  # the first use waits for the answer
+    assert "show config" in log.read_text()
+
+
+def test_one_node_rendezvous_needs_no_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bindir, log, go = blocking_scontrol(tmp_path)
+    go.touch()
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1")
+    assert rdzv_host(1) == "127.0.0.1"
+    assert not log.exists()
+    rdzv_host(2)  # several nodes: the first node's NodeAddr, from scontrol
+    assert "show node" in log.read_text()
+
+
+def test_one_node_runs_torchrun_through_the_fast_exit_agent(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("")
+    spec = JobSpec(script=tmp_path / "train.py", ckpt_dir=tmp_path / "ck")
+    one = torchrun_command(spec, nnodes=1, endpoint="127.0.0.1:1", rdzv_id="1")
+    two = torchrun_command(spec, nnodes=2, endpoint="h:1", rdzv_id="1")
+    assert one[1:3] == ["-m", "slurmresume.job.agent"]
+    assert two[1:3] == ["-m", "torch.distributed.run"]  # the first node's store serves the others' shutdown
+    assert one[3:5] == ["--nnodes=1", "--nproc-per-node=1"]  # torchrun's own arguments, unchanged
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_agent_skips_teardown_only_after_success(tmp_path: Path, code: int) -> None:
+    """An atexit handler in the agent process stands for the interpreter's teardown: skipped when
+    every worker succeeded, run (with torchrun's exit status 1) when one failed."""
+    script, marker = tmp_path / "w.py", tmp_path / "teardown-ran"
+    script.write_text(f"import sys\nsys.exit({code})\n")
+    boot = ("import atexit, runpy, sys\n"
+            f"atexit.register(lambda: open({str(marker)!r}, 'w').close())\n"
+            "sys.argv = ['agent', *sys.argv[1:]]\n"
+            "runpy.run_module('slurmresume.job.agent', run_name='__main__')\n")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    res = subprocess.run([sys.executable, "-c", boot, "--standalone", "--nnodes=1", "--nproc-per-node=1",
+                          "--max-restarts=0", str(script)], env=env, capture_output=True, text=True, timeout=300)
+    if code == 0:
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert not marker.exists()
+    else:
+        assert res.returncode == 1, res.stderr[-2000:]  # torchrun's own status for a failed worker group
+        assert marker.exists()
+        assert "ChildFailedError" in res.stderr
