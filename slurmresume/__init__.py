@@ -56,23 +56,27 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-if TYPE_CHECKING:  # static checkers see the real names
-    from .checkpoint.store import CheckpointInfo, find_latest, list_checkpoints
-    from .errors import (
-        CheckpointError,
-        ConfigError,
-        CorruptCheckpointError,
-        NoCheckpointError,
-        SaveError,
-        SlurmError,
-        SlurmResumeError,
-        UnsafeCheckpointError,
-    )
-    from .retention import RetentionPolicy, apply_policy
-    from .tools.compare import compare_checkpoints
-    from .train.checkpointer import Checkpointer
-    from .train.ddp import DDPBuckets
-    from .train.policy import SavePolicy
-    from .train.sampler import ResumableSampler
-    from .train.seeding import SeededDataset, sample_seed
-    from .train.signals import EXIT_PREEMPTED, EXIT_TERMINATED, ignore_in_worker
+if TYPE_CHECKING:  # static checkers see the real names, explicitly re-exported (`X as X`)
+    from .checkpoint.store import CheckpointInfo as CheckpointInfo
+    from .checkpoint.store import find_latest as find_latest
+    from .checkpoint.store import list_checkpoints as list_checkpoints
+    from .errors import CheckpointError as CheckpointError
+    from .errors import ConfigError as ConfigError
+    from .errors import CorruptCheckpointError as CorruptCheckpointError
+    from .errors import NoCheckpointError as NoCheckpointError
+    from .errors import SaveError as SaveError
+    from .errors import SlurmError as SlurmError
+    from .errors import SlurmResumeError as SlurmResumeError
+    from .errors import UnsafeCheckpointError as UnsafeCheckpointError
+    from .retention import RetentionPolicy as RetentionPolicy
+    from .retention import apply_policy as apply_policy
+    from .tools.compare import compare_checkpoints as compare_checkpoints
+    from .train.checkpointer import Checkpointer as Checkpointer
+    from .train.ddp import DDPBuckets as DDPBuckets
+    from .train.policy import SavePolicy as SavePolicy
+    from .train.sampler import ResumableSampler as ResumableSampler
+    from .train.seeding import SeededDataset as SeededDataset
+    from .train.seeding import sample_seed as sample_seed
+    from .train.signals import EXIT_PREEMPTED as EXIT_PREEMPTED
+    from .train.signals import EXIT_TERMINATED as EXIT_TERMINATED
+    from .train.signals import ignore_in_worker as ignore_in_worker

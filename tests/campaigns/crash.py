@@ -103,8 +103,8 @@ def save_world(root: Path, step: int, world: int) -> None:
 
     real = commit.prepare
 
-    def prepare(root: Path, step: int) -> dict[str, Any]:
-        decision: dict[str, Any] = real(root, step)
+    def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
+        decision: dict[str, Any] = real(root, step, replace=True) if replace else real(root, step)
         if decision["action"] == "error":
             raise SaveError(f"checkpoint save failed, nothing committed: {decision['error']}")
         return decision
@@ -133,7 +133,7 @@ def _make_old_partial(root: Path, step: int) -> None:
 class Scenario:
     name: str
     setup: Callable[[Path], None]
-    action: Callable[[Path], None]
+    action: Callable[[Path], object]
     committed: list[int]  # complete before the action
     new: int | None  # the step the action saves (None: a prune)
     keep: int | None = None  # retention keep N (None: nothing may be deleted)
@@ -205,6 +205,7 @@ def _data_ok(root: Path, step: int, world: int, verify: bool = False) -> str | N
     if info is None or info.step != step:
         return f"newest complete is {info and info.step}, expected {step}"
     want = dict(flatten(tiny_state(step), {})[1])
+    assert info.manifest is not None  # a complete checkpoint has its manifest
     for s in info.manifest.shards:
         tensors, _, _ = load_tensors(info.path, s["file"], s["bytes"])
         for name, t in want.items():

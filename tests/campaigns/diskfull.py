@@ -279,7 +279,7 @@ def _event_log_page(report: Report, root: Path, mnt: Path, events: bytes, extra:
     """Another job fills the disk between our commit (or our failed save) and the event-log
     append that follows it, while the log sits at a page boundary: the append gets a real ENOSPC.
     The save must still report what happened to the checkpoint (committed / SaveError)."""
-    import slurmresume.train.checkpointer as cp
+    import slurmresume.events as cp  # every event append of a save goes through events.append_event
     from slurmresume import Checkpointer
     from slurmresume.checkpoint.layout import step_dir_name
 

@@ -68,7 +68,7 @@ def _warn_action(sc: cc.Scenario) -> Any:
                           async_save=sc.name == "async", **kw)
         ck.step(new, tiny_state(new), metrics={"step": new})
         if sc.name == "async":  # the background error is handled at the next step
-            while ck._inflight is not None and ck._inflight.is_alive():
+            while ck._async.in_flight():
                 time.sleep(0.001)
             ck.step(new + 1, tiny_state(new + 1))
         ck.close()

@@ -37,6 +37,7 @@ def main(argv: list[str]) -> int:
                     rec: dict[str, Any] = {"step": info.step, "newest": info.step == newest,
                                            "how": "latest" if (n + me) % 2 else "list"}
                     try:
+                        assert info.manifest is not None  # find_latest returns complete ones only
                         for s in info.manifest.shards:
                             digest = hash_file(info.path, s["file"], s["bytes"])
                             if digest != s["xxh3"]:

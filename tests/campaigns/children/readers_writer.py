@@ -17,6 +17,7 @@ import torch  # noqa: E402
 from helpers.core import save_as_world, tiny_state  # noqa: E402
 
 from slurmresume import Checkpointer, RetentionPolicy  # noqa: E402
+from slurmresume.train.saving import apply_retention  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -30,7 +31,7 @@ def main(argv: list[str]) -> int:
         else:
             save_as_world(root, step, 3)
             if retain:
-                ck._apply_retention()
+                apply_retention(root, ck.retention)
         print(step, flush=True)
     return 0
 
