@@ -68,3 +68,28 @@ def test_export_bad_input(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["export", "latest", "--ckpt-dir", str(tmp_path / "nope")])
     assert r.exit_code == 1 and "does not exist" in r.output
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("strategy", ["direct", "direct-par", "buffered-wb", "buffered"])
+def test_export_is_bitwise_on_every_write_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               strategy: str) -> None:
+    """export reads each tensor into one reused buffer and feeds it to the writer. The buffered
+    paths queue views of the caller's memory for a writer thread, so a reused buffer could be
+    overwritten by the next read before its bytes were written: an exported model with the
+    wrong weights and no error. The calibration picks a buffered path wherever that disk favours
+    it (it did on 2026-12-04 here), so every path must export the same bytes."""
+    gen = torch.Generator().manual_seed(5)
+    # many small tensors (one read each) and one over two write chunks (several reads)
+    state = {f"t{i:03d}": torch.randn(4096 + i, generator=gen) for i in range(64)}
+    state["big"] = torch.randn((80 << 20) // 4, generator=gen)
+    ck = slurmresume.Checkpointer(tmp_path / "ck", handle_signals=False)
+    ck.save(1, {"model": state})
+    ck.close()
+    monkeypatch.setenv("SLURMRESUME_WRITER", strategy)
+    out = tmp_path / "m.safetensors"
+    res = CliRunner().invoke(app, ["export", "latest", "--ckpt-dir", str(tmp_path / "ck"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    got = load_file(str(out))
+    assert set(got) == set(state)
+    bad = [k for k, v in state.items() if not torch.equal(got[k], v)]
+    assert not bad, f"{strategy}: {len(bad)} tensors differ, e.g. {bad[:5]}"

@@ -132,13 +132,18 @@ class ShardSink:
 
     # -- producer side (caller's thread) ---------------------------------------------------
 
-    def feed(self, data: memoryview | bytes) -> None:
+    def feed(self, data: memoryview | bytes, *, reused: bool = False) -> None:
+        """Queue `data` for writing. The buffered paths write from the caller's memory in a
+        thread after feed() returns, so that memory must stay unchanged until finish(): a tensor
+        being saved does. A caller that refills one buffer (a read loop) passes `reused=True`,
+        and the buffered paths then queue a copy; the direct paths always copy into staging."""
         view = memoryview(data).cast("B")
         self.total += len(view)
         if not self.direct:
             self._raise_if_failed()
             for start in range(0, len(view), CHUNK):
-                self.q.put(view[start : start + CHUNK])  # a view: the caller keeps the tensor alive
+                part = view[start : start + CHUNK]
+                self.q.put(bytes(part) if reused else part)  # at most QUEUED copies wait at once
             self.hasher.update(view)
             return
         src = np.frombuffer(view, dtype=np.uint8) if len(view) else np.empty(0, np.uint8)

@@ -116,7 +116,7 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
             pos = start + begin
             while pos < start + end:
                 n = os.preadv(fds[where[name]], [memoryview(buf)[: min(CHUNK, start + end - pos)]], pos)
-                sink.feed(memoryview(buf)[:n])
+                sink.feed(memoryview(buf)[:n], reused=True)
                 pos += n
         sink.finish()
         fsio.rename(tmp, out, "export")
@@ -145,7 +145,7 @@ def _feed_global(sink: ShardSink, files: ShardFiles, tensor: Sharded, buf: bytea
                 n = os.preadv(fd, [memoryview(buf)[: min(CHUNK, end - pos)]], pos)
                 if n <= 0:
                     raise CorruptCheckpointError(f"shard {path} ended early while reading")
-                sink.feed(memoryview(buf)[:n])
+                sink.feed(memoryview(buf)[:n], reused=True)
                 pos += n
         return
     import torch
