@@ -161,7 +161,8 @@ def one_round(report: Report, work: Path, rng: random.Random, rnd: int) -> None:
         from helpers.core import tiny_state
 
         state = {**tiny_state(0), "big": torch.zeros(1 << 20)}
-        got = Checkpointer(root, handle_signals=False).restore(state, verify=True)
+        with Checkpointer(root, handle_signals=False) as ck:  # closed: an open one keeps its lease beating into root
+            got = ck.restore(state, verify=True)
         report.check(got == ok[-1] and torch.equal(state["big"], torch.full((1 << 20,), float(got))), trial,
                      f"restore gave {got}, expected {ok[-1]} with its data")
     shutil.rmtree(base, ignore_errors=True)

@@ -70,7 +70,8 @@ def _restore(root: Path, verify: bool) -> tuple[int | None, dict[str, Any], Base
     state = _state(987654)
     with LogCapture() as logs:
         try:
-            step = Checkpointer(root, handle_signals=False).restore(state, verify=verify)
+            with Checkpointer(root, handle_signals=False) as ck:  # closed: an open one keeps its lease beating into root
+                step = ck.restore(state, verify=verify)
         except BaseException as exc:  # noqa: BLE001
             return None, state, exc, list(logs.messages)
     return step, state, None, list(logs.messages)

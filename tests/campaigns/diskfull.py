@@ -166,7 +166,8 @@ def _guarantees(report: Report, trial: str, root: Path, exc: BaseException | Non
     info = inspect_dir(1, root / step_dir_name(1), verify=True)
     report.check(info.complete and info.verified is True, trial, f"step 1 damaged: {info.problem}")
     state = _state(987654, extra)
-    step = Checkpointer(root, handle_signals=False).restore(state)
+    with Checkpointer(root, handle_signals=False) as ck:  # closed: an open one keeps its lease beating into root
+        step = ck.restore(state)
     report.check(step == 1 and model_equal(state["model"], tiny_model(1)) and torch_equal(state["big"], 1, extra),
                  trial, f"restore gave step {step} / wrong data")
 
@@ -301,9 +302,11 @@ def _event_log_page(report: Report, root: Path, mnt: Path, events: bytes, extra:
         cp.append_event = filled_first
         try:
             if outcome == "committed":
-                Checkpointer(root, handle_signals=False).save(2, _state(2, extra))
+                with Checkpointer(root, handle_signals=False) as ck:  # closed: an open one keeps its lease beating into root
+                    ck.save(2, _state(2, extra))
             else:  # a periodic save in warn mode: training must go on
-                Checkpointer(root, handle_signals=False, save_every=1, on_save_error="warn").step(2, _state(2, extra))
+                with Checkpointer(root, handle_signals=False, save_every=1, on_save_error="warn") as ck:  # closed: an open one keeps its lease beating into root
+                    ck.step(2, _state(2, extra))
             exc: BaseException | None = None
         except BaseException as e:  # noqa: BLE001
             exc = e

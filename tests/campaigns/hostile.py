@@ -133,7 +133,8 @@ def _battery(root: Path, step2: Path, scratch: Path) -> dict[str, Any]:
         state = tiny_state(987654)
         with LogCapture() as logs:
             try:
-                got = Checkpointer(root, handle_signals=False).restore(state, verify=verify)
+                with Checkpointer(root, handle_signals=False) as ck:  # closed: an open one keeps its lease beating into root
+                    got = ck.restore(state, verify=verify)
                 r[f"restore_{verify}"] = got
                 want = tiny_state(got) if got else tiny_state(987654)
                 r[f"data_ok_{verify}"] = bool(model_equal(state["model"], tiny_model(got if got else 987654))
