@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -44,11 +44,9 @@ def run_python() -> Callable[..., object]:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n N --dist loadgroup`, what scripts/test uses): every test on the
-    real Slurm cluster joins one group, so they run one after another on one worker (they share
-    one node, and a preemption test needs all of its CPUs), and that group is collected first, so
-    its long serial chain starts while the other workers take everything else (xdist hands out
-the biggest group first, then single tests in this order).
+    """Under pytest-xdist (`-n N --dist loadgroup`, what scripts/test uses): the tests on the real
+    Slurm cluster form two groups (each runs one test after another on one worker), collected
+    first, so their serial chains start while the other workers take everything else.
 
     Tests marked `exhaustive` (the remaining points of a matrix such as start method x worker
     persistence, whose every value another test covers) run only with SLURMRESUME_EXHAUSTIVE=1
@@ -58,13 +56,35 @@ the biggest group first, then single tests in this order).
         if extra:  # the rest of a matrix whose every value another test already covers
             config.hook.pytest_deselected(items=extra)
             items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
-    slurm = [item for item in items if item.get_closest_marker("slurm")]
-    for item in slurm:
-        item.add_marker(pytest.mark.xdist_group("slurm"))
     # The longest first (tests/durations.json, from a recorded run: scripts/durations.py): each
     # worker holds at most ~3 tests ahead, so a long test is never the last one left running
     # while the other workers are idle. Unlisted (short) tests keep their collection order.
     order = json.loads((TESTS / "durations.json").read_text()) if (TESTS / "durations.json").exists() else {}
+    slurm = sorted((item for item in items if item.get_closest_marker("slurm")),
+                   key=lambda item: -order.get(item.nodeid, 0))
+    # Two chains of real-Slurm tests, balanced by recorded duration (longest first, each to the
+    # shorter chain): they share the cluster (helpers/cluster_lock.py), so neither chain's
+    # waiting on Slurm (requeues, time limits) bounds the whole run alone.
+    chains = [0.0] * SLURM_CHAINS
+    for item in slurm:
+        i = chains.index(min(chains))
+        chains[i] += order.get(item.nodeid, 30.0)
+        item.add_marker(pytest.mark.xdist_group(f"slurm{i}"))
     rest = sorted((item for item in items if not item.get_closest_marker("slurm")),
                   key=lambda item: -order.get(item.nodeid, 0))
     items[:] = slurm + rest
+
+
+SLURM_CHAINS = 2
+
+
+@pytest.fixture(autouse=True)
+def _cluster_share(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A real-Slurm test holds the cluster shared, or alone with `@pytest.mark.slurm_exclusive`."""
+    if request.node.get_closest_marker("slurm") is None:
+        yield
+        return
+    from helpers.cluster_lock import cluster_lock
+
+    with cluster_lock(exclusive=request.node.get_closest_marker("slurm_exclusive") is not None):
+        yield

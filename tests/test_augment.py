@@ -118,12 +118,13 @@ def drill(tmp_path: Path, *script_args: str, nproc: int = 1) -> dict:
     return verdict
 
 
-# Every start method and both worker lifetimes are covered by three of the six points (fork and
-# spawn persistent, forkserver fresh); the other three run with `bash scripts/test --exhaustive`.
+# Every start method and both worker lifetimes are covered by two of the six points (spawn
+# persistent, forkserver fresh) and the two-rank drill below (fork persistent); the other four
+# run with `bash scripts/test --exhaustive`.
 @pytest.mark.slow
 @pytest.mark.parametrize(("persistent", "start_method"), [
     pytest.param(False, "fork", id="fresh-workers-fork", marks=pytest.mark.exhaustive),
-    pytest.param(True, "fork", id="persistent-workers-fork"),
+    pytest.param(True, "fork", id="persistent-workers-fork", marks=pytest.mark.exhaustive),
     pytest.param(True, "spawn", id="persistent-workers-spawn"),
     pytest.param(False, "forkserver", id="fresh-workers-forkserver"),
     pytest.param(False, "spawn", id="fresh-workers-spawn", marks=pytest.mark.exhaustive),

@@ -23,6 +23,10 @@ from slurmresume.checkpoint.layout import INPROGRESS, MANIFEST, MARKER, saving_d
 from slurmresume.checkpoint.store import find_latest, inspect_dir, list_checkpoints
 from slurmresume.retention import RetentionPolicy, execute
 
+# One worker runs this module, so that its module-scoped fixture (a multi-process run) is
+# computed once: under xdist each worker that got one of its tests computed it again.
+pytestmark = pytest.mark.xdist_group("core_crash")
+
 # Every label a save crosses before (and including) the rename that publishes it, in order.
 KILL_LABELS = [
     "write.inprogress", "fsync.inprogress", "rename.inprogress", "fsyncdir.inprogress",

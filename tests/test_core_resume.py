@@ -20,6 +20,10 @@ from slurmresume.checkpoint.manifest import read_manifest
 from slurmresume.checkpoint.store import inspect_dir, list_checkpoints
 from slurmresume.tools.compare import compare_checkpoints
 
+# One worker runs this module, so that its module-scoped fixture (a multi-process run) is
+# computed once: under xdist each worker that got one of its tests computed it again.
+pytestmark = pytest.mark.xdist_group("core_resume")
+
 
 def _resume_pair(tmp: Path, steps: int, every: int, resume_at: int, nproc: int, *extra: str) -> dict:
     a, b = tmp / "A", tmp / "B"

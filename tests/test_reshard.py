@@ -27,6 +27,10 @@ from slurmresume.checkpoint.sharding import Piece, Sharded, cover, runs
 from slurmresume.cli import app
 from slurmresume.errors import CorruptCheckpointError
 
+# One worker runs this module, so that its module-scoped fixture (a multi-process run) is
+# computed once: under xdist each worker that got one of its tests computed it again.
+pytestmark = pytest.mark.xdist_group("reshard")
+
 WORKER = HELPERS / "reshard_train.py"
 STEP = "step_000000003"
 

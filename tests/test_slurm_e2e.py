@@ -184,6 +184,7 @@ def test_max_requeues_stops_after_one(cluster: None, tmp_path: Path) -> None:
     assert count(root, "exit_after_save") == 2  # the second warning still saved its step
 
 
+@pytest.mark.slurm_exclusive  # the whole node: the high job would preempt other tests' jobs too
 def test_real_preemption_by_high_partition(cluster: None, tmp_path: Path) -> None:
     root = tmp_path / "run"
     job = submit(root, "--partition", "low", "--sbatch", "exclusive", "--time", "10",

@@ -51,6 +51,7 @@ def _squeue_ids() -> set[str]:
     return set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
 
 
+@pytest.mark.slurm_exclusive  # it asserts that nothing else entered squeue
 def test_resubmission_on_a_live_root_is_refused_and_takeover_after_it_ended(cluster: None, tmp_path: Path) -> None:
     root = tmp_path / "run"
     job = submit(root, "--time", "10", script_args=("3000", "0.1", "0"))

@@ -20,18 +20,24 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def two_nodes(cluster: None):
-    up = subprocess.run(["bash", str(REPO / "scripts" / "cluster.sh"), "up", "--nodes", "2"],
-                        capture_output=True, text=True)
-    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-    yield
-    back = subprocess.run(["bash", str(REPO / "scripts" / "cluster.sh"), "up", "--nodes", "1"],
-                          capture_output=True, text=True)
-    assert back.returncode == 0, back.stdout[-3000:]
+    """The cluster to itself (restarting the daemons kills every other test's job) from the
+    switch to two nodes until it is back to one."""
+    from helpers.cluster_lock import cluster_lock
+
+    with cluster_lock(exclusive=True):
+        up = subprocess.run(["bash", str(REPO / "scripts" / "cluster.sh"), "up", "--nodes", "2"],
+                            capture_output=True, text=True)
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        yield
+        back = subprocess.run(["bash", str(REPO / "scripts" / "cluster.sh"), "up", "--nodes", "1"],
+                              capture_output=True, text=True)
+        assert back.returncode == 0, back.stdout[-3000:]
 
 
 from .test_slurm_e2e import cluster  # noqa: E402,F401  (the module fixture above depends on it)
 
 
+@pytest.mark.slurm_exclusive
 def test_two_nodes_preempt_once(two_nodes: None, tmp_path: Path) -> None:
     root = tmp_path / "run"
     job = submit(root, "--nodes", "2", "--nproc-per-node", "1", "--time", "10", script_args=("60", "0.1", "0"))
