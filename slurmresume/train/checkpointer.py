@@ -25,9 +25,7 @@ from typing import Any
 
 from .. import IMPORTED_AT
 from ..checkpoint.collective import Group
-from ..checkpoint.jsonenc import encode
 from ..checkpoint.layout import step_dir_name
-from ..checkpoint.state import flatten
 from ..checkpoint.store import CheckpointInfo, inspect_dir
 from ..contract import (
     ENV_ALLOW_FRESH_START,
@@ -37,7 +35,6 @@ from ..contract import (
 )
 from ..errors import ConfigError, SaveError
 from ..events import process_started_at, try_append_event
-from . import rng
 from .asyncsave import AsyncWriter
 from .emergency import emergency_save, exit_now
 from .heartbeat import (
@@ -54,14 +51,7 @@ from .logs import ensure_handler
 from .options import check_options
 from .restoring import Request, restore_collective
 from .roots import ENV_ROOT, claim_root, resolve_root, warn_if_not_launchers_root  # noqa: F401 - ENV_ROOT re-exported
-from .saving import (
-    EMERGENCY_REASONS,
-    Payload,
-    apply_retention,
-    raise_if_failed,
-    record,
-    save_collective,
-)
+from .saving import Payload, after_commit, payload_of, save_and_record, tolerated
 from .signals import NONE, PREEMPT, install_flag
 from .verdict import StepBoundary, drill_first_save_from_env, drill_step_from_env, exit_code
 
@@ -127,7 +117,6 @@ class Checkpointer:
 
         self._sched = scheduler_for(save_policy, save_every, self.root)
         self.save_policy = self._sched.policy
-        self._blocking_s: float | None = None
         self._closed = False
         # gloo groups still alive at interpreter teardown can abort the process ("terminate
         # called without an active exception") after a successful run; release ours at exit
@@ -178,8 +167,7 @@ class Checkpointer:
             self.wait()
             started = time.perf_counter()
             payload = self._prepare_payload(step, state, metrics, meta)
-            self._blocking_s = None  # a synchronous save blocks for all of it
-            return self._save_now(step, payload, reason, started)
+            return self._save_now(step, payload, reason, started, None)  # blocking for all of it
 
     def save_async(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
                    reason: str = "async") -> bool:
@@ -194,7 +182,7 @@ class Checkpointer:
             started = time.perf_counter()
             payload = self._prepare_payload(step, state, metrics, meta)
             copies, ready = self._async.snapshot(payload.tensors)
-        self._blocking_s = time.perf_counter() - started  # what training paid (Young/Daly's C)
+        blocking_s = time.perf_counter() - started  # what training paid (Young/Daly's C)
         # The step is taken care of from now on: the policy must not call it (or the next steps,
         # by the clock) due again while the write runs, or each timed save is written twice and
         # the second one waits for the first.
@@ -203,7 +191,7 @@ class Checkpointer:
 
         def write() -> None:
             ready()
-            self._save_now(step, snapshot, reason, started)
+            self._save_now(step, snapshot, reason, started, blocking_s)
 
         self._async.start(step, write)
         return True
@@ -213,32 +201,20 @@ class Checkpointer:
         self._async.wait()
 
     def _prepare_payload(self, step: int, state: Mapping[str, Any], metrics: Any, meta: Any) -> Payload:
-        self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step must be a non-negative integer, got {step!r}")
-        skeleton, tensors = flatten(state, {"rng": rng.capture()})
-        return Payload(skeleton, tensors, encode(metrics), encode(meta))
+        self._check_open()  # a seam: tests/helpers/train_forgets_scheduler.py wraps this method
+        return payload_of(step, state, metrics, meta)
 
-    def _save_now(self, step: int, payload: Payload, reason: str, started: float) -> Path | None:
-        """Collective: the save sequence (saving.py), then this process's bookkeeping: the log
-        line and event (rank 0), the save policy, retention (rank 0) and the mirror upload."""
-        result = save_collective(self.group, self.root, step, payload, replace_if_changed=reason == "explicit",
-                                 emergency=reason in EMERGENCY_REASONS)
-        if result.skipped:
-            self.last_saved_step = step
-            return None
-        seconds = time.perf_counter() - started
-        if self.rank == 0:
-            record(self.root, result, step, reason, seconds, world_size=self.group.world_size,
-                   blocking_s=self._blocking_s, interval_s=self._sched.interval_s)
-        raise_if_failed(result)
+    def _save_now(self, step: int, payload: Payload, reason: str, started: float,
+                  blocking_s: float | None) -> Path | None:
+        """Collective, on the training thread or the writer thread: the save and its record
+        (`saving.save_and_record`), then this rank's bookkeeping, in this order."""
+        cost = save_and_record(self.group, self.root, step, payload, reason, started, blocking_s, self._sched)
         self.last_saved_step = step
+        if cost is None:  # already committed with this very state
+            return None
         self._boundary.saved()
-        self._sched.saved(step, self._blocking_s if self._blocking_s is not None else seconds)
-        if self.rank == 0 and self.retention is not None and reason not in EMERGENCY_REASONS:
-            apply_retention(self.root, self.retention)
-        if self.mirror is not None:  # rank 0: background upload, marker last
-            self.mirror.enqueue(self.root, step)
+        self._sched.saved(step, cost)
+        after_commit(self.root, self.rank, step, reason, self.retention, self.mirror)
         return self.root / step_dir_name(step)
 
     # -- the per-step hook ----------------------------------------------------------------
@@ -259,33 +235,21 @@ class Checkpointer:
         verdict = self._boundary.decide(step, self._sched.trigger(step, epoch_end=epoch_end))
         if verdict.emergency:
             return self._emergency(step, state, verdict.signal, metrics, meta)
-        self._check_async_error()
+        if self._async.failed():  # the background save's error surfaces here, on the training thread
+            with tolerated(self.on_save_error, self._sched):
+                self.wait()
         if self._first_save:
             self._first_save = False
             if step != self.last_saved_step:
                 self.save(step, state, metrics=metrics, meta=meta, reason="drill_first")
                 return False
-        if verdict.save is not None:
-            self._periodic(step, state, metrics, meta, verdict.save)
+        if verdict.save is not None and step != self.last_saved_step:
+            with tolerated(self.on_save_error, self._sched):
+                if self.async_save:
+                    self.save_async(step, state, metrics=metrics, meta=meta, reason="periodic")
+                else:
+                    self.save(step, state, metrics=metrics, meta=meta, reason="periodic")
         return False
-
-    def _periodic(self, step: int, state: Mapping[str, Any], metrics: Any, meta: Any, why: str) -> None:
-        if step == self.last_saved_step:
-            return
-        try:
-            if self.async_save:
-                self.save_async(step, state, metrics=metrics, meta=meta, reason="periodic")
-            else:
-                self.save(step, state, metrics=metrics, meta=meta, reason="periodic")
-        except SaveError as exc:
-            self._tolerate(exc)
-
-    def _tolerate(self, exc: SaveError) -> None:
-        """A failed periodic save: raised with on_save_error="raise", else logged; training goes on."""
-        if self.on_save_error == "raise":
-            raise exc
-        self._sched.failed()
-        log.warning("%s; training continues without this checkpoint", exc)
 
     def _release_at_exit(self) -> None:
         """atexit: the script ended without close(). An async save still in flight is finished
@@ -322,13 +286,6 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this Checkpointer is closed: create a new one to save or restore")
-
-    def _check_async_error(self) -> None:
-        if self._async.failed():
-            try:
-                self.wait()
-            except SaveError as exc:
-                self._tolerate(exc)
 
     def _emergency(self, step: int, state: Mapping[str, Any], signal: int, metrics: Any, meta: Any) -> bool:
         """Every rank, on an emergency verdict: save the agreed step (rank 0 records the run's
