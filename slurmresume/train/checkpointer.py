@@ -16,10 +16,8 @@ import atexit
 import contextlib
 import logging
 import os
-import sys
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,6 @@ from ..contract import (
     ENV_ALLOW_FRESH_START,
     ENV_LAUNCHER_PID,
     ENV_RUN_ID,
-    EXIT_SAVE_FAILED,
 )
 from ..errors import ConfigError, SaveError
 from ..events import process_started_at, try_append_event
@@ -124,7 +121,6 @@ class Checkpointer:
         atexit.register(self._release_at_exit)
         self.async_save = async_save
         self.async_overlap = async_overlap
-        self._async = AsyncWriter()
         self.group = Group.create()
         try:  # one owner per root: refused here, before anything is written
             self._lease_key = claim_root(self.group, self.root)
@@ -139,6 +135,7 @@ class Checkpointer:
         ensure_handler()  # the training log shows restored / warning / saved lines without setup
         # the launcher's hang watch (heartbeat.py): one pwrite per step(); None when run bare
         self._beat = beat_from_env(self.group.rank)
+        self._async = AsyncWriter(self._beat, self._sched)
         self._drill_hang = drill_hang_step(self.group.rank)
         self._first_save = drill_first_save_from_env()
         warn_if_not_launchers_root(root, self.root, self.rank)
@@ -173,28 +170,11 @@ class Checkpointer:
                    reason: str = "async") -> bool:
         """Collective. Snapshot now, write + commit in the background. Returns False when skipped
         (`async_overlap="skip"` and a save is in flight)."""
-        if self._async.in_flight() and self.async_overlap == "skip":
-            log.info("step %d: previous async save still in flight, skipping this one", step)
-            return False
-        # waiting for the previous write and taking the snapshot are save time, not step time
-        with phase(self._beat, SAVE):
-            self.wait()
-            started = time.perf_counter()
-            payload = self._prepare_payload(step, state, metrics, meta)
-            copies, ready = self._async.snapshot(payload.tensors)
-        blocking_s = time.perf_counter() - started  # what training paid (Young/Daly's C)
-        # The step is taken care of from now on: the policy must not call it (or the next steps,
-        # by the clock) due again while the write runs, or each timed save is written twice and
-        # the second one waits for the first.
-        self._sched.started(step)
-        snapshot = replace(payload, tensors=copies)
-
-        def write() -> None:
-            ready()
+        def write(snapshot: Payload, started: float, blocking_s: float) -> None:  # on the writer thread
             self._save_now(step, snapshot, reason, started, blocking_s)
 
-        self._async.start(step, write)
-        return True
+        return self._async.save(step, self.async_overlap, lambda: self._prepare_payload(step, state, metrics, meta),
+                                write)
 
     def wait(self) -> None:
         """Block until the in-flight async save (if any) has committed; re-raise its error here."""
@@ -252,22 +232,11 @@ class Checkpointer:
         return False
 
     def _release_at_exit(self) -> None:
-        """atexit: the script ended without close(). An async save still in flight is finished
-        here (its thread is a daemon, which the interpreter would otherwise freeze mid-write);
-        if it failed and on_save_error is "raise", the process exits with EXIT_SAVE_FAILED and
-        one line on stderr instead of 0. Local only: the writer's collectives pair up with the
-        other ranks' writers, which finish the same way."""
+        """atexit: the script ended without close(). Finish an async save in flight, which may
+        exit the process (`AsyncWriter.finish_at_exit`), then release. Local only."""
         if self._closed:
             return
-        if self._async.in_flight():
-            log.warning("the script ended while an async save was in flight (no ckpt.close()): finishing it")
-        exc = self._async.finish()
-        if exc is not None and self.on_save_error == "raise":
-            print(f"slurmresume: the last async save failed and the script ended without ckpt.close(): {exc}",
-                  file=sys.stderr, flush=True)
-            exit_now(EXIT_SAVE_FAILED)
-        if exc is not None:
-            log.warning("the last async save failed: %s", exc)
+        self._async.finish_at_exit(self.on_save_error)
         self._closed = True
         self._teardown()
 
