@@ -27,13 +27,12 @@ from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo, inspect_dir
 from ..contract import (
     ENV_ALLOW_FRESH_START,
-    ENV_LAUNCHER_PID,
     ENV_RUN_ID,
 )
-from ..errors import ConfigError, SaveError
+from ..errors import ConfigError
 from ..events import process_started_at, try_append_event
 from .asyncsave import AsyncWriter
-from .emergency import emergency_save, exit_now
+from .emergency import save_and_exit
 from .heartbeat import (
     BUSY,
     DONE,
@@ -49,8 +48,8 @@ from .options import check_options
 from .restoring import Request, restore_collective
 from .roots import ENV_ROOT, claim_root, resolve_root, warn_if_not_launchers_root  # noqa: F401 - ENV_ROOT re-exported
 from .saving import Payload, after_commit, payload_of, save_and_record, tolerated
-from .signals import NONE, PREEMPT, install_flag
-from .verdict import StepBoundary, drill_first_save_from_env, drill_step_from_env, exit_code
+from .signals import install_flag
+from .verdict import StepBoundary, drill_first_save_from_env, drill_step_from_env
 
 log = logging.getLogger("slurmresume")
 
@@ -214,7 +213,7 @@ class Checkpointer:
             self._beat.beat_step(step)
         verdict = self._boundary.decide(step, self._sched.trigger(step, epoch_end=epoch_end))
         if verdict.emergency:
-            return self._emergency(step, state, verdict.signal, metrics, meta)
+            return save_and_exit(self, step, state, verdict.signal, metrics, meta)
         if self._async.failed():  # the background save's error surfaces here, on the training thread
             with tolerated(self.on_save_error, self._sched):
                 self.wait()
@@ -255,26 +254,6 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this Checkpointer is closed: create a new one to save or restore")
-
-    def _emergency(self, step: int, state: Mapping[str, Any], signal: int, metrics: Any, meta: Any) -> bool:
-        """Every rank, on an emergency verdict: save the agreed step (rank 0 records the run's
-        outcome, `emergency.emergency_save`), then exit (verdict.exit_code), or return True when
-        `exit_on_signal=False`. A failed save exits EXIT_SAVE_FAILED; the launcher then resumes
-        from the newest complete checkpoint."""
-        error, recorded = emergency_save(self, step, state, "preempt" if signal == PREEMPT else "terminate",
-                                         metrics, meta)
-        if not self.exit_on_signal:
-            if error:
-                raise SaveError(f"the emergency save of step {step} failed: {error}")
-            if self.flag is not None:
-                self.flag.request = NONE
-            return True
-        self.mirror = None  # exit now: this step's upload is finished by the next run (Mirror.start)
-        try:
-            self.close()
-        except Exception as exc:  # noqa: BLE001 - exiting anyway; the record says what happened
-            log.warning("close after the emergency save failed: %s", exc)
-        exit_now(exit_code(signal, bool(error), bool(os.environ.get(ENV_LAUNCHER_PID)), recorded))
 
     # -- restoring ------------------------------------------------------------------------
 
