@@ -21,16 +21,11 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from .. import IMPORTED_AT
 from ..checkpoint.collective import Group
 from ..checkpoint.layout import step_dir_name
-from ..checkpoint.store import CheckpointInfo, inspect_dir
-from ..contract import (
-    ENV_ALLOW_FRESH_START,
-    ENV_RUN_ID,
-)
+from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError
-from ..events import process_started_at, try_append_event
+from ..events import try_append_event
 from .asyncsave import AsyncWriter
 from .emergency import save_and_exit
 from .heartbeat import (
@@ -45,7 +40,7 @@ from .heartbeat import (
 )
 from .logs import ensure_handler
 from .options import check_options
-from .restoring import Request, restore_collective
+from .restoring import Request, restore_and_record
 from .roots import ENV_ROOT, claim_root, resolve_root, warn_if_not_launchers_root  # noqa: F401 - ENV_ROOT re-exported
 from .saving import Payload, after_commit, payload_of, save_and_record, tolerated
 from .signals import install_flag
@@ -271,7 +266,16 @@ class Checkpointer:
         `allow_fresh_start=True` (default: $SLURMRESUME_ALLOW_FRESH_START == "1")."""
         self._check_open()
         with phase(self._beat, RESTORE):
-            return self._restore(state, step, verify, restore_rng, strict, allow_fresh_start)
+            req = Request.of(step, self.verify_on_restore if verify is None else verify, restore_rng, strict,
+                             allow_fresh_start)
+            info = restore_and_record(self.group, self.root, state, req, self.mirror, created_at=self._created_at)
+            if info is None:
+                return 0
+            self.restored, self.last_saved_step = info, info.step
+            self._first_save = False  # a resumed run: its first step is not the run's first
+            self._sched.restored(info.step)
+            self._boundary.restored(info.step)
+            return info.step
 
     @contextlib.contextmanager
     def busy(self, what: str = "busy") -> Iterator[None]:
@@ -280,34 +284,6 @@ class Checkpointer:
         `with ckpt.busy("eval"): evaluate()`. No-op when run without the launcher."""
         with phase(self._beat, BUSY):
             yield
-
-    def _restore(self, state: MutableMapping[str, Any], step: int | None, verify: bool | None, restore_rng: bool,
-                 strict: bool, allow_fresh_start: bool | None) -> int:
-        started = time.perf_counter()
-        restore_began = time.time()
-        if allow_fresh_start is None:
-            allow_fresh_start = os.environ.get(ENV_ALLOW_FRESH_START) == "1"
-        req = Request(step, self.verify_on_restore if verify is None else verify, restore_rng, strict,
-                      allow_fresh_start)
-        choice = restore_collective(self.group, self.root, state, req, self.mirror)
-        if choice is None:
-            if self.rank == 0:
-                log.info("fresh start: no complete checkpoint under %s", self.root)
-            return 0
-        self.last_saved_step = choice.step
-        self._first_save = False  # a resumed run: its first step is not the run's first
-        self._sched.restored(choice.step)
-        self._boundary.restored(choice.step)
-        self.restored = inspect_dir(choice.step, Path(choice.path))
-        if self.rank == 0:
-            log.info("restored from step %d (%s) in %.2f s", choice.step, choice.path, time.perf_counter() - started)
-            # with the start-up breakdown of this rank: the process's start, the end of the
-            # script's imports (slurmresume imported), the Checkpointer's creation, the restore
-            try_append_event(self.root, "restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID),
-                             process_started_at=process_started_at(), imported_at=IMPORTED_AT,
-                             created_at=self._created_at, restore_began_at=restore_began,
-                             restore_s=round(time.time() - restore_began, 4))
-        return choice.step
 
     def close(self) -> None:
         """Wait for an in-flight async save, restore the previous signal handlers, release the
