@@ -14,39 +14,23 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.collective import Group
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError
-from ..events import try_append_event
-from .asyncsave import AsyncWriter
 from .emergency import save_and_exit
-from .heartbeat import (
-    BUSY,
-    DONE,
-    RESTORE,
-    SAVE,
-    beat_from_env,
-    drill_hang_here,
-    drill_hang_step,
-    phase,
-)
-from .logs import ensure_handler
+from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, phase
 from .options import check_options
 from .restoring import Request, restore_and_record
-from .roots import ENV_ROOT, claim_root, resolve_root, warn_if_not_launchers_root  # noqa: F401 - ENV_ROOT re-exported
+from .roots import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
+from .roots import resolve_root
 from .saving import Payload, after_commit, payload_of, save_and_record, tolerated
-from .signals import install_flag
-from .verdict import StepBoundary, drill_first_save_from_env, drill_step_from_env
-
-log = logging.getLogger("slurmresume")
+from .wiring import wire
 
 
 class Checkpointer:
@@ -101,41 +85,22 @@ class Checkpointer:
         self.exit_on_signal = exit_on_signal
         self.retention = retention
         self.on_save_error = on_save_error
-        from ..mirror.hook import mirror_for
-
-        self.mirror = mirror_for(mirror, rank=-1)  # validates the URL (ConfigError) before any setup
-        from .policy import scheduler_for
-
-        self._sched = scheduler_for(save_policy, save_every, self.root)
-        self.save_policy = self._sched.policy
-        self._closed = False
+        self.async_save = async_save
+        self.async_overlap = async_overlap
+        self.last_saved_step: int | None = None
+        self.restored: CheckpointInfo | None = None
         # gloo groups still alive at interpreter teardown can abort the process ("terminate
         # called without an active exception") after a successful run; release ours at exit
         # even when the script forgets close(). Local only: no collective runs at exit.
+        self._closed = True  # until wired: nothing to finish or release at exit
         atexit.register(self._release_at_exit)
-        self.async_save = async_save
-        self.async_overlap = async_overlap
-        self.group = Group.create()
-        try:  # one owner per root: refused here, before anything is written
-            self._lease_key = claim_root(self.group, self.root)
-        except BaseException:
-            self._closed = True
-            self.group.destroy()
-            raise
-        self.agree_group = Group.create()
-        self.mirror = mirror_for(mirror, rank=self.group.rank, retention=retention, on_event=lambda name, **f: try_append_event(self.root, name, **f))
-        self.last_saved_step: int | None = None
-        self.restored: CheckpointInfo | None = None
-        ensure_handler()  # the training log shows restored / warning / saved lines without setup
-        # the launcher's hang watch (heartbeat.py): one pwrite per step(); None when run bare
-        self._beat = beat_from_env(self.group.rank)
-        self._async = AsyncWriter(self._beat, self._sched)
-        self._drill_hang = drill_hang_step(self.group.rank)
-        self._first_save = drill_first_save_from_env()
-        warn_if_not_launchers_root(root, self.root, self.rank)
-        self.flag = install_flag(handle_signals)
-        # the warning flag, drill injection and time-based saves, agreed on at each step()
-        self._boundary = StepBoundary(self.agree_group, self.flag, drill_step_from_env())
+        w = self._wiring = wire(self.root, root, save_every=save_every, save_policy=save_policy, retention=retention,
+                                mirror=mirror, handle_signals=handle_signals)
+        self._closed = False
+        self.group, self.agree_group, self.flag, self.mirror = w.group, w.agree_group, w.flag, w.mirror
+        self.save_policy = w.sched.policy
+        self._sched, self._async, self._beat, self._boundary = w.sched, w.writer, w.beat, w.boundary
+        self._drill_hang, self._first_save = w.drill_hang, w.drill_first_save
 
     @property
     def rank(self) -> int:
@@ -232,19 +197,7 @@ class Checkpointer:
             return
         self._async.finish_at_exit(self.on_save_error)
         self._closed = True
-        self._teardown()
-
-    def _teardown(self) -> None:
-        """Local, after the last collective: the previous signal handlers back, the side process
-        groups gone, and the root's lease freed if this was the process's last Checkpointer on it."""
-        from ..ownership import unclaim
-
-        if self.flag is not None:
-            self.flag.uninstall()
-        for g in (self.agree_group, self.group):
-            g.destroy()
-        key, self._lease_key = self._lease_key, None
-        unclaim(key)
+        self._wiring.release()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -300,7 +253,7 @@ class Checkpointer:
             if self.mirror is not None:
                 self.mirror.close()  # the final step reaches the bucket before the run ends
         finally:
-            self._teardown()
+            self._wiring.release()
 
     def __enter__(self) -> Checkpointer:
         return self
