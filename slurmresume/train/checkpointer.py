@@ -14,58 +14,23 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
-import sys
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .. import IMPORTED_AT
-from ..checkpoint.collective import Group
-from ..checkpoint.jsonenc import encode
 from ..checkpoint.layout import step_dir_name
-from ..checkpoint.state import flatten
-from ..checkpoint.store import CheckpointInfo, inspect_dir
-from ..contract import (
-    ENV_ALLOW_FRESH_START,
-    ENV_LAUNCHER_PID,
-    ENV_RUN_ID,
-    EXIT_SAVE_FAILED,
-)
-from ..errors import ConfigError, SaveError
-from ..events import process_started_at, try_append_event
-from . import rng
-from .asyncsave import AsyncWriter
-from .emergency import emergency_save, exit_now
-from .heartbeat import (
-    BUSY,
-    DONE,
-    RESTORE,
-    SAVE,
-    beat_from_env,
-    drill_hang_here,
-    drill_hang_step,
-    phase,
-)
-from .logs import ensure_handler
+from ..checkpoint.store import CheckpointInfo
+from ..errors import ConfigError
+from .emergency import save_and_exit
+from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, phase
 from .options import check_options
-from .restoring import Request, restore_collective
-from .roots import ENV_ROOT, claim_root, resolve_root, warn_if_not_launchers_root  # noqa: F401 - ENV_ROOT re-exported
-from .saving import (
-    EMERGENCY_REASONS,
-    Payload,
-    apply_retention,
-    raise_if_failed,
-    record,
-    save_collective,
-)
-from .signals import NONE, PREEMPT, install_flag
-from .verdict import StepBoundary, drill_first_save_from_env, drill_step_from_env, exit_code
-
-log = logging.getLogger("slurmresume")
+from .restoring import Request, restore_and_record
+from .roots import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
+from .roots import resolve_root
+from .saving import Payload, after_commit, payload_of, save_and_record, tolerated
+from .wiring import wire
 
 
 class Checkpointer:
@@ -120,42 +85,22 @@ class Checkpointer:
         self.exit_on_signal = exit_on_signal
         self.retention = retention
         self.on_save_error = on_save_error
-        from ..mirror.hook import mirror_for
-
-        self.mirror = mirror_for(mirror, rank=-1)  # validates the URL (ConfigError) before any setup
-        from .policy import scheduler_for
-
-        self._sched = scheduler_for(save_policy, save_every, self.root)
-        self.save_policy = self._sched.policy
-        self._blocking_s: float | None = None
-        self._closed = False
+        self.async_save = async_save
+        self.async_overlap = async_overlap
+        self.last_saved_step: int | None = None
+        self.restored: CheckpointInfo | None = None
         # gloo groups still alive at interpreter teardown can abort the process ("terminate
         # called without an active exception") after a successful run; release ours at exit
         # even when the script forgets close(). Local only: no collective runs at exit.
+        self._closed = True  # until wired: nothing to finish or release at exit
         atexit.register(self._release_at_exit)
-        self.async_save = async_save
-        self.async_overlap = async_overlap
-        self._async = AsyncWriter()
-        self.group = Group.create()
-        try:  # one owner per root: refused here, before anything is written
-            self._lease_key = claim_root(self.group, self.root)
-        except BaseException:
-            self._closed = True
-            self.group.destroy()
-            raise
-        self.agree_group = Group.create()
-        self.mirror = mirror_for(mirror, rank=self.group.rank, retention=retention, on_event=lambda name, **f: try_append_event(self.root, name, **f))
-        self.last_saved_step: int | None = None
-        self.restored: CheckpointInfo | None = None
-        ensure_handler()  # the training log shows restored / warning / saved lines without setup
-        # the launcher's hang watch (heartbeat.py): one pwrite per step(); None when run bare
-        self._beat = beat_from_env(self.group.rank)
-        self._drill_hang = drill_hang_step(self.group.rank)
-        self._first_save = drill_first_save_from_env()
-        warn_if_not_launchers_root(root, self.root, self.rank)
-        self.flag = install_flag(handle_signals)
-        # the warning flag, drill injection and time-based saves, agreed on at each step()
-        self._boundary = StepBoundary(self.agree_group, self.flag, drill_step_from_env())
+        w = self._wiring = wire(self.root, root, save_every=save_every, save_policy=save_policy, retention=retention,
+                                mirror=mirror, handle_signals=handle_signals)
+        self._closed = False
+        self.group, self.agree_group, self.flag, self.mirror = w.group, w.agree_group, w.flag, w.mirror
+        self.save_policy = w.sched.policy
+        self._sched, self._async, self._beat, self._boundary = w.sched, w.writer, w.beat, w.boundary
+        self._drill_hang, self._first_save = w.drill_hang, w.drill_first_save
 
     @property
     def rank(self) -> int:
@@ -178,67 +123,37 @@ class Checkpointer:
             self.wait()
             started = time.perf_counter()
             payload = self._prepare_payload(step, state, metrics, meta)
-            self._blocking_s = None  # a synchronous save blocks for all of it
-            return self._save_now(step, payload, reason, started)
+            return self._save_now(step, payload, reason, started, None)  # blocking for all of it
 
     def save_async(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
                    reason: str = "async") -> bool:
         """Collective. Snapshot now, write + commit in the background. Returns False when skipped
         (`async_overlap="skip"` and a save is in flight)."""
-        if self._async.in_flight() and self.async_overlap == "skip":
-            log.info("step %d: previous async save still in flight, skipping this one", step)
-            return False
-        # waiting for the previous write and taking the snapshot are save time, not step time
-        with phase(self._beat, SAVE):
-            self.wait()
-            started = time.perf_counter()
-            payload = self._prepare_payload(step, state, metrics, meta)
-            copies, ready = self._async.snapshot(payload.tensors)
-        self._blocking_s = time.perf_counter() - started  # what training paid (Young/Daly's C)
-        # The step is taken care of from now on: the policy must not call it (or the next steps,
-        # by the clock) due again while the write runs, or each timed save is written twice and
-        # the second one waits for the first.
-        self._sched.started(step)
-        snapshot = replace(payload, tensors=copies)
+        def write(snapshot: Payload, started: float, blocking_s: float) -> None:  # on the writer thread
+            self._save_now(step, snapshot, reason, started, blocking_s)
 
-        def write() -> None:
-            ready()
-            self._save_now(step, snapshot, reason, started)
-
-        self._async.start(step, write)
-        return True
+        return self._async.save(step, self.async_overlap, lambda: self._prepare_payload(step, state, metrics, meta),
+                                write)
 
     def wait(self) -> None:
         """Block until the in-flight async save (if any) has committed; re-raise its error here."""
         self._async.wait()
 
     def _prepare_payload(self, step: int, state: Mapping[str, Any], metrics: Any, meta: Any) -> Payload:
-        self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"step must be a non-negative integer, got {step!r}")
-        skeleton, tensors = flatten(state, {"rng": rng.capture()})
-        return Payload(skeleton, tensors, encode(metrics), encode(meta))
+        self._check_open()  # a seam: tests/helpers/train_forgets_scheduler.py wraps this method
+        return payload_of(step, state, metrics, meta)
 
-    def _save_now(self, step: int, payload: Payload, reason: str, started: float) -> Path | None:
-        """Collective: the save sequence (saving.py), then this process's bookkeeping: the log
-        line and event (rank 0), the save policy, retention (rank 0) and the mirror upload."""
-        result = save_collective(self.group, self.root, step, payload, replace_if_changed=reason == "explicit",
-                                 emergency=reason in EMERGENCY_REASONS)
-        if result.skipped:
-            self.last_saved_step = step
-            return None
-        seconds = time.perf_counter() - started
-        if self.rank == 0:
-            record(self.root, result, step, reason, seconds, world_size=self.group.world_size,
-                   blocking_s=self._blocking_s, interval_s=self._sched.interval_s)
-        raise_if_failed(result)
+    def _save_now(self, step: int, payload: Payload, reason: str, started: float,
+                  blocking_s: float | None) -> Path | None:
+        """Collective, on the training thread or the writer thread: the save and its record
+        (`saving.save_and_record`), then this rank's bookkeeping, in this order."""
+        cost = save_and_record(self.group, self.root, step, payload, reason, started, blocking_s, self._sched)
         self.last_saved_step = step
+        if cost is None:  # already committed with this very state
+            return None
         self._boundary.saved()
-        self._sched.saved(step, self._blocking_s if self._blocking_s is not None else seconds)
-        if self.rank == 0 and self.retention is not None and reason not in EMERGENCY_REASONS:
-            apply_retention(self.root, self.retention)
-        if self.mirror is not None:  # rank 0: background upload, marker last
-            self.mirror.enqueue(self.root, step)
+        self._sched.saved(step, cost)
+        after_commit(self.root, self.rank, step, reason, self.retention, self.mirror)
         return self.root / step_dir_name(step)
 
     # -- the per-step hook ----------------------------------------------------------------
@@ -258,97 +173,35 @@ class Checkpointer:
             self._beat.beat_step(step)
         verdict = self._boundary.decide(step, self._sched.trigger(step, epoch_end=epoch_end))
         if verdict.emergency:
-            return self._emergency(step, state, verdict.signal, metrics, meta)
-        self._check_async_error()
+            return save_and_exit(self, step, state, verdict.signal, metrics, meta)
+        if self._async.failed():  # the background save's error surfaces here, on the training thread
+            with tolerated(self.on_save_error, self._sched):
+                self.wait()
         if self._first_save:
             self._first_save = False
             if step != self.last_saved_step:
                 self.save(step, state, metrics=metrics, meta=meta, reason="drill_first")
                 return False
-        if verdict.save is not None:
-            self._periodic(step, state, metrics, meta, verdict.save)
+        if verdict.save is not None and step != self.last_saved_step:
+            with tolerated(self.on_save_error, self._sched):
+                if self.async_save:
+                    self.save_async(step, state, metrics=metrics, meta=meta, reason="periodic")
+                else:
+                    self.save(step, state, metrics=metrics, meta=meta, reason="periodic")
         return False
 
-    def _periodic(self, step: int, state: Mapping[str, Any], metrics: Any, meta: Any, why: str) -> None:
-        if step == self.last_saved_step:
-            return
-        try:
-            if self.async_save:
-                self.save_async(step, state, metrics=metrics, meta=meta, reason="periodic")
-            else:
-                self.save(step, state, metrics=metrics, meta=meta, reason="periodic")
-        except SaveError as exc:
-            self._tolerate(exc)
-
-    def _tolerate(self, exc: SaveError) -> None:
-        """A failed periodic save: raised with on_save_error="raise", else logged; training goes on."""
-        if self.on_save_error == "raise":
-            raise exc
-        self._sched.failed()
-        log.warning("%s; training continues without this checkpoint", exc)
-
     def _release_at_exit(self) -> None:
-        """atexit: the script ended without close(). An async save still in flight is finished
-        here (its thread is a daemon, which the interpreter would otherwise freeze mid-write);
-        if it failed and on_save_error is "raise", the process exits with EXIT_SAVE_FAILED and
-        one line on stderr instead of 0. Local only: the writer's collectives pair up with the
-        other ranks' writers, which finish the same way."""
+        """atexit: the script ended without close(). Finish an async save in flight, which may
+        exit the process (`AsyncWriter.finish_at_exit`), then release. Local only."""
         if self._closed:
             return
-        if self._async.in_flight():
-            log.warning("the script ended while an async save was in flight (no ckpt.close()): finishing it")
-        exc = self._async.finish()
-        if exc is not None and self.on_save_error == "raise":
-            print(f"slurmresume: the last async save failed and the script ended without ckpt.close(): {exc}",
-                  file=sys.stderr, flush=True)
-            exit_now(EXIT_SAVE_FAILED)
-        if exc is not None:
-            log.warning("the last async save failed: %s", exc)
+        self._async.finish_at_exit(self.on_save_error)
         self._closed = True
-        self._teardown()
-
-    def _teardown(self) -> None:
-        """Local, after the last collective: the previous signal handlers back, the side process
-        groups gone, and the root's lease freed if this was the process's last Checkpointer on it."""
-        from ..ownership import unclaim
-
-        if self.flag is not None:
-            self.flag.uninstall()
-        for g in (self.agree_group, self.group):
-            g.destroy()
-        key, self._lease_key = self._lease_key, None
-        unclaim(key)
+        self._wiring.release()
 
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this Checkpointer is closed: create a new one to save or restore")
-
-    def _check_async_error(self) -> None:
-        if self._async.failed():
-            try:
-                self.wait()
-            except SaveError as exc:
-                self._tolerate(exc)
-
-    def _emergency(self, step: int, state: Mapping[str, Any], signal: int, metrics: Any, meta: Any) -> bool:
-        """Every rank, on an emergency verdict: save the agreed step (rank 0 records the run's
-        outcome, `emergency.emergency_save`), then exit (verdict.exit_code), or return True when
-        `exit_on_signal=False`. A failed save exits EXIT_SAVE_FAILED; the launcher then resumes
-        from the newest complete checkpoint."""
-        error, recorded = emergency_save(self, step, state, "preempt" if signal == PREEMPT else "terminate",
-                                         metrics, meta)
-        if not self.exit_on_signal:
-            if error:
-                raise SaveError(f"the emergency save of step {step} failed: {error}")
-            if self.flag is not None:
-                self.flag.request = NONE
-            return True
-        self.mirror = None  # exit now: this step's upload is finished by the next run (Mirror.start)
-        try:
-            self.close()
-        except Exception as exc:  # noqa: BLE001 - exiting anyway; the record says what happened
-            log.warning("close after the emergency save failed: %s", exc)
-        exit_now(exit_code(signal, bool(error), bool(os.environ.get(ENV_LAUNCHER_PID)), recorded))
 
     # -- restoring ------------------------------------------------------------------------
 
@@ -366,7 +219,16 @@ class Checkpointer:
         `allow_fresh_start=True` (default: $SLURMRESUME_ALLOW_FRESH_START == "1")."""
         self._check_open()
         with phase(self._beat, RESTORE):
-            return self._restore(state, step, verify, restore_rng, strict, allow_fresh_start)
+            req = Request.of(step, self.verify_on_restore if verify is None else verify, restore_rng, strict,
+                             allow_fresh_start)
+            info = restore_and_record(self.group, self.root, state, req, self.mirror, created_at=self._created_at)
+            if info is None:
+                return 0
+            self.restored, self.last_saved_step = info, info.step
+            self._first_save = False  # a resumed run: its first step is not the run's first
+            self._sched.restored(info.step)
+            self._boundary.restored(info.step)
+            return info.step
 
     @contextlib.contextmanager
     def busy(self, what: str = "busy") -> Iterator[None]:
@@ -375,34 +237,6 @@ class Checkpointer:
         `with ckpt.busy("eval"): evaluate()`. No-op when run without the launcher."""
         with phase(self._beat, BUSY):
             yield
-
-    def _restore(self, state: MutableMapping[str, Any], step: int | None, verify: bool | None, restore_rng: bool,
-                 strict: bool, allow_fresh_start: bool | None) -> int:
-        started = time.perf_counter()
-        restore_began = time.time()
-        if allow_fresh_start is None:
-            allow_fresh_start = os.environ.get(ENV_ALLOW_FRESH_START) == "1"
-        req = Request(step, self.verify_on_restore if verify is None else verify, restore_rng, strict,
-                      allow_fresh_start)
-        choice = restore_collective(self.group, self.root, state, req, self.mirror)
-        if choice is None:
-            if self.rank == 0:
-                log.info("fresh start: no complete checkpoint under %s", self.root)
-            return 0
-        self.last_saved_step = choice.step
-        self._first_save = False  # a resumed run: its first step is not the run's first
-        self._sched.restored(choice.step)
-        self._boundary.restored(choice.step)
-        self.restored = inspect_dir(choice.step, Path(choice.path))
-        if self.rank == 0:
-            log.info("restored from step %d (%s) in %.2f s", choice.step, choice.path, time.perf_counter() - started)
-            # with the start-up breakdown of this rank: the process's start, the end of the
-            # script's imports (slurmresume imported), the Checkpointer's creation, the restore
-            try_append_event(self.root, "restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID),
-                             process_started_at=process_started_at(), imported_at=IMPORTED_AT,
-                             created_at=self._created_at, restore_began_at=restore_began,
-                             restore_s=round(time.time() - restore_began, 4))
-        return choice.step
 
     def close(self) -> None:
         """Wait for an in-flight async save, restore the previous signal handlers, release the
@@ -419,7 +253,7 @@ class Checkpointer:
             if self.mirror is not None:
                 self.mirror.close()  # the final step reaches the bucket before the run ends
         finally:
-            self._teardown()
+            self._wiring.release()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -9,7 +9,9 @@ says a warning signal (or SIGTERM) arrived. In order:
      unless that very step is already committed;
   5. rank 0: `exit_after_save`, or `emergency_save_failed` when the step has no marker, and the
      final outcome record (committed only when the step has its marker);
-  6. the caller exits with `verdict.exit_code` (`exit_now`), or returns to the script.
+  6. all: exit with `verdict.exit_code` (`exit_now`), or return to the script.
+
+`save_and_exit` runs all six; `emergency_save` steps 1-5.
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from ..checkpoint.layout import MARKER, step_dir_name
-from ..contract import ENV_RUN_ID, EV_EMERGENCY_SAVE_FAILED, Outcome, write_outcome
+from ..contract import (
+    ENV_LAUNCHER_PID,
+    ENV_RUN_ID,
+    EV_EMERGENCY_SAVE_FAILED,
+    Outcome,
+    write_outcome,
+)
 from ..errors import CheckpointError, SaveError
 from ..events import try_append_event
+from .signals import NONE, PREEMPT, SignalFlag
+from .verdict import exit_code
 
 log = logging.getLogger("slurmresume")
 
@@ -34,6 +44,9 @@ class Saver(Protocol):
 
     root: Path
     last_saved_step: int | None
+    exit_on_signal: bool
+    flag: SignalFlag | None
+    mirror: Any
 
     @property
     def rank(self) -> int: ...
@@ -42,6 +55,30 @@ class Saver(Protocol):
 
     def save(self, step: int, state: Mapping[str, Any], *, metrics: Any = ..., meta: Any = ...,
              reason: str = ...) -> Path | None: ...
+
+    def close(self) -> None: ...
+
+
+def save_and_exit(ckpt: Saver, step: int, state: Mapping[str, Any], signal: int, metrics: Any, meta: Any) -> bool:
+    """Every rank, on an emergency verdict (`Checkpointer.step`): save the agreed step
+    (`emergency_save`), then close and exit with `verdict.exit_code` (a failed save exits
+    EXIT_SAVE_FAILED; the launcher then resumes from the newest complete checkpoint). With
+    `exit_on_signal=False`: return True with the flag cleared, or raise SaveError if the save
+    failed."""
+    error, recorded = emergency_save(ckpt, step, state, "preempt" if signal == PREEMPT else "terminate",
+                                     metrics, meta)
+    if not ckpt.exit_on_signal:
+        if error:
+            raise SaveError(f"the emergency save of step {step} failed: {error}")
+        if ckpt.flag is not None:
+            ckpt.flag.request = NONE
+        return True
+    ckpt.mirror = None  # exit now: this step's upload is finished by the next run (Mirror.start)
+    try:
+        ckpt.close()
+    except Exception as exc:  # noqa: BLE001 - exiting anyway; the record says what happened
+        log.warning("close after the emergency save failed: %s", exc)
+    exit_now(exit_code(signal, bool(error), bool(os.environ.get(ENV_LAUNCHER_PID)), recorded))
 
 
 def emergency_save(ckpt: Saver, step: int, state: Mapping[str, Any], kind: str, metrics: Any,

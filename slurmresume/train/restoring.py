@@ -13,16 +13,22 @@ Call order (`restore_collective`, every rank; "0" = rank 0 only; each arrow one 
           -> all_gather the load errors (Failure | None); MAX of "wrote into live tensors"
   4. all: no error anywhere: apply (`apply_loaded`) and return the choice; else (rank 0
           logs) fall back to the next older step from 1, unless `step` was explicit.
+
+`restore_and_record` is what `Checkpointer.restore` calls: the above, then what was loaded
+(`CheckpointInfo`) and its record (rank 0: the log line and the `restored` event).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import IMPORTED_AT
 from ..checkpoint.collective import Group
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
@@ -41,9 +47,10 @@ from ..checkpoint.state import (
     referenced,
     validate_skeleton,
 )
-from ..checkpoint.store import clean_temp_files, find_latest, inspect_dir
-from ..contract import ENV_ALLOW_FRESH_START
+from ..checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, inspect_dir
+from ..contract import ENV_ALLOW_FRESH_START, ENV_RUN_ID
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError
+from ..events import process_started_at, try_append_event
 from . import rng
 from .messages import Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
 
@@ -59,6 +66,37 @@ class Request:
     restore_rng: bool
     strict: bool
     allow_fresh_start: bool
+
+    @classmethod
+    def of(cls, step: int | None, verify: bool, restore_rng: bool, strict: bool,
+           allow_fresh_start: bool | None) -> Request:
+        """`allow_fresh_start=None`: $SLURMRESUME_ALLOW_FRESH_START == "1"."""
+        if allow_fresh_start is None:
+            allow_fresh_start = os.environ.get(ENV_ALLOW_FRESH_START) == "1"
+        return cls(step, verify, restore_rng, strict, allow_fresh_start)
+
+
+def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any], req: Request, mirror: Any, *,
+                       created_at: float) -> CheckpointInfo | None:
+    """Collective: `restore_collective`, then every rank inspects what it loaded (the returned
+    `CheckpointInfo`, `Checkpointer.restored`) and rank 0 logs it and writes the `restored` event
+    with this rank's start-up breakdown: the process's start, the end of the script's imports
+    (slurmresume imported), the Checkpointer's creation (`created_at`), the restore. None on a
+    fresh start (logged once, by rank 0)."""
+    started = time.perf_counter()
+    restore_began = time.time()
+    choice = restore_collective(group, root, state, req, mirror)
+    if choice is None:
+        if group.rank == 0:
+            log.info("fresh start: no complete checkpoint under %s", root)
+        return None
+    info = inspect_dir(choice.step, Path(choice.path))
+    if group.rank == 0:
+        log.info("restored from step %d (%s) in %.2f s", choice.step, choice.path, time.perf_counter() - started)
+        try_append_event(root, "restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID),
+                         process_started_at=process_started_at(), imported_at=IMPORTED_AT, created_at=created_at,
+                         restore_began_at=restore_began, restore_s=round(time.time() - restore_began, 4))
+    return info
 
 
 def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any], req: Request,

@@ -1,5 +1,8 @@
 """The save sequence, as one collective function (`save_collective`), used by every kind of save:
-`Checkpointer.save`, the writer thread of `save_async`, periodic and emergency saves.
+`Checkpointer.save`, the writer thread of `save_async`, periodic and emergency saves; and what a
+rank does around it: the payload it saves (`payload_of`), the record of the outcome
+(`save_and_record`), retention and the mirror after a commit (`after_commit`), and the
+`on_save_error` rule for periodic saves (`tolerated`).
 
 Call order (every rank calls `save_collective` with the same step; "all" = every rank, in the
 same order, "0" = rank 0 only; each arrow is one collective on the side group):
@@ -27,21 +30,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import calibrate as _calibrate
 from ..checkpoint import commit as _commit
 from ..checkpoint.collective import Group
+from ..checkpoint.jsonenc import encode
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.replicas import replicated_names, tensor_digests
 from ..checkpoint.same import same_as_committed
+from ..checkpoint.state import flatten
 from ..contract import ENV_RUN_ID
-from ..errors import SaveError
+from ..errors import ConfigError, SaveError
 from ..events import try_append_event
+from . import rng
 from .logs import size as log_size
 from .messages import PrepareDecision, SaveOutcome, WriteReport
+
+if TYPE_CHECKING:
+    from .policy import SaveScheduler
 
 log = logging.getLogger("slurmresume")
 
@@ -58,6 +69,15 @@ class Payload:
     tensors: list[Any]
     metrics: Any = None
     meta: Any = None
+
+
+def payload_of(step: int, state: Mapping[str, Any], metrics: Any, meta: Any) -> Payload:
+    """Every rank, on the training thread: what this rank saves as step `step`, with the library's
+    own state (the RNG streams, `rng.capture`). A bad step is a ConfigError, before any collective."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"step must be a non-negative integer, got {step!r}")
+    skeleton, tensors = flatten(state, {"rng": rng.capture()})
+    return Payload(skeleton, tensors, encode(metrics), encode(meta))
 
 
 @dataclass(frozen=True)
@@ -122,6 +142,50 @@ def raise_if_failed(result: SaveResult) -> None:
     """Every rank, after recording the result: the same SaveError everywhere on a failed commit."""
     if result.outcome is not None and not result.outcome.ok:
         raise SaveError(f"checkpoint save failed, nothing committed: {result.outcome.error}")
+
+
+def save_and_record(group: Group, root: Path, step: int, payload: Payload, reason: str, started: float,
+                    blocking_s: float | None, sched: SaveScheduler) -> float | None:
+    """Collective: `save_collective` (an explicit save may replace a committed step; an emergency
+    one never calibrates), then rank 0 `record`s a save that wrote (its event carries
+    `sched.interval_s` as of now), then every rank raises the same SaveError when it failed.
+    Returns the save's cost for the scheduler (`blocking_s`, what training paid for an async
+    save; else the seconds since `started`), or None when the step was already committed with
+    this state."""
+    result = save_collective(group, root, step, payload, replace_if_changed=reason == "explicit",
+                             emergency=reason in EMERGENCY_REASONS)
+    if result.skipped:
+        return None
+    seconds = time.perf_counter() - started
+    if group.rank == 0:
+        record(root, result, step, reason, seconds, world_size=group.world_size, blocking_s=blocking_s,
+               interval_s=sched.interval_s)
+    raise_if_failed(result)
+    return blocking_s if blocking_s is not None else seconds
+
+
+def after_commit(root: Path, rank: int, step: int, reason: str, retention: Any, mirror: Any) -> None:
+    """Every rank, once step `step` is committed and recorded: rank 0 applies `retention` (not
+    after an emergency save, see `apply_retention`) and hands the step to the mirror (only rank 0
+    has one: a background upload, marker last). Never raises for retention."""
+    if rank == 0 and retention is not None and reason not in EMERGENCY_REASONS:
+        apply_retention(root, retention)
+    if mirror is not None:
+        mirror.enqueue(root, step)
+
+
+@contextlib.contextmanager
+def tolerated(on_save_error: str, sched: SaveScheduler) -> Iterator[None]:
+    """Around a periodic save (or the surfacing of a background one's error): a SaveError is
+    raised with on_save_error="raise", else logged, and the scheduler tries again after another
+    interval; training goes on. Other exceptions pass through."""
+    try:
+        yield
+    except SaveError as exc:
+        if on_save_error == "raise":
+            raise
+        sched.failed()
+        log.warning("%s; training continues without this checkpoint", exc)
 
 
 def record(root: Path, result: SaveResult, step: int, reason: str, seconds: float, *, world_size: int,
