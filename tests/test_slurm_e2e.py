@@ -32,7 +32,8 @@ def cluster() -> None:
         pytest.skip("SLURMRESUME_NO_CLUSTER is set (not root): no Slurm cluster on this machine")
     probe = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True) \
         if shutil.which("sinfo") else None
-    if probe is None or probe.returncode != 0 or "idle" not in probe.stdout + "mixed allocated":
+    # "mixed"/"allocated": another test's job is running (the Slurm tests run as two chains)
+    if probe is None or probe.returncode != 0 or not {"idle", "mixed", "allocated"} & set(probe.stdout.split()):
         logs = subprocess.run(["bash", str(REPO / "scripts" / "cluster.sh"), "logs"], capture_output=True, text=True)
         pytest.fail("the Slurm cluster is not up (run `bash scripts/cluster.sh up`):\n"
                     f"{probe.stderr if probe else 'no sinfo'}\n{logs.stdout[-3000:]}")
