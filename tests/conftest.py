@@ -16,6 +16,9 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 from helpers import procs  # noqa: E402
+from helpers.typer_cache import install as _cache_cli_commands  # noqa: E402
+
+_cache_cli_commands()  # CliRunner builds each app's command once per worker, not per invoke
 
 
 @pytest.fixture

@@ -357,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.count is not None and len(names) > 1:
         p.error("--count applies to one campaign; `all` runs each at its default")
     quiet_logs()
+    from helpers.typer_cache import install
+
+    install()  # CliRunner builds the command once, not at each of a campaign's invokes
     reports = []
     for name in names:
         mod = campaign(name)
