@@ -15,13 +15,13 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train.py"
 
-PROBE = r'''
-import os, sys, torch, torch.distributed as dist, slurmresume
-from safetensors.torch import load_file
-
 # One worker runs this module, so that its module-scoped fixture (a multi-process run) is
 # computed once: under xdist each worker that got one of its tests computed it again.
 pytestmark = pytest.mark.xdist_group("elastic")
+
+PROBE = r'''
+import os, sys, torch, torch.distributed as dist, slurmresume
+from safetensors.torch import load_file
 if "RANK" in os.environ:
     dist.init_process_group("gloo")
 rank = dist.get_rank() if dist.is_initialized() else 0
