@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_built: dict[int, tuple[Any, Any]] = {}
+_built: dict[Any, Any] = {}  # Typer app -> its click command (apps hash by identity)
 
 
 def install() -> None:
@@ -22,10 +22,9 @@ def install() -> None:
     build = typer.testing._get_command
 
     def get_command(app: Any) -> Any:
-        hit = _built.get(id(app))
-        if hit is None or hit[0] is not app:  # the app itself is kept, so its id is never reused
-            hit = _built[id(app)] = (app, build(app))
-        return hit[1]
+        if app not in _built:
+            _built[app] = build(app)
+        return _built[app]
 
     get_command._slurmresume_cached = True  # type: ignore[attr-defined]
     typer.testing._get_command = get_command  # type: ignore[assignment]
