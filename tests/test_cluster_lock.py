@@ -24,8 +24,10 @@ def test_shared_overlap_exclusive_waits_and_goes_before_later_shared(tmp_path: P
     ctx = mp.get_context("fork")
     log: mp.Queue = ctx.Queue()
     procs = []
-    for name, exclusive, hold, start_after in [("r1", False, 1.5, 0.0), ("r2", False, 1.5, 0.2),
-                                                ("w", True, 0.8, 0.5), ("r3", False, 0.3, 0.9)]:
+    # wide margins: the writer asks 0.7 s after r1, r3 1.5 s after the writer, r1 holds 3 s (a
+    # loaded machine may start a forked child late)
+    for name, exclusive, hold, start_after in [("r1", False, 3.0, 0.0), ("r2", False, 3.0, 0.2),
+                                                ("w", True, 0.8, 0.7), ("r3", False, 0.3, 2.2)]:
         time.sleep(start_after - (procs[-1][1] if procs else 0.0))
         p = ctx.Process(target=_hold, args=(str(tmp_path), exclusive, hold, log, name))
         p.start()
