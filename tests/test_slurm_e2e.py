@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -30,13 +29,13 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 def cluster() -> None:
     if os.environ.get("SLURMRESUME_NO_CLUSTER"):
         pytest.skip("SLURMRESUME_NO_CLUSTER is set (not root): no Slurm cluster on this machine")
-    probe = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True) \
-        if shutil.which("sinfo") else None
-    # "mixed"/"allocated": another test's job is running (the Slurm tests run as two chains)
-    if probe is None or probe.returncode != 0 or not {"idle", "mixed", "allocated"} & set(probe.stdout.split()):
+    from helpers.slurm_probe import cluster_up
+
+    up, said = cluster_up()
+    if not up:
         logs = subprocess.run(["bash", str(REPO / "scripts" / "cluster.sh"), "logs"], capture_output=True, text=True)
-        pytest.fail("the Slurm cluster is not up (run `bash scripts/cluster.sh up`):\n"
-                    f"{probe.stderr if probe else 'no sinfo'}\n{logs.stdout[-3000:]}")
+        pytest.fail(f"the Slurm cluster is not up (run `bash scripts/cluster.sh up`): sinfo said {said!r}\n"
+                    f"{logs.stdout[-3000:]}")
 
 
 def submit(root: Path, *args: str, script: Path = SIG_TRAIN, script_args: tuple[str, ...] = ()) -> str:

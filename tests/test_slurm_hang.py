@@ -21,9 +21,11 @@ def cluster() -> None:
     """Up = sinfo answers with a usable node (another job may hold part of it: 'mixed')."""
     if os.environ.get("SLURMRESUME_NO_CLUSTER"):
         pytest.skip("SLURMRESUME_NO_CLUSTER is set (not root): no Slurm cluster on this machine")
-    probe = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
-    if probe.returncode != 0 or not {"idle", "mixed", "allocated"} & set(probe.stdout.split()):
-        pytest.fail(f"the Slurm cluster is not up (run `bash scripts/cluster.sh up`): {probe.stdout} {probe.stderr}")
+    from helpers.slurm_probe import cluster_up
+
+    up, said = cluster_up()
+    if not up:
+        pytest.fail(f"the Slurm cluster is not up (run `bash scripts/cluster.sh up`): sinfo said {said!r}")
 
 
 def test_hang_restarts_inside_the_allocation(cluster: None, tmp_path: Path) -> None:
