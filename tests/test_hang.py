@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import HELPERS, clean_env, signal_tree
+from helpers.procs import HELPERS, alive_for_root, clean_env, signal_tree
 
 from slurmresume.job.hang import (
     HangBudgets,
@@ -262,17 +262,6 @@ def _events(root: Path) -> list[dict]:
     return [json.loads(x) for x in (root / "events.jsonl").read_text().splitlines()]
 
 
-def _alive(marker: str) -> list[int]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                out.append(int(pid))
-        except OSError:
-            pass
-    return out
-
-
 @pytest.mark.slow
 def test_slow_step_and_slow_save_are_not_a_hang(tmp_path: Path) -> None:
     """Step budget 10 x longest + 0.5 s (about 1 s here): one step 10x the usual (0.5 s) and a 2 s
@@ -318,7 +307,7 @@ def test_same_hang_twice_stops_with_stacks_of_every_rank(tmp_path: Path) -> None
     assert st.last_hang is not None and st.last_hang["dump_dir"] == hangs[-1]["dump_dir"]
     assert [e["cause"] for e in ev if e["event"] == "resumed"] == ["hang"]
     assert not any(e["event"] == "requeued" for e in ev)
-    assert _alive(str(HANG_TRAIN)) == []
+    assert alive_for_root(str(HANG_TRAIN), tmp_path / "ckpt") == []  # this run's: test_slurm_hang runs the same script
 
 
 @pytest.mark.slow
@@ -367,7 +356,7 @@ def test_hang_drill_passes_on_the_example_with_two_ranks(tmp_path: Path) -> None
     dump = Path(hang["dump_dir"]) / f"rank-{planned['rank']}.txt"
     assert "drill_hang_here" in dump.read_text() and "train.py" in dump.read_text()
     assert report["differences"] == [] and report["hangs"]["resumed"][0]["cause"] == "hang"
-    assert _alive(str(EXAMPLE)) == []
+    assert alive_for_root(str(EXAMPLE), work) == []  # this drill's: other tests run the example meanwhile
 
 
 def test_a_run_failed_by_another_nodes_hang_kill_counts_as_that_hang(tmp_path: Path) -> None:

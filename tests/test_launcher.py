@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import signal_tree
+from helpers.procs import alive_for_root, signal_tree
 
 HELPERS = Path(__file__).parent / "helpers"
 SIG_TRAIN = HELPERS / "sig_train.py"
@@ -78,22 +78,6 @@ def signalled_workers(piddir: Path, hit: list[int]) -> list[int]:
             for w in p.read_text().split()]
 
 
-def descendants_alive(marker: str, root: Path) -> list[int]:
-    """Live processes running `marker` for this test's run: their environment names `root` (other
-    tests, e.g. on another xdist worker, run the same helper script at the same time)."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-                env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if marker in cmd and f"={root}\0" in env:
-                out.append(int(pid))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("delivery", ["launcher-only", "process-tree"])
 def test_one_save_one_restart_per_warning(tmp_path: Path, delivery: str) -> None:
@@ -114,7 +98,7 @@ def test_one_save_one_restart_per_warning(tmp_path: Path, delivery: str) -> None
     starts = sorted(piddir.glob("start*"))
     assert sorted(int(p.read_text()) for p in starts) == [0, 0, saved, saved]
     assert any(e["event"] == "finished" and e["step"] == 60 for e in ev)
-    assert descendants_alive(str(SIG_TRAIN), root) == []
+    assert alive_for_root(str(SIG_TRAIN), root) == []
 
 
 @pytest.mark.slow

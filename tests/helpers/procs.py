@@ -121,3 +121,21 @@ def signal_tree(root: int, sig: int) -> list[int]:
         except ProcessLookupError:
             pass
     return pids
+
+
+def alive_for_root(marker: str, root: Path) -> list[int]:
+    """Live processes running `marker` (in their command line) for one test's run: their
+    environment names `root` or a path under it. Other tests, e.g. on another xdist worker or the
+    real-Slurm chains, run the same helper script or example at the same time, so a machine-wide
+    scan by command line alone reports their processes as this test's orphans."""
+    out = []
+    needle = str(root)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd and any(f"={needle}" in var for var in env.split("\0")):
+            out.append(int(pid))
+    return out
