@@ -159,3 +159,95 @@ def test_early_writeback_unsupported_falls_back_to_plain_writes(tmp_path: Path, 
         sink.feed(c)
     sink.finish()
     assert p.read_bytes() == b"".join(_chunks()) and sink.strategy == "buffered"
+
+
+def _fake_probes(monkeypatch: pytest.MonkeyPatch, fake: dict[str, float]) -> None:
+    monkeypatch.setenv(calibrate.PROBE_ENV, "2")
+    real = calibrate.time_probe
+
+    def probe(strategy: str, path: Path, src: memoryview, nbytes: int) -> float:
+        real(strategy, path, src, nbytes)
+        return fake[strategy]
+
+    monkeypatch.setattr(calibrate, "time_probe", probe)
+
+
+def test_a_near_tie_of_probes_is_settled_by_real_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         _own_cache: Path) -> None:
+    """2026-12-04: the probes called direct 0.40 and buffered 0.38 GB/s and direct was kept, where
+    buffered was 1.56x the best peer on a 4 GiB save. A near-tie now lets the next large saves
+    decide: each contender once, then the best real GB/s; emergency saves never explore."""
+    _fake_probes(monkeypatch, {"direct": 0.100, "direct-par": 0.5, "buffered-wb": 0.3, "buffered": 0.110})
+    big = 1 << 30
+    assert calibrate.choose(tmp_path, size_hint=big) == ("direct", "calibrated")  # the calibration's pick
+    key = calibrate.fs_key(tmp_path)
+    entry = json.loads(_own_cache.read_text())[key]
+    assert entry["trial"] == {"contenders": ["direct", "buffered"], "observed": {}}  # within 1.25x only
+    with calibrate.emergency():
+        assert calibrate.choose(tmp_path, size_hint=big) == ("direct", "calibrated")
+        calibrate.observe(tmp_path, "direct", big, 1.0)  # an emergency save records nothing
+    assert calibrate.choose(tmp_path, size_hint=1 << 20) == ("direct", "calibrated")  # small shards: the pick
+    assert calibrate.choose(tmp_path, size_hint=big) == ("direct", "calibrated")
+    calibrate.observe(tmp_path, "direct", big, 4.0)  # 0.27 GB/s on a real save
+    calibrate._memo.clear()  # another rank / the next process reads the trial from the cache
+    assert calibrate.choose(tmp_path, size_hint=big) == ("buffered", "calibrated")
+    assert calibrate.cached_choice(tmp_path)["trial"]["observed"] == {"direct": [0.268]}  # type: ignore[index]
+    calibrate.observe(tmp_path, "buffered", big, 2.5)  # 0.43 GB/s: better on real saves
+    entry = json.loads(_own_cache.read_text())[key]
+    assert "trial" not in entry and entry["strategy"] == "buffered" and entry["settled_by"] == "saves"
+    assert entry["settled"]["observed_gbps"] == {"direct": [0.268], "buffered": [0.429]}
+    assert calibrate.choose(tmp_path, size_hint=big) == ("buffered", "calibrated")
+    with calibrate.emergency():
+        assert calibrate.choose(tmp_path, size_hint=big) == ("buffered", "calibrated")
+    assert calibrate.cached_choice(tmp_path)["settled_by"] == "saves"  # type: ignore[index]
+
+
+def test_a_clear_winner_of_the_probes_opens_no_trial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      _own_cache: Path) -> None:
+    _fake_probes(monkeypatch, {"direct": 0.1, "direct-par": 0.2, "buffered-wb": 0.3, "buffered": 0.13})
+    assert calibrate.choose(tmp_path, size_hint=1 << 30) == ("direct", "calibrated")
+    entry = next(iter(json.loads(_own_cache.read_text()).values()))
+    assert "trial" not in entry
+    assert all(calibrate.choose(tmp_path, size_hint=1 << 30) == ("direct", "calibrated") for _ in range(3))
+
+
+def test_trial_saves_write_real_checkpoints_with_each_contender(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                _own_cache: Path) -> None:
+    """Through the Checkpointer: the saves of a trial use the contenders in turn (the event log's
+    `writer`), every checkpoint verifies, and the trial then settles on one path."""
+    key = calibrate.fs_key(tmp_path)
+    calibrate._write_cache(key, {"strategy": "direct", "gbps": {"direct": 1.0, "buffered-wb": 0.9},
+                                 "measured_at": time.time(),
+                                 "trial": {"contenders": ["direct", "buffered-wb"], "observed": {}}})
+    monkeypatch.setattr(calibrate, "RECHECK_MIN_BYTES", 1 << 20)  # a 4 MiB state counts as large here
+    root = tmp_path / "root"
+    ck = slurmresume.Checkpointer(root, handle_signals=False)
+    state = {"w": torch.zeros(1 << 20)}
+    try:
+        for step in (1, 2, 3):
+            state["w"] += 1
+            ck.save(step, {"m": state})
+    finally:
+        ck.close()
+    events = [json.loads(x) for x in (root / "events.jsonl").read_text().splitlines()]
+    used = [e["writer"] for e in events if e["event"] == "save_committed"]
+    settled = json.loads(_own_cache.read_text())[key]
+    assert used[:2] == ["direct", "buffered-wb"] and used[2] == settled["strategy"], used
+    assert "trial" not in settled and settled["settled_by"] == "saves"
+    assert set(settled["settled"]["observed_gbps"]) == {"direct", "buffered-wb"}
+    for step in (1, 2, 3):  # each checkpoint, whichever path wrote it, verifies with the step's bytes
+        info = slurmresume.find_latest(root, verify=True, max_step=step)
+        assert info is not None and info.step == step and info.verified is True
+
+
+def test_status_line_shows_an_open_trial_and_how_the_path_was_settled() -> None:
+    from types import SimpleNamespace
+
+    from slurmresume.cli.render import writer_line
+
+    base = {"last_save": "direct", "source": "calibrated", "strategy": "direct", "gbps": {"direct": 0.4}}
+    open_ = writer_line(SimpleNamespace(writer={**base, "trial": {"contenders": ["direct", "buffered"],
+                                                                 "observed": {"direct": [0.3]}}}))  # type: ignore[arg-type]
+    assert open_ is not None and "settling by real saves: direct 1 save(s), buffered 0 save(s)" in open_.plain
+    done = writer_line(SimpleNamespace(writer={**base, "settled_by": "saves"}))  # type: ignore[arg-type]
+    assert done is not None and done.plain.endswith("settled by real saves")

@@ -15,6 +15,16 @@
 A save that runs at under 1/SLOW_FACTOR of the speed its strategy was calibrated at (`observe`,
 shards of at least RECHECK_MIN_BYTES, a calibration older than RECHECK_AFTER_S) marks the entry
 stale: the next large save measures again.
+
+Near-ties are settled by real saves. Probes are small, and a path that ties on 128 MiB can be
+1.5x faster on a 4 GiB shard (buffered with writeback overlaps the page cache with the caller's
+hashing; that pays off only on large files: docs/benchmarks.md, 2026-12-04). So when the
+calibration finds other paths within TIE x the fastest probe, the entry holds a `trial`: the next
+large (>= RECHECK_MIN_BYTES), non-emergency saves each use the contender with the fewest real
+saves, `observe` records the GB/s each save reached, and once every contender has TRIAL_SAVES of
+them the path with the best median of real saves becomes the choice (`settled_by: "saves"`). An
+emergency save never explores: it uses the calibrated choice. Every step is in the cache file
+and in `status`.
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ CALIBRATE_MIN_BYTES = 64 << 20
 RECHECK_MIN_BYTES = 256 << 20
 SLOW_FACTOR = 3.0  # the disk here drifts 2x within an hour: that alone is no reason to measure again
 RECHECK_AFTER_S = 600.0  # nor is a slow save right after a calibration (measuring costs ~1 GiB of writes)
+TIE = 1.25  # probes within this factor of the fastest are settled by real saves
+TRIAL_SAVES = 1  # real saves per contender before settling (each is a large shard: already a long sample)
 _memo: dict[str, dict[str, Any]] = {}
 _guard = threading.Lock()
 _state = threading.local()
@@ -136,14 +148,19 @@ def choose(directory: str | os.PathLike[str], size_hint: int = 0) -> tuple[str, 
         key = fs_key(directory)
     except OSError:
         return DEFAULT, "default"
+    emergency_now = bool(getattr(_state, "emergency", False))
     entry = _memo.get(key)
+    if _valid(entry) and entry.get("trial") and not emergency_now:
+        entry = None  # a trial moves on with every node-local save: read what the other ranks recorded
+    if not _valid(entry):
+        entry = _read_cache().get(key)
+        if _valid(entry):
+            _memo[key] = entry
     if _valid(entry):
+        if entry.get("trial") and not emergency_now and size_hint >= RECHECK_MIN_BYTES:
+            return trial_pick(entry), "calibrated"
         return entry["strategy"], "calibrated"
-    entry = _read_cache().get(key)
-    if _valid(entry):
-        _memo[key] = entry
-        return entry["strategy"], "calibrated"
-    if size_hint < CALIBRATE_MIN_BYTES or getattr(_state, "emergency", False):
+    if size_hint < CALIBRATE_MIN_BYTES or emergency_now:
         return DEFAULT, "default"
     try:
         entry = _calibrate_locked(Path(directory), key)
@@ -206,12 +223,41 @@ def calibrate(directory: Path, strategies: tuple[str, ...] | None = None, nbytes
     best = min(med, key=med.__getitem__)
     writer.release_staging(keep=best)
     gbps = {n: round(nbytes / s / 1e9, 3) for n, s in med.items()}
-    entry = {"strategy": best, "gbps": gbps,
-             "seconds": {n: [round(x, 4) for x in v] for n, v in times.items()}, "probe_bytes": nbytes,
-             "measured_at": time.time()}
-    log.info("write path for %s: %s (%s)", directory, best,
-             ", ".join(f"{n} {g:.2f} GB/s" for n, g in gbps.items()))
+    entry: dict[str, Any] = {"strategy": best, "gbps": gbps,
+                             "seconds": {n: [round(x, 4) for x in v] for n, v in times.items()},
+                             "probe_bytes": nbytes, "measured_at": time.time()}
+    contenders = sorted((n for n in med if med[n] <= TIE * med[best]), key=med.__getitem__)
+    if len(contenders) > 1:
+        entry["trial"] = {"contenders": contenders, "observed": {}}
+    log.info("write path for %s: %s (%s)%s", directory, best,
+             ", ".join(f"{n} {g:.2f} GB/s" for n, g in gbps.items()),
+             f"; within {TIE}x: {', '.join(contenders)}, the next large saves decide" if len(contenders) > 1 else "")
     return entry
+
+
+def trial_pick(entry: dict[str, Any]) -> str:
+    """The contender of an open trial with the fewest real saves (ties: the faster probe first)."""
+    trial = entry["trial"]
+    observed = trial.get("observed") or {}
+    return str(min(trial["contenders"], key=lambda n: (len(observed.get(n, [])), trial["contenders"].index(n))))
+
+
+def settle(entry: dict[str, Any], strategy: str, gbps: float) -> dict[str, Any]:
+    """The entry after one real save of `gbps` with `strategy` during its trial (pure): the
+    observation recorded; once every contender has TRIAL_SAVES, the best median becomes the
+    strategy and the trial closes (kept as `settled`, for status and the next reader)."""
+    trial = entry["trial"]
+    if strategy not in trial["contenders"]:
+        return entry
+    observed = {n: list(v) for n, v in (trial.get("observed") or {}).items()}
+    observed.setdefault(strategy, []).append(round(gbps, 3))
+    if any(len(observed.get(n, [])) < TRIAL_SAVES for n in trial["contenders"]):
+        return {**entry, "trial": {**trial, "observed": observed}}
+    rates = {n: statistics.median(observed[n]) for n in trial["contenders"]}
+    best = max(rates, key=rates.__getitem__)
+    out = {k: v for k, v in entry.items() if k != "trial"}
+    out.update({"strategy": best, "settled_by": "saves", "settled": {"observed_gbps": observed, "at": time.time()}})
+    return out
 
 
 def time_probe(strategy: str, probe: Path, src: memoryview, nbytes: int) -> float:
@@ -241,6 +287,8 @@ def observe(directory: str | os.PathLike[str], strategy: str, nbytes: int, secon
         return
     try:
         key = fs_key(directory)
+        if not getattr(_state, "emergency", False) and _observe_trial(key, strategy, nbytes / seconds / 1e9):
+            return
         entry = _memo.get(key) or _read_cache().get(key)
         if not _valid(entry) or entry["strategy"] != strategy:
             return
@@ -257,6 +305,29 @@ def observe(directory: str | os.PathLike[str], strategy: str, nbytes: int, secon
         pass
 
 
+def _observe_trial(key: str, strategy: str, gbps: float) -> bool:
+    """Record a real save in this file system's open trial (under the cache's lock: the ranks of a
+    node record their saves in one file). True when there was a trial to record in."""
+    from filelock import FileLock
+
+    path = cache_path()
+    if not path.exists():
+        return False
+    with _guard, FileLock(str(path) + ".lock", timeout=30):
+        entry = _read_cache().get(key)
+        if not _valid(entry) or not entry.get("trial"):
+            return False
+        after = settle(entry, strategy, gbps)
+        if after is entry:
+            return False
+        if "trial" not in after:
+            log.info("write path settled by real saves: %s (GB/s %s)", after["strategy"],
+                     after["settled"]["observed_gbps"])
+        _write_cache(key, after)
+        _memo[key] = after
+    return True
+
+
 def cached_choice(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     """What this node knows for `directory`'s file system (for `status`): {strategy, source, key,
     measured_at, gbps, stale} or None."""
@@ -271,4 +342,5 @@ def cached_choice(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     if not isinstance(entry, dict):
         return None
     return {"strategy": entry.get("strategy"), "source": "calibrated", "key": key,
-            "measured_at": entry.get("measured_at"), "gbps": entry.get("gbps"), "stale": bool(entry.get("stale"))}
+            "measured_at": entry.get("measured_at"), "gbps": entry.get("gbps"), "stale": bool(entry.get("stale")),
+            "trial": entry.get("trial"), "settled_by": entry.get("settled_by", "probes")}

@@ -142,6 +142,13 @@ def writer_line(st: Status) -> Text | None:
         text += f"; {w.get('source')} here: {w['strategy']}" + (f" (GB/s: {rates})" if rates else "")
         if w.get("stale"):
             text += ", stale: re-measured at the next large save"
+        trial = w.get("trial")
+        if trial:
+            seen = trial.get("observed") or {}
+            text += ("; near-tie of probes, settling by real saves: "
+                     + ", ".join(f"{n} {len(seen.get(n, []))} save(s)" for n in trial.get("contenders", [])))
+        elif w.get("settled_by") == "saves":
+            text += ", settled by real saves"
     return Text(text, style="dim")
 
 
