@@ -180,6 +180,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     ck = slurmresume.Checkpointer(work / "ours", handle_signals=False)
     ack = slurmresume.Checkpointer(work / "ours_async", handle_signals=False)
     counter = iter(range(1, 1 << 30))
+    writers: list[str | None] = []
 
     def ours(strategy: str | None) -> Callable[[], None]:
         def run() -> None:
@@ -191,6 +192,8 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
             name = OURS if strategy is None else f"slurmresume save, writer={strategy}"
             try:
                 record(name, with_mem(name, lambda: ck.save(next(counter), {"m": Holder(state)})))
+                if strategy is None:  # the path this save took (a near-tie of probes is settled by real saves)
+                    writers.append(last_writer(work / "ours"))
             finally:
                 os.environ.pop(calibrate.ENV, None)
         return run
@@ -256,6 +259,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     ours(None)()  # and the first sync save pays one-time costs (imports, staging buffers): not timed
     results.clear()
     memory.clear()
+    writers.clear()
     for r in range(rounds):
         k = r % len(methods)
         for m in methods[k:] + methods[:k]:
@@ -269,7 +273,21 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
         shutil.rmtree(work / name, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in results.items()}
     return {"gib": gib, "bytes": nbytes, "largest_tensor_bytes": largest, "dtype": str(dtype), "rounds": rounds,
-            "seconds": med, "all": results, "peak_extra_bytes": memory, "calibration": calibration}
+            "seconds": med, "all": results, "peak_extra_bytes": memory, "calibration": calibration,
+            "writers": writers, "calibration_end": calibrate.cached_choice(work / "ours")}
+
+
+def last_writer(root: Path) -> str | None:
+    """The write path of the newest save under `root` (its `save_committed` event)."""
+    try:
+        lines = (root / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        e = json.loads(line)
+        if e.get("event") == "save_committed":
+            return e.get("writer")
+    return None
 
 
 def spread(values: list[float]) -> tuple[float, float, float, float]:
@@ -369,6 +387,12 @@ def report(sizes: list[dict], scan: dict | None, agree: dict | None) -> None:
               "before each method")
         rates = ", ".join(f"{k} {v:.2f}" for k, v in ((cal.get("entry") or {}).get("gbps") or {}).items())
         print(f"write-path calibration: chose {cal['choice']} in {cal['seconds']:.2f} s (GB/s: {rates})")
+        end = r.get("calibration_end") or {}
+        if r.get("writers"):
+            print(f"timed '{OURS}' saves, round by round, wrote with: {', '.join(map(str, r['writers']))}; "
+                  f"at the end: {end.get('strategy')} (settled by {end.get('settled_by')}"
+                  + (f", real saves GB/s {end['settled']['observed_gbps']}" if end.get("settled") else "")
+                  + (f", trial still open: {end['trial']}" if end.get("trial") else "") + ")")
         print(f"| {'method':40s} | {'median s':>8s} | {'min-max s':>13s} | {'IQR s':>6s} | {'GB/s':>5s} | "
               f"{'raw/it':>6s} | {'peer/it':>7s} | {'peak extra MiB':>14s} |")
         print(f"|{'-' * 42}|{'-' * 10}|{'-' * 15}|{'-' * 8}|{'-' * 7}|{'-' * 8}|{'-' * 9}|{'-' * 16}|")

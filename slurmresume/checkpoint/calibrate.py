@@ -343,4 +343,4 @@ def cached_choice(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
         return None
     return {"strategy": entry.get("strategy"), "source": "calibrated", "key": key,
             "measured_at": entry.get("measured_at"), "gbps": entry.get("gbps"), "stale": bool(entry.get("stale")),
-            "trial": entry.get("trial"), "settled_by": entry.get("settled_by", "probes")}
+            "trial": entry.get("trial"), "settled_by": entry.get("settled_by", "probes"), "settled": entry.get("settled")}
