@@ -188,7 +188,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
                 os.environ[calibrate.ENV] = strategy
             else:
                 os.environ.pop(calibrate.ENV, None)
-            shutil.rmtree(work / "ours", ignore_errors=True)
+            drop_steps(work / "ours")
             name = OURS if strategy is None else f"slurmresume save, writer={strategy}"
             try:
                 record(name, with_mem(name, lambda: ck.save(next(counter), {"m": Holder(state)})))
@@ -207,7 +207,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
         record("DCP async_save total", time.perf_counter() - t0)
 
     def ours_async() -> None:
-        shutil.rmtree(work / "ours_async", ignore_errors=True)
+        drop_steps(work / "ours_async")
         t0 = time.perf_counter()
         reset_hwm()
         base = rss()
@@ -275,6 +275,13 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     return {"gib": gib, "bytes": nbytes, "largest_tensor_bytes": largest, "dtype": str(dtype), "rounds": rounds,
             "seconds": med, "all": results, "peak_extra_bytes": memory, "calibration": calibration,
             "writers": writers, "calibration_end": calibrate.cached_choice(work / "ours")}
+
+
+def drop_steps(root: Path) -> None:
+    """Remove the previous round's checkpoints but not the root: its lease (.owner.json, rewritten
+    by the open Checkpointer's heartbeat) and event log stay, as in a real run."""
+    for child in root.glob("step_*"):
+        shutil.rmtree(child, ignore_errors=True)
 
 
 def last_writer(root: Path) -> str | None:
