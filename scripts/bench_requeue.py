@@ -4,8 +4,10 @@ requeue -> Slurm restarts the launcher -> torchrun -> the ranks' imports, proces
 
     python scripts/bench_requeue.py [N]           # real Slurm: scancel --signal=USR1, N times (default 3)
     python scripts/bench_requeue.py [N] --local   # `submit --local`: the same launcher restarts torchrun
+    python scripts/bench_requeue.py [N] --example # examples/train.py instead of the test helper
 
-Submits tests/helpers/sig_train.py (2 gloo ranks) and reads the times from the event log: the
+Submits tests/helpers/sig_train.py (2 gloo ranks; with --example, examples/train.py with a
+0.1 s sleep per step and a save every 20 steps, signalled once its current run has saved) and reads the times from the event log: the
 coarse rows of earlier runs (kept, so that before/after compare), then the launcher's start-up
 split finer from the fields the events carry (`started.launcher_started_at`: the launcher
 process's start from /proc; `restored`: rank 0's process start, end of imports, Checkpointer
@@ -28,6 +30,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "helpers" / "sig_train.py"
+EXAMPLE = REPO / "examples" / "train.py"
 
 
 def events(root: Path) -> list[dict]:
@@ -124,17 +127,27 @@ def phases(ev: list[dict], sent: list[float]) -> dict[str, list[float]]:
     return out
 
 
-def run_slurm(n: int, root: Path) -> tuple[str, list[float]]:
-    out = subprocess.run([sys.executable, "-m", "slurmresume", "submit", str(SCRIPT), "--ckpt-dir", str(root),
-                          "--nproc-per-node", "2", "--cpus-per-task", "2", "--time", "15", "--json", "--",
-                          str(40 * (n + 1)), "0.1", "0"], capture_output=True, text=True, check=True)
+def run_has_saved(root: Path, k: int) -> bool:
+    """Run k (0 = the first) has started and committed a periodic save: it is training."""
+    ev = events(root)
+    starts = [e["time"] for e in ev if e["event"] == "started"]
+    return len(starts) > k and any(e["event"] == "save_committed" and e["time"] > starts[k] for e in ev)
+
+
+def run_slurm(n: int, root: Path, example: bool = False) -> tuple[str, list[float]]:
+    script_args = (["--steps", "100000", "--step-sleep", "0.1", "--save-every", "20"] if example
+                   else [str(40 * (n + 1)), "0.1", "0"])
+    out = subprocess.run([sys.executable, "-m", "slurmresume", "submit", str(EXAMPLE if example else SCRIPT),
+                          "--ckpt-dir", str(root), "--nproc-per-node", "2", "--cpus-per-task", "2", "--time", "15",
+                          "--json", "--", *script_args], capture_output=True, text=True, check=True)
     job = json.loads(out.stdout)["job_id"]
     sent: list[float] = []
     try:
         for k in range(n):
-            wait(lambda k=k: sum(e["event"] == "restored" for e in events(root)) >= k
-                 and (root / "pids" / "progress0").exists()
-                 and int((root / "pids" / "progress0").read_text() or 0) >= 5 + 30 * k)
+            wait(lambda k=k: run_has_saved(root, k) if example else (
+                sum(e["event"] == "restored" for e in events(root)) >= k
+                and (root / "pids" / "progress0").exists()
+                and int((root / "pids" / "progress0").read_text() or 0) >= 5 + 30 * k))
             sent.append(time.time())
             subprocess.run(["scancel", "--signal=USR1", job], check=True)
             wait(lambda k=k: sum(e["event"] == "resumed" and e.get("cause") == "requeue"
@@ -173,12 +186,15 @@ def run_local(n: int, root: Path) -> tuple[str, list[float]]:
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     local = "--local" in sys.argv[1:]
+    example = "--example" in sys.argv[1:]
+    if example and local:
+        raise SystemExit("--example runs on the real cluster only")
     n = int(args[0]) if args else 3
     root = Path(tempfile.mkdtemp(prefix="bench-requeue-")) / "run"
-    what, sent = (run_local if local else run_slurm)(n, root)
+    what, sent = run_local(n, root) if local else run_slurm(n, root, example)
     time.sleep(0.5)
     rows = phases(events(root), sent)
-    print(f"{what}, {n} preemptions, 2 gloo ranks, medians (min-max) in seconds, {root}")
+    print(f"{what}, {'examples/train.py' if example else 'sig_train.py'}, {n} preemptions, 2 gloo ranks, medians (min-max) in seconds, {root}")
     for name, vals in rows.items():
         if name == FINE[0]:
             print("  finer:")
