@@ -251,3 +251,21 @@ def test_status_line_shows_an_open_trial_and_how_the_path_was_settled() -> None:
     assert open_ is not None and "settling by real saves: direct 1 save(s), buffered 0 save(s)" in open_.plain
     done = writer_line(SimpleNamespace(writer={**base, "settled_by": "saves"}))  # type: ignore[arg-type]
     assert done is not None and done.plain.endswith("settled by real saves")
+
+
+@pytest.mark.parametrize("trial", [{"contenders": ["direct", "warp-drive"], "observed": {}},
+                                   {"contenders": "direct", "observed": {}},
+                                   {"contenders": ["direct", "buffered"], "observed": {"direct": ["fast"]}},
+                                   ["direct"]])
+def test_a_damaged_trial_in_the_cache_never_breaks_a_save(tmp_path: Path, _own_cache: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, trial: object) -> None:
+    """The cache is a file in the user's home: a damaged trial makes the entry no answer (a large
+    save measures anew, a small one takes the default), and choose() still never raises."""
+    key = calibrate.fs_key(tmp_path)
+    calibrate._write_cache(key, {"strategy": "direct", "gbps": {"direct": 1.0}, "measured_at": time.time(),
+                                 "trial": trial})
+    assert calibrate.choose(tmp_path, size_hint=1 << 20) == (calibrate.DEFAULT, "default")
+    monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: {"strategy": "buffered", "gbps": {"buffered": 1.0},
+                                                                 "measured_at": time.time()})
+    assert calibrate.choose(tmp_path, size_hint=1 << 30) == ("buffered", "calibrated")
+    calibrate.observe(tmp_path, "buffered", 1 << 30, 1.0)  # and recording a save does not raise either

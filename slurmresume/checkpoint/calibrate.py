@@ -135,7 +135,17 @@ def _write_cache(key: str, entry: dict[str, Any]) -> None:
 def _valid(entry: Any) -> TypeGuard[dict[str, Any]]:
     from .writer import STRATEGIES
 
-    return isinstance(entry, dict) and entry.get("strategy") in STRATEGIES and not entry.get("stale")
+    if not (isinstance(entry, dict) and entry.get("strategy") in STRATEGIES and not entry.get("stale")):
+        return False
+    trial = entry.get("trial")
+    if trial is None:
+        return True
+    # a damaged trial (hand-edited, truncated) would name a path no writer has, or fail to sort:
+    # the entry is then no answer at all, and the next large save calibrates anew
+    contenders, observed = (trial.get("contenders"), trial.get("observed")) if isinstance(trial, dict) else (None, None)
+    return (isinstance(contenders, list) and bool(contenders) and all(c in STRATEGIES for c in contenders)
+            and isinstance(observed, dict) and all(isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
+                                                   for v in observed.values()))
 
 
 def choose(directory: str | os.PathLike[str], size_hint: int = 0) -> tuple[str, str]:
