@@ -9,23 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_slurm_e2e import events, final_state, job_log, sacct_states
+from test_slurm_e2e import cluster, events, final_state, job_log, sacct_states  # noqa: F401 (cluster: fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 HANG_TRAIN = Path(__file__).resolve().parent / "helpers" / "hang_train.py"
-
-
-@pytest.fixture(scope="module")
-def cluster() -> None:
-    """Up = sinfo answers with a usable node (another job may hold part of it: 'mixed')."""
-    if os.environ.get("SLURMRESUME_NO_CLUSTER"):
-        pytest.skip("SLURMRESUME_NO_CLUSTER is set (not root): no Slurm cluster on this machine")
-    from helpers.slurm_probe import cluster_up
-
-    up, said = cluster_up()
-    if not up:
-        pytest.fail(f"the Slurm cluster is not up (run `bash scripts/cluster.sh up`): sinfo said {said!r}")
 
 
 def test_hang_restarts_inside_the_allocation(cluster: None, tmp_path: Path) -> None:
