@@ -50,17 +50,17 @@ def append_event(root: Path, name: str, /, **fields: Any) -> None:
 
 def process_started_at(pid: int | None = None) -> float | None:
     """When a process started (default: this one), as a time.time(): the kernel's start time
-    (/proc/<pid>/stat field 22, clock ticks since boot, 10 ms resolution) plus the boot time.
-    For the start-up breakdown in the event log (the interpreter and imports before any of our
-    code runs); None where /proc cannot tell."""
+    (/proc/<pid>/stat field 22, clock ticks since boot, 10 ms resolution) moved onto the wall
+    clock through CLOCK_BOOTTIME, the clock it counts on. (`btime` in /proc/stat is whole
+    seconds: btime + ticks was early by the boot's fraction of a second, up to 1 s.) For the
+    start-up breakdown in the event log (the interpreter and imports before any of our code
+    runs); None where /proc cannot tell."""
     try:
         with open(f"/proc/{pid or 'self'}/stat", "rb") as f:
             stat_line = f.read()
-        with open("/proc/stat", "rb") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
         ticks = int(stat_line[stat_line.rindex(b")") + 2:].split()[19])
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME
         return None
 
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,25 @@ def test_agent_skips_teardown_only_after_success(tmp_path: Path, code: int) -> N
         assert res.returncode == 1, res.stderr[-2000:]  # torchrun's own status for a failed worker group
         assert marker.exists()
         assert "ChildFailedError" in res.stderr
+
+
+def test_process_start_time_is_on_the_wall_clock_to_the_tick() -> None:
+    """The start-up breakdown (`started.launcher_started_at`, `restored.process_started_at`) and the
+    `resumed` seconds shown by `status` compare a process's start with time.time(). /proc's
+    `btime` is whole seconds, so btime + ticks was early by the boot's fraction of a second
+    (0.52 s on the machine where this was found): a random offset of up to 1 s per boot that
+    moved time from Slurm's phase into the launcher's."""
+    from slurmresume.events import process_started_at
+
+    for _ in range(3):
+        before = time.time()
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+        after = time.time()
+        try:
+            started = process_started_at(child.pid)
+        finally:
+            child.kill()
+            child.wait()
+        assert started is not None
+        tick = 1 / os.sysconf("SC_CLK_TCK")  # the kernel's start time is in clock ticks
+        assert before - tick - 0.005 <= started <= after + 0.005, (started - before, after - before)
