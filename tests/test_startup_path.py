@@ -113,3 +113,38 @@ def test_process_start_time_is_on_the_wall_clock_to_the_tick() -> None:
         assert started is not None
         tick = 1 / os.sysconf("SC_CLK_TCK")  # the kernel's start time is in clock ticks
         assert before - tick - 0.005 <= started <= after + 0.005, (started - before, after - before)
+
+
+def test_one_node_rendezvous_takes_no_random_delay(tmp_path: Path) -> None:
+    """torchrun's c10d rendezvous sleeps a random 0-0.3 s before its first round (to spread the
+    nodes' joins on a shared store); a one-node job has nobody to spread, and that sleep sat
+    between the launcher's start and the ranks' start of every requeue. The one-node command
+    runs the agent with its real arguments and records any such sleep; the ranks must still
+    rendezvous (a gloo all-reduce over 2 ranks)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script, delays, done = tmp_path / "w.py", tmp_path / "delays", tmp_path / "done"
+    script.write_text("import os, torch, torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "t = torch.ones(1)\n"
+                      "dist.all_reduce(t)\n"
+                      f"open({str(done)!r} + os.environ['RANK'], 'w').write(str(int(t.item())))\n")
+    spec = JobSpec(script=script, ckpt_dir=tmp_path / "ck", nproc_per_node=2)
+    cmd = torchrun_command(spec, nnodes=1, endpoint=f"127.0.0.1:{port}", rdzv_id="7")
+    boot = ("import runpy, sys\n"
+            "import torch.distributed.elastic.rendezvous.utils as u\n"
+            "import torch.distributed.elastic.rendezvous.dynamic_rendezvous as d\n"
+            "def record(seconds):\n"
+            f"    open({str(delays)!r}, 'a').write(repr(seconds) + '\\n')\n"
+            "u._delay = d._delay = record\n"
+            "sys.argv = ['agent', *sys.argv[1:]]\n"
+            f"runpy.run_module({cmd[2]!r}, run_name='__main__')\n")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    res = subprocess.run([sys.executable, "-c", boot, *cmd[3:]], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert [(tmp_path / f"done{r}").read_text() for r in (0, 1)] == ["2", "2"]
+    assert not delays.exists(), f"the rendezvous slept: {delays.read_text()}"

@@ -62,14 +62,20 @@ def rdzv_port(job_id: str, override: int | None) -> int:
 def torchrun_command(spec: JobSpec, *, nnodes: int, endpoint: str | None, rdzv_id: str) -> list[str]:
     """The torchrun command, as an argument list (never through a shell). On one node through
     `slurmresume.job.agent` (torchrun, then no interpreter teardown: the launcher's decision
-    after a preemption does not wait for it); with several nodes plain torchrun (agent.py says why)."""
+    after a preemption does not wait for it); with several nodes plain torchrun (agent.py says why).
+
+    A one-node Slurm job rendezvouses `static` on the same endpoint (its agent hosts the store,
+    as with c10d): c10d sleeps a random 0-0.3 s before its first round to spread the nodes'
+    joins, and on one node that sleep only delays every requeue's first step. `--standalone`
+    (local runs) keeps c10d: its port is the kernel's pick, so nothing can race for it."""
     runner = "slurmresume.job.agent" if nnodes == 1 else "torch.distributed.run"
     cmd = [spec.python, "-m", runner, f"--nnodes={nnodes}",
            f"--nproc-per-node={spec.procs}", "--max-restarts=0"]
     if endpoint is None:
         cmd.append("--standalone")
     else:
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+        backend = "static" if nnodes == 1 else "c10d"
+        cmd += [f"--rdzv-backend={backend}", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
     return cmd + [str(spec.script), *spec.script_args]
 
 
