@@ -85,7 +85,7 @@ model = TinyGPT().to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
 warmup = max(1, args.steps // 10)
 scheduler = torch.optim.lr_scheduler.LambdaLR(
-    optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / max(1, args.steps))))
 ddp = nn.parallel.DistributedDataParallel(model) if distributed else model
 
 # -- slurmresume: everything needed to continue exactly (RNG states are added automatically) --

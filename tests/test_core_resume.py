@@ -70,6 +70,13 @@ def test_exact_resume_one_process(one_proc: dict) -> None:
     _assert_exact(one_proc, 40, 20, 20, world=1)
 
 
+def test_zero_steps_saves_the_start_and_exits_cleanly(tmp_path: Path) -> None:
+    """`--steps 0` (set-up only: a smoke test of a script's state) divided by zero in the
+    example's learning-rate schedule and exited 1 with a traceback."""
+    check(run_example(tmp_path / "ck", "--steps", 0))
+    assert [i.step for i in list_checkpoints(tmp_path / "ck", verify=True)] == [0]
+
+
 @pytest.mark.slow
 def test_compare_sees_differences_negative_control(one_proc: dict) -> None:
     a = one_proc["a"]
