@@ -148,3 +148,60 @@ def test_one_node_rendezvous_takes_no_random_delay(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     assert [(tmp_path / f"done{r}").read_text() for r in (0, 1)] == ["2", "2"]
     assert not delays.exists(), f"the rendezvous slept: {delays.read_text()}"
+
+
+AGENT = """\
+import os, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", '''
+import os, signal, sys, time
+def got(signum, frame):
+    open(sys.argv[1] + "/signalled", "w").write(repr(time.time()))
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, got)
+open(sys.argv[1] + "/ready", "w").close()
+time.sleep(60)
+''', sys.argv[1]])
+worker.wait()
+open(sys.argv[1] + "/agent-exit", "w").write(repr(time.time()))
+"""
+
+
+def test_launcher_relays_and_sees_the_exit_without_waiting_for_its_poll(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warning reaches the ranks, and the agent's exit reaches the launcher's decision (the
+    requeue), when they happen, not at the relay loop's next turn. The loop's period is made 5 s
+    here so that a wait for it shows; the real one is 0.1 s, i.e. 0-0.1 s on each of two steps
+    of every preemption. A stand-in agent (one child that records the warning and exits) and
+    the real relay in this process, signalled as Slurm signals the launcher."""
+    import signal
+
+    from slurmresume.job import launcher
+
+    monkeypatch.setattr(launcher, "POLL_S", 5.0)
+    (tmp_path / "root").mkdir()
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    relay = launcher.Relay(signal.SIGUSR1)
+    relay.install()
+    sent: list[float] = []
+
+    def warn_when_ready() -> None:
+        end = time.monotonic() + 60
+        while not (tmp_path / "ready").exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(0.2)  # the launcher is inside its wait by now
+        sent.append(time.time())
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    threading.Thread(target=warn_when_ready, daemon=True).start()
+    try:
+        result = launcher.run_torchrun([sys.executable, str(agent), str(tmp_path)], dict(os.environ),
+                                       tmp_path / "root", "r1", signal.SIGUSR1, relay)
+        returned = time.time()
+    finally:
+        relay.uninstall()
+    assert result.returncode == 0 and result.warned
+    signalled = float((tmp_path / "signalled").read_text())
+    exited = float((tmp_path / "agent-exit").read_text())
+    assert signalled - sent[0] < 2.0, f"the warning reached the worker {signalled - sent[0]:.2f} s after it came"
+    assert returned - exited < 2.0, f"the launcher saw the agent's exit {returned - exited:.2f} s late"

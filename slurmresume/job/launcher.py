@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import subprocess
 import threading
@@ -47,6 +48,7 @@ from .hang import Hang
 
 log = logging.getLogger("slurmresume")
 
+POLL_S = 0.1  # the relay loop's period: hang watch, heartbeat summary, re-sends
 RELAY_EVERY = 1.0  # seconds between re-sends while workers have not acted (start-up race)
 TERM_QUERY_TIMEOUT_S = 2.0  # asking slurmctld, at a SIGTERM, whether it is the time limit
 START_QUERY_TIMEOUT_S = 5.0  # the job's EndTime and KillWait, read once at start
@@ -240,7 +242,9 @@ def worker_pids(agent_pid: int) -> list[int]:
 
 class Relay:
     """Flag-only handlers in the launcher (the warning, SIGTERM, SIGINT); `pump()`-style normal
-    code in `run_torchrun` forwards what arrived. Installed first thing, before any Slurm call."""
+    code in `run_torchrun` forwards what arrived. Installed first thing, before any Slurm call.
+    Each handler also writes a byte to a pipe that `wait()` watches, so the relay loop forwards
+    a signal when it comes, not at its next turn."""
 
     def __init__(self, warn: signal.Signals) -> None:
         self.warn = warn
@@ -249,6 +253,7 @@ class Relay:
         self.term_at: float | None = None  # time.time() of the first SIGTERM
         self.interrupts = 0
         self._previous: dict[int, Any] = {}
+        self._wake: tuple[int, int] | None = None  # (read, write) ends of the wake-up pipe
 
     def _handler(self, signum: int, frame: object) -> None:
         self.pending.add(signum)
@@ -257,8 +262,17 @@ class Relay:
             self.term_at = time.time()
         if signum == signal.SIGINT:
             self.interrupts += 1
+        if self._wake is not None:
+            try:
+                os.write(self._wake[1], b"\0")
+            except OSError:  # full (a wake-up is pending anyway) or closed
+                pass
 
     def install(self) -> None:
+        if self._wake is None:
+            self._wake = os.pipe()
+            for fd in self._wake:
+                os.set_blocking(fd, False)
         for s in {self.warn, signal.SIGTERM, signal.SIGINT}:
             self._previous[s] = signal.signal(s, self._handler)
 
@@ -266,12 +280,44 @@ class Relay:
         for s, prev in self._previous.items():
             signal.signal(s, prev)
         self._previous.clear()
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
+
+    def wait(self, timeout: float, pid_fd: int | None = None) -> bool:
+        """Sleep up to `timeout`; back early when one of our signals arrives or the process behind
+        `pid_fd` (a pidfd) exits. True when `pid_fd` is readable (the process has exited)."""
+        fds = [fd for fd in (self._wake[0] if self._wake else None, pid_fd) if fd is not None]
+        if not fds:
+            time.sleep(timeout)
+            return False
+        poller = select.poll()  # not select(): no limit on the descriptors' numbers
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        ready = [fd for fd, _ in poller.poll(timeout * 1000)]
+        if self._wake is not None and self._wake[0] in ready:
+            try:
+                while os.read(self._wake[0], 512):
+                    pass
+            except OSError:  # drained
+                pass
+        return pid_fd is not None and pid_fd in ready
 
     def strongest(self) -> int | None:
         """What the workers are told: the warning, else SIGTERM (for a SIGTERM or a SIGINT)."""
         if self.warn in self.pending:
             return self.warn
         return signal.SIGTERM if self.pending & {signal.SIGTERM, signal.SIGINT} else None
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd for `pid` (readable once it exits; Linux 5.3+), else None: exits are then seen at
+    the relay loop's next turn."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def _child_setup(sig: int) -> Any:
@@ -305,44 +351,51 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
     rc: int | None = None
     hang: Hang | None = None
     ended_at: float | None = None
-    while True:
-        try:
-            rc = proc.wait(timeout=0.1)
-            ended_at = time.time()
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        if watch is not None and relay.strongest() is None:
-            hang = watch.poll(time.time(), worker_pids(proc.pid))
-            watch.publish(root, _summary_key(run_id, env), time.time())
-            if watch.resumed is not None and not watch.resumed_logged:
-                watch.resumed_logged = True  # the first step after a death/kill: the recovery time
-                try_append_event(root, EV_RESUMED, run_id=run_id, **watch.resumed)
-                log.info("resumed %.2f s after the %s", watch.resumed["seconds"], watch.resumed["cause"])
-            if hang is not None:
-                ended_at = _handle_hang(hang, watch, proc.pid, tree, root, run_id, dumps or root / "logs" / run_id,
-                                        env)
-                rc = proc.wait()
-                break
-        sig = relay.strongest()
-        if sig is not None and (sig != sent or time.monotonic() - last_sent > RELAY_EVERY):
-            pids = worker_pids(proc.pid)
-            for pid in pids:
-                _kill(pid, sig)
-            if pids:
-                if sig != sent:
-                    try_append_event(root, "signal_forwarded", signal=signal.Signals(sig).name, workers=len(pids),
-                                 run_id=run_id)
-                sent, last_sent = sig, time.monotonic()
-        if stop is None:
-            stop = _classify_stop(relay, clock, root, run_id)
-            if stop == "time_limit" and clock is not None and relay.term_at is not None:
-                give_up_at = relay.term_at + clock.kill_wait / 2
-        if relay.interrupts >= 2:  # a second Ctrl-C: stop now, no save
-            kill_tree(tree)
-        if give_up_at is not None and time.time() > give_up_at:
+    pid_fd = _pidfd(proc.pid)
+    try:
+        while True:
+            exited = relay.wait(POLL_S, pid_fd)
             rc = proc.poll()
-            break
+            if rc is not None:
+                ended_at = time.time()
+                break
+            if exited and pid_fd is not None:  # readable, yet not reapable: never spin on it
+                os.close(pid_fd)
+                pid_fd = None
+            if watch is not None and relay.strongest() is None:
+                hang = watch.poll(time.time(), worker_pids(proc.pid))
+                watch.publish(root, _summary_key(run_id, env), time.time())
+                if watch.resumed is not None and not watch.resumed_logged:
+                    watch.resumed_logged = True  # the first step after a death/kill: the recovery time
+                    try_append_event(root, EV_RESUMED, run_id=run_id, **watch.resumed)
+                    log.info("resumed %.2f s after the %s", watch.resumed["seconds"], watch.resumed["cause"])
+                if hang is not None:
+                    ended_at = _handle_hang(hang, watch, proc.pid, tree, root, run_id, dumps or root / "logs" / run_id,
+                                            env)
+                    rc = proc.wait()
+                    break
+            sig = relay.strongest()
+            if sig is not None and (sig != sent or time.monotonic() - last_sent > RELAY_EVERY):
+                pids = worker_pids(proc.pid)
+                for pid in pids:
+                    _kill(pid, sig)
+                if pids:
+                    if sig != sent:
+                        try_append_event(root, "signal_forwarded", signal=signal.Signals(sig).name, workers=len(pids),
+                                     run_id=run_id)
+                    sent, last_sent = sig, time.monotonic()
+            if stop is None:
+                stop = _classify_stop(relay, clock, root, run_id)
+                if stop == "time_limit" and clock is not None and relay.term_at is not None:
+                    give_up_at = relay.term_at + clock.kill_wait / 2
+            if relay.interrupts >= 2:  # a second Ctrl-C: stop now, no save
+                kill_tree(tree)
+            if give_up_at is not None and time.time() > give_up_at:
+                rc = proc.poll()
+                break
+    finally:
+        if pid_fd is not None:
+            os.close(pid_fd)
     if watch is not None:
         if watch.death_at is not None and hang is None:
             ended_at = min(watch.death_at, ended_at or watch.death_at)
