@@ -5,6 +5,12 @@ requeue -> Slurm restarts the launcher -> torchrun -> the ranks' imports, proces
     python scripts/bench_requeue.py [N]           # real Slurm: scancel --signal=USR1, N times (default 3)
     python scripts/bench_requeue.py [N] --local   # `submit --local`: the same launcher restarts torchrun
     python scripts/bench_requeue.py [N] --example # examples/train.py instead of the test helper
+    python scripts/bench_requeue.py [N] --bytecode  # slurmresume's bytecode compiled first, as a wheel install has it
+    python scripts/bench_requeue.py [N] --tree DIR  # the code of another checkout (a worktree), for before/after
+
+Without --bytecode the tree's __pycache__ directories are removed first: in this sandbox
+(PYTHONDONTWRITEBYTECODE=1, an editable install) every process then compiles the slurmresume
+modules it imports, as it does here by default; a `pip install` of the wheel compiles them once.
 
 Submits tests/helpers/sig_train.py (2 gloo ranks; with --example, examples/train.py with a
 0.1 s sleep per step and a save every 20 steps, signalled once its current run has saved) and reads the times from the event log: the
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -134,12 +141,14 @@ def run_has_saved(root: Path, k: int) -> bool:
     return len(starts) > k and any(e["event"] == "save_committed" and e["time"] > starts[k] for e in ev)
 
 
-def run_slurm(n: int, root: Path, example: bool = False) -> tuple[str, list[float]]:
+def run_slurm(n: int, root: Path, example: bool = False, tree: Path = REPO) -> tuple[str, list[float]]:
     script_args = (["--steps", "100000", "--step-sleep", "0.1", "--save-every", "20"] if example
                    else [str(40 * (n + 1)), "0.1", "0"])
-    out = subprocess.run([sys.executable, "-m", "slurmresume", "submit", str(EXAMPLE if example else SCRIPT),
+    script = tree / ("examples/train.py" if example else "tests/helpers/sig_train.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-m", "slurmresume", "submit", str(script),
                           "--ckpt-dir", str(root), "--nproc-per-node", "2", "--cpus-per-task", "2", "--time", "15",
-                          "--json", "--", *script_args], capture_output=True, text=True, check=True)
+                          "--json", "--", *script_args], capture_output=True, text=True, check=True, env=env)
     job = json.loads(out.stdout)["job_id"]
     sent: list[float] = []
     try:
@@ -184,17 +193,30 @@ def run_local(n: int, root: Path) -> tuple[str, list[float]]:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    args = [a for i, a in enumerate(sys.argv[1:], 1) if not a.startswith("--") and sys.argv[i - 1] != "--tree"]
     local = "--local" in sys.argv[1:]
     example = "--example" in sys.argv[1:]
     if example and local:
         raise SystemExit("--example runs on the real cluster only")
+    tree = Path(sys.argv[sys.argv.index("--tree") + 1]).resolve() if "--tree" in sys.argv else REPO
+    if tree != REPO and local:
+        raise SystemExit("--tree runs on the real cluster only")
     n = int(args[0]) if args else 3
+    bytecode = "--bytecode" in sys.argv[1:]
+    for cache in (tree / "slurmresume").rglob("__pycache__"):
+        shutil.rmtree(cache)
+    if bytecode:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "slurmresume")], check=True,
+                       stdout=subprocess.DEVNULL)
     root = Path(tempfile.mkdtemp(prefix="bench-requeue-")) / "run"
-    what, sent = run_local(n, root) if local else run_slurm(n, root, example)
+    what, sent = run_local(n, root) if local else run_slurm(n, root, example, tree)
     time.sleep(0.5)
     rows = phases(events(root), sent)
-    print(f"{what}, {'examples/train.py' if example else 'sig_train.py'}, {n} preemptions, 2 gloo ranks, medians (min-max) in seconds, {root}")
+    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    print(f"{what}, {'examples/train.py' if example else 'sig_train.py'}, {n} preemptions, 2 gloo ranks, "
+          f"tree {tree} ({head or '?'}), bytecode {'compiled first' if bytecode else 'not cached'}, "
+          f"medians (min-max) in seconds, {root}")
     for name, vals in rows.items():
         if name == FINE[0]:
             print("  finer:")
