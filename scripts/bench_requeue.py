@@ -148,7 +148,8 @@ def run_slurm(n: int, root: Path, example: bool = False, tree: Path = REPO) -> t
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-m", "slurmresume", "submit", str(script),
                           "--ckpt-dir", str(root), "--nproc-per-node", "2", "--cpus-per-task", "2", "--time", "15",
-                          "--json", "--", *script_args], capture_output=True, text=True, check=True, env=env)
+                          "--json", "--", *script_args], capture_output=True, text=True, check=True, env=env,
+                         cwd=tree)  # the job's working directory comes first on its sys.path (`python -m`)
     job = json.loads(out.stdout)["job_id"]
     sent: list[float] = []
     try:
