@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.procs import free_port
 
 from slurmresume.job.config import JobSpec
 from slurmresume.job.launcher import JobClock
@@ -121,11 +122,6 @@ def test_one_node_rendezvous_takes_no_random_delay(tmp_path: Path) -> None:
     between the launcher's start and the ranks' start of every requeue. The one-node command
     runs the agent with its real arguments and records any such sleep; the ranks must still
     rendezvous (a gloo all-reduce over 2 ranks)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script, delays, done = tmp_path / "w.py", tmp_path / "delays", tmp_path / "done"
     script.write_text("import os, torch, torch.distributed as dist\n"
                       "dist.init_process_group('gloo')\n"
@@ -133,7 +129,7 @@ def test_one_node_rendezvous_takes_no_random_delay(tmp_path: Path) -> None:
                       "dist.all_reduce(t)\n"
                       f"open({str(done)!r} + os.environ['RANK'], 'w').write(str(int(t.item())))\n")
     spec = JobSpec(script=script, ckpt_dir=tmp_path / "ck", nproc_per_node=2)
-    cmd = torchrun_command(spec, nnodes=1, endpoint=f"127.0.0.1:{port}", rdzv_id="7")
+    cmd = torchrun_command(spec, nnodes=1, endpoint=f"127.0.0.1:{free_port()}", rdzv_id="7")
     boot = ("import runpy, sys\n"
             "import torch.distributed.elastic.rendezvous.utils as u\n"
             "import torch.distributed.elastic.rendezvous.dynamic_rendezvous as d\n"
