@@ -3,8 +3,12 @@
 Each test asserts on the effect the guarded line exists for (the fd that `os.fsync` received, a
 lease file's bytes, the next random numbers of a rank, the step a restore lands on, the kind of an
 agreed signal, which directories survive a prune), never on log text. Multi-rank guards run three
-forked ranks over gloo (`run_ranks`): with two, MAX and MIN of {0, x} are told apart only by luck
-of which rank holds x, and 3+ ranks are what the field gets wrong (PITFALLS.md).
+forked ranks over gloo (`run_ranks`, under a second): with the largest value on the middle rank,
+MIN, "rank 0's value" and "the last rank's value" all differ from MAX, and a rank beyond a saved
+world of two exists only with three.
+
+Each guard was seen to fail with its breakage applied and to pass without it (the lead's closing
+note on issue 34 lists the exact one-line edits).
 
   breakage (one line)                                              guard
   1 fsio.fsync_dir: the label, no os.fsync                        test_fsync_dir_*, test_a_save_fsyncs_*
