@@ -7,8 +7,8 @@ forked ranks over gloo (`run_ranks`, under a second): with the largest value on 
 MIN, "rank 0's value" and "the last rank's value" all differ from MAX, and a rank beyond a saved
 world of two exists only with three.
 
-Each guard was seen to fail with its breakage applied and to pass without it (the lead's closing
-note on issue 34 lists the exact one-line edits).
+Each guard was seen to fail with its breakage (the table above) applied alone, and to pass
+without it.
 
   breakage (one line)                                              guard
   1 fsio.fsync_dir: the label, no os.fsync                        test_fsync_dir_*, test_a_save_fsyncs_*
