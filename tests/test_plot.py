@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from helpers.timeline import example_events, write_events
 from typer.testing import CliRunner
 
 from slurmresume.cli import app
 from slurmresume.tools import status
-from slurmresume.tools.plot import build_timeline
+from slurmresume.tools.plot import build_timeline, preemption_cost
 
 
 def test_timeline_runs_and_lost_work():
@@ -34,3 +37,122 @@ def test_status_plot_writes_a_png(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output  # the run finished
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     assert f"timeline written to {out}" in r.stderr
+
+
+# A real event log: `slurmresume drill examples/train.py --preemptions 3 --nproc-per-node 2
+# -- --steps 60` on the shared 2-core machine (restarts slow under load): warnings agreed at steps
+# 26, 50 and 56; each restart's first step logged by the launcher's `resumed` event.
+DRILL_LOG = Path(__file__).parent / "helpers" / "drill-3-preemptions.jsonl"
+DRILL_DOWN_S = [19.73, 18.65, 23.32]  # warning (signal_forwarded) -> first_step_at of the next run
+DRILL_WALL_S = 91.39  # started -> finished
+
+
+def drill_events() -> list[dict]:
+    return [json.loads(line) for line in DRILL_LOG.read_text().splitlines()]
+
+
+def test_warnings_are_placed_at_the_step_the_ranks_agreed_on():
+    tl = build_timeline(drill_events())
+    assert [[s for _, s in r.warnings] for r in tl.runs] == [[26], [50], [56], []]
+    forwarded = [e["time"] for e in drill_events() if e["event"] == "signal_forwarded"]
+    assert [r.warnings[0][0] for r in tl.runs[:3]] == forwarded  # drawn when the warning arrived
+
+
+def test_down_time_is_measured_from_the_warning_to_the_first_resumed_step():
+    cost = preemption_cost(drill_events())
+    assert cost is not None and [i.kind for i in cost.interruptions] == ["preempt"] * 3
+    assert [i.down_s for i in cost.interruptions] == pytest.approx(DRILL_DOWN_S, abs=0.01)
+    assert [i.step for i in cost.interruptions] == [26, 50, 56]
+    assert cost.lost_s == 0 and all(i.lost_steps == 0 for i in cost.interruptions)  # each warned save committed
+    assert cost.wall_s == pytest.approx(DRILL_WALL_S, abs=0.01)
+    assert cost.fraction == pytest.approx(sum(DRILL_DOWN_S) / DRILL_WALL_S, abs=0.001)
+
+
+def test_unwarned_failure_costs_its_work_since_the_last_commit_and_its_restart():
+    cost = preemption_cost(example_events(t0=0.0))
+    assert cost is not None and [i.kind for i in cost.interruptions] == ["preempt", "failed", "preempt"]
+    # warnings at 900 and 2650 s, failure at 1790 s; the next runs restored at 1008, 1818, 2768 s
+    assert [i.down_s for i in cost.interruptions] == pytest.approx([108, 28, 118])
+    assert [i.lost_s for i in cost.interruptions] == pytest.approx([0, 1790 - 1608, 0])
+    assert cost.interruptions[1].lost_steps > 0 and cost.interruptions[1].lost_estimated
+    assert cost.down_s + cost.lost_s == pytest.approx(108 + 28 + 118 + 182)
+    assert cost.wall_s == pytest.approx(3401)
+
+
+def test_lost_steps_are_exact_when_an_event_names_the_step_a_failed_run_reached():
+    events = [{"time": 0.0, "event": "started"}, {"time": 10.0, "event": "save_committed", "step": 100},
+              {"time": 40.0, "event": "hang", "step": 130, "ranks": [1]},
+              {"time": 41.0, "event": "started"}, {"time": 50.0, "event": "restored", "step": 100},
+              {"time": 53.0, "event": "resumed", "first_step_at": 52.5, "step": 101}]
+    cost = preemption_cost(events)
+    assert cost is not None
+    (hang,) = cost.interruptions
+    assert (hang.kind, hang.lost_s, hang.lost_steps, hang.lost_estimated) == ("hang", 30.0, 30, False)
+    assert hang.down_s == pytest.approx(12.5)  # the hang's kill (40 s) to the first resumed step (52.5 s)
+    assert cost.wall_s == pytest.approx(53)  # still running: to the newest event...
+    assert preemption_cost(events, now=100.0).wall_s == pytest.approx(100)  # ...or to now
+
+
+def test_plot_draws_warnings_down_times_and_title_from_the_measured_log():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from slurmresume.tools.plot import render_timeline
+
+    events = drill_events()
+    t0 = events[0]["time"]
+    fig = render_timeline(events)
+    try:
+        ax = fig.axes[0]
+        warns = [(float(ln.get_xdata()[0]), float(ln.get_ydata()[0])) for ln in ax.lines if ln.get_marker() == "v"]
+        forwarded = [e["time"] - t0 for e in events if e["event"] == "signal_forwarded"]
+        assert [s for _, s in warns] == [26, 50, 56]
+        assert [x for x, _ in warns] == pytest.approx(forwarded)
+        downs = [t.get_text() for t in ax.texts if t.get_text().startswith("down")]
+        assert downs == ["down\n19.7s", "down\n18.6s", "down\n23.3s"]
+        bands = [(p.get_x(), p.get_x() + p.get_width()) for p in ax.patches if p.get_facecolor()[:3] != (1, 0, 0)]
+        resumed = [e["first_step_at"] - t0 for e in events if e["event"] == "resumed"]
+        assert bands == [pytest.approx(b, abs=0.01) for b in zip(forwarded, resumed)]
+        title = ax.get_title()
+        assert "3 requeue(s), 0 failure(s)" in title
+        assert "down 19.7s + 18.6s + 23.3s, work lost 0.0s: 68% of 1m 31s wall time" in title
+    finally:
+        plt.close(fig)
+
+
+def test_plot_title_names_the_lost_work_of_a_failure():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from slurmresume.tools.plot import render_timeline
+
+    fig = render_timeline(example_events(t0=0.0))
+    try:
+        ax = fig.axes[0]
+        assert "work lost 3m 2s (~" in ax.get_title() and "1 failure(s)" in ax.get_title()
+        assert any(t.get_text().startswith("failed: lost 3m 2s, ~") for t in ax.texts)
+        assert [t.get_text() for t in ax.texts if t.get_text().startswith("down")] == [
+            "down\n1m 48s", "down\n28.0s", "down\n1m 58s"]
+    finally:
+        plt.close(fig)
+
+
+def test_status_headline_and_json_carry_the_preemption_cost(tmp_path, monkeypatch):
+    monkeypatch.setattr(status, "run_slurm", lambda args, timeout=10.0: None)
+    write_events(tmp_path / "root", drill_events())
+    env = {"COLUMNS": "120", "NO_COLOR": "1", "TERM": "dumb", "SLURMRESUME_CKPT_DIR": ""}
+    r = CliRunner().invoke(app, ["status", "-d", str(tmp_path / "root")], env=env)
+    assert r.exit_code == 0, r.output
+    assert "interruptions: down 19.7s + 18.6s + 23.3s, work lost 0.0s: 68% of 1m 31s wall time" in r.stdout
+    r = CliRunner().invoke(app, ["status", "-d", str(tmp_path / "root"), "--json"], env=env)
+    cost = json.loads(r.stdout)["preemption_cost"]
+    assert [i["down_s"] for i in cost["interruptions"]] == pytest.approx(DRILL_DOWN_S, abs=0.01)
+    assert cost["fraction"] == pytest.approx(sum(DRILL_DOWN_S) / DRILL_WALL_S, abs=0.001)
+    assert cost["lost_s"] == 0 and cost["wall_s"] == pytest.approx(DRILL_WALL_S, abs=0.01)
+
+
+def test_status_without_interruptions_has_no_cost(tmp_path, monkeypatch):
+    monkeypatch.setattr(status, "run_slurm", lambda args, timeout=10.0: None)
+    events = [e for e in example_events() if e["time"] < example_events()[0]["time"] + 800]
+    write_events(tmp_path / "root", events)
+    assert status.compute_status(tmp_path / "root").preemption_cost is None
