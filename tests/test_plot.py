@@ -156,3 +156,35 @@ def test_status_without_interruptions_has_no_cost(tmp_path, monkeypatch):
     events = [e for e in example_events() if e["time"] < example_events()[0]["time"] + 800]
     write_events(tmp_path / "root", events)
     assert status.compute_status(tmp_path / "root").preemption_cost is None
+
+
+def test_two_nodes_log_one_run_per_restart_and_the_first_resumed_step():
+    """Every node's launcher logs `started`, relays the warning and logs `resumed`: one run, one
+    warning, and the down time ends at the first node's first step."""
+    def node_pair(t: float, name: str, **f) -> list[dict]:
+        return [{"time": t + 0.2 * n, "event": name, "node": n, "nodes": 2, **f} for n in (0, 1)]
+
+    events = [*node_pair(0.0, "started", restart=0), {"time": 10.0, "event": "save_committed", "step": 10},
+              *node_pair(20.0, "signal_forwarded"), {"time": 20.5, "event": "signal_agreed", "step": 21},
+              {"time": 21.0, "event": "save_committed", "step": 21},
+              {"time": 22.0, "event": "requeued", "restart": 1},
+              *node_pair(40.0, "started", restart=1), {"time": 50.0, "event": "restored", "step": 21},
+              {"time": 51.0, "event": "resumed", "node": 1, "first_step_at": 50.6, "step": 22},
+              {"time": 51.1, "event": "resumed", "node": 0, "first_step_at": 50.7, "step": 22},
+              {"time": 60.0, "event": "finished", "step": 30}]
+    tl = build_timeline(events)
+    assert [r.start for r in tl.runs] == [0.0, 40.0] and [r.warnings for r in tl.runs] == [[(20.0, 21)], []]
+    cost = preemption_cost(events)
+    assert cost is not None and [i.down_s for i in cost.interruptions] == pytest.approx([30.6])
+
+
+def test_warned_run_whose_save_failed_counts_the_work_since_the_last_commit():
+    events = [{"time": 0.0, "event": "started"}, {"time": 10.0, "event": "save_committed", "step": 10},
+              {"time": 30.0, "event": "signal_agreed", "step": 40},
+              {"time": 31.0, "event": "emergency_save_failed", "step": 40, "error": "ENOSPC"},
+              {"time": 32.0, "event": "requeued"}, {"time": 50.0, "event": "started"},
+              {"time": 60.0, "event": "restored", "step": 10}, {"time": 61.0, "event": "save_committed", "step": 11}]
+    cost = preemption_cost(events)
+    assert cost is not None
+    (it,) = cost.interruptions
+    assert (it.kind, it.down_s, it.lost_s, it.lost_steps, it.lost_estimated) == ("preempt", 30.0, 22.0, 30, False)

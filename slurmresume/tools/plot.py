@@ -39,6 +39,7 @@ class Run:
     lost_estimated: bool = False  # lost_steps from the rate (no event names the step the run reached)
     reached: int | None = None  # the furthest step any event of this run names
     resumed_at: float | None = None  # this run's first step (a restart's end of down time)
+    resumed_exact: bool = False  # resumed_at is from the launcher's `resumed` event, not a proxy
     save_failed: bool = False  # warned, but the emergency save did not commit
 
     @property
@@ -80,6 +81,8 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
     for e in events:
         t, kind = _t(e) or 0.0, e.get("event")
         step = e.get("step") if isinstance(e.get("step"), int) else None
+        if kind == "started" and e.get("node") not in (None, 0):
+            continue  # every node's launcher logs its start: the first node's is the run's
         if kind == "started":
             cur = Run(t, runs[-1].last[1] if runs and runs[-1].end_kind != "failed" else _restart_step(runs))
             runs.append(cur)
@@ -94,9 +97,11 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
         if kind == "restored" and step is not None:
             cur.start_step = step
             cur.resumed_at = cur.resumed_at or t
-        elif kind == EV_RESUMED:
+        elif kind == EV_RESUMED:  # one per node: the first node to step again ends the down time
             at = e.get("first_step_at")
-            cur.resumed_at = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else t
+            at = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else t
+            cur.resumed_at = min(at, cur.resumed_at) if cur.resumed_exact and cur.resumed_at else at
+            cur.resumed_exact = True
         elif kind == EV_EMERGENCY_SAVE_FAILED:
             cur.save_failed = True
         elif kind == "save_committed" and step is not None:
