@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from slurmresume.cli import app
 from slurmresume.tools import status
-from slurmresume.tools.plot import build_timeline, preemption_cost
+from slurmresume.tools.timeline import build_timeline, preemption_cost
 
 
 def test_timeline_runs_and_lost_work():
@@ -19,9 +19,9 @@ def test_timeline_runs_and_lost_work():
     assert [r.end_kind for r in tl.runs] == ["preempt", "failed", "preempt", "finished"]
     assert [r.start_step for r in tl.runs] == [0, 892, 1492, 2324]
     assert len(tl.requeues) == 2 and len(tl.runs[0].warnings) == 1
-    from slurmresume.tools.plot import _lost
+    from slurmresume.tools.timeline import mark_lost
 
-    _lost(tl)
+    mark_lost(tl)
     failed = tl.runs[1]
     assert failed.lost_s == pytest.approx(1790 - 1608) and failed.lost_steps > 0
     assert tl.runs[0].lost_s == 0 and tl.runs[2].lost_s == 0  # warned: the agreed step was saved

@@ -39,7 +39,7 @@
                    step_s, late: [{step, seconds, lead_s, time}] emergency saves slower than the lead}
     writer        null, or {last_save (the strategy the newest save used), strategy (calibrated for
                    this root's file system), source, key, measured_at, gbps: {strategy: GB/s}, stale}
-    preemption_cost  null (no run interrupted), or what requeues and failures cost (plot.preemption_cost):
+    preemption_cost  null (no run interrupted), or what requeues and failures cost (timeline.preemption_cost):
                   {interruptions: [{kind: "preempt"|"failed"|"hang", at (the warning, else the end of
                    the run), step, resumed_at (the next run's first step; null: not yet), down_s
                    (resumed_at - at), lost_s, lost_steps (work redone: since the last commit, 0 when
@@ -77,6 +77,7 @@ from ..retention import best_record, metric_names, metric_value, record_from_inf
 from ..slurm import parse_sacct, parse_squeue
 from ..train.policy import IntervalSummary, interval_summary
 from .health import Headline, judge
+from .timeline import cost_line, preemption_cost
 
 SCHEMA = "slurmresume.tools.status/1"
 SLURM_NOT_FOUND = "Slurm not found on this machine: showing checkpoints only"
@@ -270,8 +271,6 @@ def writer_summary(root: Path, events: list[dict[str, Any]]) -> dict[str, Any] |
 def cost_summary(events: list[dict[str, Any]], now: float) -> dict[str, Any] | None:
     """The measured down time and lost work of every interruption, their totals and share of the
     wall time, and the words the headline shows; None when no run was interrupted."""
-    from .plot import cost_line, preemption_cost
-
     cost = preemption_cost(events, now)
     return None if cost is None else {**cost.to_json(), "summary": cost_line(cost)}
 
