@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from slurmresume.cli import app
 from slurmresume.tools import status
-from slurmresume.tools.timeline import build_timeline, preemption_cost
+from slurmresume.tools.timeline import build_timeline, cost_line, preemption_cost
 
 
 def test_timeline_runs_and_lost_work():
@@ -113,6 +113,7 @@ def test_plot_draws_warnings_down_times_and_title_from_the_measured_log():
         bands = [(p.get_x(), p.get_x() + p.get_width()) for p in ax.patches if p.get_facecolor()[:3] != (1, 0, 0)]
         resumed = [e["first_step_at"] - t0 for e in events if e["event"] == "resumed"]
         assert bands == [pytest.approx(b, abs=0.01) for b in zip(forwarded, resumed)]
+        assert ax.get_xlabel() == "wall-clock time since the first event (seconds)"
         title = ax.get_title()
         assert "3 requeue(s), 0 failure(s)" in title
         assert "down 19.7s + 18.6s + 23.3s, work lost 0.0s: 68% of 1m 31s wall time" in title
@@ -188,3 +189,44 @@ def test_warned_run_whose_save_failed_counts_the_work_since_the_last_commit():
     assert cost is not None
     (it,) = cost.interruptions
     assert (it.kind, it.down_s, it.lost_s, it.lost_steps, it.lost_estimated) == ("preempt", 30.0, 22.0, 30, False)
+
+
+def test_a_requeue_not_resumed_yet_is_down_until_now():
+    """While the restart waits or starts up, `status` counts the down time up to now."""
+    events = drill_events()
+    cut = max(i for i, e in enumerate(events) if e["event"] == "started")  # the 3rd restart: not stepped yet
+    warning = [e["time"] for e in events if e["event"] == "signal_forwarded"][-1]
+    now = events[cut]["time"] + 5.0
+    cost = preemption_cost(events[:cut + 1], now=now)
+    assert cost is not None
+    last = cost.interruptions[-1]
+    assert (last.resumed_at, last.ongoing) == (None, True) and last.down_s == pytest.approx(now - warning)
+    assert cost.down_s == pytest.approx(sum(DRILL_DOWN_S[:2]) + now - warning, abs=0.01)
+    assert cost.wall_s == pytest.approx(now - events[0]["time"])
+    assert cost_line(cost).startswith(f"down 19.7s + 18.6s + {now - warning:.1f}s (still down)")
+    waiting = preemption_cost(events[:cut], now=now)  # requeued, the next run not started yet
+    assert waiting is not None and waiting.interruptions[-1].down_s == pytest.approx(now - warning)
+    gave_up = [{"time": 0.0, "event": "started"}, {"time": 5.0, "event": "save_committed", "step": 5},
+               {"time": 9.0, "event": "failed"}, {"time": 9.0, "event": "gave_up"}]
+    assert preemption_cost(gave_up, now=100.0).interruptions[0].down_s is None  # the end, not a wait
+
+
+def test_plot_of_a_run_still_down_draws_the_band_to_now():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from slurmresume.tools.plot import render_timeline
+
+    events = drill_events()
+    cut = max(i for i, e in enumerate(events) if e["event"] == "started")
+    now = events[cut]["time"] + 5.0
+    warning = [e["time"] for e in events if e["event"] == "signal_forwarded"][-1]
+    fig = render_timeline(events[:cut + 1], now)
+    try:
+        ax = fig.axes[0]
+        assert [t.get_text() for t in ax.texts if t.get_text().startswith("down")][-1] == (
+            f"down\n{now - warning:.1f}s\n(still)")
+        band = [p for p in ax.patches if p.get_facecolor()[:3] != (1, 0, 0)][-1]
+        assert band.get_x() + band.get_width() == pytest.approx(now - events[0]["time"])
+    finally:
+        plt.close(fig)

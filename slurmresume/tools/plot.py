@@ -101,12 +101,13 @@ def _draw(ax: Any, tl: Timeline, now: float | None) -> None:
                         textcoords="offset points", color="darkorange", fontsize=9)
         if r.end_kind == "finished" and r.end is not None:
             ax.plot(x(r.end), r.last[1], marker="*", color="green", ms=16, mec="black", zorder=5)
-    for it in interruptions(tl):
-        if it.resumed_at is None:
+    for it in interruptions(tl, now):
+        if it.down_s is None:
             continue
-        ax.axvspan(x(it.at), x(it.resumed_at), color="grey", alpha=0.18, lw=0)
-        ax.text(x((it.at + it.resumed_at) / 2), top * 0.02, f"down\n{secs(it.down_s or 0.0)}", ha="center",
-                va="bottom", fontsize=8, color="dimgrey")
+        back = it.at + it.down_s  # the first resumed step, or now while still down
+        ax.axvspan(x(it.at), x(back), color="grey", alpha=0.18, lw=0)
+        words = f"down\n{secs(it.down_s)}" + ("\n(still)" if it.ongoing else "")
+        ax.text(x((it.at + back) / 2), top * 0.02, words, ha="center", va="bottom", fontsize=8, color="dimgrey")
     for t in tl.requeues:
         ax.axvline(x(t), color="royalblue", ls="--", lw=1)
     _legend(ax)

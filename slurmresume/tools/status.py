@@ -42,10 +42,11 @@
     preemption_cost  null (no run interrupted), or what requeues and failures cost (timeline.preemption_cost):
                   {interruptions: [{kind: "preempt"|"failed"|"hang", at (the warning, else the end of
                    the run), step, resumed_at (the next run's first step; null: not yet), down_s
-                   (resumed_at - at), lost_s, lost_steps (work redone: since the last commit, 0 when
-                   the warned save committed), lost_estimated}], down_s, lost_s, wall_s (first start
-                   to the newest event, or now while running), fraction ((down + lost) / wall),
-                   summary (the headline's words)}
+                   (resumed_at - at, or now - at while ongoing; null: never restarted), lost_s,
+                   lost_steps (work redone: since the last commit, 0 when the warned save committed),
+                   lost_estimated, ongoing}], down_s, lost_s, wall_s (first start to the newest event,
+                   or now while running or down), fraction ((down + lost) / wall), summary (the
+                   headline's words)}
 """
 
 from __future__ import annotations

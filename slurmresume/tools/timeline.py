@@ -176,6 +176,7 @@ class Interruption:
     lost_s: float  # work redone: seconds since the last commit (0 when the warned save committed)
     lost_steps: int
     lost_estimated: bool  # lost_steps estimated from the speed
+    ongoing: bool = False  # not resumed yet: down_s runs to `now`
 
 
 @dataclass
@@ -198,8 +199,10 @@ class Cost:
         return {**asdict(self), "fraction": self.fraction}
 
 
-def interruptions(tl: Timeline) -> list[Interruption]:
-    """Pure: every run that ended in a requeue, a failure or a hang and was (or will be) resumed."""
+def interruptions(tl: Timeline, now: float | None = None) -> list[Interruption]:
+    """Pure: every run that ended in a requeue, a failure or a hang. One the newest run has not
+    recovered from yet (requeued, or restarted but not stepping) is down until `now` (ongoing);
+    a failure nothing restarted (gave up) has no down time."""
     out = []
     for i, r in enumerate(tl.runs):
         if r.end is None or r.end_kind not in ("preempt", "failed", "hang"):
@@ -208,8 +211,11 @@ def interruptions(tl: Timeline) -> list[Interruption]:
         warned = r.end_kind == "preempt" and bool(r.warnings)
         at, step = (r.warnings[0] if warned else (r.end, r.last[1]))
         resumed = nxt.resumed_at if nxt is not None else None
-        down = max(0.0, resumed - at) if resumed is not None else None
-        out.append(Interruption(r.end_kind, at, step, resumed, down, r.lost_s, r.lost_steps, r.lost_estimated))
+        waiting = resumed is None and now is not None and (
+            (nxt is None and r.end_kind == "preempt") or (nxt is not None and nxt is tl.runs[-1] and nxt.end is None))
+        down = max(0.0, resumed - at) if resumed is not None else max(0.0, now - at) if waiting and now else None
+        out.append(Interruption(r.end_kind, at, step, resumed, down, r.lost_s, r.lost_steps, r.lost_estimated,
+                                ongoing=waiting))
     return out
 
 
@@ -222,18 +228,20 @@ def preemption_cost(events: list[dict[str, Any]], now: float | None = None) -> C
 
 
 def cost_of(tl: Timeline, now: float | None) -> Cost | None:
-    found = interruptions(tl)
+    found = interruptions(tl, now)
     if not found:
         return None
-    end = max(tl.t_end, now) if tl.runs[-1].end is None and now is not None else tl.t_end
+    live = tl.runs[-1].end is None or found[-1].ongoing
+    end = max(tl.t_end, now) if live and now is not None else tl.t_end
     return Cost(found, sum(i.down_s or 0.0 for i in found), sum(i.lost_s for i in found),
                 max(0.0, end - tl.runs[0].start))
 
 
 def cost_line(cost: Cost) -> str:
     """'down 13.9s + 9.4s + 7.3s, work lost 0s: 64% of 48.0s wall time' (plot title, status headline)."""
-    downs = [i.down_s for i in cost.interruptions if i.down_s is not None]
-    down = " + ".join(secs(d) for d in downs) if 1 < len(downs) <= 4 else secs(cost.down_s)
+    downs = [secs(i.down_s) + (" (still down)" if i.ongoing else "") for i in cost.interruptions
+             if i.down_s is not None]
+    down = " + ".join(downs) if 1 <= len(downs) <= 4 else secs(cost.down_s)
     steps = sum(i.lost_steps for i in cost.interruptions)
     approx = "~" if any(i.lost_estimated for i in cost.interruptions) else ""
     lost = secs(cost.lost_s) + (f" ({approx}{steps} steps)" if steps else "")
