@@ -230,3 +230,18 @@ def test_plot_of_a_run_still_down_draws_the_band_to_now():
         assert band.get_x() + band.get_width() == pytest.approx(now - events[0]["time"])
     finally:
         plt.close(fig)
+
+
+def test_a_resubmission_after_giving_up_is_neither_down_time_nor_wall_time():
+    """A run that gave up, resubmitted by hand an hour later: the hour is nobody's down time."""
+    events = [{"time": 0.0, "event": "started"}, {"time": 10.0, "event": "save_committed", "step": 10},
+              {"time": 20.0, "event": "run_ended", "outcome": "failed"}, {"time": 20.0, "event": "failed"},
+              {"time": 20.0, "event": "gave_up", "reason": "--max-failures 0 is used up"},
+              {"time": 3620.0, "event": "submitted"}, {"time": 3630.0, "event": "started"},
+              {"time": 3640.0, "event": "restored", "step": 10}, {"time": 3650.0, "event": "save_committed", "step": 20},
+              {"time": 3660.0, "event": "finished", "step": 20}]
+    cost = preemption_cost(events, now=4000.0)
+    assert cost is not None
+    (failed,) = cost.interruptions
+    assert (failed.down_s, failed.lost_s, failed.ongoing) == (None, pytest.approx(10.0), False)
+    assert cost.wall_s == pytest.approx(20.0 + 30.0)  # the two stretches the job was in flight

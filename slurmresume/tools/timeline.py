@@ -18,6 +18,9 @@ from typing import Any
 from ..contract import EV_EMERGENCY_SAVE_FAILED, EV_RESUMED
 
 END_FAILED = {"failed", "gave_up", "requeue_failed", "interrupted", "no_checkpoint"}
+# The launcher will not restart the job after these: a later run is a new submission, and the time
+# between is neither down time nor the job's wall time.
+TERMINAL = {"gave_up", "requeue_failed", "interrupted", "no_checkpoint", "stopped", "held", "finished"}
 
 
 @dataclass
@@ -35,6 +38,7 @@ class Run:
     resumed_at: float | None = None  # this run's first step (a restart's end of down time)
     resumed_exact: bool = False  # resumed_at is from the launcher's `resumed` event, not a proxy
     save_failed: bool = False  # warned, but the emergency save did not commit
+    terminal: bool = False  # the launcher gave up (or finished): nothing restarts it
 
     @property
     def last(self) -> tuple[float, int]:
@@ -103,7 +107,9 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             cur.resumed_at = cur.resumed_at or t
         elif kind in ("signal_agreed", "signal_forwarded"):
             _warning(cur, t, step)
-        elif kind == "requeued":
+        if kind in TERMINAL:  # what ended the run (above: what happened in it)
+            cur.terminal = True
+        if kind == "requeued":
             requeues.append(t)
             _end(cur, t, "preempt")
         elif kind in END_FAILED or (kind == "run_ended" and e.get("outcome") == "failed"):
@@ -210,8 +216,8 @@ def interruptions(tl: Timeline, now: float | None = None) -> list[Interruption]:
         nxt = tl.runs[i + 1] if i + 1 < len(tl.runs) else None
         warned = r.end_kind == "preempt" and bool(r.warnings)
         at, step = (r.warnings[0] if warned else (r.end, r.last[1]))
-        resumed = nxt.resumed_at if nxt is not None else None
-        waiting = resumed is None and now is not None and (
+        resumed = nxt.resumed_at if nxt is not None and not r.terminal else None
+        waiting = not r.terminal and resumed is None and now is not None and (
             (nxt is None and r.end_kind == "preempt") or (nxt is not None and nxt is tl.runs[-1] and nxt.end is None))
         down = max(0.0, resumed - at) if resumed is not None else max(0.0, now - at) if waiting and now else None
         out.append(Interruption(r.end_kind, at, step, resumed, down, r.lost_s, r.lost_steps, r.lost_estimated,
@@ -233,8 +239,10 @@ def cost_of(tl: Timeline, now: float | None) -> Cost | None:
         return None
     live = tl.runs[-1].end is None or found[-1].ongoing
     end = max(tl.t_end, now) if live and now is not None else tl.t_end
+    idle = sum(max(0.0, nxt.start - r.end) for r, nxt in zip(tl.runs, tl.runs[1:], strict=False)
+               if r.terminal and r.end is not None)  # given up, then resubmitted by hand
     return Cost(found, sum(i.down_s or 0.0 for i in found), sum(i.lost_s for i in found),
-                max(0.0, end - tl.runs[0].start))
+                max(0.0, end - tl.runs[0].start - idle))
 
 
 def cost_line(cost: Cost) -> str:
