@@ -50,7 +50,7 @@ B = HangBudgets()
 @pytest.mark.parametrize(
     ("record", "budgets", "phase", "seconds"),
     [
-        (None, B, STARTUP, 900.0),  # no heartbeat yet
+        (None, B, "unknown", float("inf")),  # no record: never judged
         (rec(STARTUP), B, STARTUP, 900.0),
         (rec(seen=3), B, STEP, 900.0),  # still in the warm-up steps
         (rec(longest=0.05), B, STEP, 10 * 0.05 + 600),
@@ -74,19 +74,19 @@ def test_save_budget_uses_the_logged_save_cost() -> None:
 def test_judge_names_the_rank_over_budget_and_everyone_state() -> None:
     b = HangBudgets(floor_s=1.0)  # budget 10 x 0.05 + 1 = 1.5 s
     records = {0: rec(step=8, t=100.0), 1: rec(step=7, t=99.0), 2: None}
-    assert judge(records, now=100.4, started=0.0, b=b) is None  # rank 1 silent 1.4 s
-    hang = judge(records, now=100.6, started=0.0, b=HangBudgets(floor_s=1.0, startup_s=1000))
+    assert judge(records, now=100.4, b=b) is None  # rank 1 silent 1.4 s
+    hang = judge(records, now=100.6, b=HangBudgets(floor_s=1.0, startup_s=1000))
     assert hang is not None and hang.ranks == (1,) and hang.step == 7 and hang.phase == STEP
     assert hang.ranks_state[0] == {"step": 8, "phase": STEP, "age_s": 0.6}
-    assert hang.ranks_state[2]["phase"] == STARTUP
+    assert hang.ranks_state[2] == {"step": None, "phase": "unknown", "age_s": None}  # shown, never judged
     # both silent: the one behind is the suspect (the other passed its step and waits for it)
-    both = judge({0: rec(step=8, t=100.0), 1: rec(step=7, t=99.95)}, now=102.0, started=0.0, b=b)
+    both = judge({0: rec(step=8, t=100.0), 1: rec(step=7, t=99.95)}, now=102.0, b=b)
     assert both is not None and both.ranks == (1,) and both.over == (0, 1) and both.step == 7
     # only the waiting rank crossed its (smaller) budget: the rank behind it is still the suspect
     # (seen in CI: rank 1 hung before step 6, rank 0 waited at step 6 and crossed first)
-    waiting = judge({0: rec(step=6, t=100.0), 1: rec(step=5, t=99.9, longest=0.5)}, now=101.55, started=0.0, b=b)
+    waiting = judge({0: rec(step=6, t=100.0), 1: rec(step=5, t=99.9, longest=0.5)}, now=101.55, b=b)
     assert waiting is not None and waiting.over == (0,) and waiting.ranks == (1,) and waiting.step == 5
-    assert judge(records, now=1e9, started=0.0, b=HangBudgets(enabled=False)) is None
+    assert judge(records, now=1e9, b=HangBudgets(enabled=False)) is None
 
 
 @pytest.mark.parametrize(("text", "parsed"), [("auto", (True, None)), ("off", (False, None)), ("600", (True, 600.0)),
@@ -106,7 +106,7 @@ def test_parse_hang_timeout_refuses(bad: str) -> None:
 # -- decide() after a hang: a table ------------------------------------------------------------
 
 def _hung(ranks: tuple[int, ...] = (1,), step: int = 7, before: int | None = 5, after: int | None = 5) -> RunResult:
-    hang = judge({r: rec(step=step, t=0.0) for r in ranks}, now=1e6, started=0.0, b=B)
+    hang = judge({r: rec(step=step, t=0.0) for r in ranks}, now=1e6, b=B)
     return RunResult(-9, None, before, after, hang=hang)
 
 
@@ -375,9 +375,9 @@ def test_a_run_failed_by_another_nodes_hang_kill_counts_as_that_hang(tmp_path: P
     kw = {"first_node": True, "requeues_done": 0, "max_requeues": None, "failures_done": 0, "max_failures": 0,
           "previous_progressed": True, "max_hangs": 3}
     got = run_torchrun(crash, dict(os.environ), root, "job.0.0", signal.SIGUSR1, Relay(signal.SIGUSR1),
-                       watch=HangWatch(hb, [0, 1], B))
+                       watch=HangWatch(hb, B, procs=2))
     assert got.kind == "hung" and got.hang is not None and got.hang.key == ((5,), 11)
     assert decide(got, **kw)[0] == "retry"
     other = run_torchrun(crash, dict(os.environ), root, "job.0.1", signal.SIGUSR1, Relay(signal.SIGUSR1),
-                         watch=HangWatch(hb, [0, 1], B))
+                         watch=HangWatch(hb, B, procs=2))
     assert other.kind == "failed" and decide(other, **kw)[0] == "give_up"  # no record for that run: a crash

@@ -1,0 +1,106 @@
+"""Issue #26, first do no harm: the hang watch must never kill a healthy run, and must still catch
+a real hang. Each scenario is a real multi-process run with budgets shortened through the same
+knobs a user has (JobSpec fields: the config file's keys and the submit options)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.procs import HELPERS, clean_env, free_port, signal_tree
+
+HANG_TRAIN = HELPERS / "hang_train.py"
+
+FAKE_SCONTROL = """#!/bin/sh
+case "$1 $2" in
+  "show job") echo "JobId=1 JobState=RUNNING TimeLimit=01:00:00" ;;
+  "show config") echo "KillWait = 5 sec" ;;
+esac
+"""
+
+
+def _events(root: Path) -> list[dict]:
+    return [json.loads(x) for x in (root / "events.jsonl").read_text().splitlines()]
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                signal_tree(proc.pid, signal.SIGKILL)
+    return outs
+
+
+def _node_launcher(tmp_path: Path, node: int, port: int, args: list[str], spec_kw: str, env: dict[str, str]
+                   ) -> subprocess.Popen:
+    """One emulated node of a 2-node Slurm job: the real NodeLauncher, SLURM_NODEID=`node`."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "scontrol").write_text(FAKE_SCONTROL)
+    (bindir / "scontrol").chmod(0o755)
+    code = ("import sys; from pathlib import Path; from slurmresume.job.config import JobSpec; "
+            "from slurmresume.job.hang import HangBudgets; from slurmresume.job.node import NodeLauncher; "
+            f"print(NodeLauncher(JobSpec(script=Path({str(HANG_TRAIN)!r}), script_args=tuple(sys.argv[1:]), "
+            f"ckpt_dir=Path({str(tmp_path / 'ckpt')!r}), nodes=2, nproc_per_node=2, rdzv_port={port}, "
+            f"{spec_kw}))())")
+    full = clean_env(PIDDIR=str(tmp_path / "pids"), PYTHONPATH=os.environ.get("PYTHONPATH", ""),
+                     PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="2626", SLURM_NODEID=str(node),
+                     SLURM_NNODES="2", **env)
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _agent_started(launcher: int, timeout: float = 60.0) -> None:
+    """Until the launcher's torchrun agent exists (its pid then sorts before a later agent's)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if (Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()):
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the first launcher never started torchrun")
+
+
+@pytest.mark.slow
+def test_two_nodes_in_reverse_rendezvous_order_no_kill_and_a_real_hang_on_node_1_is_caught(tmp_path: Path) -> None:
+    """SLURM_NODEID=1's agent starts first, so c10d gives it ranks 0-1 (same host: the lower
+    agent pid wins), the reverse of SLURM_NODEID x procs. Watching the ranks its own agent
+    started, no launcher takes the other node's ranks for silent ones (the old watch killed the
+    run once the start-up budget ran out); rank 1, on the node with SLURM_NODEID=1, then really
+    hangs at step 200 and is caught within its budget + 1 s; the restarted run finishes."""
+    port = free_port()
+    spec = "max_hangs=2, hang_budgets=HangBudgets(startup_s=10, floor_s=2, save_floor_s=30)"
+    args = ["260", "0.05", "-1", "1", "0", "50"]
+    env = {"SLURMRESUME_DRILL_HANG": "1:200"}  # attempt 0 only: rank 1 stops before step 200
+    second = _node_launcher(tmp_path, 1, port, args, spec, env)
+    try:
+        _agent_started(second.pid)
+    except AssertionError:
+        _finish([second], 1)
+        raise
+    first = _node_launcher(tmp_path, 0, port, args, spec, env)
+    outs = _finish([first, second], 240)
+    ev = _events(tmp_path / "ckpt")
+    hangs = [e for e in ev if e["event"] == "hang"]
+    for h in hangs:  # every hang is the real one: the step before 200, never a start-up "silence"
+        assert h["phase"] == "step" and h["step"] in (199, 200), [(h["ranks"], h["phase"], h["step"]) for h in hangs]
+        assert h["detect_latency_s"] <= h["budget_s"] + 1.0, h
+    assert hangs and first.returncode == 0 and second.returncode == 0, "\n".join(o[-3000:] for o in outs)
+    caught = [h for h in hangs if 1 in h["ranks"]]
+    assert caught and all(sorted(h["rank_states"]) == ["0", "1"] for h in caught), hangs  # node 1's own ranks
+    assert any(e["event"] == "finished" and e["step"] == 260 for e in ev), outs
+    assert [e for e in ev if e["event"] in ("gave_up", "failed")] == []
