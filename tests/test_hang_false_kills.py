@@ -104,3 +104,60 @@ def test_two_nodes_in_reverse_rendezvous_order_no_kill_and_a_real_hang_on_node_1
     assert caught and all(sorted(h["rank_states"]) == ["0", "1"] for h in caught), hangs  # node 1's own ranks
     assert any(e["event"] == "finished" and e["step"] == 260 for e in ev), outs
     assert [e for e in ev if e["event"] in ("gave_up", "failed")] == []
+
+
+def _local(tmp_path: Path, args: list[str], spec_kw: str, env: dict[str, str]) -> subprocess.Popen:
+    """`run_local` (the `submit --local` launcher), 2 ranks of hang_train.py."""
+    code = ("import sys, json; from pathlib import Path; from slurmresume.job.config import JobSpec; "
+            "from slurmresume.job.hang import HangBudgets; from slurmresume.job.node import run_local; "
+            f"spec = JobSpec(script=Path({str(HANG_TRAIN)!r}), script_args=tuple(sys.argv[1:]), "
+            f"ckpt_dir=Path({str(tmp_path / 'ckpt')!r}), nproc_per_node=2, {spec_kw}); "
+            "print(json.dumps(run_local(spec)))")
+    full = clean_env(**{"PIDDIR": str(tmp_path / "pids"), "PYTHONPATH": os.environ.get("PYTHONPATH", ""), **env})
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _progress(tmp_path: Path, rank: int) -> int:
+    try:
+        return int((tmp_path / "pids" / f"progress{rank}").read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _wait_progress(tmp_path: Path, rank: int, step: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _progress(tmp_path, rank) < step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out = _finish([proc], 1)[0]
+            raise AssertionError(f"rank {rank} never reached step {step}:\n{out[-3000:]}")
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offset", [1200.0, -1200.0])
+def test_a_wall_clock_step_of_20_minutes_neither_kills_nor_hides_a_hang(tmp_path: Path, offset: float) -> None:
+    """Every process's time.time() jumps by `offset` at once (a patched clock, tests/helpers/
+    clockstep). +20 min during a healthy run with 1 s saves: 0 kills (the old watch compared wall
+    times: a record written before the step read as 20 min old). -20 min just after rank 1 hangs
+    before step 30: still caught within its budget + 1 s (the old watch waited 20 more minutes)."""
+    flag = tmp_path / "clock-stepped"
+    env = {"CLOCK_STEP_FILE": str(flag), "CLOCK_STEP_S": str(offset),
+           "PYTHONPATH": f"{HELPERS / 'clockstep'}:{os.environ.get('PYTHONPATH', '')}"}
+    hang = offset < 0
+    if hang:
+        env["SLURMRESUME_DRILL_HANG"] = "1:30"
+    spec = "max_hangs=1, hang_budgets=HangBudgets(floor_s=2, startup_s=60, save_floor_s=10)"
+    proc = _local(tmp_path, ["60", "0.05", "-1", "1", "1.0", "10"], spec, env)
+    _wait_progress(tmp_path, 1, 29 if hang else 15, proc)
+    flag.touch()
+    (out,) = _finish([proc], 180)
+    ev = _events(tmp_path / "ckpt")
+    hangs = [e for e in ev if e["event"] == "hang"]
+    if not hang:
+        assert hangs == [] and proc.returncode == 0, out[-3000:]
+    else:
+        assert len(hangs) == 1 and hangs[0]["ranks"] == [1] and hangs[0]["step"] == 29, out[-3000:]
+        assert hangs[0]["detect_latency_s"] <= hangs[0]["budget_s"] + 1.0, hangs[0]
+        assert proc.returncode == 0, out[-3000:]
+    assert any(e["event"] == "finished" and e["step"] == 60 for e in ev), out[-3000:]
