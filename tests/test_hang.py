@@ -60,6 +60,14 @@ B = HangBudgets()
         (rec(SAVE, save=100.0), B, SAVE, 5 * 100 + 300.0),
         (rec("restore"), B, "restore", 900.0),  # restore: at least the start-up budget
         (rec("busy"), B, "busy", 900.0),
+        # busy is never shorter than the step budget (60 s steps: 10 x 60 + 600), ckpt.busy(budget_s=) wins over
+        # --hang-busy, and never below the step budget either
+        (rec("busy", longest=60.0), B, "busy", 1200.0),
+        (rec("busy", longest=60.0), HangBudgets(busy_s=100), "busy", 1200.0),
+        (Record(1, 0, "busy", 10, 100.0, 100.0, 0.05, 0.0, 10, (), 0.0, 3600.0), B, "busy", 3600.0),
+        (rec("busy"), HangBudgets(busy_s=30, timeout_s=45), "busy", 45.0),
+        (rec(SAVE), HangBudgets(save_floor_s=1800), SAVE, 1800.0),  # --hang-save
+        (rec(STARTUP), HangBudgets(startup_s=60), STARTUP, 60.0),  # --hang-startup
         (rec("done"), B, "done", float("inf")),
     ],
 )

@@ -140,7 +140,7 @@ def test_a_wall_clock_step_of_20_minutes_neither_kills_nor_hides_a_hang(tmp_path
     """Every process's time.time() jumps by `offset` at once (a patched clock, tests/helpers/
     clockstep). +20 min during a healthy run with 1 s saves: 0 kills (the old watch compared wall
     times: a record written before the step read as 20 min old). -20 min just after rank 1 hangs
-    before step 30: still caught within its budget + 1 s (the old watch waited 20 more minutes)."""
+    in step 30 (both ranks' last heartbeats before the step): still caught within its budget + 1 s (the old watch waited 20 more minutes)."""
     flag = tmp_path / "clock-stepped"
     env = {"CLOCK_STEP_FILE": str(flag), "CLOCK_STEP_S": str(offset),
            "PYTHONPATH": f"{HELPERS / 'clockstep'}:{os.environ.get('PYTHONPATH', '')}"}
@@ -149,7 +149,11 @@ def test_a_wall_clock_step_of_20_minutes_neither_kills_nor_hides_a_hang(tmp_path
         env["SLURMRESUME_DRILL_HANG"] = "1:30"
     spec = "max_hangs=1, hang_budgets=HangBudgets(floor_s=2, startup_s=60, save_floor_s=10)"
     proc = _local(tmp_path, ["60", "0.05", "-1", "1", "1.0", "10"], spec, env)
-    _wait_progress(tmp_path, 1, 29 if hang else 15, proc)
+    if hang:  # both ranks' last heartbeats come before the step: rank 1 hung, rank 0 waits in step 31's all_reduce
+        _wait_progress(tmp_path, 0, 30, proc)
+        time.sleep(0.5)
+    else:
+        _wait_progress(tmp_path, 1, 15, proc)
     flag.touch()
     (out,) = _finish([proc], 180)
     ev = _events(tmp_path / "ckpt")
@@ -161,3 +165,16 @@ def test_a_wall_clock_step_of_20_minutes_neither_kills_nor_hides_a_hang(tmp_path
         assert hangs[0]["detect_latency_s"] <= hangs[0]["budget_s"] + 1.0, hangs[0]
         assert proc.returncode == 0, out[-3000:]
     assert any(e["event"] == "finished" and e["step"] == 60 for e in ev), out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_long_evaluation_wrapped_or_not_is_not_a_hang(tmp_path: Path) -> None:
+    """Step budget 16 s (--hang-timeout 16), start-up 10 s: a 13 s evaluation inside
+    `ckpt.busy("eval")` (the old busy budget was the start-up budget: killed) and one not
+    wrapped (within the step budget): 0 kills. Wrapping never shortens what work may take."""
+    spec = "hang_timeout='16', max_hangs=1, hang_budgets=HangBudgets(startup_s=10, save_floor_s=10)"
+    proc = _local(tmp_path, ["30", "0.05", "-1", "1", "0", "10"], spec, {"EVALS": "8:13:wrap,16:13:bare"})
+    (out,) = _finish([proc], 240)
+    ev = _events(tmp_path / "ckpt")
+    assert [e for e in ev if e["event"] == "hang"] == [] and proc.returncode == 0, out[-3000:]
+    assert any(e["event"] == "finished" and e["step"] == 30 for e in ev), out[-3000:]

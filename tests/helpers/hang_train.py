@@ -4,6 +4,8 @@ Usage: hang_train.py STEPS STEP_SLEEP [SLOW_STEP SLOW_FACTOR] [SLOW_SAVE_S] [SAV
 SLOW_STEP: that step sleeps SLOW_FACTOR x STEP_SLEEP (once, in the first run only: a legitimately
 slow step). SLOW_SAVE_S: every save's state_dict() of the `slow` entry takes that long (a slow
 save). Writes $PIDDIR/rank<R>.pid and progress<R> like sig_train.py.
+$EVALS="10:6:wrap,20:6:bare,30:6:wrap=40": after those steps (first run only) every rank
+"evaluates" for that many seconds, inside `ckpt.busy("eval")` (wrap; wrap=S: budget_s=S) or not.
 """
 
 import os
@@ -48,6 +50,8 @@ def main() -> None:
     state = {"model": model, "slow": SlowToSave(slow_save)}
     step = ckpt.restore(state)
     first_run = step == 0
+    evals = {int(a): (float(b), c) for a, b, c in
+             (item.split(":") for item in os.environ.get("EVALS", "").split(",") if item)}
     while step < steps:
         x = torch.randn(4, 8)
         model(x).square().mean().backward()
@@ -58,6 +62,13 @@ def main() -> None:
         time.sleep(sleep * (slow_factor if step == slow_step and first_run else 1.0))
         (piddir / f"progress{rank}").write_text(str(step))
         ckpt.step(step, state)
+        if first_run and step in evals:
+            seconds, how = evals[step]
+            if how == "bare":
+                time.sleep(seconds)
+            else:
+                with ckpt.busy("eval", budget_s=float(how[5:]) if how.startswith("wrap=") else None):
+                    time.sleep(seconds)
     ckpt.save(step, state, reason="final")
     ckpt.close()
 
