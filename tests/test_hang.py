@@ -389,3 +389,100 @@ def test_a_run_failed_by_another_nodes_hang_kill_counts_as_that_hang(tmp_path: P
     other = run_torchrun(crash, dict(os.environ), root, "job.0.1", signal.SIGUSR1, Relay(signal.SIGUSR1),
                          watch=HangWatch(hb, B, procs=2))
     assert other.kind == "failed" and decide(other, **kw)[0] == "give_up"  # no record for that run: a crash
+
+
+# -- issue #26: what must never be judged, and the read-found bugs -------------------------------
+
+def test_a_rank_whose_heartbeat_writes_fail_is_not_watched_and_never_hung(tmp_path: Path, monkeypatch) -> None:
+    """A full tmpfs: open works, pwrite fails with ENOSPC. The rank empties its record (one
+    warning line) and stops writing; the launcher shows it as "not watched", never as hung."""
+    import errno
+
+    from slurmresume.job.hangwatch import HangWatch
+    from slurmresume.train import heartbeat
+
+    def enospc(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(heartbeat.os, "pwrite", enospc)
+    beat = Beat(tmp_path, 2)
+    beat.beat_step(1)
+    assert beat.failed and record_path(tmp_path, 2).stat().st_size == 0
+    watch = HangWatch(tmp_path, HangBudgets(startup_s=1, floor_s=1), procs=1)
+    now = time.monotonic()
+    assert watch.poll(now, [os.getpid()]) is None
+    assert watch.poll(now + 3600, [os.getpid()]) is None and watch.unwatched == {2}
+    assert watch.summary(now + 3600)["ranks"]["2"]["phase"] == "not watched"
+    beat.close()
+
+
+def test_poll_keeps_judging_the_other_ranks_after_one_exits(tmp_path: Path) -> None:
+    """Rank 0 finishes early and exits; rank 1 then hangs: still caught (the old watch stopped
+    judging for the rest of the run once any rank's process was gone)."""
+    from slurmresume.job.hangwatch import HangWatch
+
+    early = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
+                              "from slurmresume.train.heartbeat import Beat, DONE; "
+                              f"b = Beat(Path({str(tmp_path)!r}), 0); b.beat_step(1); b.enter(DONE)"],
+                             env=clean_env(PYTHONPATH=os.environ.get("PYTHONPATH", "")))
+    beat = Beat(tmp_path, 1)
+    beat.beat_step(1)
+    watch = HangWatch(tmp_path, HangBudgets(startup_s=5, floor_s=1), procs=2)
+    now = time.monotonic()
+    assert watch.poll(now, [early.pid, os.getpid()]) is None
+    early.wait(timeout=60)
+    assert watch.poll(now + 1, [os.getpid()]) is None  # rank 0 gone: a death seen, rank 1 fine
+    hang = watch.poll(now + 60, [os.getpid()])
+    assert hang is not None and hang.ranks == (1,) and 0 not in hang.over
+    beat.close()
+
+
+def test_two_beats_in_one_process_keep_the_stack_dump_registered(tmp_path: Path) -> None:
+    """Two Checkpointers in one process: closing either leaves the dump signal registered for
+    the other (the old close unregistered it), and closing both unregisters it."""
+    got: list[int] = []
+    previous = signal.signal(signal.SIGUSR2, lambda s, f: got.append(s))  # what an unregistered dump falls back to
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    try:
+        a, b = Beat(a_dir, 0), Beat(b_dir, 1)
+        a.register_dumps(a_dir, signal.SIGUSR2)
+        b.register_dumps(b_dir, signal.SIGUSR2)
+        a.close()  # not the holder: b's registration stays
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.2)
+        assert got == [] and "most recent call first" in (b_dir / "rank-00001.stacks").read_text()
+        c = Beat(a_dir, 2)
+        c.register_dumps(a_dir, signal.SIGUSR2)
+        c.close()  # the holder: handed back to b
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.2)
+        assert got == [] and (b_dir / "rank-00001.stacks").read_text().count("most recent call first") >= 2
+        b.close()  # the last one: unregistered, the previous handler is back
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.2)
+        assert got == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_the_wait_for_torchrun_after_a_hang_kill_is_bounded(monkeypatch) -> None:
+    """An agent that cannot die (D state on a hung NFS) must not block the restart."""
+    from slurmresume.job import launcher
+
+    monkeypatch.setattr(launcher, "KILL_REAP_S", 0.3)
+    stuck = subprocess.Popen(["sleep", "30"])
+    try:
+        began = time.monotonic()
+        assert launcher._reap(stuck, "job.0.0") == -signal.SIGKILL
+        assert time.monotonic() - began < 5
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
+def test_a_hang_before_any_checkpoint_says_from_the_start() -> None:
+    action, reason = decide(_hung(before=None, after=None), first_node=True, requeues_done=0, max_requeues=None,
+                            failures_done=0, max_failures=0, previous_progressed=None, max_hangs=3)
+    assert action == "retry" and "from the start (no complete checkpoint yet)" in reason and "None" not in reason

@@ -178,3 +178,38 @@ def test_a_long_evaluation_wrapped_or_not_is_not_a_hang(tmp_path: Path) -> None:
     ev = _events(tmp_path / "ckpt")
     assert [e for e in ev if e["event"] == "hang"] == [] and proc.returncode == 0, out[-3000:]
     assert any(e["event"] == "finished" and e["step"] == 30 for e in ev), out[-3000:]
+
+
+def _can_mount_private_shm() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_mount_private_shm(), reason="needs unshare -rm (user + mount namespaces)")
+def test_a_full_dev_shm_is_not_a_hang(tmp_path: Path) -> None:
+    """A 1 MiB /dev/shm, full, in a private mount namespace: os.access says writable, every
+    pwrite fails with ENOSPC. The launcher's probe writes, falls back to $TMPDIR, and the run is
+    watched there: 0 kills (the old watch picked /dev/shm, saw no record from anyone, and killed
+    the run when the start-up budget ran out), and `status` shows every rank's steps."""
+    spec = "max_hangs=1, hang_budgets=HangBudgets(startup_s=8, floor_s=2, save_floor_s=10)"
+    code = ("import sys, json; from pathlib import Path; from slurmresume.job.config import JobSpec; "
+            "from slurmresume.job.hang import HangBudgets; from slurmresume.job.node import run_local; "
+            f"spec = JobSpec(script=Path({str(HANG_TRAIN)!r}), script_args=tuple(sys.argv[1:]), "
+            f"ckpt_dir=Path({str(tmp_path / 'ckpt')!r}), nproc_per_node=2, {spec}); "
+            "print(json.dumps(run_local(spec)))")
+    shell = ("mount -t tmpfs -o size=1m tmpfs /dev/shm && (dd if=/dev/zero of=/dev/shm/fill bs=64k 2>/dev/null; true) "
+             '&& exec "$0" -c "$1" 80 0.05 -1 1 0 20')
+    full = clean_env(PIDDIR=str(tmp_path / "pids"), PYTHONPATH=os.environ.get("PYTHONPATH", ""),
+                     TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(["unshare", "-rm", "sh", "-c", shell, sys.executable, code], env=full,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    (out,) = _finish([proc], 180)
+    ev = _events(tmp_path / "ckpt")
+    assert [e for e in ev if e["event"] == "hang"] == [] and proc.returncode == 0, out[-3000:]
+    assert any(e["event"] == "finished" and e["step"] == 80 for e in ev), out[-3000:]
+    (view,) = [json.loads(p.read_text()) for p in (tmp_path / "ckpt" / ".runs").glob("*.ranks.json")]
+    assert {r: v["step"] for r, v in view["ranks"].items()} == {"0": 80, "1": 80}, view
