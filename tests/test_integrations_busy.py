@@ -19,7 +19,8 @@ def _phase(hb: Path) -> str:
 
 
 def test_lightning_validation_test_and_predict_run_under_busy(tmp_path: Path, monkeypatch) -> None:
-    pl = pytest.importorskip("lightning.pytorch")
+    pytest.importorskip("lightning.pytorch")
+    import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
