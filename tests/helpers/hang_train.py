@@ -6,6 +6,7 @@ slow step). SLOW_SAVE_S: every save's state_dict() of the `slow` entry takes tha
 save). Writes $PIDDIR/rank<R>.pid and progress<R> like sig_train.py.
 $EVALS="10:6:wrap,20:6:bare,30:6:wrap=40": after those steps (first run only) every rank
 "evaluates" for that many seconds, inside `ckpt.busy("eval")` (wrap; wrap=S: budget_s=S) or not.
+$CSTUCK="1:25": rank 1 blocks in a C call (libc sleep through ctypes) after step 25, first run only.
 """
 
 import os
@@ -50,6 +51,7 @@ def main() -> None:
     state = {"model": model, "slow": SlowToSave(slow_save)}
     step = ckpt.restore(state)
     first_run = step == 0
+    stuck = tuple(int(x) for x in os.environ["CSTUCK"].split(":")) if os.environ.get("CSTUCK") else None
     evals = {int(a): (float(b), c) for a, b, c in
              (item.split(":") for item in os.environ.get("EVALS", "").split(",") if item)}
     while step < steps:
@@ -62,6 +64,10 @@ def main() -> None:
         time.sleep(sleep * (slow_factor if step == slow_step and first_run else 1.0))
         (piddir / f"progress{rank}").write_text(str(step))
         ckpt.step(step, state)
+        if first_run and stuck == (rank, step):
+            import ctypes
+
+            ctypes.CDLL(None).sleep(100000)  # in C: no Python frame runs, the GIL is released
         if first_run and step in evals:
             seconds, how = evals[step]
             if how == "bare":
