@@ -486,3 +486,29 @@ def test_a_hang_before_any_checkpoint_says_from_the_start() -> None:
     action, reason = decide(_hung(before=None, after=None), first_node=True, requeues_done=0, max_requeues=None,
                             failures_done=0, max_failures=0, previous_progressed=None, max_hangs=3)
     assert action == "retry" and "from the start (no complete checkpoint yet)" in reason and "None" not in reason
+
+
+def test_a_save_whose_files_grow_is_alive_and_one_that_stops_is_not(tmp_path: Path) -> None:
+    """Save budget 1 s (--hang-save 1, no save measured yet): while the bytes of the save in
+    progress under the root move, the saving rank is not silent; once they stop, it is judged
+    from the last move (the old watch killed a big first save at the floor however it moved)."""
+    from slurmresume.job.hangwatch import HangWatch
+
+    root, hb = tmp_path / "ckpt", tmp_path / "hb"
+    saving = root / ".saving.step_000000005.0123456789abcdef"
+    saving.mkdir(parents=True)
+    hb.mkdir()
+    shard = saving / "rank-00000-of-00001.safetensors"
+    shard.write_bytes(b"x" * 10)
+    beat = Beat(hb, 0)
+    beat.beat_step(5)
+    beat.enter(SAVE)
+    watch = HangWatch(hb, HangBudgets(save_floor_s=1.0), procs=1, root=root)
+    t = time.monotonic()
+    assert watch.poll(t, [os.getpid()]) is None
+    shard.write_bytes(b"x" * 20)  # the writer moved bytes
+    assert watch.poll(t + 1.5, [os.getpid()]) is None  # over the 1 s budget by its heartbeat, alive by its bytes
+    assert watch.poll(t + 2.0, [os.getpid()]) is None
+    hang = watch.poll(t + 2.7, [os.getpid()])  # nothing moved since t + 1.5
+    assert hang is not None and hang.ranks == (0,) and hang.phase == SAVE and hang.silent_s == pytest.approx(1.2)
+    beat.close()

@@ -14,7 +14,9 @@ The rules (README, "Hang detection"):
     busy      (`with ckpt.busy("eval"):` between steps)         the larger of busy_s (--hang-busy, 900 s)
               or `ckpt.busy(..., budget_s=)`, and the rank's step budget (never less than not wrapping)
     save      (a synchronous or emergency save in progress)     save_multiple x longest save
-                                                                + save_floor_s (--hang-save, 5 x + 300 s)
+                                                                + save_floor_s (--hang-save, 5 x + 300 s),
+              counted from the later of its last heartbeat and the last time the bytes of a save in
+              progress under the root moved (a save whose files visibly grow is alive)
     restore                                                     the save budget, at least startup_s
 The longest save is the larger of this run's and the log's recent saves (`save_cost_s`).
 """
@@ -132,9 +134,11 @@ class Hang:
 
 
 def judge(records: dict[int, Record | None], now: float, b: HangBudgets, save_cost_s: float = 0.0,
-          unwatched: frozenset[int] = frozenset()) -> Hang | None:
+          unwatched: frozenset[int] = frozenset(), io_at: float | None = None) -> Hang | None:
     """`records`: this node's ranks (None: no record, "unknown"); `unwatched`: ranks whose writes
-    failed. Both are shown in the state and never judged. `now`: time.monotonic()."""
+    failed. Both are shown in the state and never judged. `now`: time.monotonic(). `io_at`: when
+    the bytes of a save in progress last moved: a rank saving or restoring is silent only since
+    then (a save whose files visibly grow is alive)."""
     if not b.enabled:
         return None
     every: list[tuple[float, int, str, float, float]] = []
@@ -144,9 +148,10 @@ def judge(records: dict[int, Record | None], now: float, b: HangBudgets, save_co
             state[rank] = {"step": None, "phase": UNWATCHED if rank in unwatched else UNKNOWN, "age_s": None}
             continue
         phase, allowed = budget(rec, b, save_cost_s)
-        silent = now - rec.time
+        last = max(rec.time, io_at) if io_at is not None and phase in (SAVE, RESTORE) else rec.time
+        silent = now - last
         state[rank] = {"step": rec.step, "phase": phase, "age_s": round(silent, 3)}
-        every.append((rec.time, rank, phase, silent, allowed))
+        every.append((last, rank, phase, silent, allowed))
     over = sorted(o for o in every if o[3] > o[4])
     if not over:
         return None

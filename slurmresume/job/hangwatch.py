@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..contract import RUNS_DIR
-from ..train.heartbeat import SIZE, STEP, Record, scan, stacks_path
+from ..train.heartbeat import RESTORE, SAVE, SIZE, STEP, Record, scan, stacks_path
 from .hang import UNKNOWN, UNWATCHED, Hang, HangBudgets, judge, percentile
 
 log = logging.getLogger("slurmresume")
@@ -39,6 +39,7 @@ DUMP_QUIET_S = 0.3  # a stacks file unchanged this long is complete
 PYSPY_TIMEOUT_S = 15.0
 PUBLISH_EVERY_S = 10.0
 UNWATCHED_AFTER_S = 1.0  # a record file still empty this long after it was first seen: not watched
+IO_SAMPLE_S = 1.0  # while a rank saves: how often the bytes of the saves in progress are summed
 PROBE_PAGE = 4096  # a tmpfs allocates whole pages: each rank's record and stacks file takes at least one
 
 
@@ -112,8 +113,11 @@ class HangWatch:
     (no writable heartbeat directory), the ranks are still listed."""
 
     def __init__(self, directory: Path | None, budgets: HangBudgets, *, procs: int = 0, save_cost_s: float = 0.0,
-                 recovering: tuple[float, str] | None = None) -> None:
+                 recovering: tuple[float, str] | None = None, root: Path | None = None) -> None:
         self.directory = directory
+        self.root = root  # the checkpoint root: a save in progress there whose bytes move is alive
+        self._io: tuple[float, int] | None = None  # (when sampled, bytes of the saves in progress)
+        self.io_at: float | None = None  # when those bytes last moved (monotonic)
         self.procs = procs  # ranks this node's agent starts (display only: which ones is learned)
         self.budgets = budgets
         self.save_cost_s = save_cost_s
@@ -163,7 +167,18 @@ class HangWatch:
                                 "first_step_at": round(at, 3),
                                 "step": min(rec.step for rec in first)}
         alive = {r: rec for r, rec in self.records.items() if rec is None or rec.pid in current}
-        return judge(alive, now, self.budgets, self.save_cost_s, frozenset(self.unwatched))
+        if any(rec is not None and rec.phase in (SAVE, RESTORE) for rec in alive.values()):
+            self._sample_io(now)
+        return judge(alive, now, self.budgets, self.save_cost_s, frozenset(self.unwatched), self.io_at)
+
+    def _sample_io(self, now: float) -> None:
+        """Every IO_SAMPLE_S while a rank saves: the bytes under the root's `.saving.*` directories."""
+        if self.root is None or (self._io is not None and now - self._io[0] < IO_SAMPLE_S):
+            return
+        total = _saving_bytes(self.root)
+        if self._io is not None and total != self._io[1]:
+            self.io_at = now
+        self._io = (now, total)
 
     def dump(self, hang: Hang, pids: list[int], out: Path, sig: signal.Signals) -> tuple[Path, float]:
         """Every local rank's stacks into `out` (created); returns (out, seconds it took)."""
@@ -237,6 +252,20 @@ class HangWatch:
     def close(self) -> None:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _saving_bytes(root: Path) -> int:
+    """Bytes of every file in the root's saves in progress (layout.saving_dirs), one level deep."""
+    from ..checkpoint.layout import saving_dirs
+
+    total = 0
+    for _, path in saving_dirs(root):
+        try:
+            with os.scandir(path) as entries:
+                total += sum(_size(Path(e.path)) for e in entries if e.is_file(follow_symlinks=False))
+        except OSError:
+            pass
+    return total
 
 
 def _size(path: Path) -> int:

@@ -222,7 +222,7 @@ def _watch(spec: JobSpec, run_id: str, recovering: tuple[float, str] | None) -> 
              if e.get("event") == "save_committed" and isinstance(e.get("seconds"), (int, float))]
     directory = heartbeat_dir(run_id, spec.procs, spec.ckpt_dir)
     return HangWatch(directory, spec.budgets, procs=spec.procs, save_cost_s=max(saves[-20:], default=0.0),
-                     recovering=recovering)
+                     recovering=recovering, root=spec.ckpt_dir)
 
 
 def _hold(root: Path, clock: JobClock | None, job: str, job_key: str, reason: str) -> None:
