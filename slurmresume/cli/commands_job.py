@@ -25,8 +25,8 @@ _HANG_TIMEOUT_HELP = ("Hang watch, step budget: a rank silent longer than its ph
                       "dumped, then the run is killed and restarted in the allocation. auto: "
                       f"{_HB.multiple:g}x the longest step + {_HB.floor_s:g} s after {_HB.warmup_steps} warm-up steps "
                       "(which get --hang-startup). SECONDS: that step budget instead. off: no watch. (default: auto)")
-_HANG_STARTUP_HELP = ("Hang watch: seconds a rank may take from its Checkpointer to its first steps (imports, NCCL, "
-                      f"data, the first {_HB.warmup_steps} steps); a restore gets at least this. "
+_HANG_STARTUP_HELP = ("Hang watch: seconds a rank may take from creating its Checkpointer through its first "
+                      f"{_HB.warmup_steps} steps (data, compilation); a restore gets at least this. "
                       f"(default: {_HB.startup_s:g})")
 _HANG_BUSY_HELP = ("Hang watch: seconds a `with ckpt.busy():` stretch (an evaluation) may take; never less than the "
                    f"step budget; ckpt.busy(budget_s=) overrides it. (default: {_HB.busy_s:g})")
@@ -206,7 +206,7 @@ def drill(
     script_args: ArgsArg = None,
     preemptions: Annotated[int | None, Opt(help="Warnings to inject at random steps. (default: 3, or 0 with --hang)", min=1)] = None,
     hang: Annotated[int, Opt("--hang", help="Hangs to inject instead: a seeded rank stops making progress at a seeded step; each must be detected, dumped for every rank and restarted in the allocation. (default: 0)", min=0)] = 0,
-    hang_timeout: Annotated[str, Opt(metavar="auto|SECONDS|off", help="As for submit; auto in a hang drill uses a 5 s floor instead of 120 s and a 120 s start-up budget (the script is short and its steps are measured). (default: auto)")] = "auto",
+    hang_timeout: Annotated[str, Opt(metavar="auto|SECONDS|off", help="As for submit; auto in a hang drill uses a 5 s floor instead of 600 s and a 120 s start-up budget (the script is short and its steps are measured). (default: auto)")] = "auto",
     nproc_per_node: Annotated[int, Opt(help="Processes (gloo on CPU, NCCL on GPU).", min=1)] = 1,
     seed: Annotated[int, Opt(help="Seed for choosing the preemption steps.")] = 0,
     workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints: a new or empty directory, or one an earlier drill created (only its run folders are replaced).")] = Path("runs/drill"),
