@@ -241,3 +241,30 @@ def test_true_positives_are_caught_within_budget_plus_one_second(tmp_path: Path,
     assert len(hangs) == 1 and 1 in hangs[0]["ranks"] and hangs[0]["step"] in (expected - 1, expected), out[-3000:]
     assert hangs[0]["detect_latency_s"] <= hangs[0]["budget_s"] + 1.0, hangs[0]
     assert proc.returncode == 0 and any(e["event"] == "finished" and e["step"] == 40 for e in ev), out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_dead_node_is_caught_by_the_other_nodes_launcher(tmp_path: Path) -> None:
+    """Two emulated nodes; at step 40 node 0 'dies': its whole tree (launcher, agent, ranks) is
+    SIGSTOPped, so its sockets stay open and nothing more arrives, as when a node loses power.
+    Node 1's ranks wait in their all_reduce; its launcher catches them within budget + 1 s."""
+    port = free_port()
+    spec = "max_hangs=1, hang_budgets=HangBudgets(startup_s=30, floor_s=2, save_floor_s=30)"
+    args = ["400", "0.05", "-1", "1", "0", "50"]
+    first = _node_launcher(tmp_path, 0, port, args, spec, {})
+    second = _node_launcher(tmp_path, 1, port, args, spec, {})
+    root = tmp_path / "ckpt"
+    try:
+        _wait_progress(tmp_path, 0, 40, first)
+        signal_tree(first.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 90
+        hangs: list[dict] = []
+        while not hangs and time.monotonic() < deadline:
+            time.sleep(0.5)
+            hangs = [e for e in _events(root) if e["event"] == "hang"]
+    finally:
+        for proc in (first, second):
+            signal_tree(proc.pid, signal.SIGKILL)
+        _finish([first, second], 30)
+    assert len(hangs) == 1 and hangs[0]["phase"] == "step", hangs
+    assert hangs[0]["detect_latency_s"] <= hangs[0]["budget_s"] + 1.0, hangs[0]
