@@ -512,3 +512,26 @@ def test_a_save_whose_files_grow_is_alive_and_one_that_stops_is_not(tmp_path: Pa
     hang = watch.poll(t + 2.7, [os.getpid()])  # nothing moved since t + 1.5
     assert hang is not None and hang.ranks == (0,) and hang.phase == SAVE and hang.silent_s == pytest.approx(1.2)
     beat.close()
+
+
+def test_a_restore_whose_mirror_pull_moves_bytes_is_alive(tmp_path: Path) -> None:
+    """The same for a restore pulling a step from the mirror into `<root>/.mirror-download.*`."""
+    from slurmresume.job.hangwatch import HangWatch
+    from slurmresume.mirror.transfer import DOWNLOAD_PREFIX
+
+    root, hb = tmp_path / "ckpt", tmp_path / "hb"
+    pull = root / f"{DOWNLOAD_PREFIX}step_000000005.1.abcdef12"
+    pull.mkdir(parents=True)
+    hb.mkdir()
+    part = pull / "rank-00000-of-00001.safetensors"
+    part.write_bytes(b"x")
+    beat = Beat(hb, 0)
+    beat.enter("restore")
+    watch = HangWatch(hb, HangBudgets(startup_s=1.0, save_floor_s=1.0), procs=1, root=root)
+    t = time.monotonic()
+    assert watch.poll(t, [os.getpid()]) is None
+    part.write_bytes(b"xx")
+    assert watch.poll(t + 1.5, [os.getpid()]) is None
+    hang = watch.poll(t + 2.7, [os.getpid()])
+    assert hang is not None and hang.phase == "restore"
+    beat.close()

@@ -172,7 +172,8 @@ class HangWatch:
         return judge(alive, now, self.budgets, self.save_cost_s, frozenset(self.unwatched), self.io_at)
 
     def _sample_io(self, now: float) -> None:
-        """Every IO_SAMPLE_S while a rank saves: the bytes under the root's `.saving.*` directories."""
+        """Every IO_SAMPLE_S while a rank saves or restores: the bytes of the root's saves and
+        mirror pulls in progress."""
         if self.root is None or (self._io is not None and now - self._io[0] < IO_SAMPLE_S):
             return
         total = _saving_bytes(self.root)
@@ -255,11 +256,17 @@ class HangWatch:
 
 
 def _saving_bytes(root: Path) -> int:
-    """Bytes of every file in the root's saves in progress (layout.saving_dirs), one level deep."""
+    """Bytes of every file in the root's saves in progress (layout.saving_dirs) and pulls from the
+    mirror in progress (`.mirror-download.*`, the restore's download), one level deep."""
     from ..checkpoint.layout import saving_dirs
+    from ..mirror.transfer import DOWNLOAD_PREFIX
 
+    try:
+        pulls = [Path(e.path) for e in os.scandir(root) if e.name.startswith(DOWNLOAD_PREFIX)]
+    except OSError:
+        pulls = []
     total = 0
-    for _, path in saving_dirs(root):
+    for path in [p for _, p in saving_dirs(root)] + pulls:
         try:
             with os.scandir(path) as entries:
                 total += sum(_size(Path(e.path)) for e in entries if e.is_file(follow_symlinks=False))
