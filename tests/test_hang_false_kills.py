@@ -268,3 +268,18 @@ def test_a_dead_node_is_caught_by_the_other_nodes_launcher(tmp_path: Path) -> No
         _finish([first, second], 30)
     assert len(hangs) == 1 and hangs[0]["phase"] == "step", hangs
     assert hangs[0]["detect_latency_s"] <= hangs[0]["budget_s"] + 1.0, hangs[0]
+
+
+@pytest.mark.slow
+def test_a_throttled_first_save_longer_than_the_floor_is_not_a_hang(tmp_path: Path) -> None:
+    """Save floor 2 s (--hang-save 2), no save measured yet: a first save of ~4 s through a
+    throttled writer (1 MB/s) is alive while its shard grows (the old watch killed it at the
+    floor, again after the restart at the same step, and then held the job)."""
+    spec = "max_hangs=1, hang_budgets=HangBudgets(startup_s=30, floor_s=2, save_floor_s=2)"
+    proc = _local(tmp_path, ["25", "0.05", "-1", "1", "0", "10"], spec, {"THROTTLE_MBPS": "1"})
+    (out,) = _finish([proc], 180)
+    ev = _events(tmp_path / "ckpt")
+    assert [e for e in ev if e["event"] == "hang"] == [] and proc.returncode == 0, out[-3000:]
+    saves = [e["seconds"] for e in ev if e["event"] == "save_committed"]
+    assert saves and saves[0] > 3.0, saves  # the first save really outlasted the 2 s floor
+    assert any(e["event"] == "finished" and e["step"] == 25 for e in ev), out[-3000:]

@@ -7,6 +7,9 @@ save). Writes $PIDDIR/rank<R>.pid and progress<R> like sig_train.py.
 $EVALS="10:6:wrap,20:6:bare,30:6:wrap=40": after those steps (first run only) every rank
 "evaluates" for that many seconds, inside `ckpt.busy("eval")` (wrap; wrap=S: budget_s=S) or not.
 $CSTUCK="1:25": rank 1 blocks in a C call (libc sleep through ctypes) after step 25, first run only.
+$THROTTLE_MBPS=1: a throttled writer (a slow parallel file system): every shard is fed to its
+writer at about that many MB/s, and the state carries 4 MB more, so each save takes ~4 s while
+its file visibly grows.
 """
 
 import os
@@ -33,6 +36,21 @@ class SlowToSave:
         self.value = sd["value"]
 
 
+def throttle(mbps: float) -> None:
+    from slurmresume.checkpoint import writer
+
+    feed = writer.ShardSink.feed
+    piece = 64 << 10
+
+    def slow_feed(self, data, *, reused: bool = False) -> None:  # type: ignore[no-untyped-def]
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), piece):
+            feed(self, bytes(view[start : start + piece]), reused=True)
+            time.sleep(piece / (mbps * 1e6))
+
+    writer.ShardSink.feed = slow_feed
+
+
 def main() -> None:
     steps, sleep = int(sys.argv[1]), float(sys.argv[2])
     slow_step = int(sys.argv[3]) if len(sys.argv) > 3 else -1
@@ -49,6 +67,9 @@ def main() -> None:
     model = torch.nn.Linear(8, 8)
     ckpt = slurmresume.Checkpointer(save_every=save_every)
     state = {"model": model, "slow": SlowToSave(slow_save)}
+    if os.environ.get("THROTTLE_MBPS"):
+        throttle(float(os.environ["THROTTLE_MBPS"]))
+        state["big"] = torch.nn.Linear(1024, 1024, bias=False)  # 4 MB
     step = ckpt.restore(state)
     first_run = step == 0
     stuck = tuple(int(x) for x in os.environ["CSTUCK"].split(":")) if os.environ.get("CSTUCK") else None
