@@ -13,16 +13,25 @@ import typer
 
 from ..errors import ConfigError
 from ..job.config import JobSpec, check_text, load_defaults, parse_sbatch_extras
+from ..job.hang import HangBudgets
 from .app import app, handle_errors
 
 # Shown in --help as "(default: ...)": rich would swallow "[default: ...]" as markup. No default for
 # --time (the partition's DefaultTime applies) nor --max-requeues (no cap while runs progress).
 _DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_failures": 0, "hang_timeout": "auto",
              "max_hangs": 3}
-_HANG_TIMEOUT_HELP = ("Hang watch: a rank silent longer than its phase's budget gets every rank's stacks dumped, then "
-                      "the run is killed and restarted in the allocation. auto: 10x the longest step + 120 s after 3 "
-                      "warm-up steps; start-up 900 s; save/restore 5x the longest save + 300 s. SECONDS: that step "
-                      "budget instead. off: no watch. (default: auto)")
+_HB = HangBudgets()  # the numbers --help shows are the ones the hang watch uses
+_HANG_TIMEOUT_HELP = ("Hang watch, step budget: a rank silent longer than its phase's budget gets every rank's stacks "
+                      "dumped, then the run is killed and restarted in the allocation. auto: "
+                      f"{_HB.multiple:g}x the longest step + {_HB.floor_s:g} s after {_HB.warmup_steps} warm-up steps "
+                      "(which get --hang-startup). SECONDS: that step budget instead. off: no watch. (default: auto)")
+_HANG_STARTUP_HELP = ("Hang watch: seconds a rank may take from creating its Checkpointer through its first "
+                      f"{_HB.warmup_steps} steps (data, compilation); a restore gets at least this. "
+                      f"(default: {_HB.startup_s:g})")
+_HANG_BUSY_HELP = ("Hang watch: seconds a `with ckpt.busy():` stretch (an evaluation) may take; never less than the "
+                   f"step budget; ckpt.busy(budget_s=) overrides it. (default: {_HB.busy_s:g})")
+_HANG_SAVE_HELP = (f"Hang watch: a save or restore may take {_HB.save_multiple:g}x the longest save seen (this run or "
+                   f"the log's) + this many seconds. (default: {_HB.save_floor_s:g})")
 
 Opt = typer.Option
 
@@ -112,6 +121,9 @@ def submit(
     max_requeues: Annotated[int | None, Opt(help="Cap on requeues (warnings and time limits alike). (default: no cap while each run commits a newer step; two runs in a row without one stop the job)")] = None,
     max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. (default: 0)")] = None,
     hang_timeout: Annotated[str | None, Opt(metavar="auto|SECONDS|off", help=_HANG_TIMEOUT_HELP)] = None,
+    hang_startup: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_STARTUP_HELP)] = None,
+    hang_busy: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_BUSY_HELP)] = None,
+    hang_save: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_SAVE_HELP)] = None,
     max_hangs: Annotated[int | None, Opt(help="In-allocation restarts after a hang; the same hang twice in a row without a new checkpoint stops (and under Slurm holds) the job. (default: 3)")] = None,
     sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive; arrays and heterogeneous jobs are refused. (default: none)")] = None,
     rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. (default: derived from the job id)")] = None,
@@ -194,7 +206,7 @@ def drill(
     script_args: ArgsArg = None,
     preemptions: Annotated[int | None, Opt(help="Warnings to inject at random steps. (default: 3, or 0 with --hang)", min=1)] = None,
     hang: Annotated[int, Opt("--hang", help="Hangs to inject instead: a seeded rank stops making progress at a seeded step; each must be detected, dumped for every rank and restarted in the allocation. (default: 0)", min=0)] = 0,
-    hang_timeout: Annotated[str, Opt(metavar="auto|SECONDS|off", help="As for submit; auto in a hang drill uses a 5 s floor instead of 120 s and a 120 s start-up budget (the script is short and its steps are measured). (default: auto)")] = "auto",
+    hang_timeout: Annotated[str, Opt(metavar="auto|SECONDS|off", help="As for submit; auto in a hang drill uses a 5 s floor instead of 600 s and a 120 s start-up budget (the script is short and its steps are measured). (default: auto)")] = "auto",
     nproc_per_node: Annotated[int, Opt(help="Processes (gloo on CPU, NCCL on GPU).", min=1)] = 1,
     seed: Annotated[int, Opt(help="Seed for choosing the preemption steps.")] = 0,
     workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints: a new or empty directory, or one an earlier drill created (only its run folders are replaced).")] = Path("runs/drill"),

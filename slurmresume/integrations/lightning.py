@@ -26,6 +26,7 @@ Lightning itself is imported only by this module.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator, Sized
@@ -151,6 +152,7 @@ class SlurmResume(pl.Callback):
                         "async_save": async_save, "verify_on_restore": verify_on_restore}
         self.final_save = final_save
         self.ckpt: Checkpointer | None = None
+        self._busy: contextlib.ExitStack | None = None  # an evaluation loop in progress, under ckpt.busy()
         self.restored_step = 0
         self._state: dict[str, Any] = {}
         self._last_step: int | None = None
@@ -201,7 +203,41 @@ class SlurmResume(pl.Callback):
         if self.ckpt is not None and self.final_save and self.ckpt.last_saved_step != trainer.global_step:
             self.ckpt.save(trainer.global_step, self._state, metrics=_metrics(trainer), reason="final")
 
+    # -- evaluation loops: under ckpt.busy(), judged by the busy budget (never less than a step's) ----
+
+    def _busy_begin(self, what: str) -> None:
+        if self.ckpt is not None and self._busy is None:
+            self._busy = contextlib.ExitStack()
+            self._busy.enter_context(self.ckpt.busy(what))
+
+    def _busy_end(self) -> None:
+        if self._busy is not None:
+            stack, self._busy = self._busy, None
+            stack.close()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_begin("validation")
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_begin("test")
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_begin("predict")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_end()
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_end()
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_end()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._busy_end()
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._busy_end()
         if stage == "fit" and self.ckpt is not None:
             self.ckpt.close()
             self.ckpt = None

@@ -29,6 +29,7 @@ transformers itself is imported only by this module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -80,6 +81,7 @@ class SlurmResumeCallback(TrainerCallback):
                         "verify_on_restore": verify_on_restore}
         self.final_save = final_save
         self.ckpt: Checkpointer | None = None
+        self._busy: contextlib.ExitStack | None = None  # Trainer's evaluation/save after a step, under ckpt.busy()
         self.restored_step = 0
         self._state: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
@@ -131,6 +133,7 @@ class SlurmResumeCallback(TrainerCallback):
             rng.restore(self._pending.pop("rng"))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._busy_end()
         if "rng" in self._pending:  # mid-epoch: after the skipped batches were drawn
             rng.restore(self._pending.pop("rng"))
         if self._resume_dir is not None:
@@ -147,8 +150,27 @@ class SlurmResumeCallback(TrainerCallback):
         self.ckpt.step(state.global_step, self._state, metrics=metrics)
         if self.final_save and state.max_steps and state.global_step >= state.max_steps:
             self.ckpt.save(state.global_step, self._state, metrics=metrics, reason="final")
+        self._busy_begin(control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._busy_begin(control)
+
+    def _busy_begin(self, control: Any) -> None:
+        """Trainer evaluates, predicts and saves its own checkpoint after on_step_end/on_epoch_end
+        when the flow callback (first in the list) set these flags: under ckpt.busy() until the
+        next step begins, so the hang watch judges them by the busy budget."""
+        wanted = getattr(control, "should_evaluate", False) or getattr(control, "should_save", False)
+        if self.ckpt is not None and self._busy is None and wanted:
+            self._busy = contextlib.ExitStack()
+            self._busy.enter_context(self.ckpt.busy("evaluate/save"))
+
+    def _busy_end(self) -> None:
+        if self._busy is not None:
+            stack, self._busy = self._busy, None
+            stack.close()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._busy_end()
         if self.ckpt is None:
             return
         if self.final_save and self.ckpt.last_saved_step != state.global_step:

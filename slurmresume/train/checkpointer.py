@@ -231,11 +231,15 @@ class Checkpointer:
             return info.step
 
     @contextlib.contextmanager
-    def busy(self, what: str = "busy") -> Iterator[None]:
-        """Local (any rank). Wrap long work between step() calls (an evaluation, a final test) so
-        that the launcher's hang watch judges it by the start-up budget, not the step budget:
-        `with ckpt.busy("eval"): evaluate()`. No-op when run without the launcher."""
-        with phase(self._beat, BUSY):
+    def busy(self, what: str = "busy", *, budget_s: float | None = None) -> Iterator[None]:
+        """Local (any rank). Wrap long work between step() calls (an evaluation, a final test):
+        `with ckpt.busy("eval"): evaluate()`. The launcher's hang watch then allows it the busy
+        budget (`--hang-busy`, default 900 s), or `budget_s` when given, and never less than the
+        step budget (wrapping never shortens what the work may take). No-op when run without the
+        launcher."""
+        if budget_s is not None and not budget_s > 0:
+            raise ConfigError(f"ckpt.busy({what!r}, budget_s={budget_s!r}): give a positive number of seconds")
+        with phase(self._beat, BUSY, budget_s=budget_s or 0.0):
             yield
 
     def close(self) -> None:
