@@ -17,12 +17,14 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError
+from .ddp import find_wrappers
 from .emergency import save_and_exit
 from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, phase
 from .options import check_options
@@ -101,6 +103,7 @@ class Checkpointer:
         self.save_policy = w.sched.policy
         self._sched, self._async, self._beat, self._boundary = w.sched, w.writer, w.beat, w.boundary
         self._drill_hang, self._first_save = w.drill_hang, w.drill_first_save
+        self._ddp: dict[str, Any] | None = None  # DDP wrappers found in the state (ddp.find_wrappers)
 
     @property
     def rank(self) -> int:
@@ -141,7 +144,9 @@ class Checkpointer:
 
     def _prepare_payload(self, step: int, state: Mapping[str, Any], metrics: Any, meta: Any) -> Payload:
         self._check_open()  # a seam: tests/helpers/train_forgets_scheduler.py wraps this method
-        return payload_of(step, state, metrics, meta)
+        if self._ddp is None:
+            self._ddp = find_wrappers(state)
+        return payload_of(step, state, metrics, meta, self._ddp)
 
     def _save_now(self, step: int, payload: Payload, reason: str, started: float,
                   blocking_s: float | None) -> Path | None:
@@ -219,8 +224,9 @@ class Checkpointer:
         `allow_fresh_start=True` (default: $SLURMRESUME_ALLOW_FRESH_START == "1")."""
         self._check_open()
         with phase(self._beat, RESTORE):
-            req = Request.of(step, self.verify_on_restore if verify is None else verify, restore_rng, strict,
-                             allow_fresh_start)
+            self._ddp = find_wrappers(state)  # before the load: the layout is pinned right after it
+            req = replace(Request.of(step, self.verify_on_restore if verify is None else verify, restore_rng, strict,
+                                     allow_fresh_start), ddp_buckets=self._ddp)
             info = restore_and_record(self.group, self.root, state, req, self.mirror, created_at=self._created_at)
             if info is None:
                 return 0
