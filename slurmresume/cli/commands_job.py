@@ -233,7 +233,8 @@ def drill(
     if json_out:
         print_json({"ok": report.ok, "steps": report.steps, "planned": report.planned,
                     "preemptions": report.preemptions, "missed": report.missed, "saved_steps": report.saved_steps,
-                    "hangs": report.hang_json(),
+                    "hangs": report.hang_json(), "resume_problems": report.resume_problems,
+                    "metric_difference": report.metric_difference and vars(report.metric_difference),
                     "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint,
                                      "cause": d.cause, "culprit": d in culprits(report.differences)}
                                     for d in report.differences]})

@@ -52,7 +52,7 @@ def print_drill(report: Any) -> None:
         what = "restarted after every hang and " if report.hangs_planned else ""
         console.print(f"[green]PASS[/green]: the run {what}ended bitwise equal to the uninterrupted one")
         return
-    for problem in report.hang_problems:
+    for problem in [*report.resume_problems, *report.hang_problems]:
         console.print(f"[red]FAIL[/red]: {escape(problem)}", markup=True, highlight=False)
     if not report.hangs_planned and report.preemptions == 0:
         console.print("[red]FAIL[/red]: no warning led to a save and restart (is ckpt.step() called every step?)")
@@ -68,3 +68,5 @@ def print_drill(report: Any) -> None:
         more = f" (+{len(diffs) - 1} more under '{top}')" if len(diffs) > 1 else ""
         label = "[yellow]NOTE[/yellow]" if d.note.startswith("never seeded") else "[red]FAIL[/red]"
         console.print(f"{label}: {d}{more}", markup=True, highlight=False)
+    if report.metric_difference is not None:  # after the state: a differing state explains it
+        console.print(f"[red]FAIL[/red]: {escape(str(report.metric_difference))}", markup=True, highlight=False)

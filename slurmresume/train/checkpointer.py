@@ -32,6 +32,7 @@ from .restoring import Request, restore_and_record
 from .roots import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
 from .roots import resolve_root
 from .saving import Payload, after_commit, payload_of, save_and_record, tolerated
+from .steprecord import INTERNAL_SAVES, recorder_from_env
 from .wiring import wire
 
 
@@ -104,6 +105,7 @@ class Checkpointer:
         self._sched, self._async, self._beat, self._boundary = w.sched, w.writer, w.beat, w.boundary
         self._drill_hang, self._first_save = w.drill_hang, w.drill_first_save
         self._ddp: dict[str, Any] | None = None  # DDP wrappers found in the state (ddp.find_wrappers)
+        self._record = recorder_from_env(self.rank)  # under `slurmresume drill` only
 
     @property
     def rank(self) -> int:
@@ -122,6 +124,8 @@ class Checkpointer:
         step is saved again and the new checkpoint replaces the old one atomically, once it is
         itself committed: state changed after the loop (a final evaluation, `best_val_loss`) is
         never lost. Saves from `step()` (periodic, emergency) never replace a committed step."""
+        if self._record is not None and reason not in INTERNAL_SAVES:
+            self._record.record(step, "save", metrics)
         with phase(self._beat, SAVE, measured_save=True):
             self.wait()
             started = time.perf_counter()
@@ -174,6 +178,8 @@ class Checkpointer:
         time-based save is decided by rank 0's clock and travels in the same agreement."""
         if self._drill_hang is not None and step >= self._drill_hang:
             drill_hang_here(step)  # as a hang in the training step would: before this step's heartbeat
+        if self._record is not None:
+            self._record.record(step, "step", metrics)
         if self._beat is not None:
             self._beat.beat_step(step)
         verdict = self._boundary.decide(step, self._sched.trigger(step, epoch_end=epoch_end))

@@ -1,0 +1,107 @@
+"""Issue #28: a drill that cannot lie. Besides the final checkpoints, the drill checks that every
+restarted run resumed the step the previous run committed (and went on from the step after),
+and that both runs passed the same `metrics=` at every step (bitwise).
+
+Pure checks with tables; then the real drill (launcher + torchrun) on a script that never calls
+restore() and on one that forgets its evaluation generator: both ended with bitwise-equal final
+checkpoints and PASSed before."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.procs import HELPERS
+
+from slurmresume.tools.drillcheck import RunFacts, first_metric_difference, resumption_problems
+from slurmresume.train.steprecord import encode_metrics
+
+SCRIPT = HELPERS / "train_drill_cases.py"
+
+
+@pytest.mark.parametrize(("runs", "expect"), [
+    ([RunFacts("a", None, 1, 8), RunFacts("b", 8, 9, 20), RunFacts("c", 20, 21, None)], []),
+    ([RunFacts("a", None, 1, 8), RunFacts("b", None, 1, None)], ["run 2 (after the save at step 8) never restored"]),
+    ([RunFacts("a", None, 1, 8), RunFacts("b", 5, 6, None)], ["run 2 restored step 5, but the run before it had committed step 8"]),
+    ([RunFacts("a", None, 1, 8), RunFacts("b", 8, 1, None)], ["run 2 restored step 8 but its first ckpt.step() was step 1, not 9"]),
+    ([RunFacts("a", None, 1, 24), RunFacts("b", 24, None, None)], []),  # warned at the last step: nothing left to run
+    ([RunFacts("a", None, 1, None), RunFacts("b", None, 1, None)], []),  # nothing committed: judged elsewhere
+])
+def test_resumption_problems(runs: list[RunFacts], expect: list[str]) -> None:
+    got = resumption_problems(runs)
+    assert len(got) == len(expect)
+    for line, start in zip(got, expect, strict=True):
+        assert line.startswith(start), line
+    if got and "never restored" in got[0]:
+        assert "ckpt.restore(state)" in got[0]
+
+
+def _recs(*steps: tuple[int, dict], call: str = "step") -> list[dict]:
+    return [{"run": "r", "step": s, "call": call, "metrics": encode_metrics(m)} for s, m in steps]
+
+
+def test_the_first_differing_step_and_key_are_named() -> None:
+    ref = {0: _recs((1, {"loss": 1.0}), (2, {"loss": 2.0, "val_loss": 0.5}), (3, {"loss": 3.0, "val_loss": 0.25}))}
+    same = {0: _recs((1, {"loss": 1.0}), (2, {"loss": 2.0, "val_loss": 0.5}), (3, {"loss": 3.0, "val_loss": 0.25}))}
+    assert first_metric_difference(ref, same) is None
+    other = {0: _recs((1, {"loss": 1.0}), (2, {"loss": 2.0, "val_loss": 0.5}), (3, {"loss": 3.5, "val_loss": 0.3}))}
+    d = first_metric_difference(ref, other)
+    assert d is not None and (d.step, d.key, d.rank) == (3, "loss", 0)
+    d = first_metric_difference(ref, other, ignore=("loss",))
+    assert d is not None and (d.step, d.key) == (3, "val_loss")
+    assert first_metric_difference(ref, other, ignore=("*loss",)) is None  # patterns, as for *_per_second
+
+
+def test_floats_and_tensors_compare_bitwise() -> None:
+    a = {0: _recs((1, {"x": 0.0, "t": torch.tensor([1.0, 2.0])}))}
+    assert first_metric_difference(a, {0: _recs((1, {"x": 0.0, "t": torch.tensor([1.0, 2.0])}))}) is None
+    assert first_metric_difference(a, {0: _recs((1, {"x": -0.0, "t": torch.tensor([1.0, 2.0])}))}) is not None
+    nudged = torch.tensor([1.0, 2.0]).nextafter(torch.tensor(3.0))
+    d = first_metric_difference(a, {0: _recs((1, {"x": 0.0, "t": nudged}))})
+    assert d is not None and d.key == "t"
+
+
+def test_a_replayed_step_must_repeat_itself_and_unmatched_steps_are_not_compared() -> None:
+    ref = {0: _recs((1, {"loss": 1.0}), (2, {"loss": 2.0}))}
+    replay = {0: _recs((1, {"loss": 1.0}), (2, {"loss": 2.0}), (2, {"loss": 2.5}), (3, {"loss": 9.0}))}
+    d = first_metric_difference(ref, replay)
+    assert d is not None and d.step == 2
+
+
+def drill(tmp_path: Path, case: str, *opts: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slurmresume", "drill", str(SCRIPT), "--workdir", str(tmp_path / "w"),
+                           "--preemptions", "2", "--seed", "3", "--ignore", "rng", *opts, "--", "--steps", "12",
+                           "--case", case], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "COLUMNS": "400"})
+
+
+def _fails(res: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in res.stdout.splitlines() if line.startswith("FAIL")]
+
+
+@pytest.mark.slow
+def test_a_script_that_never_restores_fails_the_drill(tmp_path: Path) -> None:
+    """Old code: PASS (exit 0): each restart retrains from step 0 to the same final state."""
+    res = drill(tmp_path, "no-restore")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    fails = _fails(res)
+    assert fails and "never restored" in fails[0] and "ckpt.restore(state)" in fails[0], res.stdout
+    assert "Traceback" not in res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_a_script_that_forgets_its_eval_generator_fails_naming_the_step(tmp_path: Path) -> None:
+    """Old code: PASS: the final checkpoints are bitwise equal, only the val_loss stream differs.
+    The first differing step is the first evaluation (every 3rd step) after the first resume."""
+    res = drill(tmp_path, "eval-gen", "--json")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    verdict = json.loads(res.stdout[res.stdout.index("{"):])
+    assert verdict["ok"] is False and verdict["differences"] == [] and verdict["resume_problems"] == []
+    first_resume = min(verdict["saved_steps"])
+    diff = verdict["metric_difference"]
+    assert diff["key"] == "val_loss" and diff["step"] == (first_resume // 3 + 1) * 3, verdict
