@@ -105,3 +105,43 @@ def test_a_script_that_forgets_its_eval_generator_fails_naming_the_step(tmp_path
     first_resume = min(verdict["saved_steps"])
     diff = verdict["metric_difference"]
     assert diff["key"] == "val_loss" and diff["step"] == (first_resume // 3 + 1) * 3, verdict
+
+
+def test_a_key_only_one_run_passed_is_not_compared() -> None:
+    """Lightning hands over callback_metrics: the uninterrupted run still carries the last
+    val_loss, a resumed process has none until its next validation."""
+    ref = {0: _recs((5, {"loss": 1.0, "val_loss": 0.5}))}
+    assert first_metric_difference(ref, {0: _recs((5, {"loss": 1.0}))}) is None
+
+
+@pytest.mark.slow
+def test_more_preemptions_than_steps_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Old code: silently planned 2 warnings for 3 steps and judged that."""
+    res = subprocess.run([sys.executable, "-m", "slurmresume", "drill", str(SCRIPT), "--workdir", str(tmp_path / "w"),
+                          "--preemptions", "3", "--", "--steps", "3", "--case", "unseeded"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "COLUMNS": "400"})
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if "--preemptions 3" in line]
+    assert len(errors) == 1 and "at least 4 steps" in errors[0] and "ran 3" in errors[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and not (tmp_path / "w" / "preempted").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_drill_is_interrupted_with_exit_130(tmp_path: Path) -> None:
+    """Old code: the stopped run was judged ("1 of 3 warnings led to no save", exit 1)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "slurmresume", "drill", str(SCRIPT), "--workdir",
+                             str(tmp_path / "w"), "--preemptions", "1", "--", "--steps", "400", "--case", "unseeded"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env={**os.environ, "COLUMNS": "400"})
+    first = tmp_path / "w" / "uninterrupted" / "step_000000001"
+    deadline = time.monotonic() + 300
+    while not first.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # the drill's own process, as the terminal's Ctrl-C reaches it
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out[-2000:] + err[-3000:]
+    assert "interrupted" in err and "FAIL" not in out and "PASS" not in out
+    assert not (tmp_path / "w" / "preempted").exists()  # the second run never started

@@ -49,6 +49,11 @@ CAUSE_HINTS = {
 UNSEEDED = "never seeded: it differed between the two runs already at the first checkpoint; seed it if your " \
            "script uses it (--ignore {key} to skip it)"
 FOLLOWS = "follows from the difference(s) listed before it"
+DDP_DRIFT = ("only what the training step computes differs, on {world} ranks: with DDP, its gradient bucket "
+             "layout (rebuilt after a process's first backward; with 3+ ranks the all-reduce rounds by it). The "
+             "Checkpointer records it when the DDP wrapper exists before ckpt.restore() and the model or the "
+             "wrapper is in state; otherwise add state[\"ddp_buckets\"] = slurmresume.DDPBuckets(ddp_model), "
+             "and check it is not DDPBuckets(..., enabled=False). Otherwise: {rest}")
 NOT_REPRODUCIBLE = "differed already at the first checkpoint, before any preemption: the script is not " \
                    "reproducible run to run (seed everything it draws from at start-up)"
 
@@ -187,17 +192,26 @@ def _merge_streams(diffs: list[Difference]) -> list[Difference]:
 
 
 def explain(diffs: list[Difference], unseeded: set[str] | frozenset[str] = frozenset(),
-            first: set[str] | frozenset[str] = frozenset()) -> None:
+            first: set[str] | frozenset[str] = frozenset(), world: int = 1) -> None:
     """Set each difference's note: an RNG stream that differed already at the first checkpoint is
     "never seeded" (not a resume failure); any other key that differed there is run-to-run
-    non-determinism; an optimizer or model difference below a cause "follows from" it."""
+    non-determinism; an optimizer or model difference below a cause "follows from" it. On 3+
+    ranks, when only what the step computes differs (values, optimizer, model), the first one
+    names DDP's bucket layout first."""
     seen: set[str] = set()
+    causes = {d.cause for d in diffs if not (d.cause == "rng" and d.key in unseeded)}
+    if world >= 3 and causes and causes <= {"value", "optimizer", "model"}:
+        lead = next(d for d in diffs if d.cause in causes)
+        if lead.top not in first:
+            lead.note = DDP_DRIFT.format(world=world, rest=lead.hint)
     for d in diffs:
         if d.cause == "rng" and d.key in unseeded:
             d.note = UNSEEDED.format(key=d.key)
             continue
         if d.top in first:
             d.note = NOT_REPRODUCIBLE
+        elif d.note:
+            pass
         elif (d.cause == "value" and seen & {"rng", "hyper", "object"}) or (
                 d.cause == "optimizer" and seen & {"rng", "hyper", "value", "object"}) or (
                 d.cause == "model" and seen & {"rng", "hyper", "value", "object", "optimizer"}):

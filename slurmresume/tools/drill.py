@@ -25,6 +25,7 @@ from ..contract import (
     ENV_DRILL_FIRST_SAVE,
     ENV_DRILL_HANG,
     ENV_DRILL_RECORD,
+    ENV_MIRROR,
     EV_HANG,
     EV_RESUMED,
 )
@@ -71,6 +72,8 @@ class DrillReport:
     hang_problems: list[str] = field(default_factory=list)  # why a hang's proof is missing
     resume_problems: list[str] = field(default_factory=list)  # restarts that did not resume (drillcheck)
     metric_difference: MetricDifference | None = None  # the first step + key whose metrics= differ
+    workdir: Path | None = None  # where both runs are (PASS says so, with the next command)
+    world: int = 1
 
     @property
     def missed(self) -> int:
@@ -118,20 +121,27 @@ def pick_hangs(total: int, n: int, seed: int, world: int, warmup: int) -> list[t
 
 def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
               ignore_keys: tuple[str, ...] = (), hangs: int = 0) -> DrillReport:
-    """Both runs under `workdir` (see `prepare_workdir`). Raises CheckpointError when a run
+    """Both runs under `workdir` (see `prepare_workdir`), and nowhere else: no mirror (a script
+    that passes its own `Checkpointer(mirror=...)` still uses it). Raises CheckpointError when a run
     leaves no final checkpoint (the script must save at its end). `hangs` > 0: a hang drill
     (no warnings): each planned hang must be detected, dumped and restarted in the allocation."""
     prepare_workdir(workdir)
     ref_root, drill_root = (workdir / name for name in RUN_DIRS)
     ref_rec, drill_rec = (workdir / RECORDS / name for name in RUN_DIRS)
-    first = {ENV_DRILL_FIRST_SAVE: "1"}
+    # hermetic: both runs live under `workdir` alone; the mirror of the configuration
+    # ([tool.slurmresume], slurmresume.toml) or of $SLURMRESUME_MIRROR is the real run's, never the drill's
+    spec = replace(spec, mirror=None)
+    first = {ENV_DRILL_FIRST_SAVE: "1", ENV_MIRROR: ""}
     if hangs and spec.hang_budgets == HangBudgets():
         spec = replace(spec, hang_budgets=DRILL_BUDGETS)
-    run_local(replace(spec, ckpt_dir=ref_root, max_requeues=preemptions + 2, max_failures=0),
-              env={**first, ENV_DRILL_RECORD: str(ref_rec)})
+    _run(replace(spec, ckpt_dir=ref_root, max_requeues=preemptions + 2, max_failures=0),
+         {**first, ENV_DRILL_RECORD: str(ref_rec)})
     ref = find_latest(ref_root, warn=False)
     if ref is None:
         raise CheckpointError(_no_checkpoint("uninterrupted", ref_root))
+    if preemptions >= ref.step:  # each warning needs its own step before the last
+        raise ConfigError(f"--preemptions {preemptions} needs at least {preemptions + 1} steps, and the script ran "
+                          f"{ref.step}: lower --preemptions or run more steps")
     planned = pick_steps(ref.step, preemptions, seed)
     hang_plan = pick_hangs(ref.step, hangs, seed, spec.procs * spec.nodes, spec.budgets.warmup_steps)
     if hangs and len(hang_plan) < hangs:
@@ -141,8 +151,8 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     if hang_plan:
         env[ENV_DRILL_HANG] = ",".join(f"{r}:{s}" for r, s in hang_plan)
     try:
-        run_local(replace(spec, ckpt_dir=drill_root, max_requeues=preemptions + 2, max_failures=0,
-                          max_hangs=len(hang_plan) + 1), env=env)
+        _run(replace(spec, ckpt_dir=drill_root, max_requeues=preemptions + 2, max_failures=0,
+                     max_hangs=len(hang_plan) + 1), env)
     except SystemExit as exc:
         if not hang_plan:
             raise
@@ -156,10 +166,11 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     events = read_events(drill_root)
     saved = [e["step"] for e in events if e["event"] == "exit_after_save" and e.get("kind") == "preempt"]
     restarts = sum(1 for e in events if e["event"] == "requeued")
-    report = DrillReport(ref.step, planned, restarts, saved, ref.path, final.path, hangs_planned=hang_plan)
-    if hang_plan:
-        _check_hangs(report, drill_root, spec.procs * spec.nodes)
     world = spec.procs * spec.nodes
+    report = DrillReport(ref.step, planned, restarts, saved, ref.path, final.path, hangs_planned=hang_plan,
+                         workdir=workdir, world=world)
+    if hang_plan:
+        _check_hangs(report, drill_root, world)
     report.resume_problems = resumption_problems(run_facts(drill_root, drill_rec))
     report.metric_difference = first_metric_difference(metric_streams(ref_rec, world),
                                                        metric_streams(drill_rec, world), ignore_keys)
@@ -171,8 +182,23 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     at_first = compare_checkpoints(*report.first_checkpoints, ignore_keys) if report.first_checkpoints else []
     report.differences = compare_checkpoints(ref.path, final.path, ignore_keys)
     explain(report.differences, unseeded={d.key for d in at_first if d.cause == "rng"},
-            first={d.top for d in at_first if d.cause != "rng"})
+            first={d.top for d in at_first if d.cause != "rng"}, world=world)
     return report
+
+
+class DrillInterrupted(Exception):
+    """Ctrl-C (SIGINT) stopped a run of the drill: there is no verdict."""
+
+
+def _run(spec: JobSpec, env: dict[str, str]) -> None:
+    """One drill run through the local launcher; DrillInterrupted when it was stopped by Ctrl-C
+    (the launcher saved and stopped: what follows would judge a run the user cut short)."""
+    try:
+        result = run_local(spec, env=env)
+    except KeyboardInterrupt:  # a second Ctrl-C
+        raise DrillInterrupted() from None
+    if result.get("kind") == "interrupted":
+        raise DrillInterrupted()
 
 
 def _check_hangs(report: DrillReport, root: Path, world: int) -> None:

@@ -73,7 +73,8 @@ def first_metric_difference(reference: dict[int, list[dict[str, Any]]], resumed:
                             ignore: tuple[str, ...] = ()) -> MetricDifference | None:
     """The first (step, key) at which a rank's metrics differ between the runs, comparing every
     record of a step in the preempted run (a replayed step must repeat itself) with the
-    uninterrupted run's; steps only one run recorded are not compared. `ignore`: key patterns."""
+    uninterrupted run's; steps and keys only one run recorded are not compared. `ignore`: key
+    patterns (fnmatch)."""
     found: list[MetricDifference] = []
     for rank in sorted(set(reference) & set(resumed)):
         ref = _by_call(reference[rank])
@@ -106,10 +107,12 @@ def _differs(a: Any, b: Any, ignore: tuple[str, ...]) -> tuple[str, str, str] | 
     """(key, a, b) of the first differing key; values compared as canonical JSON (bitwise floats)."""
     if not (isinstance(a, dict) and isinstance(b, dict)):
         a, b = {"metrics": a}, {"metrics": b}
-    for key in sorted(set(a) | set(b)):
+    # only keys both passed: a framework's metrics may carry a stale value (Lightning's last
+    # val_loss) that a resumed process has not computed yet
+    for key in sorted(set(a) & set(b)):
         if any(fnmatch.fnmatchcase(key, pattern) for pattern in ignore):
             continue
-        va, vb = (dumps(x[key]) if key in x else "(absent)" for x in (a, b))
+        va, vb = dumps(a[key]), dumps(b[key])
         if va != vb:
             return key, va, vb
     return None
