@@ -145,3 +145,35 @@ def test_ctrl_c_during_a_drill_is_interrupted_with_exit_130(tmp_path: Path) -> N
     assert proc.returncode == 130, out[-2000:] + err[-3000:]
     assert "interrupted" in err and "FAIL" not in out and "PASS" not in out
     assert not (tmp_path / "w" / "preempted").exists()  # the second run never started
+
+
+class _History:
+    """A stateful object shaped like HF Trainer's saved trainer_state."""
+
+    def __init__(self, runtime: float, loss: float) -> None:
+        self.log = [{"step": 4, "eval_loss": loss, "eval_runtime": runtime, "eval_samples_per_second": 1 / runtime}]
+
+    def state_dict(self) -> dict:
+        return {"global_step": 4, "log_history": self.log}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.log = state["log_history"]
+
+
+def test_a_frameworks_timing_fields_in_its_log_history_are_not_compared(tmp_path: Path) -> None:
+    """Old code: 'trainer_state ... non-tensor values differ' for any script with evaluation
+    (HF Trainer's log_history carries eval_runtime and *_per_second)."""
+    from slurmresume import Checkpointer
+    from slurmresume.tools.compare import compare_checkpoints
+
+    def save(root: Path, runtime: float, loss: float) -> Path:
+        ck = Checkpointer(root, handle_signals=False)
+        path = ck.save(4, {"trainer_state": _History(runtime, loss)})
+        ck.close()
+        assert path is not None
+        return path
+
+    a = save(tmp_path / "a", 0.25, 1.5)
+    assert compare_checkpoints(a, save(tmp_path / "b", 0.75, 1.5), ("rng",)) == []
+    diffs = compare_checkpoints(a, save(tmp_path / "c", 0.25, 1.25), ("rng",))
+    assert [d.key for d in diffs] == ["trainer_state"]

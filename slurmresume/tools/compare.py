@@ -10,6 +10,7 @@ stateful entry is comes from the shape of its saved state (an optimizer's has "s
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,11 @@ ADAPT = "see README §Adapt your script"
 # ("hyper": an optimizer's non-tensor state, its param_groups' lr etc., which everything after
 # it follows; "value": plain values, often a consequence such as the last loss, so after objects)
 CAUSES = {"rng": 0, "hyper": 1, "object": 2, "value": 3, "optimizer": 4, "model": 5, "other": 6}
+
+# a framework's own timing fields, in the log history its saved state carries (HF Trainer's
+# trainer_state.log_history: eval_runtime, train_samples_per_second, ...): never compared
+LOG_HISTORIES = frozenset({"log_history"})
+WALL_CLOCK = ("*_runtime", "*_per_second")
 
 HINTS = {
     "scheduler": "did you save the LR scheduler?",
@@ -248,14 +254,16 @@ def _compare_values(rank: int, ea: dict[str, Any], eb: dict[str, Any], ignore: t
     return out
 
 
-def _strip_tensors(v: Any) -> Any:
-    """Tensor names are compared through the tensors themselves; here only the structure."""
+def _strip_tensors(v: Any, wall_clock: bool = False) -> Any:
+    """Tensor names are compared through the tensors themselves; here only the structure.
+    `wall_clock`: inside a framework's log history, where timing keys are dropped (WALL_CLOCK)."""
     if isinstance(v, dict):
         if set(v) == {"__tensor__"}:
             return "<tensor>"
         if set(v) == {"__float__"} and v["__float__"] == "nan":
             return "nan"
-        return {k: _strip_tensors(x) for k, x in v.items()}
+        return {k: _strip_tensors(x, k in LOG_HISTORIES) for k, x in v.items()
+                if not (wall_clock and any(fnmatch.fnmatchcase(str(k), p) for p in WALL_CLOCK))}
     if isinstance(v, list):
-        return [_strip_tensors(x) for x in v]
+        return [_strip_tensors(x, wall_clock) for x in v]
     return v
