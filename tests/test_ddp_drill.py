@@ -67,3 +67,5 @@ def test_ddp_drill_without_the_bucket_layout_drifts_on_3_ranks(tmp_path: Path) -
     assert verdict["ok"] is False
     keys = {d["key"].split("/")[0].split(".")[0] for d in verdict["differences"]}
     assert keys & {"model", "optimizer"}, verdict["differences"]
+    # the first line names the fix (issue #28; it used to ask about the LR scheduler)
+    assert "DDPBuckets" in verdict["differences"][0]["hint"] and "bucket" in verdict["differences"][0]["hint"]

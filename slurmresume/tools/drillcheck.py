@@ -129,7 +129,8 @@ def run_facts(root: Path, records: Path) -> list[RunFacts]:
     restored = {e.get("run_id"): e["step"] for e in events if e["event"] == "restored" and isinstance(e.get("step"), int)}
     first: dict[str, int] = {}
     for rec in read_records(records, 0):
-        first.setdefault(str(rec.get("run")), rec["step"])
+        if rec.get("call") == "step":  # a run restored at the last step only makes its final save
+            first.setdefault(str(rec.get("run")), rec["step"])
     facts = []
     for run_id in dict.fromkeys(order):
         try:
