@@ -117,10 +117,11 @@ def find_wrappers(state: Mapping[str, Any]) -> dict[str, DDPBuckets]:
     found: dict[str, Any] = dict(direct)
     if inner:
         # DDP keeps no registry of its instances: one pass over the tracked objects, at restore
+        # (type(), not isinstance: a proxy's __class__ property could run code or warn)
         import gc
 
         for obj in gc.get_objects():
-            if isinstance(obj, DDP) and id(obj.module) in inner and inner[id(obj.module)] not in found:
+            if issubclass(type(obj), DDP) and id(obj.module) in inner and inner[id(obj.module)] not in found:
                 found[inner[id(obj.module)]] = obj
     return {k: DDPBuckets(v) for k, v in sorted(found.items())}
 
