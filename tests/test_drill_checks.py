@@ -177,3 +177,31 @@ def test_a_frameworks_timing_fields_in_its_log_history_are_not_compared(tmp_path
     assert compare_checkpoints(a, save(tmp_path / "b", 0.75, 1.5), ("rng",)) == []
     diffs = compare_checkpoints(a, save(tmp_path / "c", 0.25, 1.25), ("rng",))
     assert [d.key for d in diffs] == ["trainer_state"]
+
+
+def test_a_differing_value_inside_a_frameworks_state_is_named_by_its_path(tmp_path: Path) -> None:
+    """Old code: "lightning state differs at 'lightning' (non-tensor values differ)", naming no
+    callback or counter."""
+    from slurmresume import Checkpointer
+    from slurmresume.tools.compare import compare_checkpoints
+
+    class Loops:
+        def __init__(self, completed: int) -> None:
+            self.completed = completed
+
+        def state_dict(self) -> dict:
+            return {"loops": {"fit_loop": {"epoch_progress": {"total": {"completed": self.completed}}}},
+                    "callbacks": {"EarlyStopping": {"wait_count": 1}}}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    def save(root: Path, completed: int) -> Path:
+        ck = Checkpointer(root, handle_signals=False)
+        path = ck.save(4, {"lightning": Loops(completed)})
+        ck.close()
+        assert path is not None
+        return path
+
+    diffs = compare_checkpoints(save(tmp_path / "a", 3), save(tmp_path / "b", 2), ("rng",))
+    assert len(diffs) == 1 and diffs[0].detail.endswith("at loops/fit_loop/epoch_progress/total/completed: 3 vs 2"), diffs

@@ -249,9 +249,40 @@ def _compare_values(rank: int, ea: dict[str, Any], eb: dict[str, Any], ignore: t
             continue
         if key not in ea or key not in eb:
             out.append(Difference(rank, key, "state key saved by only one run"))
-        elif _strip_tensors(ea[key]) != _strip_tensors(eb[key]):
-            out.append(Difference(rank, key, "non-tensor values differ"))
+        else:
+            a, b = _strip_tensors(ea[key]), _strip_tensors(eb[key])
+            if a != b:
+                where = first_difference(a, b)
+                out.append(Difference(rank, key, "non-tensor values differ" + (f" at {where}" if where else "")))
     return out
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str:
+    """Where two decoded skeleton values first differ, as 'a/b/0: 3 vs 2' (inside a framework's
+    state: which callback, loop counter or log entry), skipping the skeleton's wrappers."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k in ("value", "kind") and not path:  # the stateful entry's own wrapper
+                if a.get(k) != b.get(k):
+                    return first_difference(a.get(k), b.get(k), path)
+                continue
+            sub = f"{path}/{k}" if path else str(k)
+            if k not in a or k not in b:
+                return f"{sub}: only in one run"
+            if a[k] != b[k]:
+                return first_difference(a[k], b[k], sub)
+        return ""
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                return first_difference(x, y, f"{path}/{i}" if path else str(i))
+        return ""
+    return f"{path or '<value>'}: {_brief(a)} vs {_brief(b)}"
+
+
+def _brief(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 30 else text[:27] + "..."
 
 
 def _strip_tensors(v: Any, wall_clock: bool = False) -> Any:
