@@ -199,6 +199,14 @@ def submit(
         print_submitted(sub.job_id, sub.log_dir, sub.sbatch_script if dry_run else None, sub.torchrun, spec.ckpt_dir)
 
 
+def _next_command(spec: JobSpec) -> str:
+    """What to type after a PASS: the same script and arguments, submitted to Slurm."""
+    import shlex
+
+    args = f" -- {shlex.join(spec.script_args)}" if spec.script_args else ""
+    return f"slurmresume submit {shlex.quote(str(spec.script))} --nproc-per-node {spec.procs}{args}"
+
+
 @app.command()
 @handle_errors
 def drill(
@@ -210,17 +218,19 @@ def drill(
     nproc_per_node: Annotated[int, Opt(help="Processes (gloo on CPU, NCCL on GPU).", min=1)] = 1,
     seed: Annotated[int, Opt(help="Seed for choosing the preemption steps.")] = 0,
     workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints: a new or empty directory, or one an earlier drill created (only its run folders are replaced).")] = Path("runs/drill"),
-    ignore: Annotated[list[str] | None, Opt(help="What may differ (repeatable): a state key (e.g. a wall-clock metric), one RNG stream (rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda) or all of them (rng). (default: none)")] = None,
+    ignore: Annotated[list[str] | None, Opt(help="What may differ (repeatable): a state key or a metrics= key (fnmatch pattern for metrics, e.g. '*_runtime'), one RNG stream (rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda) or all of them (rng). (default: none)")] = None,
     json_out: Annotated[bool, Opt("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Prove that TRAIN_SCRIPT resumes exactly, here, before spending cluster hours.
 
     Runs it once uninterrupted and once with --preemptions warning signals at seeded random
     steps (through the real launcher and torchrun), then compares the final checkpoints tensor
-    by tensor. Exit 0 when bitwise equal; exit 1 naming what differs, causes first (RNG streams,
-    plain values and user objects, then the optimizer and model they feed). An RNG stream that
-    differed between the runs already at their first step is reported as never seeded, not
-    failed.
+    by tensor. Exit 0 when bitwise equal, every restart restored the step the run before it
+    committed and went on from the next one, and the metrics= both runs passed agree bitwise at
+    every step; exit 1 naming what differs, causes first (RNG streams, plain values and user
+    objects, then the optimizer and model they feed). An RNG stream that differed between the
+    runs already at their first step is reported as never seeded, not failed. Hermetic: both
+    runs live under --workdir; no configured mirror is used. Ctrl-C: exit 130, no verdict.
 
     With --hang N it injects N hangs instead, and passes only when each was detected, every rank's
     stacks were dumped, the run restarted inside the allocation, and the final checkpoint is
@@ -230,7 +240,7 @@ def drill(
     Example: slurmresume drill examples/train.py --hang 2 --nproc-per-node 2 -- --steps 40
     """
     from ..tools.compare import culprits
-    from ..tools.drill import run_drill
+    from ..tools.drill import DrillInterrupted, run_drill
     from .render_job import print_drill, print_json
 
     if hang and preemptions:
@@ -239,17 +249,22 @@ def drill(
     spec = _spec(script, script_args, {"ckpt_dir": workdir, "nproc_per_node": nproc_per_node,
                                        "hang_timeout": hang_timeout})
     # --json: stdout carries the verdict alone (`| jq` works); the runs' output goes to stderr
-    with _stdout_to_stderr() if json_out else contextlib.nullcontext():
-        report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,
-                           ignore_keys=tuple(ignore or ()), hangs=hang)
+    try:
+        with _stdout_to_stderr() if json_out else contextlib.nullcontext():
+            report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,
+                               ignore_keys=tuple(ignore or ()), hangs=hang)
+    except (DrillInterrupted, KeyboardInterrupt):
+        typer.echo(f"drill interrupted (Ctrl-C): no verdict; what ran so far is under {workdir}", err=True)
+        raise typer.Exit(130) from None
     if json_out:
         print_json({"ok": report.ok, "steps": report.steps, "planned": report.planned,
                     "preemptions": report.preemptions, "missed": report.missed, "saved_steps": report.saved_steps,
-                    "hangs": report.hang_json(),
+                    "hangs": report.hang_json(), "resume_problems": report.resume_problems,
+                    "metric_difference": report.metric_difference and vars(report.metric_difference),
                     "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint,
                                      "cause": d.cause, "culprit": d in culprits(report.differences)}
                                     for d in report.differences]})
     else:
-        print_drill(report)
+        print_drill(report, next_command=_next_command(spec))
     if not report.ok:
         raise typer.Exit(1)

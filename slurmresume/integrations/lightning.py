@@ -14,7 +14,9 @@ What the callback does (every rank):
   and loads the newest complete checkpoint, if any, into Lightning's own restore path (model,
   callbacks, loops' progress, optimizers, LR schedulers, precision plugin, datamodule,
   dataloader position), and this rank's Python/NumPy/torch RNG states.
-- `on_train_batch_end`, after each optimizer step: advances each `ResumableDataLoader`, then
+- after each optimizer step, once every `on_train_batch_end` ran (the callbacks', in any order,
+  then the LightningModule's own, which the callback wraps in `setup`): advances each
+  `ResumableDataLoader`, then
   `Checkpointer.step(global_step, ...)`: the per-step agreement across ranks; on the warning
   every rank saves that same step (Lightning's checkpoint dict, built by Lightning's
   `dump_checkpoint`, stored without pickle: tensors in safetensors, the rest in tagged JSON)
@@ -156,6 +158,7 @@ class SlurmResume(pl.Callback):
         self.restored_step = 0
         self._state: dict[str, Any] = {}
         self._last_step: int | None = None
+        self._unhook: tuple[Any, Any] | None = None  # the module whose hook runs our step boundary
 
     # -- set-up: Lightning's handlers off, ours on, restore through Lightning's own path --------
 
@@ -163,6 +166,7 @@ class SlurmResume(pl.Callback):
         if stage != "fit" or self.ckpt is not None:
             return
         disable_lightning_signal_handling(trainer)
+        self._hook_after_module(trainer, pl_module)
         self.ckpt = Checkpointer(self.root, **self.options)
         holder = _TrainerState(trainer)
         self._state = {STATE_KEY: holder}
@@ -186,8 +190,21 @@ class SlurmResume(pl.Callback):
 
     # -- the step boundary ------------------------------------------------------------------
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def _hook_after_module(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The step boundary runs after the LightningModule's own `on_train_batch_end`, which
+        Lightning calls after every callback's (whatever their order in `callbacks=[...]`): an
+        emergency save then holds what every hook of the step did (an EMA updated there)."""
+        own = pl_module.__dict__.get("on_train_batch_end")
+        original = pl_module.on_train_batch_end
+
+        def on_train_batch_end(outputs: Any, batch: Any, batch_idx: int) -> None:
+            original(outputs, batch, batch_idx)
+            self._step_boundary(trainer)
+
+        pl_module.on_train_batch_end = on_train_batch_end  # type: ignore[method-assign]
+        self._unhook = (pl_module, own)
+
+    def _step_boundary(self, trainer: pl.Trainer) -> None:
         for loader in _resumable_loaders(trainer):
             loader.advance_one_batch()
         step = trainer.global_step
@@ -238,6 +255,13 @@ class SlurmResume(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._busy_end()
+        if stage == "fit" and self._unhook is not None:
+            module, own = self._unhook
+            self._unhook = None
+            if own is None:
+                del module.on_train_batch_end
+            else:
+                module.on_train_batch_end = own
         if stage == "fit" and self.ckpt is not None:
             self.ckpt.close()
             self.ckpt = None

@@ -19,7 +19,8 @@ What it does (every rank):
 - the RNG states are put back exactly where `Trainer` would put back its own: before the
   epoch's data iterator is created when the checkpoint ended an epoch, else after the skipped
   batches have been drawn (at the first `on_step_begin`).
-- `on_step_end`, after each optimizer step: `Checkpointer.step(global_step, ...)`: the per-step
+- after each optimizer step (`on_step_end`, or, when Trainer evaluates or saves at that step,
+  once it did: `on_evaluate`/`on_save`): `Checkpointer.step(global_step, ...)`: the per-step
   agreement; on the warning every rank saves that same step and exits for the launcher to
   requeue. Periodic saves follow `save_every` / `save_policy`. The last step (`max_steps`) is
   saved as the final checkpoint (what `slurmresume drill` compares).
@@ -86,6 +87,7 @@ class SlurmResumeCallback(TrainerCallback):
         self._state: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._resume_dir: str | None = None
+        self._deferred: int | None = None  # a step whose boundary waits for its evaluation / save
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -143,6 +145,25 @@ class SlurmResumeCallback(TrainerCallback):
     # -- the step boundary ------------------------------------------------------------------
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.ckpt is None:
+            return
+        if control.should_evaluate or control.should_save:
+            # Trainer evaluates and saves after on_step_end: the step ends once they ran (an
+            # evaluation draws from the global RNG; a resumed run would skip it)
+            self._deferred = state.global_step
+            return
+        self._step_boundary(state)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._deferred == state.global_step and not control.should_save:
+            self._step_boundary(state)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._deferred == state.global_step:
+            self._step_boundary(state)
+
+    def _step_boundary(self, state: Any) -> None:
+        self._deferred = None
         if self.ckpt is None:
             return
         metrics = {"loss": state.log_history[-1]["loss"]} if state.log_history and "loss" in state.log_history[-1] \
