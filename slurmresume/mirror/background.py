@@ -54,6 +54,8 @@ class Mirror:
         self._thread: threading.Thread | None = None
         self.done: list[Transfer] = []
         self.errors: list[str] = []
+        self.unrestorable: dict[int, str] = {}  # bucket step -> why the last pull could not restore it
+        self._refetched: set[int] = set()
 
     def __repr__(self) -> str:
         return f"Mirror({self.loc.url!r})"
@@ -157,23 +159,61 @@ class Mirror:
                                       "(AWS_ENDPOINT_URL, AWS_PROFILE) or drop --mirror to start fresh") from exc
             log.warning("mirror %s unreadable (%s): restoring from the local root", self.loc.url, exc)
             return None
-        tried: set[int] = set()
-        while True:
-            newest = remote.find_latest(self.s3, self.loc, exclude=tried, steps=steps)
-            if newest is None or newest.step <= have:
-                return None
-            try:
-                result = download_step(self.s3, self.loc, newest.step, root)
-            except CheckpointError as exc:
-                log.warning("mirror: step %d on %s not restored: %s", newest.step, self.loc.url, exc)
-                tried.add(newest.step)
+        self.unrestorable = {}
+        for rs in steps:
+            if rs.step <= have or not rs.has_marker:
                 continue
+            info = remote.inspect(self.s3, self.loc, rs)
+            if not info.complete:
+                self.unrestorable[rs.step] = info.problem or "incomplete"
+                continue
+            try:
+                result = download_step(self.s3, self.loc, rs.step, root)
+            except CheckpointError as exc:
+                log.warning("mirror: step %d on %s not restored: %s", rs.step, self.loc.url, exc)
+                self.unrestorable[rs.step] = str(exc)
+                continue
+            newest = info
             log.info("mirror: step %d downloaded from %s (local newest was %s)", newest.step, self.loc.url,
                      have if have >= 0 else "none")
             self._event("mirror_downloaded", step=newest.step, url=self.loc.step_url(newest.step),
                         bytes=result.bytes, seconds=round(result.seconds, 4))
             return result
+        return None
 
+    def fresh_start_refusal(self, root: Path) -> str | None:
+        """Rank 0, when nothing loads and the local root holds no committed step: the bucket's
+        committed steps that the last `pull` could not restore, as one refusal line (None when
+        the bucket holds no committed step, so a fresh start throws nothing away)."""
+        if not self.unrestorable:
+            return None
+        bad = "; ".join(f"{step_dir_name(s)}: {why}" for s, why in sorted(self.unrestorable.items(), reverse=True))
+        return (f"refusing a fresh start: {root} holds no checkpoint and the mirror {self.loc.url} holds "
+                f"{len(self.unrestorable)} committed step(s), none restorable ({bad}); run `slurmresume verify "
+                f"--all {self.loc.url}`, or pass restore(..., allow_fresh_start=True) (or set "
+                "SLURMRESUME_ALLOW_FRESH_START=1) to start from step 0")
+
+    def refetch(self, root: Path, failed: set[int]) -> int | None:
+        """Rank 0, after the newest local steps failed to load: fetch the newest failed step
+        again from the bucket when the bucket holds the same commit (identical marker) intact;
+        the damaged local copy is replaced. The step fetched, or None (each step once)."""
+        from .transfer import read_local_marker
+
+        for step in sorted(failed - self._refetched, reverse=True):
+            self._refetched.add(step)
+            local_marker = read_local_marker(root / step_dir_name(step))
+            try:
+                result = download_step(self.s3, self.loc, step, root, replace_if_marker=local_marker)
+            except CheckpointError as exc:
+                log.warning("mirror: step %d not fetched again from %s: %s", step, self.loc.url, exc)
+                continue
+            if result.action == "downloaded":
+                log.warning("mirror: the local copy of step %d failed to load; replaced by the bucket's "
+                            "verified copy of the same commit", step)
+                self._event("mirror_downloaded", step=step, url=self.loc.step_url(step), bytes=result.bytes,
+                            seconds=round(result.seconds, 4), replaced=True)
+                return step
+        return None
 
     def pull(self, root: Path, step: int | None) -> Transfer | None:
         """What `Checkpointer.restore(step=...)` calls on rank 0 before choosing a step."""

@@ -133,6 +133,11 @@ def find_latest(s3: Any, loc: S3Location, *, verify: bool = False, exclude: Coll
     return None
 
 
+def object_key(s3: Any, loc: S3Location, step: int, name: str) -> str:
+    """The key of `name` (a shard or the manifest) in the commit the step's marker names."""
+    return loc.key(step, name)
+
+
 def delete_step(s3: Any, loc: S3Location, step: int) -> None:
     """Marker first (the step stops being complete at once), then the manifest and shards,
     then any unfinished multipart upload. A kill part-way leaves an incomplete step only."""

@@ -166,17 +166,30 @@ def read_remote_commit(s3: Any, loc: S3Location, step: int) -> tuple[bytes, byte
     return marker_raw, manifest_raw, manifest
 
 
+def read_local_marker(step_dir: Path) -> bytes | None:
+    """The local commit marker's bytes, or None when it is missing or unreadable."""
+    try:
+        return read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
+    except (CheckpointError, OSError):
+        return None
+
+
 def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int = DOWNLOAD_CHUNK,
-                  workers: int = DOWNLOAD_WORKERS) -> Transfer:
+                  workers: int = DOWNLOAD_WORKERS, replace_if_marker: bytes | None = None) -> Transfer:
     """Copy a committed step from the bucket into `root` (created if missing). Every shard is
     checked against the manifest's xxh3 before the step becomes visible; a mismatch raises
-    CorruptCheckpointError and leaves nothing behind. "present" if the step is already there."""
+    CorruptCheckpointError and leaves nothing behind. "present" if the step is already there.
+    `replace_if_marker`: the local copy failed to load; replace it, but only with the same
+    commit (the bucket's marker has these bytes; CheckpointError otherwise)."""
     started = time.perf_counter()
     root = Path(root)
     final = root / step_dir_name(step)
-    if inspect_dir(step, final).complete:
+    if replace_if_marker is None and inspect_dir(step, final).complete:
         return Transfer(step, "present")
     marker_raw, manifest_raw, manifest = read_remote_commit(s3, loc, step)
+    if replace_if_marker is not None and marker_raw != replace_if_marker:
+        raise CheckpointError(f"{loc.step_url(step)} is another commit of step {step} than {final}: not used "
+                              "to replace it")
     fsio.makedirs(root, 0o755)
     tmp = root / f"{DOWNLOAD_PREFIX}{step_dir_name(step)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     tmp.mkdir(mode=0o755)
@@ -193,9 +206,9 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
         fsio.write_durable(tmp / MARKER, marker_raw, "mirror.marker")
         with root_lock(root):
             if final.exists() or final.is_symlink():
-                if inspect_dir(step, final).complete:
+                if replace_if_marker is None and inspect_dir(step, final).complete:
                     return Transfer(step, "present")
-                move_aside(final, "mirror")  # an incomplete leftover of a killed save
+                move_aside(final, "mirror")  # an incomplete leftover of a killed save, or a damaged copy
             fsio.rename(tmp, final, "mirror.step")
             fsio.fsync_dir(root, "mirror.step")
     finally:
