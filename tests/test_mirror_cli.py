@@ -58,7 +58,7 @@ def test_verify_on_a_bucket_names_the_bad_shard(s3, tmp_path: Path) -> None:
     assert ok.exit_code == 0, ok.output
     assert ok.stdout.count("ok ") == 2
     loc = parse_s3_url(url)
-    key = loc.key(1, SHARD)
+    key = remote.object_key(s3, loc, 1, SHARD)
     body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
     body[-1] ^= 1
     s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))

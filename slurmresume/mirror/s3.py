@@ -110,7 +110,14 @@ def point(label: str, where: str = "") -> None:
 
 def get_bounded(s3: Any, loc: S3Location, key: str, limit: int) -> bytes | None:
     """The object's bytes, or None when it does not exist; refuses objects over `limit`."""
-    from botocore.exceptions import ClientError
+    got = get_with_metadata(s3, loc, key, limit)
+    return None if got is None else got[0]
+
+
+def get_with_metadata(s3: Any, loc: S3Location, key: str, limit: int) -> tuple[bytes, dict[str, str]] | None:
+    """(bytes, user metadata) of the object, or None when it does not exist; refuses objects
+    over `limit`."""
+    from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         obj = s3.get_object(Bucket=loc.bucket, Key=key)
@@ -118,16 +125,18 @@ def get_bounded(s3: Any, loc: S3Location, key: str, limit: int) -> bytes | None:
         if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
             return None
         raise CheckpointError(f"reading s3://{loc.bucket}/{key}: {error_code(exc)}") from exc
+    except BotoCoreError as exc:
+        raise CheckpointError(f"reading s3://{loc.bucket}/{key}: {exc}") from exc
     if int(obj.get("ContentLength", 0)) > limit:
         obj["Body"].close()
         raise CheckpointError(f"s3://{loc.bucket}/{key} is {obj['ContentLength']} bytes, over the {limit} limit")
-    data: bytes = obj["Body"].read(limit + 1)
+    data: bytes = call(f"reading s3://{loc.bucket}/{key}", obj["Body"].read, limit + 1)
     obj["Body"].close()
-    return data
+    return data, dict(obj.get("Metadata") or {})
 
 
 def head(s3: Any, loc: S3Location, key: str) -> dict[str, Any] | None:
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         return dict(s3.head_object(Bucket=loc.bucket, Key=key))
@@ -135,6 +144,8 @@ def head(s3: Any, loc: S3Location, key: str) -> dict[str, Any] | None:
         if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
             return None
         raise CheckpointError(f"looking up s3://{loc.bucket}/{key}: {error_code(exc)}") from exc
+    except BotoCoreError as exc:
+        raise CheckpointError(f"looking up s3://{loc.bucket}/{key}: {exc}") from exc
 
 
 def list_objects(s3: Any, loc: S3Location, prefix: str, delimiter: str = "") -> Iterator[dict[str, Any]]:
