@@ -9,8 +9,11 @@
   the local root (or the root is empty or lost), download it, verified, into the root.
 - `pull_step(root, step)`, before `restore(step=N)`: when the local root lacks a complete
   step N and the bucket has it, download it, verified, into the root.
-- `close()` waits for the uploader. An emergency exit does not wait: its upload is finished
-  by the next run's `start`.
+- `close()` waits for the uploader, at most `settings.close_deadline` seconds; a step it leaves
+  off the bucket is a `mirror_behind` event, and the next run's `start` uploads it. An
+  emergency exit does not wait: its upload is finished by the next run's `start`.
+- A failed upload is tried again (`settings.attempts`, pauses doubling) unless a newer commit
+  replaced it; every request and part is bounded by the settings' timeouts (settings.py).
 Upload errors never reach the training thread: they are logged and recorded as events.
 """
 
@@ -30,6 +33,7 @@ from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, NoCheckpointError
 from . import remote
 from .s3 import S3Location, client, parse_s3_url
+from .settings import MirrorSettings
 from .transfer import CHUNK, CONCURRENCY, Transfer, download_step, upload_step
 
 log = logging.getLogger("slurmresume")
@@ -42,19 +46,24 @@ class Mirror:
     One per process; only rank 0 uses it (the local root is shared by the ranks)."""
 
     def __init__(self, url: str | os.PathLike[str] | S3Location, *, retention: Any = None,
-                 on_event: Event | None = None, chunk: int = CHUNK, concurrency: int = CONCURRENCY) -> None:
+                 on_event: Event | None = None, chunk: int = CHUNK, concurrency: int = CONCURRENCY,
+                 settings: MirrorSettings | None = None) -> None:
         self.loc = url if isinstance(url, S3Location) else parse_s3_url(url)
-        self.s3 = client()
+        self.settings = settings or MirrorSettings.from_env()
+        self.s3 = client(self.settings)
         self.retention = retention
         self.chunk, self.concurrency = chunk, concurrency
         self._on_event = on_event
         self._cv = threading.Condition()
         self._pending: tuple[str, Path, int] | None = None  # ("upload", root, step) | ("scan", root, -1)
         self._busy = False
+        self._current: int | None = None
         self._thread: threading.Thread | None = None
         self.done: list[Transfer] = []
         self.errors: list[str] = []
         self.unrestorable: dict[int, str] = {}  # bucket step -> why the last pull could not restore it
+        self.behind: tuple[int | None, str] | None = None  # (step, why) when close() left a step off the bucket
+        self._failed: tuple[int | None, str] | None = None  # the last job's failure, until a job succeeds
         self._refetched: set[int] = set()
 
     def __repr__(self) -> str:
@@ -92,9 +101,29 @@ class Mirror:
                 self._cv.wait(left)
         return True
 
-    close = wait
+    def close(self) -> bool:
+        """Wait for the uploader, at most `settings.close_deadline` seconds. True when the last
+        upload reached the bucket; else one warning, a `mirror_behind` event (the next run's
+        `start` finishes the upload) and False (`behind` says which step and why)."""
+        finished = self.wait(self.settings.close_deadline)
+        if finished and self._failed is None:
+            return True
+        if finished:
+            assert self._failed is not None
+            self.behind = self._failed
+        else:
+            with self._cv:
+                step = self._pending[2] if self._pending is not None else self._current
+            self.behind = (step if step is not None and step >= 0 else None,
+                           f"still uploading after the {self.settings.close_deadline:g} s close deadline")
+        step, why = self.behind
+        log.warning("mirror: step %s is not on %s at close (%s): the next run with this mirror uploads it",
+                    step if step is not None else "(newest)", self.loc.url, why)
+        self._event("mirror_behind", step=step, url=self.loc.url, error=why[:500])
+        return False
 
     def _run(self) -> None:
+        tries = 0
         while True:
             with self._cv:
                 if self._pending is None:
@@ -102,12 +131,27 @@ class Mirror:
                     self._cv.notify_all()
                     return
                 job, self._pending, self._busy = self._pending, None, True
+                self._current = job[2]
             try:
                 self._do(*job)
-            except Exception as exc:  # never into training: recorded, retried by the next commit/run
+                tries, self._failed = 0, None
+            except Exception as exc:  # never into training: recorded, retried below or by the next commit/run
+                tries += 1
                 self.errors.append(str(exc))
-                log.warning("mirror: %s to %s failed: %s", job[0], self.loc.url, exc)
+                self._failed = (job[2] if job[2] >= 0 else None, str(exc))
+                log.warning("mirror: %s to %s failed (try %d of %d): %s", job[0], self.loc.url, tries,
+                            self.settings.attempts, exc)
                 self._event("mirror_failed", step=job[2] if job[2] >= 0 else None, error=str(exc)[:500])
+                self._retry_later(job, tries)
+
+    def _retry_later(self, job: tuple[str, Path, int], tries: int) -> None:
+        """Put a failed job back after a pause, unless a newer one is waiting or the tries are spent."""
+        with self._cv:
+            if self._pending is not None or tries >= self.settings.attempts:
+                return
+            self._cv.wait(self.settings.pause(tries))  # a new commit (notify) ends the pause early
+            if self._pending is None:
+                self._pending = job
 
     def _do(self, kind: str, root: Path, step: int) -> None:
         if kind == "scan":
@@ -160,15 +204,19 @@ class Mirror:
             log.warning("mirror %s unreadable (%s): restoring from the local root", self.loc.url, exc)
             return None
         self.unrestorable = {}
+        deadline = time.monotonic() + self.settings.pull_deadline
         for rs in steps:
             if rs.step <= have or not rs.has_marker:
+                continue
+            if time.monotonic() > deadline:
+                self.unrestorable[rs.step] = f"not tried: the {self.settings.pull_deadline:g} s pull deadline passed"
                 continue
             info = remote.inspect(self.s3, self.loc, rs)
             if not info.complete:
                 self.unrestorable[rs.step] = info.problem or "incomplete"
                 continue
             try:
-                result = download_step(self.s3, self.loc, rs.step, root)
+                result = download_step(self.s3, self.loc, rs.step, root, settings=self.settings, deadline=deadline)
             except CheckpointError as exc:
                 log.warning("mirror: step %d on %s not restored: %s", rs.step, self.loc.url, exc)
                 self.unrestorable[rs.step] = str(exc)
@@ -203,7 +251,9 @@ class Mirror:
             self._refetched.add(step)
             local_marker = read_local_marker(root / step_dir_name(step))
             try:
-                result = download_step(self.s3, self.loc, step, root, replace_if_marker=local_marker)
+                result = download_step(self.s3, self.loc, step, root, replace_if_marker=local_marker,
+                                       settings=self.settings,
+                                       deadline=time.monotonic() + self.settings.pull_deadline)
             except CheckpointError as exc:
                 log.warning("mirror: step %d not fetched again from %s: %s", step, self.loc.url, exc)
                 continue
@@ -238,7 +288,8 @@ class Mirror:
             raise NoCheckpointError(f"step {step} is not a complete checkpoint under {root} nor on the mirror "
                                     f"{self.loc.url} ({why}): `slurmresume status --ckpt-dir {self.loc.url}` "
                                     "lists the mirror's steps")
-        result = download_step(self.s3, self.loc, step, root)
+        result = download_step(self.s3, self.loc, step, root, settings=self.settings,
+                               deadline=time.monotonic() + self.settings.pull_deadline)
         log.info("mirror: step %d downloaded from %s for restore(step=%d)", step, self.loc.url, step)
         self._event("mirror_downloaded", step=step, url=self.loc.step_url(step), bytes=result.bytes,
                     seconds=round(result.seconds, 4))

@@ -69,16 +69,21 @@ def parse_s3_url(value: str | os.PathLike[str]) -> S3Location:
     return S3Location(bucket, "/".join(parts))
 
 
-def client() -> Any:
+def client(settings: Any = None) -> Any:
     """A boto3 S3 client from the standard AWS environment/config (AWS_ENDPOINT_URL,
-    AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_DEFAULT_REGION, ~/.aws/config). Thread-safe."""
+    AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_DEFAULT_REGION, ~/.aws/config), its timeouts and tries
+    from `settings` (default: settings.MirrorSettings.from_env()). Thread-safe."""
     try:
         import boto3
         from botocore.config import Config
     except ImportError:
         raise ConfigError("an s3:// mirror needs boto3: pip install 'slurmresume[s3]'") from None
+    from .settings import MirrorSettings
+
+    st = settings or MirrorSettings.from_env()
     return boto3.session.Session().client(
-        "s3", config=Config(max_pool_connections=32, retries={"mode": "standard"}))  # attempts: AWS_MAX_ATTEMPTS, else 3
+        "s3", config=Config(max_pool_connections=32, connect_timeout=st.connect_timeout,
+                            read_timeout=st.read_timeout, retries={"mode": "standard", "max_attempts": st.attempts}))
 
 
 def error_code(exc: BaseException) -> str:

@@ -44,7 +44,9 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from .commit import RemoteCommit, new_attempt, put_marker, read_remote_commit, sweep
 
 __all__ = ["RemoteCommit", "Transfer", "download_step", "put_marker", "read_remote_commit", "upload_step"]
+from .ranges import fetch_range
 from .s3 import S3Location, call, get_bounded, point
+from .settings import MirrorSettings
 
 log = logging.getLogger("slurmresume")
 
@@ -150,7 +152,8 @@ def read_local_marker(step_dir: Path) -> bytes | None:
 
 
 def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int = DOWNLOAD_CHUNK,
-                  workers: int = DOWNLOAD_WORKERS, replace_if_marker: bytes | None = None) -> Transfer:
+                  workers: int = DOWNLOAD_WORKERS, replace_if_marker: bytes | None = None,
+                  settings: MirrorSettings | None = None, deadline: float | None = None) -> Transfer:
     """Copy a committed step from the bucket into `root` (created if missing). Every shard is
     checked against the manifest's xxh3 before the step becomes visible; a mismatch raises
     CorruptCheckpointError and leaves nothing behind. "present" if the step is already there.
@@ -172,7 +175,8 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slurmresume-get") as pool:
             for s in manifest.shards:
-                _fetch_shard(s3, loc, commit.key(loc, s["file"]), tmp / s["file"], s["bytes"], chunk, pool)
+                _fetch_shard(s3, loc, commit.key(loc, s["file"]), tmp / s["file"], s["bytes"], chunk, pool,
+                             settings or MirrorSettings.from_env(), deadline)
         for s in manifest.shards:
             digest = hash_file(tmp, s["file"], s["bytes"])
             if digest != s["xxh3"]:
@@ -194,35 +198,13 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
 
 
 def _fetch_shard(s3: Any, loc: S3Location, key: str, path: Path, size: int, chunk: int,
-                 pool: ThreadPoolExecutor) -> None:
+                 pool: ThreadPoolExecutor, settings: MirrorSettings, deadline: float | None) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         os.ftruncate(fd, size)
         ranges = [(off, min(off + chunk, size)) for off in range(0, size, chunk)]
-        for fut in [pool.submit(_fetch_range, s3, loc, key, fd, a, b) for a, b in ranges]:
+        for fut in [pool.submit(fetch_range, s3, loc, key, fd, a, b, settings, deadline) for a, b in ranges]:
             fut.result()
         fsio.fsync_fd(fd, "mirror.shard", path)
     finally:
         os.close(fd)
-
-
-def _fetch_range(s3: Any, loc: S3Location, key: str, fd: int, start: int, end: int) -> None:
-    obj = call(f"downloading s3://{loc.bucket}/{key}", s3.get_object, Bucket=loc.bucket, Key=key,
-               Range=f"bytes={start}-{end - 1}")
-    body, off = obj["Body"], start
-    try:
-        while off < end:
-            data = body.read(min(1 << 20, end - off))
-            if not data:
-                raise CorruptCheckpointError(f"s3://{loc.bucket}/{key} ended at byte {off}, the manifest says more")
-            _pwrite_all(fd, data, off)
-            off += len(data)
-    finally:
-        body.close()
-
-
-def _pwrite_all(fd: int, data: bytes, off: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, off)
-        view, off = view[n:], off + n
