@@ -61,3 +61,54 @@ def test_close_returns_within_its_deadline_when_the_endpoint_never_answers(s3, t
         proxy.close()
     assert proxy.accepted >= 1  # the upload did reach the endpoint
     assert took < 3 + 2, f"close() took {took:.1f} s, its deadline is 3 s"
+
+
+BEHIND_SCRIPT = """
+import sys, torch
+from slurmresume import Checkpointer
+ckpt = Checkpointer(sys.argv[1], handle_signals=False, mirror=sys.argv[2])
+ckpt.save(1, {"w": torch.arange(4.0)})
+try:
+    ckpt.close()
+finally:
+    print("cleaned up")
+print("after close")
+"""
+
+
+def test_server_down_at_close_is_a_distinct_exit_and_the_next_run_uploads_the_step(s3, tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from helpers.objstore import aws_env
+    from helpers.procs import REPO, clean_env
+
+    from slurmresume.contract import EXIT_MIRROR_BEHIND
+    from slurmresume.events import read_events
+    from slurmresume.mirror import parse_s3_url, remote
+
+    url, root = unique_url(), tmp_path / "root"
+    down = Proxy(s3_port(monkeypatch))
+    down.close()  # a port nothing answers on any more: the server is down
+    env = clean_env(**{**aws_env(), "AWS_ENDPOINT_URL": down.url}, SLURMRESUME_MIRROR_ATTEMPTS="2",
+                    SLURMRESUME_MIRROR_CLOSE_DEADLINE="20", PYTHONPATH=os.environ.get("PYTHONPATH", str(REPO)))
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", BEHIND_SCRIPT, str(root), url], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == EXIT_MIRROR_BEHIND, (proc.returncode, proc.stderr[-2000:])
+    assert time.monotonic() - started < 60
+    assert "cleaned up" in proc.stdout and "after close" not in proc.stdout  # SystemExit: finally blocks run
+    assert proc.stderr.count("is not on the mirror") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    behind = [e for e in read_events(root) if e.get("event") == "mirror_behind"]
+    assert behind and behind[-1]["step"] == 1, read_events(root)
+    tries = [e for e in read_events(root) if e.get("event") == "mirror_failed"]
+    assert len(tries) == 2  # the final upload was tried again before giving up
+    loc = parse_s3_url(url)
+    assert remote.find_latest(s3, loc) is None
+    ckpt = Checkpointer(root, handle_signals=False, mirror=url)  # the next run, server back
+    assert ckpt.restore({"w": torch.zeros(4)}) == 1
+    ckpt.close()
+    info = remote.find_latest(s3, loc, verify=True)
+    assert info is not None and info.step == 1 and info.verified

@@ -22,10 +22,6 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 ENV_PREFIX = "SLURMRESUME_MIRROR_"
-HELP = ("Timeouts and retries: $SLURMRESUME_MIRROR_CONNECT_TIMEOUT (default 10 s), _READ_TIMEOUT (30 s), "
-        "_ATTEMPTS per request and part (4), _CLOSE_DEADLINE for the last upload at close() (240 s), "
-        "_PULL_DEADLINE for a pull inside restore() (240 s).")
-
 
 @dataclass(frozen=True, kw_only=True)
 class MirrorSettings:
