@@ -4,6 +4,7 @@ never answers cannot hold `close()` past its deadline."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -112,3 +113,41 @@ def test_server_down_at_close_is_a_distinct_exit_and_the_next_run_uploads_the_st
     ckpt.close()
     info = remote.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 1 and info.verified
+
+
+def test_local_status_counts_a_mirror_behind_as_at_risk_until_the_next_run_uploads(s3, tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    import json
+
+    import pytest
+    from typer.testing import CliRunner
+
+    from slurmresume.cli import app
+    from slurmresume.events import try_append_event
+
+    url, root = unique_url(), tmp_path / "root"
+    real = os.environ["AWS_ENDPOINT_URL"]
+    down = Proxy(s3_port(monkeypatch))
+    down.close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", down.url)
+    monkeypatch.setenv("SLURMRESUME_MIRROR_ATTEMPTS", "1")
+    ckpt = Checkpointer(root, handle_signals=False, mirror=url)
+    ckpt.save(1, {"w": torch.arange(4.0)})
+    with pytest.raises(SystemExit):
+        ckpt.close()
+    try_append_event(root, "finished", step=1)  # what the launcher writes when the script ends
+
+    def status() -> tuple[int, dict]:
+        out = CliRunner().invoke(app, ["status", "--json", "--ckpt-dir", str(root)], env={"COLUMNS": "200"})
+        return out.exit_code, json.loads(out.stdout)
+
+    code, data = status()
+    assert code == 3 and data["verdict"]["verdict"] == "at_risk", data["verdict"]
+    assert "mirror" in data["verdict"]["reason"] and "step 1" in data["verdict"]["reason"]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", real)  # the server is back: the next run uploads step 1
+    ckpt = Checkpointer(root, handle_signals=False, mirror=url)
+    assert ckpt.restore({"w": torch.zeros(4)}) == 1
+    ckpt.close()
+    try_append_event(root, "finished", step=1)
+    code, data = status()
+    assert code == 0 and data["verdict"]["verdict"] == "finished", data["verdict"]

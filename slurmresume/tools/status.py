@@ -69,7 +69,7 @@ from ..job.leadtime import LeadReport, late_warning, lead_report, lead_warning
 from ..retention import best_record, metric_names, metric_value, record_from_info
 from ..slurm import parse_sacct, parse_squeue
 from ..train.policy import IntervalSummary, interval_summary
-from .health import Headline, judge
+from .health import Headline, judge, mirror_behind
 
 SCHEMA = "slurmresume.tools.status/1"
 SLURM_NOT_FOUND = "Slurm not found on this machine: showing checkpoints only"
@@ -359,6 +359,9 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
     for row in status.checkpoints:
         if row.state == "corrupt" or row.verified is False:
             p.append(f"checkpoint {row.path} is corrupt: {row.problem}")
+    lag = mirror_behind(events)
+    if lag:
+        p.append(lag)
     if status.newest_complete is None:
         w.append(f"no complete checkpoint under {root} yet")
     for row in status.checkpoints:
