@@ -174,10 +174,23 @@ class Mirror:
                         seconds=round(result.seconds, 4))
         elif result.action == "conflict":
             self._event("mirror_conflict", step=step, error=result.detail)
+        if result.action == "uploaded":
+            self._remove_abandoned()
         if self.retention is not None and result.action == "uploaded":
             pruned = remote.prune(self.s3, self.loc, self.retention)
             for name in pruned.deleted:
                 log.info("mirror retention: deleted %s/%s", self.loc.url, name)
+
+    def _remove_abandoned(self) -> None:
+        from .leftovers import remove_abandoned
+
+        try:
+            removed = remove_abandoned(self.s3, self.loc, time.time())
+        except CheckpointError as exc:  # garbage never fails an upload
+            log.warning("mirror: abandoned uploads on %s not removed: %s", self.loc.url, exc)
+            return
+        if removed:
+            log.info("mirror: removed %d abandoned upload(s)/object(s) on %s", removed, self.loc.url)
 
     def _event(self, name: str, **fields: Any) -> None:
         if self._on_event is not None:
@@ -191,7 +204,11 @@ class Mirror:
         checksums). None when the local root is as new. Raises CheckpointError only when the
         bucket cannot be read and the local root has nothing: starting fresh then would
         silently throw away the mirrored run."""
+        from .leftovers import PARTIAL_IDLE_S, remove_partial_downloads
+
         root = Path(root)
+        for name in remove_partial_downloads(root, time.time(), PARTIAL_IDLE_S):
+            log.info("mirror: removed %s/%s, left by a killed download", root, name)
         local = find_latest_local(root, warn=False) if root.is_dir() else None
         have = local.step if local is not None else -1
         try:
