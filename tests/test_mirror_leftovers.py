@@ -86,3 +86,19 @@ def test_a_partial_download_directory_is_removed_by_the_next_pull(s3, tmp_path: 
     assert ckpt.restore(tiny_state(0)) == 2
     ckpt.close()
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(".mirror")) == [live.name]
+
+
+@pytest.mark.parametrize(("events", "behind", "warned"), [
+    ([], False, False),
+    ([{"event": "mirror_uploaded", "step": 4}], False, False),
+    ([{"event": "mirror_uploaded", "step": 4}, {"event": "mirror_failed", "step": 6, "error": "timeout"}], False, True),
+    ([{"event": "mirror_failed", "step": 6}, {"event": "mirror_behind", "step": 6, "error": "down"}], True, False),
+    ([{"event": "mirror_behind", "step": 6}, {"event": "mirror_uploaded", "step": 5}], True, False),
+    ([{"event": "mirror_behind", "step": 6}, {"event": "mirror_uploaded", "step": 6}], False, False),
+    ([{"event": "mirror_behind", "step": 6}, {"event": "mirror_uploaded", "step": 9}], False, False),
+])
+def test_the_mirror_lag_read_from_the_log(events: list, behind: bool, warned: bool) -> None:
+    from slurmresume.tools.health import mirror_behind, mirror_warning
+
+    assert (mirror_behind(events) is not None) == behind
+    assert (mirror_warning(events) is not None) == warned

@@ -166,6 +166,19 @@ def mirror_behind(events: list[dict[str, Any]]) -> str | None:
             "this mirror uploads it, or `python -m slurmresume.mirror push ROOT URL`")
 
 
+def mirror_warning(events: list[dict[str, Any]]) -> str | None:
+    """The mirror's lag while a run goes on: its last word is a failed upload (retried by the
+    next commit, or at close). None without a mirror, or when its last upload succeeded."""
+    last = next((e for e in reversed(events) if e.get("event") in ("mirror_uploaded", "mirror_failed",
+                                                                     "mirror_behind")), None)
+    if last is None or last["event"] != "mirror_failed":
+        return None
+    uploaded = max((e["step"] for e in events if e.get("event") == "mirror_uploaded"
+                    and isinstance(e.get("step"), int)), default=None)
+    return (f"the mirror's last upload (step {last.get('step', '?')}) failed: {last.get('error', '?')}; newest "
+            f"step uploaded: {uploaded if uploaded is not None else 'none'}")
+
+
 def _run_started(events: list[dict[str, Any]], now: float) -> float:
     t = next((_num(e.get("time")) for e in reversed(events) if e.get("event") == "started"), None)
     return t if t is not None else now

@@ -69,7 +69,7 @@ from ..job.leadtime import LeadReport, late_warning, lead_report, lead_warning
 from ..retention import best_record, metric_names, metric_value, record_from_info
 from ..slurm import parse_sacct, parse_squeue
 from ..train.policy import IntervalSummary, interval_summary
-from .health import Headline, judge, mirror_behind
+from .health import Headline, judge, mirror_behind, mirror_warning
 
 SCHEMA = "slurmresume.tools.status/1"
 SLURM_NOT_FOUND = "Slurm not found on this machine: showing checkpoints only"
@@ -362,6 +362,8 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
     lag = mirror_behind(events)
     if lag:
         p.append(lag)
+    elif warning := mirror_warning(events):
+        w.append(warning)
     if status.newest_complete is None:
         w.append(f"no complete checkpoint under {root} yet")
     for row in status.checkpoints:
