@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from helpers.objstore import s3, unique_url  # noqa: F401 - s3 is a fixture
 from helpers.tcpproxy import Proxy
@@ -56,12 +57,14 @@ def test_close_returns_within_its_deadline_when_the_endpoint_never_answers(s3, t
         ckpt = Checkpointer(tmp_path / "r", handle_signals=False, mirror=unique_url())
         ckpt.save(1, {"w": torch.arange(10.0)})
         started = time.monotonic()
-        ckpt.close()
+        with pytest.raises(SystemExit) as ended:  # the step is not on the bucket: a status of its own
+            ckpt.close()
         took = time.monotonic() - started
     finally:
         proxy.close()
     assert proxy.accepted >= 1  # the upload did reach the endpoint
     assert took < 3 + 2, f"close() took {took:.1f} s, its deadline is 3 s"
+    assert ended.value.code == 78
 
 
 BEHIND_SCRIPT = """
@@ -119,7 +122,6 @@ def test_local_status_counts_a_mirror_behind_as_at_risk_until_the_next_run_uploa
                                                                                    monkeypatch) -> None:
     import json
 
-    import pytest
     from typer.testing import CliRunner
 
     from slurmresume.cli import app

@@ -31,6 +31,7 @@ class RemoteStep:
     sizes: dict[str, int] = field(default_factory=dict)  # object name -> bytes
     mtime: float = 0.0  # newest LastModified (epoch seconds)
     uploading: bool = False  # an unfinished multipart upload exists under it
+    upload_started: float = 0.0  # when the oldest of them was initiated (epoch seconds)
 
     @property
     def has_marker(self) -> bool:
@@ -75,8 +76,10 @@ def scan(s3: Any, loc: S3Location) -> list[RemoteStep]:
         step = parse_step_dir(folder)
         if step is not None:
             rs = found.setdefault(step, RemoteStep(step))
+            started = up["Initiated"].timestamp()
+            rs.upload_started = min(rs.upload_started, started) if rs.uploading else started
             rs.uploading = True
-            rs.mtime = max(rs.mtime, up["Initiated"].timestamp())
+            rs.mtime = max(rs.mtime, started)
     return sorted(found.values(), key=lambda r: r.step, reverse=True)
 
 

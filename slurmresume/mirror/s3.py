@@ -95,6 +95,7 @@ def error_code(exc: BaseException) -> str:
 
 def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """fn(*args, **kwargs), with botocore's errors turned into one CheckpointError line."""
+    from boto3.exceptions import Boto3Error
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
@@ -102,7 +103,7 @@ def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     except ClientError as exc:
         err = exc.response.get("Error", {})
         raise CheckpointError(f"{what}: {err.get('Code', '?')} ({err.get('Message', '')})") from exc
-    except BotoCoreError as exc:
+    except (BotoCoreError, Boto3Error) as exc:  # Boto3Error: the transfer manager's S3UploadFailedError
         raise CheckpointError(f"{what}: {exc} (check AWS_ENDPOINT_URL and the credentials)") from exc
 
 
