@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,8 +203,18 @@ def _fetch_shard(s3: Any, loc: S3Location, key: str, path: Path, size: int, chun
     try:
         os.ftruncate(fd, size)
         ranges = [(off, min(off + chunk, size)) for off in range(0, size, chunk)]
-        for fut in [pool.submit(fetch_range, s3, loc, key, fd, a, b, settings, deadline) for a, b in ranges]:
-            fut.result()
+        futures = [pool.submit(fetch_range, s3, loc, key, fd, a, b, settings, deadline) for a, b in ranges]
+        try:
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            # The other parts stop (waiting ones) or end (running ones, bounded by their tries)
+            # before `fd` is closed: a number closed under a running part could be reused by
+            # another file, which that part would then write into.
+            for fut in futures:
+                fut.cancel()
+            wait(futures)
+            raise
         fsio.fsync_fd(fd, "mirror.shard", path)
     finally:
         os.close(fd)
