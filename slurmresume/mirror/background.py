@@ -259,13 +259,16 @@ class Mirror:
                 "SLURMRESUME_ALLOW_FRESH_START=1) to start from step 0")
 
     def refetch(self, root: Path, failed: set[int]) -> int | None:
-        """Rank 0, after the newest local steps failed to load: fetch the newest failed step
-        again from the bucket when the bucket holds the same commit (identical marker) intact;
-        the damaged local copy is replaced. The step fetched, or None (each step once)."""
+        """Rank 0, after the newest local steps failed to load: fetch the newest failed step whose
+        local copy fails its checksums again from the bucket when the bucket holds the same
+        commit (identical marker) intact; the damaged local copy is replaced. The step fetched,
+        or None (each step once)."""
         from .transfer import read_local_marker
 
         for step in sorted(failed - self._refetched, reverse=True):
             self._refetched.add(step)
+            if inspect_dir(step, root / step_dir_name(step), verify=True).complete:
+                continue  # the local bytes are sound: what failed was not them (e.g. the state's keys)
             local_marker = read_local_marker(root / step_dir_name(step))
             try:
                 result = download_step(self.s3, self.loc, step, root, replace_if_marker=local_marker,
