@@ -153,3 +153,24 @@ def test_local_status_counts_a_mirror_behind_as_at_risk_until_the_next_run_uploa
     try_append_event(root, "finished", step=1)
     code, data = status()
     assert code == 0 and data["verdict"]["verdict"] == "finished", data["verdict"]
+
+
+def test_restore_through_an_endpoint_that_never_answers_fails_within_its_timeouts(s3, tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    from slurmresume.errors import CheckpointError
+
+    proxy = Proxy(s3_port(monkeypatch), silent=True)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    for name, value in (("CONNECT_TIMEOUT", "1"), ("READ_TIMEOUT", "1"), ("ATTEMPTS", "2")):
+        monkeypatch.setenv(f"SLURMRESUME_MIRROR_{name}", value)
+    try:
+        ckpt = Checkpointer(tmp_path / "r", handle_signals=False, mirror=unique_url())
+        started = time.monotonic()
+        with pytest.raises(CheckpointError, match="cannot be read"):  # empty root: never a silent fresh start
+            ckpt.restore({"w": torch.zeros(4)})
+        took = time.monotonic() - started
+        ckpt.close()
+    finally:
+        proxy.close()
+    assert proxy.accepted >= 1
+    assert took < 15, f"restore took {took:.1f} s with 2 tries of 1 s timeouts"
