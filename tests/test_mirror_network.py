@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.objstore import s3, unique_url  # noqa: F401 - s3 is a fixture
-from helpers.tcpproxy import Proxy
+from helpers.tcpproxy import Down, Proxy
 
 from slurmresume import Checkpointer
 
@@ -94,8 +94,7 @@ def test_server_down_at_close_is_a_distinct_exit_and_the_next_run_uploads_the_st
     from slurmresume.mirror import parse_s3_url, remote
 
     url, root = unique_url(), tmp_path / "root"
-    down = Proxy(s3_port(monkeypatch))
-    down.close()  # a port nothing answers on any more: the server is down
+    down = Down()  # connections refused: the server is down
     env = clean_env(**{**aws_env(), "AWS_ENDPOINT_URL": down.url}, SLURMRESUME_MIRROR_ATTEMPTS="2",
                     SLURMRESUME_MIRROR_CLOSE_DEADLINE="20", PYTHONPATH=os.environ.get("PYTHONPATH", str(REPO)))
     started = time.monotonic()
@@ -129,8 +128,7 @@ def test_local_status_counts_a_mirror_behind_as_at_risk_until_the_next_run_uploa
 
     url, root = unique_url(), tmp_path / "root"
     real = os.environ["AWS_ENDPOINT_URL"]
-    down = Proxy(s3_port(monkeypatch))
-    down.close()
+    down = Down()
     monkeypatch.setenv("AWS_ENDPOINT_URL", down.url)
     monkeypatch.setenv("SLURMRESUME_MIRROR_ATTEMPTS", "1")
     ckpt = Checkpointer(root, handle_signals=False, mirror=url)

@@ -81,3 +81,20 @@ class Proxy:
                     s.close()
                 except OSError:
                     pass
+
+
+class Down:
+    """A loopback port where a server was: bound (so no one else takes it) but not listening,
+    so every connection is refused, as when the S3 server is down."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._sock.close()
