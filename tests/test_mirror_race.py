@@ -14,7 +14,7 @@ import torch
 from helpers.objstore import s3, unique_url  # noqa: F401 - s3 is a fixture
 
 from slurmresume import Checkpointer
-from slurmresume.checkpoint.layout import MANIFEST, step_dir_name
+from slurmresume.checkpoint.layout import MANIFEST, MARKER, step_dir_name
 from slurmresume.mirror import parse_s3_url, remote
 from slurmresume.mirror.s3 import client
 from slurmresume.mirror.transfer import Transfer, download_step, upload_step
@@ -59,12 +59,16 @@ def test_two_full_uploads_of_one_step_racing_leave_the_winner_loadable(s3, tmp_p
         assert download_step(s3, loc, step, dst).action == "downloaded"
         for name in (SHARD, MANIFEST):
             assert (dst / step_dir_name(step) / name).read_bytes() == (winner / name).read_bytes(), (step, name)
+        # the loser removed its own objects: only the marker and the folder it names are left
+        folder = s3.head_object(Bucket=loc.bucket, Key=loc.key(step, MARKER))["Metadata"]["slurmresume-objects"]
+        left = sorted(o["Key"][len(loc.step_prefix(step)):] for o in
+                      s3.list_objects_v2(Bucket=loc.bucket, Prefix=loc.step_prefix(step)).get("Contents") or [])
+        assert left == [MARKER, f"{folder}/{MANIFEST}", f"{folder}/{SHARD}"], (step, left)
+        assert not s3.list_multipart_uploads(Bucket=loc.bucket, Prefix=loc.step_prefix(step)).get("Uploads")
 
 
 def test_a_bucket_in_the_layout_before_attempt_folders_still_reads(s3, tmp_path: Path) -> None:
     """Files beside the marker, no folder named in it: what earlier versions wrote."""
-    from slurmresume.checkpoint.layout import MARKER
-
     root = tmp_path / "root"
     ckpt = Checkpointer(root, handle_signals=False)
     ckpt.save(4, {"w": torch.arange(1000.0)})
