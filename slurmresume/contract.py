@@ -50,6 +50,7 @@ ENV_ALLOW_FRESH_START = "SLURMRESUME_ALLOW_FRESH_START"
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after the warning signal; the launcher requeues
 EXIT_TERMINATED = 76  # saved (best effort) after SIGTERM/SIGINT; never self-requeued
 EXIT_SAVE_FAILED = 77  # the emergency save after a signal failed; nothing new committed
+EXIT_MIRROR_BEHIND = 78  # rank 0 at close(): the last committed step did not reach the mirror (mirror_behind)
 
 # -- exit code of the node launcher -----------------------------------------------------------
 # After a successful `scontrol requeue` the launcher exits at once with this code: the job is

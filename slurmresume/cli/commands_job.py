@@ -134,7 +134,10 @@ def submit(
     takeover: Annotated[bool, Opt("--takeover", help="Take the checkpoint root over from a previous run that is provably gone (job not in squeue, pid dead, or heartbeat over 10 min old); a live owner is never taken over.")] = False,
     mirror: Annotated[str | None, Opt(metavar="s3://BUCKET/PREFIX", help="Also copy every committed step there "
                                       "(background upload; restore pulls newer steps from it). Endpoint and credentials "
-                                      "from the AWS environment. [default: none]")] = None,
+                                      "from the AWS environment. Timeouts and retries: $SLURMRESUME_MIRROR_CONNECT_TIMEOUT "
+                                      "(default 10 s), _READ_TIMEOUT (30 s), _ATTEMPTS per request and part (4), "
+                                      "_CLOSE_DEADLINE for the last upload (240 s; then exit 78), _PULL_DEADLINE for a "
+                                      "pull in restore (240 s). [default: none]")] = None,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
     dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
     json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,

@@ -77,7 +77,7 @@ from ..job.leadtime import LeadReport, late_warning, lead_report, lead_warning
 from ..retention import best_record, metric_names, metric_value, record_from_info
 from ..slurm import parse_sacct, parse_squeue
 from ..train.policy import IntervalSummary, interval_summary
-from .health import Headline, judge
+from .health import Headline, judge, mirror_behind, mirror_warning
 from .timeline import cost_line, preemption_cost
 
 SCHEMA = "slurmresume.tools.status/1"
@@ -377,6 +377,11 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
     for row in status.checkpoints:
         if row.state == "corrupt" or row.verified is False:
             p.append(f"checkpoint {row.path} is corrupt: {row.problem}")
+    lag = mirror_behind(events)
+    if lag:
+        p.append(lag)
+    elif warning := mirror_warning(events):
+        w.append(warning)
     if status.newest_complete is None:
         w.append(f"no complete checkpoint under {root} yet")
     for row in status.checkpoints:

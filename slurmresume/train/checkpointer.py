@@ -263,13 +263,18 @@ class Checkpointer:
         self._closed = True
         if self._beat is not None:
             self._beat.enter(DONE)
+        behind = False
         try:
             self._boundary.drain()
             self.wait()
             if self.mirror is not None:
-                self.mirror.close()  # the final step reaches the bucket before the run ends
+                behind = not self.mirror.close()  # the final step reaches the bucket before the run ends
         finally:
             self._wiring.release()
+        if behind:
+            from ..mirror.hook import exit_behind
+
+            exit_behind(self.mirror)
 
     def __enter__(self) -> Checkpointer:
         return self
