@@ -39,6 +39,8 @@ ENV_HEARTBEAT_DIR = "SLURMRESUME_HEARTBEAT_DIR"  # node-local directory for per-
 ENV_DUMP_SIGNAL = "SLURMRESUME_DUMP_SIGNAL"  # the signal (name) on which each rank dumps its stacks there
 ENV_DRILL_HANG = "SLURMRESUME_DRILL_HANG"  # drill: "1:12,0:30" = rank 1 stops at step 12 of attempt 0, ...
 ENV_OWNER = "SLURMRESUME_OWNER"  # the owner id of the root's lease that this run holds (ownership.py)
+ENV_LEASE_HEARTBEAT = "SLURMRESUME_LEASE_HEARTBEAT_S"  # the lease's refresh interval (default 30 s; tests)
+ENV_TAKEOVER = "SLURMRESUME_TAKEOVER"  # "1": a bare Checkpointer may take over on weak evidence (--takeover)
 ENV_MIRROR = "SLURMRESUME_MIRROR"  # s3://BUCKET/PREFIX every committed step is copied to (submit --mirror)
 ENV_DRILL_FIRST_SAVE = "SLURMRESUME_DRILL_FIRST_SAVE"  # drill: "1" = save the first step of a fresh start
 # set by the user (not the launcher): "1" lets restore() start from step 0 although the root

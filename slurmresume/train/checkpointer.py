@@ -28,7 +28,7 @@ from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, phase
 from .options import check_options
 from .restoring import Request, restore_and_record
 from .roots import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
-from .roots import resolve_root
+from .roots import claim_root, resolve_root
 from .saving import Payload, after_commit, payload_of, save_and_record, tolerated
 from .wiring import wire
 
@@ -146,7 +146,10 @@ class Checkpointer:
     def _save_now(self, step: int, payload: Payload, reason: str, started: float,
                   blocking_s: float | None) -> Path | None:
         """Collective, on the training thread or the writer thread: the save and its record
-        (`saving.save_and_record`), then this rank's bookkeeping, in this order."""
+        (`saving.save_and_record`), then this rank's bookkeeping, in this order. Refused on every
+        rank (RootOwnedError) when this run no longer owns the root (`roots.claim_root`)."""
+        w = self._wiring
+        w.lease_key = claim_root(self.group, self.root, w.lease_key, saving=True)
         cost = save_and_record(self.group, self.root, step, payload, reason, started, blocking_s, self._sched)
         self.last_saved_step = step
         if cost is None:  # already committed with this very state
