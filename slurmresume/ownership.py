@@ -241,6 +241,12 @@ class Holder:
             except Exception as exc:  # noqa: BLE001 - retried at the next beat
                 log.warning("lease heartbeat on %s failed: %s", self.root, exc)
 
+    def still_held(self) -> bool:
+        """False once the lease names another owner (read now, not only at the next beat)."""
+        current = read_lease(self.root)
+        self.lost = self.lost or (current is not None and current.owner != self.owner)
+        return not self.lost
+
     def stop(self) -> None:
         self._stop.set()
 

@@ -23,6 +23,7 @@ from slurmresume.checkpoint.layout import OWNER
 from slurmresume.evidence import ALIVE, FRESH, PROVEN, STALE, Facts
 
 NOW = 1_000_000.0
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 
 
 def _lease(**kw) -> ownership.Lease:
@@ -187,3 +188,32 @@ def test_a_holder_that_lost_its_lease_stops_saving(tmp_path) -> None:
         assert json.loads((root / OWNER).read_text())["owner"] == "local-other"
     finally:
         ck.close()
+
+
+def test_the_launcher_ends_a_run_that_lost_its_root_without_requeue(tmp_path) -> None:
+    root = tmp_path / "root"
+    env = clean_env(SLURMRESUME_LEASE_HEARTBEAT_S="0.5")
+    run = subprocess.Popen([sys.executable, "-m", "slurmresume", "submit", str(EXAMPLE), "--ckpt-dir", str(root),
+                            "--local", "--max-failures", "3", "--", "--steps", "100000", "--save-every", "5",
+                            "--step-sleep", "0.05"], env=env, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, cwd=tmp_path)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        deadline = time.time() + 120
+        while not list(root.glob("step_*/COMMITTED")) and time.time() < deadline:
+            time.sleep(0.2)
+        assert list(root.glob("step_*/COMMITTED")), run.stderr.read() if run.poll() is not None else "no save"
+        _write_lease(root, ownership.new_lease("local-other", pid=other.pid))  # another live run has it now
+        taken = {p.parent.name for p in root.glob("step_*/COMMITTED")}
+        out, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+        other.kill()
+        other.wait()
+    assert run.returncode != 0 and "lost checkpoint root" in err, err[-3000:]
+    later = {p.parent.name for p in root.glob("step_*/COMMITTED")} - taken
+    assert len(later) <= 1  # at most the save already in flight when the lease changed hands
+    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events].count("started") == 1  # no retry, no requeue
+    assert json.loads((root / OWNER).read_text())["owner"] == "local-other"  # never released by the loser

@@ -176,6 +176,8 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
                                     max_failures=spec.max_failures,
                                     previous_progressed=last.progressed if last is not None else None,
                                     hangs_done=hangs, max_hangs=spec.max_hangs, previous_hang=previous_hang)
+            if lease is not None and not lease.still_held():  # never requeue into a root another run owns
+                action, reason = "give_up", f"this run ({job_key}) lost checkpoint root {root} to another run"
             _record(root, result, action, reason, run_id, job_key, restart, first_node)
             log.info("run %s ended %s: %s -> %s", run_id, result.kind, reason, action)
             if lease is not None and (action in ("finish", "stop", "give_up") or (action == "hold" and local)):
