@@ -217,3 +217,63 @@ def test_the_launcher_ends_a_run_that_lost_its_root_without_requeue(tmp_path) ->
     events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events].count("started") == 1  # no retry, no requeue
     assert json.loads((root / OWNER).read_text())["owner"] == "local-other"  # never released by the loser
+
+
+RECORDING_SCONTROL = """#!/bin/sh
+echo "$@" >> "$FAKE_LOG"
+case "$1 $2" in
+  "show job") echo "JobId=4343 JobState=RUNNING TimeLimit=01:00:00" ;;
+  "show config") echo "ClusterName = c1"; echo "KillWait = 5 sec" ;;
+esac
+exit 0
+"""
+
+
+def test_a_reused_job_id_never_believes_the_old_jobs_records(tmp_path) -> None:
+    """Job 4343 comes back (MaxJobId wrap, another cluster): the old job's "preempted, committed"
+    record and its crash-loop record are not this submission's, so a crash at once is a failure
+    (--max-failures 0: the job ends), not a requeue."""
+    root, bindir, fake_log = tmp_path / "ckpt", tmp_path / "bin", tmp_path / "scontrol.log"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text(RECORDING_SCONTROL)
+    (bindir / "scontrol").chmod(0o755)
+    import torch
+
+    from slurmresume import Checkpointer
+
+    with Checkpointer(root, handle_signals=False) as old_job:  # the old job's step 5
+        old_job.save(5, {"w": torch.ones(2)})
+    runs = root / ".runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    (runs / "slurm-4343.0.0.json").write_text(json.dumps(
+        {"run_id": "slurm-4343.0.0", "kind": "preempt", "step": 5, "committed": True, "error": ""}))
+    (runs / "slurm-4343.last-run.json").write_text(json.dumps(
+        {"job_key": "slurm-4343", "run_id": "slurm-4343.0.0", "kind": "preempted", "action": "requeue",
+         "progressed": True, "latest": 5}))
+    crash = tmp_path / "crash.py"
+    crash.write_text("raise SystemExit(1)\n")
+    code = ("from pathlib import Path; from slurmresume.job.config import JobSpec; "
+            "from slurmresume.job.node import NodeLauncher; "
+            f"NodeLauncher(JobSpec(script=Path({str(crash)!r}), ckpt_dir=Path({str(root)!r})))()")
+    env = clean_env(FAKE_LOG=str(fake_log), PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="4343",
+                    SLURM_JOB_NODELIST="localhost", SLURM_NODEID="0", SLURM_NNODES="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode not in (0, 75), out.stderr[-3000:]  # not finished, not requeued
+    assert "giving up" in out.stderr, out.stderr[-3000:]
+    assert "requeue" not in fake_log.read_text()
+    record = json.loads((runs / "slurm-4343.last-run.json").read_text())
+    assert record["kind"] == "failed" and record["nonce"]  # this launch's record replaced the stranger's
+
+
+def test_runs_records_of_other_launches_are_pruned_and_the_crash_loop_record_kept() -> None:
+    from slurmresume.contract import RECORDS_KEEP_RUNS, RECORDS_YOUNG_S, plan_record_prune
+
+    now, old = 10_000_000.0, 10_000_000.0 - RECORDS_YOUNG_S - 1
+    mine = [(f"slurm-9.{i}.0.json", old - i) for i in range(RECORDS_KEEP_RUNS + 3)]
+    entries = [*mine, ("slurm-9.last-run.json", old - 999), ("slurm-9.node-0.ranks.json", old - 999),
+               ("slurm-8.0.0.json", old), ("slurm-8.last-run.json", old), ("local-1-ab.0.0.hang.json", old),
+               ("slurm-8.1.0.json", now - 5)]  # young: another node may still be writing it
+    gone = plan_record_prune(entries, "slurm-9", now)
+    assert gone == sorted(["slurm-8.0.0.json", "slurm-8.last-run.json", "local-1-ab.0.0.hang.json",
+                           *(n for n, _ in mine[RECORDS_KEEP_RUNS:])])
+    assert plan_record_prune(entries, "slurm-9", old) == []  # nothing is old yet

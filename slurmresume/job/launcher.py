@@ -33,6 +33,7 @@ from .. import slurm
 from ..checkpoint.store import find_latest
 from ..contract import (
     ENV_DUMP_SIGNAL,
+    ENV_NONCE,
     EV_HANG,
     EV_INTERRUPTED,
     EV_RESUMED,
@@ -402,13 +403,13 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
         watch.refresh()  # the ranks' last word, for `status`
         watch.publish(root, _summary_key(run_id, env), time.time(), force=True)
         if hang is None and rc not in (None, 0):
-            hang = _peer_hang(root, run_id)  # our ranks failed because another node killed its hung ones
-    return RunResult(rc if rc is not None else -1, read_outcome(root, run_id), latest_before, _latest_step(root),
+            hang = _peer_hang(root, run_id, env.get(ENV_NONCE, ""))  # our ranks failed because another node killed its hung ones
+    return RunResult(rc if rc is not None else -1, read_outcome(root, run_id, env.get(ENV_NONCE, "")), latest_before, _latest_step(root),
                      warned=warn in relay.pending, stop=stop, hang=hang, ended_at=ended_at)
 
 
-def _peer_hang(root: Path, run_id: str) -> Hang | None:
-    record = read_hang(root, run_id)
+def _peer_hang(root: Path, run_id: str, nonce: str) -> Hang | None:
+    record = read_hang(root, run_id, nonce)
     if record is None:
         return None
     return Hang(tuple(int(r) for r in record["ranks"]), str(record.get("phase", "step")), int(record["step"]),
@@ -440,7 +441,8 @@ def _handle_hang(hang: Hang, watch: HangWatch, agent: int, tree: dict[int, int],
     watch.publish(root, _summary_key(run_id, env), time.time(), force=True)
     try:
         write_hang(root, run_id, {"ranks": list(hang.ranks), "step": hang.step, "phase": hang.phase,
-                                  "silent_s": hang.silent_s, "budget_s": hang.budget_s, "dump_dir": str(folder)})
+                                  "silent_s": hang.silent_s, "budget_s": hang.budget_s, "dump_dir": str(folder),
+                                  "nonce": env.get(ENV_NONCE, "")})
     except (OSError, ValueError) as exc:
         log.warning("could not write the hang record of run %s: %s", run_id, exc)
     killed = time.time()
