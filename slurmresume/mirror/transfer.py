@@ -26,10 +26,10 @@ from typing import Any
 
 import xxhash
 
-from ..checkpoint import fsio
+from ..checkpoint import fsio, leftovers
 from ..checkpoint.commit import move_aside, root_lock
 from ..checkpoint.jsonenc import loads
-from ..checkpoint.layout import MANIFEST, MARKER, step_dir_name
+from ..checkpoint.layout import INPROGRESS, MANIFEST, MARKER, step_dir_name
 from ..checkpoint.manifest import (
     MAX_MANIFEST,
     MAX_MARKER,
@@ -180,6 +180,7 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
     fsio.makedirs(root, 0o755)
     tmp = root / f"{DOWNLOAD_PREFIX}{step_dir_name(step)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     tmp.mkdir(mode=0o755)
+    fsio.write_durable(tmp / INPROGRESS, leftovers.note(), "mirror.note")  # who: see checkpoint/leftovers.py
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slurmresume-get") as pool:
             for s in manifest.shards:
@@ -196,6 +197,7 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
                 if inspect_dir(step, final).complete:
                     return Transfer(step, "present")
                 move_aside(final, "mirror")  # an incomplete leftover of a killed save
+            os.unlink(tmp / INPROGRESS)
             fsio.rename(tmp, final, "mirror.step")
             fsio.fsync_dir(root, "mirror.step")
     finally:

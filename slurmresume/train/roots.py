@@ -46,10 +46,22 @@ def claim_root(group: Group, root: Path, held: tuple[str, str] | None = None, *,
             key = before_save(root, held) if saving else for_checkpointer(root)
         except RootOwnedError as exc:
             error = str(exc)
+        if saving and error is None:  # the owner, before it writes: free what killed writers left
+            _clean_leftovers(root)
     error = group.broadcast_json(error)
     if error:
         raise RootOwnedError(error)
     return key
+
+
+def _clean_leftovers(root: Path) -> None:
+    from ..checkpoint.leftovers import clean
+    from ..retention import DEFAULT_YOUNG_THRESHOLD
+
+    try:
+        clean(root, DEFAULT_YOUNG_THRESHOLD)
+    except Exception as exc:  # noqa: BLE001 - never fails a save
+        log.warning("could not clean leftover directories under %s: %s", root, exc)
 
 
 def warn_if_not_launchers_root(explicit: str | os.PathLike[str] | None, root: Path, rank: int) -> None:
