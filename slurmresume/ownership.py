@@ -337,6 +337,13 @@ def before_save(root: Path, key: tuple[str, str] | None) -> tuple[str, str] | No
     return key
 
 
+def lost(key: tuple[str, str] | None) -> bool:
+    """Whether the lease this process holds under `key` (`for_checkpointer`) was lost, as its
+    heartbeat last saw. Local and cheap: `Checkpointer.step` asks it on rank 0 every step."""
+    held = _HELD.get(key) if key is not None else None
+    return held is not None and held.holder.lost
+
+
 def unclaim(key: tuple[str, str] | None) -> None:
     """A Checkpointer that `for_checkpointer` counted closed: the last one of the process frees the
     root, so that a later run (or a forked child) on this root is not refused by a live process that

@@ -277,3 +277,29 @@ def test_runs_records_of_other_launches_are_pruned_and_the_crash_loop_record_kep
     assert gone == sorted(["slurm-8.0.0.json", "slurm-8.last-run.json", "local-1-ab.0.0.hang.json",
                            *(n for n, _ in mine[RECORDS_KEEP_RUNS:])])
     assert plan_record_prune(entries, "slurm-9", old) == []  # nothing is old yet
+
+
+def test_a_bare_holder_that_lost_its_lease_stops_at_the_next_step(tmp_path, monkeypatch) -> None:
+    import torch
+
+    from slurmresume import Checkpointer
+    from slurmresume.contract import ENV_LEASE_HEARTBEAT
+
+    monkeypatch.setenv(ENV_LEASE_HEARTBEAT, "0.1")
+    root = tmp_path / "root"
+    ck = Checkpointer(root, handle_signals=False)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ck.save(1, {"w": torch.ones(2)})
+        assert ck.step(2, {"w": torch.ones(2)}) is False  # no save due: nothing happens
+        _write_lease(root, ownership.new_lease("local-other", pid=other.pid))
+        deadline = time.time() + 10
+        while not ownership.lost(ck._wiring.lease_key) and time.time() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(ownership.RootOwnedError, match="lost checkpoint root"):
+            ck.step(3, {"w": torch.ones(2)})  # no save was due: the step itself stops the run
+        assert sorted(p.name for p in root.glob("step_*")) == ["step_000000001"]
+    finally:
+        other.kill()
+        other.wait()
+        ck.close()

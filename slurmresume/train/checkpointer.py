@@ -23,6 +23,7 @@ from typing import Any
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError
+from ..ownership import lost
 from .emergency import save_and_exit
 from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, phase
 from .options import check_options
@@ -174,7 +175,10 @@ class Checkpointer:
             drill_hang_here(step)  # as a hang in the training step would: before this step's heartbeat
         if self._beat is not None:
             self._beat.beat_step(step)
-        verdict = self._boundary.decide(step, self._sched.trigger(step, epoch_end=epoch_end))
+        trigger = self._sched.trigger(step, epoch_end=epoch_end)
+        if trigger is None and self.rank == 0 and lost(self._wiring.lease_key):
+            trigger = "seconds"  # rank 0 lost the root: the save this posts is refused on every rank
+        verdict = self._boundary.decide(step, trigger)
         if verdict.emergency:
             return save_and_exit(self, step, state, verdict.signal, metrics, meta)
         if self._async.failed():  # the background save's error surfaces here, on the training thread
