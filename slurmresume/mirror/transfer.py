@@ -51,7 +51,7 @@ CONCURRENCY = 4  # parts in flight per shard
 # range size: larger ranges and more threads cost nothing and were faster here (fewer requests).
 DOWNLOAD_CHUNK = 16 << 20
 DOWNLOAD_WORKERS = 8
-DOWNLOAD_PREFIX = ".mirror-download."
+DOWNLOAD_PREFIX = leftovers.DOWNLOAD_PREFIX  # one name, which checkpoint/leftovers.py cleans up
 
 
 @dataclass(frozen=True)
@@ -180,8 +180,8 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
     fsio.makedirs(root, 0o755)
     tmp = root / f"{DOWNLOAD_PREFIX}{step_dir_name(step)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     tmp.mkdir(mode=0o755)
-    fsio.write_durable(tmp / INPROGRESS, leftovers.note(), "mirror.note")  # who: see checkpoint/leftovers.py
     try:
+        fsio.write_durable(tmp / INPROGRESS, leftovers.note(), "mirror.note")  # who: checkpoint/leftovers.py
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slurmresume-get") as pool:
             for s in manifest.shards:
                 _fetch_shard(s3, loc, loc.key(step, s["file"]), tmp / s["file"], s["bytes"], chunk, pool)
