@@ -21,6 +21,7 @@ from helpers.procs import clean_env
 from slurmresume import evidence, ownership
 from slurmresume.checkpoint.layout import OWNER
 from slurmresume.evidence import ALIVE, FRESH, PROVEN, STALE, Facts
+from slurmresume.train import claims
 
 NOW = 1_000_000.0
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
@@ -95,14 +96,14 @@ def test_invalid_job_id_is_no_proof_against_a_fresh_lease(tmp_path, monkeypatch)
     theirs = replace(_lease(), heartbeat=time.time() - 1, host="nodeA")
     _write_lease(root, theirs)
     with pytest.raises(ownership.RootOwnedError, match="job 777 on host nodeA"):
-        ownership.for_checkpointer(root)
+        claims.for_checkpointer(root)
     with pytest.raises(ownership.RootOwnedError, match="refusing to start a second writer"):
         ownership.acquire(root, "slurm-5", takeover=True)  # not even with --takeover
     assert json.loads((root / OWNER).read_text())["owner"] == "slurm-777"
     # the same lease, silent for 11 minutes: weak evidence, --takeover only
     _write_lease(root, replace(theirs, heartbeat=time.time() - 660))
     with pytest.raises(ownership.RootOwnedError, match="SLURMRESUME_TAKEOVER=1"):
-        ownership.for_checkpointer(root)
+        claims.for_checkpointer(root)
     assert ownership.acquire(root, "slurm-5", takeover=True).owner == "slurm-5"
 
 
@@ -294,7 +295,7 @@ def test_a_bare_holder_that_lost_its_lease_stops_at_the_next_step(tmp_path, monk
         assert ck.step(2, {"w": torch.ones(2)}) is False  # no save due: nothing happens
         _write_lease(root, ownership.new_lease("local-other", pid=other.pid))
         deadline = time.time() + 10
-        while not ownership.lost(ck._wiring.lease_key) and time.time() < deadline:
+        while not claims.lost(ck._wiring.lease_key) and time.time() < deadline:
             time.sleep(0.05)
         with pytest.raises(ownership.RootOwnedError, match="lost checkpoint root"):
             ck.step(3, {"w": torch.ones(2)})  # no save was due: the step itself stops the run

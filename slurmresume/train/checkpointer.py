@@ -23,7 +23,7 @@ from typing import Any
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError
-from ..ownership import lost
+from .claims import lost
 from .emergency import save_and_exit
 from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, phase
 from .options import check_options

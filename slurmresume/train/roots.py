@@ -36,9 +36,10 @@ def claim_root(group: Group, root: Path, held: tuple[str, str] | None = None, *,
                saving: bool = False) -> tuple[str, str] | None:
     """Collective. Rank 0 takes or checks the root's lease (ownership.py) and returns its key
     (None on other ranks); a refusal is raised on every rank as RootOwnedError (no rank is left
-    waiting in a collective). `saving`: before a save (`ownership.before_save`: the lease this
+    waiting in a collective). `saving`: before a save (`claims.before_save`: the lease this
     run holds, `held`, must still be its own; a root this save creates is leased now)."""
-    from ..ownership import RootOwnedError, before_save, for_checkpointer
+    from ..ownership import RootOwnedError
+    from .claims import before_save, for_checkpointer
 
     key, error = None, None
     if group.rank == 0:
