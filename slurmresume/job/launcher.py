@@ -22,6 +22,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -332,13 +333,14 @@ def _child_setup(sig: int) -> Any:
 def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, warn: signal.Signals,
                  relay: Relay, log_file: Any = None, *, clock: JobClock | None = None,
                  guardian: Guardian | None = None, watch: HangWatch | None = None,
-                 dumps: Path | None = None) -> RunResult:
+                 dumps: Path | None = None, lost: Callable[[], bool] | None = None) -> RunResult:
     """Start torchrun (own session, tracked by the guardian), relay signals to its workers until
     it exits, classify the outcome. A SIGTERM is a cancel, or with a `clock` (Slurm) possibly the
     time limit: then the run is not waited for beyond half of KillWait (no new commit can land
     in time; the requeue that follows kills it). With a `watch`: a rank silent beyond its phase's
     budget makes every rank dump its stacks (under `dumps`), a `hang` event, and the whole tree
-    killed; the result then carries the hang."""
+    killed; the result then carries the hang. `lost()` true (the root's lease now names another
+    run): the tree is killed at once, since nothing it saves may commit there any more."""
     latest_before = _latest_step(root)
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup(warn), stdout=log_file, stderr=log_file,
                             start_new_session=True)
@@ -389,7 +391,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
                 stop = _classify_stop(relay, clock, root, run_id)
                 if stop == "time_limit" and clock is not None and relay.term_at is not None:
                     give_up_at = relay.term_at + clock.kill_wait / 2
-            if relay.interrupts >= 2:  # a second Ctrl-C: stop now, no save
+            if relay.interrupts >= 2 or (lost is not None and lost()):  # a second Ctrl-C, a lost root: stop now
                 kill_tree(tree)
             if give_up_at is not None and time.time() > give_up_at:
                 rc = proc.poll()

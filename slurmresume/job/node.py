@@ -175,7 +175,8 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
             wenv = worker_env(spec, run_id, restart, {**env, ENV_HEARTBEAT_DIR: str(watch.directory)})
             try:
                 result = run_torchrun(cmd, wenv, root, run_id, relay.warn, relay, clock=clock, guardian=guardian,
-                                      watch=watch, dumps=spec.logs / run_id)
+                                      watch=watch, dumps=spec.logs / run_id,
+                                      lost=(lambda: lease.lost) if lease is not None else None)
             finally:
                 watch.close()
             last = read_last_run(root, job_key, nonce)
