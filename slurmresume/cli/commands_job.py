@@ -131,7 +131,7 @@ def submit(
     resume_from: Annotated[str | None, Opt(help="Start from this committed STEP (or step directory) instead of the newest. (default: the newest)")] = None,
     branch: Annotated[Path | None, Opt(help="With --resume-from: continue in this NEW checkpoint root; the old one is untouched. (default: none)")] = None,
     discard_newer: Annotated[bool, Opt("--discard-newer", help="With --resume-from: delete the steps newer than it.")] = False,
-    takeover: Annotated[bool, Opt("--takeover", help="Take the checkpoint root over from a previous run that is provably gone (job not in squeue, pid dead, or heartbeat over 10 min old); a live owner is never taken over.")] = False,
+    takeover: Annotated[bool, Opt("--takeover", help="Take the checkpoint root over on weak evidence that its previous run is gone (only a heartbeat over 10 min old: another host or cluster, Slurm not answering). Strong proof (its job ended on its cluster, its pid dead on this host) needs no flag; a live owner is never taken over. (default: off)")] = False,
     mirror: Annotated[str | None, Opt(metavar="s3://BUCKET/PREFIX", help="Also copy every committed step there "
                                       "(background upload; restore pulls newer steps from it). Endpoint and credentials "
                                       "from the AWS environment. Timeouts and retries: $SLURMRESUME_MIRROR_CONNECT_TIMEOUT "

@@ -27,10 +27,10 @@ from typing import Any
 
 import xxhash
 
-from ..checkpoint import fsio
+from ..checkpoint import fsio, leftovers
 from ..checkpoint.commit import move_aside, root_lock
 from ..checkpoint.jsonenc import loads
-from ..checkpoint.layout import MANIFEST, MARKER, step_dir_name
+from ..checkpoint.layout import INPROGRESS, MANIFEST, MARKER, step_dir_name
 from ..checkpoint.manifest import (
     MAX_MANIFEST,
     MAX_MARKER,
@@ -56,7 +56,7 @@ CONCURRENCY = 4  # parts in flight per shard
 # range size: larger ranges and more threads cost nothing and were faster here (fewer requests).
 DOWNLOAD_CHUNK = 16 << 20
 DOWNLOAD_WORKERS = 8
-DOWNLOAD_PREFIX = ".mirror-download."
+DOWNLOAD_PREFIX = leftovers.DOWNLOAD_PREFIX  # one name, which checkpoint/leftovers.py cleans up
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,7 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
     tmp = root / f"{DOWNLOAD_PREFIX}{step_dir_name(step)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     tmp.mkdir(mode=0o755)
     try:
+        fsio.write_durable(tmp / INPROGRESS, leftovers.note(), "mirror.note")  # who: checkpoint/leftovers.py
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slurmresume-get") as pool:
             for s in manifest.shards:
                 _fetch_shard(s3, loc, commit.key(loc, s["file"]), tmp / s["file"], s["bytes"], chunk, pool,
@@ -189,6 +190,7 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
                 if replace_if_marker is None and inspect_dir(step, final).complete:
                     return Transfer(step, "present")
                 move_aside(final, "mirror")  # an incomplete leftover of a killed save, or a damaged copy
+            os.unlink(tmp / INPROGRESS)
             fsio.rename(tmp, final, "mirror.step")
             fsio.fsync_dir(root, "mirror.step")
     finally:

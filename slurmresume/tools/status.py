@@ -401,6 +401,7 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
         if short:
             w.append(short)
     w.extend(root_warnings(root))
+    w.extend(leftover_warnings(root))
 
 
 def root_warnings(root: Path) -> list[str]:
@@ -416,6 +417,16 @@ def root_warnings(root: Path) -> list[str]:
     except FileNotFoundError:
         pass
     return out
+
+
+def leftover_warnings(root: Path) -> list[str]:
+    """Save and mirror-download directories still in the root (running, or left by a killed
+    writer that cannot be proven dead from here), with their size."""
+    from ..checkpoint.leftovers import listing
+
+    return [f"{name} holds {size / 2**20:.1f} MiB: a save or mirror download that is running or was killed; "
+            "the root's owner removes it at its next save (or `prune`) once its writer is provably dead and "
+            "it is idle for 10 min" for name, size in listing(root)]
 
 
 @dataclass
