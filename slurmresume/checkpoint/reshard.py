@@ -8,8 +8,8 @@ manifest's tensor index carries every piece's global shape and offset (commit.wr
 Restore (every rank, independently, no collective): for each sharded name the live state
 decides the box this rank now owns (`Target`), `sharding.cover` finds the saved pieces that
 intersect it, and `read_box` preads only their intersecting runs from the old shards (one run
-per piece for dim-0 sharding) into the live local tensor, or into fresh memory on the verified
-path. Bytes read are counted in `STATS` (the benchmark and tests read it).
+per piece for dim-0 sharding) into fresh memory; the caller copies into the live tensors once
+every rank has verified its part. Bytes read are counted in `STATS` (the benchmark and tests read it).
 """
 
 from __future__ import annotations
@@ -124,45 +124,28 @@ def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[st
 
 
 def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[str, Sharded],
-                 where: Mapping[str, Target], into_live: bool,
-                 expect: Callable[[int], Expected | None] | None = None) -> tuple[dict[str, Any], bool]:
-    """Every rank: read each tensor in `where` for this rank. With `into_live`, bytes land in the
-    live local tensors (CPU, contiguous) directly. `expect(rank)` gives shard `rank`'s digests:
-    then every byte range read is widened to whole checksum blocks and verified.
-    Returns ({name: value}, wrote_live)."""
+                 where: Mapping[str, Target],
+                 expect: Callable[[int], Expected | None] | None = None) -> dict[str, Any]:
+    """Every rank: read each tensor in `where` for this rank into fresh memory (never into the
+    live tensors: the caller copies once every rank has verified). `expect(rank)` gives shard
+    `rank`'s digests: then every byte range read is widened to whole checksum blocks and
+    verified. Returns {name: value} (a DTensor on the target's mesh, or a plain tensor)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     files = ShardFiles(directory, shards, expect)
     out: dict[str, Any] = {}
-    wrote = False
     try:
         for name, target in where.items():
             tensor = index[name]
             shape, offset = tuple(tensor.shape), (0,) * len(tensor.shape)
             if target.mesh is not None:
                 shape, offset = compute_local_shape_and_global_offset(tensor.shape, target.mesh, target.placements)
-            local = target.live.to_local() if is_dtensor(target.live) else target.live
-            dest = local if into_live and _fits(local, tuple(shape), tensor.dtype) else _empty(shape, tensor.dtype)
-            wrote = wrote or dest is local
+            dest = _empty(shape, tensor.dtype)
             read_box(files, tensor, tuple(offset), tuple(shape), dest)
-            if local is not None and into_live:
-                if dest is not local:
-                    local.copy_(dest)
-                    wrote = True
-                out[name] = target.live
-            else:
-                out[name] = _wrap(dest, target, tensor.shape)
-    except CorruptCheckpointError as exc:
-        exc.partial_write = wrote  # type: ignore[attr-defined]  # live tensors were touched
-        raise
+            out[name] = _wrap(dest, target, tensor.shape)
     finally:
         files.close()
-    return out, wrote
-
-
-def _fits(t: Any, shape: tuple[Any, ...], dtype: str) -> bool:
-    return (t is not None and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
-            and t.dtype == TORCH_DTYPES[dtype])
+    return out
 
 
 def _empty(shape: Any, dtype: str) -> Any:

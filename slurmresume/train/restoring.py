@@ -8,11 +8,17 @@ Call order (`restore_collective`, every rank; "0" = rank 0 only; each arrow one 
           -> broadcast RestoreChoice | Failure | None
   2. all: a Failure raises its exception on every rank; None is a fresh start (or, for an
           explicit `step`, an error); a world size the checkpoint cannot be loaded on raises.
-  3. all: read this rank's part (`load_own_shard`): straight into the live tensors on the fast
-          path (no verification, first try), else into fresh memory
-          -> all_gather the load errors (Failure | None); MAX of "wrote into live tensors"
-  4. all: no error anywhere: apply (`apply_loaded`) and return the choice; else (rank 0
-          logs) fall back to the next older step from 1, unless `step` was explicit.
+  3. all: read this rank's part (`load_own_shard`) into staging memory, every byte checked
+          against its recorded digest as it is read; nothing in `state` is touched
+          -> all_gather the load errors (Failure | None): the collective verdict
+  4. all: no error anywhere: apply (`apply_loaded`: copy into the live tensors, load_state_dict)
+          and return the choice; else (rank 0 logs) fall back to the next older step from 1,
+          unless `step` was explicit. A refused step leaves `state` bitwise as it was on every
+          rank, so a fallback (or a caller that catches the error) starts from untouched objects.
+
+Memory: the staging costs, on each rank, the bytes of the tensors that rank loads (its own
+shard's tensors, the replicated ones, its box of each DTensor), in CPU memory, for the duration
+of the restore; it is freed once copied into the live state. No rank holds a second rank's part.
 
 `restore_and_record` is what `Checkpointer.restore` calls: the above, then what was loaded
 (`CheckpointInfo`) and its record (rank 0: the log line and the `restored` event).
@@ -34,7 +40,7 @@ from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.replicas import elastic
-from ..checkpoint.reshard import is_dtensor, load_sharded
+from ..checkpoint.reshard import load_sharded
 from ..checkpoint.reshard import targets as reshard_targets
 from ..checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header
 from ..checkpoint.sharding import from_json
@@ -104,21 +110,13 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
     """Collective (see the module docstring). Returns the checkpoint loaded into `state`, or None
     on a fresh start. Raises the same error on every rank when nothing may be loaded."""
     tried: set[int] = set()
-    dirty: int | None = None  # a failed attempt that had already written into live tensors
-    dirty_error = ""
     while True:
         verify = req.verify or bool(tried)
-        mine = pick(root, req.step, verify, tried, req.allow_fresh_start or dirty is not None,
-                    mirror) if group.rank == 0 else None
+        mine = pick(root, req.step, verify, tried, req.allow_fresh_start, mirror) if group.rank == 0 else None
         choice = pick_from_json(group.broadcast_json(pick_to_json(mine)))
         if isinstance(choice, Failure):  # raised on every rank, same kind
             raise choice.error()
         if choice is None:
-            if dirty is not None:
-                raise CheckpointError(f"restoring step {dirty} under {root} failed after it had "
-                                      f"written into the model ({dirty_error}), and no older checkpoint loads: the "
-                                      f"in-memory state is undefined; run `slurmresume verify --all "
-                                      f"--ckpt-dir {root}` and restart")
             if req.step is not None:
                 raise CheckpointError(f"step {req.step} is not a complete checkpoint under {root}: "
                                       f"run `slurmresume status --ckpt-dir {root}` to list them")
@@ -128,12 +126,10 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
                 f"checkpoint {choice.path} was written by {choice.world_size} ranks, this run has "
                 f"{group.world_size}, and it holds per-rank (sharded) tensors: run with "
                 f"--nodes/--nproc-per-node giving {choice.world_size} ranks")
-        # Fast path (no checksum pass): read straight into the live tensors. With verification,
-        # or when falling back, read into fresh memory so a bad file cannot touch the state.
-        got = load_own_shard(group.rank, choice, state, flatten_live(state), not verify, req.strict)
+        # Into staging memory, verified as read: the live state is written only below, once
+        # every rank's part of this step has verified (the all_gather is the verdict).
+        got = load_own_shard(group.rank, choice, state, flatten_live(state), req.strict)
         failures = [Failure.from_json(f) for f in group.all_gather_json(got.failure and got.failure.to_json()) if f]
-        if failures and group.max_int(int(got.wrote)):
-            dirty, dirty_error = choice.step, failures[0].message
         if not failures:
             apply_loaded(group, state, got, choice, req.restore_rng)
             return choice
@@ -209,19 +205,18 @@ def choose(root: Path, step: int | None, verify: bool, tried: set[int], mirror: 
 
 @dataclass(frozen=True)
 class Loaded:
-    """One rank's read of its part of a checkpoint: the decoded entries and the library's own
-    state (RNG), or the failure; `wrote`: live tensors were already written into."""
+    """One rank's read of its part of a checkpoint, in staging memory: the decoded entries and
+    the library's own state (RNG), or the failure."""
 
     decoded: dict[str, Any] | None = None
     library: Any = None
     failure: Failure | None = None
-    wrote: bool = False
 
 
 def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
-                   fast: bool, strict: bool) -> Loaded:
-    """Every rank: read and decode this rank's part of `choice` without touching user objects,
-    except on the fast path (`fast`), which reads straight into the live tensors."""
+                   strict: bool) -> Loaded:
+    """Every rank: read, verify and decode this rank's part of `choice` into fresh memory,
+    without touching any object in `state` (it reads shapes and placements from `live`)."""
     # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (see apply_loaded for
     # its RNG). Replicated tensors live in shard 0 only and are read from there. DTensor pieces
     # are read by box from whichever shards hold this rank's new region (reshard).
@@ -229,7 +224,6 @@ def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, 
     shard, first = choice.shards[src], choice.shards[0]
     sharded = from_json(choice.sharded)
     keys = list(state)
-    wrote = False
     directory = Path(choice.path)
     try:
         # Every byte read is checked against the digests the manifest recorded at save time
@@ -259,29 +253,24 @@ def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, 
         check_fits(state, decode_entries(keys, skeleton, meta_tensors(shapes), strict)[0])
         wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
         where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
-        plain = {n: t for n, t in live.items() if n not in sharded and not is_dtensor(t)} if fast else None
-        tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], plain, names=names - shared,
-                                         expect=expect)
+        tensors, _, _ = load_tensors(directory, shard["file"], shard["bytes"], names=names - shared, expect=expect)
         if shared:
-            more, _, wrote2 = load_tensors(directory, first["file"], first["bytes"], plain, names=shared,
-                                           expect=expect0)
+            more, _, _ = load_tensors(directory, first["file"], first["bytes"], names=shared, expect=expect0)
             tensors.update(more)
-            wrote = wrote or wrote2
         if wanted:
-            more, wrote3 = load_sharded(directory, list(choice.shards), wanted, where, fast, manifest.expected)
-            tensors.update(more)
-            wrote = wrote or wrote3
+            tensors.update(load_sharded(directory, list(choice.shards), wanted, where, manifest.expected))
         decoded, library = decode_entries(keys, skeleton, tensors, strict)
         if rank < choice.world_size and isinstance(library, dict) and "rng" in library:
             rng.validate(library["rng"])  # before apply_loaded touches anything
-        return Loaded(decoded, library, None, wrote)
+        return Loaded(decoded, library, None)
     except CheckpointError as exc:
-        return Loaded(failure=Failure.of(exc), wrote=wrote or getattr(exc, "partial_write", False))
+        return Loaded(failure=Failure.of(exc))
 
 
 def apply_loaded(group: Group, state: MutableMapping[str, Any], got: Loaded, choice: RestoreChoice,
                  restore_rng: bool) -> None:
-    """Every rank, once every rank has loaded its part: the values into `state`, the RNG states."""
+    """Every rank, once every rank has loaded and verified its part: the values into `state`
+    (plain tensors copied in place where shape and dtype match), the RNG states."""
     assert got.decoded is not None  # only called when no rank failed
     apply_entries(state, got.decoded)
     rank, saved_world = group.rank, choice.world_size

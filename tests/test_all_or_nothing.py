@@ -1,0 +1,88 @@
+"""Issue #33: a restore is all-or-nothing. Every rank's pieces of the chosen step are read into
+staging memory and verified, and the live state is written only once every rank has verified
+its part; a refused step leaves every tensor, module and optimizer as it was, and a fallback
+starts from untouched objects. Plain tensors are loaded in place (the user's object stays the
+one they use)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.core import shard, step_dir
+from helpers.procs import HELPERS, clean_env
+from test_verified_restore import flip_byte
+
+from slurmresume import Checkpointer, CheckpointError
+
+
+def _values(step: int) -> torch.Tensor:
+    return torch.arange(4096, dtype=torch.float32) + 1000.0 * step
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_fallback_leaves_the_older_steps_exact_bytes_in_the_users_tensor(tmp_path: Path, verify: bool) -> None:
+    with Checkpointer(tmp_path, handle_signals=False) as ck:
+        for step in (1, 2):
+            ck.save(step, {"model": {"w": _values(step)}})
+    flip_byte(shard(tmp_path, 2), "model/w")
+    w = torch.zeros(4096)
+    state = {"model": {"w": w}}
+    with Checkpointer(tmp_path, handle_signals=False, verify_on_restore=verify) as ck:
+        assert ck.restore(state) == 1
+    assert state["model"]["w"] is w  # loaded in place: the object the user keeps using
+    assert w.numpy().tobytes() == _values(1).numpy().tobytes()
+
+
+def test_a_refused_restore_leaves_plain_tensors_untouched(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path, handle_signals=False) as ck:
+        ck.save(2, {"model": {"w": _values(2)}, "x": torch.ones(3)})
+    flip_byte(shard(tmp_path, 2), "model/w", at=0.99)  # the last block: everything before it reads fine
+    w, x = torch.full((4096,), 7.0), torch.full((3,), 5.0)
+    state = {"model": {"w": w}, "x": x}
+    with pytest.raises(CheckpointError, match="refusing a fresh start"):
+        Checkpointer(tmp_path, handle_signals=False).restore(state)
+    assert state["model"]["w"] is w and state["x"] is x
+    assert torch.equal(w, torch.full((4096,), 7.0)) and torch.equal(x, torch.full((3,), 5.0))
+
+
+def test_plain_tensors_and_containers_are_loaded_in_place(tmp_path: Path) -> None:
+    """Same shape and dtype: the live tensor receives the bytes; the dict and list objects stay
+    too. Another shape or dtype is a new tensor (assigned, as before)."""
+    saved = {"h": {"a": torch.arange(6.0), "b": [torch.ones(2, dtype=torch.int64), torch.ones(4)]},
+             "t": torch.arange(5, dtype=torch.int32), "n": 3}
+    with Checkpointer(tmp_path, handle_signals=False) as ck:
+        ck.save(1, saved)
+    a, b0, b1, t = torch.zeros(6), torch.zeros(2, dtype=torch.int64), torch.zeros(9), torch.zeros(5)
+    h = {"a": a, "b": [b0, b1]}
+    state = {"h": h, "t": t, "n": 0}
+    assert Checkpointer(tmp_path, handle_signals=False).restore(state) == 1
+    assert state["h"] is h and h["a"] is a and h["b"][0] is b0 and state["n"] == 3
+    assert torch.equal(a, torch.arange(6.0)) and torch.equal(b0, torch.ones(2, dtype=torch.int64))
+    assert h["b"][1] is not b1 and torch.equal(h["b"][1], torch.ones(4))  # another shape: replaced
+    assert state["t"] is not t and state["t"].dtype == torch.int32  # another dtype: replaced
+
+
+def _torchrun(nproc: int, *args: str | Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                          "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "atomic_restore.py"),
+                          *map(str, args)], env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
+def test_fsdp2_three_to_two_with_a_flipped_byte_changes_nothing_on_any_rank(tmp_path: Path) -> None:
+    """The issue's case: FSDP2 state saved on 3 ranks, restored on 2, one data byte flipped in a
+    piece only one new rank reads, no older step: every rank raises, and every tensor, module and
+    optimizer entry is bitwise what it was before the call, on every rank."""
+    root = tmp_path / "ck"
+    _torchrun(3, "save", root, tmp_path)
+    flip_byte(step_dir(root, 1) / "rank-00002-of-00003.safetensors", "extra/d", at=0.9)
+    _torchrun(2, "refuse", root, tmp_path)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"refuse-{rank}.json").read_text())
+        assert "refusing a fresh start" in got.get("error", ""), got
+        assert got["changed"] == [] and got["replaced"] == [] and got["step_value"] == 7, got
