@@ -9,7 +9,9 @@ Restore (every rank, independently, no collective): for each sharded name the li
 decides the box this rank now owns (`Target`), `sharding.cover` finds the saved pieces that
 intersect it, and `read_box` preads only their intersecting runs from the old shards (one run
 per piece for dim-0 sharding) into fresh memory; the caller copies into the live tensors once
-every rank has verified its part. Bytes read are counted in `STATS` (the benchmark and tests read it).
+every rank has verified its part. Data bytes read, and the bytes of the boxes they were read
+for (`needed`), are counted in `STATS` (the restore's `restored` event, the benchmark and tests
+read it).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .shard import (
 )
 from .sharding import Sharded, cover, runs
 
-STATS = {"bytes": 0, "reads": 0}
+STATS = {"bytes": 0, "reads": 0, "needed": 0}
 SMALL_RUN = 1024  # runs shorter than this (bytes) are read as whole rows when that wastes little
 SLAB_WASTE = 2  # ... at most this many times the bytes needed
 
@@ -207,6 +209,7 @@ def read_box(files: ShardFiles, tensor: Sharded, offset: tuple[Any, ...], shape:
 
     size = ITEMSIZE[tensor.dtype]
     for piece, lo, box in cover(tensor, offset, shape):
+        STATS["needed"] += math.prod(box) * size
         fd, start, path = files.piece(piece.rank, tensor, piece.shape)
         rel = tuple(a - o for a, o in zip(lo, piece.offset))
         dst = dest[tuple(slice(a - r, a - r + n) for a, r, n in zip(lo, offset, box))]

@@ -40,6 +40,7 @@ from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.replicas import elastic
+from ..checkpoint.reshard import STATS as RESHARD_STATS
 from ..checkpoint.reshard import load_sharded
 from ..checkpoint.reshard import targets as reshard_targets
 from ..checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header
@@ -91,7 +92,7 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
     fresh start (logged once, by rank 0)."""
     started = time.perf_counter()
     restore_began = time.time()
-    choice = restore_collective(group, root, state, req, mirror)
+    choice, io = restore_collective(group, root, state, req, mirror)
     if choice is None:
         if group.rank == 0:
             log.info("fresh start: no complete checkpoint under %s", root)
@@ -101,14 +102,30 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
         log.info("restored from step %d (%s) in %.2f s", choice.step, choice.path, time.perf_counter() - started)
         try_append_event(root, "restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID),
                          process_started_at=process_started_at(), imported_at=IMPORTED_AT, created_at=created_at,
-                         restore_began_at=restore_began, restore_s=round(time.time() - restore_began, 4))
+                         restore_began_at=restore_began, restore_s=round(time.time() - restore_began, 4),
+                         **read_summary(io))
     return info
 
 
+def read_summary(io: list[list[int]], per_rank_up_to: int = 256) -> dict[str, Any]:
+    """The `restored` event's read figures from each rank's [bytes read, bytes needed] (tensor
+    data only; headers are not counted): totals, the rank that read the most per byte it needed
+    and that ratio, and the per-rank lists while the world is at most `per_rank_up_to` ranks
+    (the event stays one short line at any scale)."""
+    ratios = [r / n if n else 1.0 for r, n in io]
+    worst = max(range(len(io)), key=ratios.__getitem__, default=0)
+    out: dict[str, Any] = {"read_bytes_total": sum(r for r, _ in io), "needed_bytes_total": sum(n for _, n in io),
+                           "read_ratio_max": round(ratios[worst], 4) if io else 1.0, "read_ratio_max_rank": worst}
+    if len(io) <= per_rank_up_to:
+        out["read_bytes"], out["needed_bytes"] = [r for r, _ in io], [n for _, n in io]
+    return out
+
+
 def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any], req: Request,
-                       mirror: Any = None) -> RestoreChoice | None:
-    """Collective (see the module docstring). Returns the checkpoint loaded into `state`, or None
-    on a fresh start. Raises the same error on every rank when nothing may be loaded."""
+                       mirror: Any = None) -> tuple[RestoreChoice | None, list[list[int]]]:
+    """Collective (see the module docstring). Returns the checkpoint loaded into `state` (None on
+    a fresh start) and, per rank, [tensor data bytes read, bytes needed] for it. Raises the same
+    error on every rank when nothing may be loaded."""
     tried: set[int] = set()
     while True:
         verify = req.verify or bool(tried)
@@ -120,7 +137,7 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
             if req.step is not None:
                 raise CheckpointError(f"step {req.step} is not a complete checkpoint under {root}: "
                                       f"run `slurmresume status --ckpt-dir {root}` to list them")
-            return None
+            return None, []
         if choice.world_size != group.world_size and not choice.elastic:
             raise CheckpointError(
                 f"checkpoint {choice.path} was written by {choice.world_size} ranks, this run has "
@@ -129,10 +146,12 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
         # Into staging memory, verified as read: the live state is written only below, once
         # every rank's part of this step has verified (the all_gather is the verdict).
         got = load_own_shard(group.rank, choice, state, flatten_live(state), req.strict)
-        failures = [Failure.from_json(f) for f in group.all_gather_json(got.failure and got.failure.to_json()) if f]
+        verdicts = group.all_gather_json({"failure": got.failure and got.failure.to_json(),
+                                          "io": [got.read, got.needed]})
+        failures = [Failure.from_json(v["failure"]) for v in verdicts if v["failure"]]
         if not failures:
             apply_loaded(group, state, got, choice, req.restore_rng)
-            return choice
+            return choice, [v["io"] for v in verdicts]
         if group.rank == 0:
             log.warning("checkpoint step %s (%s) unusable: %s; falling back to the previous one",
                         choice.step, choice.path, failures[0].message)
@@ -211,6 +230,8 @@ class Loaded:
     decoded: dict[str, Any] | None = None
     library: Any = None
     failure: Failure | None = None
+    read: int = 0  # tensor data bytes read (whole checksum blocks) ...
+    needed: int = 0  # ... for this many bytes of tensors this rank loads
 
 
 def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
@@ -257,12 +278,16 @@ def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, 
         if shared:
             more, _, _ = load_tensors(directory, first["file"], first["bytes"], names=shared, expect=expect0)
             tensors.update(more)
+        whole = sum(t.numel() * t.element_size() for t in tensors.values())  # read whole: read == needed
+        before = dict(RESHARD_STATS)
         if wanted:
             tensors.update(load_sharded(directory, list(choice.shards), wanted, where, manifest.expected))
+        read = whole + RESHARD_STATS["bytes"] - before["bytes"]
+        needed = whole + RESHARD_STATS["needed"] - before["needed"]
         decoded, library = decode_entries(keys, skeleton, tensors, strict)
         if rank < choice.world_size and isinstance(library, dict) and "rng" in library:
             rng.validate(library["rng"])  # before apply_loaded touches anything
-        return Loaded(decoded, library, None)
+        return Loaded(decoded, library, None, read, needed)
     except CheckpointError as exc:
         return Loaded(failure=Failure.of(exc))
 

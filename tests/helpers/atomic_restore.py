@@ -113,8 +113,8 @@ def main(argv: list[str]) -> int:
         got, saved = tensors(state, whole=True), load_file(str(Path(argv[2]) / "full.safetensors"))
         mismatch = sorted(k for k in saved.keys() | got.keys()
                           if k not in got or k not in saved or not torch.equal(saved[k], got[k]))
-        info = {"rank": rank, "step": step, "bytes": reshard.STATS["bytes"], "needed": reshard.STATS.get("needed"),
-                "mismatch": mismatch, "restored": ckpt.restored.step if ckpt.restored else None}
+        info = {"rank": rank, "step": step, "bytes": reshard.STATS["bytes"], "needed": reshard.STATS["needed"],
+                "mismatch": mismatch}
         (Path(argv[2]) / f"bytes-{world}-{rank}.json").write_text(json.dumps(info))
     ckpt.close()
     dist.destroy_process_group()
