@@ -18,16 +18,24 @@ from helpers.core import shard, step_dir
 from helpers.procs import HELPERS, clean_env
 from test_verified_restore import flip_byte
 
-from slurmresume import Checkpointer, CheckpointError
+from slurmresume import Checkpointer, CheckpointError, ConfigError
+from slurmresume.contract import ENV_RESTORE_STAGING
 from slurmresume.events import read_events
+from slurmresume.train.restoring import staging_budget
 
 
 def _values(step: int) -> torch.Tensor:
     return torch.arange(4096, dtype=torch.float32) + 1000.0 * step
 
 
-@pytest.mark.parametrize("verify", [False, True])
-def test_fallback_leaves_the_older_steps_exact_bytes_in_the_users_tensor(tmp_path: Path, verify: bool) -> None:
+@pytest.mark.parametrize("verify,staging", [(False, None), (True, None), (False, "0")])
+def test_fallback_leaves_the_older_steps_exact_bytes_in_the_users_tensor(tmp_path: Path, verify: bool,
+                                                                         staging: str | None,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Default restore, verify_on_restore, and a part over the staging budget (verified in a
+    first pass, read into the live tensor in a second)."""
+    if staging is not None:
+        monkeypatch.setenv(ENV_RESTORE_STAGING, staging)
     with Checkpointer(tmp_path, handle_signals=False) as ck:
         for step in (1, 2):
             ck.save(step, {"model": {"w": _values(step)}})
@@ -38,6 +46,23 @@ def test_fallback_leaves_the_older_steps_exact_bytes_in_the_users_tensor(tmp_pat
         assert ck.restore(state) == 1
     assert state["model"]["w"] is w  # loaded in place: the object the user keeps using
     assert w.numpy().tobytes() == _values(1).numpy().tobytes()
+    event = [e for e in read_events(tmp_path) if e["event"] == "restored"][-1]
+    passes = 2 if staging == "0" else 1
+    assert event["read_bytes"] == [passes * event["needed_bytes"][0]] and event["needed_bytes"][0] >= 4096 * 4
+
+
+@pytest.mark.parametrize("override,available,ranks,budget", [
+    (None, 64 << 30, 8, 4 << 30), (None, None, 8, None), ("0", 64 << 30, 1, 0), (" 1000 ", None, 1, 1000),
+    ("", 10, 1, 5), (None, 10, 0, 5)])
+def test_the_staging_budget(override: str | None, available: int | None, ranks: int, budget: int | None) -> None:
+    assert staging_budget(override, available, ranks) == budget
+
+
+def test_a_staging_budget_that_is_not_a_number_is_one_clear_error(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_RESTORE_STAGING, "4G")
+    with pytest.raises(ConfigError, match=r"SLURMRESUME_RESTORE_STAGING_BYTES='4G' is not a number of bytes"):
+        Checkpointer(tmp_path, handle_signals=False).restore({"x": torch.zeros(2)})
 
 
 def test_a_refused_restore_leaves_plain_tensors_untouched(tmp_path: Path) -> None:
@@ -69,25 +94,28 @@ def test_plain_tensors_and_containers_are_loaded_in_place(tmp_path: Path) -> Non
     assert state["t"] is not t and state["t"].dtype == torch.int32  # another dtype: replaced
 
 
-def _torchrun(nproc: int, *args: str | Path) -> None:
+def _torchrun(nproc: int, *args: str | Path, env: dict[str, str] | None = None) -> None:
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                           "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "atomic_restore.py"),
-                          *map(str, args)], env=clean_env(), capture_output=True, text=True, timeout=300)
+                          *map(str, args)], env={**clean_env(), **(env or {})}, capture_output=True, text=True,
+                         timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
 
 
 def test_fsdp2_three_to_two_with_a_flipped_byte_changes_nothing_on_any_rank(tmp_path: Path) -> None:
     """The issue's case: FSDP2 state saved on 3 ranks, restored on 2, one data byte flipped in a
     piece only one new rank reads, no older step: every rank raises, and every tensor, module and
-    optimizer entry is bitwise what it was before the call, on every rank."""
+    optimizer entry is bitwise what it was before the call, on every rank. Staged (the default)
+    and in two passes (a part over the staging budget)."""
     root = tmp_path / "ck"
     _torchrun(3, "save", root, tmp_path)
     flip_byte(step_dir(root, 1) / "rank-00002-of-00003.safetensors", "extra/d", at=0.9)
-    _torchrun(2, "refuse", root, tmp_path)
-    for rank in (0, 1):
-        got = json.loads((tmp_path / f"refuse-{rank}.json").read_text())
-        assert "refusing a fresh start" in got.get("error", ""), got
-        assert got["changed"] == [] and got["replaced"] == [] and got["step_value"] == 7, got
+    for staging in ("", "0"):
+        _torchrun(2, "refuse", root, tmp_path, env={ENV_RESTORE_STAGING: staging})
+        for rank in (0, 1):
+            got = json.loads((tmp_path / f"refuse-{rank}.json").read_text())
+            assert "refusing a fresh start" in got.get("error", ""), (staging, got)
+            assert got["changed"] == [] and got["replaced"] == [] and got["step_value"] == 7, (staging, got)
 
 
 @pytest.fixture(scope="module")

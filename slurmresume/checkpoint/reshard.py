@@ -126,12 +126,15 @@ def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[st
 
 
 def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[str, Sharded],
-                 where: Mapping[str, Target],
-                 expect: Callable[[int], Expected | None] | None = None) -> dict[str, Any]:
-    """Every rank: read each tensor in `where` for this rank into fresh memory (never into the
-    live tensors: the caller copies once every rank has verified). `expect(rank)` gives shard
-    `rank`'s digests: then every byte range read is widened to whole checksum blocks and
-    verified. Returns {name: value} (a DTensor on the target's mesh, or a plain tensor)."""
+                 where: Mapping[str, Target], expect: Callable[[int], Expected | None] | None = None,
+                 mode: str = "stage") -> dict[str, Any]:
+    """Every rank: read each tensor in `where` for this rank. `mode` "stage": into fresh memory,
+    never into the live tensors (the caller copies once every rank has verified); "verify":
+    read and check, keeping one box at a time and returning nothing; "live": straight into the
+    live local tensors (CPU, contiguous), else through one fresh box per tensor copied in (the
+    second pass of a restore too large to stage). `expect(rank)` gives shard `rank`'s digests:
+    then every byte range read is widened to whole checksum blocks and verified. Returns
+    {name: value} (a DTensor on the target's mesh, or a plain tensor)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     files = ShardFiles(directory, shards, expect)
@@ -142,12 +145,38 @@ def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[s
             shape, offset = tuple(tensor.shape), (0,) * len(tensor.shape)
             if target.mesh is not None:
                 shape, offset = compute_local_shape_and_global_offset(tensor.shape, target.mesh, target.placements)
-            dest = _empty(shape, tensor.dtype)
+            local = target.live.to_local() if is_dtensor(target.live) else target.live
+            into = mode == "live" and local is not None
+            dest = local if into and _fits(local, tuple(shape), tensor.dtype) else _empty(shape, tensor.dtype)
             read_box(files, tensor, tuple(offset), tuple(shape), dest)
-            out[name] = _wrap(dest, target, tensor.shape)
+            if into:
+                if dest is not local:
+                    local.copy_(dest)
+                out[name] = target.live
+            elif mode != "verify":
+                out[name] = _wrap(dest, target, tensor.shape)
     finally:
         files.close()
     return out
+
+
+def staging_bytes(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> int:
+    """Bytes of fresh memory a staged `load_sharded` of `where` takes (this rank's boxes)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    total = 0
+    for name, target in where.items():
+        tensor = index[name]
+        shape = tuple(tensor.shape)
+        if target.mesh is not None:
+            shape = tuple(compute_local_shape_and_global_offset(tensor.shape, target.mesh, target.placements)[0])
+        total += math.prod(shape) * ITEMSIZE[tensor.dtype]
+    return total
+
+
+def _fits(t: Any, shape: tuple[Any, ...], dtype: str) -> bool:
+    return (t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
+            and t.dtype == TORCH_DTYPES[dtype])
 
 
 def _empty(shape: Any, dtype: str) -> Any:

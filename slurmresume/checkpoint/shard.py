@@ -315,6 +315,33 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
     return out, meta, bool(direct)
 
 
+def verify_tensors(directory: Path, file: str, expected_bytes: int, names: set[str], expect: Expected | None) -> int:
+    """Read the named tensors of a shard and check every block against `expect`, through one
+    VERIFY_BLOCK scratch buffer: nothing is kept (the first pass of a restore too large to stage).
+    Without `expect` (a checkpoint older than block digests, whose shards were checked whole
+    already) nothing is read. Returns the bytes read."""
+    if expect is None:
+        return 0
+    header, data_start = read_header(directory, file, expected_bytes, expect)
+    path, scratch, done = directory / file, memoryview(bytearray(VERIFY_BLOCK)), 0
+    fd = open_checked(directory, file, expected_bytes)
+    try:
+        for name in sorted(names):
+            begin, end = header[name]["data_offsets"]
+            digests = expect.of(name, path)
+            if len(digests) != -(-(end - begin) // VERIFY_BLOCK):
+                raise CorruptCheckpointError(f"shard {path}: the manifest records {len(digests)} checksum blocks "
+                                             f"for tensor {name!r} of {end - begin} bytes")
+            for i in range(0, end - begin, VERIFY_BLOCK):
+                piece = scratch[: min(VERIFY_BLOCK, end - begin - i)]
+                pread_exact(fd, piece, data_start + begin + i, path)
+                check_blocks(piece, i // VERIFY_BLOCK, digests, path, name)
+            done += end - begin
+    finally:
+        os.close(fd)
+    return done
+
+
 def info_offsets(header: dict[str, Any], name: str) -> int:
     return int(header[name]["data_offsets"][0])
 

@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +41,9 @@ from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.replicas import elastic
 from ..checkpoint.reshard import STATS as RESHARD_STATS
-from ..checkpoint.reshard import load_sharded
+from ..checkpoint.reshard import is_dtensor, load_sharded, staging_bytes
 from ..checkpoint.reshard import targets as reshard_targets
-from ..checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header
+from ..checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header, verify_tensors
 from ..checkpoint.sharding import from_json
 from ..checkpoint.sharding import to_json as sharding_json
 from ..checkpoint.state import (
@@ -55,7 +55,7 @@ from ..checkpoint.state import (
     validate_skeleton,
 )
 from ..checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, inspect_dir
-from ..contract import ENV_ALLOW_FRESH_START, ENV_RUN_ID
+from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RUN_ID
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError
 from ..events import process_started_at, try_append_event
 from . import rng
@@ -127,6 +127,8 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
     a fresh start) and, per rank, [tensor data bytes read, bytes needed] for it. Raises the same
     error on every rank when nothing may be loaded."""
     tried: set[int] = set()
+    budget = staging_budget(os.environ.get(ENV_RESTORE_STAGING), _mem_available(),
+                            int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     while True:
         verify = req.verify or bool(tried)
         mine = pick(root, req.step, verify, tried, req.allow_fresh_start, mirror) if group.rank == 0 else None
@@ -144,20 +146,38 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
                 f"{group.world_size}, and it holds per-rank (sharded) tensors: run with "
                 f"--nodes/--nproc-per-node giving {choice.world_size} ranks")
         # Into staging memory, verified as read: the live state is written only below, once
-        # every rank's part of this step has verified (the all_gather is the verdict).
-        got = load_own_shard(group.rank, choice, state, flatten_live(state), req.strict)
-        verdicts = group.all_gather_json({"failure": got.failure and got.failure.to_json(),
-                                          "io": [got.read, got.needed]})
-        failures = [Failure.from_json(v["failure"]) for v in verdicts if v["failure"]]
+        # every rank's part of this step has verified (the all_gather is the verdict). A part
+        # larger than the staging budget on any rank: every rank verifies without keeping
+        # (pass 1), and reads into the live tensors only after that verdict (pass 2).
+        live = flatten_live(state)
+        part = plan_part(group.rank, choice, state, live, req.strict)
+        two_pass = bool(group.max_int(int(isinstance(part, Part) and budget is not None and part.staging > budget)))
+        got = read_part(group.rank, choice, part, list(state), live, req.strict, "verify" if two_pass else "stage")
+        failures, io = _verdict(group, got)
+        if not failures and two_pass:
+            first_read = got.read
+            got = read_part(group.rank, choice, part, list(state), live, req.strict, "live")
+            failures, io = _verdict(group, replace(got, read=first_read + got.read))
+            if failures:  # the files changed between the passes, or a read failed the second time
+                raise CheckpointError(f"restoring step {choice.step} under {root} failed while it read into "
+                                      f"the live state, after every rank had verified it ({failures[0].message}): "
+                                      f"the in-memory state is undefined; run `slurmresume verify --all "
+                                      f"--ckpt-dir {root}` and restart")
         if not failures:
             apply_loaded(group, state, got, choice, req.restore_rng)
-            return choice, [v["io"] for v in verdicts]
+            return choice, io
         if group.rank == 0:
             log.warning("checkpoint step %s (%s) unusable: %s; falling back to the previous one",
                         choice.step, choice.path, failures[0].message)
         if req.step is not None:
             raise CorruptCheckpointError(failures[0].message)
         tried.add(choice.step)
+
+
+def _verdict(group: Group, got: Loaded) -> tuple[list[Failure], list[list[int]]]:
+    """Collective: every rank's load error (the verdict) and [bytes read, bytes needed]."""
+    verdicts = group.all_gather_json({"failure": got.failure and got.failure.to_json(), "io": [got.read, got.needed]})
+    return [Failure.from_json(v["failure"]) for v in verdicts if v["failure"]], [v["io"] for v in verdicts]
 
 
 def pick(root: Path, step: int | None, verify: bool, tried: set[int], allow_fresh: bool, mirror: Any) -> Pick:
@@ -224,8 +244,8 @@ def choose(root: Path, step: int | None, verify: bool, tried: set[int], mirror: 
 
 @dataclass(frozen=True)
 class Loaded:
-    """One rank's read of its part of a checkpoint, in staging memory: the decoded entries and
-    the library's own state (RNG), or the failure."""
+    """One rank's read of its part of a checkpoint: the decoded entries and the library's own
+    state (RNG), or the failure (a verify-only read has neither)."""
 
     decoded: dict[str, Any] | None = None
     library: Any = None
@@ -234,10 +254,29 @@ class Loaded:
     needed: int = 0  # ... for this many bytes of tensors this rank loads
 
 
-def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
-                   strict: bool) -> Loaded:
-    """Every rank: read, verify and decode this rank's part of `choice` into fresh memory,
-    without touching any object in `state` (it reads shapes and placements from `live`)."""
+@dataclass(frozen=True)
+class Part:
+    """What one rank reads of a checkpoint, planned from the headers and the skeleton (no tensor
+    bytes read): whole tensors of its own shard (`names`) and of shard 0 (`shared`, replicated),
+    boxes of DTensors (`wanted` -> `where`), and the fresh memory a staged read takes."""
+
+    directory: Path
+    shard: dict[str, Any]
+    first: dict[str, Any]
+    manifest: Any
+    src: int
+    skeleton: Any
+    names: set[str]
+    shared: set[str]
+    wanted: dict[str, Any]
+    where: dict[str, Any]
+    staging: int
+
+
+def plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
+              strict: bool) -> Part | Failure:
+    """Every rank: validate this rank's part of `choice` against the live state and plan its read,
+    touching no object in `state` (shapes and placements come from `live`)."""
     # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (see apply_loaded for
     # its RNG). Replicated tensors live in shard 0 only and are read from there. DTensor pieces
     # are read by box from whichever shards hold this rank's new region (reshard).
@@ -250,10 +289,7 @@ def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, 
         # Every byte read is checked against the digests the manifest recorded at save time
         # (hashing while reading); the manifest is re-read here, pinned by its marker.
         manifest = read_manifest(directory, choice.step)
-        expect, expect0 = manifest.expected(src), manifest.expected(0)
-        # Validate the skeleton against the headers first (no tensor bytes read yet), so a
-        # malformed or mismatching checkpoint is refused before any live tensor is written.
-        header, _ = read_header(directory, shard["file"], shard["bytes"], expect)
+        header, _ = read_header(directory, shard["file"], shard["bytes"], manifest.expected(src))
         meta = header.get("__metadata__")
         raw = meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else ""
         skeleton = loads(raw, f"skeleton of {shard['file']}")
@@ -264,32 +300,82 @@ def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, 
         shared = set(listed) - names - set(sharded)
         infos = {n: header[n] for n in names}
         if shared:
-            header0 = read_header(directory, first["file"], first["bytes"], expect0)[0]
+            header0 = read_header(directory, first["file"], first["bytes"], manifest.expected(0))[0]
             infos.update({n: header0[n] for n in header0 if n in shared})
-            names |= set(infos)
-        validate_skeleton(keys, skeleton, names | set(sharded), strict)
+        validate_skeleton(keys, skeleton, set(infos) | set(sharded), strict)
         # Shapes from the headers (a DTensor: its global shape), as meta tensors: a checkpoint
         # that does not fit the live objects is refused before any byte is loaded.
         shapes = {**infos, **{n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sharded.items()}}
         check_fits(state, decode_entries(keys, skeleton, meta_tensors(shapes), strict)[0])
         wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
         where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
-        tensors, _, _ = load_tensors(directory, shard["file"], shard["bytes"], names=names - shared, expect=expect)
-        if shared:
-            more, _, _ = load_tensors(directory, first["file"], first["bytes"], names=shared, expect=expect0)
+        staging = sum(int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for i in infos.values())
+        return Part(directory, shard, first, manifest, src, skeleton, names, shared & set(infos), wanted, where,
+                    staging + staging_bytes(wanted, where))
+    except CheckpointError as exc:
+        return Failure.of(exc)
+
+
+def read_part(rank: int, choice: RestoreChoice, part: Part | Failure, keys: list[str], live: dict[str, Any],
+              strict: bool, mode: str = "stage") -> Loaded:
+    """Every rank: read, verify and decode its planned part. `mode` "stage": into fresh memory,
+    touching nothing in `state`; "verify": check every byte, keep nothing, decode nothing;
+    "live": straight into the live tensors where they fit (a restore too large to stage, after
+    every rank's "verify" pass succeeded)."""
+    if isinstance(part, Failure):
+        return Loaded(failure=part)
+    d, shard, first, m = part.directory, part.shard, part.first, part.manifest
+    try:
+        before = dict(RESHARD_STATS)
+        if mode == "verify":
+            whole = verify_tensors(d, shard["file"], shard["bytes"], part.names - part.shared, m.expected(part.src))
+            whole += verify_tensors(d, first["file"], first["bytes"], part.shared, m.expected(0)) if part.shared else 0
+            if part.wanted:
+                load_sharded(d, list(choice.shards), part.wanted, part.where, m.expected, mode)
+            return Loaded(read=whole + RESHARD_STATS["bytes"] - before["bytes"], needed=0)
+        plain = {n: t for n, t in live.items() if n not in part.wanted and not is_dtensor(t)} if mode == "live" else None
+        tensors, _, _ = load_tensors(d, shard["file"], shard["bytes"], plain, names=part.names - part.shared,
+                                     expect=m.expected(part.src))
+        if part.shared:
+            more, _, _ = load_tensors(d, first["file"], first["bytes"], plain, names=part.shared,
+                                      expect=m.expected(0))
             tensors.update(more)
         whole = sum(t.numel() * t.element_size() for t in tensors.values())  # read whole: read == needed
-        before = dict(RESHARD_STATS)
-        if wanted:
-            tensors.update(load_sharded(directory, list(choice.shards), wanted, where, manifest.expected))
+        if part.wanted:
+            tensors.update(load_sharded(d, list(choice.shards), part.wanted, part.where, m.expected, mode))
         read = whole + RESHARD_STATS["bytes"] - before["bytes"]
         needed = whole + RESHARD_STATS["needed"] - before["needed"]
-        decoded, library = decode_entries(keys, skeleton, tensors, strict)
+        decoded, library = decode_entries(keys, part.skeleton, tensors, strict)
         if rank < choice.world_size and isinstance(library, dict) and "rng" in library:
             rng.validate(library["rng"])  # before apply_loaded touches anything
         return Loaded(decoded, library, None, read, needed)
     except CheckpointError as exc:
         return Loaded(failure=Failure.of(exc))
+
+
+def staging_budget(override: str | None, mem_available: int | None, local_ranks: int) -> int | None:
+    """Bytes one rank may stage for a restore (None: no limit): `override` (the environment's
+    SLURMRESUME_RESTORE_STAGING_BYTES), else half the node's available memory shared by its
+    ranks, else (memory unknown) no limit. Pure."""
+    if override is not None and override.strip():
+        if not override.strip().isdigit():
+            raise ConfigError(f"{ENV_RESTORE_STAGING}={override!r} is not a number of bytes: "
+                              f"unset it, or give e.g. {ENV_RESTORE_STAGING}=0 to never stage")
+        return int(override)
+    if mem_available is None:
+        return None
+    return mem_available // (2 * max(local_ranks, 1))
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def apply_loaded(group: Group, state: MutableMapping[str, Any], got: Loaded, choice: RestoreChoice,
