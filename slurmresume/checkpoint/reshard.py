@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, CorruptCheckpointError
+from .jsonenc import loads
 from .shard import (
+    FINE_KEY,
     ITEMSIZE,
     TORCH_DTYPES,
     VERIFY_BLOCK,
@@ -205,11 +207,19 @@ class ShardFiles:
         self.open: dict[int, tuple[int, dict[str, Any], int]] = {}
         self.expect = expect
         self.expected: dict[int, Expected | None] = {}
+        self.fine: dict[int, dict[str, tuple[list[str], int]]] = {}
 
-    def digests(self, rank: int, name: str) -> list[str] | None:
-        """The block digests of tensor `name` in shard `rank`, or None when not verifying."""
+    def digests(self, rank: int, name: str) -> tuple[list[str], int] | None:
+        """(block digests, block size) of tensor `name` in shard `rank`: the header's fine blocks
+        when it has them (the header itself is verified), else the manifest's VERIFY_BLOCK ones;
+        None when not verifying."""
         exp = self.expected.get(rank)
-        return exp.of(name, self.directory / self.shards[rank]["file"]) if exp is not None else None
+        if exp is None:
+            return None
+        fine = self.fine.get(rank, {}).get(name)
+        if fine is not None:
+            return fine
+        return exp.of(name, self.directory / self.shards[rank]["file"]), VERIFY_BLOCK
 
     def piece(self, rank: int, tensor: Sharded, shape: tuple[Any, ...]) -> tuple[int, int, Path]:
         """(fd, file offset of the piece's data, path), after checking its header entry."""
@@ -217,6 +227,7 @@ class ShardFiles:
             s = self.shards[rank]
             self.expected[rank] = self.expect(rank) if self.expect is not None else None
             header, start = read_header(self.directory, s["file"], s["bytes"], self.expected[rank])
+            self.fine[rank] = _fine_blocks(header, self.directory / s["file"])
             self.open[rank] = (open_checked(self.directory, s["file"], s["bytes"]), header, start)
         fd, header, start = self.open[rank]
         path = self.directory / self.shards[rank]["file"]
@@ -232,6 +243,32 @@ class ShardFiles:
         self.open.clear()
 
 
+def _fine_blocks(header: dict[str, Any], path: Path) -> dict[str, tuple[list[str], int]]:
+    """The header's fine digests ({name: (digests, block bytes)}), checked for shape: a count
+    that does not tile the tensor is a corrupt shard."""
+    meta = header.get("__metadata__")
+    raw = meta.get(FINE_KEY) if isinstance(meta, dict) else None
+    if raw is None:
+        return {}
+    data = loads(raw, f"fine digests of {path}")
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"shard {path}: its fine digests are not a map of tensor name -> blocks")
+    out: dict[str, tuple[list[str], int]] = {}
+    for name, entry in data.items():
+        info = header.get(name) if name != "__metadata__" else None
+        block = entry.get("block") if isinstance(entry, dict) else None
+        digests = entry.get("xxh3") if isinstance(entry, dict) else None
+        if (not isinstance(info, dict) or not isinstance(block, int) or isinstance(block, bool) or block <= 0
+                or not isinstance(digests, list) or not all(isinstance(d, str) and len(d) == 16 for d in digests)):
+            raise CorruptCheckpointError(f"shard {path}: its fine digests for {name!r} are malformed")
+        begin, end = info["data_offsets"]
+        if len(digests) != -(-(end - begin) // block):
+            raise CorruptCheckpointError(f"shard {path}: {len(digests)} fine digests of {block} bytes do not "
+                                         f"cover the {end - begin} bytes of {name!r}")
+        out[name] = (digests, block)
+    return out
+
+
 def read_box(files: ShardFiles, tensor: Sharded, offset: tuple[Any, ...], shape: tuple[Any, ...], dest: Any) -> None:
     """Fill `dest` (CPU, `shape`) with the global box at `offset`, from the pieces covering it."""
     import torch
@@ -243,9 +280,9 @@ def read_box(files: ShardFiles, tensor: Sharded, offset: tuple[Any, ...], shape:
         rel = tuple(a - o for a, o in zip(lo, piece.offset))
         dst = dest[tuple(slice(a - r, a - r + n) for a, r, n in zip(lo, offset, box))]
         row = math.prod(piece.shape[1:])
-        digests = files.digests(piece.rank, tensor.name)
-        if digests is not None:
-            _read_verified(fd, start, path, tensor.name, digests, piece.shape, rel, box, dst, size)
+        check = files.digests(piece.rank, tensor.name)
+        if check is not None:
+            _read_verified(fd, start, path, tensor.name, check, piece.shape, rel, box, dst, size)
             continue
         length, starts = runs(piece.shape, rel, box)
         if length * size < SMALL_RUN and len(box) > 1 and box[0] * row <= SLAB_WASTE * math.prod(box):
@@ -263,28 +300,30 @@ def read_box(files: ShardFiles, tensor: Sharded, offset: tuple[Any, ...], shape:
             dst.copy_(tmp)
 
 
-def _read_verified(fd: int, start: int, path: Path, name: str, digests: list[str], shape: tuple[Any, ...], rel: tuple[Any, ...],
-                   box: tuple[Any, ...], dst: Any, size: int) -> None:
-    """Verified read of one piece's box: the rows it spans, widened to whole checksum blocks, are
-    read into fresh memory and checked before the box is copied into `dst`. For dim-0 pieces
-    that is the run itself plus at most two partial blocks; a box narrower than the rows
-    (Shard(1) restored as Shard(0), ...) reads the whole rows it spans."""
+def _read_verified(fd: int, start: int, path: Path, name: str, check: tuple[list[str], int], shape: tuple[Any, ...],
+                   rel: tuple[Any, ...], box: tuple[Any, ...], dst: Any, size: int) -> None:
+    """Verified read of one piece's box: the rows it spans, widened to whole checksum blocks
+    (`check`: digests and block size), are read into fresh memory and checked before the box is
+    copied into `dst`. For dim-0 pieces with fine (row-aligned) blocks that is the run itself
+    plus at most a block at each end; a box narrower than the rows (Shard(1) restored as
+    Shard(0), ...) reads the whole rows it spans."""
     import torch
 
+    digests, block = check
     row_bytes = math.prod(shape[1:]) * size
     total = math.prod(shape) * size
-    if len(digests) != -(-total // VERIFY_BLOCK):
+    if len(digests) != -(-total // block):
         raise CorruptCheckpointError(f"shard {path}: the manifest records {len(digests)} checksum blocks for "
-                                     f"tensor {name!r}, its {total} bytes need {-(-total // VERIFY_BLOCK)}")
+                                     f"tensor {name!r}, its {total} bytes need {-(-total // block)}")
     r0, n0 = (rel[0], box[0]) if shape else (0, 1)
     lo, hi = r0 * row_bytes, (r0 + n0) * row_bytes
-    first, last = lo // VERIFY_BLOCK, -(-hi // VERIFY_BLOCK)
-    begin, end = first * VERIFY_BLOCK, min(last * VERIFY_BLOCK, total)
+    first, last = lo // block, -(-hi // block)
+    begin, end = first * block, min(last * block, total)
     raw = torch.empty(end - begin, dtype=torch.uint8)
     view = byte_view(raw)
-    for i in range(0, len(view), VERIFY_BLOCK):  # hash each block while it is in cache
-        _pread(fd, view[i : i + VERIFY_BLOCK], start + begin + i, path)
-        check_blocks(view[i : i + VERIFY_BLOCK], first + i // VERIFY_BLOCK, digests, path, name)
+    for i in range(0, len(view), block):  # hash each block while it is in cache
+        _pread(fd, view[i : i + block], start + begin + i, path)
+        check_blocks(view[i : i + block], first + i // block, digests, path, name, block)
     rows = raw[lo - begin : hi - begin].view(dst.dtype)
     if not shape:
         dst.copy_(rows.reshape(()))

@@ -35,6 +35,10 @@ from .writer import ShardSink, tensor_bytes
 CHUNK = 64 << 20
 VERIFY_BLOCK = 4 << 20  # bytes per recorded digest: small enough to stay in cache between read and hash
 SKELETON_KEY = "slurmresume.skeleton"
+# Finer digests of the DTensor pieces, for byte-range reads when resharding (`fine_digests`): in the
+# header, which the manifest's header digest covers, so the manifest does not grow with them.
+FINE_KEY = "slurmresume.fine_blocks"
+FINE_PER_PIECE = 64  # a piece is cut into about this many row-aligned blocks (at most VERIFY_BLOCK each)
 MAX_HEADER = MAX_JSON_BYTES
 
 _DTYPES: dict[str, str] = {
@@ -128,10 +132,44 @@ def order_for_alignment(tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, A
     return sorted(tensors, key=lambda nt: (-nt[1].element_size(), nt[0]))
 
 
+def fine_block(shape: list[int], itemsize: int) -> int:
+    """Bytes per fine digest of a piece of `shape`: whole rows, about FINE_PER_PIECE blocks per
+    piece, at most VERIFY_BLOCK (or one row when a row is larger); 0 when one block would hold
+    the whole piece (its VERIFY_BLOCK digests in the manifest are as fine). Pure."""
+    if not shape or 0 in shape:
+        return 0
+    row = itemsize
+    for d in shape[1:]:
+        row *= d
+    rows = max(1, min(-(-shape[0] // FINE_PER_PIECE), VERIFY_BLOCK // row))
+    block = rows * row
+    return block if block < shape[0] * row else 0
+
+
+def fine_digests(tensors: list[tuple[str, Any]], skeleton: str) -> dict[str, dict[str, Any]]:
+    """{name: {"block": bytes, "xxh3": [...]}} for the DTensor pieces (named in the skeleton's
+    "dtensors") held in CPU memory: a rank resharding reads a row range of such a piece and needs
+    a digest that ends near it. A piece on the GPU is skipped (its bytes reach the CPU only while
+    streaming, after the header): its reads widen to VERIFY_BLOCK. Hashing happens here, before
+    the header is written, in one extra pass over these pieces' memory."""
+    try:
+        ranged = set((json.loads(skeleton) or {}).get("dtensors") or ())
+    except (ValueError, AttributeError, TypeError):
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name, t in tensors:
+        if name in ranged and t.device.type == "cpu" and (block := fine_block(list(t.shape), t.element_size())):
+            out[name] = {"block": block, "xxh3": block_digests(tensor_bytes(t.detach().contiguous()), block)}
+    return out
+
+
 def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> WrittenShard:
     """Write one shard durably (temp, fsync, rename). Called by each rank for its own file.
     Tensor bytes stream from tensor memory through the writer's reused staging buffers."""
     tensors = order_for_alignment(tensors)
+    fine = fine_digests(tensors, metadata.get(SKELETON_KEY, ""))
+    if fine:
+        metadata = {**metadata, FINE_KEY: json.dumps(fine, separators=(",", ":"))}
     header, index = build_header(tensors, metadata)
     final = directory / file
     tmp = directory / f".{file}.tmp.{os.getpid()}"
