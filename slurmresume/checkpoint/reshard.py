@@ -9,7 +9,9 @@ Restore (every rank, independently, no collective): for each sharded name the li
 decides the box this rank now owns (`Target`), `sharding.cover` finds the saved pieces that
 intersect it, and `read_box` preads only their intersecting runs from the old shards (one run
 per piece for dim-0 sharding) into fresh memory; the caller copies into the live tensors once
-every rank has verified its part. Data bytes read, and the bytes of the boxes they were read
+every rank has verified its part. Verified reads widen to the piece's fine stripes (its
+shard header's `shard.FINE_KEY` digests) or, without them, to the manifest's VERIFY_BLOCK
+blocks of whole rows (`_read_verified`, `_read_striped`). Data bytes read, and the bytes of the boxes they were read
 for (`needed`), are counted in `STATS` (the restore's `restored` event, the benchmark and tests
 read it).
 """
@@ -22,6 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from ..errors import ConfigError, CorruptCheckpointError
 from .jsonenc import loads
@@ -207,19 +211,24 @@ class ShardFiles:
         self.open: dict[int, tuple[int, dict[str, Any], int]] = {}
         self.expect = expect
         self.expected: dict[int, Expected | None] = {}
-        self.fine: dict[int, dict[str, tuple[list[str], int]]] = {}
+        self.fine: dict[int, dict[str, tuple[list[str], int, int]]] = {}
 
-    def digests(self, rank: int, name: str) -> tuple[list[str], int] | None:
-        """(block digests, block size) of tensor `name` in shard `rank`: the header's fine blocks
-        when it has them (the header itself is verified), else the manifest's VERIFY_BLOCK ones;
-        None when not verifying."""
+    def digests(self, rank: int, name: str) -> tuple[list[str], int, int] | None:
+        """(digests, dim, width) of tensor `name` in shard `rank`: the header's fine stripes when it
+        has them (the header itself is verified), else the manifest's VERIFY_BLOCK byte blocks
+        as (digests, 0, 0); None when not verifying."""
         exp = self.expected.get(rank)
         if exp is None:
             return None
         fine = self.fine.get(rank, {}).get(name)
         if fine is not None:
             return fine
-        return exp.of(name, self.directory / self.shards[rank]["file"]), VERIFY_BLOCK
+        return exp.of(name, self.directory / self.shards[rank]["file"]), 0, 0
+
+    def manifest_digests(self, rank: int, name: str) -> list[str]:
+        exp = self.expected[rank]
+        assert exp is not None  # only asked while verifying
+        return exp.of(name, self.directory / self.shards[rank]["file"])
 
     def piece(self, rank: int, tensor: Sharded, shape: tuple[Any, ...]) -> tuple[int, int, Path]:
         """(fd, file offset of the piece's data, path), after checking its header entry."""
@@ -243,29 +252,28 @@ class ShardFiles:
         self.open.clear()
 
 
-def _fine_blocks(header: dict[str, Any], path: Path) -> dict[str, tuple[list[str], int]]:
-    """The header's fine digests ({name: (digests, block bytes)}), checked for shape: a count
-    that does not tile the tensor is a corrupt shard."""
+def _fine_blocks(header: dict[str, Any], path: Path) -> dict[str, tuple[list[str], int, int]]:
+    """The header's fine digests ({name: (digests, dim, width)}). The header is verified, so an
+    entry this version does not understand (another writer's layout) is skipped, not corrupt:
+    reads of that tensor fall back to the manifest's VERIFY_BLOCK digests."""
     meta = header.get("__metadata__")
     raw = meta.get(FINE_KEY) if isinstance(meta, dict) else None
-    if raw is None:
-        return {}
-    data = loads(raw, f"fine digests of {path}")
+    data = loads(raw, f"fine digests of {path}") if isinstance(raw, str) else None
+    out: dict[str, tuple[list[str], int, int]] = {}
     if not isinstance(data, dict):
-        raise CorruptCheckpointError(f"shard {path}: its fine digests are not a map of tensor name -> blocks")
-    out: dict[str, tuple[list[str], int]] = {}
+        return out
     for name, entry in data.items():
         info = header.get(name) if name != "__metadata__" else None
-        block = entry.get("block") if isinstance(entry, dict) else None
-        digests = entry.get("xxh3") if isinstance(entry, dict) else None
-        if (not isinstance(info, dict) or not isinstance(block, int) or isinstance(block, bool) or block <= 0
-                or not isinstance(digests, list) or not all(isinstance(d, str) and len(d) == 16 for d in digests)):
-            raise CorruptCheckpointError(f"shard {path}: its fine digests for {name!r} are malformed")
-        begin, end = info["data_offsets"]
-        if len(digests) != -(-(end - begin) // block):
-            raise CorruptCheckpointError(f"shard {path}: {len(digests)} fine digests of {block} bytes do not "
-                                         f"cover the {end - begin} bytes of {name!r}")
-        out[name] = (digests, block)
+        shape = info.get("shape") if isinstance(info, dict) else None
+        fields = entry if isinstance(entry, dict) else {}
+        dim, width, digests = fields.get("dim"), fields.get("width"), fields.get("xxh3")
+        if (not isinstance(shape, list) or not isinstance(dim, int) or not isinstance(width, int)
+                or isinstance(dim, bool) or isinstance(width, bool) or not 0 <= dim < len(shape) or width <= 0
+                or not isinstance(shape[dim], int) or not isinstance(digests, list)
+                or not all(isinstance(d, str) and len(d) == 16 for d in digests)
+                or len(digests) != -(-shape[dim] // width)):
+            continue
+        out[name] = (digests, dim, width)
     return out
 
 
@@ -281,8 +289,14 @@ def read_box(files: ShardFiles, tensor: Sharded, offset: tuple[Any, ...], shape:
         dst = dest[tuple(slice(a - r, a - r + n) for a, r, n in zip(lo, offset, box))]
         row = math.prod(piece.shape[1:])
         check = files.digests(piece.rank, tensor.name)
-        if check is not None:
-            _read_verified(fd, start, path, tensor.name, check, piece.shape, rel, box, dst, size)
+        if check is not None and check[1] > 0 and box[check[1]] < piece.shape[check[1]]:
+            _read_striped(fd, start, path, tensor.name, check, piece.shape, rel, box, dst, size)  # across rows
+            continue
+        if check is not None:  # byte blocks: fine runs of rows, else the manifest's VERIFY_BLOCK
+            fine = check[1] == 0 and check[2] > 0
+            block = check[2] * math.prod(piece.shape[1:]) * size if fine else VERIFY_BLOCK
+            digests = check[0] if fine else files.manifest_digests(piece.rank, tensor.name)
+            _read_verified(fd, start, path, tensor.name, (digests, block), piece.shape, rel, box, dst, size)
             continue
         length, starts = runs(piece.shape, rel, box)
         if length * size < SMALL_RUN and len(box) > 1 and box[0] * row <= SLAB_WASTE * math.prod(box):
@@ -321,15 +335,44 @@ def _read_verified(fd: int, start: int, path: Path, name: str, check: tuple[list
     begin, end = first * block, min(last * block, total)
     raw = torch.empty(end - begin, dtype=torch.uint8)
     view = byte_view(raw)
-    for i in range(0, len(view), block):  # hash each block while it is in cache
-        _pread(fd, view[i : i + block], start + begin + i, path)
-        check_blocks(view[i : i + block], first + i // block, digests, path, name, block)
+    step = max(1, VERIFY_BLOCK // block) * block  # fine blocks: one read per VERIFY_BLOCK or so
+    for i in range(0, len(view), step):  # hash each read while it is in cache
+        _pread(fd, view[i : i + step], start + begin + i, path)
+        check_blocks(view[i : i + step], first + i // block, digests, path, name, block)
     rows = raw[lo - begin : hi - begin].view(dst.dtype)
     if not shape:
         dst.copy_(rows.reshape(()))
         return
     rows = rows.reshape((n0, *shape[1:]))
     dst.copy_(rows[(slice(None),) + tuple(slice(r, r + n) for r, n in zip(rel[1:], box[1:]))])
+
+
+def _read_striped(fd: int, start: int, path: Path, name: str, check: tuple[list[str], int, int],
+                  shape: tuple[Any, ...], rel: tuple[Any, ...], box: tuple[Any, ...], dst: Any, size: int) -> None:
+    """Verified read of one piece's box when its fine digests are stripes along dimension
+    `dim` >= 1 (a Shard(1) piece): each stripe the box touches is read as its runs (whole along
+    the other dimensions), checked, and its part of the box copied into `dst`."""
+    import torch
+
+    digests, dim, width = check
+    lo, hi = rel[dim], rel[dim] + box[dim]
+    for k in range(lo // width, -(-hi // width)):
+        c0, c1 = k * width, min((k + 1) * width, shape[dim])
+        s_rel = tuple(c0 if d == dim else 0 for d in range(len(shape)))
+        s_box = tuple(c1 - c0 if d == dim else n for d, n in enumerate(shape))
+        stripe = torch.empty(s_box, dtype=dst.dtype)
+        view, pos = byte_view(stripe), 0
+        length, starts = runs(shape, s_rel, s_box)
+        for first in starts:
+            _pread(fd, view[pos : pos + length * size], start + first * size, path)
+            pos += length * size
+        if xxhash.xxh3_64_hexdigest(view) != digests[k]:
+            raise CorruptCheckpointError(f"shard {path}: tensor {name!r} fails its checksum in stripe {k} "
+                                         f"(indices {c0}..{c1} of dimension {dim}; flipped bits?)")
+        a, b = max(lo, c0), min(hi, c1)
+        src = tuple(slice(a - c0, b - c0) if d == dim else slice(r, r + n) for d, (r, n) in enumerate(zip(rel, box)))
+        out = tuple(slice(a - lo, b - lo) if d == dim else slice(None) for d in range(len(shape)))
+        dst[out].copy_(stripe[src])
 
 
 def _pread(fd: int, view: memoryview, offset: int, path: Path) -> None:
