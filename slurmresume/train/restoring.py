@@ -145,26 +145,8 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
                 f"checkpoint {choice.path} was written by {choice.world_size} ranks, this run has "
                 f"{group.world_size}, and it holds per-rank (sharded) tensors: run with "
                 f"--nodes/--nproc-per-node giving {choice.world_size} ranks")
-        # Into staging memory, verified as read: the live state is written only below, once
-        # every rank's part of this step has verified (the all_gather is the verdict). A part
-        # larger than the staging budget on any rank: every rank verifies without keeping
-        # (pass 1), and reads into the live tensors only after that verdict (pass 2).
-        live = flatten_live(state)
-        part = plan_part(group.rank, choice, state, live, req.strict)
-        two_pass = bool(group.max_int(int(isinstance(part, Part) and budget is not None and part.staging > budget)))
-        got = read_part(group.rank, choice, part, list(state), live, req.strict, "verify" if two_pass else "stage")
-        failures, io = _verdict(group, got)
-        if not failures and two_pass:
-            first_read = got.read
-            got = read_part(group.rank, choice, part, list(state), live, req.strict, "live")
-            failures, io = _verdict(group, replace(got, read=first_read + got.read))
-            if failures:  # the files changed between the passes, or a read failed the second time
-                raise CheckpointError(f"restoring step {choice.step} under {root} failed while it read into "
-                                      f"the live state, after every rank had verified it ({failures[0].message}): "
-                                      f"the in-memory state is undefined; run `slurmresume verify --all "
-                                      f"--ckpt-dir {root}` and restart")
+        failures, io = load_choice(group, root, state, req, choice, budget)
         if not failures:
-            apply_loaded(group, state, got, choice, req.restore_rng)
             return choice, io
         if group.rank == 0:
             log.warning("checkpoint step %s (%s) unusable: %s; falling back to the previous one",
@@ -172,6 +154,33 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
         if req.step is not None:
             raise CorruptCheckpointError(failures[0].message)
         tried.add(choice.step)
+
+
+def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: Request, choice: RestoreChoice,
+                budget: int | None) -> tuple[list[Failure], list[list[int]]]:
+    """Collective: load `choice` into `state`, all or nothing. Returns every rank's load errors
+    (none: `state` holds the step; some: `state` is untouched) and [bytes read, needed] per rank."""
+    # Into staging memory, verified as read: the live state is written only once every rank's
+    # part of this step has verified (the all_gather is the verdict). A part larger than the
+    # staging budget on any rank: every rank verifies without keeping (pass 1), and reads into
+    # the live tensors only after that verdict (pass 2).
+    live = flatten_live(state)
+    part = plan_part(group.rank, choice, state, live, req.strict)
+    two_pass = bool(group.max_int(int(isinstance(part, Part) and budget is not None and part.staging > budget)))
+    got = read_part(group.rank, choice, part, list(state), live, req.strict, "verify" if two_pass else "stage")
+    failures, io = _verdict(group, got)
+    if not failures and two_pass:
+        first_read = got.read
+        got = read_part(group.rank, choice, part, list(state), live, req.strict, "live")
+        failures, io = _verdict(group, replace(got, read=first_read + got.read))
+        if failures:  # the files changed between the passes, or a read failed the second time
+            raise CheckpointError(f"restoring step {choice.step} under {root} failed while it read into the "
+                                  f"live state, after every rank had verified it ({failures[0].message}): the "
+                                  f"in-memory state is undefined; run `slurmresume verify --all --ckpt-dir {root}` "
+                                  f"and restart")
+    if not failures:
+        apply_loaded(group, state, got, choice, req.restore_rng)
+    return failures, io
 
 
 def _verdict(group: Group, got: Loaded) -> tuple[list[Failure], list[list[int]]]:
