@@ -45,6 +45,7 @@ def build(mesh: Any, seed: int) -> dict[str, Any]:
         "c": distribute_tensor(torch.randn(17, 5, 3, generator=g).to(torch.float16), mesh, [Shard(0)]),
         "d": distribute_tensor(torch.randn(23, 9, generator=g, dtype=torch.float64), mesh, [Shard(0)]),
         "e": distribute_tensor(torch.randn(6, 31, generator=g), mesh, [Shard(1)]),
+        "f": distribute_tensor(torch.randn(1000, 24, generator=g), mesh, [Shard(0)]),  # stripes of several rows
     }
     return {"model": model, "optim": opt, "extra": extra,
             "plain": torch.randn(19, generator=g), "step": seed}
