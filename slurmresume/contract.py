@@ -53,6 +53,10 @@ ENV_DRILL_RECORD = "SLURMRESUME_DRILL_RECORD"  # drill: directory where each ran
 # set by the user (not the launcher): "1" lets restore() start from step 0 although the root
 # holds committed step directories of which none loads (it refuses by default)
 ENV_ALLOW_FRESH_START = "SLURMRESUME_ALLOW_FRESH_START"
+# set by the user: bytes one rank may hold in staging memory while a restore verifies (default:
+# half the node's available memory, shared by its ranks); a larger part is verified in a first
+# read pass and read into the live tensors in a second; "0" always takes the two passes
+ENV_RESTORE_STAGING = "SLURMRESUME_RESTORE_STAGING_BYTES"
 
 # -- exit codes of a rank ---------------------------------------------------------------------
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after the warning signal; the launcher requeues

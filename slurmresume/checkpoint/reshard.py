@@ -8,8 +8,12 @@ manifest's tensor index carries every piece's global shape and offset (commit.wr
 Restore (every rank, independently, no collective): for each sharded name the live state
 decides the box this rank now owns (`Target`), `sharding.cover` finds the saved pieces that
 intersect it, and `read_box` preads only their intersecting runs from the old shards (one run
-per piece for dim-0 sharding) into the live local tensor, or into fresh memory on the verified
-path. Bytes read are counted in `STATS` (the benchmark and tests read it).
+per piece for dim-0 sharding) into fresh memory; the caller copies into the live tensors once
+every rank has verified its part. Verified reads widen to the piece's fine stripes (its
+shard header's `shard.FINE_KEY` digests) or, without them, to the manifest's VERIFY_BLOCK
+blocks of whole rows (`_read_verified`, `_read_striped`). Data bytes read, and the bytes of the boxes they were read
+for (`needed`), are counted in `STATS` (the restore's `restored` event, the benchmark and tests
+read it).
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from ..errors import ConfigError, CorruptCheckpointError
+from .jsonenc import loads
 from .shard import (
+    FINE_KEY,
     ITEMSIZE,
     TORCH_DTYPES,
     VERIFY_BLOCK,
@@ -35,7 +43,7 @@ from .shard import (
 )
 from .sharding import Sharded, cover, runs
 
-STATS = {"bytes": 0, "reads": 0}
+STATS = {"bytes": 0, "reads": 0, "needed": 0}
 SMALL_RUN = 1024  # runs shorter than this (bytes) are read as whole rows when that wastes little
 SLAB_WASTE = 2  # ... at most this many times the bytes needed
 
@@ -124,17 +132,19 @@ def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[st
 
 
 def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[str, Sharded],
-                 where: Mapping[str, Target], into_live: bool,
-                 expect: Callable[[int], Expected | None] | None = None) -> tuple[dict[str, Any], bool]:
-    """Every rank: read each tensor in `where` for this rank. With `into_live`, bytes land in the
-    live local tensors (CPU, contiguous) directly. `expect(rank)` gives shard `rank`'s digests:
-    then every byte range read is widened to whole checksum blocks and verified.
-    Returns ({name: value}, wrote_live)."""
+                 where: Mapping[str, Target], expect: Callable[[int], Expected | None] | None = None,
+                 mode: str = "stage") -> dict[str, Any]:
+    """Every rank: read each tensor in `where` for this rank. `mode` "stage": into fresh memory,
+    never into the live tensors (the caller copies once every rank has verified); "verify":
+    read and check, keeping one box at a time and returning nothing; "live": straight into the
+    live local tensors (CPU, contiguous), else through one fresh box per tensor copied in (the
+    second pass of a restore too large to stage). `expect(rank)` gives shard `rank`'s digests:
+    then every byte range read is widened to whole checksum blocks and verified. Returns
+    {name: value} (a DTensor on the target's mesh, or a plain tensor)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     files = ShardFiles(directory, shards, expect)
     out: dict[str, Any] = {}
-    wrote = False
     try:
         for name, target in where.items():
             tensor = index[name]
@@ -142,26 +152,36 @@ def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[s
             if target.mesh is not None:
                 shape, offset = compute_local_shape_and_global_offset(tensor.shape, target.mesh, target.placements)
             local = target.live.to_local() if is_dtensor(target.live) else target.live
-            dest = local if into_live and _fits(local, tuple(shape), tensor.dtype) else _empty(shape, tensor.dtype)
-            wrote = wrote or dest is local
+            into = mode == "live" and local is not None
+            dest = local if into and _fits(local, tuple(shape), tensor.dtype) else _empty(shape, tensor.dtype)
             read_box(files, tensor, tuple(offset), tuple(shape), dest)
-            if local is not None and into_live:
+            if into:
                 if dest is not local:
                     local.copy_(dest)
-                    wrote = True
                 out[name] = target.live
-            else:
+            elif mode != "verify":
                 out[name] = _wrap(dest, target, tensor.shape)
-    except CorruptCheckpointError as exc:
-        exc.partial_write = wrote  # type: ignore[attr-defined]  # live tensors were touched
-        raise
     finally:
         files.close()
-    return out, wrote
+    return out
+
+
+def staging_bytes(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> int:
+    """Bytes of fresh memory a staged `load_sharded` of `where` takes (this rank's boxes)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    total = 0
+    for name, target in where.items():
+        tensor = index[name]
+        shape = tuple(tensor.shape)
+        if target.mesh is not None:
+            shape = tuple(compute_local_shape_and_global_offset(tensor.shape, target.mesh, target.placements)[0])
+        total += math.prod(shape) * ITEMSIZE[tensor.dtype]
+    return total
 
 
 def _fits(t: Any, shape: tuple[Any, ...], dtype: str) -> bool:
-    return (t is not None and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
+    return (t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
             and t.dtype == TORCH_DTYPES[dtype])
 
 
@@ -191,11 +211,24 @@ class ShardFiles:
         self.open: dict[int, tuple[int, dict[str, Any], int]] = {}
         self.expect = expect
         self.expected: dict[int, Expected | None] = {}
+        self.fine: dict[int, dict[str, tuple[list[str], int, int]]] = {}
 
-    def digests(self, rank: int, name: str) -> list[str] | None:
-        """The block digests of tensor `name` in shard `rank`, or None when not verifying."""
+    def digests(self, rank: int, name: str) -> tuple[list[str], int, int] | None:
+        """(digests, dim, width) of tensor `name` in shard `rank`: the header's fine stripes when it
+        has them (the header itself is verified), else the manifest's VERIFY_BLOCK byte blocks
+        as (digests, 0, 0); None when not verifying."""
         exp = self.expected.get(rank)
-        return exp.of(name, self.directory / self.shards[rank]["file"]) if exp is not None else None
+        if exp is None:
+            return None
+        fine = self.fine.get(rank, {}).get(name)
+        if fine is not None:
+            return fine
+        return exp.of(name, self.directory / self.shards[rank]["file"]), 0, 0
+
+    def manifest_digests(self, rank: int, name: str) -> list[str]:
+        exp = self.expected[rank]
+        assert exp is not None  # only asked while verifying
+        return exp.of(name, self.directory / self.shards[rank]["file"])
 
     def piece(self, rank: int, tensor: Sharded, shape: tuple[Any, ...]) -> tuple[int, int, Path]:
         """(fd, file offset of the piece's data, path), after checking its header entry."""
@@ -203,6 +236,7 @@ class ShardFiles:
             s = self.shards[rank]
             self.expected[rank] = self.expect(rank) if self.expect is not None else None
             header, start = read_header(self.directory, s["file"], s["bytes"], self.expected[rank])
+            self.fine[rank] = _fine_blocks(header, self.directory / s["file"])
             self.open[rank] = (open_checked(self.directory, s["file"], s["bytes"]), header, start)
         fd, header, start = self.open[rank]
         path = self.directory / self.shards[rank]["file"]
@@ -218,19 +252,51 @@ class ShardFiles:
         self.open.clear()
 
 
+def _fine_blocks(header: dict[str, Any], path: Path) -> dict[str, tuple[list[str], int, int]]:
+    """The header's fine digests ({name: (digests, dim, width)}). The header is verified, so an
+    entry this version does not understand (another writer's layout) is skipped, not corrupt:
+    reads of that tensor fall back to the manifest's VERIFY_BLOCK digests."""
+    meta = header.get("__metadata__")
+    raw = meta.get(FINE_KEY) if isinstance(meta, dict) else None
+    data = loads(raw, f"fine digests of {path}") if isinstance(raw, str) else None
+    out: dict[str, tuple[list[str], int, int]] = {}
+    if not isinstance(data, dict):
+        return out
+    for name, entry in data.items():
+        info = header.get(name) if name != "__metadata__" else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        fields = entry if isinstance(entry, dict) else {}
+        dim, width, digests = fields.get("dim"), fields.get("width"), fields.get("xxh3")
+        if (not isinstance(shape, list) or not isinstance(dim, int) or not isinstance(width, int)
+                or isinstance(dim, bool) or isinstance(width, bool) or not 0 <= dim < len(shape) or width <= 0
+                or not isinstance(shape[dim], int) or not isinstance(digests, list)
+                or not all(isinstance(d, str) and len(d) == 16 for d in digests)
+                or len(digests) != -(-shape[dim] // width)):
+            continue
+        out[name] = (digests, dim, width)
+    return out
+
+
 def read_box(files: ShardFiles, tensor: Sharded, offset: tuple[Any, ...], shape: tuple[Any, ...], dest: Any) -> None:
     """Fill `dest` (CPU, `shape`) with the global box at `offset`, from the pieces covering it."""
     import torch
 
     size = ITEMSIZE[tensor.dtype]
     for piece, lo, box in cover(tensor, offset, shape):
+        STATS["needed"] += math.prod(box) * size
         fd, start, path = files.piece(piece.rank, tensor, piece.shape)
         rel = tuple(a - o for a, o in zip(lo, piece.offset))
         dst = dest[tuple(slice(a - r, a - r + n) for a, r, n in zip(lo, offset, box))]
         row = math.prod(piece.shape[1:])
-        digests = files.digests(piece.rank, tensor.name)
-        if digests is not None:
-            _read_verified(fd, start, path, tensor.name, digests, piece.shape, rel, box, dst, size)
+        check = files.digests(piece.rank, tensor.name)
+        if check is not None and check[1] > 0 and box[check[1]] < piece.shape[check[1]]:
+            _read_striped(fd, start, path, tensor.name, check, piece.shape, rel, box, dst, size)  # across rows
+            continue
+        if check is not None:  # byte blocks: fine runs of rows, else the manifest's VERIFY_BLOCK
+            fine = check[1] == 0 and check[2] > 0
+            block = check[2] * math.prod(piece.shape[1:]) * size if fine else VERIFY_BLOCK
+            digests = check[0] if fine else files.manifest_digests(piece.rank, tensor.name)
+            _read_verified(fd, start, path, tensor.name, (digests, block), piece.shape, rel, box, dst, size)
             continue
         length, starts = runs(piece.shape, rel, box)
         if length * size < SMALL_RUN and len(box) > 1 and box[0] * row <= SLAB_WASTE * math.prod(box):
@@ -248,34 +314,65 @@ def read_box(files: ShardFiles, tensor: Sharded, offset: tuple[Any, ...], shape:
             dst.copy_(tmp)
 
 
-def _read_verified(fd: int, start: int, path: Path, name: str, digests: list[str], shape: tuple[Any, ...], rel: tuple[Any, ...],
-                   box: tuple[Any, ...], dst: Any, size: int) -> None:
-    """Verified read of one piece's box: the rows it spans, widened to whole checksum blocks, are
-    read into fresh memory and checked before the box is copied into `dst`. For dim-0 pieces
-    that is the run itself plus at most two partial blocks; a box narrower than the rows
-    (Shard(1) restored as Shard(0), ...) reads the whole rows it spans."""
+def _read_verified(fd: int, start: int, path: Path, name: str, check: tuple[list[str], int], shape: tuple[Any, ...],
+                   rel: tuple[Any, ...], box: tuple[Any, ...], dst: Any, size: int) -> None:
+    """Verified read of one piece's box: the rows it spans, widened to whole checksum blocks
+    (`check`: digests and block size), are read into fresh memory and checked before the box is
+    copied into `dst`. For dim-0 pieces with fine (row-aligned) blocks that is the run itself
+    plus at most a block at each end; a box narrower than the rows (Shard(1) restored as
+    Shard(0), ...) reads the whole rows it spans."""
     import torch
 
+    digests, block = check
     row_bytes = math.prod(shape[1:]) * size
     total = math.prod(shape) * size
-    if len(digests) != -(-total // VERIFY_BLOCK):
+    if len(digests) != -(-total // block):
         raise CorruptCheckpointError(f"shard {path}: the manifest records {len(digests)} checksum blocks for "
-                                     f"tensor {name!r}, its {total} bytes need {-(-total // VERIFY_BLOCK)}")
+                                     f"tensor {name!r}, its {total} bytes need {-(-total // block)}")
     r0, n0 = (rel[0], box[0]) if shape else (0, 1)
     lo, hi = r0 * row_bytes, (r0 + n0) * row_bytes
-    first, last = lo // VERIFY_BLOCK, -(-hi // VERIFY_BLOCK)
-    begin, end = first * VERIFY_BLOCK, min(last * VERIFY_BLOCK, total)
+    first, last = lo // block, -(-hi // block)
+    begin, end = first * block, min(last * block, total)
     raw = torch.empty(end - begin, dtype=torch.uint8)
     view = byte_view(raw)
-    for i in range(0, len(view), VERIFY_BLOCK):  # hash each block while it is in cache
-        _pread(fd, view[i : i + VERIFY_BLOCK], start + begin + i, path)
-        check_blocks(view[i : i + VERIFY_BLOCK], first + i // VERIFY_BLOCK, digests, path, name)
+    step = max(1, VERIFY_BLOCK // block) * block  # fine blocks: one read per VERIFY_BLOCK or so
+    for i in range(0, len(view), step):  # hash each read while it is in cache
+        _pread(fd, view[i : i + step], start + begin + i, path)
+        check_blocks(view[i : i + step], first + i // block, digests, path, name, block)
     rows = raw[lo - begin : hi - begin].view(dst.dtype)
     if not shape:
         dst.copy_(rows.reshape(()))
         return
     rows = rows.reshape((n0, *shape[1:]))
     dst.copy_(rows[(slice(None),) + tuple(slice(r, r + n) for r, n in zip(rel[1:], box[1:]))])
+
+
+def _read_striped(fd: int, start: int, path: Path, name: str, check: tuple[list[str], int, int],
+                  shape: tuple[Any, ...], rel: tuple[Any, ...], box: tuple[Any, ...], dst: Any, size: int) -> None:
+    """Verified read of one piece's box when its fine digests are stripes along dimension
+    `dim` >= 1 (a Shard(1) piece): each stripe the box touches is read as its runs (whole along
+    the other dimensions), checked, and its part of the box copied into `dst`."""
+    import torch
+
+    digests, dim, width = check
+    lo, hi = rel[dim], rel[dim] + box[dim]
+    for k in range(lo // width, -(-hi // width)):
+        c0, c1 = k * width, min((k + 1) * width, shape[dim])
+        s_rel = tuple(c0 if d == dim else 0 for d in range(len(shape)))
+        s_box = tuple(c1 - c0 if d == dim else n for d, n in enumerate(shape))
+        stripe = torch.empty(s_box, dtype=dst.dtype)
+        view, pos = byte_view(stripe), 0
+        length, starts = runs(shape, s_rel, s_box)
+        for first in starts:
+            _pread(fd, view[pos : pos + length * size], start + first * size, path)
+            pos += length * size
+        if xxhash.xxh3_64_hexdigest(view) != digests[k]:
+            raise CorruptCheckpointError(f"shard {path}: tensor {name!r} fails its checksum in stripe {k} "
+                                         f"(indices {c0}..{c1} of dimension {dim}; flipped bits?)")
+        a, b = max(lo, c0), min(hi, c1)
+        src = tuple(slice(a - c0, b - c0) if d == dim else slice(r, r + n) for d, (r, n) in enumerate(zip(rel, box)))
+        out = tuple(slice(a - lo, b - lo) if d == dim else slice(None) for d in range(len(shape)))
+        dst[out].copy_(stripe[src])
 
 
 def _pread(fd: int, view: memoryview, offset: int, path: Path) -> None:

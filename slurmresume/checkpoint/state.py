@@ -265,6 +265,45 @@ def live_device(saved: Any, live: Any) -> Any:
     return saved
 
 
+def into_live(saved: Any, live: Any) -> Any:
+    """What a decoded plain value becomes in `state`: the live objects themselves wherever they
+    can take it. A live tensor (or DTensor on the same mesh and placements) of the same shape and
+    dtype receives the saved bytes in place; a live dict or list is refilled in place (its
+    entries by the same rule); anything else is the saved value, on the live value's device
+    (`live_device`). Copies only: call it after every check has passed."""
+    import torch
+
+    if isinstance(saved, torch.Tensor) and isinstance(live, torch.Tensor):
+        if not _same_layout(saved, live):
+            return live_device(saved, live)
+        with torch.no_grad():  # a leaf that requires grad is still the user's object to refill
+            _local(live).copy_(_local(saved))
+        return live
+    if type(saved) is dict and type(live) is dict:
+        merged = {k: into_live(v, live[k]) if k in live else v for k, v in saved.items()}
+        live.clear()
+        live.update(merged)
+        return live
+    if type(saved) is list and type(live) is list and len(saved) == len(live):
+        live[:] = [into_live(a, b) for a, b in zip(saved, live, strict=True)]
+        return live
+    return live_device(saved, live)
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _same_layout(saved: Any, live: Any) -> bool:
+    if saved.dtype != live.dtype or tuple(saved.shape) != tuple(live.shape) or live.device.type == "meta":
+        return False
+    if is_dtensor(saved) or is_dtensor(live):
+        return (is_dtensor(saved) and is_dtensor(live) and saved.device_mesh == live.device_mesh
+                and tuple(saved.placements) == tuple(live.placements)
+                and tuple(_local(saved).shape) == tuple(_local(live).shape))
+    return True
+
+
 def _to_device(t: Any, device: str | None) -> Any:
     if device is None or str(t.device) == device:
         return t
@@ -272,7 +311,8 @@ def _to_device(t: Any, device: str | None) -> Any:
 
 
 def apply_entries(state: MutableMapping[str, Any], decoded: Mapping[str, tuple[str, Any]]) -> None:
-    """Phase 2: load decoded entries into `state` (all type checks before the first change)."""
+    """Phase 2: load decoded entries into `state` (all type checks before the first change):
+    `load_state_dict` on stateful objects, plain values through `into_live`."""
     for key, (kind, _) in decoded.items():
         if kind == "stateful" and not is_stateful(state[key]):
             raise ConfigError(f"state['{key}'] was saved from an object with state_dict(); "
@@ -281,7 +321,7 @@ def apply_entries(state: MutableMapping[str, Any], decoded: Mapping[str, tuple[s
         if kind == "stateful":
             as_stateful(state[key]).load_state_dict(value)
         else:
-            state[key] = live_device(value, state.get(key))
+            state[key] = into_live(value, state.get(key))
 
 
 def check_fits(state: Mapping[str, Any], decoded: Mapping[str, tuple[str, Any]]) -> None:

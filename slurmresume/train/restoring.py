@@ -8,11 +8,17 @@ Call order (`restore_collective`, every rank; "0" = rank 0 only; each arrow one 
           -> broadcast RestoreChoice | Failure | None
   2. all: a Failure raises its exception on every rank; None is a fresh start (or, for an
           explicit `step`, an error); a world size the checkpoint cannot be loaded on raises.
-  3. all: read this rank's part (`load_own_shard`): straight into the live tensors on the fast
-          path (no verification, first try), else into fresh memory
-          -> all_gather the load errors (Failure | None); MAX of "wrote into live tensors"
-  4. all: no error anywhere: apply (`apply_loaded`) and return the choice; else (rank 0
-          logs) fall back to the next older step from 1, unless `step` was explicit.
+  3. all: read this rank's part (`load_own_shard`) into staging memory, every byte checked
+          against its recorded digest as it is read; nothing in `state` is touched
+          -> all_gather the load errors (Failure | None): the collective verdict
+  4. all: no error anywhere: apply (`apply_loaded`: copy into the live tensors, load_state_dict)
+          and return the choice; else (rank 0 logs) fall back to the next older step from 1,
+          unless `step` was explicit. A refused step leaves `state` bitwise as it was on every
+          rank, so a fallback (or a caller that catches the error) starts from untouched objects.
+
+Memory: the staging costs, on each rank, the bytes of the tensors that rank loads (its own
+shard's tensors, the replicated ones, its box of each DTensor), in CPU memory, for the duration
+of the restore; it is freed once copied into the live state. No rank holds a second rank's part.
 
 `restore_and_record` is what `Checkpointer.restore` calls: the above, then what was loaded
 (`CheckpointInfo`) and its record (rank 0: the log line and the `restored` event).
@@ -24,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +40,10 @@ from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.replicas import elastic
-from ..checkpoint.reshard import is_dtensor, load_sharded
+from ..checkpoint.reshard import STATS as RESHARD_STATS
+from ..checkpoint.reshard import is_dtensor, load_sharded, staging_bytes
 from ..checkpoint.reshard import targets as reshard_targets
-from ..checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header
+from ..checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header, verify_tensors
 from ..checkpoint.sharding import from_json
 from ..checkpoint.sharding import to_json as sharding_json
 from ..checkpoint.state import (
@@ -48,7 +55,7 @@ from ..checkpoint.state import (
     validate_skeleton,
 )
 from ..checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, inspect_dir
-from ..contract import ENV_ALLOW_FRESH_START, ENV_RUN_ID
+from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RUN_ID
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError
 from ..events import process_started_at, try_append_event
 from . import ddp, rng
@@ -86,7 +93,7 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
     fresh start (logged once, by rank 0)."""
     started = time.perf_counter()
     restore_began = time.time()
-    choice = restore_collective(group, root, state, req, mirror)
+    choice, io = restore_collective(group, root, state, req, mirror)
     if choice is None:
         if group.rank == 0:
             log.info("fresh start: no complete checkpoint under %s", root)
@@ -96,56 +103,93 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
         log.info("restored from step %d (%s) in %.2f s", choice.step, choice.path, time.perf_counter() - started)
         try_append_event(root, "restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID),
                          process_started_at=process_started_at(), imported_at=IMPORTED_AT, created_at=created_at,
-                         restore_began_at=restore_began, restore_s=round(time.time() - restore_began, 4))
+                         restore_began_at=restore_began, restore_s=round(time.time() - restore_began, 4),
+                         **read_summary(io))
     return info
 
 
+def read_summary(io: list[list[int]], per_rank_up_to: int = 256) -> dict[str, Any]:
+    """The `restored` event's read figures from each rank's [bytes read, bytes needed] (tensor
+    data only; headers are not counted): totals, the rank that read the most per byte it needed
+    and that ratio, and the per-rank lists while the world is at most `per_rank_up_to` ranks
+    (the event stays one short line at any scale)."""
+    ratios = [r / n if n else 1.0 for r, n in io]
+    worst = max(range(len(io)), key=ratios.__getitem__, default=0)
+    out: dict[str, Any] = {"read_bytes_total": sum(r for r, _ in io), "needed_bytes_total": sum(n for _, n in io),
+                           "read_ratio_max": round(ratios[worst], 4) if io else 1.0, "read_ratio_max_rank": worst}
+    if len(io) <= per_rank_up_to:
+        out["read_bytes"], out["needed_bytes"] = [r for r, _ in io], [n for _, n in io]
+    return out
+
+
 def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any], req: Request,
-                       mirror: Any = None) -> RestoreChoice | None:
-    """Collective (see the module docstring). Returns the checkpoint loaded into `state`, or None
-    on a fresh start. Raises the same error on every rank when nothing may be loaded."""
+                       mirror: Any = None) -> tuple[RestoreChoice | None, list[list[int]]]:
+    """Collective (see the module docstring). Returns the checkpoint loaded into `state` (None on
+    a fresh start) and, per rank, [tensor data bytes read, bytes needed] for it. Raises the same
+    error on every rank when nothing may be loaded."""
     tried: set[int] = set()
-    dirty: int | None = None  # a failed attempt that had already written into live tensors
-    dirty_error = ""
+    budget = staging_budget(os.environ.get(ENV_RESTORE_STAGING), _mem_available(),
+                            int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     while True:
         verify = req.verify or bool(tried)
-        mine = pick(root, req.step, verify, tried, req.allow_fresh_start or dirty is not None,
-                    mirror) if group.rank == 0 else None
+        mine = pick(root, req.step, verify, tried, req.allow_fresh_start, mirror) if group.rank == 0 else None
         choice = pick_from_json(group.broadcast_json(pick_to_json(mine)))
         if isinstance(choice, Failure):  # raised on every rank, same kind
             raise choice.error()
         if choice is None:
-            if dirty is not None:
-                raise CheckpointError(f"restoring step {dirty} under {root} failed after it had "
-                                      f"written into the model ({dirty_error}), and no older checkpoint loads: the "
-                                      f"in-memory state is undefined; run `slurmresume verify --all "
-                                      f"--ckpt-dir {root}` and restart")
             if req.step is not None:
                 raise CheckpointError(f"step {req.step} is not a complete checkpoint under {root}: "
                                       f"run `slurmresume status --ckpt-dir {root}` to list them")
-            return None
+            return None, []
         if choice.world_size != group.world_size and not choice.elastic:
             raise CheckpointError(
                 f"checkpoint {choice.path} was written by {choice.world_size} ranks, this run has "
                 f"{group.world_size}, and it holds per-rank (sharded) tensors: run with "
                 f"--nodes/--nproc-per-node giving {choice.world_size} ranks")
-        # Fast path (no checksum pass): read straight into the live tensors. With verification,
-        # or when falling back, read into fresh memory so a bad file cannot touch the state.
-        got = load_own_shard(group.rank, choice, state, flatten_live(state), not verify, req.strict)
-        failures = [Failure.from_json(f) for f in group.all_gather_json(got.failure and got.failure.to_json()) if f]
-        if failures and group.max_int(int(got.wrote)):
-            dirty, dirty_error = choice.step, failures[0].message
+        failures, io = load_choice(group, root, state, req, choice, budget)
         if not failures:
-            apply_loaded(group, state, got, choice, req.restore_rng)
-            if req.ddp_buckets and isinstance(got.library, dict):
-                ddp.restore(req.ddp_buckets, got.library.get("ddp"))
-            return choice
+            return choice, io
         if group.rank == 0:
             log.warning("checkpoint step %s (%s) unusable: %s; falling back to the previous one",
                         choice.step, choice.path, failures[0].message)
         if req.step is not None:
             raise CorruptCheckpointError(failures[0].message)
         tried.add(choice.step)
+
+
+def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: Request, choice: RestoreChoice,
+                budget: int | None) -> tuple[list[Failure], list[list[int]]]:
+    """Collective: load `choice` into `state`, all or nothing. Returns every rank's load errors
+    (none: `state` holds the step; some: `state` is untouched) and [bytes read, needed] per rank."""
+    # Into staging memory, verified as read: the live state is written only once every rank's
+    # part of this step has verified (the all_gather is the verdict). A part larger than the
+    # staging budget on any rank: every rank verifies without keeping (pass 1), and reads into
+    # the live tensors only after that verdict (pass 2).
+    live = flatten_live(state)
+    part = plan_part(group.rank, choice, state, live, req.strict)
+    two_pass = bool(group.max_int(int(isinstance(part, Part) and budget is not None and part.staging > budget)))
+    got = read_part(group.rank, choice, part, list(state), live, req.strict, "verify" if two_pass else "stage")
+    failures, io = _verdict(group, got)
+    if not failures and two_pass:
+        first_read = got.read
+        got = read_part(group.rank, choice, part, list(state), live, req.strict, "live")
+        failures, io = _verdict(group, replace(got, read=first_read + got.read))
+        if failures:  # the files changed between the passes, or a read failed the second time
+            raise CheckpointError(f"restoring step {choice.step} under {root} failed while it read into the "
+                                  f"live state, after every rank had verified it ({failures[0].message}): the "
+                                  f"in-memory state is undefined; run `slurmresume verify --all --ckpt-dir {root}` "
+                                  f"and restart")
+    if not failures:
+        apply_loaded(group, state, got, choice, req.restore_rng)
+        if req.ddp_buckets and isinstance(got.library, dict):
+            ddp.restore(req.ddp_buckets, got.library.get("ddp"))
+    return failures, io
+
+
+def _verdict(group: Group, got: Loaded) -> tuple[list[Failure], list[list[int]]]:
+    """Collective: every rank's load error (the verdict) and [bytes read, bytes needed]."""
+    verdicts = group.all_gather_json({"failure": got.failure and got.failure.to_json(), "io": [got.read, got.needed]})
+    return [Failure.from_json(v["failure"]) for v in verdicts if v["failure"]], [v["io"] for v in verdicts]
 
 
 def pick(root: Path, step: int | None, verify: bool, tried: set[int], allow_fresh: bool, mirror: Any) -> Pick:
@@ -215,18 +259,38 @@ def choose(root: Path, step: int | None, verify: bool, tried: set[int], mirror: 
 @dataclass(frozen=True)
 class Loaded:
     """One rank's read of its part of a checkpoint: the decoded entries and the library's own
-    state (RNG), or the failure; `wrote`: live tensors were already written into."""
+    state (RNG), or the failure (a verify-only read has neither)."""
 
     decoded: dict[str, Any] | None = None
     library: Any = None
     failure: Failure | None = None
-    wrote: bool = False
+    read: int = 0  # tensor data bytes read (whole checksum blocks) ...
+    needed: int = 0  # ... for this many bytes of tensors this rank loads
 
 
-def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
-                   fast: bool, strict: bool) -> Loaded:
-    """Every rank: read and decode this rank's part of `choice` without touching user objects,
-    except on the fast path (`fast`), which reads straight into the live tensors."""
+@dataclass(frozen=True)
+class Part:
+    """What one rank reads of a checkpoint, planned from the headers and the skeleton (no tensor
+    bytes read): whole tensors of its own shard (`names`) and of shard 0 (`shared`, replicated),
+    boxes of DTensors (`wanted` -> `where`), and the fresh memory a staged read takes."""
+
+    directory: Path
+    shard: dict[str, Any]
+    first: dict[str, Any]
+    manifest: Any
+    src: int
+    skeleton: Any
+    names: set[str]
+    shared: set[str]
+    wanted: dict[str, Any]
+    where: dict[str, Any]
+    staging: int
+
+
+def plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
+              strict: bool) -> Part | Failure:
+    """Every rank: validate this rank's part of `choice` against the live state and plan its read,
+    touching no object in `state` (shapes and placements come from `live`)."""
     # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (see apply_loaded for
     # its RNG). Replicated tensors live in shard 0 only and are read from there. DTensor pieces
     # are read by box from whichever shards hold this rank's new region (reshard).
@@ -234,16 +298,12 @@ def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, 
     shard, first = choice.shards[src], choice.shards[0]
     sharded = from_json(choice.sharded)
     keys = list(state)
-    wrote = False
     directory = Path(choice.path)
     try:
         # Every byte read is checked against the digests the manifest recorded at save time
         # (hashing while reading); the manifest is re-read here, pinned by its marker.
         manifest = read_manifest(directory, choice.step)
-        expect, expect0 = manifest.expected(src), manifest.expected(0)
-        # Validate the skeleton against the headers first (no tensor bytes read yet), so a
-        # malformed or mismatching checkpoint is refused before any live tensor is written.
-        header, _ = read_header(directory, shard["file"], shard["bytes"], expect)
+        header, _ = read_header(directory, shard["file"], shard["bytes"], manifest.expected(src))
         meta = header.get("__metadata__")
         raw = meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else ""
         skeleton = loads(raw, f"skeleton of {shard['file']}")
@@ -254,39 +314,88 @@ def load_own_shard(rank: int, choice: RestoreChoice, state: MutableMapping[str, 
         shared = set(listed) - names - set(sharded)
         infos = {n: header[n] for n in names}
         if shared:
-            header0 = read_header(directory, first["file"], first["bytes"], expect0)[0]
+            header0 = read_header(directory, first["file"], first["bytes"], manifest.expected(0))[0]
             infos.update({n: header0[n] for n in header0 if n in shared})
-            names |= set(infos)
-        validate_skeleton(keys, skeleton, names | set(sharded), strict)
+        validate_skeleton(keys, skeleton, set(infos) | set(sharded), strict)
         # Shapes from the headers (a DTensor: its global shape), as meta tensors: a checkpoint
         # that does not fit the live objects is refused before any byte is loaded.
         shapes = {**infos, **{n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sharded.items()}}
         check_fits(state, decode_entries(keys, skeleton, meta_tensors(shapes), strict)[0])
         wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
         where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
-        plain = {n: t for n, t in live.items() if n not in sharded and not is_dtensor(t)} if fast else None
-        tensors, _, wrote = load_tensors(directory, shard["file"], shard["bytes"], plain, names=names - shared,
-                                         expect=expect)
-        if shared:
-            more, _, wrote2 = load_tensors(directory, first["file"], first["bytes"], plain, names=shared,
-                                           expect=expect0)
+        staging = sum(int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for i in infos.values())
+        return Part(directory, shard, first, manifest, src, skeleton, names, shared & set(infos), wanted, where,
+                    staging + staging_bytes(wanted, where))
+    except CheckpointError as exc:
+        return Failure.of(exc)
+
+
+def read_part(rank: int, choice: RestoreChoice, part: Part | Failure, keys: list[str], live: dict[str, Any],
+              strict: bool, mode: str = "stage") -> Loaded:
+    """Every rank: read, verify and decode its planned part. `mode` "stage": into fresh memory,
+    touching nothing in `state`; "verify": check every byte, keep nothing, decode nothing;
+    "live": straight into the live tensors where they fit (a restore too large to stage, after
+    every rank's "verify" pass succeeded)."""
+    if isinstance(part, Failure):
+        return Loaded(failure=part)
+    d, shard, first, m = part.directory, part.shard, part.first, part.manifest
+    try:
+        before = dict(RESHARD_STATS)
+        if mode == "verify":
+            whole = verify_tensors(d, shard["file"], shard["bytes"], part.names - part.shared, m.expected(part.src))
+            whole += verify_tensors(d, first["file"], first["bytes"], part.shared, m.expected(0)) if part.shared else 0
+            if part.wanted:
+                load_sharded(d, list(choice.shards), part.wanted, part.where, m.expected, mode)
+            return Loaded(read=whole + RESHARD_STATS["bytes"] - before["bytes"], needed=0)
+        plain = {n: t for n, t in live.items() if n not in part.wanted and not is_dtensor(t)} if mode == "live" else None
+        tensors, _, _ = load_tensors(d, shard["file"], shard["bytes"], plain, names=part.names - part.shared,
+                                     expect=m.expected(part.src))
+        if part.shared:
+            more, _, _ = load_tensors(d, first["file"], first["bytes"], plain, names=part.shared,
+                                      expect=m.expected(0))
             tensors.update(more)
-            wrote = wrote or wrote2
-        if wanted:
-            more, wrote3 = load_sharded(directory, list(choice.shards), wanted, where, fast, manifest.expected)
-            tensors.update(more)
-            wrote = wrote or wrote3
-        decoded, library = decode_entries(keys, skeleton, tensors, strict)
+        whole = sum(t.numel() * t.element_size() for t in tensors.values())  # read whole: read == needed
+        if part.wanted:
+            tensors.update(load_sharded(d, list(choice.shards), part.wanted, part.where, m.expected, mode))
+        read = whole + RESHARD_STATS["bytes"] - before["bytes"]
+        needed = whole + RESHARD_STATS["needed"] - before["needed"]
+        decoded, library = decode_entries(keys, part.skeleton, tensors, strict)
         if rank < choice.world_size and isinstance(library, dict) and "rng" in library:
             rng.validate(library["rng"])  # before apply_loaded touches anything
-        return Loaded(decoded, library, None, wrote)
+        return Loaded(decoded, library, None, read, needed)
     except CheckpointError as exc:
-        return Loaded(failure=Failure.of(exc), wrote=wrote or getattr(exc, "partial_write", False))
+        return Loaded(failure=Failure.of(exc))
+
+
+def staging_budget(override: str | None, mem_available: int | None, local_ranks: int) -> int | None:
+    """Bytes one rank may stage for a restore (None: no limit): `override` (the environment's
+    SLURMRESUME_RESTORE_STAGING_BYTES), else half the node's available memory shared by its
+    ranks, else (memory unknown) no limit. Pure."""
+    if override is not None and override.strip():
+        if not override.strip().isdigit():
+            raise ConfigError(f"{ENV_RESTORE_STAGING}={override!r} is not a number of bytes: "
+                              f"unset it, or give e.g. {ENV_RESTORE_STAGING}=0 to never stage")
+        return int(override)
+    if mem_available is None:
+        return None
+    return mem_available // (2 * max(local_ranks, 1))
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def apply_loaded(group: Group, state: MutableMapping[str, Any], got: Loaded, choice: RestoreChoice,
                  restore_rng: bool) -> None:
-    """Every rank, once every rank has loaded its part: the values into `state`, the RNG states."""
+    """Every rank, once every rank has loaded and verified its part: the values into `state`
+    (plain tensors copied in place where shape and dtype match), the RNG states."""
     assert got.decoded is not None  # only called when no rank failed
     apply_entries(state, got.decoded)
     rank, saved_world = group.rank, choice.world_size
