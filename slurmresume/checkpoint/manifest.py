@@ -9,8 +9,8 @@ from typing import Any, TypeGuard
 
 import xxhash
 
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from . import fsio
+from ..errors import CorruptCheckpointError, UnreadableCheckpointError, UnsafeCheckpointError
+from . import fsio, jsonenc
 from .jsonenc import dumps, loads
 from .layout import FORMAT, MANIFEST, MARKER, is_plain_shard_name
 from .shard import VERIFY_BLOCK, Expected
@@ -18,6 +18,46 @@ from .shard import VERIFY_BLOCK, Expected
 MAX_MANIFEST = 64 << 20
 MAX_MARKER = 4096
 MAX_TIME = 1e11  # epoch seconds (year 5138): what time.strftime and datetime can render
+_FORMAT_PREFIX = "slurmresume/"
+
+
+def format_version(fmt: Any) -> int | None:
+    """N of a format string "slurmresume/N", else None (not a format of ours)."""
+    if not isinstance(fmt, str) or not fmt.startswith(_FORMAT_PREFIX):
+        return None
+    n = fmt.removeprefix(_FORMAT_PREFIX)
+    return int(n) if n.isascii() and n.isdigit() and len(n) < 10 else None
+
+
+READS = format_version(FORMAT)  # the manifest format this version reads and writes
+
+
+def newer_format(fmt: Any) -> str | None:
+    """Why this version cannot read format `fmt` when a newer slurmresume wrote it, else None."""
+    n = format_version(fmt)
+    if n is None or READS is None or n <= READS:
+        return None
+    return f"written by a newer slurmresume (format {n}; this reads {READS}): upgrade slurmresume to use it"
+
+
+def manifest_cap() -> int:
+    """The largest manifest every reader of this version accepts: the manifest read cap and the
+    JSON parser's own cap, whichever is smaller (read at call time: tests lower them)."""
+    return min(MAX_MANIFEST, jsonenc.MAX_JSON_BYTES)
+
+
+def over_cap(step: int, manifest_bytes: int, marker_bytes: int, world: int, tensors_per_rank: int) -> str | None:
+    """Pure: why a reader of this version would refuse a step with these sizes, else None. The
+    coordinator asks before it writes the marker, so that a commit is a promise the step loads."""
+    cap = manifest_cap()
+    if manifest_bytes > cap:
+        return (f"the manifest of step {step} would be {manifest_bytes} bytes ({world} ranks x {tensors_per_rank} "
+                f"tensors per rank), over the {cap}-byte manifest read cap of this version; "
+                "save fewer, larger tensors per rank (e.g. flatten parameter groups) or use fewer ranks")
+    if marker_bytes > MAX_MARKER:
+        return (f"the commit marker of step {step} would be {marker_bytes} bytes, over the {MAX_MARKER}-byte "
+                "marker read cap of this version; record fewer or smaller metrics")
+    return None
 
 
 def build_manifest(step: int, reports: list[dict[str, Any]], metrics: Any, meta: Any) -> dict[str, Any]:
@@ -50,7 +90,10 @@ def build_manifest(step: int, reports: list[dict[str, Any]], metrics: Any, meta:
 
 
 def marker_bytes(step: int, manifest_raw: bytes) -> bytes:
-    return dumps({"step": step, "manifest_xxh3": xxhash.xxh3_64_hexdigest(manifest_raw)}).encode()
+    """The commit marker. Its "format" lets a reader tell a newer release's step from a corrupt
+    one before it reads the manifest (older readers ignore the key)."""
+    return dumps({"step": step, "format": FORMAT,
+                  "manifest_xxh3": xxhash.xxh3_64_hexdigest(manifest_raw)}).encode()
 
 
 @dataclass
@@ -102,8 +145,9 @@ def read_bounded(path: Path, limit: int, what: str) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeCheckpointError(f"refusing {what} {path}: not a regular file")
-        if st.st_size > limit:
-            raise UnsafeCheckpointError(f"{what} {path} is {st.st_size} bytes, over the {limit} limit")
+        if st.st_size > limit:  # not corrupt: a bigger file may be a valid step this version cannot read
+            raise UnreadableCheckpointError(f"{what} {path} is {st.st_size} bytes, over this version's read cap "
+                                            f"of {limit} bytes: unreadable by this version (kept, never deleted)")
         try:
             return fsio.retry_transient(label, path, lambda: os.pread(fd, limit + 1, 0))
         except OSError as exc:
@@ -114,21 +158,31 @@ def read_bounded(path: Path, limit: int, what: str) -> bytes:
 
 def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
     """Read and validate manifest + marker of a step directory. Raises CorruptCheckpointError
-    (or UnsafeCheckpointError) naming the file; never reads outside `step_dir`."""
+    (or UnsafeCheckpointError) naming the file; UnreadableCheckpointError for a step written by
+    a newer slurmresume or over this version's read caps (not corrupt); never reads outside
+    `step_dir`."""
     if step_dir.is_symlink():  # its files would be read from wherever the link points
         raise UnsafeCheckpointError(f"refusing checkpoint {step_dir}: not a real directory (a symbolic link)")
     marker_raw = read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
-    raw = read_bounded(step_dir / MANIFEST, MAX_MANIFEST, "manifest")
     marker = loads(marker_raw, f"commit marker {step_dir / MARKER}")
+    _refuse_newer(marker, step_dir)  # a newer marker may not pin the manifest the way this version checks
+    raw = read_bounded(step_dir / MANIFEST, manifest_cap(), "manifest")
+    data = loads(raw, f"manifest {step_dir / MANIFEST}")
+    _refuse_newer(data, step_dir)
     if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(raw):
         raise CorruptCheckpointError(f"manifest {step_dir / MANIFEST} does not match its commit marker "
                                      f"{step_dir / MARKER} (edited?)")
-    data = loads(raw, f"manifest {step_dir / MANIFEST}")
     manifest = validate_manifest(data, step_dir, expected_step)
     if marker.get("step") != manifest.step:
         raise CorruptCheckpointError(f"commit marker {step_dir / MARKER} is for step {marker.get('step')!r}, "
                                      f"the manifest for step {manifest.step}")
     return manifest
+
+
+def _refuse_newer(data: Any, step_dir: Path) -> None:
+    why = newer_format(data.get("format")) if isinstance(data, dict) else None
+    if why is not None:
+        raise UnreadableCheckpointError(f"checkpoint {step_dir} is unreadable by this version: {why}")
 
 
 def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> Manifest:

@@ -27,7 +27,7 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, SaveError, UnsafeCheckpointError
 from . import fsio
 from .jsonenc import MAX_JSON_BYTES, loads
 from .writer import ShardSink, tensor_bytes
@@ -134,6 +134,10 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
     tensors = order_for_alignment(tensors)
     header, index = build_header(tensors, metadata)
     final = directory / file
+    if len(header) - 8 > MAX_HEADER:  # the reader refuses it: never write (and commit) what cannot load
+        raise SaveError(f"the safetensors header of {final} would be {len(header) - 8} bytes ({len(tensors)} "
+                        f"tensors), over the {MAX_HEADER}-byte header read cap of this version; save fewer, "
+                        "larger tensors or less non-tensor state per rank")
     tmp = directory / f".{file}.tmp.{os.getpid()}"
     needed = len(header) + sum(t.numel() * t.element_size() for _, t in tensors)
     try:

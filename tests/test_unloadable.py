@@ -1,0 +1,211 @@
+"""Never commit what cannot be loaded; never call "corrupt" what this version merely cannot read.
+
+- Save: rank 0 checks the manifest and the marker (and each rank its shard header) against every
+  reader cap before the marker; over a cap, the save fails with one line naming ranks x tensors
+  and the cap, and nothing is committed (no step directory, no private save directory left).
+- Read: a step written by a newer slurmresume (format 2 here, this version reads 1) or over a
+  read cap is "unreadable by this version": `latest`/`status`/`verify`/`inspect` say so,
+  `restore` refuses (no fall back to an older step that a later save would overwrite it from,
+  no fresh start), a save never replaces it, and retention never deletes it.
+- The launcher judges "is there something to resume" by the newest marker alone, so such a step
+  means requeue (the ranks report what is wrong), never "no checkpoint: give up".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from helpers.core import model_equal, rewrite_manifest, save_steps, step_dir, tiny_model, tiny_state
+from typer.testing import CliRunner
+
+from slurmresume import Checkpointer
+from slurmresume.checkpoint import commit, manifest, shard
+from slurmresume.checkpoint.collective import Group
+from slurmresume.checkpoint.layout import MANIFEST, MARKER, SAVING_PREFIX, step_dir_name
+from slurmresume.checkpoint.manifest import over_cap
+from slurmresume.checkpoint.state import flatten
+from slurmresume.checkpoint.store import find_latest, inspect_dir
+from slurmresume.cli import app
+from slurmresume.errors import SaveError, UnreadableCheckpointError
+from slurmresume.retention import RetentionPolicy, apply_policy, execute
+from slurmresume.tools import status as status_mod
+
+NEWER = "written by a newer slurmresume (format 2; this reads 1): upgrade"
+ENV = {"COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1", "SLURMRESUME_CKPT_DIR": ""}
+
+
+def _cli(*args: object):
+    return CliRunner().invoke(app, [str(a) for a in args], env=ENV)
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(SAVING_PREFIX))
+
+
+# -- 1. the save checks every reader cap before the marker ---------------------------------------
+
+@pytest.mark.parametrize(("sizes", "says"), [
+    ((100, 50, 3, 7), None),
+    ((64 << 20, 4096, 512, 291), None),  # exactly at both caps: readable
+    (((64 << 20) + 1, 50, 512, 291), "512 ranks x 291 tensors per rank"),
+    ((100, 4097, 3, 7), "marker read cap"),
+])
+def test_over_cap_is_a_pure_table(sizes: tuple[int, int, int, int], says: str | None) -> None:
+    why = over_cap(7, *sizes)
+    if says is None:
+        assert why is None
+    else:
+        assert why is not None and says in why and "\n" not in why
+        assert str(manifest.MAX_MANIFEST if "manifest" in says or "ranks" in says else manifest.MAX_MARKER) in why
+
+
+def test_save_over_the_manifest_cap_commits_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three ranks through the real prepare / write_rank / commit protocol, with the manifest read
+    cap lowered through its seam below this manifest's size: the save fails with one line naming
+    W x T and the cap; step 2 never appears, the older step 1 is untouched."""
+    root = tmp_path / "ckpt"
+    save_steps(root, [1]).close()
+    monkeypatch.setattr(manifest, "MAX_MANIFEST", 600)
+    decision = commit.prepare(root, 2)
+    assert decision["action"] == "write"
+    reports = []
+    for rank in range(3):
+        skeleton, tensors = flatten(tiny_state(2), {})
+        reports.append(commit.write_rank(root, 2, Group(None, rank, 3), skeleton, tensors, into=decision["dir"]))
+    outcome = commit.commit(root, 2, reports, {"loss": 0.5}, None, into=decision["dir"])
+
+    assert outcome["ok"] is False
+    error = outcome["error"]
+    assert "3 ranks x" in error and "tensors per rank" in error and "600-byte manifest read cap" in error, error
+    assert "\n" not in error
+    assert not (root / step_dir_name(2)).exists() and _leftovers(root) == []
+    with pytest.raises(SaveError, match="nothing committed: the manifest of step 2"):
+        commit.raise_if_failed(outcome)
+    monkeypatch.undo()
+    assert find_latest(root).step == 1  # type: ignore[union-attr]
+
+
+def test_checkpointer_save_over_a_cap_raises_and_keeps_the_previous(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "ckpt"
+    ckpt = save_steps(root, [1])
+    monkeypatch.setattr(manifest, "MAX_MANIFEST", 500)
+    with pytest.raises(SaveError, match=r"1 ranks x \d+ tensors per rank.*500-byte manifest read cap"):
+        ckpt.save(2, tiny_state(2))
+    ckpt.close()
+    monkeypatch.undo()
+    assert [p.name for p in root.glob("step_*")] == [step_dir_name(1)] and _leftovers(root) == []
+    state = tiny_state(987654)
+    assert Checkpointer(root, handle_signals=False).restore(state) == 1
+
+
+def test_shard_header_over_the_read_cap_commits_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "ckpt"
+    monkeypatch.setattr(shard, "MAX_HEADER", 64)
+    ckpt = Checkpointer(root, handle_signals=False)
+    with pytest.raises(SaveError, match="header read cap"):
+        ckpt.save(1, tiny_state(1))
+    ckpt.close()
+    assert not (root / step_dir_name(1)).exists() and _leftovers(root) == []
+
+
+# -- 2. unreadable by this version, never corrupt -------------------------------------------------
+
+def _newer_manifest(d: Path) -> None:
+    rewrite_manifest(d, lambda m: m.update(format="slurmresume/2"))
+
+
+def _newer_marker(d: Path) -> None:
+    """A newer release may change what the marker pins: its format says so before anything else."""
+    (d / MARKER).write_text(json.dumps({"step": 2, "format": "slurmresume/2", "index_xxh3": "0" * 16}))
+    (d / MANIFEST).write_text('{"format": "slurmresume/2", "shards": "elsewhere"}')
+
+
+@pytest.fixture(params=["manifest", "marker"])
+def newer_root(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """Step 1 written by this version, step 2 by a (simulated) newer one; both old enough that an
+    age threshold would let retention delete them."""
+    root = tmp_path / "ckpt"
+    save_steps(root, [1, 2]).close()
+    (_newer_manifest if request.param == "manifest" else _newer_marker)(step_dir(root, 2))
+    old = time.time() - 30 * 86400
+    for d in (step_dir(root, 1), step_dir(root, 2)):
+        for p in [*d.iterdir(), d]:
+            os.utime(p, (old, old))
+    return root
+
+
+def test_newer_format_is_unreadable_not_corrupt(newer_root: Path) -> None:
+    info = inspect_dir(2, step_dir(newer_root, 2))
+    assert info.unreadable and not info.complete
+    assert NEWER in (info.problem or "")
+    with pytest.raises(UnreadableCheckpointError, match=r"format 2; this reads 1\): upgrade"):
+        find_latest(newer_root)
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_restore_refuses_a_newer_step_and_never_starts_fresh(newer_root: Path, fresh: bool) -> None:
+    state = tiny_state(987654)
+    with pytest.raises(UnreadableCheckpointError) as got:
+        Checkpointer(newer_root, handle_signals=False).restore(state, allow_fresh_start=fresh)
+    assert NEWER in str(got.value) and "\n" not in str(got.value)
+    assert model_equal(state["model"], tiny_model(987654)) and state["step"] == 987654  # untouched
+    with pytest.raises(UnreadableCheckpointError, match="upgrade"):
+        Checkpointer(newer_root, handle_signals=False).restore(tiny_state(0), step=2)
+
+
+def test_a_save_never_replaces_a_newer_step(newer_root: Path) -> None:
+    before = {p.name: p.read_bytes() for p in step_dir(newer_root, 2).iterdir()}
+    ckpt = Checkpointer(newer_root, handle_signals=False)
+    with pytest.raises(SaveError, match="not replaced: upgrade"):
+        ckpt.save(2, tiny_state(2))
+    ckpt.close()
+    assert {p.name: p.read_bytes() for p in step_dir(newer_root, 2).iterdir()} == before
+    assert _leftovers(newer_root) == []
+
+
+def test_retention_never_deletes_a_step_it_cannot_classify(newer_root: Path) -> None:
+    policy = RetentionPolicy(keep=1, remove_incomplete_older_than=0, young_threshold=0)
+    planned = execute(newer_root, policy)
+    assert planned.deleted == []
+    kept = {d.record.name: d.reasons for d in planned.plan.decisions}
+    assert "never deleted" in kept[step_dir_name(2)][0]
+    apply_policy(newer_root, policy)  # the library's policy after a commit: the same plan
+    assert step_dir(newer_root, 2).is_dir() and step_dir(newer_root, 1).is_dir()
+
+
+def test_cli_says_newer_everywhere_and_prune_keeps_it(newer_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(status_mod, "run_slurm", lambda args, timeout=10.0: None)
+    for args in (["latest"], ["verify"], ["verify", "--all"], ["verify", "2"], ["inspect", "2"]):
+        res = _cli(*args, "--ckpt-dir", newer_root)
+        assert res.exit_code == 1, (args, res.output)
+        lines = res.stderr.splitlines()
+        assert len(lines) == 1 and NEWER in lines[0] and "corrupt" not in lines[0], (args, res.stderr)
+    res = _cli("status", "--json", "--ckpt-dir", newer_root)
+    rows = {r["step"]: r for r in json.loads(res.stdout)["checkpoints"]}
+    assert rows[2]["state"] == "unreadable" and NEWER in rows[2]["problem"], rows[2]
+    assert rows[1]["state"] == "complete"
+    res = _cli("status", "--ckpt-dir", newer_root)
+    assert NEWER in " ".join(res.output.split()) and "is corrupt" not in res.output, res.output
+    res = _cli("prune", "--keep", "1", "--remove-incomplete-older-than", "0s", "--yes", "--ckpt-dir", newer_root)
+    assert res.exit_code == 0, res.output
+    assert step_dir(newer_root, 2).is_dir()
+
+
+def test_a_committed_step_over_the_read_cap_is_unreadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an older release could commit at scale: the manifest is over this version's cap."""
+    root = tmp_path / "ckpt"
+    save_steps(root, [1, 2]).close()
+    size = (step_dir(root, 2) / MANIFEST).stat().st_size
+    monkeypatch.setattr(manifest, "MAX_MANIFEST", size - 1)
+    info = inspect_dir(2, step_dir(root, 2))
+    assert info.unreadable and "over this version's read cap" in (info.problem or "")
+    with pytest.raises(UnreadableCheckpointError, match="over this version's read cap"):
+        Checkpointer(root, handle_signals=False).restore(tiny_state(0), allow_fresh_start=True)
+    policy = RetentionPolicy(keep=1, remove_incomplete_older_than=0, young_threshold=0)
+    assert execute(root, policy, now=time.time() + 86400).deleted == []
+    assert step_dir(root, 2).is_dir()
