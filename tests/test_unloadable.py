@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -28,9 +31,11 @@ from slurmresume.checkpoint.collective import Group
 from slurmresume.checkpoint.layout import MANIFEST, MARKER, SAVING_PREFIX, step_dir_name
 from slurmresume.checkpoint.manifest import over_cap
 from slurmresume.checkpoint.state import flatten
-from slurmresume.checkpoint.store import find_latest, inspect_dir
+from slurmresume.checkpoint.store import find_latest, inspect_dir, newest_committed
 from slurmresume.cli import app
+from slurmresume.contract import Outcome, write_outcome
 from slurmresume.errors import SaveError, UnreadableCheckpointError
+from slurmresume.job.launcher import Relay, decide, run_torchrun
 from slurmresume.retention import RetentionPolicy, apply_policy, execute
 from slurmresume.tools import status as status_mod
 
@@ -209,3 +214,29 @@ def test_a_committed_step_over_the_read_cap_is_unreadable(tmp_path: Path, monkey
     policy = RetentionPolicy(keep=1, remove_incomplete_older_than=0, young_threshold=0)
     assert execute(root, policy, now=time.time() + 86400).deleted == []
     assert step_dir(root, 2).is_dir()
+
+
+# -- 3. the launcher asks only for the newest marker ----------------------------------------------
+
+def test_newest_committed_reads_markers_only(newer_root: Path) -> None:
+    assert newest_committed(newer_root) == 2
+    (newer_root / step_dir_name(3)).mkdir()  # a save killed before its commit: not committed
+    (newer_root / step_dir_name(4)).mkdir()
+    (newer_root / step_dir_name(4) / MARKER).write_bytes(b"\xff not json")  # unparsable, still committed
+    assert newest_committed(newer_root) == 4
+    assert newest_committed(newer_root / "absent") is None
+
+
+def test_launcher_requeues_a_preemption_whose_step_it_cannot_parse(newer_root: Path) -> None:
+    """Only the newer step 2 is committed. The old launcher found "no complete checkpoint" and
+    gave up; now the run's committed preemption is requeued and the ranks will say what is wrong."""
+    shutil.rmtree(step_dir(newer_root, 1))
+    run_id = "job.0.0"
+    write_outcome(newer_root, Outcome(run_id, "preempt", 2, True))
+    relay = Relay(signal.SIGUSR1)
+    result = run_torchrun([sys.executable, "-c", "raise SystemExit(0)"], {}, newer_root, run_id,
+                          signal.SIGUSR1, relay)
+    assert result.latest_after == 2 and result.kind == "preempted"
+    action, reason = decide(result, first_node=True, requeues_done=0, max_requeues=5, failures_done=0,
+                            max_failures=0, previous_progressed=None)
+    assert action == "requeue", reason
