@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from helpers.core import model_equal, rewrite_manifest, save_steps, step_dir, tiny_model, tiny_state
+from helpers.objstore import s3  # noqa: F401 - a fixture
 from typer.testing import CliRunner
 
 from slurmresume import Checkpointer
@@ -240,3 +241,30 @@ def test_launcher_requeues_a_preemption_whose_step_it_cannot_parse(newer_root: P
     action, reason = decide(result, first_node=True, requeues_done=0, max_requeues=5, failures_done=0,
                             max_failures=0, previous_progressed=None)
     assert action == "requeue", reason
+
+
+# -- the bucket mirror: the same classification, the same retention -------------------------------
+
+def test_bucket_prune_never_deletes_a_newer_step(s3, tmp_path: Path) -> None:  # noqa: F811
+    from helpers.objstore import unique_url
+
+    from slurmresume.mirror import parse_s3_url, remote
+
+    url = unique_url()
+    ckpt = Checkpointer(tmp_path / "local", handle_signals=False, mirror=url)
+    for s in (1, 2):
+        ckpt.save(s, tiny_state(s))
+        ckpt.mirror.wait()
+    ckpt.close()
+    loc = parse_s3_url(url)
+    d = step_dir(tmp_path / "local", 2)
+    _newer_manifest(d)
+    for name in (MANIFEST, MARKER):
+        s3.put_object(Bucket=loc.bucket, Key=loc.key(2, name), Body=(d / name).read_bytes())
+
+    infos = {i.step: i for i in remote.list_remote(s3, loc)}
+    assert infos[2].unreadable and NEWER in (infos[2].problem or "")
+    policy = RetentionPolicy(keep=1, remove_incomplete_older_than=0, young_threshold=0)
+    result = remote.prune(s3, loc, policy, now=time.time() + 86400)
+    assert result.deleted == []
+    assert s3.list_objects_v2(Bucket=loc.bucket, Prefix=loc.step_prefix(2)).get("KeyCount", 0) >= 3

@@ -165,10 +165,10 @@ def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
         raise UnsafeCheckpointError(f"refusing checkpoint {step_dir}: not a real directory (a symbolic link)")
     marker_raw = read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
     marker = loads(marker_raw, f"commit marker {step_dir / MARKER}")
-    _refuse_newer(marker, step_dir)  # a newer marker may not pin the manifest the way this version checks
+    refuse_newer(marker, step_dir)  # a newer marker may not pin the manifest the way this version checks
     raw = read_bounded(step_dir / MANIFEST, manifest_cap(), "manifest")
     data = loads(raw, f"manifest {step_dir / MANIFEST}")
-    _refuse_newer(data, step_dir)
+    refuse_newer(data, step_dir)
     if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(raw):
         raise CorruptCheckpointError(f"manifest {step_dir / MANIFEST} does not match its commit marker "
                                      f"{step_dir / MARKER} (edited?)")
@@ -179,7 +179,8 @@ def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
     return manifest
 
 
-def _refuse_newer(data: Any, step_dir: Path) -> None:
+def refuse_newer(data: Any, step_dir: Path | str) -> None:
+    """UnreadableCheckpointError when the parsed marker or manifest `data` says a newer format."""
     why = newer_format(data.get("format")) if isinstance(data, dict) else None
     if why is not None:
         raise UnreadableCheckpointError(f"checkpoint {step_dir} is unreadable by this version: {why}")

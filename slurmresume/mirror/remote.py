@@ -18,7 +18,7 @@ import xxhash
 
 from ..checkpoint.layout import MANIFEST, MARKER, parse_step_dir
 from ..checkpoint.manifest import Manifest
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnreadableCheckpointError
 from .s3 import S3Location, call, list_objects, point
 from .transfer import read_remote_commit
 
@@ -47,6 +47,7 @@ class RemoteInfo:
     verified: bool | None = None
     mtime: float = 0.0
     uploading: bool = False
+    unreadable: bool = False  # a newer format or over a read cap: not corrupt, never deleted
 
     @property
     def complete(self) -> bool:
@@ -87,6 +88,9 @@ def inspect(s3: Any, loc: S3Location, rs: RemoteStep, verify: bool = False) -> R
         return info
     try:
         info.manifest = read_remote_commit(s3, loc, rs.step)[2]
+    except UnreadableCheckpointError as exc:
+        info.problem, info.unreadable = str(exc), True
+        return info
     except CheckpointError as exc:
         info.problem = str(exc)
         return info
@@ -169,7 +173,8 @@ def records(s3: Any, loc: S3Location) -> list[Any]:
                 metrics = None
             out.append(CheckpointRecord(info.step, name, True, True, False, info.mtime, metrics))
         else:
-            out.append(CheckpointRecord(info.step, name, False, info.has_marker, info.uploading, info.mtime))
+            out.append(CheckpointRecord(info.step, name, False, info.has_marker, info.uploading, info.mtime,
+                                        unreadable=info.unreadable))
     return out
 
 

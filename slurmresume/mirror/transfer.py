@@ -36,6 +36,7 @@ from ..checkpoint.manifest import (
     Manifest,
     read_bounded,
     read_manifest,
+    refuse_newer,
     validate_manifest,
 )
 from ..checkpoint.shard import hash_file, open_checked
@@ -158,9 +159,12 @@ def read_remote_commit(s3: Any, loc: S3Location, step: int) -> tuple[bytes, byte
     if manifest_raw is None:
         raise CorruptCheckpointError(f"{where}: commit marker present but manifest missing")
     marker = loads(marker_raw, f"commit marker {where}/{MARKER}")
+    refuse_newer(marker, where)  # a newer release's step: unreadable here, not corrupt
+    data = loads(manifest_raw, f"manifest {where}/{MANIFEST}")
+    refuse_newer(data, where)
     if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(manifest_raw):
         raise CorruptCheckpointError(f"manifest {where}/{MANIFEST} does not match its commit marker")
-    manifest = validate_manifest(loads(manifest_raw, f"manifest {where}/{MANIFEST}"), Path(where), step)
+    manifest = validate_manifest(data, Path(where), step)
     if marker.get("step") != manifest.step:
         raise CorruptCheckpointError(f"commit marker {where}/{MARKER} is for step {marker.get('step')!r}")
     return marker_raw, manifest_raw, manifest
