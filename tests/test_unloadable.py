@@ -268,3 +268,31 @@ def test_bucket_prune_never_deletes_a_newer_step(s3, tmp_path: Path) -> None:  #
     result = remote.prune(s3, loc, policy, now=time.time() + 86400)
     assert result.deleted == []
     assert s3.list_objects_v2(Bucket=loc.bucket, Prefix=loc.step_prefix(2)).get("KeyCount", 0) >= 3
+
+
+# -- 4. markers that answer scans ----------------------------------------------------------------
+
+def test_marker_records_what_a_scan_asks_and_stays_small(tmp_path: Path) -> None:
+    from slurmresume.checkpoint.manifest import marker_facts, read_manifest
+
+    root = tmp_path / "ckpt"
+    ckpt = Checkpointer(root, handle_signals=False)
+    ckpt.save(1, tiny_state(1), metrics={"loss": 0.25})
+    ckpt.save(2, tiny_state(2), metrics={"notes": "x" * 5000})  # too big for the marker: omitted, still saved
+    ckpt.close()
+    m1 = read_manifest(step_dir(root, 1), 1)
+    raw1 = (step_dir(root, 1) / MARKER).read_bytes()
+    facts = marker_facts(json.loads(raw1), step_dir(root, 1) / MARKER)
+    assert (facts.step, facts.world_size, facts.total_bytes) == (1, 1, m1.total_bytes)
+    assert facts.metrics_known and facts.metrics == m1.metrics == {"loss": 0.25}
+    raw2 = (step_dir(root, 2) / MARKER).read_bytes()
+    assert len(raw2) <= manifest.MAX_MARKER and json.loads(raw2)["metrics_omitted"] is True
+    assert not marker_facts(json.loads(raw2), step_dir(root, 2) / MARKER).metrics_known
+    assert inspect_dir(2, step_dir(root, 2)).complete
+
+    # a marker whose facts disagree with the manifest it pins is refused like any mismatch
+    bad = json.loads(raw1)
+    bad["world_size"] = 3
+    (step_dir(root, 1) / MARKER).write_text(json.dumps(bad))
+    info = inspect_dir(1, step_dir(root, 1))
+    assert not info.complete and not info.unreadable and "disagrees with the manifest" in (info.problem or "")

@@ -193,7 +193,7 @@ def commit(root: Path, step: int, reports: list[dict[str, Any]], metrics: Any, m
     try:
         manifest = build_manifest(step, reports, metrics, meta)
         raw = dumps(manifest).encode()
-        marker = marker_bytes(step, raw)
+        marker = marker_bytes(step, raw, manifest)
         # A commit is a promise that the step loads: every read cap is checked before the marker.
         per_rank = max((len(r.get("tensors") or ()) for r in reports), default=0)
         refusal = over_cap(step, len(raw), len(marker), len(reports), per_rank)

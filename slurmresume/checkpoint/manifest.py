@@ -89,11 +89,42 @@ def build_manifest(step: int, reports: list[dict[str, Any]], metrics: Any, meta:
     }
 
 
-def marker_bytes(step: int, manifest_raw: bytes) -> bytes:
+def marker_bytes(step: int, manifest_raw: bytes, manifest: dict[str, Any] | None = None) -> bytes:
     """The commit marker. Its "format" lets a reader tell a newer release's step from a corrupt
-    one before it reads the manifest (older readers ignore the key)."""
-    return dumps({"step": step, "format": FORMAT,
-                  "manifest_xxh3": xxhash.xxh3_64_hexdigest(manifest_raw)}).encode()
+    one before it reads the manifest. Given the manifest, it also records what a scan asks
+    (world size, total bytes, metrics) so that a scan can answer from the marker alone; the
+    metrics only while the marker stays within MAX_MARKER ("metrics_omitted" otherwise). Older
+    readers look at "step" and "manifest_xxh3" only and ignore the rest."""
+    marker: dict[str, Any] = {"step": step, "format": FORMAT, "manifest_xxh3": xxhash.xxh3_64_hexdigest(manifest_raw)}
+    if manifest is None:
+        return dumps(marker).encode()
+    marker["world_size"] = manifest["world_size"]
+    marker["total_bytes"] = sum(s["bytes"] for s in manifest["shards"])
+    raw = dumps({**marker, "metrics": manifest.get("metrics")}).encode()
+    return raw if len(raw) <= MAX_MARKER else dumps({**marker, "metrics_omitted": True}).encode()
+
+
+@dataclass(frozen=True)
+class MarkerFacts:
+    """What a commit marker says about its step without the manifest (None: an older marker)."""
+
+    step: int
+    world_size: int | None
+    total_bytes: int | None
+    metrics: Any
+    metrics_known: bool  # False: an older marker, or metrics too big for it (read the manifest)
+
+
+def marker_facts(data: Any, where: Path) -> MarkerFacts:
+    """Validate a parsed marker's scan fields; CorruptCheckpointError when one is malformed."""
+    if not isinstance(data, dict) or not _is_int(data.get("step")) or data["step"] < 0:
+        raise CorruptCheckpointError(f"commit marker {where} has no valid step")
+    world, total = data.get("world_size"), data.get("total_bytes")
+    if world is not None and not (_is_int(world) and world >= 1):
+        raise CorruptCheckpointError(f"commit marker {where}: world_size {world!r} is not a positive integer")
+    if total is not None and not (_is_int(total) and total >= 0):
+        raise CorruptCheckpointError(f"commit marker {where}: total_bytes {total!r} is not a byte count")
+    return MarkerFacts(data["step"], world, total, data.get("metrics"), "metrics" in data)
 
 
 @dataclass
@@ -176,6 +207,11 @@ def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
     if marker.get("step") != manifest.step:
         raise CorruptCheckpointError(f"commit marker {step_dir / MARKER} is for step {marker.get('step')!r}, "
                                      f"the manifest for step {manifest.step}")
+    facts = marker_facts(marker, step_dir / MARKER)
+    if (facts.world_size not in (None, manifest.world_size)
+            or facts.total_bytes not in (None, manifest.total_bytes)):
+        raise CorruptCheckpointError(f"commit marker {step_dir / MARKER} disagrees with the manifest on the world "
+                                     "size or the total bytes")
     return manifest
 
 
