@@ -29,8 +29,9 @@ import xxhash
 
 from ..errors import CorruptCheckpointError, SaveError, UnsafeCheckpointError
 from . import fsio
+from .calibrate import open_sink
 from .jsonenc import MAX_JSON_BYTES, loads
-from .writer import ShardSink, tensor_bytes
+from .writer import tensor_bytes
 
 CHUNK = 64 << 20
 VERIFY_BLOCK = 4 << 20  # bytes per recorded digest: small enough to stay in cache between read and hash
@@ -141,7 +142,7 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
     tmp = directory / f".{file}.tmp.{os.getpid()}"
     needed = len(header) + sum(t.numel() * t.element_size() for _, t in tensors)
     try:
-        sink = ShardSink(tmp, size_hint=needed)
+        sink = open_sink(tmp, size_hint=needed)
     except BaseException as exc:
         fsio.note_failure(exc, final, needed)
         raise
