@@ -95,6 +95,28 @@ def test_save_over_the_manifest_cap_commits_nothing(tmp_path: Path, monkeypatch:
     assert find_latest(root).step == 1  # type: ignore[union-attr]
 
 
+def test_a_512_rank_7b_shaped_manifest_is_refused_at_the_real_cap(tmp_path: Path) -> None:
+    """The issue's case, at the real 64 MiB cap: 512 ranks x 873 tensor entries (a 7B model's 291
+    parameters and both Adam moments, FSDP2 Shard(0)) make a ~90 MiB manifest. The old code
+    committed it and could never load it; now the commit refuses before the marker."""
+    world, digest = 512, "0123456789abcdef"
+    names = [f"{kind}/layers.{i // 9}.w{i % 9}" for kind in ("model", "exp_avg", "exp_avg_sq") for i in range(291)]
+
+    def report(rank: int) -> dict:
+        tensors = {n: {"dtype": "F32", "shape": [8, 4096], "xxh3": [digest], "global_shape": [8 * world, 4096],
+                       "global_offset": [8 * rank, 0]} for n in names}
+        return {"rank": rank, "file": f"rank-{rank:05d}-of-{world:05d}.safetensors", "bytes": 4096,
+                "xxh3": digest, "header_xxh3": digest, "tensors": tensors, "replicated": [], "error": None}
+
+    root = tmp_path / "ckpt"
+    decision = commit.prepare(root, 5)
+    outcome = commit.commit(root, 5, [report(r) for r in range(world)], None, None, into=decision["dir"])
+    assert outcome["ok"] is False
+    assert f"512 ranks x {len(names)} tensors per rank" in outcome["error"], outcome["error"]
+    assert f"{64 << 20}-byte manifest read cap" in outcome["error"]
+    assert not (root / step_dir_name(5)).exists() and _leftovers(root) == []
+
+
 def test_checkpointer_save_over_a_cap_raises_and_keeps_the_previous(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "ckpt"
