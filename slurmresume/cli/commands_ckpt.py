@@ -249,8 +249,7 @@ def verify(
         raise CorruptCheckpointError(f"{failed} of {len(results)} checkpoint(s) failed verification: {'; '.join(bad)}")
     unread = [p for r in results if r.unreadable for p in r.problems]
     if unread:
-        raise UnreadableCheckpointError(f"{len(unread)} of {len(results)} checkpoint(s) not verified, unreadable by "
-                                        f"this version: {'; '.join(unread)}")
+        raise UnreadableCheckpointError(f"{len(unread)} of {len(results)} checkpoint(s) not verified: {'; '.join(unread)}")
 
 
 @app.command()
