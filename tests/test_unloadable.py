@@ -219,6 +219,7 @@ def test_cli_says_newer_everywhere_and_prune_keeps_it(newer_root: Path, monkeypa
     assert rows[1]["state"] == "complete"
     res = _cli("status", "--ckpt-dir", newer_root)
     assert NEWER in " ".join(res.output.split()) and "is corrupt" not in res.output, res.output
+    assert res.exit_code == 3, res.output  # at risk: the newest committed step blocks a resume
     res = _cli("prune", "--keep", "1", "--remove-incomplete-older-than", "0s", "--yes", "--ckpt-dir", newer_root)
     assert res.exit_code == 0, res.output
     assert step_dir(newer_root, 2).is_dir()

@@ -365,7 +365,9 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
         if row.state == "unreadable" and (row.problem or "").startswith(UNREADABLE):
             w.append(f"{row.name} is {row.problem}; skipped")
         elif row.state == "unreadable":  # by this version: restore refuses it rather than resume an older step
-            w.append(f"{row.name}: {row.problem}")
+            blocks = not any(r.state == "complete" and r.step > row.step for r in status.checkpoints)
+            (p if blocks else w).append(f"{row.name}: {row.problem}"
+                                        + ("; restore refuses it (no resume) until then" if blocks else ""))
     leftovers = [r.name for r in status.checkpoints if r.state == "incomplete"]
     if leftovers:
         w.append(f"{len(leftovers)} incomplete director{'y' if len(leftovers) == 1 else 'ies'} "
