@@ -225,6 +225,24 @@ def test_cli_says_newer_everywhere_and_prune_keeps_it(newer_root: Path, monkeypa
     assert step_dir(newer_root, 2).is_dir()
 
 
+@pytest.mark.parametrize("where", [MANIFEST, MARKER])
+def test_a_flipped_format_digit_is_corrupt_not_newer(tmp_path: Path, where: str) -> None:
+    """The format is believed only where a checksum backs it: bit rot that turns "slurmresume/1"
+    into "slurmresume/9" (in a manifest its marker no longer pins, or in a marker whose manifest
+    says format 1) is corruption, and restore falls back to step 1 as for any corruption."""
+    root = tmp_path / "ckpt"
+    save_steps(root, [1, 2]).close()
+    path = step_dir(root, 2) / where
+    raw = path.read_bytes()
+    assert raw.count(b'"slurmresume/1"') == 1
+    path.write_bytes(raw.replace(b'"slurmresume/1"', b'"slurmresume/9"'))
+    info = inspect_dir(2, step_dir(root, 2))
+    assert not info.complete and not info.unreadable and info.has_marker, info.problem
+    state = tiny_state(987654)
+    step = Checkpointer(root, handle_signals=False).restore(state)
+    assert step == 1 and model_equal(state["model"], tiny_model(1))
+
+
 def test_a_committed_step_over_the_read_cap_is_unreadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What an older release could commit at scale: the manifest is over this version's cap."""
     root = tmp_path / "ckpt"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,13 +197,10 @@ def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
         raise UnsafeCheckpointError(f"refusing checkpoint {step_dir}: not a real directory (a symbolic link)")
     marker_raw = read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
     marker = loads(marker_raw, f"commit marker {step_dir / MARKER}")
-    refuse_newer(marker, step_dir)  # a newer marker may not pin the manifest the way this version checks
-    raw = read_bounded(step_dir / MANIFEST, manifest_cap(), "manifest")
-    data = loads(raw, f"manifest {step_dir / MANIFEST}")
-    refuse_newer(data, step_dir)
-    if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(raw):
-        raise CorruptCheckpointError(f"manifest {step_dir / MANIFEST} does not match its commit marker "
-                                     f"{step_dir / MARKER} (edited?)")
+    raw = None
+    if os.path.lexists(step_dir / MANIFEST) or not _says_newer(marker):  # a newer layout may have none
+        raw = read_bounded(step_dir / MANIFEST, manifest_cap(), "manifest")
+    data = pinned_manifest(marker, raw, step_dir)
     manifest = validate_manifest(data, step_dir, expected_step)
     if marker.get("step") != manifest.step:
         raise CorruptCheckpointError(f"commit marker {step_dir / MARKER} is for step {marker.get('step')!r}, "
@@ -213,6 +211,28 @@ def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
         raise CorruptCheckpointError(f"commit marker {step_dir / MARKER} disagrees with the manifest on the world "
                                      "size or the total bytes")
     return manifest
+
+
+def _says_newer(data: Any) -> bool:
+    return isinstance(data, dict) and newer_format(data.get("format")) is not None
+
+
+def pinned_manifest(marker: Any, raw: bytes | None, where: Path | str) -> Any:
+    """The parsed manifest `raw` (None: absent) that the parsed `marker` pins, or why not.
+    The format is trusted only where a checksum backs it, so that a flipped bit is "corrupt",
+    never "newer": a manifest its marker pins may say a newer format (UnreadableCheckpointError);
+    a marker that does not pin its manifest is unreadable only when it says a newer format
+    itself (a newer release may pin differently), else corrupt."""
+    if raw is None or not (isinstance(marker, dict) and marker.get("manifest_xxh3") == xxhash.xxh3_64_hexdigest(raw)):
+        refuse_newer(marker, where)
+        what = "is missing" if raw is None else "does not match its commit marker (edited?)"
+        raise CorruptCheckpointError(f"manifest {where}/{MANIFEST} {what}")
+    data = loads(raw, f"manifest {where}/{MANIFEST}")
+    refuse_newer(data, where)
+    if _says_newer(marker):
+        raise CorruptCheckpointError(f"commit marker {where}/{MARKER} says format {marker.get('format')!r}, the "
+                                     "manifest it pins is this version's (a damaged marker?)")
+    return data
 
 
 def refuse_newer(data: Any, step_dir: Path | str) -> None:

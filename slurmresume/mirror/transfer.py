@@ -34,9 +34,9 @@ from ..checkpoint.manifest import (
     MAX_MANIFEST,
     MAX_MARKER,
     Manifest,
+    pinned_manifest,
     read_bounded,
     read_manifest,
-    refuse_newer,
     validate_manifest,
 )
 from ..checkpoint.shard import hash_file, open_checked
@@ -156,14 +156,9 @@ def read_remote_commit(s3: Any, loc: S3Location, step: int) -> tuple[bytes, byte
     if marker_raw is None:
         raise CorruptCheckpointError(f"{where} has no commit marker (incomplete or being uploaded)")
     manifest_raw = get_bounded(s3, loc, loc.key(step, MANIFEST), MAX_MANIFEST)
-    if manifest_raw is None:
-        raise CorruptCheckpointError(f"{where}: commit marker present but manifest missing")
     marker = loads(marker_raw, f"commit marker {where}/{MARKER}")
-    refuse_newer(marker, where)  # a newer release's step: unreadable here, not corrupt
-    data = loads(manifest_raw, f"manifest {where}/{MANIFEST}")
-    refuse_newer(data, where)
-    if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(manifest_raw):
-        raise CorruptCheckpointError(f"manifest {where}/{MANIFEST} does not match its commit marker")
+    data = pinned_manifest(marker, manifest_raw, where)  # a newer release's step: unreadable, not corrupt
+    assert manifest_raw is not None  # pinned_manifest raised otherwise
     manifest = validate_manifest(data, Path(where), step)
     if marker.get("step") != manifest.step:
         raise CorruptCheckpointError(f"commit marker {where}/{MARKER} is for step {marker.get('step')!r}")
