@@ -331,9 +331,13 @@ def test_marker_records_what_a_scan_asks_and_stays_small(tmp_path: Path) -> None
     assert not marker_facts(json.loads(raw2), step_dir(root, 2) / MARKER).metrics_known
     assert inspect_dir(2, step_dir(root, 2)).complete
 
-    # a marker whose facts disagree with the manifest it pins is refused like any mismatch
+    # the manifest's checksum does not cover these facts: the marker has its own
     bad = json.loads(raw1)
     bad["world_size"] = 3
-    (step_dir(root, 1) / MARKER).write_text(json.dumps(bad))
+    (step_dir(root, 1) / MARKER).write_text(json.dumps(bad, separators=(",", ":")))
     info = inspect_dir(1, step_dir(root, 1))
-    assert not info.complete and not info.unreadable and "disagrees with the manifest" in (info.problem or "")
+    assert not info.complete and not info.unreadable and "fails its own checksum" in (info.problem or "")
+    # an older release's marker (step and manifest checksum only) still reads
+    old = {"step": 1, "manifest_xxh3": bad["manifest_xxh3"]}
+    (step_dir(root, 1) / MARKER).write_text(json.dumps(old))
+    assert inspect_dir(1, step_dir(root, 1)).complete

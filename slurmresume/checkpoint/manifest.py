@@ -94,15 +94,35 @@ def marker_bytes(step: int, manifest_raw: bytes, manifest: dict[str, Any] | None
     """The commit marker. Its "format" lets a reader tell a newer release's step from a corrupt
     one before it reads the manifest. Given the manifest, it also records what a scan asks
     (world size, total bytes, metrics) so that a scan can answer from the marker alone; the
-    metrics only while the marker stays within MAX_MARKER ("metrics_omitted" otherwise). Older
-    readers look at "step" and "manifest_xxh3" only and ignore the rest."""
+    metrics only while the marker stays within MAX_MARKER ("metrics_omitted" otherwise). Since
+    the manifest's checksum covers none of these, the marker carries its own ("marker_xxh3", see
+    `check_marker`). Older readers look at "step" and "manifest_xxh3" only."""
     marker: dict[str, Any] = {"step": step, "format": FORMAT, "manifest_xxh3": xxhash.xxh3_64_hexdigest(manifest_raw)}
-    if manifest is None:
-        return dumps(marker).encode()
-    marker["world_size"] = manifest["world_size"]
-    marker["total_bytes"] = sum(s["bytes"] for s in manifest["shards"])
-    raw = dumps({**marker, "metrics": manifest.get("metrics")}).encode()
-    return raw if len(raw) <= MAX_MARKER else dumps({**marker, "metrics_omitted": True}).encode()
+    if manifest is not None:
+        marker["world_size"] = manifest["world_size"]
+        marker["total_bytes"] = sum(s["bytes"] for s in manifest["shards"])
+        raw = _sealed({**marker, "metrics": manifest.get("metrics")})
+        if len(raw) <= MAX_MARKER:
+            return raw
+        marker["metrics_omitted"] = True
+    return _sealed(marker)
+
+
+_OLD_MARKER = {"step", "manifest_xxh3"}  # what releases before the marker's own checksum wrote
+
+
+def _sealed(marker: dict[str, Any]) -> bytes:
+    return dumps({**marker, "marker_xxh3": xxhash.xxh3_64_hexdigest(dumps(marker).encode())}).encode()
+
+
+def check_marker(marker: dict[str, Any], where: Path | str) -> None:
+    """CorruptCheckpointError unless the parsed marker is an older release's (exactly step and
+    manifest_xxh3) or matches its own checksum: one flipped bit anywhere in it is detected."""
+    if set(marker) == _OLD_MARKER:
+        return
+    rest = {k: v for k, v in marker.items() if k != "marker_xxh3"}
+    if marker.get("marker_xxh3") != xxhash.xxh3_64_hexdigest(dumps(rest).encode()):
+        raise CorruptCheckpointError(f"commit marker {where}/{MARKER} fails its own checksum (damaged)")
 
 
 @dataclass(frozen=True)
@@ -232,6 +252,7 @@ def pinned_manifest(marker: Any, raw: bytes | None, where: Path | str) -> Any:
     if _says_newer(marker):
         raise CorruptCheckpointError(f"commit marker {where}/{MARKER} says format {marker.get('format')!r}, the "
                                      "manifest it pins is this version's (a damaged marker?)")
+    check_marker(marker, where)
     return data
 
 
