@@ -8,6 +8,7 @@ __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
+    "UnreadableCheckpointError",
     "SaveError",
     "NoCheckpointError",
     "SlurmError",
@@ -32,6 +33,12 @@ class CorruptCheckpointError(CheckpointError):
 
 class UnsafeCheckpointError(CorruptCheckpointError):
     """A checkpoint tries to make us read outside its directory or allocate without bound."""
+
+
+class UnreadableCheckpointError(CheckpointError):
+    """A committed checkpoint this version cannot read: written by a newer slurmresume (a newer
+    manifest format) or over one of this version's read caps. Not corrupt (deliberately not a
+    CorruptCheckpointError): it is never deleted, replaced or skipped for an older step."""
 
 
 class SaveError(CheckpointError):

@@ -7,7 +7,9 @@ Rules, each answering a failure seen elsewhere (PITFALLS.md, "Commits and retent
   `keep_every` divides, a directory whose `.inprogress` writer may still run, and any incomplete
   directory that changed less than `young_threshold` seconds ago.
 - Incomplete or corrupt directories are removed only when `remove_incomplete_older_than` is set,
-  and only once idle for that long (and for `young_threshold`).
+  and only once idle for that long (and for `young_threshold`). A step this version cannot
+  classify (written by a newer release, over a read cap, unreadable to this user) is neither:
+  it is never deleted.
 - Deletion is one rename (`commit.hide`) then rmtree, so a kill never leaves a directory
   that looks complete but misses files. The shell plans WITHOUT the root lock (a scan of
   thousands of directories must not hold up a commit), then takes the lock only for the
@@ -44,7 +46,7 @@ from .checkpoint import leftovers as abandoned
 from .checkpoint.commit import hide, root_lock
 from .checkpoint.jsonenc import decode
 from .checkpoint.layout import DELETING_PREFIX, INPROGRESS, LOCK, SAVING_PREFIX, saving_dirs
-from .checkpoint.store import CheckpointInfo, inspect_dir, list_checkpoints
+from .checkpoint.store import UNREADABLE, CheckpointInfo, inspect_dir, list_checkpoints
 from .duration import format_duration
 from .errors import CheckpointError, ConfigError, SlurmResumeError, UnsafeCheckpointError
 
@@ -102,6 +104,7 @@ class CheckpointRecord:
     in_progress: bool = False  # `.inprogress` note whose writer may still be running
     mtime: float = 0.0  # last change of the directory or any entry in it (epoch seconds)
     metrics: Any = None  # decoded manifest metrics (complete checkpoints)
+    unreadable: bool = False  # cannot be classified here (a newer format, over a read cap, no permission)
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,8 @@ def _complete_reasons(r: CheckpointRecord, index: int, policy: RetentionPolicy,
 
 def _incomplete_reasons(r: CheckpointRecord, policy: RetentionPolicy, now: float) -> tuple[bool, str]:
     """(delete?, why) for a record that is not complete."""
+    if r.unreadable:  # not corrupt, not incomplete: nothing here knows which, so it is never deleted
+        return False, "unreadable by this version (or by this user): never deleted"
     label = "corrupt (marker but fails checks)" if r.has_marker else "incomplete (no marker)"
     idle = now - r.mtime
     limit = policy.remove_incomplete_older_than
@@ -250,7 +255,9 @@ def record_from_info(info: CheckpointInfo) -> CheckpointRecord:
         except (SlurmResumeError, ValueError, TypeError, KeyError):  # odd metrics never block a prune
             metrics = None
         return CheckpointRecord(info.step, info.path.name, True, True, busy, info.mtime, metrics)
-    return CheckpointRecord(info.step, info.path.name, False, info.has_marker, busy, _last_activity(info.path))
+    unreadable = info.unreadable or (info.problem or "").startswith(UNREADABLE)
+    return CheckpointRecord(info.step, info.path.name, False, info.has_marker, busy, _last_activity(info.path),
+                            unreadable=unreadable)
 
 
 def _last_activity(path: Path) -> float:

@@ -56,3 +56,11 @@ def test_import_slurmresume_loads_no_torch_typer_rich() -> None:
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == []
+
+
+def test_checkpoint_package_has_no_circle_even_through_deferred_imports() -> None:
+    """calibrate measures through writer; writer never asks calibrate (open_sink joins them)."""
+    ig = _import_graph()
+    top, lazy, _, _ = ig.graph()
+    both = {m: top[m] | lazy[m] for m in top}
+    assert [c for c in ig.cycles(both) if any(m.startswith("checkpoint.") for m in c)] == []

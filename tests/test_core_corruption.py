@@ -5,10 +5,10 @@ verify=True); truncation and a missing shard are caught by the size check that a
 a hand-edited manifest is refused because the marker pins its hash.
 
 Manifest safety: manifests crafted with a valid marker (re-written with marker_bytes) that
-name files outside the step directory, a shard replaced by a symlink or a FIFO, oversized
-JSON, duplicate keys, a safetensors header claiming a huge size. Each is refused with
+name files outside the step directory, a shard replaced by a symlink or a FIFO, duplicate keys, a safetensors header claiming a huge size. Each is refused with
 CorruptCheckpointError / UnsafeCheckpointError, restore falls back (or starts fresh), and no
-file outside the step directory is opened."""
+file outside the step directory is opened. A manifest over the read cap is not corrupt but
+unreadable by this version: restore refuses it (UnreadableCheckpointError)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from slurmresume.checkpoint.layout import MANIFEST, MARKER
 from slurmresume.checkpoint.manifest import MAX_MANIFEST, read_manifest
 from slurmresume.checkpoint.shard import load_tensors, read_header
 from slurmresume.checkpoint.store import inspect_dir
+from slurmresume.errors import UnreadableCheckpointError
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +289,6 @@ HOSTILE = {
     "fifo-shard": (_fifo("rank-00000-of-00001.safetensors"), UnsafeCheckpointError, "not a regular file"),
     "fifo-manifest": (_fifo(MANIFEST), UnsafeCheckpointError, "not a regular file"),
     "fifo-marker": (_fifo(MARKER), UnsafeCheckpointError, "not a regular file"),
-    "oversized-manifest": (_oversized_manifest, UnsafeCheckpointError, "over the"),
     "duplicate-keys": (_duplicate_keys, UnsafeCheckpointError, "duplicate key 'shards'"),
     "huge-header": (_header_claims(1 << 62), UnsafeCheckpointError, "-byte header"),
     "header-past-eof": (_header_claims(10**6), UnsafeCheckpointError, "-byte header"),
@@ -351,6 +351,28 @@ def test_hostile_checkpoint_is_refused(root: Path, case: str, previous: bool,
     assert named, _warnings(caplog)
     for target in effective_targets(opened):
         assert not target.is_relative_to(outside), f"{case}: opened {target} outside the step directory"
+
+
+@pytest.mark.parametrize("previous", [True, False], ids=["older-step", "alone"])
+def test_oversized_manifest_is_unreadable_not_corrupt(root: Path, previous: bool) -> None:
+    """A manifest over this version's read cap may be a valid step (a bigger run, a newer release):
+    refused as unreadable by this version, before any byte of it is read; restore neither falls
+    back to step 1 (a later save of step 2 would overwrite it) nor starts fresh."""
+    if not previous:
+        shutil.rmtree(step_dir(root, 1))
+    _oversized_manifest(root)
+    outside = (root.parent / "outside").resolve()
+    with deadline(10), record_opens() as opened:
+        with pytest.raises(UnreadableCheckpointError, match="over this version's read cap") as got:
+            read_manifest(step_dir(root, 2), 2)
+        info = inspect_dir(2, step_dir(root, 2), verify=True)
+        for fresh in (False, True):
+            with pytest.raises(UnreadableCheckpointError, match="over this version's read cap"):
+                restore_fresh(root, allow_fresh_start=fresh)
+    assert "\n" not in str(got.value)
+    assert info.unreadable and not info.complete
+    for target in effective_targets(opened):
+        assert not target.is_relative_to(outside), f"opened {target} outside the step directory"
 
 
 def test_validate_skeleton() -> None:

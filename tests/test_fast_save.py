@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import slurmresume
-from slurmresume.checkpoint import fsio, writer
+from slurmresume.checkpoint import calibrate, fsio
 from slurmresume.errors import SaveError
 
 
@@ -46,7 +46,7 @@ def test_direct_and_buffered_write_identical_bytes(tmp_path: Path, monkeypatch: 
     for mode in ("0", "1"):
         monkeypatch.setenv("SLURMRESUME_NO_ODIRECT", mode)
         p = tmp_path / f"f{mode}"
-        sink = writer.ShardSink(p)
+        sink = calibrate.open_sink(p)
         assert sink.direct == (mode == "0")
         for chunk in (b"x" * 13, bytes(range(256)) * 300_000, b"", b"tail"):
             sink.feed(chunk)

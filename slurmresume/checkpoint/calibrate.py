@@ -319,6 +319,19 @@ def time_probe(strategy: str, probe: Path, src: memoryview, nbytes: int) -> floa
     return time.perf_counter() - t0
 
 
+def open_sink(path: str | os.PathLike[str], size_hint: int = 0) -> Any:
+    """A writer.ShardSink for `path` with the strategy `choose` picks for its file system
+    (`size_hint` bytes of a large shard allow a first calibration there); a calibrated choice is
+    re-checked by `observe` when the sink finishes. The one place that joins the two modules:
+    calibrate imports writer (to measure), never the other way round."""
+    from .writer import ShardSink
+
+    directory = os.path.dirname(os.path.abspath(path))
+    strategy, source = choose(directory, size_hint)
+    on_finish = (lambda s, n, secs: observe(directory, s, n, secs)) if source == "calibrated" else None
+    return ShardSink(path, strategy, source=source, on_finish=on_finish)
+
+
 def observe(directory: str | os.PathLike[str], strategy: str, nbytes: int, seconds: float) -> None:
     """After a save with a calibrated strategy: mark the entry stale when it ran at under
     1/SLOW_FACTOR of its calibrated speed (the disk changed, or another path now wins) and the

@@ -50,7 +50,7 @@ from .layout import (
     shard_name,
     step_dir_name,
 )
-from .manifest import build_manifest, marker_bytes
+from .manifest import build_manifest, marker_bytes, over_cap
 from .shard import SKELETON_KEY, write_shard
 from .store import inspect_dir
 
@@ -92,6 +92,8 @@ def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
         fsio.makedirs(root, 0o755)
         if (d / MARKER).exists():
             info = inspect_dir(step, d)  # manifest + sizes; a corrupt one is replaced at the commit
+            if info.unreadable:
+                return {"action": "error", "error": _not_replaced(step, d, info.problem)}
             if info.complete and not replace:
                 return {"action": "skip", "reason": f"step {step} is already committed at {d}"}
             if not info.complete:
@@ -191,8 +193,14 @@ def commit(root: Path, step: int, reports: list[dict[str, Any]], metrics: Any, m
     try:
         manifest = build_manifest(step, reports, metrics, meta)
         raw = dumps(manifest).encode()
+        marker = marker_bytes(step, raw, manifest)
+        # A commit is a promise that the step loads: every read cap is checked before the marker.
+        per_rank = max((len(r.get("tensors") or ()) for r in reports), default=0)
+        refusal = over_cap(step, len(raw), len(marker), len(reports), per_rank)
+        if refusal is not None:
+            raise SaveError(refusal)
         fsio.write_durable(mine / MANIFEST, raw, "manifest")
-        fsio.write_durable(mine / MARKER, marker_bytes(step, raw), "marker")
+        fsio.write_durable(mine / MARKER, marker, "marker")
         # The note goes and the directory is published under the root lock: a prune (which
         # re-checks its victims under it) never sees this directory without its note unpublished.
         with _lock_briefly(root) as held:
@@ -242,6 +250,8 @@ def _publish(root: Path, mine: Path, target: Path, replace: bool = False, held: 
                 if info.complete:
                     raise SaveError(f"step {step} was committed at {target} by another writer while this save "
                                     "ran; this save's copy is discarded (two runs share this checkpoint root?)")
+                if info.unreadable:
+                    raise SaveError(_not_replaced(step, target, info.problem))
                 log.warning("replacing %s: %s", target, info.problem)
                 hidden = hide(target, "stale")
             else:
@@ -253,6 +263,11 @@ def _publish(root: Path, mine: Path, target: Path, replace: bool = False, held: 
     if hidden is not None:
         shutil.rmtree(hidden, ignore_errors=True)
     return "published"
+
+
+def _not_replaced(step: int, path: Path, problem: str | None) -> str:
+    return (f"step {step} is already committed at {path} in a form this version cannot read ({problem}); "
+            "it is not replaced: upgrade slurmresume, or save into another --ckpt-dir")
 
 
 def discard(d: Path) -> None:

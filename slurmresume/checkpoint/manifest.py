@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,8 +10,8 @@ from typing import Any, TypeGuard
 
 import xxhash
 
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-from . import fsio
+from ..errors import CorruptCheckpointError, UnreadableCheckpointError, UnsafeCheckpointError
+from . import fsio, jsonenc
 from .jsonenc import dumps, loads
 from .layout import FORMAT, MANIFEST, MARKER, is_plain_shard_name
 from .shard import VERIFY_BLOCK, Expected
@@ -18,6 +19,46 @@ from .shard import VERIFY_BLOCK, Expected
 MAX_MANIFEST = 64 << 20
 MAX_MARKER = 4096
 MAX_TIME = 1e11  # epoch seconds (year 5138): what time.strftime and datetime can render
+_FORMAT_PREFIX = "slurmresume/"
+
+
+def format_version(fmt: Any) -> int | None:
+    """N of a format string "slurmresume/N", else None (not a format of ours)."""
+    if not isinstance(fmt, str) or not fmt.startswith(_FORMAT_PREFIX):
+        return None
+    n = fmt.removeprefix(_FORMAT_PREFIX)
+    return int(n) if n.isascii() and n.isdigit() and len(n) < 10 else None
+
+
+READS = format_version(FORMAT)  # the manifest format this version reads and writes
+
+
+def newer_format(fmt: Any) -> str | None:
+    """Why this version cannot read format `fmt` when a newer slurmresume wrote it, else None."""
+    n = format_version(fmt)
+    if n is None or READS is None or n <= READS:
+        return None
+    return f"written by a newer slurmresume (format {n}; this reads {READS}): upgrade slurmresume to use it"
+
+
+def manifest_cap() -> int:
+    """The largest manifest every reader of this version accepts: the manifest read cap and the
+    JSON parser's own cap, whichever is smaller (read at call time: tests lower them)."""
+    return min(MAX_MANIFEST, jsonenc.MAX_JSON_BYTES)
+
+
+def over_cap(step: int, manifest_bytes: int, marker_bytes: int, world: int, tensors_per_rank: int) -> str | None:
+    """Pure: why a reader of this version would refuse a step with these sizes, else None. The
+    coordinator asks before it writes the marker, so that a commit is a promise the step loads."""
+    cap = manifest_cap()
+    if manifest_bytes > cap:
+        return (f"the manifest of step {step} would be {manifest_bytes} bytes ({world} ranks x {tensors_per_rank} "
+                f"tensors per rank), over the {cap}-byte manifest read cap of this version; "
+                "save fewer, larger tensors per rank (e.g. flatten parameter groups) or use fewer ranks")
+    if marker_bytes > MAX_MARKER:
+        return (f"the commit marker of step {step} would be {marker_bytes} bytes, over the {MAX_MARKER}-byte "
+                "marker read cap of this version; record fewer or smaller metrics")
+    return None
 
 
 def build_manifest(step: int, reports: list[dict[str, Any]], metrics: Any, meta: Any) -> dict[str, Any]:
@@ -49,8 +90,62 @@ def build_manifest(step: int, reports: list[dict[str, Any]], metrics: Any, meta:
     }
 
 
-def marker_bytes(step: int, manifest_raw: bytes) -> bytes:
-    return dumps({"step": step, "manifest_xxh3": xxhash.xxh3_64_hexdigest(manifest_raw)}).encode()
+def marker_bytes(step: int, manifest_raw: bytes, manifest: dict[str, Any] | None = None) -> bytes:
+    """The commit marker. Its "format" lets a reader tell a newer release's step from a corrupt
+    one before it reads the manifest. Given the manifest, it also records what a scan asks
+    (world size, total bytes, metrics) so that a scan can answer from the marker alone; the
+    metrics only while the marker stays within MAX_MARKER ("metrics_omitted" otherwise). Since
+    the manifest's checksum covers none of these, the marker carries its own ("marker_xxh3", see
+    `check_marker`). Older readers look at "step" and "manifest_xxh3" only."""
+    marker: dict[str, Any] = {"step": step, "format": FORMAT, "manifest_xxh3": xxhash.xxh3_64_hexdigest(manifest_raw)}
+    if manifest is not None:
+        marker["world_size"] = manifest["world_size"]
+        marker["total_bytes"] = sum(s["bytes"] for s in manifest["shards"])
+        raw = _sealed({**marker, "metrics": manifest.get("metrics")})
+        if len(raw) <= MAX_MARKER:
+            return raw
+        marker["metrics_omitted"] = True
+    return _sealed(marker)
+
+
+_OLD_MARKER = {"step", "manifest_xxh3"}  # what releases before the marker's own checksum wrote
+
+
+def _sealed(marker: dict[str, Any]) -> bytes:
+    return dumps({**marker, "marker_xxh3": xxhash.xxh3_64_hexdigest(dumps(marker).encode())}).encode()
+
+
+def check_marker(marker: dict[str, Any], where: Path | str) -> None:
+    """CorruptCheckpointError unless the parsed marker is an older release's (exactly step and
+    manifest_xxh3) or matches its own checksum: one flipped bit anywhere in it is detected."""
+    if set(marker) == _OLD_MARKER:
+        return
+    rest = {k: v for k, v in marker.items() if k != "marker_xxh3"}
+    if marker.get("marker_xxh3") != xxhash.xxh3_64_hexdigest(dumps(rest).encode()):
+        raise CorruptCheckpointError(f"commit marker {where}/{MARKER} fails its own checksum (damaged)")
+
+
+@dataclass(frozen=True)
+class MarkerFacts:
+    """What a commit marker says about its step without the manifest (None: an older marker)."""
+
+    step: int
+    world_size: int | None
+    total_bytes: int | None
+    metrics: Any
+    metrics_known: bool  # False: an older marker, or metrics too big for it (read the manifest)
+
+
+def marker_facts(data: Any, where: Path) -> MarkerFacts:
+    """Validate a parsed marker's scan fields; CorruptCheckpointError when one is malformed."""
+    if not isinstance(data, dict) or not _is_int(data.get("step")) or data["step"] < 0:
+        raise CorruptCheckpointError(f"commit marker {where} has no valid step")
+    world, total = data.get("world_size"), data.get("total_bytes")
+    if world is not None and not (_is_int(world) and world >= 1):
+        raise CorruptCheckpointError(f"commit marker {where}: world_size {world!r} is not a positive integer")
+    if total is not None and not (_is_int(total) and total >= 0):
+        raise CorruptCheckpointError(f"commit marker {where}: total_bytes {total!r} is not a byte count")
+    return MarkerFacts(data["step"], world, total, data.get("metrics"), "metrics" in data)
 
 
 @dataclass
@@ -102,8 +197,9 @@ def read_bounded(path: Path, limit: int, what: str) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeCheckpointError(f"refusing {what} {path}: not a regular file")
-        if st.st_size > limit:
-            raise UnsafeCheckpointError(f"{what} {path} is {st.st_size} bytes, over the {limit} limit")
+        if st.st_size > limit:  # not corrupt: a bigger file may be a valid step this version cannot read
+            raise UnreadableCheckpointError(f"{what} {path} is {st.st_size} bytes, over this version's read cap "
+                                            f"of {limit} bytes: unreadable by this version (kept, never deleted)")
         try:
             return fsio.retry_transient(label, path, lambda: os.pread(fd, limit + 1, 0))
         except OSError as exc:
@@ -114,21 +210,57 @@ def read_bounded(path: Path, limit: int, what: str) -> bytes:
 
 def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
     """Read and validate manifest + marker of a step directory. Raises CorruptCheckpointError
-    (or UnsafeCheckpointError) naming the file; never reads outside `step_dir`."""
+    (or UnsafeCheckpointError) naming the file; UnreadableCheckpointError for a step written by
+    a newer slurmresume or over this version's read caps (not corrupt); never reads outside
+    `step_dir`."""
     if step_dir.is_symlink():  # its files would be read from wherever the link points
         raise UnsafeCheckpointError(f"refusing checkpoint {step_dir}: not a real directory (a symbolic link)")
     marker_raw = read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
-    raw = read_bounded(step_dir / MANIFEST, MAX_MANIFEST, "manifest")
     marker = loads(marker_raw, f"commit marker {step_dir / MARKER}")
-    if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(raw):
-        raise CorruptCheckpointError(f"manifest {step_dir / MANIFEST} does not match its commit marker "
-                                     f"{step_dir / MARKER} (edited?)")
-    data = loads(raw, f"manifest {step_dir / MANIFEST}")
+    raw = None
+    if os.path.lexists(step_dir / MANIFEST) or not _says_newer(marker):  # a newer layout may have none
+        raw = read_bounded(step_dir / MANIFEST, manifest_cap(), "manifest")
+    data = pinned_manifest(marker, raw, step_dir)
     manifest = validate_manifest(data, step_dir, expected_step)
     if marker.get("step") != manifest.step:
         raise CorruptCheckpointError(f"commit marker {step_dir / MARKER} is for step {marker.get('step')!r}, "
                                      f"the manifest for step {manifest.step}")
+    facts = marker_facts(marker, step_dir / MARKER)
+    if (facts.world_size not in (None, manifest.world_size)
+            or facts.total_bytes not in (None, manifest.total_bytes)):
+        raise CorruptCheckpointError(f"commit marker {step_dir / MARKER} disagrees with the manifest on the world "
+                                     "size or the total bytes")
     return manifest
+
+
+def _says_newer(data: Any) -> bool:
+    return isinstance(data, dict) and newer_format(data.get("format")) is not None
+
+
+def pinned_manifest(marker: Any, raw: bytes | None, where: Path | str) -> Any:
+    """The parsed manifest `raw` (None: absent) that the parsed `marker` pins, or why not.
+    The format is trusted only where a checksum backs it, so that a flipped bit is "corrupt",
+    never "newer": a manifest its marker pins may say a newer format (UnreadableCheckpointError);
+    a marker that does not pin its manifest is unreadable only when it says a newer format
+    itself (a newer release may pin differently), else corrupt."""
+    if raw is None or not (isinstance(marker, dict) and marker.get("manifest_xxh3") == xxhash.xxh3_64_hexdigest(raw)):
+        refuse_newer(marker, where)
+        what = "is missing" if raw is None else "does not match its commit marker (edited?)"
+        raise CorruptCheckpointError(f"manifest {where}/{MANIFEST} {what}")
+    data = loads(raw, f"manifest {where}/{MANIFEST}")
+    refuse_newer(data, where)
+    if _says_newer(marker):
+        raise CorruptCheckpointError(f"commit marker {where}/{MARKER} says format {marker.get('format')!r}, the "
+                                     "manifest it pins is this version's (a damaged marker?)")
+    check_marker(marker, where)
+    return data
+
+
+def refuse_newer(data: Any, step_dir: Path | str) -> None:
+    """UnreadableCheckpointError when the parsed marker or manifest `data` says a newer format."""
+    why = newer_format(data.get("format")) if isinstance(data, dict) else None
+    if why is not None:
+        raise UnreadableCheckpointError(f"checkpoint {step_dir} is unreadable by this version: {why}")
 
 
 def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> Manifest:

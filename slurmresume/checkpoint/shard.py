@@ -29,10 +29,11 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, SaveError, UnsafeCheckpointError
 from . import fsio
+from .calibrate import open_sink
 from .jsonenc import MAX_JSON_BYTES, loads
-from .writer import ShardSink, tensor_bytes
+from .writer import tensor_bytes
 
 CHUNK = 64 << 20
 VERIFY_BLOCK = 4 << 20  # bytes per recorded digest: small enough to stay in cache between read and hash
@@ -193,10 +194,14 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         metadata = {**metadata, FINE_KEY: json.dumps(fine, separators=(",", ":"))}
     header, index = build_header(tensors, metadata)
     final = directory / file
+    if len(header) - 8 > MAX_HEADER:  # the reader refuses it: never write (and commit) what cannot load
+        raise SaveError(f"the safetensors header of {final} would be {len(header) - 8} bytes ({len(tensors)} "
+                        f"tensors), over the {MAX_HEADER}-byte header read cap of this version; save fewer, "
+                        "larger tensors or less non-tensor state per rank")
     tmp = directory / f".{file}.tmp.{os.getpid()}"
     needed = len(header) + sum(t.numel() * t.element_size() for _, t in tensors)
     try:
-        sink = ShardSink(tmp, size_hint=needed)
+        sink = open_sink(tmp, size_hint=needed)
     except BaseException as exc:
         fsio.note_failure(exc, final, needed)
         raise

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, UnreadableCheckpointError
 from .layout import INPROGRESS, MARKER, step_dirs
 from .manifest import Manifest, read_manifest
 from .shard import hash_file, open_checked
@@ -32,6 +32,7 @@ class CheckpointInfo:
     verified: bool | None = None  # None: checksums not computed
     mtime: float = 0.0
     in_progress: bool = False
+    unreadable: bool = False  # committed, but not by this version's rules (newer format, over a cap): not corrupt
 
     @property
     def complete(self) -> bool:
@@ -141,6 +142,9 @@ def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
     try:
         info.manifest = read_manifest(path, expected_step=step)
         check_sizes(path, info.manifest)
+    except UnreadableCheckpointError as exc:
+        info.problem, info.unreadable = str(exc), True
+        return _unless_vanished(info)
     except CorruptCheckpointError as exc:
         info.problem = str(exc)
         return _unless_vanished(info)
@@ -173,15 +177,29 @@ def list_checkpoints(root: Path, verify: bool = False) -> list[CheckpointInfo]:
 def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = None,
                 max_step: int | None = None, warn: bool = True) -> CheckpointInfo | None:
     """The newest complete checkpoint (checked newest-first, stopping at the first good one).
-    Incomplete or corrupt newer directories are skipped, with a warning naming each."""
+    Incomplete or corrupt newer directories are skipped, with a warning naming each. A newer
+    step this version cannot read (`CheckpointInfo.unreadable`) is not skipped: it raises
+    UnreadableCheckpointError, since resuming an older step would later overwrite it."""
     for step, path in step_dirs(Path(root)):
         if (exclude and step in exclude) or (max_step is not None and step > max_step):
             continue
         info = inspect_dir(step, path, verify)
         if info.complete:
             return info
+        if info.unreadable:
+            raise UnreadableCheckpointError(info.problem or f"checkpoint {path} is unreadable by this version")
         if warn:
             log.warning("skipping %s: %s", path, info.problem)
+    return None
+
+
+def newest_committed(root: Path) -> int | None:
+    """The highest step whose directory holds a commit marker; reads no manifest. For decisions
+    that need only "is there something to resume" (the launcher): a committed step this version
+    cannot parse still counts, and the ranks that load it report what is wrong with it."""
+    for step, path in step_dirs(Path(root)):
+        if os.path.lexists(path / MARKER):
+            return step
     return None
 
 

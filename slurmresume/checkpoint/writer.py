@@ -1,5 +1,5 @@
 """How a shard's bytes reach the disk: one of several write paths, chosen per file system by
-measurement (`calibrate.choose`), each ending in an fsync before the caller renames the file.
+measurement (`calibrate.open_sink`), each ending in an fsync before the caller renames the file.
 
 No single path wins on these machines from hour to hour (perf-facts.md, "the disk changes which
 path wins"): O_DIRECT with large aligned buffers was 2-4x ahead of buffered writes one day and
@@ -30,6 +30,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -84,18 +85,17 @@ def release_staging(keep: str | None = None) -> None:
 
 class ShardSink:
     """Writes a byte stream durably: `feed()` chunks, `finish()` fsyncs and returns the xxh3
-    digest. `strategy` (one of STRATEGIES) defaults to the choice for this file system
-    (`calibrate.choose`; `size_hint` bytes of a large shard allow a first calibration there)."""
+    digest. `strategy` is one of STRATEGIES; `calibrate.open_sink` picks it for a file system
+    (this module never imports calibrate, which imports it to measure). `on_finish(strategy,
+    bytes, seconds)` is called after a successful finish (calibrate's re-check)."""
 
-    def __init__(self, path: str | os.PathLike[str], strategy: str | None = None, size_hint: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike[str], strategy: str, *, source: str = "given",
+                 on_finish: Callable[[str, int, float], None] | None = None) -> None:
         self.path = path
         self.hasher = xxhash.xxh3_64()
         self.total = 0
-        self.source = "given"
-        if strategy is None:
-            from .calibrate import choose
-
-            strategy, self.source = choose(os.path.dirname(os.path.abspath(path)), size_hint)
+        self.source = source
+        self.on_finish = on_finish
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown write strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
@@ -202,10 +202,8 @@ class ShardSink:
             fd, self.fd = self.fd, -1  # abort() after a failed finish() must not close it again:
             os.close(fd)  # by then the number may belong to a file another thread opened
         self.seconds = time.perf_counter() - self.started
-        if self.source == "calibrated":
-            from .calibrate import observe
-
-            observe(os.path.dirname(os.path.abspath(self.path)), self.strategy, self.total, self.seconds)
+        if self.on_finish is not None:
+            self.on_finish(self.strategy, self.total, self.seconds)
         return self.hasher.hexdigest()
 
     def abort(self) -> None:

@@ -18,7 +18,12 @@ from typing import Annotated, Any
 import typer
 
 from ..duration import parse_duration
-from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
+from ..errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    UnreadableCheckpointError,
+)
 from .app import app, handle_errors
 from .options import CkptDir, JsonOut, Mode, ModeOpt, resolve_root
 
@@ -250,10 +255,13 @@ def verify(
     with _render.progress("verifying checkpoints") as bar:
         results = verify_checkpoints(root, step=step, every=every, progress=bar)
     _render.print_verify(results)
-    bad = [p for r in results if not r.ok for p in r.problems]
+    bad = [p for r in results if not r.ok and not r.unreadable for p in r.problems]
     if bad:
-        failed = sum(not r.ok for r in results)
+        failed = sum(not r.ok and not r.unreadable for r in results)
         raise CorruptCheckpointError(f"{failed} of {len(results)} checkpoint(s) failed verification: {'; '.join(bad)}")
+    unread = [p for r in results if r.unreadable for p in r.problems]
+    if unread:
+        raise UnreadableCheckpointError(f"{len(unread)} of {len(results)} checkpoint(s) not verified: {'; '.join(unread)}")
 
 
 @app.command()
@@ -267,7 +275,8 @@ def latest(
     """Print the path of the newest complete checkpoint (for scripts).
 
     Prints nothing on stdout and exits 1 when there is none. Incomplete or corrupt newer
-    directories are skipped. Example: cp -r "$(slurmresume latest)" /archive/
+    directories are skipped; a newer step this version cannot read (written by a newer
+    slurmresume) is not: it exits 1 naming it. Example: cp -r "$(slurmresume latest)" /archive/
     """
     from ..checkpoint.store import find_latest
 

@@ -341,7 +341,10 @@ def print_verify(results: Sequence[VerifyResult]) -> None:
         if r.ok:
             out.print(Text.assemble(("ok    ", "green"), f"step {r.step}  {r.path}"))
             continue
-        out.print(Text.assemble(("FAIL  ", "bold red"), f"step {r.step}  {r.path}"))
+        if r.unreadable:  # not checked, not corrupt: this version cannot read it
+            out.print(Text.assemble(("NEWER ", "bold yellow"), f"step {r.step}  {r.path}"))
+        else:
+            out.print(Text.assemble(("FAIL  ", "bold red"), f"step {r.step}  {r.path}"))
         for p in r.problems:
             out.print(f"      {p}")
 

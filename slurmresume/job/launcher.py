@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .hangwatch import HangWatch
 
 from .. import slurm
-from ..checkpoint.store import find_latest
+from ..checkpoint.store import newest_committed
 from ..contract import (
     ENV_DUMP_SIGNAL,
     ENV_NONCE,
@@ -64,7 +64,7 @@ class RunResult:
 
     returncode: int
     outcome: Outcome | None  # rank 0's record of what it did about a signal (None: no record)
-    latest_before: int | None  # the newest complete step before the run
+    latest_before: int | None  # the newest committed step (by its marker) before the run
     latest_after: int | None  # ... and after it
     warned: bool = False  # the warning signal was relayed to this run
     stop: str | None = None  # "cancel" | "time_limit" | "interrupt": a SIGTERM/SIGINT, classified
@@ -484,8 +484,10 @@ def _kill(pid: int, sig: int) -> None:
 
 
 def _latest_step(root: Path) -> int | None:
-    info = find_latest(root, warn=False)
-    return info.step if info else None
+    """The newest committed step, by its marker alone: a step the launcher cannot parse (a newer
+    format, over a read cap) still means there is work to resume, so the job is requeued and the
+    ranks, which read it, say what is wrong (never a "no checkpoint" give-up)."""
+    return newest_committed(root)
 
 
 def run_id_for(job_key: str, restart: int, attempt: int) -> str:

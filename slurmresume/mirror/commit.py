@@ -23,11 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import MANIFEST, MARKER
-from ..checkpoint.manifest import MAX_MANIFEST, MAX_MARKER, Manifest, validate_manifest
+from ..checkpoint.manifest import (
+    MAX_MANIFEST,
+    MAX_MARKER,
+    Manifest,
+    pinned_manifest,
+    refuse_newer,
+    validate_manifest,
+)
 from ..errors import CheckpointError, CorruptCheckpointError
 from .s3 import (
     WRITER_META,
@@ -87,13 +92,13 @@ def read_remote_commit(s3: Any, loc: S3Location, step: int) -> RemoteCommit:
     folder = folder_of(metadata, where)
     manifest_key = loc.key(step, f"{folder}/{MANIFEST}" if folder else MANIFEST)
     manifest_raw = get_bounded(s3, loc, manifest_key, MAX_MANIFEST)
+    marker = loads(marker_raw, f"commit marker {where}/{MARKER}")
     if manifest_raw is None:
+        refuse_newer(marker, where)  # a newer release may keep its manifest elsewhere
         raise CorruptCheckpointError(f"{where}: commit marker present but manifest s3://{loc.bucket}/{manifest_key} "
                                      "missing")
-    marker = loads(marker_raw, f"commit marker {where}/{MARKER}")
-    if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(manifest_raw):
-        raise CorruptCheckpointError(f"manifest s3://{loc.bucket}/{manifest_key} does not match its commit marker")
-    manifest = validate_manifest(loads(manifest_raw, f"manifest {where}/{MANIFEST}"), Path(where), step)
+    data = pinned_manifest(marker, manifest_raw, where)  # a newer release's step: unreadable, not corrupt
+    manifest = validate_manifest(data, Path(where), step)
     if marker.get("step") != manifest.step:
         raise CorruptCheckpointError(f"commit marker {where}/{MARKER} is for step {marker.get('step')!r}")
     return RemoteCommit(step, marker_raw, manifest_raw, manifest, folder)

@@ -18,7 +18,7 @@ import xxhash
 
 from ..checkpoint.layout import MANIFEST, MARKER, parse_step_dir
 from ..checkpoint.manifest import Manifest
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnreadableCheckpointError
 from .commit import ATTEMPT_PREFIX, RemoteCommit, read_remote_commit
 from .s3 import S3Location, call, list_objects, point
 
@@ -48,6 +48,7 @@ class RemoteInfo:
     verified: bool | None = None
     mtime: float = 0.0
     uploading: bool = False
+    unreadable: bool = False  # a newer format or over a read cap: not corrupt, never deleted
 
     @property
     def complete(self) -> bool:
@@ -91,6 +92,9 @@ def inspect(s3: Any, loc: S3Location, rs: RemoteStep, verify: bool = False) -> R
         return info
     try:
         commit = read_remote_commit(s3, loc, rs.step)
+    except UnreadableCheckpointError as exc:
+        info.problem, info.unreadable = str(exc), True
+        return info
     except CheckpointError as exc:
         info.problem = str(exc)
         return info
@@ -179,7 +183,8 @@ def records(s3: Any, loc: S3Location) -> list[Any]:
                 metrics = None
             out.append(CheckpointRecord(info.step, name, True, True, False, info.mtime, metrics))
         else:
-            out.append(CheckpointRecord(info.step, name, False, info.has_marker, info.uploading, info.mtime))
+            out.append(CheckpointRecord(info.step, name, False, info.has_marker, info.uploading, info.mtime,
+                                        unreadable=info.unreadable))
     return out
 
 

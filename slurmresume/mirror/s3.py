@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..checkpoint.layout import step_dir_name
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, UnreadableCheckpointError
 
 T = TypeVar("T")
 WRITER_META = "slurmresume-writer"  # object metadata on the marker: the token of whoever wrote it
@@ -135,7 +135,8 @@ def get_with_metadata(s3: Any, loc: S3Location, key: str, limit: int) -> tuple[b
         raise CheckpointError(f"reading s3://{loc.bucket}/{key}: {exc}") from exc
     if int(obj.get("ContentLength", 0)) > limit:
         obj["Body"].close()
-        raise CheckpointError(f"s3://{loc.bucket}/{key} is {obj['ContentLength']} bytes, over the {limit} limit")
+        raise UnreadableCheckpointError(f"s3://{loc.bucket}/{key} is {obj['ContentLength']} bytes, over this "
+                                        f"version's read cap of {limit} bytes: unreadable by this version")
     data: bytes = call(f"reading s3://{loc.bucket}/{key}", obj["Body"].read, limit + 1)
     obj["Body"].close()
     return data, dict(obj.get("Metadata") or {})

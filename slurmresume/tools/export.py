@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import fsio
+from ..checkpoint.calibrate import open_sink
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.reshard import ShardFiles, read_box
@@ -101,7 +102,7 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
     tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
     fds = {f: open_checked(step_dir, f, size) for f, (_, _, size) in sources.items()}
     pieces = ShardFiles(step_dir, manifest.shards)
-    sink = ShardSink(tmp)
+    sink = open_sink(tmp)
     try:
         sink.feed(len(raw).to_bytes(8, "little") + raw)
         buf = bytearray(CHUNK)

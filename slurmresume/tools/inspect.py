@@ -41,7 +41,13 @@ from ..checkpoint.layout import parse_step_dir, step_dir_name
 from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY, open_checked, read_header
 from ..checkpoint.state import RESERVED
 from ..checkpoint.store import UNREADABLE, find_latest, inspect_dir
-from ..errors import CheckpointError, ConfigError, CorruptCheckpointError, NoCheckpointError
+from ..errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    UnreadableCheckpointError,
+)
 
 __all__ = ["SCHEMA", "CheckpointReport", "TensorInfo", "TensorStats", "StateKey", "needs_root", "locate",
            "inspect_checkpoint", "tensor_stats"]
@@ -158,6 +164,8 @@ def inspect_checkpoint(step: int, path: Path, *, tensors: bool = False,
     if not info.has_marker:
         raise NoCheckpointError(f"{path} is incomplete (no commit marker): only committed checkpoints can be "
                                 f"inspected; `slurmresume latest --ckpt-dir {root}` names the newest one")
+    if info.unreadable:
+        raise UnreadableCheckpointError(info.problem or f"checkpoint {path} is unreadable by this version")
     if not info.complete or info.manifest is None:
         raise CorruptCheckpointError(f"checkpoint {path} is corrupt: {info.problem}; "
                                      f"`slurmresume verify {step} --ckpt-dir {root}` checks it")

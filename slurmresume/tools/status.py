@@ -353,7 +353,7 @@ def _checkpoint_rows(root: Path, best_metric: str | None, mode: str, verify: boo
 
 
 def _row(info: CheckpointInfo, rec: Any, verify: bool, now: float) -> CheckpointRow:
-    state = ("complete" if info.complete else "corrupt" if info.has_marker
+    state = ("complete" if info.complete else "unreadable" if info.unreadable else "corrupt" if info.has_marker
              else "unreadable" if (info.problem or "").startswith(UNREADABLE)
              else "being_written" if rec.in_progress else "incomplete")
     verified, problem = None, info.problem
@@ -385,8 +385,12 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
     if status.newest_complete is None:
         w.append(f"no complete checkpoint under {root} yet")
     for row in status.checkpoints:
-        if row.state == "unreadable":
+        if row.state == "unreadable" and (row.problem or "").startswith(UNREADABLE):
             w.append(f"{row.name} is {row.problem}; skipped")
+        elif row.state == "unreadable":  # by this version: restore refuses it rather than resume an older step
+            blocks = not any(r.state == "complete" and r.step > row.step for r in status.checkpoints)
+            (p if blocks else w).append(f"{row.name}: {row.problem}"
+                                        + ("; restore refuses it (no resume) until then" if blocks else ""))
     leftovers = [r.name for r in status.checkpoints if r.state == "incomplete"]
     if leftovers:
         w.append(f"{len(leftovers)} incomplete director{'y' if len(leftovers) == 1 else 'ies'} "
@@ -435,6 +439,7 @@ class VerifyResult:
     path: str
     ok: bool
     problems: list[str]
+    unreadable: bool = False  # not checked: this version cannot read it (newer format, over a cap); not corrupt
 
 
 def verify_checkpoints(root: Path, step: int | None = None, every: bool = False,
@@ -450,7 +455,8 @@ def verify_checkpoints(root: Path, step: int | None = None, every: bool = False,
     if not root.is_dir():
         raise ConfigError(f"checkpoint root {root} does not exist: pass --ckpt-dir or set SLURMRESUME_CKPT_DIR")
     if every:
-        infos = [i for i in list_checkpoints(root) if i.has_marker or (i.problem or "").startswith(UNREADABLE)]
+        infos = [i for i in list_checkpoints(root) if i.has_marker or i.unreadable
+                 or (i.problem or "").startswith(UNREADABLE)]
     elif step is not None:
         infos = [inspect_dir(step, root / step_dir_name(step))]
         if not infos[0].path.is_dir():
@@ -473,6 +479,6 @@ def verify_checkpoints(root: Path, step: int | None = None, every: bool = False,
 def _verify_one(info: CheckpointInfo) -> VerifyResult:
     if info.manifest is None:
         return VerifyResult(info.step, str(info.path), False,
-                            [f"{info.path.name}: {info.problem or 'unreadable manifest'}"])
+                            [f"{info.path.name}: {info.problem or 'unreadable manifest'}"], unreadable=info.unreadable)
     problems = check_checksums(info.path, info.manifest)
     return VerifyResult(info.step, str(info.path), not problems, problems)

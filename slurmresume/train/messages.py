@@ -13,12 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    UnreadableCheckpointError,
+    UnsafeCheckpointError,
+)
 
 # kind -> the exception every rank raises; most specific class first (classify picks the first match)
 KINDS: dict[str, type[Exception]] = {
     "unsafe": UnsafeCheckpointError,
     "corrupt": CorruptCheckpointError,
+    "unreadable": UnreadableCheckpointError,
     "config": ConfigError,
     "checkpoint": CheckpointError,
 }

@@ -56,7 +56,7 @@ from ..checkpoint.state import (
 )
 from ..checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, inspect_dir
 from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RUN_ID
-from ..errors import CheckpointError, ConfigError, CorruptCheckpointError
+from ..errors import CheckpointError, ConfigError, CorruptCheckpointError, UnreadableCheckpointError
 from ..events import process_started_at, try_append_event
 from . import ddp, rng
 from .messages import Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
@@ -232,6 +232,8 @@ def choose(root: Path, step: int | None, verify: bool, tried: set[int], mirror: 
     if step is not None:
         info = inspect_dir(step, root / step_dir_name(step), verify)
         if not info.complete:
+            if info.unreadable:  # a newer release's step: refused, never called corrupt
+                raise UnreadableCheckpointError(info.problem or f"checkpoint {info.path} is unreadable")
             if info.has_marker:
                 raise CorruptCheckpointError(f"checkpoint {info.path}: {info.problem}")
             return None

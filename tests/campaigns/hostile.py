@@ -114,7 +114,7 @@ def _battery(root: Path, step2: Path, scratch: Path) -> dict[str, Any]:
     from slurmresume.checkpoint.shard import SKELETON_KEY, load_tensors, read_header
     from slurmresume.checkpoint.state import unflatten_into
     from slurmresume.checkpoint.store import find_latest, inspect_dir, list_checkpoints
-    from slurmresume.errors import ConfigError, CorruptCheckpointError
+    from slurmresume.errors import ConfigError, CorruptCheckpointError, UnreadableCheckpointError
     from slurmresume.retention import RetentionPolicy, plan_prune, scan
     from slurmresume.tools.status import compute_status, verify_checkpoints
 
@@ -123,7 +123,7 @@ def _battery(root: Path, step2: Path, scratch: Path) -> dict[str, Any]:
     def guard(what: str, fn: Any) -> Any:
         try:
             return fn()
-        except (CorruptCheckpointError, ConfigError) as exc:  # refused, typed, before any change
+        except (CorruptCheckpointError, UnreadableCheckpointError, ConfigError) as exc:  # refused, typed
             return exc
         except Exception as exc:  # noqa: BLE001
             r["crashes"].append(f"{what}: {type(exc).__name__}: {str(exc)[:300]} [{_where(exc)}]")
@@ -155,6 +155,7 @@ def _battery(root: Path, step2: Path, scratch: Path) -> dict[str, Any]:
     refusal = guard("reads", reads)
     r["refusal"] = f"{type(refusal).__name__}: {refusal}" if isinstance(refusal, Exception) else None
     r["refusal_is_checkpoint_error"] = isinstance(refusal, CorruptCheckpointError)
+    r["refusal_is_unreadable"] = isinstance(refusal, UnreadableCheckpointError)
     r["inspect_complete"] = bool(getattr(guard("inspect_dir", lambda: inspect_dir(2, step2, verify=True)),
                                          "complete", False))
     guard("list_checkpoints", lambda: list_checkpoints(root, verify=True))
@@ -237,6 +238,15 @@ def _judge(report: Report, c: Any, res: dict[str, Any]) -> None:
         bad = [call for call in res.get("cli", []) if call["args"][0] == "verify"]
         report.check(all(call["code"] == 1 and call["error_line"] for call in bad) or not c.message, t,
                      f"verify --all did not exit 1 with an error line: {bad}")
+    elif c.expect == "unreadable":
+        for v in (False, True):
+            got = res.get(f"restore_{v}")
+            report.check(isinstance(got, str) and got.startswith("UnreadableCheckpointError") and c.message in got, t,
+                         f"restore(verify={v}) gave {got!r}, expected a refusal: unreadable by this version")
+        ref = res.get("refusal") or ""
+        report.check(res.get("refusal_is_unreadable", False), t, f"not refused as unreadable by this version: {ref}")
+        report.check(c.message in ref and "\n" not in ref, t, f"refusal does not say {c.message!r} in one line: {ref}")
+        report.check(not res.get("inspect_complete"), t, "inspect_dir calls it complete")
     elif c.expect == "ignored":
         for v in (False, True):
             report.check(res.get(f"restore_{v}") == 2 and bool(res.get(f"data_ok_{v}")), t,

@@ -14,6 +14,9 @@ structural checks can refuse them. `expect` says what a reader must do:
   ignored   the planted file is never opened; step 2 itself is intact and restores
   bounded   the checkpoint is well-formed and may load; memory stays within `max_growth`
   root      a hostile checkpoint root (event log, lock, .inprogress): nothing hangs or crashes
+  unreadable  a step this version cannot read (a newer format, over a read cap), never "corrupt":
+            the readers raise UnreadableCheckpointError containing `message`; restore refuses
+            (no fall back to step 1, which a later save of step 2 would overwrite from)
 """
 
 from __future__ import annotations
@@ -272,7 +275,7 @@ def _lock(kind: str) -> Callable[[Case], None]:
 
 # -- the corpus ---------------------------------------------------------------------------------
 
-R, IGN, B, ROOT = "refused", "ignored", "bounded", "root"
+R, IGN, B, ROOT, U = "refused", "ignored", "bounded", "root", "unreadable"
 PLAIN = "plain shard file name"
 
 CASES: list[tuple[Case, Callable[[Case], None]]] = [
@@ -298,16 +301,18 @@ CASES: list[tuple[Case, Callable[[Case], None]]] = [
     (Case("size-bool", R, "invalid size"), _edit_manifest(lambda m: m["shards"][0].update(bytes=True))),
     (Case("world-huge", R, "expected"), _edit_manifest(lambda m: m.update(world_size=10**9))),
     (Case("step-mismatch", R, "does not match"), _edit_manifest(lambda m: m.update(step=1))),
-    (Case("format-other", R, "format"), _edit_manifest(lambda m: m.update(format="slurmresume/999"))),
+    (Case("format-other", R, "format"), _edit_manifest(lambda m: m.update(format="otherformat/1"))),
+    (Case("format-newer", U, "written by a newer slurmresume"),
+     _edit_manifest(lambda m: m.update(format="slurmresume/999"))),
     # JSON structure
     (Case("json-duplicate-keys", R, "duplicate key"), _raw_manifest(lambda raw: b'{"shards":[],' + raw[1:])),
     (Case("json-deep-nesting", R, "nested too deeply"), _raw_manifest(
         lambda raw: raw[:-1] + b',"deep":' + _nested(200000).encode() + b"}")),
-    (Case("json-oversized", R, "over the"), lambda c: os.truncate(c.step2 / "manifest.json", (64 << 20) + 1)),
+    (Case("json-oversized", U, "over this version's read cap"), lambda c: os.truncate(c.step2 / "manifest.json", (64 << 20) + 1)),
     (Case("json-not-utf8", R, "not valid JSON"), _raw_manifest(lambda raw: raw[:-1] + b',"x":"\xff\xfe"}')),
     (Case("json-not-object", R, "not a JSON object"), _raw_manifest(lambda raw: b"[" + raw + b"]")),
     (Case("json-bomb", B, max_growth=BASE_GROWTH + 100 * BOMB), _bomb_manifest),
-    (Case("marker-oversized", R, "over the"), lambda c: os.truncate(c.step2 / "COMMITTED", 1 << 20)),
+    (Case("marker-oversized", U, "over this version's read cap"), lambda c: os.truncate(c.step2 / "COMMITTED", 1 << 20)),
     (Case("marker-nested", R, "nested too deeply"), lambda c: (c.step2 / "COMMITTED").write_bytes(_nested(2000).encode())),
     (Case("marker-other-step", R, "is for step"), lambda c: (c.step2 / "COMMITTED").write_bytes(
         __import__("slurmresume.checkpoint.manifest", fromlist=["x"]).marker_bytes(7, (c.step2 / "manifest.json").read_bytes()))),
