@@ -84,6 +84,14 @@ def _warn_lead(root: Path, lead: int) -> None:
         typer.echo(f"warning: {line}", err=True)
 
 
+def _preflight(spec: JobSpec, **kwargs: Any) -> None:
+    """Refuse before anything is queued or written what could only fail on the node (tools/preflight.py)."""
+    from ..tools.preflight import preflight
+
+    for line in preflight(spec, **kwargs):
+        typer.echo(f"warning: {line}", err=True)
+
+
 ScriptArg = Annotated[Path, typer.Argument(help="Training script run by torchrun on every node.",
                                            show_default=False)]
 ArgsArg = Annotated[list[str] | None, typer.Argument(help="Arguments for the script (put them after --).",
@@ -123,6 +131,8 @@ def submit(
     mirror: Annotated[str | None, Opt(metavar="s3://BUCKET/PREFIX", help="Also copy every committed step there "
                                       "(background upload; restore pulls newer steps from it). Endpoint and credentials "
                                       "from the AWS environment. [default: none]")] = None,
+    no_script_check: Annotated[bool, Opt("--no-script-check", help="Submit even when the script never calls restore() or ckpt.step() itself (a module it imports does). (default: refuse such a script)")] = False,
+    shared_root: Annotated[bool, Opt("--shared-root", help="With --nodes > 1: every node mounts --ckpt-dir although it is on a local or memory file system. (default: refuse such a root, except under --dry-run)")] = False,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
     dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
     json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,
@@ -137,7 +147,7 @@ def submit(
     """
     cli = {k: v for k, v in locals().items()
            if k not in ("script", "script_args", "local", "dry_run", "json_out", "resume_from", "branch", "discard_newer",
-                        "takeover")}
+                        "takeover", "no_script_check", "shared_root")}
     from .. import ownership
     from ..job import submit as launch
     from .render_job import print_json, print_submitted
@@ -148,6 +158,9 @@ def submit(
     # The same checks as every other value, before prepare_resume creates or deletes anything.
     check_text("--resume-from", resume_from or "")
     check_text("--branch", str(branch or ""))
+    # --dry-run previews on any machine: the nodes' file system is judged when it is submitted
+    _preflight(spec, strict_script=not local and not no_script_check, shared_root=shared_root or dry_run,
+               resume_from=resume_from, branch=branch)
     if resume_from is not None and not dry_run:
         from dataclasses import replace
 
@@ -226,6 +239,7 @@ def drill(
     workdir = workdir.expanduser().absolute()
     spec = _spec(script, script_args, {"ckpt_dir": workdir, "nproc_per_node": nproc_per_node,
                                        "hang_timeout": hang_timeout})
+    _preflight(spec, strict_script=False)
     # --json: stdout carries the verdict alone (`| jq` works); the runs' output goes to stderr
     with _stdout_to_stderr() if json_out else contextlib.nullcontext():
         report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,

@@ -1,0 +1,169 @@
+"""A newcomer's first hour (issue 31): what `submit` and `drill` refuse before anything is queued
+or written, and the one honest line each failure ends with. Like tests/test_user_errors.py:
+the exact command through the real `python -m slurmresume`, one `error:` line, the exit code,
+nothing written. A fake `sbatch`/`srun` on PATH answers "Submitted batch job 4242", so a
+refusal that did not happen shows as exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers.core import tiny_state
+from helpers.procs import REPO, clean_env
+
+from slurmresume import Checkpointer
+
+SCRIPT = REPO / "examples" / "train.py"
+GOOD = "import slurmresume\nckpt = slurmresume.Checkpointer()\nstep = ckpt.restore({})\nfor i in range(3):\n    ckpt.step(i, {})\n"
+
+
+def fake_slurm(tmp: Path, *, srun: bool = True) -> Path:
+    """bash, env and python, a `sbatch` that accepts every job (and `srun` unless told not)."""
+    d = tmp / "bin"
+    d.mkdir()
+    for name in ("bash", "env", "sh", "cat", "uname"):
+        found = shutil.which(name)
+        if found:
+            os.symlink(found, d / name)
+    (d / "sbatch").write_text("#!/bin/sh\necho 'Submitted batch job 4242'\n")
+    (d / "sbatch").chmod(0o755)
+    if srun:
+        (d / "srun").write_text("#!/bin/sh\nexit 0\n")
+        (d / "srun").chmod(0o755)
+    return d
+
+
+def cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = clean_env(**{"PYTHONPATH": str(REPO), "COLUMNS": "200", "NO_COLOR": "1", **(env or {})})
+    return subprocess.run([sys.executable, "-m", "slurmresume", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def script(tmp: Path, body: str, name: str = "train.py") -> str:
+    (tmp / name).write_text(body)
+    return str(tmp / name)
+
+
+def saved_root(root: Path, *steps: int) -> Path:
+    ckpt = Checkpointer(root, handle_signals=False)
+    for s in steps:
+        ckpt.save(s, tiny_state(s))
+    ckpt.close()
+    return root
+
+
+def no_boto3(tmp: Path) -> dict[str, str]:
+    """An environment whose python cannot import boto3 (a sitecustomize blocks it)."""
+    d = tmp / "site"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text("import sys\nsys.modules['boto3'] = None\n")
+    return {"PYTHONPATH": f"{d}:{REPO}"}
+
+
+SHM = Path("/dev/shm")
+
+
+@dataclass
+class Row:
+    id: str
+    setup: Callable[[Path], list[str]]  # -> argv, after preparing files under tmp_path
+    message: str  # a fragment of the one error line
+    code: int = 1
+    env: Callable[[Path], dict[str, str]] | None = None
+
+
+ROWS = [
+    Row("script with a syntax error",
+        lambda t: ["submit", script(t, "def f(:\n    pass\n"), "--ckpt-dir", str(t / "ck")],
+        "train.py does not parse: line 1"),
+    Row("script with a syntax error, --local",
+        lambda t: ["submit", script(t, "def f(:\n    pass\n"), "--local", "--ckpt-dir", str(t / "ck")],
+        "train.py does not parse: line 1"),
+    Row("drill a script with a syntax error",
+        lambda t: ["drill", script(t, "x = (\n"), "--workdir", str(t / "d")], "train.py does not parse"),
+    Row("script never calls restore()",
+        lambda t: ["submit", script(t, GOOD.replace("step = ckpt.restore({})\n", "")), "--ckpt-dir", str(t / "ck")],
+        "never calls .restore(state)"),
+    Row("script never calls ckpt.step()",
+        lambda t: ["submit", script(t, GOOD.replace("    ckpt.step(i, {})", "    pass")), "--dry-run",
+                   "--ckpt-dir", str(t / "ck")], "never calls ckpt.step(...)"),
+    Row("--mirror without boto3",
+        lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(t / "ck"), "--mirror", "s3://bkt/run1"],
+        "--mirror s3://bkt/run1 needs boto3", env=no_boto3),
+    Row("--signal KILL", lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(t / "ck"), "--signal", "KILL"],
+        "SIGKILL cannot be caught"),
+    Row("--signal STOP", lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(t / "ck"), "--signal", "SIGSTOP"],
+        "SIGSTOP cannot be caught"),
+    Row("--signal TERM", lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(t / "ck"), "--signal", "TERM"],
+        "TERM is what Slurm sends on scancel"),
+    Row("--signal B:INT", lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(t / "ck"), "--signal", "B:INT"],
+        "torchrun's agent stops the workers on INT"),
+    Row("--nodes 2 on /dev/shm",
+        lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(SHM / f"sr-{t.name}-{uuid.uuid4().hex[:8]}" / "ck"),
+                   "--nodes", "2"], "is on tmpfs (/dev/shm), which only one node sees"),
+    Row("--nodes 2 on a local disk",
+        lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(t / "ck"), "--nodes", "2"], "pass --shared-root"),
+    Row("--resume-from a missing step",
+        lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(saved_root(t / "ck", 1, 2)), "--resume-from", "7"],
+        "--resume-from 7:"),
+    Row("--resume-from a missing step, --dry-run",
+        lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(saved_root(t / "ck", 1)), "--resume-from", "7",
+                   "--dry-run"], "step_000000007 does not exist"),
+    Row("--branch into a non-empty directory, --dry-run",
+        lambda t: (((t / "full").mkdir(), (t / "full" / "x").write_text("x")),
+                   ["submit", str(SCRIPT), "--ckpt-dir", str(saved_root(t / "ck", 1, 2)), "--resume-from", "1",
+                    "--branch", str(t / "full"), "--dry-run"])[1], "exists and is not empty"),
+]
+
+
+def _shm_roots() -> set[str]:
+    return {p.name for p in SHM.iterdir() if p.name.startswith("sr-")} if SHM.is_dir() else set()
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_refused_before_the_queue(row: Row, tmp_path: Path) -> None:
+    if "/dev/shm" in row.id and not SHM.is_dir():
+        pytest.skip("no /dev/shm")
+    bindir = fake_slurm(tmp_path)
+    args = row.setup(tmp_path)
+    env = {"PATH": f"{bindir}"}
+    if row.env:
+        env.update(row.env(tmp_path))
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    shm_before = _shm_roots()
+    proc = cli(args, tmp_path, env)
+    assert proc.returncode == row.code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert row.message in lines[0], lines[0]
+    assert "4242" not in proc.stdout  # nothing was queued
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written, no logs/ either
+    assert _shm_roots() == shm_before
+
+
+def test_the_overrides_submit(tmp_path: Path) -> None:
+    """--no-script-check and --shared-root are the ways past the two refusals that can be wrong
+    (a script whose loop lives in a module it imports; a cluster mounting one local path everywhere)."""
+    bindir = fake_slurm(tmp_path)
+    thin = script(tmp_path, "from mypkg.train import main\nmain()\n")
+    proc = cli(["submit", thin, "--ckpt-dir", str(tmp_path / "ck"), "--no-script-check", "--nodes", "2",
+                "--shared-root", "--dry-run"], tmp_path, {"PATH": str(bindir)})
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --nodes=2" in proc.stdout
+
+
+def test_a_local_run_of_a_script_that_never_restores_is_warned_not_refused(tmp_path: Path) -> None:
+    body = "import slurmresume\nckpt = slurmresume.Checkpointer()\nfor i in range(1, 3):\n    ckpt.step(i, {'i': i})\n"
+    proc = cli(["submit", script(tmp_path, body), "--local", "--ckpt-dir", str(tmp_path / "ck")], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: train.py never calls .restore(state)" in proc.stderr
