@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -167,3 +168,41 @@ def test_a_local_run_of_a_script_that_never_restores_is_warned_not_refused(tmp_p
     proc = cli(["submit", script(tmp_path, body), "--local", "--ckpt-dir", str(tmp_path / "ck")], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "warning: train.py never calls .restore(state)" in proc.stderr
+
+
+def _progress(piddir: Path) -> int:
+    p = piddir / "progress0"
+    try:
+        return int(p.read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def test_ctrl_c_of_a_local_run_says_where_it_stopped_and_exits_130(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) of `submit --local`: the ranks save, the
+    last line names the step and the checkpoint, exit 130, so `submit --local && next` stops."""
+    import signal
+
+    from helpers.procs import signal_tree
+
+    root, piddir = tmp_path / "ck", tmp_path / "pids"
+    piddir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "slurmresume", "submit", "--local",
+                             str(REPO / "tests" / "helpers" / "sig_train.py"), "--ckpt-dir", str(root), "--", "400",
+                             "0.05"], env=clean_env(PYTHONPATH=str(REPO), PIDDIR=str(piddir)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while _progress(piddir) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "training never reached step 3"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            signal_tree(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    step = int(last.split("interrupted at step ")[1].split()[0])
+    assert last == f"interrupted at step {step} (checkpoint step {step}): the same command resumes from there"
+    assert (root / f"step_{step:09d}" / "COMMITTED").exists() and step >= 3

@@ -84,6 +84,20 @@ def _warn_lead(root: Path, lead: int) -> None:
         typer.echo(f"warning: {line}", err=True)
 
 
+def _interrupted_line(root: Path, checkpoint: int | None) -> str:
+    """The last line of a Ctrl-C'd local run: the step the ranks stopped at (their save on the
+    interrupt, from the event log) and the newest complete checkpoint a rerun resumes from."""
+    from ..events import read_events
+
+    events = read_events(root)[-200:]
+    starts = [i for i, e in enumerate(events) if e.get("event") == "started"]
+    run = events[starts[-1]:] if starts else []
+    saved = [e["step"] for e in run if e.get("event") == "exit_after_save" and isinstance(e.get("step"), int)]
+    ckpt = f"checkpoint step {checkpoint}" if checkpoint is not None else "no checkpoint yet"
+    where = f"interrupted at step {saved[-1]}" if saved else "interrupted without a save"
+    return f"{where} ({ckpt}): the same command resumes from there"
+
+
 def _preflight(spec: JobSpec, **kwargs: Any) -> None:
     """Refuse before anything is queued or written what could only fail on the node (tools/preflight.py)."""
     from ..tools.preflight import preflight
@@ -184,7 +198,11 @@ def submit(
             print_json(result)
         else:
             result = run_local(spec, takeover=takeover)
-            typer.echo(f"local run {result['action']}: {result['reason']}")
+            if result.get("kind") != "interrupted":
+                typer.echo(f"local run {result['action']}: {result['reason']}")
+        if result.get("kind") == "interrupted":  # Ctrl-C: `submit --local && next` must not go on
+            typer.echo(_interrupted_line(spec.ckpt_dir, result.get("step")), err=True)
+            raise typer.Exit(130)
         return
     sub = launch.preview(spec) if dry_run else launch.submit(spec)
     if not dry_run:
