@@ -206,3 +206,13 @@ def test_ctrl_c_of_a_local_run_says_where_it_stopped_and_exits_130(tmp_path: Pat
     step = int(last.split("interrupted at step ")[1].split()[0])
     assert last == f"interrupted at step {step} (checkpoint step {step}): the same command resumes from there"
     assert (root / f"step_{step:09d}" / "COMMITTED").exists() and step >= 3
+
+
+def test_sbatch_without_srun_is_one_line_and_leaves_no_logs(tmp_path: Path) -> None:
+    bindir = fake_slurm(tmp_path, srun=False)
+    root = tmp_path / "ck"
+    proc = cli(["submit", str(SCRIPT), "--ckpt-dir", str(root)], tmp_path, {"PATH": str(bindir)})
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == ("error: sbatch is on PATH but srun is not: submit from a Slurm login node (where "
+                                   "both are), or use --local to run here")
+    assert not root.exists()  # no <ckpt-dir>/logs/ either
