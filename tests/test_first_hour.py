@@ -216,3 +216,15 @@ def test_sbatch_without_srun_is_one_line_and_leaves_no_logs(tmp_path: Path) -> N
     assert proc.stderr.strip() == ("error: sbatch is on PATH but srun is not: submit from a Slurm login node (where "
                                    "both are), or use --local to run here")
     assert not root.exists()  # no <ckpt-dir>/logs/ either
+
+
+def test_a_script_that_raises_at_import_ends_with_its_traceback_and_one_line_of_ours(tmp_path: Path) -> None:
+    bad = script(tmp_path, "import slurmresume\nraise ValueError('bad config')\n", name="bad.py")
+    proc = cli(["submit", bad, "--local", "--ckpt-dir", str(tmp_path / "ck")], tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "ValueError: bad config" in lines  # the user's traceback stays: it is theirs
+    assert "ChildFailedError" not in proc.stderr and "torch/distributed/run.py" not in proc.stderr
+    assert lines[-1] == ("slurmresume: giving up: workers failed (exit 1): the script's error is above; fix it and "
+                         "run the same command (it resumes from the newest checkpoint)")
+    assert lines.index("ValueError: bad config") >= len(lines) - 4  # at most torch's one log line between
