@@ -126,6 +126,20 @@ ROWS = [
 ]
 
 
+ROWS += [
+    Row("--setup with a newline",
+        lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(t / "ck"), "--setup", "module load x\nrm -rf ~"],
+        "--setup contains a newline"),
+    Row("--signal USR1@soon", lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(t / "ck"), "--signal", "USR1@soon"],
+        "SECONDS after @ must be a whole number"),
+    Row("--signal USR1@300 with --signal-lead 120",
+        lambda t: ["submit", str(SCRIPT), "--ckpt-dir", str(t / "ck"), "--signal", "USR1@300", "--signal-lead", "120"],
+        "disagree"),
+    Row("a script option before --", lambda t: ["submit", str(SCRIPT), "--steps", "3", "--ckpt-dir", str(t / "ck")],
+        "script arguments go after `--`", code=2),
+]
+
+
 def _shm_roots() -> set[str]:
     return {p.name for p in SHM.iterdir() if p.name.startswith("sr-")} if SHM.is_dir() else set()
 
@@ -228,3 +242,31 @@ def test_a_script_that_raises_at_import_ends_with_its_traceback_and_one_line_of_
     assert lines[-1] == ("slurmresume: giving up: workers failed (exit 1): the script's error is above; fix it and "
                          "run the same command (it resumes from the newest checkpoint)")
     assert lines.index("ValueError: bad config") >= len(lines) - 4  # at most torch's one log line between
+
+
+def test_submit_speaks_sbatch(tmp_path: Path) -> None:
+    """-N -p -t -A -q -C -J, --gres, --signal SIG@SECONDS and --setup, as sbatch users type them;
+    no `#SBATCH --wckey` nobody asked for; --setup lines run before the launcher's srun."""
+    bindir = fake_slurm(tmp_path)
+    proc = cli(["submit", str(SCRIPT), "-N", "2", "-p", "gpu", "-t", "1:00:00", "-A", "proj", "-q", "high", "-C", "a100",
+                "-J", "run1", "--gres", "gpu:4", "--signal", "USR2@300", "--setup", "module load cuda/12.4",
+                "--setup", "source ~/venv/bin/activate", "--ckpt-dir", str(tmp_path / "ck"), "--dry-run", "--",
+                "--steps", "3"], tmp_path, {"PATH": str(bindir)})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    for want in ("#SBATCH --nodes=2", "#SBATCH --partition=gpu", "#SBATCH --time=60", "#SBATCH --account=proj",
+                 "#SBATCH --qos=high", "#SBATCH --constraint=a100", "#SBATCH --job-name=run1", "#SBATCH --gres=gpu:4",
+                 "#SBATCH --signal=USR2@300"):
+        assert want in lines, want
+    assert not any("wckey" in line for line in lines)
+    srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert lines.index("module load cuda/12.4") < lines.index("source ~/venv/bin/activate") < srun
+    assert "trap 'kill -s USR2 $SLURMRESUME_SRUN 2>/dev/null' USR2" in lines
+    assert not (tmp_path / "ck").exists()
+
+
+def test_version() -> None:
+    from slurmresume import __version__
+
+    proc = cli(["--version"], REPO)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"slurmresume {__version__}", proc.stderr

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import ConfigError
-from ..job.config import JobSpec, check_text, load_defaults, parse_sbatch_extras
+from ..job.config import JobSpec, check_text, load_defaults, parse_sbatch_extras, split_signal
 from .app import app, handle_errors
 
 # Shown in --help as "(default: ...)": rich would swallow "[default: ...]" as markup. No default for
@@ -30,7 +30,7 @@ Opt = typer.Option
 def _spec(script: Path, script_args: list[str] | None, cli: dict[str, Any]) -> JobSpec:
     """CLI values win over [tool.slurmresume] / slurmresume.toml defaults, which win over ours."""
     conf = load_defaults(Path.cwd())
-    unknown = set(conf) - set(JobSpec.__dataclass_fields__) - {"sbatch"}
+    unknown = set(conf) - set(JobSpec.__dataclass_fields__) - {"sbatch", "gres"}
     if unknown:
         raise ConfigError(f"unknown key(s) {sorted(unknown)} in [tool.slurmresume]: see `slurmresume submit --help`")
     merged: dict[str, Any] = {**_DEFAULTS, **conf, **{k: v for k, v in cli.items() if v is not None}}
@@ -39,7 +39,13 @@ def _spec(script: Path, script_args: list[str] | None, cli: dict[str, Any]) -> J
     sbatch = cli.get("sbatch") or conf.get("sbatch") or []
     if isinstance(sbatch, dict):
         sbatch = [f"{k}={v}" for k, v in sbatch.items()]
-    merged["sbatch"] = parse_sbatch_extras([str(x) for x in sbatch])
+    gres = merged.pop("gres", None)
+    merged["sbatch"] = parse_sbatch_extras([str(x) for x in sbatch] + ([f"gres={gres}"] if gres else []))
+    setup = merged.get("setup") or ()
+    merged["setup"] = (setup,) if isinstance(setup, str) else tuple(str(x) for x in setup)
+    merged["signal"], lead = split_signal(str(merged["signal"]), cli.get("signal_lead"))
+    if lead is not None:
+        merged["signal_lead"] = lead
     from ..mirror.hook import refuse_bucket_root
 
     refuse_bucket_root(merged["ckpt_dir"], "--mirror")
@@ -118,23 +124,25 @@ def submit(
     script: ScriptArg,
     script_args: ArgsArg = None,
     ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root, a directory every rank can write (an s3:// bucket goes in --mirror); exported to the script as SLURMRESUME_CKPT_DIR. (default: ckpt-dir from slurmresume.toml or pyproject.toml; required)")] = None,
-    nodes: Annotated[int | None, Opt(help="Number of nodes (one launcher + torchrun per node). (default: 1)")] = None,
+    nodes: Annotated[int | None, Opt("--nodes", "-N", help="Number of nodes (one launcher + torchrun per node). (default: 1)")] = None,
     nproc_per_node: Annotated[int | None, Opt(help="Processes per node. (default: --gpus-per-node, else 1)")] = None,
     gpus_per_node: Annotated[int | None, Opt(help="GPUs per node to request. (default: none)")] = None,
     cpus_per_task: Annotated[int | None, Opt(help="CPUs for each node's task. (default: the partition's)")] = None,
     mem: Annotated[str | None, Opt(help="Memory per node, e.g. 64G. (default: the partition's)")] = None,
-    time: Annotated[str | None, Opt(help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS; longer than --signal-lead. (default: the partition's DefaultTime)")] = None,
-    partition: Annotated[str | None, Opt(help="Slurm partition. (default: the cluster's default partition)")] = None,
-    account: Annotated[str | None, Opt(help="Slurm account. (default: your default account)")] = None,
-    qos: Annotated[str | None, Opt(help="Slurm QOS. (default: the account's default)")] = None,
-    constraint: Annotated[str | None, Opt(help="Node feature constraint. (default: none)")] = None,
-    job_name: Annotated[str | None, Opt(help="Job name. (default: slurmresume-<script>)")] = None,
-    signal: Annotated[str | None, Opt(help="Warning signal; B:USR1 sends it to the batch shell only. (default: USR1)")] = None,
+    time: Annotated[str | None, Opt("--time", "-t", help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS; longer than --signal-lead. (default: the partition's DefaultTime)")] = None,
+    partition: Annotated[str | None, Opt("--partition", "-p", help="Slurm partition. (default: the cluster's default partition)")] = None,
+    account: Annotated[str | None, Opt("--account", "-A", help="Slurm account. (default: your default account)")] = None,
+    qos: Annotated[str | None, Opt("--qos", "-q", help="Slurm QOS. (default: the account's default)")] = None,
+    constraint: Annotated[str | None, Opt("--constraint", "-C", help="Node feature constraint. (default: none)")] = None,
+    job_name: Annotated[str | None, Opt("--job-name", "-J", help="Job name. (default: slurmresume-<script>)")] = None,
+    signal: Annotated[str | None, Opt(metavar="[B:]SIG[@SECONDS]", help="Warning signal, as sbatch spells it: USR1@300 also sets --signal-lead; B:USR1 sends it to the batch shell only. (default: USR1)")] = None,
     signal_lead: Annotated[int | None, Opt(help="Seconds before the time limit that the warning comes. (default: 120)")] = None,
     max_requeues: Annotated[int | None, Opt(help="Cap on requeues (warnings and time limits alike). (default: no cap while each run commits a newer step; two runs in a row without one stop the job)")] = None,
     max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. (default: 0)")] = None,
     hang_timeout: Annotated[str | None, Opt(metavar="auto|SECONDS|off", help=_HANG_TIMEOUT_HELP)] = None,
     max_hangs: Annotated[int | None, Opt(help="In-allocation restarts after a hang; the same hang twice in a row without a new checkpoint stops (and under Slurm holds) the job. (default: 3)")] = None,
+    gres: Annotated[str | None, Opt(help="Generic resources per node, as sbatch's --gres, e.g. gpu:a100:4. (default: none)")] = None,
+    setup: Annotated[list[str] | None, Opt(metavar="LINE", help="A shell line the batch script runs before the launcher (repeatable, in order), e.g. --setup 'module load cuda/12.4' --setup 'source ~/venv/bin/activate'. (default: none)")] = None,
     sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive; arrays and heterogeneous jobs are refused. (default: none)")] = None,
     rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. (default: derived from the job id)")] = None,
     python: Annotated[str | None, Opt(help="Python interpreter on the nodes. (default: this one)")] = None,

@@ -33,6 +33,9 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
         if value is not None:
             params[key] = value
     params["job_name"] = spec.job_name or f"slurmresume-{spec.script.stem}"
+    params["wckey"] = None  # no submitit default: clusters with TrackWCKey may reject it (--sbatch wckey=X asks)
+    if spec.setup:
+        params["setup"] = list(spec.setup)
     for key, value in spec.sbatch:
         params["additional_parameters"][key.replace("-", "_")] = value if value != "" else True
     return params
