@@ -140,6 +140,39 @@ ROWS += [
 ]
 
 
+def _drill_folder(tmp: Path) -> Path:
+    """A drill's --workdir: two roots side by side (what `slurmresume drill` leaves)."""
+    work = tmp / "drill"
+    for name in ("uninterrupted", "preempted"):
+        saved_root(work / name, 1, 2)
+    (work / ".slurmresume-drill").write_text("created by `slurmresume drill`")
+    return work
+
+
+STATUS_ROWS = [
+    Row("status on a drill's folder", lambda t: ["status", "-d", str(_drill_folder(t))],
+        "is not a checkpoint root but holds 2: slurmresume status -d "),
+    Row("status on a step folder", lambda t: ["status", "-d", str(saved_root(t / "ck", 1, 2) / "step_000000002")],
+        "is a step folder, not a checkpoint root: use its parent: slurmresume status -d "),
+]
+
+
+@pytest.mark.parametrize("row", STATUS_ROWS, ids=[r.id for r in STATUS_ROWS])
+def test_status_knows_what_it_looks_at(row: Row, tmp_path: Path) -> None:
+    args = row.setup(tmp_path)
+    proc = cli(args, tmp_path)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and row.message in lines[0], proc.stderr
+    assert proc.stdout == ""
+
+
+def test_status_of_a_fresh_empty_root_is_still_starting(tmp_path: Path) -> None:
+    (tmp_path / "ck").mkdir()
+    proc = cli(["status", "-d", str(tmp_path / "ck"), "--json"], tmp_path, {"PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+
+
 def _shm_roots() -> set[str]:
     return {p.name for p in SHM.iterdir() if p.name.startswith("sr-")} if SHM.is_dir() else set()
 

@@ -40,6 +40,15 @@ def emit_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, allow_nan=False))
 
 
+def _refuse_misplaced(root: Path) -> None:
+    """A drill's folder or a step folder is not a root: one line pointing at the right one."""
+    from ..tools.rootkind import misplaced_root
+
+    line = misplaced_root(root)
+    if line:
+        raise ConfigError(line)
+
+
 @app.command()
 @handle_errors
 def status(
@@ -83,6 +92,7 @@ def status(
         s3_commands().status(ckpt_dir, verify=verify, limit=limit, as_json=as_json)
         return
     root = resolve_root(ckpt_dir)
+    _refuse_misplaced(root)
     if job is not None and not re.fullmatch(r"\d+(_\d+)?", job):
         raise ConfigError(f"--job {job!r} is not a Slurm job id: use digits, e.g. --job 12345")
     interval = parse_duration(watch, "--watch") if watch is not None else None
