@@ -303,3 +303,28 @@ def test_version() -> None:
 
     proc = cli(["--version"], REPO)
     assert proc.returncode == 0 and proc.stdout.strip() == f"slurmresume {__version__}", proc.stderr
+
+
+def test_a_job_slurm_does_not_know_is_unknown_not_healthy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """squeue and sacct answer nothing for the log's job (another cluster, purged accounting):
+    the headline says UNKNOWN and exits 5, never HEALTHY running."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from slurmresume.cli import app
+    from slurmresume.events import append_event
+    from slurmresume.tools import status
+    from slurmresume.tools.health import EXIT_UNKNOWN
+
+    def slurm(args: list[str], timeout: float = 10.0) -> str:
+        return "slurm 22.05.8\n" if "--version" in args else ""
+
+    monkeypatch.setattr(status, "run_slurm", slurm)
+    root = saved_root(tmp_path / "ck", 1, 2)
+    append_event(root, "submitted", job="4242", job_id="4242")
+    append_event(root, "started", restart=0)
+    res = CliRunner().invoke(app, ["status", "-d", str(root), "--json"], env={"COLUMNS": "120", "NO_COLOR": "1"})
+    verdict = json.loads(res.stdout)["verdict"]
+    assert res.exit_code == EXIT_UNKNOWN and verdict["verdict"] == "unknown", res.stdout
+    assert "Slurm knows no job 4242" in verdict["reason"]

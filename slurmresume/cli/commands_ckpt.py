@@ -79,7 +79,7 @@ def status(
 
     Exit codes: 0 healthy, starting or finished; 3 at risk (a corrupt checkpoint, a failed
     save, or no commit for 1.5 save intervals); 4 stopped (Slurm or the log says the run ended
-    without finishing); 1 a usage error. --json carries the same verdict.
+    without finishing); 5 unknown (Slurm here knows no such job); 1 a usage error. --json carries the same verdict.
 
     Example: slurmresume status --ckpt-dir runs/exp1 --best loss
     """

@@ -85,7 +85,7 @@ def event_details(e: dict[str, Any]) -> str:
 
 
 _VERDICT = {"healthy": "bold green", "starting": "bold cyan", "finished": "bold green", "at_risk": "bold yellow",
-            "stopped": "bold red"}
+            "stopped": "bold red", "unknown": "bold magenta"}
 
 
 def headline_view(st: Status) -> list[Text]:
