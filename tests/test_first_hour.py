@@ -328,3 +328,53 @@ def test_a_job_slurm_does_not_know_is_unknown_not_healthy(tmp_path: Path, monkey
     verdict = json.loads(res.stdout)["verdict"]
     assert res.exit_code == EXIT_UNKNOWN and verdict["verdict"] == "unknown", res.stdout
     assert "Slurm knows no job 4242" in verdict["reason"]
+
+
+def test_prune_into_a_pipe_refuses_instead_of_prompting_unseen(tmp_path: Path) -> None:
+    """`prune --keep 1 | tail` from a terminal: stdin is a terminal, stdout is not, so nobody sees
+    the question; refuse with the --yes hint instead of waiting forever. Nothing deleted."""
+    root = saved_root(tmp_path / "ck", 1, 2, 3)
+    leader, follower = os.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "slurmresume", "prune", "--keep", "1", "-d", str(root)],
+                              stdin=follower, capture_output=True, text=True, timeout=60,
+                              env=clean_env(PYTHONPATH=str(REPO), COLUMNS="200", NO_COLOR="1"))
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: refusing to delete 2 entries without confirmation: "
+                                                           "pass --yes")
+    assert all((root / f"step_{s:09d}" / "COMMITTED").exists() for s in (1, 2, 3))
+
+
+def test_status_watch_into_a_pipe_prints_each_snapshot_as_it_comes(tmp_path: Path) -> None:
+    """`status --watch 1 | tee`: the first snapshot arrives while the watch runs (rich's Live
+    printed nothing into a pipe until it exited, and nothing at all when killed by `timeout`)."""
+    import select
+
+    root = saved_root(tmp_path / "ck", 1)
+    proc = subprocess.Popen([sys.executable, "-m", "slurmresume", "status", "-d", str(root), "--watch", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env=clean_env(PYTHONPATH=str(REPO), COLUMNS="120", NO_COLOR="1", PATH="/usr/bin:/bin"))
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready and proc.poll() is None, "nothing printed while the watch runs"
+        first = os.read(proc.stdout.fileno(), 65536).decode()
+        assert "step_000000001" in first or " 1 " in first, first
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_the_watch_hint_after_submit_is_quoted_for_the_shell(tmp_path: Path) -> None:
+    import shlex
+
+    bindir = fake_slurm(tmp_path)
+    root = tmp_path / "my runs" / "exp 1"
+    proc = cli(["submit", str(SCRIPT), "--ckpt-dir", str(root)], tmp_path, {"PATH": str(bindir)})
+    assert proc.returncode == 0, proc.stderr
+    hint = next(line for line in proc.stdout.splitlines() if line.startswith("watch it:"))
+    argv = shlex.split(hint.removeprefix("watch it:"))
+    assert argv == ["slurmresume", "status", "--ckpt-dir", str(root), "--job", "4242"]

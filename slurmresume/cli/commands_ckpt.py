@@ -123,7 +123,8 @@ def status(
 
 
 def _stdin_is_tty() -> bool:
-    return sys.stdin.isatty()
+    """A prompt needs someone to read it and to answer: `prune ... | tail` must not wait on one."""
+    return sys.stdin.isatty() and sys.stdout.isatty()
 
 
 @app.command()
