@@ -5,8 +5,9 @@
 
 Each rank trains on its own part of the data (ResumableSampler), so DDP really averages
 different gradients. DDP rebuilds its gradient buckets after a process's first backward; the
-one line marked below saves that layout, so a resumed process reduces exactly like the
-uninterrupted one (with 3+ ranks the all-reduce's rounding depends on the layout).
+Checkpointer finds the DDP wrapper of `state["model"]` and saves that layout by itself, so a
+resumed process reduces exactly like the uninterrupted one (with 3+ ranks the all-reduce's
+rounding depends on the layout). Nothing to add: the wrapper only has to exist before restore.
 """
 
 import argparse
@@ -28,7 +29,7 @@ p.add_argument("--save-every", type=int, default=0, help="0: save only on the wa
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--batch-size", type=int, default=8)
 p.add_argument("--bucket-cap-mb", type=float, default=0.05, help="small: several buckets on a small model")
-p.add_argument("--no-ddp-buckets", action="store_true", help="leave the bucket layout out (tests: drifts)")
+p.add_argument("--no-ddp-buckets", action="store_true", help="turn the bucket layout off (tests: drifts)")
 p.add_argument("--ckpt-dir", default=os.environ.get("SLURMRESUME_CKPT_DIR", "runs/ddp"))
 args = p.parse_args()
 
@@ -61,8 +62,8 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 ckpt = slurmresume.Checkpointer(args.ckpt_dir, save_every=args.save_every or None)
 state = {"model": model, "optimizer": optimizer, "sampler": sampler}
-if distributed and not args.no_ddp_buckets:
-    state["ddp_buckets"] = slurmresume.DDPBuckets(ddp)  # <- the one line DDP needs
+if distributed and args.no_ddp_buckets:  # the control: the explicit override, switched off
+    state["ddp_buckets"] = slurmresume.DDPBuckets(ddp, enabled=False)
 step = ckpt.restore(state)
 
 loss = torch.tensor(float("nan"))  # a run resumed at its last step trains no more

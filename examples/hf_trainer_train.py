@@ -27,6 +27,7 @@ p.add_argument("--batch-size", type=int, default=8)
 p.add_argument("--lr", type=float, default=3e-3)
 p.add_argument("--ckpt-dir", default=os.environ.get("SLURMRESUME_CKPT_DIR", "runs/hf"))
 p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests)")
+p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
 args = p.parse_args()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the network
 
@@ -72,9 +73,12 @@ training_args = TrainingArguments(
     disable_tqdm=True,
     use_cpu=True,
     dataloader_num_workers=0,
+    eval_strategy="steps" if args.eval_every else "no",
+    eval_steps=args.eval_every or None,
 )
 resume = SlurmResumeCallback(args.ckpt_dir, save_every=args.save_every)  # <- slurmresume
 trainer = Trainer(model=model, args=training_args, train_dataset=Sequences(seed=args.seed),
+                  eval_dataset=Sequences(n=16, seed=args.seed + 1) if args.eval_every else None,
                   callbacks=[resume] + ([SlowSteps()] if args.step_sleep else []))
 trainer.train(resume_from_checkpoint=resume.resume_from(trainer))  # <- slurmresume
 if trainer.is_world_process_zero():

@@ -3,6 +3,10 @@
     python examples/train.py --steps 200 --save-every 50                # one process
     torchrun --nproc-per-node 2 examples/train.py --steps 200           # two ranks, gloo on CPU
     slurmresume drill examples/train.py --preemptions 3 -- --steps 60   # prove it resumes exactly
+    slurmresume drill examples/train.py --nproc-per-node 4 -- --steps 60  # DDP on 4 ranks: bitwise too
+
+DDP needs no line of its own: the Checkpointer finds the wrapper of state["model"] (created before
+restore) and keeps its gradient-bucket layout, which a 3+ rank resume needs to be bitwise.
 
 The checkpoint root comes from --ckpt-dir or $SLURMRESUME_CKPT_DIR (set by `slurmresume submit`).
 """

@@ -41,6 +41,7 @@ ENV_DRILL_HANG = "SLURMRESUME_DRILL_HANG"  # drill: "1:12,0:30" = rank 1 stops a
 ENV_OWNER = "SLURMRESUME_OWNER"  # the owner id of the root's lease that this run holds (ownership.py)
 ENV_MIRROR = "SLURMRESUME_MIRROR"  # s3://BUCKET/PREFIX every committed step is copied to (submit --mirror)
 ENV_DRILL_FIRST_SAVE = "SLURMRESUME_DRILL_FIRST_SAVE"  # drill: "1" = save the first step of a fresh start
+ENV_DRILL_RECORD = "SLURMRESUME_DRILL_RECORD"  # drill: directory where each rank records its steps
 # set by the user (not the launcher): "1" lets restore() start from step 0 although the root
 # holds committed step directories of which none loads (it refuses by default)
 ENV_ALLOW_FRESH_START = "SLURMRESUME_ALLOW_FRESH_START"

@@ -50,7 +50,7 @@ B = HangBudgets()
 @pytest.mark.parametrize(
     ("record", "budgets", "phase", "seconds"),
     [
-        (None, B, STARTUP, 900.0),  # no heartbeat yet
+        (None, B, "unknown", float("inf")),  # no record: never judged
         (rec(STARTUP), B, STARTUP, 900.0),
         (rec(seen=3), B, STEP, 900.0),  # still in the warm-up steps
         (rec(longest=0.05), B, STEP, 10 * 0.05 + 600),
@@ -60,6 +60,14 @@ B = HangBudgets()
         (rec(SAVE, save=100.0), B, SAVE, 5 * 100 + 300.0),
         (rec("restore"), B, "restore", 900.0),  # restore: at least the start-up budget
         (rec("busy"), B, "busy", 900.0),
+        # busy is never shorter than the step budget (60 s steps: 10 x 60 + 600), ckpt.busy(budget_s=) wins over
+        # --hang-busy, and never below the step budget either
+        (rec("busy", longest=60.0), B, "busy", 1200.0),
+        (rec("busy", longest=60.0), HangBudgets(busy_s=100), "busy", 1200.0),
+        (Record(1, 0, "busy", 10, 100.0, 100.0, 0.05, 0.0, 10, (), 0.0, 3600.0), B, "busy", 3600.0),
+        (rec("busy"), HangBudgets(busy_s=30, timeout_s=45), "busy", 45.0),
+        (rec(SAVE), HangBudgets(save_floor_s=1800), SAVE, 1800.0),  # --hang-save
+        (rec(STARTUP), HangBudgets(startup_s=60), STARTUP, 60.0),  # --hang-startup
         (rec("done"), B, "done", float("inf")),
     ],
 )
@@ -74,19 +82,19 @@ def test_save_budget_uses_the_logged_save_cost() -> None:
 def test_judge_names_the_rank_over_budget_and_everyone_state() -> None:
     b = HangBudgets(floor_s=1.0)  # budget 10 x 0.05 + 1 = 1.5 s
     records = {0: rec(step=8, t=100.0), 1: rec(step=7, t=99.0), 2: None}
-    assert judge(records, now=100.4, started=0.0, b=b) is None  # rank 1 silent 1.4 s
-    hang = judge(records, now=100.6, started=0.0, b=HangBudgets(floor_s=1.0, startup_s=1000))
+    assert judge(records, now=100.4, b=b) is None  # rank 1 silent 1.4 s
+    hang = judge(records, now=100.6, b=HangBudgets(floor_s=1.0, startup_s=1000))
     assert hang is not None and hang.ranks == (1,) and hang.step == 7 and hang.phase == STEP
     assert hang.ranks_state[0] == {"step": 8, "phase": STEP, "age_s": 0.6}
-    assert hang.ranks_state[2]["phase"] == STARTUP
+    assert hang.ranks_state[2] == {"step": None, "phase": "unknown", "age_s": None}  # shown, never judged
     # both silent: the one behind is the suspect (the other passed its step and waits for it)
-    both = judge({0: rec(step=8, t=100.0), 1: rec(step=7, t=99.95)}, now=102.0, started=0.0, b=b)
+    both = judge({0: rec(step=8, t=100.0), 1: rec(step=7, t=99.95)}, now=102.0, b=b)
     assert both is not None and both.ranks == (1,) and both.over == (0, 1) and both.step == 7
     # only the waiting rank crossed its (smaller) budget: the rank behind it is still the suspect
     # (seen in CI: rank 1 hung before step 6, rank 0 waited at step 6 and crossed first)
-    waiting = judge({0: rec(step=6, t=100.0), 1: rec(step=5, t=99.9, longest=0.5)}, now=101.55, started=0.0, b=b)
+    waiting = judge({0: rec(step=6, t=100.0), 1: rec(step=5, t=99.9, longest=0.5)}, now=101.55, b=b)
     assert waiting is not None and waiting.over == (0,) and waiting.ranks == (1,) and waiting.step == 5
-    assert judge(records, now=1e9, started=0.0, b=HangBudgets(enabled=False)) is None
+    assert judge(records, now=1e9, b=HangBudgets(enabled=False)) is None
 
 
 @pytest.mark.parametrize(("text", "parsed"), [("auto", (True, None)), ("off", (False, None)), ("600", (True, 600.0)),
@@ -106,7 +114,7 @@ def test_parse_hang_timeout_refuses(bad: str) -> None:
 # -- decide() after a hang: a table ------------------------------------------------------------
 
 def _hung(ranks: tuple[int, ...] = (1,), step: int = 7, before: int | None = 5, after: int | None = 5) -> RunResult:
-    hang = judge({r: rec(step=step, t=0.0) for r in ranks}, now=1e6, started=0.0, b=B)
+    hang = judge({r: rec(step=step, t=0.0) for r in ranks}, now=1e6, b=B)
     return RunResult(-9, None, before, after, hang=hang)
 
 
@@ -375,9 +383,155 @@ def test_a_run_failed_by_another_nodes_hang_kill_counts_as_that_hang(tmp_path: P
     kw = {"first_node": True, "requeues_done": 0, "max_requeues": None, "failures_done": 0, "max_failures": 0,
           "previous_progressed": True, "max_hangs": 3}
     got = run_torchrun(crash, dict(os.environ), root, "job.0.0", signal.SIGUSR1, Relay(signal.SIGUSR1),
-                       watch=HangWatch(hb, [0, 1], B))
+                       watch=HangWatch(hb, B, procs=2))
     assert got.kind == "hung" and got.hang is not None and got.hang.key == ((5,), 11)
     assert decide(got, **kw)[0] == "retry"
     other = run_torchrun(crash, dict(os.environ), root, "job.0.1", signal.SIGUSR1, Relay(signal.SIGUSR1),
-                         watch=HangWatch(hb, [0, 1], B))
+                         watch=HangWatch(hb, B, procs=2))
     assert other.kind == "failed" and decide(other, **kw)[0] == "give_up"  # no record for that run: a crash
+
+
+# -- issue #26: what must never be judged, and the read-found bugs -------------------------------
+
+def test_a_rank_whose_heartbeat_writes_fail_is_not_watched_and_never_hung(tmp_path: Path, monkeypatch) -> None:
+    """A full tmpfs: open works, pwrite fails with ENOSPC. The rank empties its record (one
+    warning line) and stops writing; the launcher shows it as "not watched", never as hung."""
+    import errno
+
+    from slurmresume.job.hangwatch import HangWatch
+    from slurmresume.train import heartbeat
+
+    def enospc(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(heartbeat.os, "pwrite", enospc)
+    beat = Beat(tmp_path, 2)
+    beat.beat_step(1)
+    assert beat.failed and record_path(tmp_path, 2).stat().st_size == 0
+    watch = HangWatch(tmp_path, HangBudgets(startup_s=1, floor_s=1), procs=1)
+    now = time.monotonic()
+    assert watch.poll(now, [os.getpid()]) is None
+    assert watch.poll(now + 3600, [os.getpid()]) is None and watch.unwatched == {2}
+    assert watch.summary(now + 3600)["ranks"]["2"]["phase"] == "not watched"
+    beat.close()
+
+
+def test_poll_keeps_judging_the_other_ranks_after_one_exits(tmp_path: Path) -> None:
+    """Rank 0 finishes early and exits; rank 1 then hangs: still caught (the old watch stopped
+    judging for the rest of the run once any rank's process was gone)."""
+    from slurmresume.job.hangwatch import HangWatch
+
+    early = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
+                              "from slurmresume.train.heartbeat import Beat, DONE; "
+                              f"b = Beat(Path({str(tmp_path)!r}), 0); b.beat_step(1); b.enter(DONE)"],
+                             env=clean_env(PYTHONPATH=os.environ.get("PYTHONPATH", "")))
+    beat = Beat(tmp_path, 1)
+    beat.beat_step(1)
+    watch = HangWatch(tmp_path, HangBudgets(startup_s=5, floor_s=1), procs=2)
+    now = time.monotonic()
+    assert watch.poll(now, [early.pid, os.getpid()]) is None
+    early.wait(timeout=60)
+    assert watch.poll(now + 1, [os.getpid()]) is None  # rank 0 gone: a death seen, rank 1 fine
+    hang = watch.poll(now + 60, [os.getpid()])
+    assert hang is not None and hang.ranks == (1,) and 0 not in hang.over
+    beat.close()
+
+
+def test_two_beats_in_one_process_keep_the_stack_dump_registered(tmp_path: Path) -> None:
+    """Two Checkpointers in one process: closing either leaves the dump signal registered for
+    the other (the old close unregistered it), and closing both unregisters it."""
+    got: list[int] = []
+    previous = signal.signal(signal.SIGUSR2, lambda s, f: got.append(s))  # what an unregistered dump falls back to
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    try:
+        a, b = Beat(a_dir, 0), Beat(b_dir, 1)
+        a.register_dumps(a_dir, signal.SIGUSR2)
+        b.register_dumps(b_dir, signal.SIGUSR2)
+        a.close()  # not the holder: b's registration stays
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.2)
+        assert got == [] and "most recent call first" in (b_dir / "rank-00001.stacks").read_text()
+        c = Beat(a_dir, 2)
+        c.register_dumps(a_dir, signal.SIGUSR2)
+        c.close()  # the holder: handed back to b
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.2)
+        assert got == [] and (b_dir / "rank-00001.stacks").read_text().count("most recent call first") >= 2
+        b.close()  # the last one: unregistered, the previous handler is back
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.2)
+        assert got == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_the_wait_for_torchrun_after_a_hang_kill_is_bounded(monkeypatch) -> None:
+    """An agent that cannot die (D state on a hung NFS) must not block the restart."""
+    from slurmresume.job import launcher
+
+    monkeypatch.setattr(launcher, "KILL_REAP_S", 0.3)
+    stuck = subprocess.Popen(["sleep", "30"])
+    try:
+        began = time.monotonic()
+        assert launcher._reap(stuck, "job.0.0") == -signal.SIGKILL
+        assert time.monotonic() - began < 5
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
+def test_a_hang_before_any_checkpoint_says_from_the_start() -> None:
+    action, reason = decide(_hung(before=None, after=None), first_node=True, requeues_done=0, max_requeues=None,
+                            failures_done=0, max_failures=0, previous_progressed=None, max_hangs=3)
+    assert action == "retry" and "from the start (no complete checkpoint yet)" in reason and "None" not in reason
+
+
+def test_a_save_whose_files_grow_is_alive_and_one_that_stops_is_not(tmp_path: Path) -> None:
+    """Save budget 1 s (--hang-save 1, no save measured yet): while the bytes of the save in
+    progress under the root move, the saving rank is not silent; once they stop, it is judged
+    from the last move (the old watch killed a big first save at the floor however it moved)."""
+    from slurmresume.job.hangwatch import HangWatch
+
+    root, hb = tmp_path / "ckpt", tmp_path / "hb"
+    saving = root / ".saving.step_000000005.0123456789abcdef"
+    saving.mkdir(parents=True)
+    hb.mkdir()
+    shard = saving / "rank-00000-of-00001.safetensors"
+    shard.write_bytes(b"x" * 10)
+    beat = Beat(hb, 0)
+    beat.beat_step(5)
+    beat.enter(SAVE)
+    watch = HangWatch(hb, HangBudgets(save_floor_s=1.0), procs=1, root=root)
+    t = time.monotonic()
+    assert watch.poll(t, [os.getpid()]) is None
+    shard.write_bytes(b"x" * 20)  # the writer moved bytes
+    assert watch.poll(t + 1.5, [os.getpid()]) is None  # over the 1 s budget by its heartbeat, alive by its bytes
+    assert watch.poll(t + 2.0, [os.getpid()]) is None
+    hang = watch.poll(t + 2.7, [os.getpid()])  # nothing moved since t + 1.5
+    assert hang is not None and hang.ranks == (0,) and hang.phase == SAVE and hang.silent_s == pytest.approx(1.2)
+    beat.close()
+
+
+def test_a_restore_whose_mirror_pull_moves_bytes_is_alive(tmp_path: Path) -> None:
+    """The same for a restore pulling a step from the mirror into `<root>/.mirror-download.*`."""
+    from slurmresume.job.hangwatch import HangWatch
+    from slurmresume.mirror.transfer import DOWNLOAD_PREFIX
+
+    root, hb = tmp_path / "ckpt", tmp_path / "hb"
+    pull = root / f"{DOWNLOAD_PREFIX}step_000000005.1.abcdef12"
+    pull.mkdir(parents=True)
+    hb.mkdir()
+    part = pull / "rank-00000-of-00001.safetensors"
+    part.write_bytes(b"x")
+    beat = Beat(hb, 0)
+    beat.enter("restore")
+    watch = HangWatch(hb, HangBudgets(startup_s=1.0, save_floor_s=1.0), procs=1, root=root)
+    t = time.monotonic()
+    assert watch.poll(t, [os.getpid()]) is None
+    part.write_bytes(b"xx")
+    assert watch.poll(t + 1.5, [os.getpid()]) is None
+    hang = watch.poll(t + 2.7, [os.getpid()])
+    assert hang is not None and hang.phase == "restore"
+    beat.close()

@@ -13,16 +13,25 @@ import typer
 
 from ..errors import ConfigError
 from ..job.config import JobSpec, check_text, load_defaults, parse_sbatch_extras, split_signal
+from ..job.hang import HangBudgets
 from .app import app, handle_errors
 
 # Shown in --help as "(default: ...)": rich would swallow "[default: ...]" as markup. No default for
 # --time (the partition's DefaultTime applies) nor --max-requeues (no cap while runs progress).
 _DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_failures": 0, "hang_timeout": "auto",
              "max_hangs": 3}
-_HANG_TIMEOUT_HELP = ("Hang watch: a rank silent longer than its phase's budget gets every rank's stacks dumped, then "
-                      "the run is killed and restarted in the allocation. auto: 10x the longest step + 120 s after 3 "
-                      "warm-up steps; start-up 900 s; save/restore 5x the longest save + 300 s. SECONDS: that step "
-                      "budget instead. off: no watch. (default: auto)")
+_HB = HangBudgets()  # the numbers --help shows are the ones the hang watch uses
+_HANG_TIMEOUT_HELP = ("Hang watch, step budget: a rank silent longer than its phase's budget gets every rank's stacks "
+                      "dumped, then the run is killed and restarted in the allocation. auto: "
+                      f"{_HB.multiple:g}x the longest step + {_HB.floor_s:g} s after {_HB.warmup_steps} warm-up steps "
+                      "(which get --hang-startup). SECONDS: that step budget instead. off: no watch. (default: auto)")
+_HANG_STARTUP_HELP = ("Hang watch: seconds a rank may take from creating its Checkpointer through its first "
+                      f"{_HB.warmup_steps} steps (data, compilation); a restore gets at least this. "
+                      f"(default: {_HB.startup_s:g})")
+_HANG_BUSY_HELP = ("Hang watch: seconds a `with ckpt.busy():` stretch (an evaluation) may take; never less than the "
+                   f"step budget; ckpt.busy(budget_s=) overrides it. (default: {_HB.busy_s:g})")
+_HANG_SAVE_HELP = (f"Hang watch: a save or restore may take {_HB.save_multiple:g}x the longest save seen (this run or "
+                   f"the log's) + this many seconds. (default: {_HB.save_floor_s:g})")
 
 Opt = typer.Option
 
@@ -140,6 +149,9 @@ def submit(
     max_requeues: Annotated[int | None, Opt(help="Cap on requeues (warnings and time limits alike). (default: no cap while each run commits a newer step; two runs in a row without one stop the job)")] = None,
     max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. (default: 0)")] = None,
     hang_timeout: Annotated[str | None, Opt(metavar="auto|SECONDS|off", help=_HANG_TIMEOUT_HELP)] = None,
+    hang_startup: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_STARTUP_HELP)] = None,
+    hang_busy: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_BUSY_HELP)] = None,
+    hang_save: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_SAVE_HELP)] = None,
     max_hangs: Annotated[int | None, Opt(help="In-allocation restarts after a hang; the same hang twice in a row without a new checkpoint stops (and under Slurm holds) the job. (default: 3)")] = None,
     gres: Annotated[str | None, Opt(help="Generic resources per node, as sbatch's --gres, e.g. gpu:a100:4. (default: none)")] = None,
     setup: Annotated[list[str] | None, Opt(metavar="LINE", help="A shell line the batch script runs before the launcher (repeatable, in order), e.g. --setup 'module load cuda/12.4' --setup 'source ~/venv/bin/activate'. (default: none)")] = None,
@@ -226,6 +238,14 @@ def submit(
         print_submitted(sub.job_id, sub.log_dir, sub.sbatch_script if dry_run else None, sub.torchrun, spec.ckpt_dir)
 
 
+def _next_command(spec: JobSpec) -> str:
+    """What to type after a PASS: the same script and arguments, submitted to Slurm."""
+    import shlex
+
+    args = f" -- {shlex.join(spec.script_args)}" if spec.script_args else ""
+    return f"slurmresume submit {shlex.quote(str(spec.script))} --nproc-per-node {spec.procs}{args}"
+
+
 @app.command()
 @handle_errors
 def drill(
@@ -233,21 +253,23 @@ def drill(
     script_args: ArgsArg = None,
     preemptions: Annotated[int | None, Opt(help="Warnings to inject at random steps. (default: 3, or 0 with --hang)", min=1)] = None,
     hang: Annotated[int, Opt("--hang", help="Hangs to inject instead: a seeded rank stops making progress at a seeded step; each must be detected, dumped for every rank and restarted in the allocation. (default: 0)", min=0)] = 0,
-    hang_timeout: Annotated[str, Opt(metavar="auto|SECONDS|off", help="As for submit; auto in a hang drill uses a 5 s floor instead of 120 s and a 120 s start-up budget (the script is short and its steps are measured). (default: auto)")] = "auto",
+    hang_timeout: Annotated[str, Opt(metavar="auto|SECONDS|off", help="As for submit; auto in a hang drill uses a 5 s floor instead of 600 s and a 120 s start-up budget (the script is short and its steps are measured). (default: auto)")] = "auto",
     nproc_per_node: Annotated[int, Opt(help="Processes (gloo on CPU, NCCL on GPU).", min=1)] = 1,
     seed: Annotated[int, Opt(help="Seed for choosing the preemption steps.")] = 0,
     workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints: a new or empty directory, or one an earlier drill created (only its run folders are replaced).")] = Path("runs/drill"),
-    ignore: Annotated[list[str] | None, Opt(help="What may differ (repeatable): a state key (e.g. a wall-clock metric), one RNG stream (rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda) or all of them (rng). (default: none)")] = None,
+    ignore: Annotated[list[str] | None, Opt(help="What may differ (repeatable): a state key or a metrics= key (fnmatch pattern for metrics, e.g. '*_runtime'), one RNG stream (rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda) or all of them (rng). (default: none)")] = None,
     json_out: Annotated[bool, Opt("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Prove that TRAIN_SCRIPT resumes exactly, here, before spending cluster hours.
 
     Runs it once uninterrupted and once with --preemptions warning signals at seeded random
     steps (through the real launcher and torchrun), then compares the final checkpoints tensor
-    by tensor. Exit 0 when bitwise equal; exit 1 naming what differs, causes first (RNG streams,
-    plain values and user objects, then the optimizer and model they feed). An RNG stream that
-    differed between the runs already at their first step is reported as never seeded, not
-    failed.
+    by tensor. Exit 0 when bitwise equal, every restart restored the step the run before it
+    committed and went on from the next one, and the metrics= both runs passed agree bitwise at
+    every step; exit 1 naming what differs, causes first (RNG streams, plain values and user
+    objects, then the optimizer and model they feed). An RNG stream that differed between the
+    runs already at their first step is reported as never seeded, not failed. Hermetic: both
+    runs live under --workdir; no configured mirror is used. Ctrl-C: exit 130, no verdict.
 
     With --hang N it injects N hangs instead, and passes only when each was detected, every rank's
     stacks were dumped, the run restarted inside the allocation, and the final checkpoint is
@@ -257,7 +279,7 @@ def drill(
     Example: slurmresume drill examples/train.py --hang 2 --nproc-per-node 2 -- --steps 40
     """
     from ..tools.compare import culprits
-    from ..tools.drill import run_drill
+    from ..tools.drill import DrillInterrupted, run_drill
     from .render_job import print_drill, print_json
 
     if hang and preemptions:
@@ -267,17 +289,22 @@ def drill(
                                        "hang_timeout": hang_timeout})
     _preflight(spec, strict_script=False)
     # --json: stdout carries the verdict alone (`| jq` works); the runs' output goes to stderr
-    with _stdout_to_stderr() if json_out else contextlib.nullcontext():
-        report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,
-                           ignore_keys=tuple(ignore or ()), hangs=hang)
+    try:
+        with _stdout_to_stderr() if json_out else contextlib.nullcontext():
+            report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,
+                               ignore_keys=tuple(ignore or ()), hangs=hang)
+    except (DrillInterrupted, KeyboardInterrupt):
+        typer.echo(f"drill interrupted (Ctrl-C): no verdict; what ran so far is under {workdir}", err=True)
+        raise typer.Exit(130) from None
     if json_out:
         print_json({"ok": report.ok, "steps": report.steps, "planned": report.planned,
                     "preemptions": report.preemptions, "missed": report.missed, "saved_steps": report.saved_steps,
-                    "hangs": report.hang_json(),
+                    "hangs": report.hang_json(), "resume_problems": report.resume_problems,
+                    "metric_difference": report.metric_difference and vars(report.metric_difference),
                     "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint,
                                      "cause": d.cause, "culprit": d in culprits(report.differences)}
                                     for d in report.differences]})
     else:
-        print_drill(report)
+        print_drill(report, next_command=_next_command(spec))
     if not report.ok:
         raise typer.Exit(1)

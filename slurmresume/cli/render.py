@@ -90,7 +90,8 @@ _VERDICT = {"healthy": "bold green", "starting": "bold cyan", "finished": "bold 
 
 def headline_view(st: Status) -> list[Text]:
     """Three lines: the verdict and why; the last step, its age, speed and ETA; the newest
-    complete checkpoint, its age, and the work a crash now would lose."""
+    complete checkpoint, its age, and the work a crash now would lose; after a requeue or a
+    failure, a fourth: their measured down time and lost work, and its share of the wall time."""
     fd, h, job = format_duration, st.verdict, st.job
     assert h is not None
     first = Text.assemble((h.verdict.replace("_", " ").upper(), _VERDICT[h.verdict]), f"  {h.reason}")
@@ -116,7 +117,8 @@ def headline_view(st: Status) -> list[Text]:
         if h.at_stake_s is not None:
             lost = f"{fd(h.at_stake_s)}" + (f" ({h.at_stake_steps} steps)" if h.at_stake_steps else "")
             third.append(f"; a crash now loses {lost} of work")
-    return [first, Text(second), third]
+    cost = st.preemption_cost  # the fourth line: what requeues and failures cost so far
+    return [first, Text(second), third] + ([Text(f"interruptions: {cost['summary']}")] if cost else [])
 
 
 def lead_line(st: Status) -> Text | None:

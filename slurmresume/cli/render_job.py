@@ -33,7 +33,7 @@ def print_submitted(job_id: str, log_dir: Path, script: str | None, torchrun: li
     console.print(f"watch it:    slurmresume status --ckpt-dir {shlex.quote(str(ckpt_dir))} --job {job_id}", markup=False)
 
 
-def print_drill(report: Any) -> None:
+def print_drill(report: Any, next_command: str = "") -> None:
     table = Table(title="slurmresume drill", show_header=False)
     table.add_row("steps", str(report.steps))
     if report.hangs_planned:
@@ -51,9 +51,15 @@ def print_drill(report: Any) -> None:
     console.print(table, markup=False)
     if report.ok:
         what = "restarted after every hang and " if report.hangs_planned else ""
-        console.print(f"[green]PASS[/green]: the run {what}ended bitwise equal to the uninterrupted one")
+        console.print(f"[green]PASS[/green]: the run {what}ended bitwise equal to the uninterrupted one, "
+                      "every restart resumed the committed step, and the metrics agreed at every step")
+        if report.workdir is not None:
+            console.print(f"runs:  {report.workdir}/uninterrupted and {report.workdir}/preempted "
+                          f"(slurmresume status --ckpt-dir {report.workdir}/preempted)", markup=False)
+        if next_command:
+            console.print(f"next:  {next_command}", markup=False)
         return
-    for problem in report.hang_problems:
+    for problem in [*report.resume_problems, *report.hang_problems]:
         console.print(f"[red]FAIL[/red]: {escape(problem)}", markup=True, highlight=False)
     if not report.hangs_planned and report.preemptions == 0:
         console.print("[red]FAIL[/red]: no warning led to a save and restart (is ckpt.step() called every step?)")
@@ -69,3 +75,5 @@ def print_drill(report: Any) -> None:
         more = f" (+{len(diffs) - 1} more under '{top}')" if len(diffs) > 1 else ""
         label = "[yellow]NOTE[/yellow]" if d.note.startswith("never seeded") else "[red]FAIL[/red]"
         console.print(f"{label}: {d}{more}", markup=True, highlight=False)
+    if report.metric_difference is not None:  # after the state: a differing state explains it
+        console.print(f"[red]FAIL[/red]: {escape(str(report.metric_difference))}", markup=True, highlight=False)

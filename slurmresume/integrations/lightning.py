@@ -14,7 +14,9 @@ What the callback does (every rank):
   and loads the newest complete checkpoint, if any, into Lightning's own restore path (model,
   callbacks, loops' progress, optimizers, LR schedulers, precision plugin, datamodule,
   dataloader position), and this rank's Python/NumPy/torch RNG states.
-- `on_train_batch_end`, after each optimizer step: advances each `ResumableDataLoader`, then
+- after each optimizer step, once every `on_train_batch_end` ran (the callbacks', in any order,
+  then the LightningModule's own, which the callback wraps in `setup`): advances each
+  `ResumableDataLoader`, then
   `Checkpointer.step(global_step, ...)`: the per-step agreement across ranks; on the warning
   every rank saves that same step (Lightning's checkpoint dict, built by Lightning's
   `dump_checkpoint`, stored without pickle: tensors in safetensors, the rest in tagged JSON)
@@ -26,6 +28,7 @@ Lightning itself is imported only by this module.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator, Sized
@@ -151,9 +154,11 @@ class SlurmResume(pl.Callback):
                         "async_save": async_save, "verify_on_restore": verify_on_restore}
         self.final_save = final_save
         self.ckpt: Checkpointer | None = None
+        self._busy: contextlib.ExitStack | None = None  # an evaluation loop in progress, under ckpt.busy()
         self.restored_step = 0
         self._state: dict[str, Any] = {}
         self._last_step: int | None = None
+        self._unhook: tuple[Any, Any] | None = None  # the module whose hook runs our step boundary
 
     # -- set-up: Lightning's handlers off, ours on, restore through Lightning's own path --------
 
@@ -161,6 +166,7 @@ class SlurmResume(pl.Callback):
         if stage != "fit" or self.ckpt is not None:
             return
         disable_lightning_signal_handling(trainer)
+        self._hook_after_module(trainer, pl_module)
         self.ckpt = Checkpointer(self.root, **self.options)
         holder = _TrainerState(trainer)
         self._state = {STATE_KEY: holder}
@@ -184,8 +190,21 @@ class SlurmResume(pl.Callback):
 
     # -- the step boundary ------------------------------------------------------------------
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def _hook_after_module(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The step boundary runs after the LightningModule's own `on_train_batch_end`, which
+        Lightning calls after every callback's (whatever their order in `callbacks=[...]`): an
+        emergency save then holds what every hook of the step did (an EMA updated there)."""
+        own = pl_module.__dict__.get("on_train_batch_end")
+        original = pl_module.on_train_batch_end
+
+        def on_train_batch_end(outputs: Any, batch: Any, batch_idx: int) -> None:
+            original(outputs, batch, batch_idx)
+            self._step_boundary(trainer)
+
+        pl_module.on_train_batch_end = on_train_batch_end  # type: ignore[method-assign]
+        self._unhook = (pl_module, own)
+
+    def _step_boundary(self, trainer: pl.Trainer) -> None:
         for loader in _resumable_loaders(trainer):
             loader.advance_one_batch()
         step = trainer.global_step
@@ -201,7 +220,48 @@ class SlurmResume(pl.Callback):
         if self.ckpt is not None and self.final_save and self.ckpt.last_saved_step != trainer.global_step:
             self.ckpt.save(trainer.global_step, self._state, metrics=_metrics(trainer), reason="final")
 
+    # -- evaluation loops: under ckpt.busy(), judged by the busy budget (never less than a step's) ----
+
+    def _busy_begin(self, what: str) -> None:
+        if self.ckpt is not None and self._busy is None:
+            self._busy = contextlib.ExitStack()
+            self._busy.enter_context(self.ckpt.busy(what))
+
+    def _busy_end(self) -> None:
+        if self._busy is not None:
+            stack, self._busy = self._busy, None
+            stack.close()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_begin("validation")
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_begin("test")
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_begin("predict")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_end()
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_end()
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._busy_end()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._busy_end()
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._busy_end()
+        if stage == "fit" and self._unhook is not None:
+            module, own = self._unhook
+            self._unhook = None
+            if own is None:
+                del module.on_train_batch_end
+            else:
+                module.on_train_batch_end = own
         if stage == "fit" and self.ckpt is not None:
             self.ckpt.close()
             self.ckpt = None

@@ -19,7 +19,8 @@ What it does (every rank):
 - the RNG states are put back exactly where `Trainer` would put back its own: before the
   epoch's data iterator is created when the checkpoint ended an epoch, else after the skipped
   batches have been drawn (at the first `on_step_begin`).
-- `on_step_end`, after each optimizer step: `Checkpointer.step(global_step, ...)`: the per-step
+- after each optimizer step (`on_step_end`, or, when Trainer evaluates or saves at that step,
+  once it did: `on_evaluate`/`on_save`): `Checkpointer.step(global_step, ...)`: the per-step
   agreement; on the warning every rank saves that same step and exits for the launcher to
   requeue. Periodic saves follow `save_every` / `save_policy`. The last step (`max_steps`) is
   saved as the final checkpoint (what `slurmresume drill` compares).
@@ -29,6 +30,7 @@ transformers itself is imported only by this module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -80,10 +82,12 @@ class SlurmResumeCallback(TrainerCallback):
                         "verify_on_restore": verify_on_restore}
         self.final_save = final_save
         self.ckpt: Checkpointer | None = None
+        self._busy: contextlib.ExitStack | None = None  # Trainer's evaluation/save after a step, under ckpt.busy()
         self.restored_step = 0
         self._state: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._resume_dir: str | None = None
+        self._deferred: int | None = None  # a step whose boundary waits for its evaluation / save
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -131,6 +135,7 @@ class SlurmResumeCallback(TrainerCallback):
             rng.restore(self._pending.pop("rng"))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._busy_end()
         if "rng" in self._pending:  # mid-epoch: after the skipped batches were drawn
             rng.restore(self._pending.pop("rng"))
         if self._resume_dir is not None:
@@ -142,13 +147,51 @@ class SlurmResumeCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.ckpt is None:
             return
+        if control.should_evaluate or control.should_save:
+            # Trainer evaluates and saves after on_step_end: the step ends once they ran (an
+            # evaluation draws from the global RNG; a resumed run would skip it)
+            self._deferred = state.global_step
+            return
+        self._step_boundary(state)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._deferred == state.global_step and not control.should_save:
+            self._step_boundary(state)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._deferred == state.global_step:
+            self._step_boundary(state)
+
+    def _step_boundary(self, state: Any) -> None:
+        self._deferred = None
+        if self.ckpt is None:
+            return
         metrics = {"loss": state.log_history[-1]["loss"]} if state.log_history and "loss" in state.log_history[-1] \
             else None
         self.ckpt.step(state.global_step, self._state, metrics=metrics)
         if self.final_save and state.max_steps and state.global_step >= state.max_steps:
             self.ckpt.save(state.global_step, self._state, metrics=metrics, reason="final")
+        self._busy_begin(control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._busy_begin(control)
+
+    def _busy_begin(self, control: Any) -> None:
+        """Trainer evaluates, predicts and saves its own checkpoint after on_step_end/on_epoch_end
+        when the flow callback (first in the list) set these flags: under ckpt.busy() until the
+        next step begins, so the hang watch judges them by the busy budget."""
+        wanted = getattr(control, "should_evaluate", False) or getattr(control, "should_save", False)
+        if self.ckpt is not None and self._busy is None and wanted:
+            self._busy = contextlib.ExitStack()
+            self._busy.enter_context(self.ckpt.busy("evaluate/save"))
+
+    def _busy_end(self) -> None:
+        if self._busy is not None:
+            stack, self._busy = self._busy, None
+            stack.close()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._busy_end()
         if self.ckpt is None:
             return
         if self.final_save and self.ckpt.last_saved_step != state.global_step:

@@ -118,7 +118,10 @@ class JobSpec:
     mirror: str | None = None  # s3://BUCKET/PREFIX: exported as SLURMRESUME_MIRROR (slurmresume/mirror/)
     hang_timeout: str = "auto"  # "auto" | "off" | SECONDS (hang.py): the step budget of the hang watch
     max_hangs: int = 3  # in-allocation restarts after a hang, per allocation (a requeue starts afresh)
-    hang_budgets: HangBudgets = field(default_factory=HangBudgets)  # library/drill only: the other budgets
+    hang_startup: float | None = None  # --hang-startup SECONDS: start-up and warm-up budget (None: hang_budgets')
+    hang_busy: float | None = None  # --hang-busy SECONDS: ckpt.busy() budget, at least the step budget
+    hang_save: float | None = None  # --hang-save SECONDS: the save/restore budget's floor
+    hang_budgets: HangBudgets = field(default_factory=HangBudgets)  # library/drill: every budget (the knobs win)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -135,6 +138,10 @@ class JobSpec:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         parse_hang_timeout(self.hang_timeout)  # ConfigError naming the value
+        for name in ("hang_startup", "hang_busy", "hang_save"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v!r}")
         for name in ("max_requeues", "max_failures", "max_hangs"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -181,7 +188,11 @@ class JobSpec:
         from dataclasses import replace
 
         enabled, seconds = parse_hang_timeout(self.hang_timeout)
-        return replace(self.hang_budgets, enabled=enabled, timeout_s=seconds)
+        b = self.hang_budgets
+        return replace(b, enabled=enabled, timeout_s=seconds,
+                       startup_s=b.startup_s if self.hang_startup is None else float(self.hang_startup),
+                       busy_s=b.busy_s if self.hang_busy is None else float(self.hang_busy),
+                       save_floor_s=b.save_floor_s if self.hang_save is None else float(self.hang_save))
 
     @property
     def procs(self) -> int:

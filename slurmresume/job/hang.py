@@ -1,15 +1,23 @@
 """Hang decisions, pure: how long each phase may go without a heartbeat, which ranks are stuck,
-whether a hang is the same as the last one, which rank straggles. Time is always passed in.
+whether a hang is the same as the last one, which rank straggles. Time is always passed in, and
+it is CLOCK_MONOTONIC (heartbeat.py): a wall-clock step never makes or hides a hang.
 
-The budgets (README, "Hang detection"), per rank and per phase:
-    start-up  (no step() yet: imports, NCCL init, data, restore)    startup_s            (900 s)
-    step      during the first `warmup_steps` steps                 startup_s
-              after them, auto:    multiple x longest step seen + floor_s    (10 x + 600 s)
-              after them, SECONDS: that many seconds
-    busy      (`with ckpt.busy("eval"):` between steps)            startup_s
-    save      (a synchronous or emergency save in progress)         save_multiple x longest save
-    restore                                                          + save_floor_s  (5 x + 300 s),
-                                                                     restore: at least startup_s
+The rules (README, "Hang detection"):
+- Only a rank's own record can condemn it. A rank with no record ("unknown": it has not created
+  its Checkpointer, or it cannot publish) and a rank whose record is empty ("not watched") are
+  shown, never judged.
+- The budgets, per rank and per phase (the CLI knob in brackets):
+    start-up  (no step() yet: imports, NCCL init, data)        startup_s  (--hang-startup, 900 s)
+    step      during the first `warmup_steps` steps             startup_s
+              after them, auto: multiple x longest step + floor_s      (10 x + 600 s)
+              after them, --hang-timeout SECONDS: that many seconds
+    busy      (`with ckpt.busy("eval"):` between steps)         the larger of busy_s (--hang-busy, 900 s)
+              or `ckpt.busy(..., budget_s=)`, and the rank's step budget (never less than not wrapping)
+    save      (a synchronous or emergency save in progress)     save_multiple x longest save
+                                                                + save_floor_s (--hang-save, 5 x + 300 s),
+              counted from the later of its last heartbeat and the last time the bytes of a save in
+              progress under the root moved (a save whose files visibly grow is alive)
+    restore                                                     the save budget, at least startup_s
 The longest save is the larger of this run's and the log's recent saves (`save_cost_s`).
 """
 
@@ -25,6 +33,7 @@ from ..train.heartbeat import BUSY, RESTORE, SAVE, STARTUP, STEP, Record
 
 STRAGGLER_MARGIN = 0.2  # a rank whose median step is 20% above the others' median is named
 STRAGGLER_MIN_SAMPLES = 20
+UNKNOWN, UNWATCHED = "unknown", "not watched"  # shown for ranks that are never judged
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,14 +47,16 @@ class HangBudgets:
     # steps that is not wrapped in ckpt.busy() gets that long before it is taken for a hang
     floor_s: float = 600.0
     warmup_steps: int = 3  # steps judged by startup_s (first steps compile, warm caches, build buckets)
-    startup_s: float = 900.0
+    startup_s: float = 900.0  # --hang-startup
+    busy_s: float = 900.0  # --hang-busy: `ckpt.busy()` without budget_s (never less than the step budget)
     save_multiple: float = 5.0  # save/restore budget: save_multiple x longest save + save_floor_s
-    save_floor_s: float = 300.0
+    save_floor_s: float = 300.0  # --hang-save
 
     def __post_init__(self) -> None:
-        for name in ("multiple", "floor_s", "startup_s", "save_multiple", "save_floor_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"hang budget {name} must be > 0, got {getattr(self, name)}")
+        for name in ("multiple", "floor_s", "startup_s", "busy_s", "save_multiple", "save_floor_s"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ConfigError(f"hang budget {name} must be a positive number of seconds, got {value}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ConfigError(f"--hang-timeout must be auto, off or a positive number of seconds, got {self.timeout_s}")
 
@@ -53,8 +64,10 @@ class HangBudgets:
         if not self.enabled:
             return "off"
         step = f"{self.timeout_s:g} s" if self.timeout_s is not None else f"{self.multiple:g}x longest step + {self.floor_s:g} s"
-        return (f"step: {step} (after {self.warmup_steps} warm-up steps); start-up: {self.startup_s:g} s; "
-                f"save/restore: {self.save_multiple:g}x longest save + {self.save_floor_s:g} s")
+        return (f"step: {step} (after {self.warmup_steps} warm-up steps: {self.startup_s:g} s); "
+                f"start-up: {self.startup_s:g} s; busy: {self.busy_s:g} s, at least the step budget; "
+                f"save: {self.save_multiple:g}x longest save + {self.save_floor_s:g} s; "
+                f"restore: the save budget, at least {self.startup_s:g} s")
 
 
 def parse_hang_timeout(value: str) -> tuple[bool, float | None]:
@@ -73,23 +86,30 @@ def parse_hang_timeout(value: str) -> tuple[bool, float | None]:
     return True, seconds
 
 
+def step_budget(rec: Record, b: HangBudgets) -> float:
+    """The budget of a rank between two step() calls (start-up during the warm-up steps)."""
+    if rec.steps_seen <= b.warmup_steps or rec.longest_step <= 0:
+        return b.startup_s
+    if b.timeout_s is not None:
+        return b.timeout_s
+    return b.multiple * rec.longest_step + b.floor_s
+
+
 def budget(rec: Record | None, b: HangBudgets, save_cost_s: float = 0.0) -> tuple[str, float]:
-    """(phase, seconds the rank may go without a heartbeat in it). No record yet: start-up."""
-    if rec is None or rec.phase == STARTUP:
+    """(phase, seconds the rank may go without a heartbeat in it). No record: never judged (inf)."""
+    if rec is None:
+        return UNKNOWN, float("inf")
+    if rec.phase == STARTUP:
         return STARTUP, b.startup_s
     if rec.phase == BUSY:
-        return BUSY, b.startup_s
+        return BUSY, max(rec.budget_s or b.busy_s, step_budget(rec, b))
     save = b.save_multiple * max(rec.longest_save, save_cost_s) + b.save_floor_s
     if rec.phase == SAVE:
         return SAVE, save
     if rec.phase == RESTORE:
         return RESTORE, max(b.startup_s, save)
     if rec.phase == STEP:
-        if rec.steps_seen <= b.warmup_steps or rec.longest_step <= 0:
-            return STEP, b.startup_s
-        if b.timeout_s is not None:
-            return STEP, b.timeout_s
-        return STEP, b.multiple * rec.longest_step + b.floor_s
+        return STEP, step_budget(rec, b)
     return rec.phase, float("inf")  # done: the script is finishing; torchrun's exit decides
 
 
@@ -103,8 +123,8 @@ class Hang:
     step: int  # the lowest last step among them (-1: before any step)
     silent_s: float  # how long the first of them had been silent
     budget_s: float
-    last_heartbeat: float  # time.time() of that rank's last heartbeat (or of the run's start)
-    ranks_state: dict[int, dict[str, Any]]  # rank -> {step, phase, age_s}
+    last_heartbeat: float  # time.monotonic() of that rank's last heartbeat
+    ranks_state: dict[int, dict[str, Any]]  # rank -> {step, phase, age_s} (unknown ranks: step, age None)
     over: tuple[int, ...] = ()  # every rank over its budget at the verdict
 
     @property
@@ -113,18 +133,24 @@ class Hang:
         return self.ranks, self.step
 
 
-def judge(records: dict[int, Record | None], now: float, started: float, b: HangBudgets,
-          save_cost_s: float = 0.0) -> Hang | None:
-    """`records`: this node's ranks (None: no heartbeat yet, silent since `started`)."""
+def judge(records: dict[int, Record | None], now: float, b: HangBudgets, save_cost_s: float = 0.0,
+          unwatched: frozenset[int] = frozenset(), io_at: float | None = None) -> Hang | None:
+    """`records`: this node's ranks (None: no record, "unknown"); `unwatched`: ranks whose writes
+    failed. Both are shown in the state and never judged. `now`: time.monotonic(). `io_at`: when
+    the bytes of a save in progress last moved: a rank saving or restoring is silent only since
+    then (a save whose files visibly grow is alive)."""
     if not b.enabled:
         return None
     every: list[tuple[float, int, str, float, float]] = []
     state: dict[int, dict[str, Any]] = {}
     for rank, rec in sorted(records.items()):
-        last = rec.time if rec is not None else started
+        if rec is None or rank in unwatched:
+            state[rank] = {"step": None, "phase": UNWATCHED if rank in unwatched else UNKNOWN, "age_s": None}
+            continue
         phase, allowed = budget(rec, b, save_cost_s)
+        last = max(rec.time, io_at) if io_at is not None and phase in (SAVE, RESTORE) else rec.time
         silent = now - last
-        state[rank] = {"step": rec.step if rec is not None else -1, "phase": phase, "age_s": round(silent, 3)}
+        state[rank] = {"step": rec.step, "phase": phase, "age_s": round(silent, 3)}
         every.append((last, rank, phase, silent, allowed))
     over = sorted(o for o in every if o[3] > o[4])
     if not over:
@@ -134,8 +160,9 @@ def judge(records: dict[int, Record | None], now: float, started: float, b: Hang
     # rank that stops before its next step() leaves the others a step ahead, waiting in a
     # collective; budgets differ per rank, so a waiting rank may cross its budget first). A rank
     # still in start-up is never "behind": the others cannot have passed a collective without it.
+    judged = {r for _, r, _, _, _ in every}
     ahead = min(state[r]["step"] for r in silent_ranks)
-    behind = {r for r, s in state.items() if s["phase"] != STARTUP and s["step"] < ahead}
+    behind = {r for r in judged if state[r]["phase"] != STARTUP and state[r]["step"] < ahead}
     candidates = set(silent_ranks) | behind
     step = min(state[r]["step"] for r in candidates)
     suspects = tuple(r for r in sorted(candidates) if state[r]["step"] == step)

@@ -1,8 +1,14 @@
-"""The launcher's side of the heartbeat channel: read this node's ranks' records on the launcher's
-clock, judge them (hang.judge, pure), and when a rank is stuck dump every rank's stacks before the
-run is killed. Also publishes a small per-node summary to the shared root for `status` (the
-heartbeat files themselves are node-local), and measures the time from a death or a kill to the
-first step of the next run.
+"""The launcher's side of the heartbeat channel: read this node's ranks' records on the shared
+monotonic clock, judge them (hang.judge, pure), and when a rank is stuck dump every rank's stacks
+before the run is killed. Also publishes a small per-node summary to the shared root for `status`
+(the heartbeat files themselves are node-local), and measures the time from a death or a kill to
+the first step of the next run.
+
+Which ranks: those this launcher's own agent started, never a range computed from SLURM_NODEID
+(torchrun's c10d rendezvous numbers nodes by sorting host names and agent pids, not by Slurm's
+order). They are learned from the agent's children (their RANK in /proc/<pid>/environ) and from
+the records that appear in this node's directory; a rank with no record is "unknown", and one
+whose writes failed is "not watched": both are shown, neither is ever judged.
 
 Dumps go to `<log dir>/<run id>/hang-<UTC time>/rank-<r>.txt`: a header (rank, pid, phase, last
 step, seconds silent), every thread's Python stack from faulthandler (the rank registered it on
@@ -12,6 +18,7 @@ the dump signal, heartbeat.dump_signal), and `py-spy dump` output when py-spy is
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -22,65 +29,163 @@ from pathlib import Path
 from typing import Any
 
 from ..contract import RUNS_DIR
-from ..train.heartbeat import STEP, Record, read_all, stacks_path
-from .hang import Hang, HangBudgets, judge, percentile
+from ..train.heartbeat import RESTORE, SAVE, SIZE, STEP, Record, scan, stacks_path
+from .hang import UNKNOWN, UNWATCHED, Hang, HangBudgets, judge, percentile
+
+log = logging.getLogger("slurmresume")
 
 DUMP_WAIT_S = 5.0  # the longest the launcher waits for the ranks' faulthandler output
 DUMP_QUIET_S = 0.3  # a stacks file unchanged this long is complete
 PYSPY_TIMEOUT_S = 15.0
 PUBLISH_EVERY_S = 10.0
+UNWATCHED_AFTER_S = 1.0  # a record file still empty this long after it was first seen: not watched
+IO_SAMPLE_S = 1.0  # while a rank saves: how often the bytes of the saves in progress are summed
+PROBE_PAGE = 4096  # a tmpfs allocates whole pages: each rank's record and stacks file takes at least one
 
 
-def heartbeat_dir(run_id: str) -> Path:
-    """A fresh node-local directory for one run: /dev/shm when there is one (RAM, no disk I/O),
-    else $TMPDIR. Private to this user (0700)."""
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else \
-        Path(tempfile.gettempdir())
-    return Path(tempfile.mkdtemp(prefix=f"slurmresume-hb-{run_id}-", dir=base))
+def heartbeat_dir(run_id: str, procs: int = 1, root: Path | None = None) -> Path | None:
+    """A fresh node-local directory for one run, private to this user (0700): the first of
+    /dev/shm (RAM, no disk I/O), $TMPDIR, and `<root>/.runs/heartbeats/<host>/` where a probe
+    can really write what `procs` ranks need (a full tmpfs passes os.access, and then every
+    pwrite fails with ENOSPC). None, with one warning line, when none can: the run goes
+    unwatched."""
+    bases = [Path("/dev/shm"), Path(tempfile.gettempdir())]
+    if root is not None:
+        bases.append(Path(root) / RUNS_DIR / "heartbeats" / os.uname().nodename)
+    failures = []
+    for base in bases:
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            directory = Path(tempfile.mkdtemp(prefix=f"slurmresume-hb-{run_id}-", dir=base))
+        except OSError as exc:
+            failures.append(f"{base}: {exc.strerror or exc}")
+            continue
+        error = _probe(directory, 2 * max(procs, 1) * max(SIZE, PROBE_PAGE))
+        if error is None:
+            return directory
+        shutil.rmtree(directory, ignore_errors=True)
+        failures.append(f"{base}: {error}")
+    log.warning("hang watch off for run %s: no heartbeat directory could be written (%s)", run_id,
+                "; ".join(failures))
+    return None
+
+
+def _probe(directory: Path, size: int) -> str | None:
+    """Write `size` bytes into `directory` and remove them; the error, or None when it worked."""
+    path = directory / ".probe"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            if os.pwrite(fd, b"\0" * size, 0) != size:
+                return "short write"
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+def ranks_of(pids: list[int]) -> dict[int, int]:
+    """pid -> global rank, from each process's RANK (torchrun sets it) in /proc/<pid>/environ."""
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read(1 << 20).split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"RANK=") and item[5:].isdigit():
+                out[pid] = int(item[5:])
+                break
+    return out
 
 
 class HangWatch:
-    """One per run on each node. `poll()` from the launcher's loop (every 0.1 s)."""
+    """One per run on each node. `poll()` from the launcher's loop (every 0.1 s) with
+    time.monotonic() and the agent's current children. `directory` None: nothing is watched
+    (no writable heartbeat directory), the ranks are still listed."""
 
-    def __init__(self, directory: Path, ranks: list[int], budgets: HangBudgets, *, save_cost_s: float = 0.0,
-                 recovering: tuple[float, str] | None = None) -> None:
+    def __init__(self, directory: Path | None, budgets: HangBudgets, *, procs: int = 0, save_cost_s: float = 0.0,
+                 recovering: tuple[float, str] | None = None, root: Path | None = None) -> None:
         self.directory = directory
-        self.ranks = ranks
+        self.root = root  # the checkpoint root: a save in progress there whose bytes move is alive
+        self._io: tuple[float, int] | None = None  # (when sampled, bytes of the saves in progress)
+        self.io_at: float | None = None  # when those bytes last moved (monotonic)
+        self.procs = procs  # ranks this node's agent starts (display only: which ones is learned)
         self.budgets = budgets
         self.save_cost_s = save_cost_s
-        self.started = time.time()
-        self.records: dict[int, Record | None] = dict.fromkeys(ranks)
-        self.recovering = recovering  # (time of the death/kill that ended the previous run, cause)
+        self.records: dict[int, Record | None] = {}  # every rank seen: its record, None when it has none
+        self.rank_pids: dict[int, int] = {}  # pid -> rank of the agent's children seen so far
+        self.live: set[int] = set()  # the agent's children at the last poll
+        self.unwatched: set[int] = set()
+        self._empty_since: dict[int, float] = {}
+        self.recovering = recovering  # (time.time() of the death/kill that ended the previous run, cause)
         self.resumed: dict[str, Any] | None = None  # set once: {seconds, step, cause}
         self.resumed_logged = False
         self.seen_pids: set[int] = set()
-        self.death_at: float | None = None  # a worker vanished while torchrun still ran
-        self._published = 0.0
+        self.death_at: float | None = None  # time.time() a worker vanished while torchrun still ran
+        self._published: float | None = None
 
-    def refresh(self) -> None:
-        found = read_all(self.directory)
-        self.records = {r: found.get(r) for r in self.ranks}
+    def refresh(self, now: float | None = None) -> None:
+        """Re-read the records; learn new ranks from them and from the agent's children."""
+        found, empty = scan(self.directory) if self.directory is not None else ({}, set())
+        known = set(self.records) | set(found) | empty | set(self.rank_pids.values())
+        self.records = {r: found.get(r) for r in sorted(known)}
+        now = time.monotonic() if now is None else now
+        for rank in sorted(empty - set(found)):
+            since = self._empty_since.setdefault(rank, now)
+            if rank not in self.unwatched and now - since >= UNWATCHED_AFTER_S:
+                self.unwatched.add(rank)
+                log.warning("hang watch: rank %d cannot write its heartbeat: not watched (never killed for it)",
+                            rank)
+        self.unwatched -= set(found)
 
     def poll(self, now: float, pids: list[int]) -> Hang | None:
-        self.refresh()
-        if self.death_at is None and self.seen_pids - set(pids):
-            self.death_at = now
-        self.seen_pids |= set(pids)
+        """`now`: time.monotonic(). Judges the ranks whose processes are alive (a rank that has
+        exited, early or not, is not judged; the others are judged as before)."""
+        current = set(pids)
+        new = [p for p in pids if p not in self.rank_pids]
+        if new:
+            self.rank_pids.update(ranks_of(new))
+        self.refresh(now)
+        if self.death_at is None and self.seen_pids - current:
+            self.death_at = time.time()
+        self.seen_pids |= current
+        self.live = current
         if self.recovering is not None and self.resumed is None:
             first = [rec for rec in self.records.values() if rec is not None and rec.phase == STEP]
             if first:
-                at = min(rec.phase_since for rec in first)
+                at = min(rec.wall - (rec.time - rec.phase_since) for rec in first)  # wall time, for the log
                 self.resumed = {"seconds": round(at - self.recovering[0], 3), "cause": self.recovering[1],
                                 "first_step_at": round(at, 3),
                                 "step": min(rec.step for rec in first)}
-        if self.death_at is not None:
-            return None  # a rank died: torchrun tears the run down; that is a failure, not a hang
-        return judge(self.records, now, self.started, self.budgets, self.save_cost_s)
+        alive = {r: rec for r, rec in self.records.items() if rec is None or rec.pid in current}
+        if any(rec is not None and rec.phase in (SAVE, RESTORE) for rec in alive.values()):
+            self._sample_io(now)
+        return judge(alive, now, self.budgets, self.save_cost_s, frozenset(self.unwatched), self.io_at)
+
+    def _sample_io(self, now: float) -> None:
+        """Every IO_SAMPLE_S while a rank saves or restores: the bytes of the root's saves and
+        mirror pulls in progress."""
+        if self.root is None or (self._io is not None and now - self._io[0] < IO_SAMPLE_S):
+            return
+        total = _saving_bytes(self.root)
+        if self._io is not None and total != self._io[1]:
+            self.io_at = now
+        self._io = (now, total)
 
     def dump(self, hang: Hang, pids: list[int], out: Path, sig: signal.Signals) -> tuple[Path, float]:
         """Every local rank's stacks into `out` (created); returns (out, seconds it took)."""
         began = time.monotonic()
         out.mkdir(parents=True, exist_ok=True)
+        assert self.directory is not None  # a hang comes only from a record in it
         by_rank = {rank: rec for rank, rec in self.records.items() if rec is not None and rec.pid in pids}
         sizes = {rank: _size(stacks_path(self.directory, rank)) for rank in by_rank}
         for rec in by_rank.values():
@@ -91,7 +196,7 @@ class HangWatch:
         spies = _start_pyspy([rec.pid for rec in by_rank.values()])
         _wait_quiet([stacks_path(self.directory, r) for r in by_rank], sizes, began + DUMP_WAIT_S)
         spied = _collect_pyspy(spies)
-        for rank in self.ranks:
+        for rank in sorted(self.records):
             last = self.records.get(rank)
             state = hang.ranks_state.get(rank, {})
             mark = (" (HUNG: over its budget, at the lowest step)" if rank in hang.ranks else
@@ -107,28 +212,33 @@ class HangWatch:
                 if last is not None and last.pid in spied:
                     body += "\n--- py-spy dump ---\n" + spied[last.pid]
             else:
-                body = "(no heartbeat from this rank: it had not created its Checkpointer, or it is gone)\n"
+                body = ("(not watched: its heartbeat writes failed)\n" if rank in self.unwatched else
+                        "(no heartbeat from this rank: it had not created its Checkpointer, it cannot write its "
+                        "heartbeat, or it is gone)\n")
             (out / f"rank-{rank}.txt").write_text("\n".join(head) + "\n" + body)
         return out, round(time.monotonic() - began, 3)
 
     def summary(self, now: float) -> dict[str, Any]:
-        """Per rank: last step, its age, phase, step-time median and p99 (seconds)."""
-        ranks = {}
+        """Per rank: last step, its age, phase, step-time median and p99 (seconds). `now`:
+        time.monotonic(); "time" fields are wall clock, for display."""
+        ranks: dict[str, Any] = {}
         for rank, rec in self.records.items():
-            if rec is None:
-                ranks[str(rank)] = {"step": None, "phase": "start-up", "age_s": round(now - self.started, 1)}
+            if rec is None or rank in self.unwatched:
+                ranks[str(rank)] = {"step": None, "phase": UNWATCHED if rank in self.unwatched else UNKNOWN,
+                                    "age_s": None}
                 continue
             d = list(rec.durations)
             ranks[str(rank)] = {"step": rec.step, "phase": rec.phase, "age_s": round(now - rec.time, 1),
-                                "time": rec.time, "median_s": percentile(d, 50), "p99_s": percentile(d, 99),
+                                "time": rec.wall, "median_s": percentile(d, 50), "p99_s": percentile(d, 99),
                                 "samples": len(d), "longest_step_s": round(rec.longest_step, 4),
                                 "longest_save_s": round(rec.longest_save, 4)}
-        return {"time": now, "host": os.uname().nodename, "budgets": self.budgets.describe(), "ranks": ranks}
+        return {"time": time.time(), "host": os.uname().nodename, "budgets": self.budgets.describe(),
+                "procs": self.procs, "watched": self.directory is not None, "ranks": ranks}
 
     def publish(self, root: Path, key: str, now: float, force: bool = False) -> None:
-        """Every PUBLISH_EVERY_S (or now): `<root>/.runs/<key>.ranks.json`, atomically (no fsync:
-        it is a view for `status`, rewritten soon)."""
-        if not force and now - self._published < PUBLISH_EVERY_S:
+        """Every PUBLISH_EVERY_S (or now; `now`: time.monotonic()): `<root>/.runs/<key>.ranks.json`,
+        atomically (no fsync: it is a view for `status`, rewritten soon)."""
+        if not force and self._published is not None and now - self._published < PUBLISH_EVERY_S:
             return
         self._published = now
         path = Path(root) / RUNS_DIR / f"{key}.ranks.json"
@@ -141,7 +251,28 @@ class HangWatch:
             pass
 
     def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _saving_bytes(root: Path) -> int:
+    """Bytes of every file in the root's saves in progress (layout.saving_dirs) and pulls from the
+    mirror in progress (`.mirror-download.*`, the restore's download), one level deep."""
+    from ..checkpoint.layout import saving_dirs
+    from ..mirror.transfer import DOWNLOAD_PREFIX
+
+    try:
+        pulls = [Path(e.path) for e in os.scandir(root) if e.name.startswith(DOWNLOAD_PREFIX)]
+    except OSError:
+        pulls = []
+    total = 0
+    for path in [p for _, p in saving_dirs(root)] + pulls:
+        try:
+            with os.scandir(path) as entries:
+                total += sum(_size(Path(e.path)) for e in entries if e.is_file(follow_symlinks=False))
+        except OSError:
+            pass
+    return total
 
 
 def _size(path: Path) -> int:

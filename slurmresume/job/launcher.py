@@ -49,6 +49,7 @@ from .hang import Hang
 log = logging.getLogger("slurmresume")
 
 POLL_S = 0.1  # the relay loop's period: hang watch, heartbeat summary, re-sends
+KILL_REAP_S = 30.0  # the longest the launcher waits for torchrun to exit after a hang kill
 RELAY_EVERY = 1.0  # seconds between re-sends while workers have not acted (start-up race)
 TERM_QUERY_TIMEOUT_S = 2.0  # asking slurmctld, at a SIGTERM, whether it is the time limit
 START_QUERY_TIMEOUT_S = 5.0  # the job's EndTime and KillWait, read once at start
@@ -160,8 +161,9 @@ def _decide_hang(result: RunResult, hangs_done: int, max_hangs: int,
         return "hold", (f"{what}, the same hang as the previous run and no new checkpoint since: restarting "
                         "again would hang again; see the stack dumps (slurmresume status), fix, then release the job")
     if hangs_done < max_hangs:
-        return "retry", (f"{what}; restart {hangs_done + 1} of {max_hangs} (--max-hangs) in this allocation from the "
-                         f"newest complete checkpoint (step {result.latest_after})")
+        source = ("the start (no complete checkpoint yet)" if result.latest_after is None else
+                  f"the newest complete checkpoint (step {result.latest_after})")
+        return "retry", f"{what}; restart {hangs_done + 1} of {max_hangs} (--max-hangs) in this allocation from {source}"
     return "give_up", f"{what}, and --max-hangs {max_hangs} is used up"
 
 
@@ -366,8 +368,8 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
                 os.close(pid_fd)
                 pid_fd = None
             if watch is not None and relay.strongest() is None:
-                hang = watch.poll(time.time(), worker_pids(proc.pid))
-                watch.publish(root, _summary_key(run_id, env), time.time())
+                hang = watch.poll(time.monotonic(), worker_pids(proc.pid))
+                watch.publish(root, _summary_key(run_id, env), time.monotonic())
                 if watch.resumed is not None and not watch.resumed_logged:
                     watch.resumed_logged = True  # the first step after a death/kill: the recovery time
                     try_append_event(root, EV_RESUMED, run_id=run_id, **watch.resumed)
@@ -375,7 +377,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
                 if hang is not None:
                     ended_at = _handle_hang(hang, watch, proc.pid, tree, root, run_id, dumps or root / "logs" / run_id,
                                             env)
-                    rc = proc.wait()
+                    rc = _reap(proc, run_id)
                     break
             sig = relay.strongest()
             if sig is not None and (sig != sent or time.monotonic() - last_sent > RELAY_EVERY):
@@ -403,11 +405,22 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
         if watch.death_at is not None and hang is None:
             ended_at = min(watch.death_at, ended_at or watch.death_at)
         watch.refresh()  # the ranks' last word, for `status`
-        watch.publish(root, _summary_key(run_id, env), time.time(), force=True)
+        watch.publish(root, _summary_key(run_id, env), time.monotonic(), force=True)
         if hang is None and rc not in (None, 0):
             hang = _peer_hang(root, run_id)  # our ranks failed because another node killed its hung ones
     return RunResult(rc if rc is not None else -1, read_outcome(root, run_id), latest_before, _latest_step(root),
                      warned=warn in relay.pending, stop=stop, hang=hang, ended_at=ended_at)
+
+
+def _reap(proc: subprocess.Popen[bytes], run_id: str) -> int:
+    """torchrun's exit status after the hang kill, waiting at most KILL_REAP_S: an agent in D
+    state (a hung NFS) cannot die until its I/O returns, and must not block the restart."""
+    try:
+        return proc.wait(timeout=KILL_REAP_S)
+    except subprocess.TimeoutExpired:
+        log.warning("run %s: torchrun (pid %d) has not exited %.0f s after the hang kill (uninterruptible I/O?): "
+                    "going on without it", run_id, proc.pid, KILL_REAP_S)
+        return -signal.SIGKILL
 
 
 def _peer_hang(root: Path, run_id: str) -> Hang | None:
@@ -428,8 +441,8 @@ def _handle_hang(hang: Hang, watch: HangWatch, agent: int, tree: dict[int, int],
     """Stacks first (every rank), then the event, then the kill (the whole tree: agent, ranks,
     DataLoader workers). Returns when the kill was sent."""
     sig = signal.Signals[env.get(ENV_DUMP_SIGNAL, "SIGUSR2")]
-    detected = time.time()
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(detected))
+    detected = time.monotonic()  # latencies against the heartbeat's monotonic time
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     folder, dump_s = watch.dump(hang, worker_pids(agent), dumps / f"hang-{stamp}", sig)
     log.warning("hang: rank(s) %s silent %.1f s in %s after step %d (budget %.1f s); stacks in %s",
                 list(hang.ranks), hang.silent_s, hang.phase, hang.step, hang.budget_s, folder)
@@ -440,7 +453,7 @@ def _handle_hang(hang: Hang, watch: HangWatch, agent: int, tree: dict[int, int],
                      beyond_budget_s=round(detected - hang.last_heartbeat - hang.budget_s, 3),
                      dump_s=dump_s, dump_dir=str(folder), rank_states={str(r): v for r, v in hang.ranks_state.items()},
                      host=os.uname().nodename)
-    watch.publish(root, _summary_key(run_id, env), time.time(), force=True)
+    watch.publish(root, _summary_key(run_id, env), time.monotonic(), force=True)
     try:
         write_hang(root, run_id, {"ranks": list(hang.ranks), "step": hang.step, "phase": hang.phase,
                                   "silent_s": hang.silent_s, "budget_s": hang.budget_s, "dump_dir": str(folder)})

@@ -163,8 +163,9 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
             try_append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local,
                              launcher_started_at=launcher_started_at, **extra)
             log.info("run %s: %s", run_id, " ".join(cmd))
-            watch = _watch(spec, run_id, int(extra["node"]), recovering)
-            wenv = worker_env(spec, run_id, restart, {**env, ENV_HEARTBEAT_DIR: str(watch.directory)})
+            watch = _watch(spec, run_id, recovering)
+            hb = {ENV_HEARTBEAT_DIR: str(watch.directory)} if watch.directory is not None else {}
+            wenv = worker_env(spec, run_id, restart, {**env, **hb})
             try:
                 result = run_torchrun(cmd, wenv, root, run_id, relay.warn, relay, clock=clock, guardian=guardian,
                                       watch=watch, dumps=spec.logs / run_id)
@@ -211,15 +212,17 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
             lease.stop()
 
 
-def _watch(spec: JobSpec, run_id: str, node: int, recovering: tuple[float, str] | None) -> HangWatch:
-    """This node's ranks' hang watch for one run; the save budget starts from the log's recent saves."""
+def _watch(spec: JobSpec, run_id: str, recovering: tuple[float, str] | None) -> HangWatch:
+    """This node's ranks' hang watch for one run; the save budget starts from the log's recent saves.
+    Which ranks are this node's is learned from the agent's children and the records (hangwatch.py),
+    never computed from SLURM_NODEID: torchrun's rendezvous orders nodes its own way."""
     from ..events import read_events
 
     saves = [float(e["seconds"]) for e in read_events(spec.ckpt_dir)[-200:]
              if e.get("event") == "save_committed" and isinstance(e.get("seconds"), (int, float))]
-    ranks = list(range(node * spec.procs, (node + 1) * spec.procs))
-    return HangWatch(heartbeat_dir(run_id), ranks, spec.budgets, save_cost_s=max(saves[-20:], default=0.0),
-                     recovering=recovering)
+    directory = heartbeat_dir(run_id, spec.procs, spec.ckpt_dir)
+    return HangWatch(directory, spec.budgets, procs=spec.procs, save_cost_s=max(saves[-20:], default=0.0),
+                     recovering=recovering, root=spec.ckpt_dir)
 
 
 def _hold(root: Path, clock: JobClock | None, job: str, job_key: str, reason: str) -> None:

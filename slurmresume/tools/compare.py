@@ -10,6 +10,7 @@ stateful entry is comes from the shape of its saved state (an optimizer's has "s
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,11 @@ ADAPT = "see README §Adapt your script"
 # ("hyper": an optimizer's non-tensor state, its param_groups' lr etc., which everything after
 # it follows; "value": plain values, often a consequence such as the last loss, so after objects)
 CAUSES = {"rng": 0, "hyper": 1, "object": 2, "value": 3, "optimizer": 4, "model": 5, "other": 6}
+
+# a framework's own timing fields, in the log history its saved state carries (HF Trainer's
+# trainer_state.log_history: eval_runtime, train_samples_per_second, ...): never compared
+LOG_HISTORIES = frozenset({"log_history"})
+WALL_CLOCK = ("*_runtime", "*_per_second")
 
 HINTS = {
     "scheduler": "did you save the LR scheduler?",
@@ -49,6 +55,11 @@ CAUSE_HINTS = {
 UNSEEDED = "never seeded: it differed between the two runs already at the first checkpoint; seed it if your " \
            "script uses it (--ignore {key} to skip it)"
 FOLLOWS = "follows from the difference(s) listed before it"
+DDP_DRIFT = ("only what the training step computes differs, on {world} ranks: with DDP, its gradient bucket "
+             "layout (rebuilt after a process's first backward; with 3+ ranks the all-reduce rounds by it). The "
+             "Checkpointer records it when the DDP wrapper exists before ckpt.restore() and the model or the "
+             "wrapper is in state; otherwise add state[\"ddp_buckets\"] = slurmresume.DDPBuckets(ddp_model), "
+             "and check it is not DDPBuckets(..., enabled=False). Otherwise: {rest}")
 NOT_REPRODUCIBLE = "differed already at the first checkpoint, before any preemption: the script is not " \
                    "reproducible run to run (seed everything it draws from at start-up)"
 
@@ -187,17 +198,26 @@ def _merge_streams(diffs: list[Difference]) -> list[Difference]:
 
 
 def explain(diffs: list[Difference], unseeded: set[str] | frozenset[str] = frozenset(),
-            first: set[str] | frozenset[str] = frozenset()) -> None:
+            first: set[str] | frozenset[str] = frozenset(), world: int = 1) -> None:
     """Set each difference's note: an RNG stream that differed already at the first checkpoint is
     "never seeded" (not a resume failure); any other key that differed there is run-to-run
-    non-determinism; an optimizer or model difference below a cause "follows from" it."""
+    non-determinism; an optimizer or model difference below a cause "follows from" it. On 3+
+    ranks, when only what the step computes differs (values, optimizer, model), the first one
+    names DDP's bucket layout first."""
     seen: set[str] = set()
+    causes = {d.cause for d in diffs if not (d.cause == "rng" and d.key in unseeded)}
+    if world >= 3 and causes and causes <= {"value", "optimizer", "model"}:
+        lead = next(d for d in diffs if d.cause in causes)
+        if lead.top not in first:
+            lead.note = DDP_DRIFT.format(world=world, rest=lead.hint)
     for d in diffs:
         if d.cause == "rng" and d.key in unseeded:
             d.note = UNSEEDED.format(key=d.key)
             continue
         if d.top in first:
             d.note = NOT_REPRODUCIBLE
+        elif d.note:
+            pass
         elif (d.cause == "value" and seen & {"rng", "hyper", "object"}) or (
                 d.cause == "optimizer" and seen & {"rng", "hyper", "value", "object"}) or (
                 d.cause == "model" and seen & {"rng", "hyper", "value", "object", "optimizer"}):
@@ -229,19 +249,52 @@ def _compare_values(rank: int, ea: dict[str, Any], eb: dict[str, Any], ignore: t
             continue
         if key not in ea or key not in eb:
             out.append(Difference(rank, key, "state key saved by only one run"))
-        elif _strip_tensors(ea[key]) != _strip_tensors(eb[key]):
-            out.append(Difference(rank, key, "non-tensor values differ"))
+        else:
+            a, b = _strip_tensors(ea[key]), _strip_tensors(eb[key])
+            if a != b:
+                where = first_difference(a, b)
+                out.append(Difference(rank, key, "non-tensor values differ" + (f" at {where}" if where else "")))
     return out
 
 
-def _strip_tensors(v: Any) -> Any:
-    """Tensor names are compared through the tensors themselves; here only the structure."""
+def first_difference(a: Any, b: Any, path: str = "") -> str:
+    """Where two decoded skeleton values first differ, as 'a/b/0: 3 vs 2' (inside a framework's
+    state: which callback, loop counter or log entry), skipping the skeleton's wrappers."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k in ("value", "kind") and not path:  # the stateful entry's own wrapper
+                if a.get(k) != b.get(k):
+                    return first_difference(a.get(k), b.get(k), path)
+                continue
+            sub = f"{path}/{k}" if path else str(k)
+            if k not in a or k not in b:
+                return f"{sub}: only in one run"
+            if a[k] != b[k]:
+                return first_difference(a[k], b[k], sub)
+        return ""
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                return first_difference(x, y, f"{path}/{i}" if path else str(i))
+        return ""
+    return f"{path or '<value>'}: {_brief(a)} vs {_brief(b)}"
+
+
+def _brief(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 30 else text[:27] + "..."
+
+
+def _strip_tensors(v: Any, wall_clock: bool = False) -> Any:
+    """Tensor names are compared through the tensors themselves; here only the structure.
+    `wall_clock`: inside a framework's log history, where timing keys are dropped (WALL_CLOCK)."""
     if isinstance(v, dict):
         if set(v) == {"__tensor__"}:
             return "<tensor>"
         if set(v) == {"__float__"} and v["__float__"] == "nan":
             return "nan"
-        return {k: _strip_tensors(x) for k, x in v.items()}
+        return {k: _strip_tensors(x, k in LOG_HISTORIES) for k, x in v.items()
+                if not (wall_clock and any(fnmatch.fnmatchcase(str(k), p) for p in WALL_CLOCK))}
     if isinstance(v, list):
-        return [_strip_tensors(x) for x in v]
+        return [_strip_tensors(x, wall_clock) for x in v]
     return v

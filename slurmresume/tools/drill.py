@@ -20,13 +20,28 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.store import find_latest
-from ..contract import ENV_DRILL_AT, ENV_DRILL_FIRST_SAVE, ENV_DRILL_HANG, EV_HANG, EV_RESUMED
+from ..contract import (
+    ENV_DRILL_AT,
+    ENV_DRILL_FIRST_SAVE,
+    ENV_DRILL_HANG,
+    ENV_DRILL_RECORD,
+    ENV_MIRROR,
+    EV_HANG,
+    EV_RESUMED,
+)
 from ..errors import CheckpointError, ConfigError
 from ..events import read_events
 from ..job.config import JobSpec
 from ..job.hang import HangBudgets
 from ..job.node import run_local
 from .compare import Difference, compare_checkpoints, culprits, explain
+from .drillcheck import (
+    MetricDifference,
+    first_metric_difference,
+    metric_streams,
+    resumption_problems,
+    run_facts,
+)
 
 # A hang drill's script is short and its steps are measured: a 5 s floor instead of 600 s keeps
 # each hang's detection within seconds; start-up and save keep generous budgets (no false
@@ -38,6 +53,7 @@ HANG_SPACING = 6  # steps between injected hangs: each restart's warm-up (3 step
 # one: a --workdir the user pointed at their own files is refused, never wiped.
 WORKDIR_MARK = ".slurmresume-drill"
 RUN_DIRS = ("uninterrupted", "preempted")
+RECORDS = "steps"  # each run's step records (train/steprecord.py), one folder per run root
 
 
 @dataclass
@@ -54,6 +70,10 @@ class DrillReport:
     hangs: list[dict[str, Any]] = field(default_factory=list)  # the `hang` events of the drill run
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # `resumed` events: seconds from the kill to the first step
     hang_problems: list[str] = field(default_factory=list)  # why a hang's proof is missing
+    resume_problems: list[str] = field(default_factory=list)  # restarts that did not resume (drillcheck)
+    metric_difference: MetricDifference | None = None  # the first step + key whose metrics= differ
+    workdir: Path | None = None  # where both runs are (PASS says so, with the next command)
+    world: int = 1
 
     @property
     def missed(self) -> int:
@@ -62,6 +82,8 @@ class DrillReport:
 
     @property
     def ok(self) -> bool:
+        if self.resume_problems or self.metric_difference is not None:
+            return False
         if self.hangs_planned:
             return not culprits(self.differences) and not self.hang_problems
         return not culprits(self.differences) and self.preemptions > 0 and self.missed == 0
@@ -99,29 +121,38 @@ def pick_hangs(total: int, n: int, seed: int, world: int, warmup: int) -> list[t
 
 def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
               ignore_keys: tuple[str, ...] = (), hangs: int = 0) -> DrillReport:
-    """Both runs under `workdir` (see `prepare_workdir`). Raises CheckpointError when a run
+    """Both runs under `workdir` (see `prepare_workdir`), and nowhere else: no mirror (a script
+    that passes its own `Checkpointer(mirror=...)` still uses it). Raises CheckpointError when a run
     leaves no final checkpoint (the script must save at its end). `hangs` > 0: a hang drill
     (no warnings): each planned hang must be detected, dumped and restarted in the allocation."""
     prepare_workdir(workdir)
     ref_root, drill_root = (workdir / name for name in RUN_DIRS)
-    first = {ENV_DRILL_FIRST_SAVE: "1"}
+    ref_rec, drill_rec = (workdir / RECORDS / name for name in RUN_DIRS)
+    # hermetic: both runs live under `workdir` alone; the mirror of the configuration
+    # ([tool.slurmresume], slurmresume.toml) or of $SLURMRESUME_MIRROR is the real run's, never the drill's
+    spec = replace(spec, mirror=None)
+    first = {ENV_DRILL_FIRST_SAVE: "1", ENV_MIRROR: ""}
     if hangs and spec.hang_budgets == HangBudgets():
         spec = replace(spec, hang_budgets=DRILL_BUDGETS)
-    run_local(replace(spec, ckpt_dir=ref_root, max_requeues=preemptions + 2, max_failures=0), env=first)
+    _run(replace(spec, ckpt_dir=ref_root, max_requeues=preemptions + 2, max_failures=0),
+         {**first, ENV_DRILL_RECORD: str(ref_rec)})
     ref = find_latest(ref_root, warn=False)
     if ref is None:
         raise CheckpointError(_no_checkpoint("uninterrupted", ref_root))
+    if preemptions >= ref.step:  # each warning needs its own step before the last
+        raise ConfigError(f"--preemptions {preemptions} needs at least {preemptions + 1} steps, and the script ran "
+                          f"{ref.step}: lower --preemptions or run more steps")
     planned = pick_steps(ref.step, preemptions, seed)
     hang_plan = pick_hangs(ref.step, hangs, seed, spec.procs * spec.nodes, spec.budgets.warmup_steps)
     if hangs and len(hang_plan) < hangs:
         raise ConfigError(f"--hang {hangs} needs more steps: the script ran {ref.step} steps, and hangs are placed "
                           f"after {spec.budgets.warmup_steps + 2} steps and {HANG_SPACING} apart; run more steps")
-    env = {**first, ENV_DRILL_AT: ",".join(map(str, planned))}
+    env = {**first, ENV_DRILL_AT: ",".join(map(str, planned)), ENV_DRILL_RECORD: str(drill_rec)}
     if hang_plan:
         env[ENV_DRILL_HANG] = ",".join(f"{r}:{s}" for r, s in hang_plan)
     try:
-        run_local(replace(spec, ckpt_dir=drill_root, max_requeues=preemptions + 2, max_failures=0,
-                          max_hangs=len(hang_plan) + 1), env=env)
+        _run(replace(spec, ckpt_dir=drill_root, max_requeues=preemptions + 2, max_failures=0,
+                     max_hangs=len(hang_plan) + 1), env)
     except SystemExit as exc:
         if not hang_plan:
             raise
@@ -135,9 +166,14 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     events = read_events(drill_root)
     saved = [e["step"] for e in events if e["event"] == "exit_after_save" and e.get("kind") == "preempt"]
     restarts = sum(1 for e in events if e["event"] == "requeued")
-    report = DrillReport(ref.step, planned, restarts, saved, ref.path, final.path, hangs_planned=hang_plan)
+    world = spec.procs * spec.nodes
+    report = DrillReport(ref.step, planned, restarts, saved, ref.path, final.path, hangs_planned=hang_plan,
+                         workdir=workdir, world=world)
     if hang_plan:
-        _check_hangs(report, drill_root, spec.procs * spec.nodes)
+        _check_hangs(report, drill_root, world)
+    report.resume_problems = resumption_problems(run_facts(drill_root, drill_rec))
+    report.metric_difference = first_metric_difference(metric_streams(ref_rec, world),
+                                                       metric_streams(drill_rec, world), ignore_keys)
     if final.step != ref.step:
         report.differences = [Difference(0, "step", f"uninterrupted run ended at step {ref.step}, "
                                                     f"preempted run at {final.step}")]
@@ -146,8 +182,23 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     at_first = compare_checkpoints(*report.first_checkpoints, ignore_keys) if report.first_checkpoints else []
     report.differences = compare_checkpoints(ref.path, final.path, ignore_keys)
     explain(report.differences, unseeded={d.key for d in at_first if d.cause == "rng"},
-            first={d.top for d in at_first if d.cause != "rng"})
+            first={d.top for d in at_first if d.cause != "rng"}, world=world)
     return report
+
+
+class DrillInterrupted(Exception):
+    """Ctrl-C (SIGINT) stopped a run of the drill: there is no verdict."""
+
+
+def _run(spec: JobSpec, env: dict[str, str]) -> None:
+    """One drill run through the local launcher; DrillInterrupted when it was stopped by Ctrl-C
+    (the launcher saved and stopped: what follows would judge a run the user cut short)."""
+    try:
+        result = run_local(spec, env=env)
+    except KeyboardInterrupt:  # a second Ctrl-C
+        raise DrillInterrupted() from None
+    if result.get("kind") == "interrupted":
+        raise DrillInterrupted()
 
 
 def _check_hangs(report: DrillReport, root: Path, world: int) -> None:
@@ -193,7 +244,7 @@ def prepare_workdir(workdir: Path) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / WORKDIR_MARK).write_text("created by `slurmresume drill`; its run directories are replaced "
                                         "by the next drill in this directory\n")
-    for name in RUN_DIRS:
+    for name in (*RUN_DIRS, RECORDS):
         path = workdir / name
         if path.is_symlink() or path.is_file():
             path.unlink()

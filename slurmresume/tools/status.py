@@ -39,6 +39,14 @@
                    step_s, late: [{step, seconds, lead_s, time}] emergency saves slower than the lead}
     writer        null, or {last_save (the strategy the newest save used), strategy (calibrated for
                    this root's file system), source, key, measured_at, gbps: {strategy: GB/s}, stale}
+    preemption_cost  null (no run interrupted), or what requeues and failures cost (timeline.preemption_cost):
+                  {interruptions: [{kind: "preempt"|"failed"|"hang", at (the warning, else the end of
+                   the run), step, resumed_at (the next run's first step; null: not yet), down_s
+                   (resumed_at - at, or now - at while ongoing; null: never restarted), lost_s,
+                   lost_steps (work redone: since the last commit, 0 when the warned save committed),
+                   lost_estimated, ongoing}], down_s, lost_s, wall_s (first start to the newest event,
+                   or now while running or down), fraction ((down + lost) / wall), summary (the
+                   headline's words)}
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ from ..retention import best_record, metric_names, metric_value, record_from_inf
 from ..slurm import parse_sacct, parse_squeue
 from ..train.policy import IntervalSummary, interval_summary
 from .health import Headline, judge
+from .timeline import cost_line, preemption_cost
 
 SCHEMA = "slurmresume.tools.status/1"
 SLURM_NOT_FOUND = "Slurm not found on this machine: showing checkpoints only"
@@ -133,6 +142,7 @@ class Status:
     last_hang: dict[str, Any] | None = None
     lead: LeadReport | None = None
     writer: dict[str, Any] | None = None
+    preemption_cost: dict[str, Any] | None = None
 
     @property
     def health(self) -> str:
@@ -198,6 +208,7 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
                             "hangs": len(hangs)}
     status.lead = _lead(events, rows)
     status.writer = writer_summary(root, events)
+    status.preemption_cost = cost_summary(events, now)
     _judge(status, root, events)
     iv = status.interval or interval_summary(events)
     status.verdict = judge(events, rows, slurm_state=job.state, job_id=job.job_id, interval_s=iv.current_s,
@@ -256,6 +267,13 @@ def writer_summary(root: Path, events: list[dict[str, Any]]) -> dict[str, Any] |
     if last is None and cached is None:
         return None
     return {"last_save": last.get("writer") if last else None, **(cached or {})}
+
+
+def cost_summary(events: list[dict[str, Any]], now: float) -> dict[str, Any] | None:
+    """The measured down time and lost work of every interruption, their totals and share of the
+    wall time, and the words the headline shows; None when no run was interrupted."""
+    cost = preemption_cost(events, now)
+    return None if cost is None else {**cost.to_json(), "summary": cost_line(cost)}
 
 
 def _logged_job_id(events: list[dict[str, Any]]) -> str | None:

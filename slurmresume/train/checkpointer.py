@@ -17,12 +17,14 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError
+from .ddp import find_wrappers
 from .emergency import save_and_exit
 from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, phase
 from .options import check_options
@@ -30,6 +32,7 @@ from .restoring import Request, restore_and_record
 from .roots import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
 from .roots import resolve_root
 from .saving import Payload, after_commit, payload_of, save_and_record, tolerated
+from .steprecord import INTERNAL_SAVES, recorder_from_env
 from .wiring import wire
 
 
@@ -101,6 +104,8 @@ class Checkpointer:
         self.save_policy = w.sched.policy
         self._sched, self._async, self._beat, self._boundary = w.sched, w.writer, w.beat, w.boundary
         self._drill_hang, self._first_save = w.drill_hang, w.drill_first_save
+        self._ddp: dict[str, Any] | None = None  # DDP wrappers found in the state (ddp.find_wrappers)
+        self._record = recorder_from_env(self.rank)  # under `slurmresume drill` only
 
     @property
     def rank(self) -> int:
@@ -119,6 +124,8 @@ class Checkpointer:
         step is saved again and the new checkpoint replaces the old one atomically, once it is
         itself committed: state changed after the loop (a final evaluation, `best_val_loss`) is
         never lost. Saves from `step()` (periodic, emergency) never replace a committed step."""
+        if self._record is not None and reason not in INTERNAL_SAVES:
+            self._record.record(step, "save", metrics)
         with phase(self._beat, SAVE, measured_save=True):
             self.wait()
             started = time.perf_counter()
@@ -141,7 +148,9 @@ class Checkpointer:
 
     def _prepare_payload(self, step: int, state: Mapping[str, Any], metrics: Any, meta: Any) -> Payload:
         self._check_open()  # a seam: tests/helpers/train_forgets_scheduler.py wraps this method
-        return payload_of(step, state, metrics, meta)
+        if self._ddp is None:
+            self._ddp = find_wrappers(state)
+        return payload_of(step, state, metrics, meta, self._ddp)
 
     def _save_now(self, step: int, payload: Payload, reason: str, started: float,
                   blocking_s: float | None) -> Path | None:
@@ -169,6 +178,8 @@ class Checkpointer:
         time-based save is decided by rank 0's clock and travels in the same agreement."""
         if self._drill_hang is not None and step >= self._drill_hang:
             drill_hang_here(step)  # as a hang in the training step would: before this step's heartbeat
+        if self._record is not None:
+            self._record.record(step, "step", metrics)
         if self._beat is not None:
             self._beat.beat_step(step)
         verdict = self._boundary.decide(step, self._sched.trigger(step, epoch_end=epoch_end))
@@ -219,8 +230,9 @@ class Checkpointer:
         `allow_fresh_start=True` (default: $SLURMRESUME_ALLOW_FRESH_START == "1")."""
         self._check_open()
         with phase(self._beat, RESTORE):
-            req = Request.of(step, self.verify_on_restore if verify is None else verify, restore_rng, strict,
-                             allow_fresh_start)
+            self._ddp = find_wrappers(state)  # before the load: the layout is pinned right after it
+            req = replace(Request.of(step, self.verify_on_restore if verify is None else verify, restore_rng, strict,
+                                     allow_fresh_start), ddp_buckets=self._ddp)
             info = restore_and_record(self.group, self.root, state, req, self.mirror, created_at=self._created_at)
             if info is None:
                 return 0
@@ -231,11 +243,15 @@ class Checkpointer:
             return info.step
 
     @contextlib.contextmanager
-    def busy(self, what: str = "busy") -> Iterator[None]:
-        """Local (any rank). Wrap long work between step() calls (an evaluation, a final test) so
-        that the launcher's hang watch judges it by the start-up budget, not the step budget:
-        `with ckpt.busy("eval"): evaluate()`. No-op when run without the launcher."""
-        with phase(self._beat, BUSY):
+    def busy(self, what: str = "busy", *, budget_s: float | None = None) -> Iterator[None]:
+        """Local (any rank). Wrap long work between step() calls (an evaluation, a final test):
+        `with ckpt.busy("eval"): evaluate()`. The launcher's hang watch then allows it the busy
+        budget (`--hang-busy`, default 900 s), or `budget_s` when given, and never less than the
+        step budget (wrapping never shortens what the work may take). No-op when run without the
+        launcher."""
+        if budget_s is not None and not budget_s > 0:
+            raise ConfigError(f"ckpt.busy({what!r}, budget_s={budget_s!r}): give a positive number of seconds")
+        with phase(self._beat, BUSY, budget_s=budget_s or 0.0):
             yield
 
     def close(self) -> None:

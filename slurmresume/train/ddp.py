@@ -8,9 +8,15 @@ starts over with the initial layout, so its first step reduces gradients in othe
 the uninterrupted run did at that step. With 3+ ranks the ring all-reduce splits each bucket into
 chunks and the floating-point sums round differently per chunk boundary: the resumed run drifts
 (2 ranks hide it, since a+b == b+a). `DDPBuckets` saves what the rebuild decided and, on restore,
-rebuilds the reducer with that assignment before the first resumed step:
+rebuilds the reducer with that assignment before the first resumed step.
 
-    state["ddp_buckets"] = slurmresume.DDPBuckets(ddp_model)   # one line, before ckpt.restore
+Automatic: `Checkpointer` finds the DDP wrapper of each module in `state` (the wrapper itself, or
+the model it wraps: `find_wrappers`) and keeps their layouts as library-owned state ("ddp"), so a
+script that follows the README needs no line for it. The wrapper must exist when `restore` runs.
+An explicit entry is the override, and turns the automatic one off for the whole state:
+
+    state["ddp_buckets"] = slurmresume.DDPBuckets(ddp_model)                 # the same, by hand
+    state["ddp_buckets"] = slurmresume.DDPBuckets(ddp_model, enabled=False)  # never restore a layout
 
 Not restored (a warning says so, and the resumed run may differ in the last bits on 3+ ranks):
 a communication hook registered before the restore (register it after `ckpt.restore`), and
@@ -51,17 +57,18 @@ class DDPBuckets:
     iteration were recorded: it asks the reducer to rebuild now (what the next forward would do),
     so even a save after the first step carries the layout."""
 
-    def __init__(self, ddp: Any) -> None:
+    def __init__(self, ddp: Any, *, enabled: bool = True) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"DDPBuckets wraps a DistributedDataParallel module, got {type(ddp).__name__}")
         self.ddp = ddp
+        self.enabled = enabled  # False: saves nothing, restores nothing (a control, or an opt-out)
         self._restored = ""  # the layout restore pinned, saved again until DDP's own rebuild shows
 
     def state_dict(self) -> dict[str, Any]:
         # kept as DDP's own string: a scalar, so a live state that has no layout yet still "fits"
-        return {"buckets": self.layout() or self._restored or ""}
+        return {"buckets": (self.layout() or self._restored or "") if self.enabled else ""}
 
     def layout(self) -> str:
         """What DDP's rebuild decided, or None before its first backward. DDP's logging data
@@ -74,7 +81,7 @@ class DDPBuckets:
         return str(ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices") or "")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        saved = state.get("buckets") or ""
+        saved = (state.get("buckets") or "") if self.enabled else ""
         try:
             buckets = parse_layout(saved)
         except ValueError:
@@ -89,6 +96,49 @@ class DDPBuckets:
         params, expect_sparse = self.ddp._build_params_for_reducer()
         rebuild_reducer(self.ddp, check_layout(buckets, len(params)), params, expect_sparse)
         self._restored = saved
+
+
+def find_wrappers(state: Mapping[str, Any]) -> dict[str, DDPBuckets]:
+    """Every rank, once per Checkpointer: {state key: DDPBuckets} for each top-level entry that is
+    a DistributedDataParallel module or the module one wraps. Empty without an initialised process
+    group of 2+ ranks, and when `state` holds an explicit DDPBuckets (the override)."""
+    dist_mod = sys.modules.get("torch.distributed")
+    if dist_mod is None or not dist_mod.is_available() or not dist_mod.is_initialized():
+        return {}
+    if dist_mod.get_world_size() < 2:
+        return {}
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if any(isinstance(v, DDPBuckets) for v in state.values()):
+        return {}
+    direct = {k: v for k, v in state.items() if isinstance(v, DDP)}
+    inner = {id(v): k for k, v in state.items() if isinstance(v, nn.Module) and not isinstance(v, DDP)}
+    found: dict[str, Any] = dict(direct)
+    if inner:
+        # DDP keeps no registry of its instances: one pass over the tracked objects, at restore
+        # (type(), not isinstance: a proxy's __class__ property could run code or warn)
+        import gc
+
+        for obj in gc.get_objects():
+            if issubclass(type(obj), DDP) and id(obj.module) in inner and inner[id(obj.module)] not in found:
+                found[inner[id(obj.module)]] = obj
+    return {k: DDPBuckets(v) for k, v in sorted(found.items())}
+
+
+def capture(buckets: Mapping[str, DDPBuckets]) -> dict[str, str]:
+    """Every rank (collective when a rebuild is pending, see DDPBuckets): the library's "ddp" entry."""
+    return {k: b.state_dict()["buckets"] for k, b in buckets.items()}
+
+
+def restore(buckets: Mapping[str, DDPBuckets], saved: Any) -> None:
+    """Every rank: pin each saved layout on the wrapper found for the same state key (one saved
+    without a wrapper now, or the other way round, is left at DDP's initial layout)."""
+    if not isinstance(saved, dict):
+        return
+    for key, layout in saved.items():
+        if key in buckets and isinstance(layout, str):
+            buckets[key].load_state_dict({"buckets": layout})
 
 
 def _can_rebuild(ddp: Any) -> bool:

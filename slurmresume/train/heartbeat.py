@@ -6,10 +6,19 @@ shared filesystem, one `pwrite` per `ckpt.step()` (measured by scripts/bench_han
 microseconds, far under 1% of a 50 ms step). The launcher `pread`s the files on its own clock.
 
 A record says: which process (pid, rank), what it is doing (phase: start-up, step, save,
-restore, busy (`ckpt.busy()`: an evaluation between steps), done), since when, the last step it reported and when, the longest step and save it has
-measured in this run, and a ring of its last RING step durations (status: median, p99). A seq
+restore, busy (`ckpt.busy()`: an evaluation between steps), done), since when, the last step it
+reported and when, the longest step and save it has measured in this run, the budget a `busy`
+stretch asked for, and a ring of its last RING step durations (status: median, p99). A seq
 number at both ends of the record lets a reader drop a torn read (it retries once, then reports
 nothing rather than a mix of two records).
+
+Times: every age and budget is CLOCK_MONOTONIC (`time.monotonic()`: system-wide on Linux, so the
+rank and its node's launcher share it, and an NTP step or a VM resume does not move it); the wall
+time of the last heartbeat rides along for display only.
+
+A rank whose write fails (a full tmpfs: `open` works, `pwrite` fails with ENOSPC) says so by
+truncating its record to 0 bytes, logs one warning, and stops writing: the launcher shows it as
+"not watched" and never judges it (an unwatchable rank is unwatched, not hung).
 
 Stack dumps ride on the same directory: each rank registers `faulthandler` (all threads) on the
 dump signal (`dump_signal`, never the warning signal), writing into `<dir>/rank-<r>.stacks`; the
@@ -36,9 +45,10 @@ STARTUP, STEP, SAVE, RESTORE, DONE, BUSY = "start-up", "step", "save", "restore"
 PHASES = (STARTUP, STEP, SAVE, RESTORE, DONE, BUSY)  # the index is what the record stores
 RING = 256
 _MAGIC = b"SRHB"
+_VERSION = 2
 # magic, version, seq, pid, rank, phase, steps_seen, durations written (ring index = n % RING), step, time, phase_since,
-# longest_step, longest_save
-_HEAD = struct.Struct("<4sIQiiIIIqdddd")
+# longest_step, longest_save, wall, budget_s (time and phase_since: monotonic; wall: time.time(), display only)
+_HEAD = struct.Struct("<4sIQiiIIIqdddddd")
 _RING = struct.Struct(f"<{RING}f")
 _TAIL = struct.Struct("<Q")
 SIZE = _HEAD.size + _RING.size + _TAIL.size
@@ -66,12 +76,14 @@ class Record:
     rank: int
     phase: str
     step: int  # the last step passed to ckpt.step() (-1: none yet)
-    time: float  # time.time() of the last heartbeat
-    phase_since: float  # when the current phase began
+    time: float  # time.monotonic() of the last heartbeat (system-wide: the launcher's clock too)
+    phase_since: float  # when the current phase began (monotonic)
     longest_step: float  # seconds, after the warm-up steps; 0: not measured yet
     longest_save: float  # seconds, the longest save of this run (0: none yet)
     steps_seen: int  # step() calls of this process
     durations: tuple[float, ...]  # the last step durations (seconds), oldest first
+    wall: float = 0.0  # time.time() of the last heartbeat: for display only, never for an age
+    budget_s: float = 0.0  # the budget `ckpt.busy(..., budget_s=)` asked for (0: none)
 
 
 class Beat:
@@ -85,8 +97,10 @@ class Beat:
         self.seq = 0
         self.phase = STARTUP
         self.step = -1
-        self.last = time.time()
+        self.last = time.monotonic()
         self.phase_since = self.last
+        self.budget_s = 0.0
+        self.failed = False  # a write failed: the record was emptied ("not watched"), no more writes
         self.longest_step = 0.0
         self.longest_save = 0.0
         self.steps_seen = 0
@@ -99,7 +113,7 @@ class Beat:
     def beat_step(self, step: int) -> None:
         """At ckpt.step(step)'s entry: the step just finished; its duration is measured from the
         previous heartbeat (the previous step()'s return, after any save it did)."""
-        now = time.time()
+        now = time.monotonic()
         if self.phase == STEP:
             took = now - self.last
             self.ring[self.ring_len % RING] = took
@@ -113,53 +127,87 @@ class Beat:
         self.last = now
         self._write()
 
-    def enter(self, phase: str) -> float:
-        """A save or a restore begins (or the script is done); returns the time it began."""
-        now = time.time()
-        self.phase, self.phase_since, self.last = phase, now, now
+    def enter(self, phase: str, budget_s: float = 0.0) -> float:
+        """A save, a restore or a busy stretch begins (or the script is done); returns the
+        (monotonic) time it began. `budget_s`: what a busy stretch asked for (0: the default)."""
+        now = time.monotonic()
+        self.phase, self.phase_since, self.last, self.budget_s = phase, now, now, budget_s
         self._write()
         return now
 
     def leave(self, began: float, measured_save: bool = False) -> None:
         """Back to stepping after a save/restore (a restore returns to start-up: step() has not
         been called since). The next step's duration is counted from here."""
-        now = time.time()
+        now = time.monotonic()
         if measured_save:
             self.longest_save = max(self.longest_save, now - began)
         self.phase = STEP if self.steps_seen else STARTUP
-        self.phase_since, self.last = now, now
+        self.phase_since, self.last, self.budget_s = now, now, 0.0
         self._write()
 
     def _write(self) -> None:
+        if self.failed:
+            return
         self.seq += 1
-        data = (_HEAD.pack(_MAGIC, 1, self.seq, os.getpid(), self.rank, PHASES.index(self.phase), self.steps_seen,
-                           self.ring_len, self.step, self.last, self.phase_since, self.longest_step, self.longest_save)
+        data = (_HEAD.pack(_MAGIC, _VERSION, self.seq, os.getpid(), self.rank, PHASES.index(self.phase),
+                           self.steps_seen, self.ring_len, self.step, self.last, self.phase_since, self.longest_step,
+                           self.longest_save, time.time(), self.budget_s)
                 + self.ring.tobytes() + _TAIL.pack(self.seq))
         try:
-            os.pwrite(self.fd, data, 0)
+            if os.pwrite(self.fd, data, 0) == len(data):
+                return
+            error: OSError = OSError(f"short write to {self.fd}")
+        except OSError as exc:
+            error = exc
+        self._unwatched(error)
+
+    def _unwatched(self, error: OSError) -> None:
+        """A write failed (never breaks training): empty the record, which tells the launcher this
+        rank is "not watched" (a stale record would read as a hang), and stop writing."""
+        import logging
+
+        self.failed = True
+        try:
+            os.ftruncate(self.fd, 0)  # frees the space a full tmpfs lacks, so this works where pwrite did not
         except OSError:
-            pass  # a full /dev/shm must never break training; the launcher sees a stale record
+            pass
+        logging.getLogger("slurmresume").warning(
+            "heartbeat write failed (%s): the hang watch does not watch rank %d for the rest of this run",
+            error, self.rank)
 
     def register_dumps(self, directory: Path, sig: signal.Signals) -> None:
-        """faulthandler on `sig`, all threads, into <dir>/rank-<r>.stacks (kept open)."""
+        """faulthandler on `sig`, all threads, into <dir>/rank-<r>.stacks (kept open). The
+        registration is the process's: with two Beats (two Checkpointers) the newest holds it,
+        and closing one hands it back to the other instead of unregistering it."""
         try:
             self._stacks = open(stacks_path(directory, self.rank), "a")  # noqa: SIM115 - faulthandler keeps it
             faulthandler.register(sig, file=self._stacks, all_threads=True, chain=False)
             self._dump_sig = sig
+            _DUMPERS.append(self)
         except (OSError, RuntimeError, ValueError):
             self._stacks = None
 
     def close(self) -> None:
         if self._dump_sig is not None:
+            sig, self._dump_sig = self._dump_sig, None
+            holder = _DUMPERS[-1] if _DUMPERS else None
+            if self in _DUMPERS:
+                _DUMPERS.remove(self)
+            others = [b._stacks for b in _DUMPERS if b._dump_sig == sig and b._stacks is not None]
             try:
-                faulthandler.unregister(self._dump_sig)
+                if holder is self and others:
+                    faulthandler.register(sig, file=others[-1], all_threads=True, chain=False)
+                elif holder is self or not others:
+                    faulthandler.unregister(sig)
             except (RuntimeError, ValueError):
                 pass
-            self._dump_sig = None
         try:
             os.close(self.fd)
         except OSError:
             pass
+
+
+_DUMPERS: list[Beat] = []  # the Beats that registered a stack dump, in order (the last one holds it)
 
 
 def read_record(path: Path) -> Record | None:
@@ -175,28 +223,45 @@ def read_record(path: Path) -> Record | None:
         head = _HEAD.unpack_from(data, 0)
         if head[0] != _MAGIC or head[2] != _TAIL.unpack_from(data, _HEAD.size + _RING.size)[0]:
             continue
-        _, _, _, pid, rank, phase, steps_seen, n, step, t, since, longest, save = head
-        if phase >= len(PHASES):
+        _, version, _, pid, rank, phase, steps_seen, n, step, t, since, longest, save, wall, asked = head
+        if phase >= len(PHASES) or version != _VERSION:
             return None
         raw = _RING.unpack_from(data, _HEAD.size)
         ring = tuple(raw[(n - min(n, RING) + i) % RING] for i in range(min(n, RING)))  # oldest first
-        return Record(pid, rank, PHASES[phase], step, t, since, longest, save, steps_seen, ring)
+        return Record(pid, rank, PHASES[phase], step, t, since, longest, save, steps_seen, ring, wall, asked)
     return None
 
 
 def read_all(directory: Path) -> dict[int, Record]:
     """Every rank's record in `directory`, by global rank."""
+    return scan(directory)[0]
+
+
+def scan(directory: Path) -> tuple[dict[int, Record], set[int]]:
+    """(every rank's record in `directory` by global rank, the ranks whose record file is there
+    but empty: just created, or emptied by a rank whose writes failed)."""
     out: dict[int, Record] = {}
+    empty: set[int] = set()
     try:
         names = os.listdir(directory)
     except OSError:
-        return out
+        return out, empty
     for name in names:
-        if name.endswith(".hb"):
-            rec = read_record(Path(directory) / name)
+        if name.startswith("rank-") and name.endswith(".hb"):
+            path = Path(directory) / name
+            rec = read_record(path)
             if rec is not None:
                 out[rec.rank] = rec
-    return out
+            elif name[5:-3].isdigit() and _empty(path):
+                empty.add(int(name[5:-3]))
+    return out, empty
+
+
+def _empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except OSError:
+        return False
 
 
 def dump_signal_from_env() -> signal.Signals | None:
@@ -211,7 +276,14 @@ def beat_from_env(rank: int) -> Beat | None:
     """The rank's writer when a launcher asked for heartbeats ($SLURMRESUME_HEARTBEAT_DIR), else
     None (a bare run costs nothing). Registers the stack dump on the launcher's dump signal."""
     directory = os.environ.get(ENV_HEARTBEAT_DIR)
-    if not directory or not os.path.isdir(directory):
+    if not directory:
+        return None
+    if not os.path.isdir(directory):  # e.g. a container with a private /dev/shm
+        import logging
+
+        logging.getLogger("slurmresume").warning(
+            "no heartbeats: rank %d cannot see the launcher's directory %s; the hang watch shows it as unknown "
+            "and never kills it", rank, directory)
         return None
     try:
         beat = Beat(Path(directory), rank)
@@ -253,10 +325,10 @@ def drill_hang_here(step: int) -> None:
 
 
 @contextlib.contextmanager
-def phase(beat: Beat | None, name: str, *, measured_save: bool = False) -> Iterator[None]:
+def phase(beat: Beat | None, name: str, *, measured_save: bool = False, budget_s: float = 0.0) -> Iterator[None]:
     """A save, restore or busy stretch of the training thread, as the hang watch sees it (a
-    no-op when run bare, `beat` None)."""
-    began = beat.enter(name) if beat is not None else 0.0
+    no-op when run bare, `beat` None). `budget_s`: a busy stretch's own budget (0: the default)."""
+    began = beat.enter(name, budget_s) if beat is not None else 0.0
     try:
         yield
     finally:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import MutableMapping
-from dataclasses import dataclass
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ from ..checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, in
 from ..contract import ENV_ALLOW_FRESH_START, ENV_RUN_ID
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError
 from ..events import process_started_at, try_append_event
-from . import rng
+from . import ddp, rng
 from .messages import Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
 
 log = logging.getLogger("slurmresume")
@@ -66,6 +66,7 @@ class Request:
     restore_rng: bool
     strict: bool
     allow_fresh_start: bool
+    ddp_buckets: Mapping[str, Any] = field(default_factory=dict)  # {state key: DDPBuckets}: ddp.find_wrappers
 
     @classmethod
     def of(cls, step: int | None, verify: bool, restore_rng: bool, strict: bool,
@@ -136,6 +137,8 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
             dirty, dirty_error = choice.step, failures[0].message
         if not failures:
             apply_loaded(group, state, got, choice, req.restore_rng)
+            if req.ddp_buckets and isinstance(got.library, dict):
+                ddp.restore(req.ddp_buckets, got.library.get("ddp"))
             return choice
         if group.rank == 0:
             log.warning("checkpoint step %s (%s) unusable: %s; falling back to the previous one",

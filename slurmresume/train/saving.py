@@ -47,7 +47,7 @@ from ..checkpoint.state import flatten
 from ..contract import ENV_RUN_ID
 from ..errors import ConfigError, SaveError
 from ..events import try_append_event
-from . import rng
+from . import ddp, rng
 from .logs import size as log_size
 from .messages import PrepareDecision, SaveOutcome, WriteReport
 
@@ -71,12 +71,17 @@ class Payload:
     meta: Any = None
 
 
-def payload_of(step: int, state: Mapping[str, Any], metrics: Any, meta: Any) -> Payload:
+def payload_of(step: int, state: Mapping[str, Any], metrics: Any, meta: Any,
+               ddp_buckets: Mapping[str, Any] | None = None) -> Payload:
     """Every rank, on the training thread: what this rank saves as step `step`, with the library's
-    own state (the RNG streams, `rng.capture`). A bad step is a ConfigError, before any collective."""
+    own state (the RNG streams, `rng.capture`; DDP bucket layouts, `ddp.capture`, collective when
+    a rebuild is pending). A bad step is a ConfigError, before any collective."""
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ConfigError(f"step must be a non-negative integer, got {step!r}")
-    skeleton, tensors = flatten(state, {"rng": rng.capture()})
+    library: dict[str, Any] = {"rng": rng.capture()}
+    if ddp_buckets:
+        library["ddp"] = ddp.capture(ddp_buckets)
+    skeleton, tensors = flatten(state, library)
     return Payload(skeleton, tensors, encode(metrics), encode(meta))
 
 

@@ -4,6 +4,12 @@ Usage: hang_train.py STEPS STEP_SLEEP [SLOW_STEP SLOW_FACTOR] [SLOW_SAVE_S] [SAV
 SLOW_STEP: that step sleeps SLOW_FACTOR x STEP_SLEEP (once, in the first run only: a legitimately
 slow step). SLOW_SAVE_S: every save's state_dict() of the `slow` entry takes that long (a slow
 save). Writes $PIDDIR/rank<R>.pid and progress<R> like sig_train.py.
+$EVALS="10:6:wrap,20:6:bare,30:6:wrap=40": after those steps (first run only) every rank
+"evaluates" for that many seconds, inside `ckpt.busy("eval")` (wrap; wrap=S: budget_s=S) or not.
+$CSTUCK="1:25": rank 1 blocks in a C call (libc sleep through ctypes) after step 25, first run only.
+$THROTTLE_MBPS=1: a throttled writer (a slow parallel file system): every shard is fed to its
+writer at about that many MB/s, and the state carries 4 MB more, so each save takes ~4 s while
+its file visibly grows.
 """
 
 import os
@@ -30,6 +36,21 @@ class SlowToSave:
         self.value = sd["value"]
 
 
+def throttle(mbps: float) -> None:
+    from slurmresume.checkpoint import writer
+
+    feed = writer.ShardSink.feed
+    piece = 64 << 10
+
+    def slow_feed(self, data, *, reused: bool = False) -> None:  # type: ignore[no-untyped-def]
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), piece):
+            feed(self, bytes(view[start : start + piece]), reused=True)
+            time.sleep(piece / (mbps * 1e6))
+
+    writer.ShardSink.feed = slow_feed
+
+
 def main() -> None:
     steps, sleep = int(sys.argv[1]), float(sys.argv[2])
     slow_step = int(sys.argv[3]) if len(sys.argv) > 3 else -1
@@ -46,8 +67,14 @@ def main() -> None:
     model = torch.nn.Linear(8, 8)
     ckpt = slurmresume.Checkpointer(save_every=save_every)
     state = {"model": model, "slow": SlowToSave(slow_save)}
+    if os.environ.get("THROTTLE_MBPS"):
+        throttle(float(os.environ["THROTTLE_MBPS"]))
+        state["big"] = torch.nn.Linear(1024, 1024, bias=False)  # 4 MB
     step = ckpt.restore(state)
     first_run = step == 0
+    stuck = tuple(int(x) for x in os.environ["CSTUCK"].split(":")) if os.environ.get("CSTUCK") else None
+    evals = {int(a): (float(b), c) for a, b, c in
+             (item.split(":") for item in os.environ.get("EVALS", "").split(",") if item)}
     while step < steps:
         x = torch.randn(4, 8)
         model(x).square().mean().backward()
@@ -58,6 +85,17 @@ def main() -> None:
         time.sleep(sleep * (slow_factor if step == slow_step and first_run else 1.0))
         (piddir / f"progress{rank}").write_text(str(step))
         ckpt.step(step, state)
+        if first_run and stuck == (rank, step):
+            import ctypes
+
+            ctypes.CDLL(None).sleep(100000)  # in C: no Python frame runs, the GIL is released
+        if first_run and step in evals:
+            seconds, how = evals[step]
+            if how == "bare":
+                time.sleep(seconds)
+            else:
+                with ckpt.busy("eval", budget_s=float(how[5:]) if how.startswith("wrap=") else None):
+                    time.sleep(seconds)
     ckpt.save(step, state, reason="final")
     ckpt.close()
 

@@ -1,0 +1,146 @@
+"""What the drill checks besides the final checkpoints (issue #28; DESIGN §8: PASS only what was
+observed): that every restarted run resumed the step the previous run committed and went on
+from the step after it, and that both runs passed the same `metrics=` at every step.
+
+Facts come from the run's outcome records, its `restored` events and each rank's step record
+(`train/steprecord.py`); the checks themselves are pure functions over them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.jsonenc import dumps
+from ..contract import read_outcome
+from ..events import read_events
+from ..train.steprecord import read_records
+
+ADAPT = "see README §Adapt your script"
+NEVER_RESTORED = ("run {i} (after the save at step {saved}) never restored a checkpoint and started over at step "
+                  "{first}: call `step = ckpt.restore(state)` before the training loop and continue from the "
+                  "step it returns; " + ADAPT)
+WRONG_RESTORE = "run {i} restored step {restored}, but the run before it had committed step {saved}"
+WRONG_START = ("run {i} restored step {saved} but its first ckpt.step() was step {first}, not {next}: continue "
+               "counting from the step restore() returns; " + ADAPT)
+METRIC_HINT = ("a value the step computes from something outside the saved state: an evaluation generator or "
+               "loader that is not in state (seed it per evaluation, or put it in state), a metric accumulated "
+               "outside state; or pass --ignore KEY for a wall-clock value; " + ADAPT)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """One run (torchrun invocation) of the preempted drill run, in the order they ran."""
+
+    run_id: str
+    restored: int | None  # the step restore() loaded; None: this run never restored one
+    first_step: int | None  # the first step it passed to ckpt.step(); None: it ran no step
+    committed: int | None  # the step its emergency save committed; None: it committed none
+
+
+@dataclass(frozen=True)
+class MetricDifference:
+    step: int
+    key: str
+    rank: int
+    reference: str  # the value (as JSON) in the uninterrupted run
+    resumed: str  # ... and in the preempted run
+
+    def __str__(self) -> str:
+        return (f"rank {self.rank}: metric '{self.key}' differs first at step {self.step} (uninterrupted "
+                f"{_short(self.reference)}, preempted {_short(self.resumed)}): {METRIC_HINT}")
+
+
+def resumption_problems(runs: list[RunFacts]) -> list[str]:
+    """One line per restarted run that did not resume what the run before it committed."""
+    problems = []
+    for i, (prev, run) in enumerate(zip(runs, runs[1:], strict=False), start=2):
+        saved = prev.committed
+        if saved is None:
+            continue  # nothing committed (a hang, a failed save): the other checks judge it
+        if run.restored is None:
+            problems.append(NEVER_RESTORED.format(i=i, saved=saved, first=run.first_step))
+        elif run.restored != saved:
+            problems.append(WRONG_RESTORE.format(i=i, restored=run.restored, saved=saved))
+        elif run.first_step is not None and run.first_step != saved + 1:
+            problems.append(WRONG_START.format(i=i, saved=saved, first=run.first_step, next=saved + 1))
+    return problems
+
+
+def first_metric_difference(reference: dict[int, list[dict[str, Any]]], resumed: dict[int, list[dict[str, Any]]],
+                            ignore: tuple[str, ...] = ()) -> MetricDifference | None:
+    """The first (step, key) at which a rank's metrics differ between the runs, comparing every
+    record of a step in the preempted run (a replayed step must repeat itself) with the
+    uninterrupted run's; steps and keys only one run recorded are not compared. `ignore`: key
+    patterns (fnmatch)."""
+    found: list[MetricDifference] = []
+    for rank in sorted(set(reference) & set(resumed)):
+        ref = _by_call(reference[rank])
+        for (step, call), values in sorted(_all_by_call(resumed[rank]).items()):
+            if (step, call) not in ref:
+                continue
+            for value in values:
+                diff = _differs(ref[(step, call)], value, ignore)
+                if diff is not None:
+                    found.append(MetricDifference(step, diff[0], rank, diff[1], diff[2]))
+                    break
+    return min(found, key=lambda d: (d.step, d.rank, d.key), default=None)
+
+
+def _by_call(records: list[dict[str, Any]]) -> dict[tuple[int, str], Any]:
+    out: dict[tuple[int, str], Any] = {}
+    for r in records:
+        out.setdefault((r["step"], str(r.get("call"))), r.get("metrics"))
+    return out
+
+
+def _all_by_call(records: list[dict[str, Any]]) -> dict[tuple[int, str], list[Any]]:
+    out: dict[tuple[int, str], list[Any]] = {}
+    for r in records:
+        out.setdefault((r["step"], str(r.get("call"))), []).append(r.get("metrics"))
+    return out
+
+
+def _differs(a: Any, b: Any, ignore: tuple[str, ...]) -> tuple[str, str, str] | None:
+    """(key, a, b) of the first differing key; values compared as canonical JSON (bitwise floats)."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        a, b = {"metrics": a}, {"metrics": b}
+    # only keys both passed: a framework's metrics may carry a stale value (Lightning's last
+    # val_loss) that a resumed process has not computed yet
+    for key in sorted(set(a) & set(b)):
+        if any(fnmatch.fnmatchcase(key, pattern) for pattern in ignore):
+            continue
+        va, vb = dumps(a[key]), dumps(b[key])
+        if va != vb:
+            return key, va, vb
+    return None
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def run_facts(root: Path, records: Path) -> list[RunFacts]:
+    """The runs of the preempted drill run under `root`, in the order they started."""
+    events = read_events(root)
+    order = [e["run_id"] for e in events if e["event"] == "started" and isinstance(e.get("run_id"), str)]
+    restored = {e.get("run_id"): e["step"] for e in events if e["event"] == "restored" and isinstance(e.get("step"), int)}
+    first: dict[str, int] = {}
+    for rec in read_records(records, 0):
+        if rec.get("call") == "step":  # a run restored at the last step only makes its final save
+            first.setdefault(str(rec.get("run")), rec["step"])
+    facts = []
+    for run_id in dict.fromkeys(order):
+        try:
+            outcome = read_outcome(root, run_id)
+        except ValueError:
+            outcome = None
+        committed = outcome.step if outcome is not None and outcome.committed else None
+        facts.append(RunFacts(run_id, restored.get(run_id), first.get(run_id), committed))
+    return facts
+
+
+def metric_streams(records: Path, world: int) -> dict[int, list[dict[str, Any]]]:
+    return {rank: read_records(records, rank) for rank in range(world)}
