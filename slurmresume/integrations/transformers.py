@@ -151,6 +151,7 @@ class SlurmResumeCallback(TrainerCallback):
             # Trainer evaluates and saves after on_step_end: the step ends once they ran (an
             # evaluation draws from the global RNG; a resumed run would skip it)
             self._deferred = state.global_step
+            self._busy_begin(control)
             return
         self._step_boundary(state)
 
@@ -164,6 +165,7 @@ class SlurmResumeCallback(TrainerCallback):
 
     def _step_boundary(self, state: Any) -> None:
         self._deferred = None
+        self._busy_end()
         if self.ckpt is None:
             return
         metrics = {"loss": state.log_history[-1]["loss"]} if state.log_history and "loss" in state.log_history[-1] \
@@ -171,7 +173,6 @@ class SlurmResumeCallback(TrainerCallback):
         self.ckpt.step(state.global_step, self._state, metrics=metrics)
         if self.final_save and state.max_steps and state.global_step >= state.max_steps:
             self.ckpt.save(state.global_step, self._state, metrics=metrics, reason="final")
-        self._busy_begin(control)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._busy_begin(control)
@@ -179,7 +180,8 @@ class SlurmResumeCallback(TrainerCallback):
     def _busy_begin(self, control: Any) -> None:
         """Trainer evaluates, predicts and saves its own checkpoint after on_step_end/on_epoch_end
         when the flow callback (first in the list) set these flags: under ckpt.busy() until the
-        next step begins, so the hang watch judges them by the busy budget."""
+        deferred step boundary (or the next step) begins, so the hang watch judges them by the
+        busy budget."""
         wanted = getattr(control, "should_evaluate", False) or getattr(control, "should_save", False)
         if self.ckpt is not None and self._busy is None and wanted:
             self._busy = contextlib.ExitStack()
