@@ -9,6 +9,11 @@ job must not depend on searching it. Each run (one torchrun invocation, identifi
 by global rank 0, under `<root>/.runs/`; the launcher of the first node reads it after torchrun
 exits. Rank 0 may live on any node, so the record lives on the shared checkpoint root.
 
+Whose record: a Slurm job id comes back (MaxJobId wrap, a reinstalled controller, another
+cluster on the same root), so a run id is not enough. Every launch (one submission, kept across
+its requeues; one `submit --local`) has a nonce ($SLURMRESUME_NONCE) that every record carries,
+and the launcher believes only records with its own nonce (`read_*(..., nonce)`).
+
 Who writes what:
     a node's launcher, before it kills a hung run: `<run id>.hang.json` (write_hang): the other
                                                nodes' launchers, whose ranks then fail in a
@@ -38,7 +43,10 @@ ENV_DRILL_AT = "SLURMRESUME_DRILL_AT"  # drill: "12,30,41" = warning at step 12 
 ENV_HEARTBEAT_DIR = "SLURMRESUME_HEARTBEAT_DIR"  # node-local directory for per-rank heartbeats (heartbeat.py)
 ENV_DUMP_SIGNAL = "SLURMRESUME_DUMP_SIGNAL"  # the signal (name) on which each rank dumps its stacks there
 ENV_DRILL_HANG = "SLURMRESUME_DRILL_HANG"  # drill: "1:12,0:30" = rank 1 stops at step 12 of attempt 0, ...
+ENV_NONCE = "SLURMRESUME_NONCE"  # this launch (one submission, or one `submit --local`): in every record
 ENV_OWNER = "SLURMRESUME_OWNER"  # the owner id of the root's lease that this run holds (ownership.py)
+ENV_LEASE_HEARTBEAT = "SLURMRESUME_LEASE_HEARTBEAT_S"  # the lease's refresh interval (default 30 s; tests)
+ENV_TAKEOVER = "SLURMRESUME_TAKEOVER"  # "1": a bare Checkpointer may take over on weak evidence (--takeover)
 ENV_MIRROR = "SLURMRESUME_MIRROR"  # s3://BUCKET/PREFIX every committed step is copied to (submit --mirror)
 ENV_DRILL_FIRST_SAVE = "SLURMRESUME_DRILL_FIRST_SAVE"  # drill: "1" = save the first step of a fresh start
 ENV_DRILL_RECORD = "SLURMRESUME_DRILL_RECORD"  # drill: directory where each rank records its steps
@@ -50,6 +58,7 @@ ENV_ALLOW_FRESH_START = "SLURMRESUME_ALLOW_FRESH_START"
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after the warning signal; the launcher requeues
 EXIT_TERMINATED = 76  # saved (best effort) after SIGTERM/SIGINT; never self-requeued
 EXIT_SAVE_FAILED = 77  # the emergency save after a signal failed; nothing new committed
+EXIT_MIRROR_BEHIND = 78  # rank 0 at close(): the last committed step did not reach the mirror (mirror_behind)
 
 # -- exit code of the node launcher -----------------------------------------------------------
 # After a successful `scontrol requeue` the launcher exits at once with this code: the job is
@@ -83,6 +92,7 @@ class Outcome:
     step: int  # the step all ranks agreed on
     committed: bool  # True only when this run's save of `step` has its commit marker
     error: str = ""
+    nonce: str = ""  # the launch's ($SLURMRESUME_NONCE); `write_outcome` fills it in
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -95,22 +105,28 @@ def outcome_path(root: Path, run_id: str) -> Path:
 
 
 def write_outcome(root: Path, outcome: Outcome) -> None:
-    """Rank 0 only. Atomic and durable (temp, fsync, rename, directory fsync)."""
+    """Rank 0 only. Atomic and durable (temp, fsync, rename, directory fsync). Stamped with this
+    launch's nonce ($SLURMRESUME_NONCE) unless the outcome carries one."""
+    from dataclasses import replace
+
     from .checkpoint.fsio import makedirs, write_durable
 
     path = outcome_path(root, outcome.run_id)
     makedirs(path.parent, 0o755)
+    if not outcome.nonce:
+        outcome = replace(outcome, nonce=os.environ.get(ENV_NONCE, ""))
     write_durable(path, outcome.to_json(), "outcome")
 
 
-def read_outcome(root: Path, run_id: str) -> Outcome | None:
+def read_outcome(root: Path, run_id: str, nonce: str = "") -> Outcome | None:
     """The launcher. None when the run left no record (finished, crashed) or it is unreadable;
-    a record that is not ours (wrong run id, malformed) counts as none."""
+    a record that is not ours (wrong run id or nonce, malformed) counts as none."""
     raw = _read_record(outcome_path(root, run_id))
     if (not isinstance(raw, dict) or raw.get("run_id") != run_id or raw.get("kind") not in ("preempt", "terminate")
-            or not isinstance(raw.get("step"), int) or not isinstance(raw.get("committed"), bool)):
+            or not isinstance(raw.get("step"), int) or not isinstance(raw.get("committed"), bool)
+            or raw.get("nonce", "") != nonce):
         return None
-    return Outcome(run_id, raw["kind"], raw["step"], raw["committed"], str(raw.get("error") or ""))
+    return Outcome(run_id, raw["kind"], raw["step"], raw["committed"], str(raw.get("error") or ""), nonce)
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,7 @@ class LastRun:
     progressed: bool
     latest: int | None = None
     lost_steps: int | None = None
+    nonce: str = ""  # the launch that wrote it
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -143,15 +160,16 @@ def write_last_run(root: Path, record: LastRun) -> None:
     write_durable(path, record.to_json(), "last-run")
 
 
-def read_last_run(root: Path, job_key: str) -> LastRun | None:
-    """None when there is none, or it is unreadable or not this job's."""
+def read_last_run(root: Path, job_key: str, nonce: str = "") -> LastRun | None:
+    """None when there is none, or it is unreadable or not this job's launch's (`nonce`)."""
     raw = _read_record(last_run_path(root, job_key))
-    if not isinstance(raw, dict) or raw.get("job_key") != job_key or not isinstance(raw.get("progressed"), bool):
+    if (not isinstance(raw, dict) or raw.get("job_key") != job_key or not isinstance(raw.get("progressed"), bool)
+            or raw.get("nonce", "") != nonce):
         return None
     latest, lost = raw.get("latest"), raw.get("lost_steps")
     return LastRun(job_key, str(raw.get("run_id", "")), str(raw.get("kind", "")), str(raw.get("action", "")),
                    raw["progressed"], latest if isinstance(latest, int) else None,
-                   lost if isinstance(lost, int) else None)
+                   lost if isinstance(lost, int) else None, nonce)
 
 
 def hang_path(root: Path, run_id: str) -> Path:
@@ -167,10 +185,12 @@ def write_hang(root: Path, run_id: str, record: dict[str, Any]) -> None:
     write_durable(path, json.dumps({**record, "run_id": run_id}, separators=(",", ":")).encode(), "hang record")
 
 
-def read_hang(root: Path, run_id: str) -> dict[str, Any] | None:
-    """Another node's hang verdict on this run, or None (none, unreadable, not this run's)."""
+def read_hang(root: Path, run_id: str, nonce: str = "") -> dict[str, Any] | None:
+    """Another node's hang verdict on this run, or None (none, unreadable, not this run's or
+    launch's: `write_hang`'s record carries the launch's "nonce")."""
     raw = _read_record(hang_path(root, run_id))
-    ok = isinstance(raw, dict) and raw.get("run_id") == run_id and isinstance(raw.get("step"), int)
+    ok = (isinstance(raw, dict) and raw.get("run_id") == run_id and isinstance(raw.get("step"), int)
+          and raw.get("nonce", "") == nonce)
     return raw if ok and isinstance(raw.get("ranks"), list) else None
 
 
@@ -188,3 +208,39 @@ def _read_record(path: Path) -> Any:
         return None
     finally:
         os.close(fd)
+
+
+RECORDS_YOUNG_S = 3600.0  # a record this young is never pruned (another node may be writing it)
+RECORDS_KEEP_RUNS = 16  # this job's newest per-run records kept (status, a post-mortem)
+
+
+def plan_record_prune(entries: list[tuple[str, float]], job_key: str, now: float) -> list[str]:
+    """Pure: which `.runs/` entries (name, mtime) to delete at a launch of `job_key`. Kept: every
+    entry younger than RECORDS_YOUNG_S; this job's crash-loop record and node summaries; its
+    RECORDS_KEEP_RUNS newest other records. Everything else is another launch's and unread
+    (the launcher believes only records with its nonce)."""
+    old = [(n, t) for n, t in entries if now - t >= RECORDS_YOUNG_S]
+    mine = sorted(((n, t) for n, t in old if n.startswith(f"{job_key}.")), key=lambda e: e[1], reverse=True)
+    keep = {n for n, _ in mine if n.endswith((".last-run.json", ".ranks.json"))}
+    runs = [n for n, _ in mine if n not in keep]
+    keep.update(runs[:RECORDS_KEEP_RUNS])
+    return sorted(n for n, _ in old if n not in keep)
+
+
+def prune_records(root: Path, job_key: str, now: float) -> int:
+    """The first node's launcher, holding the root's lease, at a launch: `plan_record_prune`
+    applied to `<root>/.runs/`. Best effort; returns the number removed."""
+    folder = Path(root) / RUNS_DIR
+    try:
+        entries = [(e.name, e.stat(follow_symlinks=False).st_mtime) for e in os.scandir(folder)
+                   if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return 0
+    removed = 0
+    for name in plan_record_prune(entries, job_key, now):
+        try:
+            os.unlink(folder / name)
+            removed += 1
+        except OSError:
+            pass
+    return removed

@@ -8,18 +8,17 @@ rename, directory fsync) and refreshed by a heartbeat, is visible to every node.
 heartbeat notices a lost lease (the file names someone else) and says so.
 
 The record: owner id, kind ("slurm" | "local"), Slurm job id, pid, host, since (first taken),
-heartbeat (last refreshed). Who is the same owner: every run of one Slurm job (requeues keep the
+heartbeat (last refreshed), the holder's heartbeat interval, the host's boot id, and for a
+Slurm owner the ClusterName. Who is the same owner: every run of one Slurm job (requeues keep the
 job id: owner "slurm-<job id>") and every restart of one `submit --local` (one launcher
 process). Ranks under the launcher do not acquire: they check that the lease names their
-launcher's run ($SLURMRESUME_OWNER).
+launcher's run ($SLURMRESUME_OWNER); a `Checkpointer`'s side is `train/claims.py`.
 
-When an owner is provably gone (`judge`):
-  - a Slurm job no longer in `squeue` (or in an ended state);
-  - a local run whose pid is dead (or reused: the process start time differs) on this host;
-  - otherwise (another host, or `squeue` not answering), a heartbeat older than STALE_AFTER_S
-    (10 minutes: 20 missed heartbeats of HEARTBEAT_S, far beyond NFS attribute caching).
-A live owner is never taken over. `submit` takes over a gone owner only with `--takeover`; a bare
-`Checkpointer` (no launcher, no flag to pass) takes over a gone owner by itself, logging it.
+When an owner is gone: `evidence.py` (the rules, a pure function). With strong proof (the job
+terminal on the cluster the lease records; a local pid dead on this host) the root is taken over
+without a flag, in one log line naming the previous owner; a fresh heartbeat always wins (the
+taker waits it out when the proof is strong); a stale heartbeat alone is weak evidence and needs
+--takeover (a bare `Checkpointer`: $SLURMRESUME_TAKEOVER=1). A live owner is never taken over.
 """
 
 from __future__ import annotations
@@ -34,17 +33,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from . import evidence
 from .checkpoint.layout import OWNER, OWNER_LOCK
 from .errors import ConfigError
 
 log = logging.getLogger("slurmresume")
 
 HEARTBEAT_S = 30.0
-STALE_AFTER_S = 600.0
+STALE_AFTER_S = evidence.STALE_AFTER_S
 LOCK_WAIT_S = 10.0
 MAX_LEASE_BYTES = 16 << 10
-_ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY",
-          "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
 
 
 class RootOwnedError(ConfigError):
@@ -61,6 +59,9 @@ class Lease:
     since: float
     heartbeat: float
     pid_start: str = ""  # /proc/<pid>/stat start time: a reused pid is not the owner
+    cluster: str = ""  # a Slurm owner's ClusterName: only that cluster's answers about its job count
+    boot_id: str = ""  # the host's boot: a pid on another boot (or a same-named host) says nothing
+    heartbeat_s: float = HEARTBEAT_S  # the holder's refresh interval: fresh = under 3 of them
 
     def describe(self) -> str:
         who = f"Slurm job {self.job_id}" if self.kind == "slurm" else f"local run pid {self.pid}"
@@ -81,8 +82,21 @@ def new_lease(owner: str, *, pid: int | None = None) -> Lease:
     pid = os.getpid() if pid is None else pid
     kind = "slurm" if owner.startswith("slurm-") else "local"
     now = time.time()
+    cluster = (evidence.cluster_name() or "") if kind == "slurm" else ""
     return Lease(owner, kind, owner.removeprefix("slurm-") if kind == "slurm" else None, pid,
-                 socket.gethostname(), now, now, _start_time(pid))
+                 socket.gethostname(), now, now, evidence.start_time(pid), cluster, evidence.boot_id(),
+                 heartbeat_interval())
+
+
+def heartbeat_interval() -> float:
+    """The holder's refresh interval: HEARTBEAT_S, or $SLURMRESUME_LEASE_HEARTBEAT_S (tests)."""
+    from .contract import ENV_LEASE_HEARTBEAT
+
+    try:
+        value = float(os.environ.get(ENV_LEASE_HEARTBEAT, "") or HEARTBEAT_S)
+    except ValueError:
+        return HEARTBEAT_S
+    return min(max(value, 0.1), HEARTBEAT_S) if value == value else HEARTBEAT_S
 
 
 def read_lease(root: Path) -> Lease | None:
@@ -95,7 +109,8 @@ def read_lease(root: Path) -> Lease | None:
         raw: Any = json.loads(os.read(fd, MAX_LEASE_BYTES))
         return Lease(str(raw["owner"]), str(raw["kind"]), None if raw.get("job_id") is None else str(raw["job_id"]),
                      int(raw["pid"]), str(raw["host"]), float(raw["since"]), float(raw["heartbeat"]),
-                     str(raw.get("pid_start") or ""))
+                     str(raw.get("pid_start") or ""), str(raw.get("cluster") or ""), str(raw.get("boot_id") or ""),
+                     float(raw.get("heartbeat_s") or HEARTBEAT_S))
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
     finally:
@@ -118,79 +133,70 @@ def _lock(root: Path) -> Any:
     return FileLock(str(Path(root) / OWNER_LOCK), timeout=LOCK_WAIT_S, mode=0o644 & ~umask())
 
 
-def _start_time(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-
-
-def judge(lease: Lease, now: float | None = None) -> tuple[bool, str]:
-    """(gone?, why). Gone only when provably so; see the module docstring."""
+def judge(lease: Lease, now: float | None = None) -> evidence.Verdict:
+    """The verdict on `lease` from what this process observes now (evidence.py)."""
     now = time.time() if now is None else now
-    age = now - lease.heartbeat
-    if lease.kind == "slurm" and lease.job_id:
-        state = _squeue_state(lease.job_id)
-        if state is not None:
-            return (True, f"job {lease.job_id} has ended ({state or 'not in squeue'})") if (
-                state == "" or state in _ENDED) else (False, f"job {lease.job_id} is {state}")
-    elif lease.host == socket.gethostname() and lease.pid == os.getpid():
-        return True, "held by this same process"
-    elif lease.host == socket.gethostname():
-        start = _start_time(lease.pid)
-        if not start or (lease.pid_start and start != lease.pid_start):
-            return True, f"pid {lease.pid} is no longer running on {lease.host}"
-        return False, f"pid {lease.pid} is running"
-    if age > STALE_AFTER_S:
-        return True, f"its heartbeat is {age:.0f} s old (> {STALE_AFTER_S:.0f} s)"
-    return False, f"its heartbeat is {age:.0f} s old"
+    return evidence.weigh(lease, evidence.observe(lease, now))
 
 
-def _squeue_state(job_id: str) -> str | None:
-    """The job's state from squeue; "" when squeue no longer knows it; None when squeue cannot be
-    asked (no Slurm here, or it did not answer): then the heartbeat decides."""
-    from . import slurm
-    from .errors import SlurmError
-
-    try:
-        out = slurm.run(["squeue", "-h", "-j", job_id, "-o", "%T"], timeout=20).stdout
-    except SlurmError as exc:
-        return "" if "Invalid job id" in str(exc) else None
-    states = out.split()
-    return states[0] if states else ""
-
-
-def check_free(root: Path, owner: str | None = None, *, takeover: bool = False) -> Lease | None:
+def check_free(root: Path, owner: str | None = None, *, takeover: bool = False, wait: bool = True,
+               hint: str = "pass --takeover") -> Lease | None:
     """Raise RootOwnedError when `root` is owned by someone other than `owner` and may not be
-    taken (alive; or gone without `takeover`). Returns the lease that may be taken over, if any.
-    Reads only."""
+    taken: alive (a fresh heartbeat included), or only weakly gone (a stale heartbeat) without
+    `takeover`. Returns the lease that may be taken over, if any. With strong proof that the
+    owner is gone but a fresh heartbeat, `wait` waits the heartbeat out first (at most
+    3 heartbeat intervals, logged). Reads only."""
+    found = _check(root, owner, takeover=takeover, wait=wait, hint=hint)
+    return found[0] if found else None
+
+
+def _check(root: Path, owner: str | None, *, takeover: bool, wait: bool, hint: str) -> tuple[Lease, str] | None:
     current = read_lease(root)
     if current is None or current.owner == owner:
         return None
-    gone, why = judge(current)
-    if not gone:
-        raise RootOwnedError(f"checkpoint root {root} is owned by {current.describe()}: {why}; refusing to "
-                             "start a second writer. Wait for it to end (or cancel it), then pass --takeover, "
-                             "or choose another --ckpt-dir")
-    if not takeover:
-        raise RootOwnedError(f"checkpoint root {root} was owned by {current.describe()}, and {why}: pass "
-                             "--takeover to take the root over")
-    return current
+    verdict = judge(current)
+    if verdict.state == evidence.FRESH and wait:
+        current, verdict = _wait_out(root, current, verdict)
+        if current is None or current.owner == owner:
+            return None
+    if verdict.state in (evidence.ALIVE, evidence.FRESH):
+        raise RootOwnedError(f"checkpoint root {root} is owned by {current.describe()}: {verdict.why}; refusing to "
+                             "start a second writer. Wait for it to end (or cancel it), or choose another --ckpt-dir")
+    if verdict.state == evidence.STALE and not takeover:
+        raise RootOwnedError(f"checkpoint root {root} was owned by {current.describe()}, and {verdict.why}, but "
+                             f"that alone does not prove it gone: once sure it is, {hint} to take the root over")
+    return current, verdict.why
 
 
-def acquire(root: Path, owner: str, *, takeover: bool = False, pid: int | None = None) -> Lease:
+def _wait_out(root: Path, lease: Lease, verdict: evidence.Verdict) -> tuple[Lease | None, evidence.Verdict]:
+    """The owner is provably gone but its heartbeat is fresh: wait until it is not (re-reading
+    the lease, which a live holder would refresh), at most FRESH_BEATS intervals and a margin."""
+    log.warning("checkpoint root %s: %s; waiting %.0f s for its heartbeat to age", root, verdict.why,
+                verdict.fresh_for)
+    deadline = time.monotonic() + evidence.FRESH_BEATS * HEARTBEAT_S + 5.0
+    current: Lease | None = lease
+    while current is not None and verdict.state == evidence.FRESH and time.monotonic() < deadline:
+        time.sleep(min(verdict.fresh_for + 0.2, max(deadline - time.monotonic(), 0.0)))
+        current = read_lease(root)
+        verdict = judge(current) if current is not None else verdict
+    return current, verdict
+
+
+def acquire(root: Path, owner: str, *, takeover: bool = False, pid: int | None = None,
+            hint: str = "pass --takeover") -> Lease:
     """Take or renew the lease for `owner` (the same owner renews, keeping `since`). Raises
-    RootOwnedError per `check_free`; nothing else is written then."""
+    RootOwnedError per `check_free`; nothing else is written then. A takeover is logged in one
+    line naming the previous owner and the evidence."""
+    check_free(root, owner, takeover=takeover, hint=hint)  # waits out a fresh heartbeat, outside the lock
     with _lock(root):
-        taken = check_free(root, owner, takeover=takeover)
+        taken = _check(root, owner, takeover=takeover, wait=False, hint=hint)
         current = read_lease(root)
         lease = new_lease(owner, pid=pid)
         if current is not None and current.owner == owner:
             lease = replace(lease, since=current.since)
         _write(root, lease)
     if taken is not None:
-        log.warning("took over %s from %s", root, taken.describe())
+        log.warning("took over %s from %s: %s", root, taken[0].describe(), taken[1])
     return lease
 
 
@@ -219,14 +225,14 @@ class Holder:
     """A lease held by this process, refreshed every HEARTBEAT_S by a daemon thread."""
 
     def __init__(self, root: Path, owner: str) -> None:
-        self.root, self.owner = Path(root), owner
+        self.root, self.owner, self.interval = Path(root), owner, heartbeat_interval()
         self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="slurmresume-lease", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.wait(self.interval):
             try:
                 if not refresh(self.root, self.owner):
                     self.lost = True
@@ -235,6 +241,12 @@ class Holder:
                     return
             except Exception as exc:  # noqa: BLE001 - retried at the next beat
                 log.warning("lease heartbeat on %s failed: %s", self.root, exc)
+
+    def still_held(self) -> bool:
+        """False once the lease names another owner (read now, not only at the next beat)."""
+        current = read_lease(self.root)
+        self.lost = self.lost or (current is not None and current.owner != self.owner)
+        return not self.lost
 
     def stop(self) -> None:
         self._stop.set()
@@ -248,67 +260,3 @@ def hold(root: Path, owner: str, *, takeover: bool = False) -> Holder:
     """Acquire (see `acquire`) and keep refreshing. The launcher's first node calls this."""
     acquire(root, owner, takeover=takeover)
     return Holder(root, owner)
-
-
-@dataclass
-class _Claim:
-    """This process's lease on one root, shared by its open Checkpointers."""
-
-    holder: Holder
-    users: int  # open Checkpointers counting on it
-    pid: int  # the process that took it (a forked child inherits the entry, not the lease)
-
-
-_HELD: dict[tuple[str, str], _Claim] = {}  # (root, owner) -> claim
-_HELD_LOCK = threading.Lock()
-
-
-def for_checkpointer(root: Path) -> tuple[str, str] | None:
-    """Rank 0 of a `Checkpointer`. Under the launcher ($SLURMRESUME_OWNER set): check that the
-    lease names this run. Bare (no launcher): take the lease for this Slurm job, or this process,
-    taking over an owner that is provably gone; one heartbeat per root and process, shared by the
-    process's open Checkpointers. Returns the key to hand to `unclaim` when the Checkpointer
-    closes (None: nothing taken). Raises RootOwnedError when another live run owns the root."""
-    from .contract import ENV_OWNER
-
-    mine = os.environ.get(ENV_OWNER)
-    if mine:
-        current = read_lease(root)
-        if current is not None and current.owner != mine:
-            raise RootOwnedError(f"checkpoint root {root} is owned by {current.describe()}, not by this run "
-                                 f"({mine}): refusing to write into it")
-        return None
-    if not Path(root).is_dir():
-        return None  # nothing to protect yet, and restoring must not create the root (the first save does)
-    job = os.environ.get("SLURM_JOB_ID")
-    owner = slurm_owner(job) if job else f"local-{socket.gethostname()}-{os.getpid()}"
-    key = (str(Path(root).absolute()), owner)
-    with _HELD_LOCK:
-        held = _HELD.get(key)
-        if held is not None and not held.holder.lost:
-            held.users += 1
-            return key
-        try:
-            acquire(root, owner, takeover=True)
-        except OSError as exc:  # a read-only root can still be restored from; saves will say why they fail
-            log.warning("cannot write the lease %s (%s): continuing without one", lease_path(root), exc)
-            return None
-        _HELD[key] = _Claim(Holder(root, owner), 1, os.getpid())
-        return key
-
-
-def unclaim(key: tuple[str, str] | None) -> None:
-    """A Checkpointer that `for_checkpointer` counted closed: the last one of the process frees the
-    root, so that a later run (or a forked child) on this root is not refused by a live process that
-    no longer writes there."""
-    if key is None:
-        return
-    with _HELD_LOCK:
-        held = _HELD.get(key)
-        if held is None or held.pid != os.getpid():  # a forked child never frees its parent's lease
-            return
-        held.users -= 1
-        if held.users > 0:
-            return
-        del _HELD[key]
-    held.holder.release()

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 from filelock import Timeout
 
+from .checkpoint import leftovers as abandoned
 from .checkpoint.commit import hide, root_lock
 from .checkpoint.jsonenc import decode
 from .checkpoint.layout import DELETING_PREFIX, INPROGRESS, LOCK, SAVING_PREFIX, saving_dirs
@@ -363,7 +364,7 @@ def execute(root: Path, policy: RetentionPolicy, approved: Collection[str] | Non
             result.deleted.append(r.name)
     for path in hidden:
         shutil.rmtree(path, ignore_errors=True)
-    result.cleaned = clean_leftovers(root)
+    result.cleaned = clean_leftovers(root) + abandoned.clean(root, policy.young_threshold)
     return result
 
 

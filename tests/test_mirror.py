@@ -45,8 +45,9 @@ def test_upload_then_download_round_trip(s3, url: str, tmp_path: Path) -> None:
     loc = parse_s3_url(url)
     result = upload_step(s3, loc, src / step_dir_name(5), 5)
     assert result.action == "uploaded"
-    assert keys(s3, url) == [f"{step_dir_name(5)}/{n}" for n in ("COMMITTED", "manifest.json",
-                                                                  "rank-00000-of-00001.safetensors")]
+    attempt = s3.head_object(Bucket=loc.bucket, Key=loc.key(5, MARKER))["Metadata"]["slurmresume-objects"]
+    assert keys(s3, url) == [f"{step_dir_name(5)}/{n}" for n in ("COMMITTED", f"{attempt}/manifest.json",
+                                                                  f"{attempt}/rank-00000-of-00001.safetensors")]
     assert upload_step(s3, loc, src / step_dir_name(5), 5).action == "present"  # idempotent
     info = remote.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 5 and info.verified
@@ -139,7 +140,7 @@ def test_a_corrupt_mirror_step_is_never_loaded(s3, url: str, tmp_path: Path) -> 
     a, b = tmp_path / "a", tmp_path / "b"
     save(a, 2, 7, mirror=url)
     loc = parse_s3_url(url)
-    key = loc.key(7, "rank-00000-of-00001.safetensors")
+    key = remote.object_key(s3, loc, 7, "rank-00000-of-00001.safetensors")
     body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
     body[-1] ^= 0xFF  # same size, one flipped byte
     s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))
@@ -217,7 +218,7 @@ def test_restore_of_a_step_on_neither_tier_or_corrupt_on_the_mirror_refuses(s3, 
     with pytest.raises(CheckpointError, match=r"step 4 is not a complete checkpoint .* nor on the mirror"):
         ckpt.restore(tiny_state(0), step=4)
     loc = parse_s3_url(url)
-    key = loc.key(3, "rank-00000-of-00001.safetensors")
+    key = remote.object_key(s3, loc, 3, "rank-00000-of-00001.safetensors")
     body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
     body[-1] ^= 0xFF
     s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))

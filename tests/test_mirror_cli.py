@@ -58,7 +58,7 @@ def test_verify_on_a_bucket_names_the_bad_shard(s3, tmp_path: Path) -> None:
     assert ok.exit_code == 0, ok.output
     assert ok.stdout.count("ok ") == 2
     loc = parse_s3_url(url)
-    key = loc.key(1, SHARD)
+    key = remote.object_key(s3, loc, 1, SHARD)
     body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
     body[-1] ^= 1
     s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))
@@ -112,3 +112,29 @@ def test_status_on_a_bucket_lists_complete_and_uploading_steps(s3, tmp_path: Pat
         [(3, False, True, None), (2, True, False, True), (1, True, False, True)]
     text = run("status", "--ckpt-dir", url)
     assert text.exit_code == 0 and "being uploaded" in text.stdout and "newest complete: 2" in text.stdout
+
+
+def test_verify_and_latest_take_the_bucket_url_as_their_argument(s3, tmp_path: Path) -> None:
+    url = mirrored(tmp_path, 1, 2)
+    loc = parse_s3_url(url)
+    out = run("latest", url)
+    assert out.exit_code == 0, out.output
+    assert out.stdout.strip() == loc.step_url(2)
+    out = run("verify", url)
+    assert out.exit_code == 0, out.output
+    assert loc.step_url(2) in out.stdout and loc.step_url(1) not in out.stdout
+    out = run("verify", loc.step_url(1))  # a step URL, as `latest` prints it
+    assert out.exit_code == 0, out.output
+    assert loc.step_url(1) in out.stdout and loc.step_url(2) not in out.stdout
+    out = run("verify", "--all", url)
+    assert out.exit_code == 0 and loc.step_url(1) in out.stdout and loc.step_url(2) in out.stdout, out.output
+    key = remote.object_key(s3, loc, 2, SHARD)
+    body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
+    body[-1] ^= 0xFF
+    s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))
+    out = run("verify", url)
+    assert out.exit_code == 1 and "fails its checksum" in out.output
+    for args in (["verify", url, "--ckpt-dir", url], ["latest", url, "--ckpt-dir", str(tmp_path)],
+                 ["verify", "twelve"]):
+        out = run(*args)
+        assert out.exit_code == 1 and out.output.count("error:") == 1 and "Traceback" not in out.output, out.output

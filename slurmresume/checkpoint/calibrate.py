@@ -56,6 +56,7 @@ SLOW_FACTOR = 3.0  # the disk here drifts 2x within an hour: that alone is no re
 RECHECK_AFTER_S = 600.0  # nor is a slow save right after a calibration (measuring costs ~1 GiB of writes)
 TIE = 1.25  # probes within this factor of the fastest are settled by real saves
 TRIAL_SAVES = 1  # real saves per contender before settling (each is a large shard: already a long sample)
+MAX_CACHE_BYTES = 1 << 20  # a few hundred file systems' entries; a larger file is damaged, not read
 _memo: dict[str, dict[str, Any]] = {}
 _guard = threading.Lock()
 _state = threading.local()
@@ -111,11 +112,31 @@ def forced() -> str | None:
 
 
 def _read_cache() -> dict[str, Any]:
+    """The cache's entries; {} (one warning per process and reason) when it is missing, unreadable,
+    over MAX_CACHE_BYTES or not the JSON object we write. The cache is a speed hint: any failure
+    to read it means the default path, never a failed save."""
+    path = cache_path()
     try:
-        data = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CACHE_BYTES + 1)
+        if len(raw) > MAX_CACHE_BYTES:
+            raise ValueError(f"over {MAX_CACHE_BYTES} bytes")
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
         return {}
-    return data if isinstance(data, dict) else {}
+    except Exception as exc:  # noqa: BLE001 - bad JSON, any depth (RecursionError), a directory, EACCES...
+        _warn_once(f"ignoring the writer calibration cache {path} ({type(exc).__name__}: {exc}): using the "
+                   f"default write path until it is rewritten; remove it, or set {CACHE_ENV} elsewhere")
+        return {}
+    return data
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
 
 
 def _write_cache(key: str, entry: dict[str, Any]) -> None:
@@ -128,8 +149,8 @@ def _write_cache(key: str, entry: dict[str, Any]) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
         os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("could not write the writer calibration cache %s: %s", path, exc)
+    except Exception as exc:  # noqa: BLE001 - a read-only directory, a full disk: the hint is lost, not the save
+        _warn_once(f"could not write the writer calibration cache {path}: {exc}")
 
 
 def _valid(entry: Any) -> TypeGuard[dict[str, Any]]:
@@ -150,7 +171,16 @@ def _valid(entry: Any) -> TypeGuard[dict[str, Any]]:
 
 def choose(directory: str | os.PathLike[str], size_hint: int = 0) -> tuple[str, str]:
     """(strategy, source) for a shard written into `directory`; source is "forced", "calibrated"
-    or "default". Never raises: a failed calibration means the default."""
+    or "default". Never raises: a failed calibration, or a cache that cannot be used, means the
+    default (one warning)."""
+    try:
+        return _choose(directory, size_hint)
+    except Exception as exc:  # noqa: BLE001 - a speed hint never fails a save (emergency ones included)
+        _warn_once(f"choosing the write path in {directory} failed ({type(exc).__name__}: {exc}): using {DEFAULT}")
+        return DEFAULT, "default"
+
+
+def _choose(directory: str | os.PathLike[str], size_hint: int) -> tuple[str, str]:
     f = forced()
     if f is not None:
         return f, "forced"
@@ -311,7 +341,7 @@ def observe(directory: str | os.PathLike[str], strategy: str, nbytes: int, secon
             stale = {**entry, "stale": True, "stale_gbps": round(got, 3)}
             _memo.pop(key, None)
             _write_cache(key, stale)
-    except (OSError, KeyError, TypeError, ValueError):
+    except Exception:  # noqa: BLE001, S110 - after a save that worked: a damaged hint costs a re-measure
         pass
 
 

@@ -224,8 +224,9 @@ def prune_json(root: Path, policy: Any, plan: Any, leftovers: list[str], dry_run
 @app.command()
 @handle_errors
 def verify(
-    step: Annotated[int | None, typer.Argument(
-        help="Step to verify. Default: the newest complete checkpoint.")] = None,
+    target: Annotated[str | None, typer.Argument(
+        metavar="[STEP|URL]", help="Step to verify, or a bucket root or step URL (s3://bucket/run, "
+        "s3://bucket/run/step_000001200). Default: the newest complete checkpoint.")] = None,
     every: Annotated[bool, typer.Option("--all", help="Verify every committed checkpoint.")] = False,
     ckpt_dir: CkptDir = None,
 ) -> None:
@@ -233,11 +234,22 @@ def verify(
 
     Exits 1 and names each bad file when a checkpoint fails (restore would then fall back to
     the previous one). Reads every byte of the checked shards.
-    Example: slurmresume verify --all --ckpt-dir runs/exp1
+    Example: slurmresume verify --all --ckpt-dir runs/exp1 (or: slurmresume verify s3://bucket/exp1)
     """
     from ..tools.status import verify_checkpoints
     from . import render as _render
 
+    if target is not None and is_s3_url(target):
+        from ..mirror.fetch import split_step_url
+
+        if ckpt_dir is not None:
+            raise ConfigError(f"give the bucket once: {target} as the argument or --ckpt-dir, not both")
+        loc, url_step = split_step_url(target)
+        s3_commands().verify(loc.url, url_step, every)
+        return
+    if target is not None and not re.fullmatch(r"-?\d+", target):
+        raise ConfigError(f"{target!r} is not a step number or an s3:// URL")
+    step = int(target) if target is not None else None
     if is_s3_url(ckpt_dir):
         s3_commands().verify(ckpt_dir, step, every)
         return
@@ -257,7 +269,12 @@ def verify(
 
 @app.command()
 @handle_errors
-def latest(ckpt_dir: CkptDir = None) -> None:
+def latest(
+    root_arg: Annotated[str | None, typer.Argument(
+        metavar="[ROOT|URL]", help="The checkpoint root or bucket (s3://bucket/run), as --ckpt-dir. "
+        "Default: --ckpt-dir's default.")] = None,
+    ckpt_dir: CkptDir = None,
+) -> None:
     """Print the path of the newest complete checkpoint (for scripts).
 
     Prints nothing on stdout and exits 1 when there is none. Incomplete or corrupt newer
@@ -265,6 +282,10 @@ def latest(ckpt_dir: CkptDir = None) -> None:
     """
     from ..checkpoint.store import find_latest
 
+    if root_arg is not None:
+        if ckpt_dir is not None:
+            raise ConfigError(f"give the root once: {root_arg} as the argument or --ckpt-dir, not both")
+        ckpt_dir = Path(root_arg) if not is_s3_url(root_arg) else root_arg  # type: ignore[assignment]
     if is_s3_url(ckpt_dir):
         s3_commands().latest(ckpt_dir)
         return

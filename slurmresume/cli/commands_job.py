@@ -161,10 +161,13 @@ def submit(
     resume_from: Annotated[str | None, Opt(help="Start from this committed STEP (or step directory) instead of the newest. (default: the newest)")] = None,
     branch: Annotated[Path | None, Opt(help="With --resume-from: continue in this NEW checkpoint root; the old one is untouched. (default: none)")] = None,
     discard_newer: Annotated[bool, Opt("--discard-newer", help="With --resume-from: delete the steps newer than it.")] = False,
-    takeover: Annotated[bool, Opt("--takeover", help="Take the checkpoint root over from a previous run that is provably gone (job not in squeue, pid dead, or heartbeat over 10 min old); a live owner is never taken over.")] = False,
+    takeover: Annotated[bool, Opt("--takeover", help="Take the checkpoint root over on weak evidence that its previous run is gone (only a heartbeat over 10 min old: another host or cluster, Slurm not answering). Strong proof (its job ended on its cluster, its pid dead on this host) needs no flag; a live owner is never taken over. (default: off)")] = False,
     mirror: Annotated[str | None, Opt(metavar="s3://BUCKET/PREFIX", help="Also copy every committed step there "
                                       "(background upload; restore pulls newer steps from it). Endpoint and credentials "
-                                      "from the AWS environment. [default: none]")] = None,
+                                      "from the AWS environment. Timeouts and retries: $SLURMRESUME_MIRROR_CONNECT_TIMEOUT "
+                                      "(default 10 s), _READ_TIMEOUT (30 s), _ATTEMPTS per request and part (4), "
+                                      "_CLOSE_DEADLINE for the last upload (240 s; then exit 78), _PULL_DEADLINE for a "
+                                      "pull in restore (240 s). [default: none]")] = None,
     no_script_check: Annotated[bool, Opt("--no-script-check", help="Submit even when the script never calls restore() or ckpt.step() itself (a module it imports does). (default: refuse such a script)")] = False,
     shared_root: Annotated[bool, Opt("--shared-root", help="With --nodes > 1: every node mounts --ckpt-dir although it is on a local or memory file system. (default: refuse such a root, except under --dry-run)")] = False,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ from .. import slurm
 from ..checkpoint.store import find_latest
 from ..contract import (
     ENV_DUMP_SIGNAL,
+    ENV_NONCE,
     EV_HANG,
     EV_INTERRUPTED,
     EV_RESUMED,
@@ -336,13 +338,14 @@ def _child_setup(sig: int) -> Any:
 def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, warn: signal.Signals,
                  relay: Relay, log_file: Any = None, *, clock: JobClock | None = None,
                  guardian: Guardian | None = None, watch: HangWatch | None = None,
-                 dumps: Path | None = None) -> RunResult:
+                 dumps: Path | None = None, lost: Callable[[], bool] | None = None) -> RunResult:
     """Start torchrun (own session, tracked by the guardian), relay signals to its workers until
     it exits, classify the outcome. A SIGTERM is a cancel, or with a `clock` (Slurm) possibly the
     time limit: then the run is not waited for beyond half of KillWait (no new commit can land
     in time; the requeue that follows kills it). With a `watch`: a rank silent beyond its phase's
     budget makes every rank dump its stacks (under `dumps`), a `hang` event, and the whole tree
-    killed; the result then carries the hang."""
+    killed; the result then carries the hang. `lost()` true (the root's lease now names another
+    run): the tree is killed at once, since nothing it saves may commit there any more."""
     latest_before = _latest_step(root)
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup(warn), stdout=log_file, stderr=log_file,
                             start_new_session=True)
@@ -393,7 +396,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
                 stop = _classify_stop(relay, clock, root, run_id)
                 if stop == "time_limit" and clock is not None and relay.term_at is not None:
                     give_up_at = relay.term_at + clock.kill_wait / 2
-            if relay.interrupts >= 2:  # a second Ctrl-C: stop now, no save
+            if relay.interrupts >= 2 or (lost is not None and lost()):  # a second Ctrl-C, a lost root: stop now
                 kill_tree(tree)
             if give_up_at is not None and time.time() > give_up_at:
                 rc = proc.poll()
@@ -407,8 +410,8 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
         watch.refresh()  # the ranks' last word, for `status`
         watch.publish(root, _summary_key(run_id, env), time.monotonic(), force=True)
         if hang is None and rc not in (None, 0):
-            hang = _peer_hang(root, run_id)  # our ranks failed because another node killed its hung ones
-    return RunResult(rc if rc is not None else -1, read_outcome(root, run_id), latest_before, _latest_step(root),
+            hang = _peer_hang(root, run_id, env.get(ENV_NONCE, ""))  # our ranks failed because another node killed its hung ones
+    return RunResult(rc if rc is not None else -1, read_outcome(root, run_id, env.get(ENV_NONCE, "")), latest_before, _latest_step(root),
                      warned=warn in relay.pending, stop=stop, hang=hang, ended_at=ended_at)
 
 
@@ -423,8 +426,8 @@ def _reap(proc: subprocess.Popen[bytes], run_id: str) -> int:
         return -signal.SIGKILL
 
 
-def _peer_hang(root: Path, run_id: str) -> Hang | None:
-    record = read_hang(root, run_id)
+def _peer_hang(root: Path, run_id: str, nonce: str) -> Hang | None:
+    record = read_hang(root, run_id, nonce)
     if record is None:
         return None
     return Hang(tuple(int(r) for r in record["ranks"]), str(record.get("phase", "step")), int(record["step"]),
@@ -456,7 +459,8 @@ def _handle_hang(hang: Hang, watch: HangWatch, agent: int, tree: dict[int, int],
     watch.publish(root, _summary_key(run_id, env), time.monotonic(), force=True)
     try:
         write_hang(root, run_id, {"ranks": list(hang.ranks), "step": hang.step, "phase": hang.phase,
-                                  "silent_s": hang.silent_s, "budget_s": hang.budget_s, "dump_dir": str(folder)})
+                                  "silent_s": hang.silent_s, "budget_s": hang.budget_s, "dump_dir": str(folder),
+                                  "nonce": env.get(ENV_NONCE, "")})
     except (OSError, ValueError) as exc:
         log.warning("could not write the hang record of run %s: %s", run_id, exc)
     killed = time.time()

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from ..contract import (
     ENV_HEARTBEAT_DIR,
     ENV_LAUNCHER_PID,
     ENV_MIRROR,
+    ENV_NONCE,
     ENV_OWNER,
     ENV_RESTART,
     ENV_ROOT,
@@ -29,6 +30,7 @@ from ..contract import (
     EV_WARNED_WITHOUT_SAVE,
     LAUNCHER_EXIT_REQUEUED,
     LastRun,
+    prune_records,
     read_last_run,
     write_last_run,
 )
@@ -98,9 +100,12 @@ def worker_env(spec: JobSpec, run_id: str, restart: int, extra: dict[str, str] |
 
 @dataclass(frozen=True)
 class NodeLauncher:
-    """The callable submitit runs once per node (one task per node), and again after each requeue."""
+    """The callable submitit runs once per node (one task per node), and again after each requeue.
+    `nonce`: this submission's (drawn when it is made, pickled with it, so the same on every node
+    and every requeue; a reused job id of another submission has another)."""
 
     spec: JobSpec
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __call__(self) -> dict[str, Any]:
         # First, before any Slurm call: a warning that lands during start-up must find our
@@ -116,7 +121,7 @@ class NodeLauncher:
             clock = JobClock.read(job_id)  # in the background: torchrun does not wait for slurmctld
             endpoint = f"{rdzv_host(nnodes)}:{rdzv_port(job_id, self.spec.rdzv_port)}"
             cmd = torchrun_command(self.spec, nnodes=nnodes, endpoint=endpoint, rdzv_id=job_id)
-            return _loop(self.spec, cmd, relay, job_key=f"slurm-{job_id}", restart=restart,
+            return _loop(self.spec, cmd, relay, job_key=f"slurm-{job_id}", nonce=self.nonce, restart=restart,
                          first_node=node_id == 0, clock=clock, extra={"node": node_id, "nodes": nnodes, "job": job_id})
         finally:
             relay.uninstall()
@@ -133,19 +138,20 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, *, takeover: boo
     try:
         cmd = torchrun_command(spec, nnodes=1, endpoint=None, rdzv_id="local")
         key = f"local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        return _loop(spec, cmd, relay, job_key=key, restart=0, first_node=True, clock=None,
+        return _loop(spec, cmd, relay, job_key=key, nonce=uuid.uuid4().hex, restart=0, first_node=True, clock=None,
                      extra={"node": 0, "nodes": 1, "job": "local"}, env=env, takeover=takeover)
     finally:
         relay.uninstall()
 
 
-def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart: int, first_node: bool,
+def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: str, restart: int, first_node: bool,
           clock: JobClock | None, extra: dict[str, Any], env: dict[str, str] | None = None,
           takeover: bool = False) -> dict[str, Any]:
     root = spec.ckpt_dir
     # One owner per root: the first node holds the lease (job key = owner id, so every requeue of
     # a Slurm job and every local restart is the same owner); the ranks check it ($SLURMRESUME_OWNER).
-    env = {**(env or {}), ENV_OWNER: job_key}
+    # Records belong to this launch: the launcher believes only those carrying its nonce.
+    env = {**(env or {}), ENV_OWNER: job_key, ENV_NONCE: nonce}
     lease = None
     local = clock is None
     failures = 0
@@ -158,6 +164,8 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
     guardian = Guardian()
     try:
         lease = ownership.hold(root, job_key, takeover=takeover) if first_node else None
+        if first_node:
+            prune_records(root, job_key, time.time())  # other launches' records: never believed, now gone
         while True:
             run_id = run_id_for(job_key, restart, failures + hangs)
             try_append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local,
@@ -168,16 +176,19 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, restart:
             wenv = worker_env(spec, run_id, restart, {**env, **hb})
             try:
                 result = run_torchrun(cmd, wenv, root, run_id, relay.warn, relay, clock=clock, guardian=guardian,
-                                      watch=watch, dumps=spec.logs / run_id)
+                                      watch=watch, dumps=spec.logs / run_id,
+                                      lost=(lambda: lease.lost) if lease is not None else None)
             finally:
                 watch.close()
-            last = read_last_run(root, job_key)
+            last = read_last_run(root, job_key, nonce)
             action, reason = decide(result, first_node=first_node, requeues_done=restart,
                                     max_requeues=spec.max_requeues, failures_done=failures,
                                     max_failures=spec.max_failures,
                                     previous_progressed=last.progressed if last is not None else None,
                                     hangs_done=hangs, max_hangs=spec.max_hangs, previous_hang=previous_hang)
-            _record(root, result, action, reason, run_id, job_key, restart, first_node)
+            if lease is not None and not lease.still_held():  # never requeue into a root another run owns
+                action, reason = "give_up", f"this run ({job_key}) lost checkpoint root {root} to another run"
+            _record(root, result, action, reason, run_id, job_key, restart, first_node, nonce)
             log.info("run %s ended %s: %s -> %s", run_id, result.kind, reason, action)
             if lease is not None and (action in ("finish", "stop", "give_up") or (action == "hold" and local)):
                 lease.release()  # the job will not come back: the root is free
@@ -260,7 +271,7 @@ def _requeue(root: Path, clock: JobClock, relay: Relay, job: str, restart: int, 
 
 
 def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str, job_key: str,
-            restart: int, first_node: bool) -> None:
+            restart: int, first_node: bool, nonce: str) -> None:
     if not first_node and action == "stop":
         return
     try_append_event(root, "run_ended", run_id=run_id, job_key=job_key, restart=restart, outcome=result.kind,
@@ -268,7 +279,7 @@ def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str
                      progressed=result.progressed, lost_steps=result.lost_steps, action=action, reason=reason)
     try:
         write_last_run(root, LastRun(job_key, run_id, result.kind, action, result.progressed, result.latest_after,
-                                     result.lost_steps))
+                                     result.lost_steps, nonce))
     except OSError as exc:
         log.warning("could not write the run record under %s: %s", root, exc)
     loud = None

@@ -1,14 +1,19 @@
 """Object-storage mirror: committed steps copied to `s3://BUCKET/PREFIX`, with the same commit.
 
-The bucket holds the same layout as a local root (`PREFIX/step_000001200/rank-*.safetensors`,
-`manifest.json`, `COMMITTED`), so the format's guarantees carry over without renames:
+The bucket holds one folder per step, like a local root (`PREFIX/step_000001200/COMMITTED`),
+with the shards and manifest of the commit in the attempt folder the marker names
+(`step_000001200/attempt-<random>/rank-*.safetensors`, `manifest.json`; commit.py), so the
+format's guarantees carry over and no other writer can touch what a marker commits:
 
-- upload (`transfer.upload_step`): shards and manifest first, the marker last with a
-  conditional write (`If-None-Match: *`): a marker is never overwritten and never appears
-  before its files; the writer then reads the marker back and compares its own token.
-- download (`transfer.download_step`): parallel ranged GETs into a hidden directory, every
-  shard's xxh3 checked against the manifest, then one rename into the local root.
+- upload (`transfer.upload_step`): shards and manifest into this attempt's own folder, the
+  marker last with a conditional write (`If-None-Match: *`) naming that folder: a marker is
+  never overwritten and never appears before its files; the writer then reads the marker back
+  and compares its own token.
+- download (`transfer.download_step`): parallel ranged GETs into a hidden directory, each
+  part retried from its first missing byte (ranges.py), every shard's xxh3 checked against
+  the manifest, then one rename into the local root.
 - deletion (`remote.delete_step`): marker first, so a half-deleted step is never complete.
+- timeouts, tries and deadlines: settings.py; what killed transfers leave: leftovers.py.
 
 `Mirror` (background.py) is what `Checkpointer(mirror=...)` uses: one background uploader on
 rank 0 and a pull on restore. boto3 is imported only here (the `[s3]` extra); the endpoint,

@@ -9,8 +9,11 @@
   the local root (or the root is empty or lost), download it, verified, into the root.
 - `pull_step(root, step)`, before `restore(step=N)`: when the local root lacks a complete
   step N and the bucket has it, download it, verified, into the root.
-- `close()` waits for the uploader. An emergency exit does not wait: its upload is finished
-  by the next run's `start`.
+- `close()` waits for the uploader, at most `settings.close_deadline` seconds; a step it leaves
+  off the bucket is a `mirror_behind` event, and the next run's `start` uploads it. An
+  emergency exit does not wait: its upload is finished by the next run's `start`.
+- A failed upload is tried again (`settings.attempts`, pauses doubling) unless a newer commit
+  replaced it; every request and part is bounded by the settings' timeouts (settings.py).
 Upload errors never reach the training thread: they are logged and recorded as events.
 """
 
@@ -30,6 +33,7 @@ from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, NoCheckpointError
 from . import remote
 from .s3 import S3Location, client, parse_s3_url
+from .settings import MirrorSettings
 from .transfer import CHUNK, CONCURRENCY, Transfer, download_step, upload_step
 
 log = logging.getLogger("slurmresume")
@@ -42,18 +46,25 @@ class Mirror:
     One per process; only rank 0 uses it (the local root is shared by the ranks)."""
 
     def __init__(self, url: str | os.PathLike[str] | S3Location, *, retention: Any = None,
-                 on_event: Event | None = None, chunk: int = CHUNK, concurrency: int = CONCURRENCY) -> None:
+                 on_event: Event | None = None, chunk: int = CHUNK, concurrency: int = CONCURRENCY,
+                 settings: MirrorSettings | None = None) -> None:
         self.loc = url if isinstance(url, S3Location) else parse_s3_url(url)
-        self.s3 = client()
+        self.settings = settings or MirrorSettings.from_env()
+        self.s3 = client(self.settings)
         self.retention = retention
         self.chunk, self.concurrency = chunk, concurrency
         self._on_event = on_event
         self._cv = threading.Condition()
         self._pending: tuple[str, Path, int] | None = None  # ("upload", root, step) | ("scan", root, -1)
         self._busy = False
+        self._current: int | None = None
         self._thread: threading.Thread | None = None
         self.done: list[Transfer] = []
         self.errors: list[str] = []
+        self.unrestorable: dict[int, str] = {}  # bucket step -> why the last pull could not restore it
+        self.behind: tuple[int | None, str] | None = None  # (step, why) when close() left a step off the bucket
+        self._failed: tuple[int | None, str] | None = None  # the last job's failure, until a job succeeds
+        self._refetched: set[int] = set()
 
     def __repr__(self) -> str:
         return f"Mirror({self.loc.url!r})"
@@ -90,9 +101,29 @@ class Mirror:
                 self._cv.wait(left)
         return True
 
-    close = wait
+    def close(self) -> bool:
+        """Wait for the uploader, at most `settings.close_deadline` seconds. True when the last
+        upload reached the bucket; else one warning, a `mirror_behind` event (the next run's
+        `start` finishes the upload) and False (`behind` says which step and why)."""
+        finished = self.wait(self.settings.close_deadline)
+        if finished and self._failed is None:
+            return True
+        if finished:
+            assert self._failed is not None
+            self.behind = self._failed
+        else:
+            with self._cv:
+                step = self._pending[2] if self._pending is not None else self._current
+            self.behind = (step if step is not None and step >= 0 else None,
+                           f"still uploading after the {self.settings.close_deadline:g} s close deadline")
+        step, why = self.behind
+        log.warning("mirror: step %s is not on %s at close (%s): the next run with this mirror uploads it",
+                    step if step is not None else "(newest)", self.loc.url, why)
+        self._event("mirror_behind", step=step, url=self.loc.url, error=why[:500])
+        return False
 
     def _run(self) -> None:
+        tries = 0
         while True:
             with self._cv:
                 if self._pending is None:
@@ -100,12 +131,27 @@ class Mirror:
                     self._cv.notify_all()
                     return
                 job, self._pending, self._busy = self._pending, None, True
+                self._current = job[2]
             try:
                 self._do(*job)
-            except Exception as exc:  # never into training: recorded, retried by the next commit/run
+                tries, self._failed = 0, None
+            except Exception as exc:  # never into training: recorded, retried below or by the next commit/run
+                tries += 1
                 self.errors.append(str(exc))
-                log.warning("mirror: %s to %s failed: %s", job[0], self.loc.url, exc)
+                self._failed = (job[2] if job[2] >= 0 else None, str(exc))
+                log.warning("mirror: %s to %s failed (try %d of %d): %s", job[0], self.loc.url, tries,
+                            self.settings.attempts, exc)
                 self._event("mirror_failed", step=job[2] if job[2] >= 0 else None, error=str(exc)[:500])
+                self._retry_later(job, tries)
+
+    def _retry_later(self, job: tuple[str, Path, int], tries: int) -> None:
+        """Put a failed job back after a pause, unless a newer one is waiting or the tries are spent."""
+        with self._cv:
+            if self._pending is not None or tries >= self.settings.attempts:
+                return
+            self._cv.wait(self.settings.pause(tries))  # a new commit (notify) ends the pause early
+            if self._pending is None:
+                self._pending = job
 
     def _do(self, kind: str, root: Path, step: int) -> None:
         if kind == "scan":
@@ -128,10 +174,23 @@ class Mirror:
                         seconds=round(result.seconds, 4))
         elif result.action == "conflict":
             self._event("mirror_conflict", step=step, error=result.detail)
+        if result.action == "uploaded":
+            self._remove_abandoned()
         if self.retention is not None and result.action == "uploaded":
             pruned = remote.prune(self.s3, self.loc, self.retention)
             for name in pruned.deleted:
                 log.info("mirror retention: deleted %s/%s", self.loc.url, name)
+
+    def _remove_abandoned(self) -> None:
+        from .leftovers import remove_abandoned
+
+        try:
+            removed = remove_abandoned(self.s3, self.loc, time.time())
+        except CheckpointError as exc:  # garbage never fails an upload
+            log.warning("mirror: abandoned uploads on %s not removed: %s", self.loc.url, exc)
+            return
+        if removed:
+            log.info("mirror: removed %d abandoned upload(s)/object(s) on %s", removed, self.loc.url)
 
     def _event(self, name: str, **fields: Any) -> None:
         if self._on_event is not None:
@@ -145,7 +204,11 @@ class Mirror:
         checksums). None when the local root is as new. Raises CheckpointError only when the
         bucket cannot be read and the local root has nothing: starting fresh then would
         silently throw away the mirrored run."""
+        from .leftovers import PARTIAL_IDLE_S, remove_partial_downloads
+
         root = Path(root)
+        for name in remove_partial_downloads(root, time.time(), PARTIAL_IDLE_S):
+            log.info("mirror: removed %s/%s, left by a killed download", root, name)
         local = find_latest_local(root, warn=False) if root.is_dir() else None
         have = local.step if local is not None else -1
         try:
@@ -157,23 +220,70 @@ class Mirror:
                                       "(AWS_ENDPOINT_URL, AWS_PROFILE) or drop --mirror to start fresh") from exc
             log.warning("mirror %s unreadable (%s): restoring from the local root", self.loc.url, exc)
             return None
-        tried: set[int] = set()
-        while True:
-            newest = remote.find_latest(self.s3, self.loc, exclude=tried, steps=steps)
-            if newest is None or newest.step <= have:
-                return None
-            try:
-                result = download_step(self.s3, self.loc, newest.step, root)
-            except CheckpointError as exc:
-                log.warning("mirror: step %d on %s not restored: %s", newest.step, self.loc.url, exc)
-                tried.add(newest.step)
+        self.unrestorable = {}
+        deadline = time.monotonic() + self.settings.pull_deadline
+        for rs in steps:
+            if rs.step <= have or not rs.has_marker:
                 continue
+            if time.monotonic() > deadline:
+                self.unrestorable[rs.step] = f"not tried: the {self.settings.pull_deadline:g} s pull deadline passed"
+                continue
+            info = remote.inspect(self.s3, self.loc, rs)
+            if not info.complete:
+                self.unrestorable[rs.step] = info.problem or "incomplete"
+                continue
+            try:
+                result = download_step(self.s3, self.loc, rs.step, root, settings=self.settings, deadline=deadline)
+            except CheckpointError as exc:
+                log.warning("mirror: step %d on %s not restored: %s", rs.step, self.loc.url, exc)
+                self.unrestorable[rs.step] = str(exc)
+                continue
+            newest = info
             log.info("mirror: step %d downloaded from %s (local newest was %s)", newest.step, self.loc.url,
                      have if have >= 0 else "none")
             self._event("mirror_downloaded", step=newest.step, url=self.loc.step_url(newest.step),
                         bytes=result.bytes, seconds=round(result.seconds, 4))
             return result
+        return None
 
+    def fresh_start_refusal(self, root: Path) -> str | None:
+        """Rank 0, when nothing loads and the local root holds no committed step: the bucket's
+        committed steps that the last `pull` could not restore, as one refusal line (None when
+        the bucket holds no committed step, so a fresh start throws nothing away)."""
+        if not self.unrestorable:
+            return None
+        bad = "; ".join(f"{step_dir_name(s)}: {why}" for s, why in sorted(self.unrestorable.items(), reverse=True))
+        return (f"refusing a fresh start: {root} holds no checkpoint and the mirror {self.loc.url} holds "
+                f"{len(self.unrestorable)} committed step(s), none restorable ({bad}); run `slurmresume verify "
+                f"--all {self.loc.url}`, or pass restore(..., allow_fresh_start=True) (or set "
+                "SLURMRESUME_ALLOW_FRESH_START=1) to start from step 0")
+
+    def refetch(self, root: Path, failed: set[int]) -> int | None:
+        """Rank 0, after the newest local steps failed to load: fetch the newest failed step whose
+        local copy fails its checksums again from the bucket when the bucket holds the same
+        commit (identical marker) intact; the damaged local copy is replaced. The step fetched,
+        or None (each step once)."""
+        from .transfer import read_local_marker
+
+        for step in sorted(failed - self._refetched, reverse=True):
+            self._refetched.add(step)
+            if inspect_dir(step, root / step_dir_name(step), verify=True).complete:
+                continue  # the local bytes are sound: what failed was not them (e.g. the state's keys)
+            local_marker = read_local_marker(root / step_dir_name(step))
+            try:
+                result = download_step(self.s3, self.loc, step, root, replace_if_marker=local_marker,
+                                       settings=self.settings,
+                                       deadline=time.monotonic() + self.settings.pull_deadline)
+            except CheckpointError as exc:
+                log.warning("mirror: step %d not fetched again from %s: %s", step, self.loc.url, exc)
+                continue
+            if result.action == "downloaded":
+                log.warning("mirror: the local copy of step %d failed to load; replaced by the bucket's "
+                            "verified copy of the same commit", step)
+                self._event("mirror_downloaded", step=step, url=self.loc.step_url(step), bytes=result.bytes,
+                            seconds=round(result.seconds, 4), replaced=True)
+                return step
+        return None
 
     def pull(self, root: Path, step: int | None) -> Transfer | None:
         """What `Checkpointer.restore(step=...)` calls on rank 0 before choosing a step."""
@@ -198,7 +308,8 @@ class Mirror:
             raise NoCheckpointError(f"step {step} is not a complete checkpoint under {root} nor on the mirror "
                                     f"{self.loc.url} ({why}): `slurmresume status --ckpt-dir {self.loc.url}` "
                                     "lists the mirror's steps")
-        result = download_step(self.s3, self.loc, step, root)
+        result = download_step(self.s3, self.loc, step, root, settings=self.settings,
+                               deadline=time.monotonic() + self.settings.pull_deadline)
         log.info("mirror: step %d downloaded from %s for restore(step=%d)", step, self.loc.url, step)
         self._event("mirror_downloaded", step=step, url=self.loc.step_url(step), bytes=result.bytes,
                     seconds=round(result.seconds, 4))

@@ -87,22 +87,32 @@ def status(url: object, *, verify: bool, limit: int, as_json: bool) -> None:
     (No Slurm job or event log: those live with the run, not in the bucket.)"""
     import json
 
+    from .leftovers import ABANDONED_AFTER_S
+
     loc, s3 = parse_s3_url(str(url)), client()
     steps = remote.scan(s3, loc)
     infos = [remote.inspect(s3, loc, rs, verify) for rs in (steps[:limit] if limit else steps)]
     newest = remote.find_latest(s3, loc, steps=steps)
+    now = time.time()
+    abandoned = {rs.step for rs in steps if rs.uploading and now - rs.upload_started > ABANDONED_AFTER_S}
     rows: list[dict[str, Any]] = [{"step": i.step, "url": i.url, "complete": i.complete, "problem": i.problem,
              "bytes": i.manifest.total_bytes if i.manifest else None, "verified": i.verified,
-             "uploading": i.uploading, "created": i.manifest.created if i.manifest else None} for i in infos]
+             "uploading": i.uploading, "abandoned": i.step in abandoned,
+             "created": i.manifest.created if i.manifest else None} for i in infos]
+    in_flight = sum(rs.uploading and rs.step not in abandoned for rs in steps)
     if as_json:
         typer.echo(json.dumps({"schema": "slurmresume.mirror-status/1", "root": loc.url, "steps": len(steps),
-                               "newest_complete": newest.step if newest else None, "checkpoints": rows}, indent=2))
+                               "newest_complete": newest.step if newest else None, "uploads_in_flight": in_flight,
+                               "abandoned_uploads": len(abandoned), "checkpoints": rows}, indent=2))
         return
     typer.echo(f"mirror {loc.url}: {len(steps)} step folder(s), newest complete: "
-               f"{newest.step if newest else 'none'}")
+               f"{newest.step if newest else 'none'}, uploads in flight: {in_flight}"
+               + (f", abandoned: {len(abandoned)}" if abandoned else ""))
     for r in rows:
+        uploading = ("upload ABANDONED (over 6 h old: removed after the next upload)" if r["abandoned"]
+                     else "being uploaded")
         state = "complete" + (" (verified)" if r["verified"] else "") if r["complete"] else \
-            ("being uploaded" if r["uploading"] else f"INCOMPLETE: {r['problem']}")
+            (uploading if r["uploading"] else f"INCOMPLETE: {r['problem']}")
         size = f"{r['bytes'] / 1e6:.1f} MB" if r["bytes"] is not None else "-"
         typer.echo(f"  {r['step']:>10}  {size:>10}  {state}")
     if limit and len(steps) > limit:

@@ -33,8 +33,9 @@ from ..checkpoint.layout import MANIFEST, MARKER, parse_step_dir, step_dir_name
 from ..checkpoint.shard import MAX_HEADER
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError, UnsafeCheckpointError
 from . import remote
+from .commit import read_remote_commit
 from .s3 import S3Location, call, client, is_s3_url, parse_s3_url
-from .transfer import download_step, read_remote_commit
+from .transfer import download_step
 
 
 @dataclass(frozen=True)
@@ -113,10 +114,11 @@ def local_copy(loc: S3Location, which: str | int | None, *, headers_only: bool,
 def _fetch_headers(s3: Any, loc: S3Location, step: int, step_dir: Path) -> None:
     """Marker + manifest (checked: the marker pins the manifest) and every shard's header,
     in sparse files of the manifest's sizes."""
-    marker_raw, manifest_raw, manifest = read_remote_commit(s3, loc, step)
+    commit = read_remote_commit(s3, loc, step)
+    marker_raw, manifest_raw, manifest = commit.marker_raw, commit.manifest_raw, commit.manifest
     step_dir.mkdir(mode=0o755)
     for s in manifest.shards:
-        key = loc.key(step, s["file"])
+        key = commit.key(loc, s["file"])
         head = _range(s3, loc, key, 0, min(8, s["bytes"]))
         if len(head) < 8:
             raise CorruptCheckpointError(f"s3://{loc.bucket}/{key} is too short to be safetensors")

@@ -48,3 +48,21 @@ def refuse_bucket_root(value: object, how: str) -> None:
                else f"Checkpointer('/scratch/run1', mirror='{url}')")
     raise ConfigError(f"checkpoint root {url} is a bucket: the root must be a directory every rank can write "
                       f"(saves land there first, fast); give one and put the bucket in {how}, e.g. {example}")
+
+
+
+def exit_behind(mirror: Any) -> None:
+    """Rank 0, at the very end of `Checkpointer.close()` when the last committed step is not on
+    the bucket (the server down or stalled past the close deadline, the upload tried again):
+    one line on stderr, then `SystemExit(EXIT_MIRROR_BEHIND)`, so the run's exit status says
+    the bucket does not hold it (the user's `finally` blocks and atexit handlers still run; a
+    script that must go on can catch it). The `mirror_behind` event is already in the log, and
+    the next run with this mirror uploads the step (`Mirror.start`)."""
+    import sys
+
+    from ..contract import EXIT_MIRROR_BEHIND
+
+    step, why = mirror.behind or (None, "?")
+    print(f"slurmresume: step {step} is not on the mirror {mirror.loc.url} ({why}); exiting with status "
+          f"{EXIT_MIRROR_BEHIND}: the next run with this mirror uploads it", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_MIRROR_BEHIND)

@@ -19,8 +19,8 @@ import xxhash
 from ..checkpoint.layout import MANIFEST, MARKER, parse_step_dir
 from ..checkpoint.manifest import Manifest
 from ..errors import CheckpointError
+from .commit import ATTEMPT_PREFIX, RemoteCommit, read_remote_commit
 from .s3 import S3Location, call, list_objects, point
-from .transfer import read_remote_commit
 
 
 @dataclass
@@ -31,6 +31,7 @@ class RemoteStep:
     sizes: dict[str, int] = field(default_factory=dict)  # object name -> bytes
     mtime: float = 0.0  # newest LastModified (epoch seconds)
     uploading: bool = False  # an unfinished multipart upload exists under it
+    upload_started: float = 0.0  # when the oldest of them was initiated (epoch seconds)
 
     @property
     def has_marker(self) -> bool:
@@ -62,7 +63,8 @@ def scan(s3: Any, loc: S3Location) -> list[RemoteStep]:
             rest = obj["Key"][len(base):]
             folder, _, name = rest.partition("/")
             step = parse_step_dir(folder)
-            if step is None or not name or "/" in name:
+            if step is None or not name or name.count("/") > 1 or ("/" in name and
+                                                                    not name.startswith(ATTEMPT_PREFIX)):
                 continue
             rs = found.setdefault(step, RemoteStep(step))
             rs.sizes[name] = int(obj["Size"])
@@ -74,8 +76,10 @@ def scan(s3: Any, loc: S3Location) -> list[RemoteStep]:
         step = parse_step_dir(folder)
         if step is not None:
             rs = found.setdefault(step, RemoteStep(step))
+            started = up["Initiated"].timestamp()
+            rs.upload_started = min(rs.upload_started, started) if rs.uploading else started
             rs.uploading = True
-            rs.mtime = max(rs.mtime, up["Initiated"].timestamp())
+            rs.mtime = max(rs.mtime, started)
     return sorted(found.values(), key=lambda r: r.step, reverse=True)
 
 
@@ -86,24 +90,25 @@ def inspect(s3: Any, loc: S3Location, rs: RemoteStep, verify: bool = False) -> R
         info.problem = "no commit marker (incomplete or being uploaded)"
         return info
     try:
-        info.manifest = read_remote_commit(s3, loc, rs.step)[2]
+        commit = read_remote_commit(s3, loc, rs.step)
     except CheckpointError as exc:
         info.problem = str(exc)
         return info
+    info.manifest = commit.manifest
     for s in info.manifest.shards:
-        if rs.sizes.get(s["file"]) != s["bytes"]:
-            info.problem = (f"shard {info.url}/{s['file']} is {rs.sizes.get(s['file'], 'missing')} bytes, "
-                            f"the manifest says {s['bytes']}")
+        if rs.sizes.get(commit.name(s["file"])) != s["bytes"]:
+            info.problem = (f"shard {info.url}/{commit.name(s['file'])} is "
+                            f"{rs.sizes.get(commit.name(s['file']), 'missing')} bytes, the manifest says {s['bytes']}")
             return info
     if verify:
-        problems = [p for s in info.manifest.shards if (p := _check_shard(s3, loc, rs.step, s))]
+        problems = [p for s in info.manifest.shards if (p := _check_shard(s3, loc, commit, s))]
         info.verified = not problems
         info.problem = "; ".join(problems) or None
     return info
 
 
-def _check_shard(s3: Any, loc: S3Location, step: int, shard: dict[str, Any]) -> str | None:
-    key = loc.key(step, shard["file"])
+def _check_shard(s3: Any, loc: S3Location, commit: RemoteCommit, shard: dict[str, Any]) -> str | None:
+    key = commit.key(loc, shard["file"])
     obj = call(f"reading s3://{loc.bucket}/{key}", s3.get_object, Bucket=loc.bucket, Key=key)
     hasher, body = xxhash.xxh3_64(), obj["Body"]
     try:
@@ -131,6 +136,11 @@ def find_latest(s3: Any, loc: S3Location, *, verify: bool = False, exclude: Coll
         if info.complete:
             return info
     return None
+
+
+def object_key(s3: Any, loc: S3Location, step: int, name: str) -> str:
+    """The key of `name` (a shard or the manifest) in the commit the step's marker names."""
+    return read_remote_commit(s3, loc, step).key(loc, name)
 
 
 def delete_step(s3: Any, loc: S3Location, step: int) -> None:

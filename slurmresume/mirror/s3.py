@@ -69,16 +69,21 @@ def parse_s3_url(value: str | os.PathLike[str]) -> S3Location:
     return S3Location(bucket, "/".join(parts))
 
 
-def client() -> Any:
+def client(settings: Any = None) -> Any:
     """A boto3 S3 client from the standard AWS environment/config (AWS_ENDPOINT_URL,
-    AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_DEFAULT_REGION, ~/.aws/config). Thread-safe."""
+    AWS_PROFILE, AWS_ACCESS_KEY_ID, AWS_DEFAULT_REGION, ~/.aws/config), its timeouts and tries
+    from `settings` (default: settings.MirrorSettings.from_env()). Thread-safe."""
     try:
         import boto3
         from botocore.config import Config
     except ImportError:
         raise ConfigError("an s3:// mirror needs boto3: pip install 'slurmresume[s3]'") from None
+    from .settings import MirrorSettings
+
+    st = settings or MirrorSettings.from_env()
     return boto3.session.Session().client(
-        "s3", config=Config(max_pool_connections=32, retries={"mode": "standard"}))  # attempts: AWS_MAX_ATTEMPTS, else 3
+        "s3", config=Config(max_pool_connections=32, connect_timeout=st.connect_timeout,
+                            read_timeout=st.read_timeout, retries={"mode": "standard", "max_attempts": st.attempts}))
 
 
 def error_code(exc: BaseException) -> str:
@@ -90,6 +95,7 @@ def error_code(exc: BaseException) -> str:
 
 def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """fn(*args, **kwargs), with botocore's errors turned into one CheckpointError line."""
+    from boto3.exceptions import Boto3Error
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
@@ -97,7 +103,7 @@ def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     except ClientError as exc:
         err = exc.response.get("Error", {})
         raise CheckpointError(f"{what}: {err.get('Code', '?')} ({err.get('Message', '')})") from exc
-    except BotoCoreError as exc:
+    except (BotoCoreError, Boto3Error) as exc:  # Boto3Error: the transfer manager's S3UploadFailedError
         raise CheckpointError(f"{what}: {exc} (check AWS_ENDPOINT_URL and the credentials)") from exc
 
 
@@ -110,7 +116,14 @@ def point(label: str, where: str = "") -> None:
 
 def get_bounded(s3: Any, loc: S3Location, key: str, limit: int) -> bytes | None:
     """The object's bytes, or None when it does not exist; refuses objects over `limit`."""
-    from botocore.exceptions import ClientError
+    got = get_with_metadata(s3, loc, key, limit)
+    return None if got is None else got[0]
+
+
+def get_with_metadata(s3: Any, loc: S3Location, key: str, limit: int) -> tuple[bytes, dict[str, str]] | None:
+    """(bytes, user metadata) of the object, or None when it does not exist; refuses objects
+    over `limit`."""
+    from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         obj = s3.get_object(Bucket=loc.bucket, Key=key)
@@ -118,16 +131,18 @@ def get_bounded(s3: Any, loc: S3Location, key: str, limit: int) -> bytes | None:
         if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
             return None
         raise CheckpointError(f"reading s3://{loc.bucket}/{key}: {error_code(exc)}") from exc
+    except BotoCoreError as exc:
+        raise CheckpointError(f"reading s3://{loc.bucket}/{key}: {exc}") from exc
     if int(obj.get("ContentLength", 0)) > limit:
         obj["Body"].close()
         raise CheckpointError(f"s3://{loc.bucket}/{key} is {obj['ContentLength']} bytes, over the {limit} limit")
-    data: bytes = obj["Body"].read(limit + 1)
+    data: bytes = call(f"reading s3://{loc.bucket}/{key}", obj["Body"].read, limit + 1)
     obj["Body"].close()
-    return data
+    return data, dict(obj.get("Metadata") or {})
 
 
 def head(s3: Any, loc: S3Location, key: str) -> dict[str, Any] | None:
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         return dict(s3.head_object(Bucket=loc.bucket, Key=key))
@@ -135,6 +150,8 @@ def head(s3: Any, loc: S3Location, key: str) -> dict[str, Any] | None:
         if error_code(exc) in ("NoSuchKey", "404", "NotFound"):
             return None
         raise CheckpointError(f"looking up s3://{loc.bucket}/{key}: {error_code(exc)}") from exc
+    except BotoCoreError as exc:
+        raise CheckpointError(f"looking up s3://{loc.bucket}/{key}: {exc}") from exc
 
 
 def list_objects(s3: Any, loc: S3Location, prefix: str, delimiter: str = "") -> Iterator[dict[str, Any]]:

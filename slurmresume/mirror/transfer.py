@@ -1,11 +1,12 @@
 """Moving one committed step between a local root and the bucket, with the commit intact.
 
 Upload (one process, rank 0): read and check the local marker + manifest, open every shard
-(held open: a local prune during the upload cannot pull bytes out from under it), abort any
-multipart upload a killed uploader left for this step, upload the shards (multipart, parallel,
-bounded memory: `chunk * concurrency` bytes per shard in flight), then the manifest, then the
-marker with `If-None-Match: *`, then read the marker's writer token back. The marker is the
-last object written, so no reader sees the step complete before its files.
+(held open: a local prune during the upload cannot pull bytes out from under it), upload the
+shards under this attempt's own folder (multipart, parallel, bounded memory: `chunk *
+concurrency` bytes per shard in flight), then the manifest there, then the marker with
+`If-None-Match: *` naming that folder, then read the marker's writer token back (commit.py).
+The marker is the last object written, so no reader sees the step complete before its files;
+whoever loses the marker race removes its own folder.
 
 Download: marker + manifest checked first, shards fetched with parallel ranged GETs into a
 hidden `.mirror-download.*` directory, every shard hashed and compared with the manifest,
@@ -19,29 +20,33 @@ import os
 import shutil
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from ..checkpoint import fsio
+from ..checkpoint import fsio, leftovers
 from ..checkpoint.commit import move_aside, root_lock
 from ..checkpoint.jsonenc import loads
-from ..checkpoint.layout import MANIFEST, MARKER, step_dir_name
+from ..checkpoint.layout import INPROGRESS, MANIFEST, MARKER, step_dir_name
 from ..checkpoint.manifest import (
     MAX_MANIFEST,
     MAX_MARKER,
     Manifest,
     read_bounded,
     read_manifest,
-    validate_manifest,
 )
 from ..checkpoint.shard import hash_file, open_checked
 from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, CorruptCheckpointError
-from .s3 import WRITER_META, S3Location, abort_uploads, call, error_code, get_bounded, head, point
+from .commit import RemoteCommit, new_attempt, put_marker, read_remote_commit, sweep
+
+__all__ = ["RemoteCommit", "Transfer", "download_step", "put_marker", "read_remote_commit", "upload_step"]
+from .ranges import fetch_range
+from .s3 import S3Location, call, get_bounded, point
+from .settings import MirrorSettings
 
 log = logging.getLogger("slurmresume")
 
@@ -51,7 +56,7 @@ CONCURRENCY = 4  # parts in flight per shard
 # range size: larger ranges and more threads cost nothing and were faster here (fewer requests).
 DOWNLOAD_CHUNK = 16 << 20
 DOWNLOAD_WORKERS = 8
-DOWNLOAD_PREFIX = ".mirror-download."
+DOWNLOAD_PREFIX = leftovers.DOWNLOAD_PREFIX  # one name, which checkpoint/leftovers.py cleans up
 
 
 @dataclass(frozen=True)
@@ -91,15 +96,14 @@ def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: i
     marker_raw, manifest_raw, manifest = read_committed(step_dir, step)
     existing = get_bounded(s3, loc, loc.key(step, MARKER), MAX_MARKER)
     if existing is not None:
+        _sweep(s3, loc, step)
         return _already(step, existing, marker_raw, loc)
+    attempt = new_attempt()  # this attempt's own keys: no other writer can overwrite or abort them
     fds = {s["file"]: open_checked(step_dir, s["file"], s["bytes"]) for s in manifest.shards}
     try:
-        stale = abort_uploads(s3, loc, loc.step_prefix(step))
-        if stale:
-            log.info("mirror: aborted %d unfinished multipart upload(s) of %s", stale, loc.step_url(step))
         config = transfer_config(chunk, concurrency)
         for s in manifest.shards:
-            key = loc.key(step, s["file"])
+            key = loc.key(step, f"{attempt}/{s['file']}")
             with os.fdopen(os.dup(fds[s["file"]]), "rb") as f:
                 point("shard", key)
                 call(f"uploading {step_dir / s['file']} to s3://{loc.bucket}/{key}", s3.upload_fileobj, f,
@@ -107,35 +111,27 @@ def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: i
     finally:
         for fd in fds.values():
             os.close(fd)
-    point("manifest", loc.key(step, MANIFEST))
+    point("manifest", loc.key(step, f"{attempt}/{MANIFEST}"))
     call(f"uploading the manifest of {loc.step_url(step)}", s3.put_object, Bucket=loc.bucket,
-         Key=loc.key(step, MANIFEST), Body=manifest_raw)
+         Key=loc.key(step, f"{attempt}/{MANIFEST}"), Body=manifest_raw)
     point("marker", loc.key(step, MARKER))
-    won = put_marker(s3, loc, step, marker_raw)
+    won = put_marker(s3, loc, step, marker_raw, folder=attempt)
+    _sweep(s3, loc, step)  # a loser removes its own folder; a winner what killed writers left
     if not won:
         existing = get_bounded(s3, loc, loc.key(step, MARKER), MAX_MARKER)
         return _already(step, existing or b"", marker_raw, loc)
     return Transfer(step, "uploaded", manifest.total_bytes, time.perf_counter() - started)
 
 
-def put_marker(s3: Any, loc: S3Location, step: int, marker_raw: bytes, token: str | None = None) -> bool:
-    """Write the commit marker only if none exists (`If-None-Match: *`), then read it back and
-    compare the writer token: True when this writer's marker is the one stored. The read-back
-    keeps the commit single-winner on a server that ignored the condition (no SeaweedFS
-    version tested here does: 4.48 answers 412 to every loser)."""
-    from botocore.exceptions import ClientError
-
-    token = token or uuid.uuid4().hex
-    key = loc.key(step, MARKER)
+def _sweep(s3: Any, loc: S3Location, step: int) -> None:
+    """`commit.sweep`, best effort: garbage left on the bucket never fails an upload."""
     try:
-        s3.put_object(Bucket=loc.bucket, Key=key, Body=marker_raw, IfNoneMatch="*",
-                      Metadata={WRITER_META: token})
-    except ClientError as exc:
-        if error_code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
-            return False
-        raise CheckpointError(f"writing the commit marker s3://{loc.bucket}/{key}: {error_code(exc)}") from exc
-    stored = head(s3, loc, key)
-    return stored is not None and (stored.get("Metadata") or {}).get(WRITER_META) == token
+        removed = sweep(s3, loc, step)
+    except CheckpointError as exc:
+        log.warning("mirror: losing uploads under %s not removed: %s", loc.step_url(step), exc)
+        return
+    if removed:
+        log.info("mirror: removed %d object(s)/upload(s) no commit names under %s", removed, loc.step_url(step))
 
 
 def _already(step: int, existing: bytes, ours: bytes, loc: S3Location) -> Transfer:
@@ -147,55 +143,54 @@ def _already(step: int, existing: bytes, ours: bytes, loc: S3Location) -> Transf
     return Transfer(step, "conflict", detail=detail)
 
 
-def read_remote_commit(s3: Any, loc: S3Location, step: int) -> tuple[bytes, bytes, Manifest]:
-    """(marker, manifest bytes, validated manifest) of a step on the bucket. Raises
-    CorruptCheckpointError when the marker is missing or does not pin this manifest."""
-    where = loc.step_url(step)
-    marker_raw = get_bounded(s3, loc, loc.key(step, MARKER), MAX_MARKER)
-    if marker_raw is None:
-        raise CorruptCheckpointError(f"{where} has no commit marker (incomplete or being uploaded)")
-    manifest_raw = get_bounded(s3, loc, loc.key(step, MANIFEST), MAX_MANIFEST)
-    if manifest_raw is None:
-        raise CorruptCheckpointError(f"{where}: commit marker present but manifest missing")
-    marker = loads(marker_raw, f"commit marker {where}/{MARKER}")
-    if not isinstance(marker, dict) or marker.get("manifest_xxh3") != xxhash.xxh3_64_hexdigest(manifest_raw):
-        raise CorruptCheckpointError(f"manifest {where}/{MANIFEST} does not match its commit marker")
-    manifest = validate_manifest(loads(manifest_raw, f"manifest {where}/{MANIFEST}"), Path(where), step)
-    if marker.get("step") != manifest.step:
-        raise CorruptCheckpointError(f"commit marker {where}/{MARKER} is for step {marker.get('step')!r}")
-    return marker_raw, manifest_raw, manifest
+def read_local_marker(step_dir: Path) -> bytes | None:
+    """The local commit marker's bytes, or None when it is missing or unreadable."""
+    try:
+        return read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
+    except (CheckpointError, OSError):
+        return None
 
 
 def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int = DOWNLOAD_CHUNK,
-                  workers: int = DOWNLOAD_WORKERS) -> Transfer:
+                  workers: int = DOWNLOAD_WORKERS, replace_if_marker: bytes | None = None,
+                  settings: MirrorSettings | None = None, deadline: float | None = None) -> Transfer:
     """Copy a committed step from the bucket into `root` (created if missing). Every shard is
     checked against the manifest's xxh3 before the step becomes visible; a mismatch raises
-    CorruptCheckpointError and leaves nothing behind. "present" if the step is already there."""
+    CorruptCheckpointError and leaves nothing behind. "present" if the step is already there.
+    `replace_if_marker`: the local copy failed to load; replace it, but only with the same
+    commit (the bucket's marker has these bytes; CheckpointError otherwise)."""
     started = time.perf_counter()
     root = Path(root)
     final = root / step_dir_name(step)
-    if inspect_dir(step, final).complete:
+    if replace_if_marker is None and inspect_dir(step, final).complete:
         return Transfer(step, "present")
-    marker_raw, manifest_raw, manifest = read_remote_commit(s3, loc, step)
+    commit = read_remote_commit(s3, loc, step)
+    marker_raw, manifest_raw, manifest = commit.marker_raw, commit.manifest_raw, commit.manifest
+    if replace_if_marker is not None and marker_raw != replace_if_marker:
+        raise CheckpointError(f"{loc.step_url(step)} is another commit of step {step} than {final}: not used "
+                              "to replace it")
     fsio.makedirs(root, 0o755)
     tmp = root / f"{DOWNLOAD_PREFIX}{step_dir_name(step)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     tmp.mkdir(mode=0o755)
     try:
+        fsio.write_durable(tmp / INPROGRESS, leftovers.note(), "mirror.note")  # who: checkpoint/leftovers.py
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slurmresume-get") as pool:
             for s in manifest.shards:
-                _fetch_shard(s3, loc, loc.key(step, s["file"]), tmp / s["file"], s["bytes"], chunk, pool)
+                _fetch_shard(s3, loc, commit.key(loc, s["file"]), tmp / s["file"], s["bytes"], chunk, pool,
+                             settings or MirrorSettings.from_env(), deadline)
         for s in manifest.shards:
             digest = hash_file(tmp, s["file"], s["bytes"])
             if digest != s["xxh3"]:
-                raise CorruptCheckpointError(f"{loc.step_url(step)}/{s['file']} fails its checksum after download "
+                raise CorruptCheckpointError(f"s3://{loc.bucket}/{commit.key(loc, s['file'])} fails its checksum after download "
                                              f"(xxh3 {digest}, manifest {s['xxh3']}): not restored from the mirror")
         fsio.write_durable(tmp / MANIFEST, manifest_raw, "mirror.manifest")
         fsio.write_durable(tmp / MARKER, marker_raw, "mirror.marker")
         with root_lock(root):
             if final.exists() or final.is_symlink():
-                if inspect_dir(step, final).complete:
+                if replace_if_marker is None and inspect_dir(step, final).complete:
                     return Transfer(step, "present")
-                move_aside(final, "mirror")  # an incomplete leftover of a killed save
+                move_aside(final, "mirror")  # an incomplete leftover of a killed save, or a damaged copy
+            os.unlink(tmp / INPROGRESS)
             fsio.rename(tmp, final, "mirror.step")
             fsio.fsync_dir(root, "mirror.step")
     finally:
@@ -205,35 +200,23 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
 
 
 def _fetch_shard(s3: Any, loc: S3Location, key: str, path: Path, size: int, chunk: int,
-                 pool: ThreadPoolExecutor) -> None:
+                 pool: ThreadPoolExecutor, settings: MirrorSettings, deadline: float | None) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         os.ftruncate(fd, size)
         ranges = [(off, min(off + chunk, size)) for off in range(0, size, chunk)]
-        for fut in [pool.submit(_fetch_range, s3, loc, key, fd, a, b) for a, b in ranges]:
-            fut.result()
+        futures = [pool.submit(fetch_range, s3, loc, key, fd, a, b, settings, deadline) for a, b in ranges]
+        try:
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            # The other parts stop (waiting ones) or end (running ones, bounded by their tries)
+            # before `fd` is closed: a number closed under a running part could be reused by
+            # another file, which that part would then write into.
+            for fut in futures:
+                fut.cancel()
+            wait(futures)
+            raise
         fsio.fsync_fd(fd, "mirror.shard", path)
     finally:
         os.close(fd)
-
-
-def _fetch_range(s3: Any, loc: S3Location, key: str, fd: int, start: int, end: int) -> None:
-    obj = call(f"downloading s3://{loc.bucket}/{key}", s3.get_object, Bucket=loc.bucket, Key=key,
-               Range=f"bytes={start}-{end - 1}")
-    body, off = obj["Body"], start
-    try:
-        while off < end:
-            data = body.read(min(1 << 20, end - off))
-            if not data:
-                raise CorruptCheckpointError(f"s3://{loc.bucket}/{key} ended at byte {off}, the manifest says more")
-            _pwrite_all(fd, data, off)
-            off += len(data)
-    finally:
-        body.close()
-
-
-def _pwrite_all(fd: int, data: bytes, off: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, off)
-        view, off = view[n:], off + n

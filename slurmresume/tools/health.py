@@ -9,7 +9,8 @@ Verdicts, in the order they are decided:
               terminal event other than "finished" (gave up, stopped, failed, requeue failed...)
     finished  the last run logged "finished"
     starting  nothing logged and no checkpoint yet
-    at_risk   a corrupt checkpoint, the last save failed, or no commit for longer than
+    at_risk   a corrupt checkpoint, the last save failed, the mirror lacks a committed step
+              (`mirror_behind`, also after "finished"), or no commit for longer than
               RISK_FACTOR x the save interval while the run is not known to be waiting
     healthy   anything else
 """
@@ -113,6 +114,9 @@ def _verdict(events: list[dict[str, Any]], last: dict[str, Any] | None, state: s
     if state in BAD_SLURM:
         return "stopped", f"Slurm reports job {job_id} as {state}"
     if last is not None and last["event"] == "finished":
+        lag = mirror_behind(events)
+        if lag:
+            return "at_risk", f"finished at step {last.get('step', '?')}, but {lag}"
         return "finished", f"finished at step {last.get('step', '?')}"
     if last is not None and last["event"] in STOPPED_EVENTS:
         why = last.get("reason") or last.get("error") or (
@@ -142,6 +146,41 @@ def _verdict(events: list[dict[str, Any]], last: dict[str, Any] | None, state: s
     if last is not None and last["event"] == "requeued":
         return "healthy", "requeued after a committed save: waiting to restart"
     return "healthy", "running" + (f" (Slurm: {state})" if state else "")
+
+
+def mirror_behind(events: list[dict[str, Any]]) -> str | None:
+    """Why the mirror lacks a step the run committed, from the log: the last `mirror_behind`
+    (close() ended without the step on the bucket) not followed by an upload of that step or a
+    newer one. None without a mirror, or when it caught up."""
+    idx = max((i for i, e in enumerate(events) if e.get("event") == "mirror_behind"), default=None)
+    if idx is None:
+        return None
+    behind = events[idx]
+    raw = behind.get("step")
+    step: int = raw if isinstance(raw, int) else -1
+    later = [e["step"] for e in events[idx + 1:]
+             if e.get("event") == "mirror_uploaded" and isinstance(e.get("step"), int)]
+    if later and max(later) >= step:
+        return None
+    uploaded = max((e["step"] for e in events[:idx] if e.get("event") == "mirror_uploaded"
+                    and isinstance(e.get("step"), int)), default=None)
+    what = f"step {step}" if step >= 0 else "the newest step"
+    return (f"the mirror {behind.get('url', '')} lacks {what} (newest uploaded: "
+            f"{uploaded if uploaded is not None else 'none'}; {behind.get('error', '?')}): the next run with "
+            "this mirror uploads it, or `python -m slurmresume.mirror push ROOT URL`")
+
+
+def mirror_warning(events: list[dict[str, Any]]) -> str | None:
+    """The mirror's lag while a run goes on: its last word is a failed upload (retried by the
+    next commit, or at close). None without a mirror, or when its last upload succeeded."""
+    last = next((e for e in reversed(events) if e.get("event") in ("mirror_uploaded", "mirror_failed",
+                                                                     "mirror_behind")), None)
+    if last is None or last["event"] != "mirror_failed":
+        return None
+    uploaded = max((e["step"] for e in events if e.get("event") == "mirror_uploaded"
+                    and isinstance(e.get("step"), int)), default=None)
+    return (f"the mirror's last upload (step {last.get('step', '?')}) failed: {last.get('error', '?')}; newest "
+            f"step uploaded: {uploaded if uploaded is not None else 'none'}")
 
 
 def _run_started(events: list[dict[str, Any]], now: float) -> float:

@@ -77,7 +77,7 @@ from ..job.leadtime import LeadReport, late_warning, lead_report, lead_warning
 from ..retention import best_record, metric_names, metric_value, record_from_info
 from ..slurm import parse_sacct, parse_squeue
 from ..train.policy import IntervalSummary, interval_summary
-from .health import Headline, judge
+from .health import Headline, judge, mirror_behind, mirror_warning
 from .timeline import cost_line, preemption_cost
 
 SCHEMA = "slurmresume.tools.status/1"
@@ -378,6 +378,11 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
     for row in status.checkpoints:
         if row.state == "corrupt" or row.verified is False:
             p.append(f"checkpoint {row.path} is corrupt: {row.problem}")
+    lag = mirror_behind(events)
+    if lag:
+        p.append(lag)
+    elif warning := mirror_warning(events):
+        w.append(warning)
     if status.newest_complete is None:
         w.append(f"no complete checkpoint under {root} yet")
     for row in status.checkpoints:
@@ -397,6 +402,7 @@ def _judge(status: Status, root: Path, events: list[dict[str, Any]]) -> None:
         if short:
             w.append(short)
     w.extend(root_warnings(root))
+    w.extend(leftover_warnings(root))
 
 
 def root_warnings(root: Path) -> list[str]:
@@ -412,6 +418,16 @@ def root_warnings(root: Path) -> list[str]:
     except FileNotFoundError:
         pass
     return out
+
+
+def leftover_warnings(root: Path) -> list[str]:
+    """Save and mirror-download directories still in the root (running, or left by a killed
+    writer that cannot be proven dead from here), with their size."""
+    from ..checkpoint.leftovers import listing
+
+    return [f"{name} holds {size / 2**20:.1f} MiB: a save or mirror download that is running or was killed; "
+            "the root's owner removes it at its next save (or `prune`) once its writer is provably dead and "
+            "it is idle for 10 min" for name, size in listing(root)]
 
 
 @dataclass

@@ -24,13 +24,14 @@ from typing import Any
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError
+from .claims import lost
 from .ddp import find_wrappers
 from .emergency import save_and_exit
 from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, phase
 from .options import check_options
 from .restoring import Request, restore_and_record
 from .roots import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
-from .roots import resolve_root
+from .roots import claim_root, resolve_root
 from .saving import Payload, after_commit, payload_of, save_and_record, tolerated
 from .steprecord import INTERNAL_SAVES, recorder_from_env
 from .wiring import wire
@@ -155,7 +156,10 @@ class Checkpointer:
     def _save_now(self, step: int, payload: Payload, reason: str, started: float,
                   blocking_s: float | None) -> Path | None:
         """Collective, on the training thread or the writer thread: the save and its record
-        (`saving.save_and_record`), then this rank's bookkeeping, in this order."""
+        (`saving.save_and_record`), then this rank's bookkeeping, in this order. Refused on every
+        rank (RootOwnedError) when this run no longer owns the root (`roots.claim_root`)."""
+        w = self._wiring
+        w.lease_key = claim_root(self.group, self.root, w.lease_key, saving=True)
         cost = save_and_record(self.group, self.root, step, payload, reason, started, blocking_s, self._sched)
         self.last_saved_step = step
         if cost is None:  # already committed with this very state
@@ -182,7 +186,10 @@ class Checkpointer:
             self._record.record(step, "step", metrics)
         if self._beat is not None:
             self._beat.beat_step(step)
-        verdict = self._boundary.decide(step, self._sched.trigger(step, epoch_end=epoch_end))
+        trigger = self._sched.trigger(step, epoch_end=epoch_end)
+        if trigger is None and self.rank == 0 and lost(self._wiring.lease_key):
+            trigger = "seconds"  # rank 0 lost the root: the save this posts is refused on every rank
+        verdict = self._boundary.decide(step, trigger)
         if verdict.emergency:
             return save_and_exit(self, step, state, verdict.signal, metrics, meta)
         if self._async.failed():  # the background save's error surfaces here, on the training thread
@@ -263,13 +270,18 @@ class Checkpointer:
         self._closed = True
         if self._beat is not None:
             self._beat.enter(DONE)
+        behind = False
         try:
             self._boundary.drain()
             self.wait()
             if self.mirror is not None:
-                self.mirror.close()  # the final step reaches the bucket before the run ends
+                behind = not self.mirror.close()  # the final step reaches the bucket before the run ends
         finally:
             self._wiring.release()
+        if behind:
+            from ..mirror.hook import exit_behind
+
+            exit_behind(self.mirror)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -153,7 +153,7 @@ def pick(root: Path, step: int | None, verify: bool, tried: set[int], allow_fres
     try:
         choice = choose(root, step, verify, tried, mirror)
         if choice is None and step is None and not allow_fresh:
-            refusal = fresh_start_refusal(root, tried)
+            refusal = fresh_start_refusal(root, tried) or (mirror and mirror.fresh_start_refusal(root))
             if refusal:
                 return Failure("checkpoint", refusal)
         if choice is not None:
@@ -183,6 +183,8 @@ def choose(root: Path, step: int | None, verify: bool, tried: set[int], mirror: 
     if mirror is not None and not tried:  # a newer (or the only) step may be on the bucket
         mirror.pull(root, step)  # step=N: fetched from the bucket if only it has N
         mirror.start(root)  # and finish an upload a requeued run left
+    elif mirror is not None and step is None and (again := mirror.refetch(root, tried)) is not None:
+        tried = tried - {again}  # the damaged local copy was replaced by the bucket's verified one
     if step is not None:
         info = inspect_dir(step, root / step_dir_name(step), verify)
         if not info.complete:

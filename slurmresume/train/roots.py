@@ -32,22 +32,37 @@ def resolve_root(root: str | os.PathLike[str] | None) -> Path:
     return path
 
 
-def claim_root(group: Group, root: Path) -> tuple[str, str] | None:
+def claim_root(group: Group, root: Path, held: tuple[str, str] | None = None, *,
+               saving: bool = False) -> tuple[str, str] | None:
     """Collective. Rank 0 takes or checks the root's lease (ownership.py) and returns its key
     (None on other ranks); a refusal is raised on every rank as RootOwnedError (no rank is left
-    waiting in a collective)."""
-    from ..ownership import RootOwnedError, for_checkpointer
+    waiting in a collective). `saving`: before a save (`claims.before_save`: the lease this
+    run holds, `held`, must still be its own; a root this save creates is leased now)."""
+    from ..ownership import RootOwnedError
+    from .claims import before_save, for_checkpointer
 
     key, error = None, None
     if group.rank == 0:
         try:
-            key = for_checkpointer(root)
+            key = before_save(root, held) if saving else for_checkpointer(root)
         except RootOwnedError as exc:
             error = str(exc)
+        if saving and error is None:  # the owner, before it writes: free what killed writers left
+            _clean_leftovers(root)
     error = group.broadcast_json(error)
     if error:
         raise RootOwnedError(error)
     return key
+
+
+def _clean_leftovers(root: Path) -> None:
+    from ..checkpoint.leftovers import clean
+    from ..retention import DEFAULT_YOUNG_THRESHOLD
+
+    try:
+        clean(root, DEFAULT_YOUNG_THRESHOLD)
+    except Exception as exc:  # noqa: BLE001 - never fails a save
+        log.warning("could not clean leftover directories under %s: %s", root, exc)
 
 
 def warn_if_not_launchers_root(explicit: str | os.PathLike[str] | None, root: Path, rank: int) -> None:

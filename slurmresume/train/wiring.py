@@ -59,7 +59,7 @@ class Wiring:
     def release(self) -> None:
         """Local, after the last collective: the previous signal handlers back, the side process
         groups gone, and the root's lease freed if this was the process's last Checkpointer on it."""
-        from ..ownership import unclaim
+        from .claims import unclaim
 
         if self.flag is not None:
             self.flag.uninstall()

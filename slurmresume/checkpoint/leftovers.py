@@ -1,0 +1,119 @@
+"""Directories a killed writer left in a root: a save's `.saving.step_N.<token>/` and a mirror
+download's `.mirror-download.step_N.<pid>.<hex>/`. Both hold the bytes written so far (on a full
+disk, the next saves fail because of them) and nothing reads them.
+
+Removed (`clean`: by the run that owns the root before each save, and by `prune`) only when
+both hold: the writer is provably dead (its `.inprogress` note names a process on this host,
+this boot, that has exited) and nothing in it changed for `young_s` seconds. Everything else is
+kept and listed by `status` with its size (`listing`). `plan` decides; `clean` acts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .layout import INPROGRESS, SAVING_PREFIX
+
+log = logging.getLogger("slurmresume")
+
+DOWNLOAD_PREFIX = ".mirror-download."  # mirror/transfer.py names its downloads so
+PREFIXES = (SAVING_PREFIX, DOWNLOAD_PREFIX)
+
+
+@dataclass(frozen=True)
+class Leftover:
+    name: str
+    last_activity: float  # newest mtime of the directory and its entries
+    writer_dead: bool  # provably: see `writer_dead`
+
+
+def plan(found: list[Leftover], now: float, young_s: float) -> list[str]:
+    """Pure: the names to remove (writer provably dead and idle for `young_s`)."""
+    return sorted(f.name for f in found if f.writer_dead and now - f.last_activity >= young_s)
+
+
+def note(pid: int | None = None) -> bytes:
+    """The `.inprogress` note a writer leaves in its private directory (who, since when)."""
+    return json.dumps({"pid": os.getpid() if pid is None else pid, "host": socket.gethostname(),
+                       "boot_id": _boot_id(), "started": time.time()}, separators=(",", ":")).encode()
+
+
+def writer_dead(directory: Path) -> bool:
+    """True only when the note names a process on this host (and this boot, when recorded) that
+    no longer runs. No note, a hostile one, another host: False (it may still run)."""
+    try:
+        fd = os.open(directory / INPROGRESS, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            data = json.loads(os.read(fd, 4096))
+        finally:
+            os.close(fd)
+        pid, host, boot = int(data["pid"]), str(data["host"]), str(data.get("boot_id") or "")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return False
+    if host != socket.gethostname() or pid <= 0 or (boot and boot != _boot_id()):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def find(root: Path) -> list[Leftover]:
+    try:
+        with os.scandir(root) as it:
+            dirs = [Path(e.path) for e in it if e.name.startswith(PREFIXES) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+    return [Leftover(d.name, _last_activity(d), writer_dead(d)) for d in dirs]
+
+
+def clean(root: Path, young_s: float, now: float | None = None) -> list[str]:
+    """Remove what `plan` names; best effort (never raises). Returns the names removed."""
+    removed = []
+    for name in plan(find(Path(root)), time.time() if now is None else now, young_s):
+        shutil.rmtree(Path(root) / name, ignore_errors=True)
+        if not (Path(root) / name).exists():
+            removed.append(name)
+            log.info("removed %s: left by a killed writer", Path(root) / name)
+    return removed
+
+
+def listing(root: Path) -> list[tuple[str, int]]:
+    """(name, bytes) of every leftover directory still in `root` (for `status`)."""
+    out = []
+    for f in find(Path(root)):
+        total = 0
+        try:
+            with os.scandir(Path(root) / f.name) as it:
+                total = sum(e.stat(follow_symlinks=False).st_size for e in it)
+        except OSError:
+            pass
+        out.append((f.name, total))
+    return sorted(out)
+
+
+def _last_activity(path: Path) -> float:
+    try:
+        newest = path.lstat().st_mtime
+        with os.scandir(path) as it:
+            for e in it:
+                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    except OSError:
+        return time.time()  # unreadable or vanished: fresh, never old
+    return newest
+
+
+def _boot_id() -> str:
+    from ..evidence import boot_id
+
+    return boot_id()

@@ -1,0 +1,74 @@
+"""Directories killed writers leave (issue #27): a save's `.saving.*` and a mirror download's
+`.mirror-download.*` hold the bytes written so far. The root's owner removes those whose writer is
+provably dead (a pid on this host that exited) and that are idle past the young threshold, at its
+next save and in `prune`; `status` lists the rest with their size."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from typer.testing import CliRunner
+
+from slurmresume import Checkpointer
+from slurmresume.checkpoint import leftovers
+from slurmresume.checkpoint.layout import INPROGRESS
+from slurmresume.cli import app
+from slurmresume.retention import RetentionPolicy, execute
+
+OLD = time.time() - 7200
+
+
+def _plant(root: Path, name: str, *, pid: int, host: str | None = None, mtime: float = OLD) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "rank-00000-of-00001.safetensors").write_bytes(b"\0" * (1 << 20))
+    (d / INPROGRESS).write_text(json.dumps({"pid": pid, "host": host or socket.gethostname(), "started": mtime}))
+    for p in (*d.iterdir(), d):
+        os.utime(p, (mtime, mtime))
+    return d
+
+
+def test_plan_removes_only_dead_and_idle() -> None:
+    found = [leftovers.Leftover("a", 0.0, True), leftovers.Leftover("b", 0.0, False),
+             leftovers.Leftover("c", 950.0, True)]
+    assert leftovers.plan(found, now=1000.0, young_s=600.0) == ["a"]
+
+
+def test_the_next_save_and_prune_remove_what_dead_writers_left_status_lists_the_rest(tmp_path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    root = tmp_path / "root"
+    try:
+        with Checkpointer(root, handle_signals=False) as ck:
+            ck.save(1, {"w": torch.ones(2)})
+            gone = [_plant(root, ".saving.step_000000009.00000000000000aa", pid=dead.pid),
+                    _plant(root, ".mirror-download.step_000000012.1.deadbeef", pid=dead.pid)]
+            kept = [_plant(root, ".saving.step_000000010.00000000000000bb", pid=live.pid),  # still writing
+                    _plant(root, ".saving.step_000000011.00000000000000cc", pid=dead.pid, mtime=time.time()),  # young
+                    _plant(root, ".saving.step_000000013.00000000000000dd", pid=dead.pid, host="elsewhere")]
+            ck.save(2, {"w": torch.ones(2)})
+            assert not any(d.exists() for d in gone)
+            assert all(d.exists() for d in kept)
+        res = CliRunner().invoke(app, ["status", "--ckpt-dir", str(root)], env={"COLUMNS": "250"})
+        assert res.exit_code == 0, res.output
+        for d in kept:
+            assert f"{d.name} holds 1.0 MiB" in res.output
+        live.kill()
+        live.wait()
+        os.utime(kept[1], (OLD, OLD))
+        for p in kept[1].iterdir():
+            os.utime(p, (OLD, OLD))
+        result = execute(root, RetentionPolicy(keep=5))
+        assert sorted(result.cleaned) == sorted(d.name for d in kept[:2])
+        assert kept[2].exists()  # another host: never provably dead from here
+    finally:
+        live.kill()
+        live.wait()

@@ -1,0 +1,104 @@
+"""What killed transfers leave: abandoned multipart uploads and attempt folders on the bucket
+(the real S3 server, with the clock injected), partial download directories locally."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from helpers.core import tiny_state
+from helpers.objstore import s3, unique_url  # noqa: F401 - s3 is a fixture
+
+from slurmresume import Checkpointer
+from slurmresume.checkpoint.layout import step_dir_name
+from slurmresume.mirror import parse_s3_url, remote
+from slurmresume.mirror.leftovers import (
+    ABANDONED_AFTER_S,
+    Upload,
+    plan_folders,
+    plan_uploads,
+    remove_abandoned,
+    remove_partial_downloads,
+)
+
+A, B = "attempt-" + "a" * 32, "attempt-" + "b" * 32
+
+
+@pytest.mark.parametrize(("age", "aborted"), [(0, False), (ABANDONED_AFTER_S - 1, False), (ABANDONED_AFTER_S + 1, True)])
+def test_plan_uploads_by_age(age: float, aborted: bool) -> None:
+    up = Upload("p/step_000000001/x", "id", 1000.0)
+    assert plan_uploads([up], now=1000.0 + age) == ([up] if aborted else [])
+
+
+def test_plan_folders_keeps_committed_steps_and_any_folder_written_recently() -> None:
+    now = 100_000.0
+    old, fresh = now - ABANDONED_AFTER_S - 10, now - 5
+    objects = [(f"step_000000001/{A}/rank-0", old), (f"step_000000001/{A}/manifest.json", old),  # abandoned
+               (f"step_000000002/{B}/rank-0", old), (f"step_000000002/{B}/rank-1", fresh),  # still written to
+               (f"step_000000003/{A}/rank-0", old),  # step 3 is committed: commit.sweep's business
+               ("step_000000004/rank-0", old)]  # the layout before attempt folders: never touched here
+    assert plan_folders(objects, {3}, now) == [f"step_000000001/{A}/rank-0", f"step_000000001/{A}/manifest.json"]
+
+
+def test_abandoned_uploads_and_folders_on_the_bucket_are_removed_only_when_old(s3, tmp_path: Path) -> None:
+    url = unique_url()
+    loc = parse_s3_url(url)
+    ckpt = Checkpointer(tmp_path / "r", handle_signals=False, mirror=url)
+    ckpt.save(5, tiny_state(5))
+    ckpt.close()
+    killed = loc.key(7, f"{A}/rank-00000-of-00001.safetensors")
+    s3.put_object(Bucket=loc.bucket, Key=loc.key(7, f"{A}/manifest.json"), Body=b"{}")
+    s3.create_multipart_upload(Bucket=loc.bucket, Key=killed)
+
+    def uploads() -> list[str]:
+        return [u["Key"] for u in s3.list_multipart_uploads(Bucket=loc.bucket, Prefix=loc.prefix).get("Uploads") or []]
+
+    assert remove_abandoned(s3, loc, time.time()) == 0  # a writer may still be at it
+    assert uploads() == [killed]
+    assert remove_abandoned(s3, loc, time.time() + ABANDONED_AFTER_S + 60) == 2
+    assert uploads() == []
+    assert [rs.step for rs in remote.scan(s3, loc)] == [5]
+    info = remote.find_latest(s3, loc, verify=True)
+    assert info is not None and info.step == 5 and info.verified
+
+
+def test_a_partial_download_directory_is_removed_by_the_next_pull(s3, tmp_path: Path) -> None:
+    url = unique_url()
+    src, root = tmp_path / "src", tmp_path / "root"
+    ckpt = Checkpointer(src, handle_signals=False, mirror=url)
+    ckpt.save(2, tiny_state(2))
+    ckpt.close()
+    root.mkdir()
+    dead = root / f".mirror-download.{step_dir_name(2)}.4242.deadbeef"
+    live = root / f".mirror-download.{step_dir_name(2)}.4343.feedface"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "rank-00000-of-00001.safetensors").write_bytes(b"x" * 100)
+    old = time.time() - 3600
+    for p in (dead / "rank-00000-of-00001.safetensors", dead):
+        os.utime(p, (old, old))
+    assert remove_partial_downloads(root, time.time(), 600) == [dead.name]
+    dead.mkdir()
+    os.utime(dead, (old, old))
+    ckpt = Checkpointer(root, handle_signals=False, mirror=url)
+    assert ckpt.restore(tiny_state(0)) == 2
+    ckpt.close()
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".mirror")) == [live.name]
+
+
+@pytest.mark.parametrize(("events", "behind", "warned"), [
+    ([], False, False),
+    ([{"event": "mirror_uploaded", "step": 4}], False, False),
+    ([{"event": "mirror_uploaded", "step": 4}, {"event": "mirror_failed", "step": 6, "error": "timeout"}], False, True),
+    ([{"event": "mirror_failed", "step": 6}, {"event": "mirror_behind", "step": 6, "error": "down"}], True, False),
+    ([{"event": "mirror_behind", "step": 6}, {"event": "mirror_uploaded", "step": 5}], True, False),
+    ([{"event": "mirror_behind", "step": 6}, {"event": "mirror_uploaded", "step": 6}], False, False),
+    ([{"event": "mirror_behind", "step": 6}, {"event": "mirror_uploaded", "step": 9}], False, False),
+])
+def test_the_mirror_lag_read_from_the_log(events: list, behind: bool, warned: bool) -> None:
+    from slurmresume.tools.health import mirror_behind, mirror_warning
+
+    assert (mirror_behind(events) is not None) == behind
+    assert (mirror_warning(events) is not None) == warned
