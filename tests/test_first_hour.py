@@ -378,3 +378,12 @@ def test_the_watch_hint_after_submit_is_quoted_for_the_shell(tmp_path: Path) -> 
     hint = next(line for line in proc.stdout.splitlines() if line.startswith("watch it:"))
     argv = shlex.split(hint.removeprefix("watch it:"))
     assert argv == ["slurmresume", "status", "--ckpt-dir", str(root), "--job", "4242"]
+
+
+def test_verify_latest_works_like_inspect_latest(tmp_path: Path) -> None:
+    root = saved_root(tmp_path / "ck", 1, 2)
+    for cmd in (["verify", "latest"], ["inspect", "latest"]):
+        proc = cli([*cmd, "-d", str(root)], tmp_path)
+        assert proc.returncode == 0, (cmd, proc.stderr)
+        assert "step_000000002" in proc.stdout or "step 2" in proc.stdout.lower(), (cmd, proc.stdout)
+    assert "step_000000001" not in cli(["verify", "latest", "-d", str(root)], tmp_path).stdout

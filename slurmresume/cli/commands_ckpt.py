@@ -247,8 +247,10 @@ def verify(
         loc, url_step = split_step_url(target)
         s3_commands().verify(loc.url, url_step, every)
         return
+    if target == "latest":  # as inspect and export spell the newest complete checkpoint
+        target = None
     if target is not None and not re.fullmatch(r"-?\d+", target):
-        raise ConfigError(f"{target!r} is not a step number or an s3:// URL")
+        raise ConfigError(f"{target!r} is not a step number, latest, or an s3:// URL")
     step = int(target) if target is not None else None
     if is_s3_url(ckpt_dir):
         s3_commands().verify(ckpt_dir, step, every)
