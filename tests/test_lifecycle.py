@@ -123,7 +123,7 @@ def _r(rc: int = 0, outcome: tuple | None = None, before: int | None = 10, after
         (_r(0, ("terminate", 20, True), stop="interrupt"), {}, "stop", "interrupted"),
         (_r(3), {"max_failures": 2, "failures_done": 1}, "retry", "retry 2 of 2"),
         (_r(3), {"max_failures": 2, "failures_done": 2}, "give_up", "--max-failures 2"),
-        (_r(3), {}, "give_up", "--max-failures 0"),
+        (_r(3), {}, "give_up", "the script's error is above"),  # no retry asked for: not "0 used up"
     ],
 )
 def test_decide(result: RunResult, kw: dict, action: str, says: str) -> None:

@@ -161,7 +161,7 @@ def test_crash_is_not_requeued_and_job_fails(cluster: None, tmp_path: Path) -> N
     script = tmp_path / "crash.py"
     script.write_text("import slurmresume, sys\nslurmresume.Checkpointer()\nsys.exit('boom: crashed at start')\n")
     root = tmp_path / "run"
-    job = submit(root, "--max-failures", "1", "--time", "5", script=script)
+    job = submit(root, "--max-failures", "1", "--time", "5", "--no-script-check", script=script)  # never restores
     assert final_state(job) == "FAILED"
     assert count(root, "started") == 2  # first run + one retry
     assert count(root, "requeued") == 0

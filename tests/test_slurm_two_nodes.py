@@ -40,7 +40,9 @@ from .test_slurm_e2e import cluster  # noqa: E402,F401  (the module fixture abov
 @pytest.mark.slurm_exclusive
 def test_two_nodes_preempt_once(two_nodes: None, tmp_path: Path) -> None:
     root = tmp_path / "run"
-    job = submit(root, "--nodes", "2", "--nproc-per-node", "1", "--time", "10", script_args=("60", "0.1", "0"))
+    # --shared-root: both emulated nodes run on this host, whose local disk they share
+    job = submit(root, "--nodes", "2", "--shared-root", "--nproc-per-node", "1", "--time", "10",
+                 script_args=("60", "0.1", "0"))
     preempt_at(root, job, 6, 0, "--signal=USR1")
     assert final_state(job, timeout=300) == "COMPLETED", job_log(root, job)
     assert count(root, "requeued") == 1

@@ -53,6 +53,9 @@ def _fake_sbatch(bindir: Path, log: Path) -> None:
     script = bindir / "sbatch"
     script.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\ncat \"$1\" >> {log}\necho 'Submitted batch job 4242'\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    srun = bindir / "srun"  # submitit looks for it (a machine without Slurm has none)
+    srun.write_text("#!/bin/sh\nexit 0\n")
+    srun.chmod(srun.stat().st_mode | stat.S_IEXEC)
 
 
 def test_submit_builds_the_sbatch_call(tmp_path: Path) -> None:

@@ -13,6 +13,16 @@ from .app import app, handle_errors, os_error_message
 __all__ = ["app", "handle_errors", "main", "os_error_message"]
 
 
+def _script_hint(exc: Exception) -> str | None:
+    """An unknown option given to submit/drill is most often the script's own, put before `--`."""
+    ctx = getattr(exc, "ctx", None)
+    name = getattr(exc, "option_name", None)
+    if name is None or ctx is None or ctx.command.name not in ("submit", "drill"):
+        return None
+    return (f"if {name} is your script's, script arguments go after `--`: "
+            f"slurmresume {ctx.command.name} SCRIPT [OPTIONS] -- {name} ...; else see `{ctx.command_path} --help`")
+
+
 def main() -> None:
     """The console script: usage errors (a bad option or value) are one line and exit 2."""
     try:  # typer >= 0.2x carries its own copy of click
@@ -27,7 +37,7 @@ def main() -> None:
             typer.echo(exc.ctx.get_help())
             sys.exit(2)
         cmd = exc.ctx.command_path if exc.ctx else "slurmresume"
-        typer.echo(f"error: {exc.format_message()} (see `{cmd} --help`)", err=True)
+        typer.echo(f"error: {exc.format_message()} ({_script_hint(exc) or f'see `{cmd} --help`'})", err=True)
         sys.exit(2)
     except ClickException as exc:
         typer.echo(f"error: {exc.format_message()}", err=True)

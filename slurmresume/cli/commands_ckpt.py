@@ -45,6 +45,15 @@ def emit_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, allow_nan=False))
 
 
+def _refuse_misplaced(root: Path) -> None:
+    """A drill's folder or a step folder is not a root: one line pointing at the right one."""
+    from ..tools.rootkind import misplaced_root
+
+    line = misplaced_root(root)
+    if line:
+        raise ConfigError(line)
+
+
 @app.command()
 @handle_errors
 def status(
@@ -75,7 +84,7 @@ def status(
 
     Exit codes: 0 healthy, starting or finished; 3 at risk (a corrupt checkpoint, a failed
     save, or no commit for 1.5 save intervals); 4 stopped (Slurm or the log says the run ended
-    without finishing); 1 a usage error. --json carries the same verdict.
+    without finishing); 5 unknown (Slurm here knows no such job); 1 a usage error. --json carries the same verdict.
 
     Example: slurmresume status --ckpt-dir runs/exp1 --best loss
     """
@@ -88,6 +97,7 @@ def status(
         s3_commands().status(ckpt_dir, verify=verify, limit=limit, as_json=as_json)
         return
     root = resolve_root(ckpt_dir)
+    _refuse_misplaced(root)
     if job is not None and not re.fullmatch(r"\d+(_\d+)?", job):
         raise ConfigError(f"--job {job!r} is not a Slurm job id: use digits, e.g. --job 12345")
     interval = parse_duration(watch, "--watch") if watch is not None else None
@@ -118,7 +128,8 @@ def status(
 
 
 def _stdin_is_tty() -> bool:
-    return sys.stdin.isatty()
+    """A prompt needs someone to read it and to answer: `prune ... | tail` must not wait on one."""
+    return sys.stdin.isatty() and sys.stdout.isatty()
 
 
 @app.command()
@@ -241,8 +252,10 @@ def verify(
         loc, url_step = split_step_url(target)
         s3_commands().verify(loc.url, url_step, every)
         return
+    if target == "latest":  # as inspect and export spell the newest complete checkpoint
+        target = None
     if target is not None and not re.fullmatch(r"-?\d+", target):
-        raise ConfigError(f"{target!r} is not a step number or an s3:// URL")
+        raise ConfigError(f"{target!r} is not a step number, latest, or an s3:// URL")
     step = int(target) if target is not None else None
     if is_s3_url(ckpt_dir):
         s3_commands().verify(ckpt_dir, step, every)

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import ConfigError
-from ..job.config import JobSpec, check_text, load_defaults, parse_sbatch_extras
+from ..job.config import JobSpec, check_text, load_defaults, parse_sbatch_extras, split_signal
 from ..job.hang import HangBudgets
 from .app import app, handle_errors
 
@@ -39,7 +39,7 @@ Opt = typer.Option
 def _spec(script: Path, script_args: list[str] | None, cli: dict[str, Any]) -> JobSpec:
     """CLI values win over [tool.slurmresume] / slurmresume.toml defaults, which win over ours."""
     conf = load_defaults(Path.cwd())
-    unknown = set(conf) - set(JobSpec.__dataclass_fields__) - {"sbatch"}
+    unknown = set(conf) - set(JobSpec.__dataclass_fields__) - {"sbatch", "gres"}
     if unknown:
         raise ConfigError(f"unknown key(s) {sorted(unknown)} in [tool.slurmresume]: see `slurmresume submit --help`")
     merged: dict[str, Any] = {**_DEFAULTS, **conf, **{k: v for k, v in cli.items() if v is not None}}
@@ -48,7 +48,13 @@ def _spec(script: Path, script_args: list[str] | None, cli: dict[str, Any]) -> J
     sbatch = cli.get("sbatch") or conf.get("sbatch") or []
     if isinstance(sbatch, dict):
         sbatch = [f"{k}={v}" for k, v in sbatch.items()]
-    merged["sbatch"] = parse_sbatch_extras([str(x) for x in sbatch])
+    gres = merged.pop("gres", None)
+    merged["sbatch"] = parse_sbatch_extras([str(x) for x in sbatch] + ([f"gres={gres}"] if gres else []))
+    setup = merged.get("setup") or ()
+    merged["setup"] = (setup,) if isinstance(setup, str) else tuple(str(x) for x in setup)
+    merged["signal"], lead = split_signal(str(merged["signal"]), cli.get("signal_lead"))
+    if lead is not None:
+        merged["signal_lead"] = lead
     from ..mirror.hook import refuse_bucket_root
 
     refuse_bucket_root(merged["ckpt_dir"], "--mirror")
@@ -93,6 +99,28 @@ def _warn_lead(root: Path, lead: int) -> None:
         typer.echo(f"warning: {line}", err=True)
 
 
+def _interrupted_line(root: Path, checkpoint: int | None) -> str:
+    """The last line of a Ctrl-C'd local run: the step the ranks stopped at (their save on the
+    interrupt, from the event log) and the newest complete checkpoint a rerun resumes from."""
+    from ..events import read_events
+
+    events = read_events(root)[-200:]
+    starts = [i for i, e in enumerate(events) if e.get("event") == "started"]
+    run = events[starts[-1]:] if starts else []
+    saved = [e["step"] for e in run if e.get("event") == "exit_after_save" and isinstance(e.get("step"), int)]
+    ckpt = f"checkpoint step {checkpoint}" if checkpoint is not None else "no checkpoint yet"
+    where = f"interrupted at step {saved[-1]}" if saved else "interrupted without a save"
+    return f"{where} ({ckpt}): the same command resumes from there"
+
+
+def _preflight(spec: JobSpec, **kwargs: Any) -> None:
+    """Refuse before anything is queued or written what could only fail on the node (tools/preflight.py)."""
+    from ..tools.preflight import preflight
+
+    for line in preflight(spec, **kwargs):
+        typer.echo(f"warning: {line}", err=True)
+
+
 ScriptArg = Annotated[Path, typer.Argument(help="Training script run by torchrun on every node.",
                                            show_default=False)]
 ArgsArg = Annotated[list[str] | None, typer.Argument(help="Arguments for the script (put them after --).",
@@ -105,18 +133,18 @@ def submit(
     script: ScriptArg,
     script_args: ArgsArg = None,
     ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root, a directory every rank can write (an s3:// bucket goes in --mirror); exported to the script as SLURMRESUME_CKPT_DIR. (default: ckpt-dir from slurmresume.toml or pyproject.toml; required)")] = None,
-    nodes: Annotated[int | None, Opt(help="Number of nodes (one launcher + torchrun per node). (default: 1)")] = None,
+    nodes: Annotated[int | None, Opt("--nodes", "-N", help="Number of nodes (one launcher + torchrun per node). (default: 1)")] = None,
     nproc_per_node: Annotated[int | None, Opt(help="Processes per node. (default: --gpus-per-node, else 1)")] = None,
     gpus_per_node: Annotated[int | None, Opt(help="GPUs per node to request. (default: none)")] = None,
     cpus_per_task: Annotated[int | None, Opt(help="CPUs for each node's task. (default: the partition's)")] = None,
     mem: Annotated[str | None, Opt(help="Memory per node, e.g. 64G. (default: the partition's)")] = None,
-    time: Annotated[str | None, Opt(help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS; longer than --signal-lead. (default: the partition's DefaultTime)")] = None,
-    partition: Annotated[str | None, Opt(help="Slurm partition. (default: the cluster's default partition)")] = None,
-    account: Annotated[str | None, Opt(help="Slurm account. (default: your default account)")] = None,
-    qos: Annotated[str | None, Opt(help="Slurm QOS. (default: the account's default)")] = None,
-    constraint: Annotated[str | None, Opt(help="Node feature constraint. (default: none)")] = None,
-    job_name: Annotated[str | None, Opt(help="Job name. (default: slurmresume-<script>)")] = None,
-    signal: Annotated[str | None, Opt(help="Warning signal; B:USR1 sends it to the batch shell only. (default: USR1)")] = None,
+    time: Annotated[str | None, Opt("--time", "-t", help="Time limit: MINUTES, HH:MM:SS or D-HH:MM:SS; longer than --signal-lead. (default: the partition's DefaultTime)")] = None,
+    partition: Annotated[str | None, Opt("--partition", "-p", help="Slurm partition. (default: the cluster's default partition)")] = None,
+    account: Annotated[str | None, Opt("--account", "-A", help="Slurm account. (default: your default account)")] = None,
+    qos: Annotated[str | None, Opt("--qos", "-q", help="Slurm QOS. (default: the account's default)")] = None,
+    constraint: Annotated[str | None, Opt("--constraint", "-C", help="Node feature constraint. (default: none)")] = None,
+    job_name: Annotated[str | None, Opt("--job-name", "-J", help="Job name. (default: slurmresume-<script>)")] = None,
+    signal: Annotated[str | None, Opt(metavar="[B:]SIG[@SECONDS]", help="Warning signal, as sbatch spells it: USR1@300 also sets --signal-lead; B:USR1 sends it to the batch shell only. (default: USR1)")] = None,
     signal_lead: Annotated[int | None, Opt(help="Seconds before the time limit that the warning comes. (default: 120)")] = None,
     max_requeues: Annotated[int | None, Opt(help="Cap on requeues (warnings and time limits alike). (default: no cap while each run commits a newer step; two runs in a row without one stop the job)")] = None,
     max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. (default: 0)")] = None,
@@ -125,6 +153,8 @@ def submit(
     hang_busy: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_BUSY_HELP)] = None,
     hang_save: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_SAVE_HELP)] = None,
     max_hangs: Annotated[int | None, Opt(help="In-allocation restarts after a hang; the same hang twice in a row without a new checkpoint stops (and under Slurm holds) the job. (default: 3)")] = None,
+    gres: Annotated[str | None, Opt(help="Generic resources per node, as sbatch's --gres, e.g. gpu:a100:4. (default: none)")] = None,
+    setup: Annotated[list[str] | None, Opt(metavar="LINE", help="A shell line the batch script runs before the launcher (repeatable, in order), e.g. --setup 'module load cuda/12.4' --setup 'source ~/venv/bin/activate'. (default: none)")] = None,
     sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive; arrays and heterogeneous jobs are refused. (default: none)")] = None,
     rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. (default: derived from the job id)")] = None,
     python: Annotated[str | None, Opt(help="Python interpreter on the nodes. (default: this one)")] = None,
@@ -138,6 +168,8 @@ def submit(
                                       "(default 10 s), _READ_TIMEOUT (30 s), _ATTEMPTS per request and part (4), "
                                       "_CLOSE_DEADLINE for the last upload (240 s; then exit 78), _PULL_DEADLINE for a "
                                       "pull in restore (240 s). [default: none]")] = None,
+    no_script_check: Annotated[bool, Opt("--no-script-check", help="Submit even when the script never calls restore() or ckpt.step() itself (a module it imports does). (default: refuse such a script)")] = False,
+    shared_root: Annotated[bool, Opt("--shared-root", help="With --nodes > 1: every node mounts --ckpt-dir although it is on a local or memory file system. (default: refuse such a root, except under --dry-run)")] = False,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
     dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
     json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,
@@ -152,7 +184,7 @@ def submit(
     """
     cli = {k: v for k, v in locals().items()
            if k not in ("script", "script_args", "local", "dry_run", "json_out", "resume_from", "branch", "discard_newer",
-                        "takeover")}
+                        "takeover", "no_script_check", "shared_root")}
     from .. import ownership
     from ..job import submit as launch
     from .render_job import print_json, print_submitted
@@ -163,6 +195,9 @@ def submit(
     # The same checks as every other value, before prepare_resume creates or deletes anything.
     check_text("--resume-from", resume_from or "")
     check_text("--branch", str(branch or ""))
+    # --dry-run previews on any machine: the nodes' file system is judged when it is submitted
+    _preflight(spec, strict_script=not local and not no_script_check, shared_root=shared_root or dry_run,
+               resume_from=resume_from, branch=branch)
     if resume_from is not None and not dry_run:
         from dataclasses import replace
 
@@ -186,7 +221,11 @@ def submit(
             print_json(result)
         else:
             result = run_local(spec, takeover=takeover)
-            typer.echo(f"local run {result['action']}: {result['reason']}")
+            if result.get("kind") != "interrupted":
+                typer.echo(f"local run {result['action']}: {result['reason']}")
+        if result.get("kind") == "interrupted":  # Ctrl-C: `submit --local && next` must not go on
+            typer.echo(_interrupted_line(spec.ckpt_dir, result.get("step")), err=True)
+            raise typer.Exit(130)
         return
     sub = launch.preview(spec) if dry_run else launch.submit(spec)
     if not dry_run:
@@ -251,6 +290,7 @@ def drill(
     workdir = workdir.expanduser().absolute()
     spec = _spec(script, script_args, {"ckpt_dir": workdir, "nproc_per_node": nproc_per_node,
                                        "hang_timeout": hang_timeout})
+    _preflight(spec, strict_script=False)
     # --json: stdout carries the verdict alone (`| jq` works); the runs' output goes to stderr
     try:
         with _stdout_to_stderr() if json_out else contextlib.nullcontext():

@@ -85,7 +85,7 @@ def event_details(e: dict[str, Any]) -> str:
 
 
 _VERDICT = {"healthy": "bold green", "starting": "bold cyan", "finished": "bold green", "at_risk": "bold yellow",
-            "stopped": "bold red"}
+            "stopped": "bold red", "unknown": "bold magenta"}
 
 
 def headline_view(st: Status) -> list[Text]:
@@ -299,7 +299,20 @@ def print_status(st: Status, limit: int = 20) -> None:
 
 
 def watch(compute: Callable[[], Status], interval: float, limit: int = 20) -> None:
-    """Redraw the status every `interval` seconds until Ctrl-C."""
+    """Redraw the status every `interval` seconds until Ctrl-C. Into a pipe or a file (no
+    terminal to redraw), print one snapshot per interval, each flushed as it is printed, so
+    `status --watch 10 | tee` shows them as they come and `timeout` loses none."""
+    out = console()
+    if not out.is_terminal:
+        try:
+            while True:
+                out.print(status_view(compute(), limit))
+                out.print()
+                out.file.flush()
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
+        return
     try:
         with Live(console=console(), auto_refresh=False) as live:
             while True:

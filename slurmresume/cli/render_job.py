@@ -29,7 +29,8 @@ def print_submitted(job_id: str, log_dir: Path, script: str | None, torchrun: li
     console.print(f"submitted job [bold]{job_id}[/bold]")
     console.print(f"logs:        {log_dir}", markup=False)
     console.print(f"checkpoints: {ckpt_dir}", markup=False)
-    console.print(f"watch it:    slurmresume status --ckpt-dir {ckpt_dir} --job {job_id}", markup=False)
+    # quoted: the line is meant to be pasted into a shell, and paths have spaces
+    console.print(f"watch it:    slurmresume status --ckpt-dir {shlex.quote(str(ckpt_dir))} --job {job_id}", markup=False)
 
 
 def print_drill(report: Any, next_command: str = "") -> None:

@@ -63,6 +63,19 @@ def slurm_time_seconds(value: str) -> int:
     return secs
 
 
+def split_signal(value: str, lead: int | None) -> tuple[str, int | None]:
+    """sbatch's spelling `[B:]SIG[@SECONDS]` -> (signal, lead or None). A lead given both ways
+    must agree (ConfigError otherwise)."""
+    sig, at, secs = value.partition("@")
+    if not at:
+        return value, None
+    if not secs.isdigit() or int(secs) < 1:
+        raise ConfigError(f"--signal {value!r}: SECONDS after @ must be a whole number >= 1, e.g. USR1@300")
+    if lead is not None and lead != int(secs):
+        raise ConfigError(f"--signal {value} and --signal-lead {lead} disagree: give the lead once")
+    return sig, int(secs)
+
+
 def requeue_cap_reached(requeues_done: int, max_requeues: int | None) -> bool:
     """Pure: whether a preempted run that committed new progress may NOT be requeued again.
 
@@ -98,6 +111,7 @@ class JobSpec:
     max_requeues: int | None = None  # None: no cap while runs progress (see requeue_cap_reached)
     max_failures: int = 0
     sbatch: tuple[tuple[str, str], ...] = ()
+    setup: tuple[str, ...] = ()  # --setup LINE: shell lines of the batch script, before the launcher
     python: str = field(default_factory=lambda: sys.executable)
     rdzv_port: int | None = None
     log_dir: Path | None = None  # default: <ckpt_dir>/logs
@@ -163,6 +177,8 @@ class JobSpec:
             from ..mirror.s3 import parse_s3_url
 
             parse_s3_url(self.mirror)  # ConfigError naming the bad part
+        for line in self.setup:  # one shell line each: a newline would smuggle in another
+            check_text("--setup", line)
         if self.rdzv_port is not None and not 1024 <= self.rdzv_port <= 65535:
             raise ConfigError(f"--rdzv-port must be in 1024..65535, got {self.rdzv_port}")
 

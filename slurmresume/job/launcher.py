@@ -136,6 +136,9 @@ def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_reque
         if failures_done < max_failures:
             return "retry", (f"workers failed (exit {result.returncode}); retry {failures_done + 1} of "
                              f"{max_failures} from the newest complete checkpoint")
+        if max_failures == 0:  # no retry was asked for: say what to do, not that a budget of 0 ran out
+            return "give_up", (f"workers failed (exit {result.returncode}): the script's error is above; fix it and "
+                               "run the same command (it resumes from the newest checkpoint)")
         return "give_up", f"workers failed (exit {result.returncode}) and --max-failures {max_failures} is used up"
     why = _why(result)
     if not first_node:

@@ -4,6 +4,7 @@ running `NodeLauncher` (torchrun under a signal relay)."""
 from __future__ import annotations
 
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ def executor_parameters(spec: JobSpec) -> dict[str, Any]:
         if value is not None:
             params[key] = value
     params["job_name"] = spec.job_name or f"slurmresume-{spec.script.stem}"
+    params["wckey"] = None  # no submitit default: clusters with TrackWCKey may reject it (--sbatch wckey=X asks)
+    if spec.setup:
+        params["setup"] = list(spec.setup)
     for key, value in spec.sbatch:
         params["additional_parameters"][key.replace("-", "_")] = value if value != "" else True
     return params
@@ -111,6 +115,9 @@ def submit(spec: JobSpec) -> Submitted:
 
     if not slurm.available():
         raise SlurmError("no sbatch on PATH: use --local to run here, or run on a Slurm login node")
+    if shutil.which("srun") is None:  # submitit needs it to build the script; checked before logs/ exists
+        raise SlurmError("sbatch is on PATH but srun is not: submit from a Slurm login node (where both are), "
+                         "or use --local to run here")
     ex = make_executor(spec)
     try:
         job = ex.submit(NodeLauncher(spec))

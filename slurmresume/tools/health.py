@@ -24,8 +24,9 @@ from typing import Any
 EXIT_HEALTHY = 0
 EXIT_AT_RISK = 3
 EXIT_STOPPED = 4
+EXIT_UNKNOWN = 5  # Slurm is here but knows nothing of the job: nothing to call healthy
 EXIT_CODES = {"healthy": EXIT_HEALTHY, "starting": EXIT_HEALTHY, "finished": EXIT_HEALTHY,
-              "at_risk": EXIT_AT_RISK, "stopped": EXIT_STOPPED}
+              "at_risk": EXIT_AT_RISK, "stopped": EXIT_STOPPED, "unknown": EXIT_UNKNOWN}
 RISK_FACTOR = 1.5  # a commit later than 1.5 intervals is overdue (saves jitter by a step or two)
 MIN_SAVES_FOR_RATE = 2  # steps/s and ETA need two commits of one run
 
@@ -123,6 +124,9 @@ def _verdict(events: list[dict[str, Any]], last: dict[str, Any] | None, state: s
         return "stopped", f"{last['event'].replace('_', ' ')}" + (f": {why}" if why else "")
     if state == "COMPLETED":
         return "stopped", f"Slurm reports job {job_id} as COMPLETED but the log never says 'finished'"
+    if state == "UNKNOWN":
+        return "unknown", (f"Slurm knows no job {job_id} (squeue and sacct): another cluster, or purged from "
+                           "accounting; pass --job ID to show another")
     if not events and newest is None:
         return "starting", "nothing logged yet: no run has started on this root"
     if problems:

@@ -311,7 +311,8 @@ def query_job(job_id: str | None) -> tuple[JobInfo, str | None]:
     elif runs:
         last = runs[-1]
         job.state, job.elapsed, job.exit_code, job.source = last.state, last.elapsed, last.exit_code, "sacct"
-    else:
+    else:  # neither knows it: never judged healthy (another cluster, a purged or mistyped id)
+        job.state = "UNKNOWN"
         note = note or f"job {job_id} is not known to squeue or sacct"
     return job, note
 
