@@ -251,7 +251,10 @@ def test_failed_emergency_save_resumes_from_newest_complete(tmp_path: Path, faul
     restored = [e["step"] for e in ev if e["event"] == "restored"]
     assert restored == [4], out
     assert ended[-1]["outcome"] == "finished" and committed(root)[-1] == 12
-    last = read_last_run(root, ended[-1]["job_key"])
+    # the launch's nonce, from the outcome record rank 0 wrote in the first run: the crash-loop
+    # record the launcher left at the end belongs to the same launch
+    nonce = json.loads((root / ".runs" / f"{ended[0]['run_id']}.json").read_text())["nonce"]
+    last = read_last_run(root, ended[-1]["job_key"], nonce)
     assert last is not None and last.kind == "finished"
 
 
