@@ -2,7 +2,7 @@
 observed): that every restarted run resumed the step the previous run committed and went on
 from the step after it, and that both runs passed the same `metrics=` at every step.
 
-Facts come from the run's outcome records, its `restored` events and each rank's step record
+Facts come from the launcher's `run_ended` events (what it read in each run's outcome record), the `restored` events and each rank's step record
 (`train/steprecord.py`); the checks themselves are pure functions over them.
 """
 
@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.jsonenc import dumps
-from ..contract import read_outcome
 from ..events import read_events
 from ..train.steprecord import read_records
 
@@ -131,14 +130,14 @@ def run_facts(root: Path, records: Path) -> list[RunFacts]:
     for rec in read_records(records, 0):
         if rec.get("call") == "step":  # a run restored at the last step only makes its final save
             first.setdefault(str(rec.get("run")), rec["step"])
+    # What each run's emergency save committed, as the launcher judged it from the run's outcome
+    # record (it believes only its own launch's records, by nonce) and logged in `run_ended`
+    saved = {e.get("run_id"): e.get("saved_step") for e in events if e["event"] == "run_ended"}
     facts = []
     for run_id in dict.fromkeys(order):
-        try:
-            outcome = read_outcome(root, run_id)
-        except ValueError:
-            outcome = None
-        committed = outcome.step if outcome is not None and outcome.committed else None
-        facts.append(RunFacts(run_id, restored.get(run_id), first.get(run_id), committed))
+        committed = saved.get(run_id)
+        facts.append(RunFacts(run_id, restored.get(run_id), first.get(run_id),
+                              committed if isinstance(committed, int) else None))
     return facts
 
 
