@@ -19,7 +19,10 @@ pytest.importorskip("lightning")
 
 SLURM_VARS = {"SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train",
               "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NNODES": "1",
-              "SLURM_NODELIST": "localhost"}
+              "SLURM_NODELIST": "localhost",
+              # a real job's environment names its cluster: the lease records it (#27) without
+              # asking `scontrol show config`, so the fake scontrol below stays uncalled
+              "SLURM_CLUSTER_NAME": "testcluster"}
 
 
 def _signal_when_ready(tmp_path: Path, env: dict[str, str], ours: bool, sig: signal.Signals,
