@@ -54,7 +54,7 @@ def _node_launcher(tmp_path: Path, node: int, port: int, args: list[str], spec_k
             "from slurmresume.job.hang import HangBudgets; from slurmresume.job.node import NodeLauncher; "
             f"print(NodeLauncher(JobSpec(script=Path({str(HANG_TRAIN)!r}), script_args=tuple(sys.argv[1:]), "
             f"ckpt_dir=Path({str(tmp_path / 'ckpt')!r}), nodes=2, nproc_per_node=2, rdzv_port={port}, "
-            f"{spec_kw}))())")
+            f"{spec_kw}), nonce='submission-2626')())")  # one submission: submitit pickles one launcher for every node
     full = clean_env(PIDDIR=str(tmp_path / "pids"), PYTHONPATH=os.environ.get("PYTHONPATH", ""),
                      PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="2626", SLURM_NODEID=str(node),
                      SLURM_NNODES="2", **env)

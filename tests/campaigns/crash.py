@@ -51,6 +51,8 @@ from campaigns.harness import (
     trace_of,
 )
 
+from slurmresume.contract import ENV_LEASE_HEARTBEAT
+
 NAME = "crash"
 DEFAULT_COUNT = 1000  # random kills in a full run (the boundary matrix is always complete)
 
@@ -511,6 +513,10 @@ def run(report: Report, work: Path) -> None:
     import torch
 
     torch.set_num_threads(1)  # forked children must not inherit a thread pool
+    # Every trial resumes the root its killed predecessor held: the lease's fresh-heartbeat rule
+    # (#27) waits out up to 3 intervals before taking it over, 90 s at the default 30 s interval.
+    # The public knob shortens the interval, as the campaigns shorten every other budget.
+    os.environ.setdefault(ENV_LEASE_HEARTBEAT, "0.2")
     boundary_matrix(report, work)
     random_kills(report, work, report.seed, report.count)
     report.stats.setdefault("partial_loads", 0)
