@@ -84,3 +84,16 @@ def test_help_text_is_reflowed_to_an_80_column_terminal(name: str) -> None:
               and not line.lstrip().startswith("Usage:")
               and len(line.rstrip()) + 1 + len(nxt.split()[0]) <= 79]
     assert not ragged, f"{name}: lines broken before the terminal's edge: {ragged}"
+
+
+def test_submit_help_shows_the_common_options_first() -> None:
+    """`submit --help` had 37 options in one panel; the ones a first job needs come first, the
+    rest follow in panels by topic (every one still shown with its default: see above)."""
+    text = render_help("submit", 250)  # wide: no help line wraps onto a "--name" (option_blocks)
+    panels = {chunk.split(" ─")[0]: option_blocks("╭─ " + chunk) for chunk in text.split("╭─ ")[1:]}
+    titles = list(panels)
+    assert titles[:2] == ["Arguments", "Options"], titles
+    assert sorted(panels["Options"]) == sorted([
+        "--ckpt-dir", "--nodes", "--gpus-per-node", "--nproc-per-node", "--time", "--partition", "--account",
+        "--signal", "--local", "--dry-run", "--json", "--help"])
+    assert len(titles) > 3 and sum(len(p) for p in panels.values()) == 37

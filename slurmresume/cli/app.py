@@ -41,11 +41,16 @@ class _Command(typer.core.TyperCommand):
     `[default: 1]` in a help string as a markup tag and drops it: escape the brackets of every
     option's and argument's help once, here, instead of in each string."""
 
+    panels: dict[str, tuple[str, ...]] = {}
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.help:
             self.help = reflow(inspect.cleandoc(self.help))
+        panel_of = {name: title for title, names in self.panels.items() for name in names}
         for p in self.params:
+            if p.name in panel_of:
+                p.rich_help_panel = panel_of[p.name]  # type: ignore[attr-defined]
             text = getattr(p, "help", None)
             if text and "(default:" in text:
                 p.show_default = False  # type: ignore[attr-defined]
@@ -62,8 +67,11 @@ class _Command(typer.core.TyperCommand):
 
 
 class _App(typer.Typer):
-    def command(self, *args: Any, **kwargs: Any) -> Callable[[F], F]:
-        kwargs.setdefault("cls", _Command)
+    def command(self, *args: Any, panels: dict[str, tuple[str, ...]] | None = None,
+                **kwargs: Any) -> Callable[[F], F]:
+        """`panels`: {help panel title: option (parameter) names}; the options not named stay in
+        the first panel, "Options", so a long --help starts with what most runs need."""
+        kwargs.setdefault("cls", type("_PanelledCommand", (_Command,), {"panels": panels or {}}))
         return super().command(*args, **kwargs)
 
 
