@@ -11,7 +11,7 @@
 - modules over 300 lines and the 10 longest functions.
 
 Roles, from the top (may import downwards only); the package a module lives in is its role:
-  cli      slurmresume/cli/: the command line (app, commands_*, options, render*), mirror.commands
+  cli      slurmresume/cli/: the command line (app, commands_*, options, render*, shared)
   tools    slurmresume/tools/: read-only tools over a root (status, inspect, export, compare,
            drill, lineage, doctor, plot, health), mirror.fetch
   job      slurmresume/job/: the job side (submit, node loop, launcher, guardian, hang watch, config)
@@ -38,7 +38,7 @@ def role(mod: str) -> str:
     top = mod.split(".")[0]
     if top in ("cli", "tools", "job", "train"):
         return top
-    if mod in ("__main__", "mirror.commands"):
+    if mod == "__main__":
         return "cli"
     if mod == "mirror.fetch":
         return "tools"

@@ -39,6 +39,24 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     assert ig.violations({"checkpoint.store": {"tools.status"}}) == ["checkpoint.store (base) imports tools.status (tools)"]
 
 
+def test_no_cycle_even_through_deferred_imports() -> None:
+    """An import inside a function cannot fail at import time, but a circle through one still
+    ties two modules together (mirror.commands <-> cli.commands_ckpt was one, issue 31)."""
+    ig = _import_graph()
+    top, lazy, _, _ = ig.graph()
+    assert ig.cycles({m: top[m] | lazy[m] for m in top}) == []
+
+
+def test_a_mirror_module_importing_the_cli_is_a_violation() -> None:
+    """mirror/ sits below the command line, every module in it: none may be counted as cli so
+    that its imports of cli/ pass (mirror/commands.py was, issue 31)."""
+    ig = _import_graph()
+    top, _, _, _ = ig.graph()
+    assert ig.violations({"mirror.commands": {"cli.commands_ckpt"}}) == [
+        "mirror.commands (base) imports cli.commands_ckpt (cli)"]
+    assert [m for m in top if m.startswith("mirror") and ig.role(m) == "cli"] == []
+
+
 def test_public_names_are_pinned() -> None:
     assert slurmresume.__all__ == sorted([
         "CheckpointError", "CheckpointInfo", "Checkpointer", "ConfigError", "CorruptCheckpointError",

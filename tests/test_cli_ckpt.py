@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import DELETING_PREFIX, step_dir_name
 from slurmresume.checkpoint.store import list_checkpoints
-from slurmresume.cli import app, commands_ckpt
+from slurmresume.cli import app, shared
 from slurmresume.tools import status
 from slurmresume.tools.status import SLURM_NOT_FOUND
 
@@ -162,7 +162,7 @@ def test_prune_dry_run_deletes_nothing(tmp_path):
 @pytest.mark.parametrize("answer,exit_code,left", [("y\n", 0, [3]), ("n\n", 1, [1, 2, 3])])
 def test_prune_asks_on_a_tty(tmp_path, monkeypatch, answer, exit_code, left):
     save(tmp_path, 1, 2, 3)
-    monkeypatch.setattr(commands_ckpt, "_stdin_is_tty", lambda: True)
+    monkeypatch.setattr(shared, "_stdin_is_tty", lambda: True)
     r = run("prune", "--keep", "1", "-d", tmp_path, input=answer)
     assert r.exit_code == exit_code, r.output
     assert "Delete 2 entries listed above?" in r.stdout

@@ -387,3 +387,26 @@ def test_verify_latest_works_like_inspect_latest(tmp_path: Path) -> None:
         assert proc.returncode == 0, (cmd, proc.stderr)
         assert "step_000000002" in proc.stdout or "step 2" in proc.stdout.lower(), (cmd, proc.stdout)
     assert "step_000000001" not in cli(["verify", "latest", "-d", str(root)], tmp_path).stdout
+
+
+def test_torchruns_thread_count_banner_is_printed_once_per_job(tmp_path: Path) -> None:
+    """Two processes per node and a crash retried once: two torchrun runs, one OMP_NUM_THREADS
+    banner (the retry gets the same OMP_NUM_THREADS=1 torchrun set the first time, so torchrun has
+    nothing to announce); the ranks run with 1 thread both times."""
+    marker = tmp_path / "crashed"
+    threads = tmp_path / "threads"
+    body = ("import os, pathlib, sys\nimport slurmresume\n"
+            f"pathlib.Path({str(threads)!r}).open('a').write(os.environ.get('OMP_NUM_THREADS', '-') + '\\n')\n"
+            "ckpt = slurmresume.Checkpointer()\nstep = ckpt.restore({})\n"
+            f"m = pathlib.Path({str(marker)!r})\n"
+            "if not m.exists() and os.environ['RANK'] == '0':\n    m.write_text('x')\n    sys.exit(3)\n"
+            "for i in range(2):\n    ckpt.step(i, {})\n")
+    env = clean_env(PYTHONPATH=str(REPO))
+    del env["OMP_NUM_THREADS"]  # as a user's shell has it: unset, so torchrun sets (and announces) it
+    proc = subprocess.run([sys.executable, "-m", "slurmresume", "submit", script(tmp_path, body), "--local",
+                           "--nproc-per-node", "2", "--max-failures", "1", "--ckpt-dir", str(tmp_path / "ck")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert marker.exists()  # the first run did crash: there were two torchrun runs
+    assert (proc.stdout + proc.stderr).count("Setting OMP_NUM_THREADS") == 1, proc.stderr[-3000:]
+    assert threads.read_text().split() == ["1"] * 4  # 2 ranks x 2 runs, each with torchrun's 1 thread

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
@@ -15,21 +16,62 @@ from ..errors import SlurmResumeError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_OWN_LINE = ("Example:", "Exit codes:")  # a docstring line starting so keeps its own line
+
+
+def reflow(text: str) -> str:
+    """Pure: a docstring's paragraphs with their hard line breaks removed, so the terminal wraps
+    them at its own width (Typer keeps the breaks of every paragraph but the first). A line
+    starting with one of _OWN_LINE still starts a line; a paragraph starting with \\b is kept."""
+    out = []
+    for para in text.split("\n\n"):
+        if para.startswith("\b"):
+            out.append(para)
+            continue
+        lines = [line.strip() for line in para.strip("\n").split("\n")]
+        out.append("".join(("\n" if i and line.startswith(_OWN_LINE) else " " if i else "") + line
+                           for i, line in enumerate(lines)))
+    return "\n\n".join(out)
+
+
 class _Command(typer.core.TyperCommand):
-    """Rich reads `[default: 1]` in a help string as a markup tag and drops it: escape the
-    brackets of every option's and argument's help once, here, instead of in each string."""
+    """Help as a terminal shows it: the docstring re-flowed to its width (`reflow`); each
+    option's default shown once (an option whose help says "(default: ...)" itself does not get
+    Typer's "[default: ...]" too); no `<bool>` type on a flag (it takes no value). And Rich reads
+    `[default: 1]` in a help string as a markup tag and drops it: escape the brackets of every
+    option's and argument's help once, here, instead of in each string."""
+
+    panels: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.help:
+            self.help = reflow(inspect.cleandoc(self.help))
+        panel_of = {name: title for title, names in self.panels.items() for name in names}
         for p in self.params:
+            if p.name in panel_of:
+                p.rich_help_panel = panel_of[p.name]  # type: ignore[attr-defined]
             text = getattr(p, "help", None)
+            if text and "(default:" in text:
+                p.show_default = False  # type: ignore[attr-defined]
+            if getattr(p, "is_flag", False) and p.metavar is None:
+                p.metavar = ""  # Typer's rich help shows the metavar in place of the type
             if text and "[" in text and "\\[" not in text:
                 p.help = text.replace("[", "\\[")  # type: ignore[attr-defined]
 
+    def get_help_option(self, ctx: Any) -> Any:
+        opt = super().get_help_option(ctx)
+        if opt is not None and opt.metavar is None:
+            opt.metavar = ""  # a flag too
+        return opt
+
 
 class _App(typer.Typer):
-    def command(self, *args: Any, **kwargs: Any) -> Callable[[F], F]:
-        kwargs.setdefault("cls", _Command)
+    def command(self, *args: Any, panels: dict[str, tuple[str, ...]] | None = None,
+                **kwargs: Any) -> Callable[[F], F]:
+        """`panels`: {help panel title: option (parameter) names}; the options not named stay in
+        the first panel, "Options", so a long --help starts with what most runs need."""
+        kwargs.setdefault("cls", type("_PanelledCommand", (_Command,), {"panels": panels or {}}))
         return super().command(*args, **kwargs)
 
 

@@ -7,10 +7,8 @@ them into one `error: ...` line on stderr and exit code 1.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -26,8 +24,7 @@ from ..errors import (
 )
 from .app import app, handle_errors
 from .options import CkptDir, JsonOut, Mode, ModeOpt, resolve_root
-
-PRUNE_SCHEMA = "slurmresume.prune/1"
+from .shared import confirm_delete, emit_json, prune_json
 
 
 def is_s3_url(value: object) -> bool:
@@ -36,13 +33,9 @@ def is_s3_url(value: object) -> bool:
 
 
 def s3_commands() -> Any:
-    from ..mirror import commands
+    from . import commands_remote
 
-    return commands
-
-
-def emit_json(data: Any) -> None:
-    typer.echo(json.dumps(data, indent=2, allow_nan=False))
+    return commands_remote
 
 
 def _refuse_misplaced(root: Path) -> None:
@@ -127,11 +120,6 @@ def status(
         raise typer.Exit(st.verdict.exit_code)
 
 
-def _stdin_is_tty() -> bool:
-    """A prompt needs someone to read it and to answer: `prune ... | tail` must not wait on one."""
-    return sys.stdin.isatty() and sys.stdout.isatty()
-
-
 @app.command()
 @handle_errors
 def prune(
@@ -187,43 +175,6 @@ def prune(
         typer.echo("nothing to delete")
     if as_json:
         emit_json(prune_json(root, policy, plan, leftovers, dry_run, result))
-
-
-def confirm_delete(count: int, yes: bool, as_json: bool) -> None:
-    if yes:
-        return
-    if as_json or not _stdin_is_tty():
-        raise ConfigError(f"refusing to delete {count} entr{'y' if count == 1 else 'ies'} without confirmation: "
-                          "pass --yes to delete without asking (or --dry-run to only see the plan)")
-    if not typer.confirm(f"Delete {count} entr{'y' if count == 1 else 'ies'} listed above?", default=False):
-        typer.echo("aborted: nothing deleted", err=True)
-        raise typer.Exit(1)
-
-
-def prune_json(root: Path, policy: Any, plan: Any, leftovers: list[str], dry_run: bool, result: Any) -> dict[str, Any]:
-    """Schema "slurmresume.prune/1" (what `prune --json` prints):
-
-    schema, root, dry_run   "slurmresume.prune/1", the root (str), bool
-    policy                  the RetentionPolicy fields (durations in seconds)
-    plan                    newest first: [{step, name, complete, action: "keep"|"delete", reasons}]
-    newest_complete, best   steps (or null)
-    leftovers               .deleting.* entries found (removed unless a dry run)
-    deleted, cleaned        directory / leftover names removed (empty on a dry run)
-    skipped                 [{name, reason}]: planned, but kept when re-checked under the lock
-    """
-    from dataclasses import asdict
-
-    return {
-        "schema": PRUNE_SCHEMA, "root": str(root), "dry_run": dry_run, "policy": asdict(policy),
-        "plan": [{"step": d.record.step, "name": d.record.name, "complete": d.record.complete,
-                  "action": "delete" if d.delete else "keep", "reasons": list(d.reasons)} for d in plan.decisions],
-        "newest_complete": plan.newest.step if plan.newest else None,
-        "best": plan.best.step if plan.best else None,
-        "leftovers": leftovers,
-        "deleted": result.deleted if result else [],
-        "skipped": [{"name": n, "reason": why} for n, why in result.skipped] if result else [],
-        "cleaned": result.cleaned if result else [],
-    }
 
 
 @app.command()

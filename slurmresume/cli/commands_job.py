@@ -127,7 +127,18 @@ ArgsArg = Annotated[list[str] | None, typer.Argument(help="Arguments for the scr
                                                      show_default=False)]
 
 
-@app.command()
+# `submit --help`: the options a first job needs stay in "Options", first; the rest by topic.
+SUBMIT_PANELS = {
+    "Slurm": ("cpus_per_task", "mem", "qos", "constraint", "job_name", "gres", "setup", "sbatch", "python",
+              "rdzv_port"),
+    "Preemption and failures": ("signal_lead", "max_requeues", "max_failures"),
+    "Hang watch": ("hang_timeout", "hang_startup", "hang_busy", "hang_save", "max_hangs"),
+    "Resume, ownership, mirror": ("resume_from", "branch", "discard_newer", "takeover", "mirror", "shared_root",
+                                  "no_script_check"),
+}
+
+
+@app.command(panels=SUBMIT_PANELS)
 @handle_errors
 def submit(
     script: ScriptArg,

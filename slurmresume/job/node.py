@@ -81,9 +81,11 @@ def torchrun_command(spec: JobSpec, *, nnodes: int, endpoint: str | None, rdzv_i
     return cmd + [str(spec.script), *spec.script_args]
 
 
-def worker_env(spec: JobSpec, run_id: str, restart: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+def worker_env(spec: JobSpec, run_id: str, restart: int, extra: dict[str, str] | None = None, *,
+               first_run: bool = True) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra or {})
+    env.update(quiet_threads(env, spec.procs, first_run=first_run))
     env.update({
         ENV_LAUNCHER_PID: str(os.getpid()),
         ENV_ROOT: str(spec.ckpt_dir),
@@ -96,6 +98,15 @@ def worker_env(spec: JobSpec, run_id: str, restart: int, extra: dict[str, str] |
     if spec.mirror:
         env[ENV_MIRROR] = spec.mirror
     return env
+
+
+def quiet_threads(env: dict[str, str], procs: int, *, first_run: bool) -> dict[str, str]:
+    """Pure: torchrun sets OMP_NUM_THREADS=1 for more than one process per node when it is unset,
+    and says so in a 5-line banner. Every run after a job's first (a retry, a local restart, a
+    requeue) gets that same value from us, so the banner is printed once per job, not per restart."""
+    if first_run or procs <= 1 or "OMP_NUM_THREADS" in env:
+        return {}
+    return {"OMP_NUM_THREADS": "1"}
 
 
 @dataclass(frozen=True)
@@ -173,7 +184,7 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
             log.info("run %s: %s", run_id, " ".join(cmd))
             watch = _watch(spec, run_id, recovering)
             hb = {ENV_HEARTBEAT_DIR: str(watch.directory)} if watch.directory is not None else {}
-            wenv = worker_env(spec, run_id, restart, {**env, **hb})
+            wenv = worker_env(spec, run_id, restart, {**env, **hb}, first_run=restart == 0 and failures + hangs == 0)
             try:
                 result = run_torchrun(cmd, wenv, root, run_id, relay.warn, relay, clock=clock, guardian=guardian,
                                       watch=watch, dumps=spec.logs / run_id,

@@ -1,5 +1,6 @@
-"""`latest`, `verify` and `prune` on an `s3://` root: what commands_ckpt.py calls when
---ckpt-dir is a bucket URL. Same output, same JSON, same exit codes as on a local root."""
+"""`latest`, `verify`, `prune` and `status` on an `s3://` root: what commands_ckpt.py calls when
+--ckpt-dir is a bucket URL. Same output, same JSON, same exit codes as on a local root. (Command
+line code, so it lives in cli/ and mirror/ stays below it; what both share is in shared.py.)"""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from typing import Any
 import typer
 
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
-from . import remote
-from .s3 import client, parse_s3_url
+from ..mirror import remote
+from ..mirror.s3 import client, parse_s3_url
+from . import render as _render
+from .shared import confirm_delete, emit_json, prune_json
 
 
 def latest(url: object) -> None:
@@ -23,7 +26,6 @@ def latest(url: object) -> None:
 
 def verify(url: object, step: int | None, every: bool) -> None:
     """Hash every shard object of the chosen step(s) against its manifest."""
-    from ..cli import render as _render
     from ..tools.status import VerifyResult
 
     loc, s3 = parse_s3_url(str(url)), client()
@@ -59,8 +61,6 @@ def verify(url: object, step: int | None, every: bool) -> None:
 def prune(url: object, policy: Any, *, dry_run: bool, yes: bool, as_json: bool) -> None:
     """The plan first; then marker-first deletion of what a re-made plan still deletes."""
     from .. import retention as rt
-    from ..cli import render as _render
-    from ..cli.commands_ckpt import confirm_delete, emit_json, prune_json
 
     loc, s3 = parse_s3_url(str(url)), client()
     records = remote.records(s3, loc)
@@ -87,7 +87,7 @@ def status(url: object, *, verify: bool, limit: int, as_json: bool) -> None:
     (No Slurm job or event log: those live with the run, not in the bucket.)"""
     import json
 
-    from .leftovers import ABANDONED_AFTER_S
+    from ..mirror.leftovers import ABANDONED_AFTER_S
 
     loc, s3 = parse_s3_url(str(url)), client()
     steps = remote.scan(s3, loc)
