@@ -43,6 +43,18 @@ def test_mirror_url_from_the_log() -> None:
     assert mirror_url([{"event": "mirror_behind", "url": "s3://b/x"}, {"event": "save_committed", "step": 1}]) == "s3://b/x"
 
 
+def test_a_finished_run_whose_bucket_is_behind_is_at_risk() -> None:
+    from slurmresume.tools.health import judge
+
+    lag = bucket_lag("s3://b/p", 2, 999.0, 1, False, 240.0)
+    assert lag is not None and lag[0] == "problem"
+    events = [{"event": "started", "time": 1.0}, {"event": "finished", "step": 2, "time": 2.0}]
+    h = judge(events, [], slurm_state=None, job_id=None, interval_s=None, problems=[lag[1]], now=3.0)
+    assert h.verdict == "at_risk" and "lacks step 2" in h.reason, h
+    h = judge(events, [], slurm_state=None, job_id=None, interval_s=None, problems=[], now=3.0)
+    assert h.verdict == "finished", h
+
+
 def status(root: Path, *extra: str) -> tuple[int, dict]:
     out = CliRunner().invoke(app, ["status", "--json", "--ckpt-dir", str(root), *extra], env={"COLUMNS": "200"})
     return out.exit_code, json.loads(out.stdout)
@@ -67,6 +79,8 @@ def test_local_status_asks_the_bucket_and_a_bucket_behind_is_at_risk(s3, tmp_pat
         (url, 2, 1, 0, True), m
     code, data = status(root, "--no-mirror-check")
     assert code == 0 and data["mirror"] is None, data["verdict"]
+    shown = CliRunner().invoke(app, ["status", "--ckpt-dir", str(root)], env={"COLUMNS": "200"})
+    assert shown.exit_code == 3 and "newest committed there 1, here 2" in shown.stdout, shown.stdout
     with Checkpointer(root, handle_signals=False, mirror=url) as ckpt:  # a run with the mirror catches up
         assert ckpt.restore({"w": torch.zeros(4)}) == 2
     code, data = status(root)
