@@ -198,6 +198,30 @@ def read_hang(root: Path, run_id: str, nonce: str = "") -> dict[str, Any] | None
     return raw if ok and isinstance(raw.get("ranks"), list) else None
 
 
+def mirror_behind_path(root: Path, run_id: str) -> Path:
+    return outcome_path(root, run_id).with_name(f"{run_id}.mirror-behind.json")
+
+
+def write_mirror_behind(root: Path, run_id: str, step: int | None, error: str) -> None:
+    """Rank 0, at close() when the run's last committed step did not reach the mirror (it then
+    exits EXIT_MIRROR_BEHIND, which torchrun reports as a plain failure): the launcher's way to
+    know the run finished locally. Atomic and durable; stamped with the launch's nonce."""
+    from .checkpoint.fsio import makedirs, write_durable
+
+    path = mirror_behind_path(root, run_id)
+    makedirs(path.parent, 0o755)
+    body = {"run_id": run_id, "step": step, "error": error[:500], "nonce": os.environ.get(ENV_NONCE, "")}
+    write_durable(path, json.dumps(body, separators=(",", ":")).encode(), "mirror-behind record")
+
+
+def read_mirror_behind(root: Path, run_id: str, nonce: str = "") -> dict[str, Any] | None:
+    """The launcher: rank 0's `write_mirror_behind` record of this run and launch, or None."""
+    raw = _read_record(mirror_behind_path(root, run_id))
+    ok = (isinstance(raw, dict) and raw.get("run_id") == run_id and raw.get("nonce", "") == nonce
+          and (raw.get("step") is None or isinstance(raw.get("step"), int)))
+    return raw if ok else None
+
+
 def _read_record(path: Path) -> Any:
     """The JSON of a small record file under `<root>/.runs/`, or None when it is missing,
     unreadable or not JSON. No symlink is followed and at most MAX_OUTCOME_BYTES + 1 bytes are

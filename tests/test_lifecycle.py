@@ -90,9 +90,9 @@ def committed(root: Path) -> list[int]:
 # -- decide(): a table ---------------------------------------------------------------------------
 
 def _r(rc: int = 0, outcome: tuple | None = None, before: int | None = 10, after: int | None = 20,
-       warned: bool = False, stop: str | None = None) -> RunResult:
+       warned: bool = False, stop: str | None = None, behind: tuple | None = None) -> RunResult:
     out = Outcome("r", *outcome) if outcome else None  # (kind, step, committed[, error])
-    return RunResult(rc, out, before, after, warned=warned, stop=stop)
+    return RunResult(rc, out, before, after, warned=warned, stop=stop, mirror_behind=behind)
 
 
 @pytest.mark.parametrize(
@@ -124,6 +124,12 @@ def _r(rc: int = 0, outcome: tuple | None = None, before: int | None = 10, after
         (_r(3), {"max_failures": 2, "failures_done": 1}, "retry", "retry 2 of 2"),
         (_r(3), {"max_failures": 2, "failures_done": 2}, "give_up", "--max-failures 2"),
         (_r(3), {}, "give_up", "the script's error is above"),  # no retry asked for: not "0 used up"
+        # rank 0 exited 78 at close (torchrun says 1): finished locally, the bucket lacks the step;
+        # a retry would train nothing: end with that reason, whatever the failure budget
+        (_r(1, behind=(20, "server down")), {"max_failures": 2}, "behind", "step 20 is not on the mirror"),
+        (_r(1, behind=(None, "deadline")), {}, "behind", "training finished at step 20"),
+        (_r(1, behind=(20, "x"), before=None, after=None), {"max_failures": 2}, "retry", "retry 1 of 2"),
+        (_r(1, ("preempt", 20, True), behind=(20, "x")), {}, "requeue", "preempted at step 20"),
     ],
 )
 def test_decide(result: RunResult, kw: dict, action: str, says: str) -> None:

@@ -172,3 +172,56 @@ def test_restore_through_an_endpoint_that_never_answers_fails_within_its_timeout
         proxy.close()
     assert proxy.accepted >= 1
     assert took < 15, f"restore took {took:.1f} s with 2 tries of 1 s timeouts"
+
+
+LAUNCHED_SCRIPT = """
+import os, torch
+from slurmresume import Checkpointer
+with Checkpointer() as ckpt:
+    state = {"w": torch.zeros(4)}
+    start = 0 if os.environ.get("FIRST") else ckpt.restore(state)  # a fresh run needs a reachable mirror
+    print("trained from", start, flush=True)
+    if start < 1:
+        state["w"] = torch.arange(4.0)
+        ckpt.save(1, state)
+"""
+
+
+def test_the_launcher_ends_a_run_whose_mirror_is_behind_with_78_and_no_retry(s3, tmp_path: Path) -> None:
+    """Server down at close() under `submit --local`: rank 0 exits 78, which torchrun reports as a
+    plain failure (1); the launcher reads rank 0's record, does not spend --max-failures on a retry
+    that would train nothing, and ends with 78. The next run (server back) uploads the step."""
+    import subprocess
+    import sys
+
+    from helpers.objstore import aws_env
+    from helpers.procs import REPO, clean_env
+
+    from slurmresume.contract import EXIT_MIRROR_BEHIND
+    from slurmresume.events import read_events
+    from slurmresume.mirror import parse_s3_url, remote
+
+    url, root, script = unique_url(), tmp_path / "root", tmp_path / "train.py"
+    script.write_text(LAUNCHED_SCRIPT)
+    down = Down()
+    base = {**aws_env(), "SLURMRESUME_MIRROR_ATTEMPTS": "1", "SLURMRESUME_MIRROR_CLOSE_DEADLINE": "20",
+            "PYTHONPATH": os.environ.get("PYTHONPATH", str(REPO))}
+    cmd = [sys.executable, "-m", "slurmresume", "submit", "--local", str(script), "--ckpt-dir", str(root),
+           "--mirror", url, "--max-failures", "2"]
+    proc = subprocess.run(cmd, env=clean_env(**{**base, "AWS_ENDPOINT_URL": down.url, "FIRST": "1"}), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_MIRROR_BEHIND, out[-3000:]
+    assert [p.parent.name for p in root.glob("step_*/COMMITTED")] == ["step_000000001"], out[-2000:]
+    ev = read_events(root)
+    assert [e["event"] for e in ev].count("started") == 1, [e["event"] for e in ev]  # no retry
+    ended = [e for e in ev if e["event"] == "run_ended"]
+    assert [e["outcome"] for e in ended] == ["mirror_behind"] and ended[0]["action"] == "behind", ended
+    assert "not on the mirror" in out and "Traceback" not in out, out[-3000:]
+    loc = parse_s3_url(url)
+    assert remote.find_latest(s3, loc) is None
+    proc = subprocess.run(cmd, env=clean_env(**base), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "trained from 1" in proc.stdout + proc.stderr
+    info = remote.find_latest(s3, loc, verify=True)
+    assert info is not None and info.step == 1 and info.verified

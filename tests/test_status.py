@@ -21,7 +21,7 @@ from slurmresume.tools.status import SLURM_NOT_FOUND, compute_status, run_slurm,
 
 SCHEMA_KEYS = {"schema", "verdict", "root", "now", "health", "problems", "warnings", "slurm", "job", "requeues",
                "event_counts", "history", "checkpoints", "newest_complete", "best", "ranks", "last_hang",
-               "lead", "writer", "preemption_cost"}
+               "lead", "writer", "preemption_cost", "mirror"}
 ROW_KEYS = {"step", "name", "path", "state", "created", "age_seconds", "bytes", "shards", "verified",
             "metrics", "newest", "best", "problem"}
 JOB_KEYS = {"job_id", "state", "reason", "elapsed", "exit_code", "source", "runs"}

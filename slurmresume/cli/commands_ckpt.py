@@ -67,6 +67,10 @@ def status(
     plot: Annotated[Path | None, typer.Option(
         "--plot", metavar="PNG", help="Also draw the run's timeline (step over time, saves, warnings, requeues, "
         "failures) into this PNG file; needs matplotlib: pip install 'slurmresume[plot]'. [default: no picture]")] = None,
+    mirror_check: Annotated[bool, typer.Option(
+        "--mirror-check/--no-mirror-check", help="Ask the run's mirror (the s3:// URL in the event log) for its "
+        "newest committed step and uploads in flight; a bucket behind the newest local step is AT RISK. Bounded "
+        "by SLURMRESUME_MIRROR_CONNECT_TIMEOUT/READ_TIMEOUT/ATTEMPTS. --no-mirror-check stays off the network.")] = True,
 ) -> None:
     """Is my run healthy? A three-line verdict, then every checkpoint, then the history.
 
@@ -101,7 +105,7 @@ def status(
 
     def compute() -> Any:
         return compute_status(root, job_id=job, best_metric=best, mode=mode.value, verify=verify,
-                              with_interval=True, rows_limit=limit or None)
+                              with_interval=True, rows_limit=limit or None, mirror_check=mirror_check)
 
     if interval is not None:
         _render.watch(compute, interval, limit)

@@ -168,7 +168,7 @@ def status_view(st: Status, limit: int = 20, height: int | None = None) -> Rende
     if st.slurm.get("note") and (st.job.job_id or not st.slurm.get("available")):
         notes.append(Text(st.slurm["note"], style="dim"))
     parts += notes
-    parts += [line for line in (lead_line(st), writer_line(st)) if line is not None]
+    parts += [line for line in (lead_line(st), writer_line(st), mirror_line(st)) if line is not None]
     if height is not None:  # one line each, so that the budget below holds
         for part in parts:
             if isinstance(part, Text):
@@ -186,6 +186,17 @@ def status_view(st: Status, limit: int = 20, height: int | None = None) -> Rende
     if st.history:
         parts.append(_history_table(st.history))
     return Group(*parts)
+
+
+def mirror_line(st: Status) -> Text | None:
+    """The bucket asked now: newest there against newest here, uploads in flight (None: not asked)."""
+    m = st.mirror
+    if m is None or m.get("error"):
+        return None
+    here, there = m.get("newest_local"), m.get("newest_in_bucket")
+    return Text(f"mirror {m['url']}: newest committed there {there if there is not None else 'none'}, here "
+                f"{here if here is not None else 'none'}; uploads in flight: {m.get('uploads_in_flight')}",
+                style="yellow" if m.get("behind") else "dim")
 
 
 RANK_ROWS = 8  # ranks shown: the stragglers, then the longest silent (a 512-rank job fits a screen)

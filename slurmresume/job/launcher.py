@@ -40,6 +40,7 @@ from ..contract import (
     EV_RESUMED,
     Outcome,
     read_hang,
+    read_mirror_behind,
     read_outcome,
     write_hang,
 )
@@ -70,6 +71,8 @@ class RunResult:
     stop: str | None = None  # "cancel" | "time_limit" | "interrupt": a SIGTERM/SIGINT, classified
     hang: Hang | None = None  # the hang watch found ranks stuck; the launcher dumped and killed the run
     ended_at: float | None = None  # time.time() of the first death seen, the hang kill, or torchrun's exit
+    # rank 0's record that close() left the last committed step off the mirror (exit 78): (step, why)
+    mirror_behind: tuple[int | None, str] | None = None
 
     @property
     def progressed(self) -> bool:
@@ -78,7 +81,8 @@ class RunResult:
     @property
     def kind(self) -> str:
         """finished | failed | hung | preempted | terminated | save_failed | warned_without_save |
-        time_limit | cancelled | interrupted."""
+        time_limit | cancelled | interrupted | mirror_behind (finished locally, the bucket lacks the
+        last step)."""
         if self.hang is not None:
             return "hung"
         if self.stop is not None:
@@ -91,6 +95,8 @@ class RunResult:
             return "save_failed"  # a crash (or a lost record) during the emergency save
         if self.warned and not self.progressed:
             return "warned_without_save"
+        if self.returncode != 0 and self.mirror_behind is not None and self.latest_after is not None:
+            return "mirror_behind"
         return "finished" if self.returncode == 0 else "failed"
 
     @property
@@ -111,7 +117,9 @@ def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_reque
            max_hangs: int = 0, previous_hang: tuple[tuple[int, ...], int] | None = None) -> tuple[str, str]:
     """Pure: what to do after a run. Returns (action, reason); action is one of
     "finish", "requeue", "retry" (restart inside the allocation), "stop" (a clean exit without
-    requeue), "give_up" (fail the job), "hold" (the same hang twice: keep the job, held).
+    requeue), "give_up" (fail the job), "hold" (the same hang twice: keep the job, held),
+    "behind" (training finished and is committed locally, the mirror lacks the last step: end
+    with EXIT_MIRROR_BEHIND, no retry: re-running would train nothing; the next run uploads it).
 
     One rule for every way a run can end elsewhere than at its last step without a user asking it
     to stop (a committed preemption, a failed emergency save, the time limit): requeue and resume
@@ -124,6 +132,12 @@ def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_reque
         if result.latest_after is None:
             return "finish", "training finished, but no checkpoint was ever committed (no ckpt.step()/save() call?)"
         return "finish", "training finished"
+    if kind == "mirror_behind":
+        assert result.mirror_behind is not None
+        step, why = result.mirror_behind
+        what = f"step {step}" if step is not None else "the newest step"
+        return "behind", (f"training finished at step {result.latest_after}, committed locally, but {what} is not "
+                          f"on the mirror ({why}); not retrying: the next run with this mirror uploads it")
     if kind in ("cancelled", "terminated", "interrupted"):
         what = {"cancelled": "cancelled (SIGTERM, not the time limit)", "terminated": "terminated (SIGTERM)",
                 "interrupted": "interrupted (SIGINT)"}[kind]
@@ -411,8 +425,10 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
         watch.publish(root, _summary_key(run_id, env), time.monotonic(), force=True)
         if hang is None and rc not in (None, 0):
             hang = _peer_hang(root, run_id, env.get(ENV_NONCE, ""))  # our ranks failed because another node killed its hung ones
+    behind = read_mirror_behind(root, run_id, env.get(ENV_NONCE, "")) if rc not in (None, 0) else None
     return RunResult(rc if rc is not None else -1, read_outcome(root, run_id, env.get(ENV_NONCE, "")), latest_before, _latest_step(root),
-                     warned=warn in relay.pending, stop=stop, hang=hang, ended_at=ended_at)
+                     warned=warn in relay.pending, stop=stop, hang=hang, ended_at=ended_at,
+                     mirror_behind=(behind.get("step"), str(behind.get("error") or "?")) if behind else None)
 
 
 def _reap(proc: subprocess.Popen[bytes], run_id: str) -> int:

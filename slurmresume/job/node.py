@@ -28,6 +28,7 @@ from ..contract import (
     EV_NO_CHECKPOINT,
     EV_REQUEUE_FAILED,
     EV_WARNED_WITHOUT_SAVE,
+    EXIT_MIRROR_BEHIND,
     LAUNCHER_EXIT_REQUEUED,
     LastRun,
     prune_records,
@@ -201,13 +202,16 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
                 action, reason = "give_up", f"this run ({job_key}) lost checkpoint root {root} to another run"
             _record(root, result, action, reason, run_id, job_key, restart, first_node, nonce)
             log.info("run %s ended %s: %s -> %s", run_id, result.kind, reason, action)
-            if lease is not None and (action in ("finish", "stop", "give_up") or (action == "hold" and local)):
+            if lease is not None and (action in ("finish", "stop", "give_up", "behind") or (action == "hold" and local)):
                 lease.release()  # the job will not come back: the root is free
             if action in ("finish", "stop"):
                 return {"action": action, "reason": reason, "restarts": restart, "step": result.latest_after,
                         "kind": result.kind}
             if action == "give_up":
                 raise SystemExit(f"slurmresume: giving up: {reason}")
+            if action == "behind":  # the job ends non-zero, not requeued: nothing left to train
+                print(f"slurmresume: {reason}", file=sys.stderr, flush=True)
+                raise SystemExit(EXIT_MIRROR_BEHIND)
             if action == "hold":
                 _hold(root, clock if first_node else None, extra["job"], job_key, reason)
             if action == "retry":
@@ -301,7 +305,7 @@ def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str
     if loud:
         try_append_event(root, loud, run_id=run_id, job_key=job_key, reason=reason)
         print(f"slurmresume: WARNING: {reason}", file=sys.stderr, flush=True)
-    terminal = {"finish": "finished", "give_up": "gave_up", "stop": "stopped"}.get(action)
+    terminal = {"finish": "finished", "behind": "finished", "give_up": "gave_up", "stop": "stopped"}.get(action)
     if terminal:
         try_append_event(root, terminal, reason=reason, step=result.latest_after, job_key=job_key)
     if result.kind == "failed":

@@ -51,18 +51,25 @@ def refuse_bucket_root(value: object, how: str) -> None:
 
 
 
-def exit_behind(mirror: Any) -> None:
+def exit_behind(mirror: Any, root: Any = None) -> None:
     """Rank 0, at the very end of `Checkpointer.close()` when the last committed step is not on
     the bucket (the server down or stalled past the close deadline, the upload tried again):
     one line on stderr, then `SystemExit(EXIT_MIRROR_BEHIND)`, so the run's exit status says
     the bucket does not hold it (the user's `finally` blocks and atexit handlers still run; a
     script that must go on can catch it). The `mirror_behind` event is already in the log, and
-    the next run with this mirror uploads the step (`Mirror.start`)."""
+    the next run with this mirror uploads the step (`Mirror.start`). Under the launcher
+    (`$SLURMRESUME_RUN_ID`) a record under `root` tells it so (torchrun turns the status into 1)."""
     import sys
 
-    from ..contract import EXIT_MIRROR_BEHIND
+    from ..contract import ENV_RUN_ID, EXIT_MIRROR_BEHIND, write_mirror_behind
 
     step, why = mirror.behind or (None, "?")
+    run_id = os.environ.get(ENV_RUN_ID)
+    if run_id and root is not None:
+        try:
+            write_mirror_behind(root, run_id, step, why)
+        except (OSError, ValueError) as exc:
+            print(f"slurmresume: could not record the mirror's lag for the launcher: {exc}", file=sys.stderr)
     print(f"slurmresume: step {step} is not on the mirror {mirror.loc.url} ({why}); exiting with status "
           f"{EXIT_MIRROR_BEHIND}: the next run with this mirror uploads it", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_MIRROR_BEHIND)

@@ -114,7 +114,7 @@ def _verdict(events: list[dict[str, Any]], last: dict[str, Any] | None, state: s
     if state in BAD_SLURM:
         return "stopped", f"Slurm reports job {job_id} as {state}"
     if last is not None and last["event"] == "finished":
-        lag = mirror_behind(events)
+        lag = mirror_behind(events) or next((p for p in problems if p.startswith(BUCKET_BEHIND)), None)
         if lag:
             return "at_risk", f"finished at step {last.get('step', '?')}, but {lag}"
         return "finished", f"finished at step {last.get('step', '?')}"
@@ -168,6 +168,35 @@ def mirror_behind(events: list[dict[str, Any]]) -> str | None:
     return (f"the mirror {behind.get('url', '')} lacks {what} (newest uploaded: "
             f"{uploaded if uploaded is not None else 'none'}; {behind.get('error', '?')}): the next run with "
             "this mirror uploads it, or `python -m slurmresume.mirror push ROOT URL`")
+
+
+BUCKET_BEHIND = "the mirror's bucket lacks"  # how bucket_lag's problem starts (at risk, also after "finished")
+
+
+def bucket_lag(url: str, newest_local: int | None, local_age_s: float | None, bucket_newest: int | None,
+               uploading: bool, grace_s: float) -> tuple[str, str] | None:
+    """Pure: what `status` says of the bucket, asked at status time: ("problem", why) when its
+    newest committed step is older than the newest local one (at risk: losing the root loses
+    those steps), ("warning", why) while that step is still being uploaded (a multipart upload
+    in flight, or committed less than `grace_s` ago); None when the bucket is level."""
+    if newest_local is None or (bucket_newest is not None and bucket_newest >= newest_local):
+        return None
+    have = bucket_newest if bucket_newest is not None else "none"
+    if uploading or (local_age_s is not None and local_age_s < grace_s):
+        return "warning", f"the mirror {url} is uploading step {newest_local} (newest committed there: {have})"
+    return "problem", (f"{BUCKET_BEHIND} step {newest_local} (newest committed in {url}: {have}): the next run with "
+                       "this mirror uploads it, or `python -m slurmresume.mirror push ROOT URL`")
+
+
+def mirror_url(events: list[dict[str, Any]]) -> str | None:
+    """Pure: the mirror's s3:// location, from the newest mirror event in the log (None: no mirror)."""
+    for e in reversed(events):
+        url = e.get("url")
+        if not (isinstance(url, str) and url.startswith("s3://") and str(e.get("event", "")).startswith("mirror_")):
+            continue
+        head, _, last = url.rpartition("/")
+        return head if last.startswith("step_") and head.count("/") >= 2 else url
+    return None
 
 
 def mirror_warning(events: list[dict[str, Any]]) -> str | None:

@@ -47,6 +47,10 @@
                    lost_estimated, ongoing}], down_s, lost_s, wall_s (first start to the newest event,
                    or now while running or down), fraction ((down + lost) / wall), summary (the
                    headline's words)}
+    mirror        null (no mirror in the log, or --no-mirror-check), or the bucket asked now: {url,
+                   newest_local, newest_in_bucket, uploads_in_flight, last_error (the log's last
+                   mirror_failed/mirror_behind), behind (bool; null: not asked), error (the bucket
+                   could not be asked: a warning)}
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ from ..job.leadtime import LeadReport, late_warning, lead_report, lead_warning
 from ..retention import best_record, metric_names, metric_value, record_from_info
 from ..slurm import parse_sacct, parse_squeue
 from ..train.policy import IntervalSummary, interval_summary
-from .health import Headline, judge, mirror_behind, mirror_warning
+from .health import Headline, bucket_lag, judge, mirror_behind, mirror_url, mirror_warning
 from .timeline import cost_line, preemption_cost
 
 SCHEMA = "slurmresume.tools.status/1"
@@ -143,6 +147,7 @@ class Status:
     lead: LeadReport | None = None
     writer: dict[str, Any] | None = None
     preemption_cost: dict[str, Any] | None = None
+    mirror: dict[str, Any] | None = None  # the bucket, asked now (mirror_check): newest there, in flight, lag
 
     @property
     def health(self) -> str:
@@ -177,11 +182,12 @@ def plain_json(obj: Any) -> Any:
 def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | None = None,
                    mode: str = "min", verify: bool = False, now: float | None = None,
                    history_limit: int = 20, with_interval: bool = False,
-                   rows_limit: int | None = None) -> Status:
+                   rows_limit: int | None = None, mirror_check: bool = False) -> Status:
     """Snapshot of `root`, its event log and (when Slurm is here) the job. Reads only.
     `with_interval` adds the save-interval section (estimated from the event log).
     Raises ConfigError for a missing root, a bad mode, or a `best_metric` no complete
-    checkpoint records."""
+    checkpoint records. `mirror_check`: also ask the run's mirror (its URL from the log) how far
+    behind it is, bounded by the mirror's timeouts (SLURMRESUME_MIRROR_*)."""
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"checkpoint root {root} does not exist: pass --ckpt-dir or set SLURMRESUME_CKPT_DIR")
@@ -210,10 +216,51 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
     status.writer = writer_summary(root, events)
     status.preemption_cost = cost_summary(events, now)
     _judge(status, root, events)
+    if mirror_check:
+        status.mirror = ask_mirror(events, rows, now, status.problems, status.warnings)
     iv = status.interval or interval_summary(events)
     status.verdict = judge(events, rows, slurm_state=job.state, job_id=job.job_id, interval_s=iv.current_s,
                            problems=status.problems, now=now)
     return status
+
+
+def ask_mirror(events: list[dict[str, Any]], rows: list[CheckpointRow], now: float, problems: list[str],
+               warnings: list[str]) -> dict[str, Any] | None:
+    """The bucket's side of the lag: one listing (and the newest step's marker and manifest)
+    with the mirror's own timeouts and tries. None when the log names no mirror. A bucket that
+    cannot be asked is a warning (the log's own account of the mirror still counts)."""
+    url = mirror_url(events)
+    if url is None:
+        return None
+    newest = next((r for r in rows if r.newest), None)
+    failed = [e for e in events if e.get("event") in ("mirror_failed", "mirror_behind")]
+    out: dict[str, Any] = {"url": url, "newest_local": newest.step if newest else None, "newest_in_bucket": None,
+                           "uploads_in_flight": None, "last_error": failed[-1].get("error") if failed else None,
+                           "behind": None, "error": None}
+    try:
+        from ..errors import CheckpointError, ConfigError
+        from ..mirror import remote
+        from ..mirror.s3 import client, parse_s3_url
+        from ..mirror.settings import MirrorSettings
+
+        settings = MirrorSettings.from_env()
+        loc = parse_s3_url(url)
+        s3 = client(settings)
+        steps = remote.scan(s3, loc)
+        latest = remote.find_latest(s3, loc, steps=steps)
+    except (CheckpointError, ConfigError, OSError) as exc:
+        out["error"] = str(exc)[:500]
+        warnings.append(f"could not ask the mirror {url} how far behind it is: {out['error']}")
+        return out
+    out["newest_in_bucket"] = latest.step if latest else None
+    out["uploads_in_flight"] = sum(rs.uploading for rs in steps)
+    uploading = newest is not None and any(rs.uploading and rs.step == newest.step for rs in steps)
+    lag = bucket_lag(url, out["newest_local"], newest.age_seconds if newest else None, out["newest_in_bucket"],
+                     uploading, settings.close_deadline)
+    out["behind"] = lag is not None
+    if lag is not None and not any(url in p and "lacks" in p for p in problems):  # the log said it already
+        (problems if lag[0] == "problem" else warnings).append(lag[1])
+    return out
 
 
 def rank_view(root: Path, now: float) -> dict[str, Any] | None:

@@ -281,7 +281,7 @@ class Checkpointer:
         if behind:
             from ..mirror.hook import exit_behind
 
-            exit_behind(self.mirror)
+            exit_behind(self.mirror, self.root)
 
     def __enter__(self) -> Checkpointer:
         return self
