@@ -47,3 +47,13 @@ def test_the_validation_due_at_the_preempted_step_runs_as_it_would_have(tmp_path
     assert verdict["returncode"] == 0 and verdict["ok"] is True, (verdict["differences"][:5],
                                                                  verdict["metric_difference"], verdict["stderr"])
     assert verdict["preemptions"] == 2 and verdict["missed"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive
+def test_a_warning_on_the_epochs_last_step_with_its_validation_resumes_exactly(tmp_path) -> None:
+    """Seed 61 plans warnings at 12 and 32; step 32 ends the epoch (256 samples, batches of 8)
+    and validates: the save comes after that validation (Lightning's 'restarted on last')."""
+    verdict = run_drill(tmp_path, str(SCRIPT), 1, "--steps", "40", "--case", "early-stop", seed=61)
+    assert verdict["saved_steps"] == [12, 32], verdict["saved_steps"]
+    assert verdict["returncode"] == 0 and verdict["ok"] is True, (verdict["differences"][:5], verdict["stderr"])
