@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -273,6 +274,7 @@ def drill(
     workdir: Annotated[Path, Opt(help="Where both runs keep their checkpoints: a new or empty directory, or one an earlier drill created (only its run folders are replaced).")] = Path("runs/drill"),
     ignore: Annotated[list[str] | None, Opt(help="What may differ (repeatable): a state key or a metrics= key (fnmatch pattern for metrics, e.g. '*_runtime'), one RNG stream (rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda) or all of them (rng). (default: none)")] = None,
     json_out: Annotated[bool, Opt("--json", help="Print the verdict as JSON.")] = False,
+    mirror: Annotated[str | None, Opt(metavar="s3://BUCKET/PREFIX", help="Also exercise the mirror: both runs copy their steps to a new scratch prefix BUCKET/slurmresume-drill/<id>/ (never PREFIX itself, which is left as it is), and the preempted run's last step must be there, verified. (default: no mirror)")] = None,
 ) -> None:
     """Prove that TRAIN_SCRIPT resumes exactly, here, before spending cluster hours.
 
@@ -283,7 +285,7 @@ def drill(
     every step; exit 1 naming what differs, causes first (RNG streams, plain values and user
     objects, then the optimizer and model they feed). An RNG stream that differed between the
     runs already at their first step is reported as never seeded, not failed. Hermetic: both
-    runs live under --workdir; no configured mirror is used. Ctrl-C: exit 130, no verdict.
+    runs live under --workdir; no configured mirror is used (--mirror: a scratch prefix). Ctrl-C: exit 130, no verdict.
 
     With --hang N it injects N hangs instead, and passes only when each was detected, every rank's
     stacks were dumped, the run restarted inside the allocation, and the final checkpoint is
@@ -293,7 +295,7 @@ def drill(
     Example: slurmresume drill examples/train.py --hang 2 --nproc-per-node 2 -- --steps 40
     """
     from ..tools.compare import culprits
-    from ..tools.drill import DrillInterrupted, run_drill
+    from ..tools.drill import DrillInterrupted, run_drill, scratch_mirror
     from .render_job import print_drill, print_json
 
     if hang and preemptions:
@@ -302,17 +304,19 @@ def drill(
     spec = _spec(script, script_args, {"ckpt_dir": workdir, "nproc_per_node": nproc_per_node,
                                        "hang_timeout": hang_timeout})
     _preflight(spec, strict_script=False)
+    scratch = scratch_mirror(mirror, uuid.uuid4().hex[:12]) if mirror else None  # ConfigError on a bad URL
     # --json: stdout carries the verdict alone (`| jq` works); the runs' output goes to stderr
     try:
         with _stdout_to_stderr() if json_out else contextlib.nullcontext():
             report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,
-                               ignore_keys=tuple(ignore or ()), hangs=hang)
+                               ignore_keys=tuple(ignore or ()), hangs=hang, mirror=scratch)
     except (DrillInterrupted, KeyboardInterrupt):
         typer.echo(f"drill interrupted (Ctrl-C): no verdict; what ran so far is under {workdir}", err=True)
         raise typer.Exit(130) from None
     if json_out:
         print_json({"ok": report.ok, "steps": report.steps, "planned": report.planned,
                     "preemptions": report.preemptions, "missed": report.missed, "saved_steps": report.saved_steps,
+                    "mirror": report.mirror,
                     "hangs": report.hang_json(), "resume_problems": report.resume_problems,
                     "metric_difference": report.metric_difference and vars(report.metric_difference),
                     "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint,

@@ -48,6 +48,8 @@ def print_drill(report: Any, next_command: str = "") -> None:
         table.add_row("restarts", str(report.preemptions))
     table.add_row("reference", str(report.reference))
     table.add_row("resumed", str(report.resumed))
+    if getattr(report, "mirror", None):
+        table.add_row("mirror (scratch)", report.mirror)
     console.print(table, markup=False)
     if report.ok:
         what = "restarted after every hang and " if report.hangs_planned else ""

@@ -158,7 +158,8 @@ class SlurmResume(pl.Callback):
         self.restored_step = 0
         self._state: dict[str, Any] = {}
         self._last_step: int | None = None
-        self._unhook: tuple[Any, Any] | None = None  # the module whose hook runs our step boundary
+        self._unhook: list[tuple[Any, str, Any]] | None = None  # (module, hook, its own) wrapped by ours
+        self._deferred: int | None = None  # a step whose boundary waits for its validation
 
     # -- set-up: Lightning's handlers off, ours on, restore through Lightning's own path --------
 
@@ -193,16 +194,24 @@ class SlurmResume(pl.Callback):
     def _hook_after_module(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The step boundary runs after the LightningModule's own `on_train_batch_end`, which
         Lightning calls after every callback's (whatever their order in `callbacks=[...]`): an
-        emergency save then holds what every hook of the step did (an EMA updated there)."""
-        own = pl_module.__dict__.get("on_train_batch_end")
-        original = pl_module.on_train_batch_end
-
+        emergency save then holds what every hook of the step did (an EMA updated there). When a
+        validation is due at the step, after the module's `on_validation_end` instead (after
+        every callback's: EarlyStopping), where Lightning's own ModelCheckpoint saves: the resumed
+        run then goes on after that validation, as the uninterrupted one did."""
         def on_train_batch_end(outputs: Any, batch: Any, batch_idx: int) -> None:
-            original(outputs, batch, batch_idx)
+            train_batch_end(outputs, batch, batch_idx)
             self._step_boundary(trainer)
 
+        def on_validation_end() -> None:
+            validation_end()
+            if self._deferred is not None and not trainer.sanity_checking:
+                self._commit(trainer)
+
+        train_batch_end, validation_end = pl_module.on_train_batch_end, pl_module.on_validation_end
+        self._unhook = [(pl_module, name, pl_module.__dict__.get(name))
+                        for name in ("on_train_batch_end", "on_validation_end")]
         pl_module.on_train_batch_end = on_train_batch_end  # type: ignore[method-assign]
-        self._unhook = (pl_module, own)
+        pl_module.on_validation_end = on_validation_end  # type: ignore[method-assign]
 
     def _step_boundary(self, trainer: pl.Trainer) -> None:
         for loader in _resumable_loaders(trainer):
@@ -211,11 +220,29 @@ class SlurmResume(pl.Callback):
         if self.ckpt is None or step == self._last_step:
             return  # gradient accumulation: only an optimizer step is a step boundary
         self._last_step = step
+        self._deferred = step
+        if not _validation_due(trainer):
+            self._commit(trainer)
+
+    def _commit(self, trainer: pl.Trainer) -> None:
+        """The step boundary of the step `_deferred` names (saves on the warning)."""
+        step, self._deferred = self._deferred, None
+        if self.ckpt is None or step is None:
+            return
         self.ckpt.step(step, self._state, metrics=_metrics(trainer))
         if self.final_save and _is_last_step(trainer):
             self.ckpt.save(step, self._state, metrics=_metrics(trainer), reason="final")
 
+    # a validation that was due but did not run (skipped): the boundary comes at the next hook
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._commit(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._commit(trainer)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._commit(trainer)
         # Stopped another way (early stopping, time limit): still leave the final state.
         if self.ckpt is not None and self.final_save and self.ckpt.last_saved_step != trainer.global_step:
             self.ckpt.save(trainer.global_step, self._state, metrics=_metrics(trainer), reason="final")
@@ -256,12 +283,12 @@ class SlurmResume(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._busy_end()
         if stage == "fit" and self._unhook is not None:
-            module, own = self._unhook
+            for module, name, own in self._unhook:
+                if own is None:
+                    module.__dict__.pop(name, None)
+                else:
+                    setattr(module, name, own)
             self._unhook = None
-            if own is None:
-                del module.on_train_batch_end
-            else:
-                module.on_train_batch_end = own
         if stage == "fit" and self.ckpt is not None:
             self.ckpt.close()
             self.ckpt = None
@@ -301,6 +328,20 @@ def _resumable_loaders(trainer: pl.Trainer) -> Iterator[ResumableDataLoader]:
     for loader in combined.flattened if combined is not None else ():
         if isinstance(loader, ResumableDataLoader):
             yield loader
+
+
+def _validation_due(trainer: pl.Trainer) -> bool:
+    """Lightning's own test, asked at the step's end: will it validate before the next batch?"""
+    loop = trainer.fit_loop.epoch_loop
+    if getattr(loop, "_skip_next_val", False) or not trainer.enable_validation:
+        return False
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None:
+        return False
+    try:
+        return bool(loop._should_check_val_fx(fetcher))
+    except Exception:  # another Lightning's internals: the boundary comes at once, as before
+        return False
 
 
 def _is_last_step(trainer: pl.Trainer) -> bool:

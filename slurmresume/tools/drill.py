@@ -74,6 +74,7 @@ class DrillReport:
     metric_difference: MetricDifference | None = None  # the first step + key whose metrics= differ
     workdir: Path | None = None  # where both runs are (PASS says so, with the next command)
     world: int = 1
+    mirror: str | None = None  # drill --mirror: the scratch prefix both runs mirrored to
 
     @property
     def missed(self) -> int:
@@ -119,10 +120,23 @@ def pick_hangs(total: int, n: int, seed: int, world: int, warmup: int) -> list[t
     return out
 
 
+SCRATCH_PREFIX = "slurmresume-drill"
+
+
+def scratch_mirror(url: str, token: str) -> str:
+    """drill --mirror s3://BUCKET/PREFIX: the runs mirror to a scratch prefix in the same bucket,
+    beside PREFIX and never under it (PREFIX may be a real run's: it must stay byte-for-byte)."""
+    from ..mirror.s3 import parse_s3_url
+
+    return f"s3://{parse_s3_url(url).bucket}/{SCRATCH_PREFIX}/{token}"
+
+
 def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
-              ignore_keys: tuple[str, ...] = (), hangs: int = 0) -> DrillReport:
+              ignore_keys: tuple[str, ...] = (), hangs: int = 0, mirror: str | None = None) -> DrillReport:
     """Both runs under `workdir` (see `prepare_workdir`), and nowhere else: no mirror (a script
-    that passes its own `Checkpointer(mirror=...)` still uses it). Raises CheckpointError when a run
+    that passes its own `Checkpointer(mirror=...)` still uses it) unless `mirror` names a scratch
+    prefix (see `scratch_mirror`): then each run mirrors to its own folder under it, and the
+    preempted run's final step must be on the bucket. Raises CheckpointError when a run
     leaves no final checkpoint (the script must save at its end). `hangs` > 0: a hang drill
     (no warnings): each planned hang must be detected, dumped and restarted in the allocation."""
     prepare_workdir(workdir)
@@ -132,9 +146,10 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     # ([tool.slurmresume], slurmresume.toml) or of $SLURMRESUME_MIRROR is the real run's, never the drill's
     spec = replace(spec, mirror=None)
     first = {ENV_DRILL_FIRST_SAVE: "1", ENV_MIRROR: ""}
+    ref_mirror, drill_mirror = (f"{mirror}/{name}" if mirror else None for name in RUN_DIRS)
     if hangs and spec.hang_budgets == HangBudgets():
         spec = replace(spec, hang_budgets=DRILL_BUDGETS)
-    _run(replace(spec, ckpt_dir=ref_root, max_requeues=preemptions + 2, max_failures=0),
+    _run(replace(spec, ckpt_dir=ref_root, max_requeues=preemptions + 2, max_failures=0, mirror=ref_mirror),
          {**first, ENV_DRILL_RECORD: str(ref_rec)})
     ref = find_latest(ref_root, warn=False)
     if ref is None:
@@ -152,7 +167,7 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
         env[ENV_DRILL_HANG] = ",".join(f"{r}:{s}" for r, s in hang_plan)
     try:
         _run(replace(spec, ckpt_dir=drill_root, max_requeues=preemptions + 2, max_failures=0,
-                     max_hangs=len(hang_plan) + 1), env)
+                     max_hangs=len(hang_plan) + 1, mirror=drill_mirror), env)
     except SystemExit as exc:
         if not hang_plan:
             raise
@@ -168,7 +183,9 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     restarts = sum(1 for e in events if e["event"] == "requeued")
     world = spec.procs * spec.nodes
     report = DrillReport(ref.step, planned, restarts, saved, ref.path, final.path, hangs_planned=hang_plan,
-                         workdir=workdir, world=world)
+                         workdir=workdir, world=world, mirror=mirror)
+    if drill_mirror:
+        report.resume_problems += _mirror_problems(drill_mirror, final.step)
     if hang_plan:
         _check_hangs(report, drill_root, world)
     report.resume_problems = resumption_problems(run_facts(drill_root, drill_rec))
@@ -184,6 +201,18 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     explain(report.differences, unseeded={d.key for d in at_first if d.cause == "rng"},
             first={d.top for d in at_first if d.cause != "rng"}, world=world)
     return report
+
+
+def _mirror_problems(url: str, step: int) -> list[str]:
+    """The preempted run's last step must have reached its mirror, complete and verified."""
+    from ..mirror import parse_s3_url, remote
+    from ..mirror.s3 import client
+
+    newest = remote.find_latest(client(), parse_s3_url(url), verify=True)
+    if newest is None or newest.step != step or not newest.verified:
+        found = "nothing complete" if newest is None else f"step {newest.step}"
+        return [f"the mirror {url} holds {found}, not the run's last step {step} verified"]
+    return []
 
 
 class DrillInterrupted(Exception):

@@ -5,6 +5,9 @@
     module-ema    an EMA of the weights updated in LightningModule.on_train_batch_end (Lightning
                   runs the module's hook after every callback's)
     callback-ema  the same EMA kept by a callback listed after SlurmResume in callbacks=[...]
+    early-stop    validation every 4 steps and an EarlyStopping that never sees an improvement
+                  (its wait_count grows at each validation); the validation due at the preempted
+                  step must run, in the uninterrupted and the preempted run alike
 
 Either way the emergency save must hold the saved step's EMA update: one update short per
 preemption otherwise, and the final EMA differs from the uninterrupted run's.
@@ -27,6 +30,7 @@ args = p.parse_args()
 pl.seed_everything(0, verbose=False)
 g = torch.Generator().manual_seed(0)
 dataset = TensorDataset(torch.randn(256, 8, generator=g), torch.randn(256, 1, generator=g))
+valset = TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g))
 
 
 def ema_update(ema: torch.Tensor, weight: torch.Tensor) -> None:
@@ -48,6 +52,13 @@ class Net(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         if args.case == "module-ema":
             ema_update(self.ema, torch.cat([self.lin.weight.flatten(), self.lin.bias]))
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.lin(x), y), sync_dist=True)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(valset, batch_size=16)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -73,8 +84,13 @@ class EMACallback(pl.Callback):
 callbacks: list[pl.Callback] = [SlurmResume()]
 if args.case == "callback-ema":
     callbacks.append(EMACallback())  # after ours
+validate = args.case == "early-stop"
+if validate:
+    callbacks.append(pl.callbacks.EarlyStopping(monitor="val_loss", min_delta=10.0, patience=1000))
 distributed = "WORLD_SIZE" in os.environ
 trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                      strategy="ddp" if distributed else "auto", callbacks=callbacks, enable_checkpointing=False,
-                     logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True)
+                     logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+                     val_check_interval=4 if validate else None, limit_val_batches=None if validate else 0,
+                     num_sanity_val_steps=0)
 trainer.fit(Net())
