@@ -74,7 +74,7 @@ def find(root: Path) -> list[Leftover]:
             dirs = [Path(e.path) for e in it if e.name.startswith(PREFIXES) and e.is_dir(follow_symlinks=False)]
     except OSError:
         return []
-    return [Leftover(d.name, _last_activity(d), writer_dead(d)) for d in dirs]
+    return [Leftover(d.name, last_activity(d), writer_dead(d)) for d in dirs]
 
 
 def clean(root: Path, young_s: float, now: float | None = None) -> list[str]:
@@ -102,7 +102,8 @@ def listing(root: Path) -> list[tuple[str, int]]:
     return sorted(out)
 
 
-def _last_activity(path: Path) -> float:
+def last_activity(path: Path) -> float:
+    """The newest mtime of `path` and its entries; now when unreadable (fresh, never old)."""
     try:
         newest = path.lstat().st_mtime
         with os.scandir(path) as it:

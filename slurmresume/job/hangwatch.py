@@ -259,7 +259,7 @@ def _saving_bytes(root: Path) -> int:
     """Bytes of every file in the root's saves in progress (layout.saving_dirs) and pulls from the
     mirror in progress (`.mirror-download.*`, the restore's download), one level deep."""
     from ..checkpoint.layout import saving_dirs
-    from ..mirror.transfer import DOWNLOAD_PREFIX
+    from ..checkpoint.leftovers import DOWNLOAD_PREFIX
 
     try:
         pulls = [Path(e.path) for e in os.scandir(root) if e.name.startswith(DOWNLOAD_PREFIX)]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.layout import MARKER, parse_step_dir
+from ..checkpoint.leftovers import last_activity
 from .commit import ATTEMPT_PREFIX
 from .s3 import S3Location, call, list_objects
 from .transfer import DOWNLOAD_PREFIX
@@ -98,11 +99,7 @@ def remove_partial_downloads(root: Path, now: float, older_than: float) -> list[
     except OSError:
         return []
     for path in entries:
-        try:
-            newest = max([path.lstat().st_mtime] + [f.lstat().st_mtime for f in path.iterdir()])
-        except OSError:
-            continue
-        if now - newest > older_than and path.is_dir() and not path.is_symlink():
+        if now - last_activity(path) > older_than and path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
             if not os.path.lexists(path):
                 removed.append(path.name)
