@@ -6,14 +6,28 @@ Switches the cluster to two nodes for this module and back to one afterwards."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from slurmresume.checkpoint.store import find_latest
+from slurmresume.tools.compare import compare_checkpoints
 
-from .test_slurm_e2e import REPO, count, events, final_state, job_log, preempt_at, submit
+from .test_slurm_e2e import (
+    REPO,
+    count,
+    events,
+    final_state,
+    job_log,
+    preempt_at,
+    sacct_states,
+    submit,
+    wait,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -53,3 +67,154 @@ def test_two_nodes_preempt_once(two_nodes: None, tmp_path: Path) -> None:
     nodes_started = {e.get("node") for e in events(root) if e["event"] == "started"}
     assert nodes_started == {0, 1}
     assert find_latest(root, warn=False).step == 60
+
+
+HANG_TRAIN = REPO / "tests" / "helpers" / "hang_train.py"
+
+
+def _submit_env(root: Path, script: Path, args: list[str], script_args: list[str], **env: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "slurmresume", "submit", str(script), "--ckpt-dir", str(root),
+                          "--json", *args, "--", *script_args], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["job_id"]
+
+
+def _late_node_0(tmp_path: Path, seconds: float) -> Path:
+    """A `--python` that starts node 0's launcher (submitit's process) `seconds` late: node 1's
+    torchrun agent then has the lower pid and, both emulated nodes having one address, c10d gives
+    it ranks 0-1: the rendezvous order is the reverse of the Slurm order."""
+    wrapper = tmp_path / "python-node0-late"
+    wrapper.write_text("#!/bin/sh\ncase \"$*\" in *submitit.core._submit*)\n"
+                       f"  [ \"$SLURM_NODEID\" = 0 ] && sleep {seconds};;\nesac\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def _where(piddir: Path, run_id: str) -> dict[int, tuple[int, int]]:
+    """Global rank -> (SLURM_NODEID, LOCAL_RANK), as each rank of that run wrote it."""
+    out = {}
+    for p in piddir.glob(f"where-{run_id}-*"):
+        f = dict(kv.split("=") for kv in p.read_text().split())
+        out[int(f["RANK"])] = (int(f["SLURM_NODEID"]), int(f["LOCAL_RANK"]))
+    return out
+
+
+@pytest.mark.slurm_exclusive
+def test_two_nodes_a_hang_on_slurm_node_1_is_caught_and_restarted_in_the_allocation(two_nodes: None,
+                                                                                     tmp_path: Path) -> None:
+    """2 nodes x 2 ranks, the rendezvous order forced to the reverse of the Slurm order; the rank with
+    LOCAL_RANK 1 on SLURM_NODEID 1 stops before step 12's collective. The watch (step budget 4 s via
+    --hang-timeout) catches it within budget + 1 s, every rank's stacks are dumped, the run restarts
+    inside the allocation (no requeue) and the job completes."""
+    began = time.monotonic()
+    root, piddir = tmp_path / "ckpt", tmp_path / "pids"
+    job = _submit_env(root, HANG_TRAIN, ["--nodes", "2", "--shared-root", "--nproc-per-node", "2", "--time", "10",
+                                         "--python", str(_late_node_0(tmp_path, 4)), "--hang-timeout", "4",
+                                         "--hang-startup", "60", "--max-hangs", "1"],
+                      ["24", "0.05", "-1", "1", "0", "5"], HANG_ON="1:1:12", PIDDIR=str(piddir))
+    assert final_state(job, timeout=300) == "COMPLETED", job_log(root, job)
+    where = _where(piddir, f"slurm-{job}.0.0")
+    print(f"\nrun 0: rank -> (SLURM_NODEID, LOCAL_RANK) {where}; "
+          f"the restart: {_where(piddir, f'slurm-{job}.0.1')}")
+    assert sorted(where) == [0, 1, 2, 3], where
+    assert where[0][0] == 1, f"the rendezvous order was not reversed: {where}"
+    ev = events(root)
+    hangs = [e for e in ev if e["event"] == "hang"]
+    assert hangs, job_log(root, job)
+    for h in hangs:
+        print(f"hang: node {h.get('host')} ranks {h['ranks']} step {h['step']} budget {h['budget_s']} s "
+              f"detected {h['detect_latency_s']} s after the last heartbeat")
+        assert h["phase"] == "step" and h["step"] == 11, hangs
+        assert h["detect_latency_s"] <= h["budget_s"] + 1.0, h
+    hung = [r for r, (node, local) in where.items() if (node, local) == (1, 1)]
+    assert any(set(hung) <= set(h["ranks"]) for h in hangs), (hung, hangs)
+    dumped = {p.name for h in hangs for p in Path(h["dump_dir"]).iterdir()}
+    assert dumped == {f"rank-{r}.txt" for r in range(4)}, dumped
+    assert [e["cause"] for e in ev if e["event"] == "resumed"] == ["hang"] * 2  # once per node
+    assert not any(e["event"] == "requeued" for e in ev)
+    assert len(sacct_states(job)) == 1  # one Slurm run: the restart happened inside the allocation
+    assert any(e["event"] == "finished" and e["step"] == 24 for e in ev)
+    print(f"wall time {time.monotonic() - began:.1f} s")
+
+
+EXAMPLE = REPO / "examples" / "train.py"
+EXAMPLE_STEPS = ("--steps", "30", "--save-every", "5")
+
+
+def _node_ranks(root: Path, job: str) -> dict[int, list[int]]:
+    """SLURM_NODEID -> the global ranks its launcher's hang watch watched in its last run (the
+    launcher learns them from its agent's children: the rendezvous order, not the Slurm order)."""
+    return {n: sorted(int(r) for r in json.loads((root / ".runs" / f"slurm-{job}.node-{n}.ranks.json").read_text())
+                      ["ranks"]) for n in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_2x2(two_nodes: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, float]:
+    """examples/train.py, 2 nodes x 2 ranks, never interrupted, the rendezvous order reversed, the
+    start-up budget shortened to 60 s and 2 s of sleep per step, so that the run lives past it:
+    (root, job id, seconds from the first launcher's start to the finish)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    root = tmp / "run"
+    job = _submit_env(root, EXAMPLE, ["--nodes", "2", "--shared-root", "--nproc-per-node", "2", "--time", "10",
+                                      "--python", str(_late_node_0(tmp, 4)), "--hang-startup", "60"],
+                      [*EXAMPLE_STEPS, "--step-sleep", "2"])
+    assert final_state(job, timeout=400) == "COMPLETED", job_log(root, job)
+    ev = events(root)
+    started = min(e["time"] for e in ev if e["event"] == "started")
+    finished = max(e["time"] for e in ev if e["event"] == "finished")
+    return root, job, finished - started
+
+
+@pytest.mark.slurm_exclusive
+def test_two_nodes_example_lives_past_a_60s_start_up_budget_with_no_hang(
+        uninterrupted_2x2: tuple[Path, str, float]) -> None:
+    """#26: a healthy 2 x 2 run whose nodes rendezvous in the reverse of their Slurm order is never
+    taken for hung (the old watch took the other node's ranks for silent ones and killed the job
+    once the start-up budget ran out)."""
+    root, job, lived = uninterrupted_2x2
+    ranks = _node_ranks(root, job)
+    print(f"\nSLURM_NODEID -> ranks: {ranks}; the run lived {lived:.1f} s under a 60 s start-up budget")
+    assert ranks == {0: [2, 3], 1: [0, 1]}, f"the rendezvous order was not reversed: {ranks}"
+    assert lived > 65, lived
+    ev = events(root)
+    assert [e for e in ev if e["event"] in ("hang", "held", "failed", "gave_up", "requeued")] == []
+    assert count(root, "started") == 2  # one run per node, never restarted
+    for n in (0, 1):  # each watch saw its own ranks to the end (not "unknown")
+        summary = json.loads((root / ".runs" / f"slurm-{job}.node-{n}.ranks.json").read_text())
+        assert summary["watched"] and {r["step"] for r in summary["ranks"].values()} == {30}, summary
+    assert find_latest(root, warn=False).step == 30
+
+
+@pytest.mark.slurm_exclusive
+def test_two_nodes_example_preempted_twice_by_high_partition_ends_bitwise_equal(
+        uninterrupted_2x2: tuple[Path, str, float], tmp_path: Path) -> None:
+    """#28: examples/train.py (DDP, no DDPBuckets line) on 2 nodes x 2 ranks, preempted twice by a
+    `high` job, ends bitwise equal to the uninterrupted 2 x 2 run (DDP's bucket layout at 4 ranks)."""
+    began = time.monotonic()
+    root = tmp_path / "run"
+    job = submit(root, "--partition", "low", "--sbatch", "exclusive", "--nodes", "2", "--shared-root",
+                 "--nproc-per-node", "2", "--time", "10", script=EXAMPLE,
+                 script_args=(*EXAMPLE_STEPS, "--step-sleep", "0.3"))
+    for restart, past in ((0, 5), (1, 15)):
+        run = f"slurm-{job}.{restart}."
+        wait(lambda past=past, run=run: any(e["event"] == "save_committed" and e["step"] >= past
+                                            and str(e.get("run_id", "")).startswith(run) for e in events(root)),
+             240, f"run {restart} to commit step {past}\n{job_log(root, job)}")
+        high = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "2", "-t", "2",
+                               "-o", "/dev/null", "--wrap", "sleep 3"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        assert final_state(high, timeout=240) == "COMPLETED"
+    assert final_state(job, timeout=400) == "COMPLETED", job_log(root, job)
+    print(f"\nSLURM_NODEID -> ranks (last run): {_node_ranks(root, job)}")
+    ev = events(root)
+    saved = [e["step"] for e in ev if e["event"] == "exit_after_save" and e.get("kind") == "preempt"]
+    assert len(saved) == 2, ev
+    assert sorted({e["restart"] for e in ev if e["event"] == "started"}) == [0, 1, 2]
+    assert [e for e in ev if e["event"] in ("hang", "failed", "gave_up")] == []
+    final = find_latest(root, warn=False)
+    assert final is not None and final.step == 30
+    reference = find_latest(uninterrupted_2x2[0], warn=False)
+    assert reference is not None and reference.step == 30
+    assert compare_checkpoints(reference.path, final.path) == []
+    print(f"preempted at steps {saved}; wall time {time.monotonic() - began:.1f} s")

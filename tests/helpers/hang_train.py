@@ -7,6 +7,10 @@ save). Writes $PIDDIR/rank<R>.pid and progress<R> like sig_train.py.
 $EVALS="10:6:wrap,20:6:bare,30:6:wrap=40": after those steps (first run only) every rank
 "evaluates" for that many seconds, inside `ckpt.busy("eval")` (wrap; wrap=S: budget_s=S) or not.
 $CSTUCK="1:25": rank 1 blocks in a C call (libc sleep through ctypes) after step 25, first run only.
+$HANG_ON="1:1:12": the rank with SLURM_NODEID 1 and LOCAL_RANK 1 stops before step 12's
+collective (first run only), whatever global rank the rendezvous gave it.
+Each rank prints "where: RANK=r LOCAL_RANK=l SLURM_NODEID=n" and writes it to
+$PIDDIR/where-<run id>-<R> (the run id from the launcher; "bare" when run without it).
 $THROTTLE_MBPS=1: a throttled writer (a slow parallel file system): every shard is fed to its
 writer at about that many MB/s, and the state carries 4 MB more, so each save takes ~4 s while
 its file visibly grows.
@@ -63,6 +67,9 @@ def main() -> None:
     piddir = Path(os.environ["PIDDIR"])
     piddir.mkdir(parents=True, exist_ok=True)
     (piddir / f"rank{rank}.pid").write_text(str(os.getpid()))
+    where = f"RANK={rank} LOCAL_RANK={os.environ.get('LOCAL_RANK', 0)} SLURM_NODEID={os.environ.get('SLURM_NODEID', 0)}"
+    print(f"where: {where}", flush=True)
+    (piddir / f"where-{os.environ.get('SLURMRESUME_RUN_ID', 'bare')}-{rank}").write_text(where)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     ckpt = slurmresume.Checkpointer(save_every=save_every)
@@ -75,7 +82,12 @@ def main() -> None:
     stuck = tuple(int(x) for x in os.environ["CSTUCK"].split(":")) if os.environ.get("CSTUCK") else None
     evals = {int(a): (float(b), c) for a, b, c in
              (item.split(":") for item in os.environ.get("EVALS", "").split(",") if item)}
+    hang_on = tuple(int(x) for x in os.environ["HANG_ON"].split(":")) if os.environ.get("HANG_ON") else None
+    here = (int(os.environ.get("SLURM_NODEID", 0)), int(os.environ.get("LOCAL_RANK", 0)))
     while step < steps:
+        if first_run and hang_on is not None and hang_on == (*here, step + 1):
+            while True:  # stopped before this step's collective; the peers wait in it
+                time.sleep(3600)
         x = torch.randn(4, 8)
         model(x).square().mean().backward()
         if dist.is_initialized():
