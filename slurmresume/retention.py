@@ -239,7 +239,7 @@ def _record(root: Path, step: int, name: str) -> CheckpointRecord:
     record = record_from_info(inspect_dir(step, root / name))
     if name.startswith(SAVING_PREFIX) and record.complete:
         # marker written, not yet published: its note (kept in the record) still protects it
-        record = replace(record, complete=False, mtime=_last_activity(root / name))
+        record = replace(record, complete=False, mtime=abandoned.last_activity(root / name))
     return record
 
 
@@ -256,23 +256,8 @@ def record_from_info(info: CheckpointInfo) -> CheckpointRecord:
             metrics = None
         return CheckpointRecord(info.step, info.path.name, True, True, busy, info.mtime, metrics)
     unreadable = info.unreadable or (info.problem or "").startswith(UNREADABLE)
-    return CheckpointRecord(info.step, info.path.name, False, info.has_marker, busy, _last_activity(info.path),
+    return CheckpointRecord(info.step, info.path.name, False, info.has_marker, busy, abandoned.last_activity(info.path),
                             unreadable=unreadable)
-
-
-def _last_activity(path: Path) -> float:
-    try:
-        newest = path.lstat().st_mtime
-    except OSError:
-        return time.time()  # vanished or unreadable: treat as fresh, never as old
-    if path.is_dir() and not path.is_symlink():
-        try:
-            with os.scandir(path) as it:
-                for e in it:
-                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
-        except OSError:
-            return time.time()
-    return newest
 
 
 def _writer_may_run(note: Path) -> bool:

@@ -72,3 +72,19 @@ def test_the_next_save_and_prune_remove_what_dead_writers_left_status_lists_the_
     finally:
         live.kill()
         live.wait()
+
+
+def test_last_activity_of_a_file_or_a_link_is_its_own_mtime(tmp_path) -> None:
+    """Retention asks it of every entry, files and links too (a link's target is never read)."""
+    f = tmp_path / "step_000000001"
+    f.write_bytes(b"not a directory")
+    os.utime(f, (OLD, OLD))
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "fresh").write_bytes(b"x")
+    link = tmp_path / "step_000000002"
+    link.symlink_to(target)
+    os.utime(link, (OLD, OLD), follow_symlinks=False)
+    assert leftovers.last_activity(f) == OLD
+    assert leftovers.last_activity(link) == OLD
+    assert leftovers.last_activity(tmp_path / "gone") >= time.time() - 5  # vanished: fresh, never old

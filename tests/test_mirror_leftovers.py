@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +14,8 @@ from helpers.core import tiny_state
 from helpers.objstore import s3, unique_url  # noqa: F401 - s3 is a fixture
 
 from slurmresume import Checkpointer
-from slurmresume.checkpoint.layout import step_dir_name
+from slurmresume.checkpoint.layout import INPROGRESS, step_dir_name
+from slurmresume.checkpoint.leftovers import note
 from slurmresume.mirror import parse_s3_url, remote
 from slurmresume.mirror.leftovers import (
     ABANDONED_AFTER_S,
@@ -22,6 +25,7 @@ from slurmresume.mirror.leftovers import (
     remove_abandoned,
     remove_partial_downloads,
 )
+from slurmresume.retention import DEFAULT_YOUNG_THRESHOLD
 
 A, B = "attempt-" + "a" * 32, "attempt-" + "b" * 32
 
@@ -64,28 +68,57 @@ def test_abandoned_uploads_and_folders_on_the_bucket_are_removed_only_when_old(s
     assert info is not None and info.step == 5 and info.verified
 
 
-def test_a_partial_download_directory_is_removed_by_the_next_pull(s3, tmp_path: Path) -> None:
+def _partial(root: Path, name: str, *, pid: int | None, mtime: float) -> Path:
+    """A download folder as a pull leaves it: a shard written so far, and (unless `pid` is
+    None) the `.inprogress` note naming the pulling process."""
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "rank-00000-of-00001.safetensors").write_bytes(b"x" * 100)
+    if pid is not None:
+        (d / INPROGRESS).write_bytes(note(pid))
+    for p in (*d.iterdir(), d):
+        os.utime(p, (mtime, mtime))
+    return d
+
+
+def test_the_next_pull_removes_a_dead_pulls_folder_and_keeps_a_live_or_unproven_one(s3, tmp_path: Path) -> None:
+    """One rule for every leftover folder (DESIGN section 8): removed only when its writer is
+    provably dead and it has been idle; a live pull's folder is kept however old its files."""
     url = unique_url()
     src, root = tmp_path / "src", tmp_path / "root"
     ckpt = Checkpointer(src, handle_signals=False, mirror=url)
     ckpt.save(2, tiny_state(2))
     ckpt.close()
-    root.mkdir()
-    dead = root / f".mirror-download.{step_dir_name(2)}.4242.deadbeef"
-    live = root / f".mirror-download.{step_dir_name(2)}.4343.feedface"
-    for d in (dead, live):
-        d.mkdir()
-        (d / "rank-00000-of-00001.safetensors").write_bytes(b"x" * 100)
-    old = time.time() - 3600
-    for p in (dead / "rank-00000-of-00001.safetensors", dead):
-        os.utime(p, (old, old))
-    assert remove_partial_downloads(root, time.time(), 600) == [dead.name]
-    dead.mkdir()
-    os.utime(dead, (old, old))
-    ckpt = Checkpointer(root, handle_signals=False, mirror=url)
-    assert ckpt.restore(tiny_state(0)) == 2
-    ckpt.close()
-    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".mirror")) == [live.name]
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    pulling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        old = time.time() - 3600
+        dead = _partial(root, f".mirror-download.{step_dir_name(2)}.{exited.pid}.deadbeef", pid=exited.pid, mtime=old)
+        live = _partial(root, f".mirror-download.{step_dir_name(2)}.{pulling.pid}.feedface", pid=pulling.pid, mtime=old)
+        unproven = _partial(root, f".mirror-download.{step_dir_name(2)}.1.0badf00d", pid=None, mtime=old)
+        ckpt = Checkpointer(root, handle_signals=False, mirror=url)
+        assert ckpt.restore(tiny_state(0)) == 2
+        ckpt.close()
+        assert not dead.exists()
+        assert live.exists() and (live / "rank-00000-of-00001.safetensors").read_bytes() == b"x" * 100
+        assert unproven.exists()  # no note: its writer may still run
+        pulling.kill()
+        pulling.wait()
+        assert remove_partial_downloads(root, time.time()) == [live.name]  # now provably dead
+        assert unproven.exists()
+    finally:
+        pulling.kill()
+        pulling.wait()
+
+
+def test_a_dead_pulls_folder_written_moments_ago_is_kept_until_idle(tmp_path: Path) -> None:
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()
+    d = _partial(tmp_path, f".mirror-download.{step_dir_name(3)}.{exited.pid}.abcdef01", pid=exited.pid,
+                 mtime=time.time())
+    assert remove_partial_downloads(tmp_path, time.time()) == []
+    assert remove_partial_downloads(tmp_path, time.time() + DEFAULT_YOUNG_THRESHOLD + 1) == [d.name]
 
 
 @pytest.mark.parametrize(("events", "behind", "warned"), [

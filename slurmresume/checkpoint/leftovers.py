@@ -2,7 +2,8 @@
 download's `.mirror-download.step_N.<pid>.<hex>/`. Both hold the bytes written so far (on a full
 disk, the next saves fail because of them) and nothing reads them.
 
-Removed (`clean`: by the run that owns the root before each save, and by `prune`) only when
+Removed (`clean`: by the run that owns the root before each save and before each pull from the
+mirror, and by `prune`) only when
 both hold: the writer is provably dead (its `.inprogress` note names a process on this host,
 this boot, that has exited) and nothing in it changed for `young_s` seconds. Everything else is
 kept and listed by `status` with its size (`listing`). `plan` decides; `clean` acts.
@@ -15,6 +16,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,19 +70,20 @@ def writer_dead(directory: Path) -> bool:
     return False
 
 
-def find(root: Path) -> list[Leftover]:
+def find(root: Path, prefixes: tuple[str, ...] = PREFIXES) -> list[Leftover]:
     try:
         with os.scandir(root) as it:
-            dirs = [Path(e.path) for e in it if e.name.startswith(PREFIXES) and e.is_dir(follow_symlinks=False)]
+            dirs = [Path(e.path) for e in it if e.name.startswith(prefixes) and e.is_dir(follow_symlinks=False)]
     except OSError:
         return []
     return [Leftover(d.name, last_activity(d), writer_dead(d)) for d in dirs]
 
 
-def clean(root: Path, young_s: float, now: float | None = None) -> list[str]:
-    """Remove what `plan` names; best effort (never raises). Returns the names removed."""
+def clean(root: Path, young_s: float, now: float | None = None, prefixes: tuple[str, ...] = PREFIXES) -> list[str]:
+    """Remove what `plan` names (of the directories named `prefixes`*); best effort (never
+    raises). Returns the names removed."""
     removed = []
-    for name in plan(find(Path(root)), time.time() if now is None else now, young_s):
+    for name in plan(find(Path(root), prefixes), time.time() if now is None else now, young_s):
         shutil.rmtree(Path(root) / name, ignore_errors=True)
         if not (Path(root) / name).exists():
             removed.append(name)
@@ -103,9 +106,13 @@ def listing(root: Path) -> list[tuple[str, int]]:
 
 
 def last_activity(path: Path) -> float:
-    """The newest mtime of `path` and its entries; now when unreadable (fresh, never old)."""
+    """The newest mtime of `path` and, for a directory (not a link to one), its entries; now when
+    unreadable (fresh, never old)."""
     try:
-        newest = path.lstat().st_mtime
+        st = path.lstat()
+        newest = st.st_mtime
+        if not stat.S_ISDIR(st.st_mode):
+            return newest
         with os.scandir(path) as it:
             for e in it:
                 newest = max(newest, e.stat(follow_symlinks=False).st_mtime)

@@ -204,10 +204,10 @@ class Mirror:
         checksums). None when the local root is as new. Raises CheckpointError only when the
         bucket cannot be read and the local root has nothing: starting fresh then would
         silently throw away the mirrored run."""
-        from .leftovers import PARTIAL_IDLE_S, remove_partial_downloads
+        from .leftovers import remove_partial_downloads
 
         root = Path(root)
-        for name in remove_partial_downloads(root, time.time(), PARTIAL_IDLE_S):
+        for name in remove_partial_downloads(root):
             log.info("mirror: removed %s/%s, left by a killed download", root, name)
         local = find_latest_local(root, warn=False) if root.is_dir() else None
         have = local.step if local is not None else -1

@@ -7,9 +7,12 @@ or an attempt folder last written, more than `ABANDONED_AFTER_S` ago belongs to 
 is gone (every request is bounded by the settings' timeouts, and one upload of one step does
 not take hours). A committed step's other folders are `commit.sweep`'s, at any age.
 
-Locally: a pull killed mid-download leaves a hidden `.mirror-download.*` directory; one not
-written for `PARTIAL_IDLE_S` (a live pull writes all the time, and each read is bounded by
-the read timeout) is removed before the next pull.
+Locally: a pull killed mid-download leaves a hidden `.mirror-download.*` directory. The next
+pull removes it by the rule every local leftover follows (`checkpoint.leftovers`): its
+`.inprogress` note names the pulling process, which must be provably dead (a pid on this host
+that exited), and the folder idle for the young threshold. Age alone is not evidence: a slow
+pull's folder is kept however old its files are, and so is one whose writer ran on another node
+(`status` lists it with its size).
 
 `plan_*` decide (pure, `now` given); `remove_*` act.
 """
@@ -17,15 +20,13 @@ the read timeout) is removed before the next pull.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.layout import MARKER, parse_step_dir
-from ..checkpoint.leftovers import last_activity
+from ..checkpoint.leftovers import clean
 from .commit import ATTEMPT_PREFIX
 from .s3 import S3Location, call, list_objects
 from .transfer import DOWNLOAD_PREFIX
@@ -33,7 +34,6 @@ from .transfer import DOWNLOAD_PREFIX
 log = logging.getLogger("slurmresume")
 
 ABANDONED_AFTER_S = 6 * 3600.0
-PARTIAL_IDLE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -90,17 +90,9 @@ def remove_abandoned(s3: Any, loc: S3Location, now: float, older_than: float = A
     return len(plan_uploads(uploads, now, older_than)) + len(doomed)
 
 
-def remove_partial_downloads(root: Path, now: float, older_than: float) -> list[str]:
-    """Delete `.mirror-download.*` directories under `root` not written for `older_than` seconds
-    (a pull killed mid-way); their names."""
-    removed = []
-    try:
-        entries = [p for p in Path(root).iterdir() if p.name.startswith(DOWNLOAD_PREFIX)]
-    except OSError:
-        return []
-    for path in entries:
-        if now - last_activity(path) > older_than and path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-            if not os.path.lexists(path):
-                removed.append(path.name)
-    return removed
+def remove_partial_downloads(root: Path, now: float | None = None) -> list[str]:
+    """Delete the `.mirror-download.*` directories under `root` that killed pulls left (see the
+    module docstring); their names."""
+    from ..retention import DEFAULT_YOUNG_THRESHOLD
+
+    return clean(Path(root), DEFAULT_YOUNG_THRESHOLD, now, prefixes=(DOWNLOAD_PREFIX,))

@@ -9,18 +9,20 @@ The marker is the last object written, so no reader sees the step complete befor
 whoever loses the marker race removes its own folder.
 
 Download: marker + manifest checked first, shards fetched with parallel ranged GETs into a
-hidden `.mirror-download.*` directory, every shard hashed and compared with the manifest,
-manifest and marker written durably last, then one rename makes the step visible locally.
+hidden `.mirror-download.*` directory and hashed as they arrive (download.py), every shard's
+xxh3 compared with the manifest, manifest and marker written durably last, then one rename
+makes the step visible locally.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import shutil
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,13 +40,13 @@ from ..checkpoint.manifest import (
     read_bounded,
     read_manifest,
 )
-from ..checkpoint.shard import hash_file, open_checked
+from ..checkpoint.shard import open_checked
 from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, CorruptCheckpointError
 from .commit import RemoteCommit, new_attempt, put_marker, read_remote_commit, sweep
 
 __all__ = ["RemoteCommit", "Transfer", "download_step", "put_marker", "read_remote_commit", "upload_step"]
-from .ranges import fetch_range
+from .download import fetch_shard, part_size
 from .s3 import S3Location, call, get_bounded, point
 from .settings import MirrorSettings
 
@@ -53,8 +55,7 @@ log = logging.getLogger("slurmresume")
 CHUNK = 8 << 20  # multipart part size and ranged-GET size
 CONCURRENCY = 4  # parts in flight per shard
 # Downloads stream each range through a 1 MiB buffer, so their memory does not grow with the
-# range size: larger ranges and more threads cost nothing and were faster here (fewer requests).
-DOWNLOAD_CHUNK = 16 << 20
+# range size; the part size follows the object's size (download.part_size).
 DOWNLOAD_WORKERS = 8
 DOWNLOAD_PREFIX = leftovers.DOWNLOAD_PREFIX  # one name, which checkpoint/leftovers.py cleans up
 
@@ -151,14 +152,15 @@ def read_local_marker(step_dir: Path) -> bytes | None:
         return None
 
 
-def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int = DOWNLOAD_CHUNK,
+def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int | None = None,
                   workers: int = DOWNLOAD_WORKERS, replace_if_marker: bytes | None = None,
                   settings: MirrorSettings | None = None, deadline: float | None = None) -> Transfer:
     """Copy a committed step from the bucket into `root` (created if missing). Every shard is
     checked against the manifest's xxh3 before the step becomes visible; a mismatch raises
     CorruptCheckpointError and leaves nothing behind. "present" if the step is already there.
     `replace_if_marker`: the local copy failed to load; replace it, but only with the same
-    commit (the bucket's marker has these bytes; CheckpointError otherwise)."""
+    commit (the bucket's marker has these bytes; CheckpointError otherwise). `chunk`: bytes
+    per ranged GET (default: `download.part_size` of each shard's size)."""
     started = time.perf_counter()
     root = Path(root)
     final = root / step_dir_name(step)
@@ -174,15 +176,17 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
     tmp.mkdir(mode=0o755)
     try:
         fsio.write_durable(tmp / INPROGRESS, leftovers.note(), "mirror.note")  # who: checkpoint/leftovers.py
+        settings = settings or MirrorSettings.from_env()
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slurmresume-get") as pool:
             for s in manifest.shards:
-                _fetch_shard(s3, loc, commit.key(loc, s["file"]), tmp / s["file"], s["bytes"], chunk, pool,
-                             settings or MirrorSettings.from_env(), deadline)
-        for s in manifest.shards:
-            digest = hash_file(tmp, s["file"], s["bytes"])
-            if digest != s["xxh3"]:
-                raise CorruptCheckpointError(f"s3://{loc.bucket}/{commit.key(loc, s['file'])} fails its checksum after download "
-                                             f"(xxh3 {digest}, manifest {s['xxh3']}): not restored from the mirror")
+                part = chunk or part_size(s["bytes"], workers)
+                part = -(-part // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
+                digest = fetch_shard(s3, loc, commit.key(loc, s["file"]), tmp / s["file"], s["bytes"], pool,
+                                     part=part, settings=settings, deadline=deadline)
+                if digest != s["xxh3"]:
+                    raise CorruptCheckpointError(f"s3://{loc.bucket}/{commit.key(loc, s['file'])} fails its checksum "
+                                                 f"after download (xxh3 {digest}, manifest {s['xxh3']}): not restored "
+                                                 "from the mirror")
         fsio.write_durable(tmp / MANIFEST, manifest_raw, "mirror.manifest")
         fsio.write_durable(tmp / MARKER, marker_raw, "mirror.marker")
         with root_lock(root):
@@ -197,26 +201,3 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return Transfer(step, "downloaded", manifest.total_bytes, time.perf_counter() - started)
-
-
-def _fetch_shard(s3: Any, loc: S3Location, key: str, path: Path, size: int, chunk: int,
-                 pool: ThreadPoolExecutor, settings: MirrorSettings, deadline: float | None) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        os.ftruncate(fd, size)
-        ranges = [(off, min(off + chunk, size)) for off in range(0, size, chunk)]
-        futures = [pool.submit(fetch_range, s3, loc, key, fd, a, b, settings, deadline) for a, b in ranges]
-        try:
-            for fut in futures:
-                fut.result()
-        except BaseException:
-            # The other parts stop (waiting ones) or end (running ones, bounded by their tries)
-            # before `fd` is closed: a number closed under a running part could be reused by
-            # another file, which that part would then write into.
-            for fut in futures:
-                fut.cancel()
-            wait(futures)
-            raise
-        fsio.fsync_fd(fd, "mirror.shard", path)
-    finally:
-        os.close(fd)
