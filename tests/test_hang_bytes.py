@@ -172,3 +172,30 @@ def test_status_view_shows_the_bytes_in_flight_and_the_scaled_budget(tmp_path: P
     assert "3x its bytes at the measured throughput (else 50 MB/s)" in watch.summary(time.monotonic())["budgets"]
     saver.close()
     stepper.close()
+
+
+def test_a_pull_filling_a_preallocated_shard_is_seen_moving(tmp_path: Path) -> None:
+    """A mirror pull sets each shard's full size first (ftruncate) and fills it as parts arrive:
+    its size never moves, its allocated blocks do. The watch sees the bytes arrive (the old watch
+    summed sizes only: a pull was never 'moving', and a long one was killed at the restore floor)."""
+    from slurmresume.checkpoint.leftovers import DOWNLOAD_PREFIX
+    from slurmresume.job.hangwatch import HangWatch
+
+    root, hb = tmp_path / "ckpt", tmp_path / "hb"
+    pull = root / f"{DOWNLOAD_PREFIX}step_000000005.1.abcdef12"
+    pull.mkdir(parents=True)
+    hb.mkdir()
+    fd = os.open(pull / "rank-00000-of-00001.safetensors", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.ftruncate(fd, 8 << 20)
+    beat = Beat(hb, 0)
+    beat.enter(RESTORE)
+    watch = HangWatch(hb, HangBudgets(startup_s=1.0, save_floor_s=1.0), procs=1, root=root)
+    t = time.monotonic()
+    assert watch.poll(t, [os.getpid()]) is None
+    os.pwrite(fd, os.urandom(1 << 20), 0)  # a part arrived; the size is unchanged
+    os.fsync(fd)
+    assert watch.poll(t + 1.5, [os.getpid()]) is None  # over its 1 s by its heartbeat, alive by its bytes
+    hang = watch.poll(t + 2.7, [os.getpid()])  # nothing arrived since t + 1.5
+    assert hang is not None and hang.phase == RESTORE and hang.silent_s == pytest.approx(1.2)
+    os.close(fd)
+    beat.close()

@@ -261,8 +261,9 @@ inf: never judged, e.g. done), the bytes of a save/restore/pull in progress. `no
 
 
 def _saving_bytes(root: Path) -> int:
-    """Bytes of every file in the root's saves in progress (layout.saving_dirs) and pulls from the
-    mirror in progress (`.mirror-download.*`, the restore's download), one level deep."""
+    """Bytes (size + allocated) of every file in the root's saves in progress (layout.saving_dirs)
+    and pulls from the mirror in progress (`.mirror-download.*`, the restore's download), one level
+    deep."""
     from ..checkpoint.layout import saving_dirs
     from ..checkpoint.leftovers import DOWNLOAD_PREFIX
 
@@ -274,10 +275,20 @@ def _saving_bytes(root: Path) -> int:
     for path in [p for _, p in saving_dirs(root)] + pulls:
         try:
             with os.scandir(path) as entries:
-                total += sum(_size(Path(e.path)) for e in entries if e.is_file(follow_symlinks=False))
+                total += sum(_written(Path(e.path)) for e in entries if e.is_file(follow_symlinks=False))
         except OSError:
             pass
     return total
+
+
+def _written(path: Path) -> int:
+    """Size plus allocated bytes: a pull sets each shard's full size first (ftruncate) and then
+    fills it, so only its allocated blocks show the bytes arriving."""
+    try:
+        st = path.stat()
+    except OSError:
+        return 0
+    return st.st_size + 512 * st.st_blocks
 
 
 def _size(path: Path) -> int:
