@@ -12,7 +12,8 @@ writer at about that many MB/s, and the state carries 4 MB more, so each save ta
 its file visibly grows.
 $FSYNC_PAUSE="*:5" (or "1:inf"): the first save of the first attempt, on every rank (or rank 1), sits
 that many seconds in its shard's final fsync, no byte moving (a parallel file system flushing);
-inf: it never returns. The state carries 4 MiB more, so the save has bytes to scale its budget.
+inf: it never returns. The state carries 4 MiB more (also with $BIG=1), so the save has bytes to
+scale its budget.
 """
 
 import os
@@ -89,7 +90,7 @@ def main() -> None:
         throttle(float(os.environ["THROTTLE_MBPS"]))
         state["big"] = torch.nn.Linear(1024, 1024, bias=False)  # 4 MB
     pause = os.environ.get("FSYNC_PAUSE", "").split(":")
-    if len(pause) == 2:
+    if len(pause) == 2 or os.environ.get("BIG"):
         state["big"] = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB
     step = ckpt.restore(state)
     first_run = step == 0
