@@ -199,3 +199,32 @@ def test_a_pull_filling_a_preallocated_shard_is_seen_moving(tmp_path: Path) -> N
     assert hang is not None and hang.phase == RESTORE and hang.silent_s == pytest.approx(1.2)
     os.close(fd)
     beat.close()
+
+
+def test_readme_and_submit_help_state_the_budgets_the_code_uses() -> None:
+    """README "Hang detection" and `submit --help` name the numbers HangBudgets() holds."""
+    import re
+
+    from helpers.procs import REPO
+    from typer.testing import CliRunner
+
+    from slurmresume.cli import app
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Hang detection"):]
+    section = section[:section.index("\n## ", 1)]
+    b = HangBudgets()
+    for fact in (f"| {b.startup_s:g} s | `--hang-startup`", f"{b.multiple:g} × the longest step seen + {b.floor_s:g} s",
+                 f"{b.busy_s:g} s, or `ckpt.busy(", f"{b.save_floor_s:g} s + the larger of {b.save_multiple:g} × the "
+                 "longest save", f"{b.io_factor:g} × its bytes ÷ the throughput",
+                 f"`--hang-io-rate` (default {b.io_rate_mbs:g} MB/s)", f"{b.warmup_steps} steps of a run"):
+        assert fact in section, fact
+    out = CliRunner().invoke(app, ["submit", "--help"], env={"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"}).stdout
+    flat = re.sub(r"\s*│\s*", " ", out)
+    flat = re.sub(r"\s+", " ", flat)
+    for option, default in (("--hang-startup", b.startup_s), ("--hang-busy", b.busy_s), ("--hang-save", b.save_floor_s),
+                            ("--hang-io-rate", b.io_rate_mbs)):
+        block = flat[flat.index(f"{option} "):]
+        assert f"(default: {default:g})" in block[:700], (option, block[:700])
+    assert f"{b.multiple:g}x the longest step + {b.floor_s:g} s" in flat
+    assert f"{b.io_factor:g}x the time its bytes take" in flat
