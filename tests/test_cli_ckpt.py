@@ -117,7 +117,7 @@ def test_status_watch_redraws_until_ctrl_c(tmp_path, monkeypatch):
         if len(naps) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("slurmresume.cli.render.time.sleep", sleep)
+    monkeypatch.setattr("slurmresume.cli.render_status.time.sleep", sleep)
     r = run("status", "-d", tmp_path, "--watch", "2s")
     assert r.exit_code == 0, r.output
     assert naps == [2.0, 2.0] and "checkpoints" in r.stdout

@@ -143,7 +143,9 @@ def test_dataloader_workers_survive_tree_signal(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+# spawn and forkserver both start workers by exec, with no inherited handler; forkserver runs in the
+# suite, spawn with `bash scripts/test --exhaustive` (tests/test_augment.py drills spawn workers too).
+@pytest.mark.parametrize("method", [pytest.param("spawn", marks=pytest.mark.exhaustive), "forkserver"])
 def test_every_process_gets_the_warning_with_spawned_workers(tmp_path: Path, method: str) -> None:
     """linuxproc-like delivery to the whole tree, DataLoader workers started by spawn/forkserver
     with no worker_init_fn: they start with the warning at its default action unless it is
