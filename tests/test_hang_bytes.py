@@ -228,3 +228,22 @@ def test_readme_and_submit_help_state_the_budgets_the_code_uses() -> None:
         assert f"(default: {default:g})" in block[:700], (option, block[:700])
     assert f"{b.multiple:g}x the longest step + {b.floor_s:g} s" in flat
     assert f"{b.io_factor:g}x the time its bytes take" in flat
+
+
+def test_status_screen_names_a_saving_ranks_bytes_and_budget() -> None:
+    """`status`'s rank table: a rank saving shows its bytes in flight and its budget now."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from slurmresume.cli.render_sections import hang_view
+
+    view = {"budgets": "…", "stragglers": [], "straggler_margin": 0.2, "ranks": {
+        "0": {"step": 10, "phase": SAVE, "age_s": 3.0, "moving_bytes": 4_190_000_000, "budget_s": 551.4},
+        "1": {"step": 10, "phase": "step", "age_s": 0.1, "moving_bytes": 0, "budget_s": 900.0}}}
+    console = Console(width=200, record=True, color_system=None)
+    for part in hang_view(SimpleNamespace(ranks=view, last_hang=None)):
+        console.print(part)
+    text = console.export_text()
+    assert "save (4.19 GB, budget 551.4 s)" in text
+    assert "step (" not in text
