@@ -247,3 +247,24 @@ def test_status_screen_names_a_saving_ranks_bytes_and_budget() -> None:
     text = console.export_text()
     assert "save (4.19 GB, budget 551.4 s)" in text
     assert "step (" not in text
+
+
+def test_a_pull_takes_the_slowest_logged_pull_rate_when_this_process_measured_none(tmp_path: Path) -> None:
+    """Rank 0's pull publishes the slowest of the log's recent pulls of >= 64 MiB (a requeued
+    job on the same slow link gets the budget its last pull needed), never a small one's."""
+    from slurmresume.train.heartbeat import logged_pull_rate
+
+    big = IO_MEASURE_MIN_BYTES
+    events = [{"event": "mirror_downloaded", "bytes": big, "seconds": 4.0},
+              {"event": "mirror_downloaded", "bytes": 2 * big, "seconds": 4.0},
+              {"event": "mirror_downloaded", "bytes": 1000, "seconds": 10.0},  # too small to be a rate
+              {"event": "save_committed", "bytes": big, "seconds": 100.0}]
+    assert logged_pull_rate(events) == pytest.approx(big / 4.0)
+    assert logged_pull_rate([]) == 0.0
+    beat = Beat(tmp_path, 0)
+    with phase(beat, RESTORE):
+        expect_io("pull", 8 * big, logged_pull_rate(events))
+        got = read_record(record_path(tmp_path, 0))
+    assert (got.expect_bytes, got.rate) == (8 * big, pytest.approx(big / 4.0))
+    assert budget(got, replace(B, startup_s=10))[1] == pytest.approx(300 + 3 * 8 * 4.0)  # 3 x 32 s at the logged rate
+    beat.close()

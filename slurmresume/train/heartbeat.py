@@ -39,7 +39,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ..contract import ENV_DRILL_HANG, ENV_DUMP_SIGNAL, ENV_HEARTBEAT_DIR, ENV_RUN_ID
 
@@ -146,15 +146,17 @@ class Beat:
         self._write()
         return now
 
-    def expect(self, kind: str, nbytes: int) -> None:
+    def expect(self, kind: str, nbytes: int, logged_rate: float = 0.0) -> None:
         """Inside a save or restore: `nbytes` are to be moved now (`kind`: save, restore or pull).
-        Published with the slowest throughput this process measured for `kind` (0: none), so the
-        launcher can scale the budget; also a heartbeat (the work before it is done). The
-        transfer announced before, if any, ends here and is measured."""
+        Published with the slowest throughput this process measured for `kind`, else
+        `logged_rate` (an earlier run's, from the log; 0: none), so the launcher can scale the
+        budget; also a heartbeat (the work before it is done). The transfer announced before,
+        if any, ends here and is measured."""
         now = time.monotonic()
         self._measure(now)
         self._expecting = (kind, max(int(nbytes), 0), now)
-        self.expect_bytes, self.rate, self.last = max(int(nbytes), 0), self.rates.get(kind, 0.0), now
+        rate = self.rates.get(kind) or max(logged_rate, 0.0)
+        self.expect_bytes, self.rate, self.last = max(int(nbytes), 0), rate, now
         self._write()
 
     def _measure(self, now: float) -> None:
@@ -377,8 +379,18 @@ def phase(beat: Beat | None, name: str, *, measured_save: bool = False, budget_s
 _ACTIVE: Beat | None = None  # the Beat of the phase the training thread is in (phase()), for expect_io
 
 
-def expect_io(kind: str, nbytes: int) -> None:
+def expect_io(kind: str, nbytes: int, logged_rate: float = 0.0) -> None:
     """Inside a save or restore (phase()): `nbytes` are to be moved now (`kind`: save, restore,
     pull); the rank's heartbeat publishes them (Beat.expect). A no-op when run bare."""
     if _ACTIVE is not None:
-        _ACTIVE.expect(kind, nbytes)
+        _ACTIVE.expect(kind, nbytes, logged_rate)
+
+
+def logged_pull_rate(events: list[dict[str, Any]]) -> float:
+    """The slowest of the last pulls from the mirror in the log (`mirror_downloaded`, bytes and
+    seconds, of at least IO_MEASURE_MIN_BYTES), bytes/s; 0 when none. Pure."""
+    rates = [float(e["bytes"]) / float(e["seconds"]) for e in events[-200:]
+             if e.get("event") == "mirror_downloaded" and isinstance(e.get("bytes"), (int, float))
+             and isinstance(e.get("seconds"), (int, float)) and e["bytes"] >= IO_MEASURE_MIN_BYTES
+             and e["seconds"] > 0]
+    return min(rates[-10:], default=0.0)
