@@ -31,8 +31,12 @@ _HANG_STARTUP_HELP = ("Hang watch: seconds a rank may take from creating its Che
                       f"(default: {_HB.startup_s:g})")
 _HANG_BUSY_HELP = ("Hang watch: seconds a `with ckpt.busy():` stretch (an evaluation) may take; never less than the "
                    f"step budget; ckpt.busy(budget_s=) overrides it. (default: {_HB.busy_s:g})")
-_HANG_SAVE_HELP = (f"Hang watch: a save or restore may take {_HB.save_multiple:g}x the longest save seen (this run or "
-                   f"the log's) + this many seconds. (default: {_HB.save_floor_s:g})")
+_HANG_SAVE_HELP = (f"Hang watch: a save or restore may take this many seconds + the larger of {_HB.save_multiple:g}x "
+                   f"the longest save seen (this run or the log's) and {_HB.io_factor:g}x the time its bytes take "
+                   f"(the rate: --hang-io-rate); a restore gets at least the start-up budget. (default: {_HB.save_floor_s:g})")
+_HANG_IO_RATE_HELP = ("Hang watch: the throughput (MB/s) assumed for a save, restore or mirror pull until the rank has "
+                      f"measured one of 64 MiB or more; lower it on a slow file system or bucket link. "
+                      f"(default: {_HB.io_rate_mbs:g})")
 
 Opt = typer.Option
 
@@ -133,7 +137,7 @@ SUBMIT_PANELS = {
     "Slurm": ("cpus_per_task", "mem", "qos", "constraint", "job_name", "gres", "setup", "sbatch", "python",
               "rdzv_port"),
     "Preemption and failures": ("signal_lead", "max_requeues", "max_failures"),
-    "Hang watch": ("hang_timeout", "hang_startup", "hang_busy", "hang_save", "max_hangs"),
+    "Hang watch": ("hang_timeout", "hang_startup", "hang_busy", "hang_save", "hang_io_rate", "max_hangs"),
     "Resume, ownership, mirror": ("resume_from", "branch", "discard_newer", "takeover", "mirror", "shared_root",
                                   "no_script_check"),
 }
@@ -164,6 +168,7 @@ def submit(
     hang_startup: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_STARTUP_HELP)] = None,
     hang_busy: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_BUSY_HELP)] = None,
     hang_save: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_SAVE_HELP)] = None,
+    hang_io_rate: Annotated[float | None, Opt(metavar="MB/S", help=_HANG_IO_RATE_HELP)] = None,
     max_hangs: Annotated[int | None, Opt(help="In-allocation restarts after a hang; the same hang twice in a row without a new checkpoint stops (and under Slurm holds) the job. (default: 3)")] = None,
     gres: Annotated[str | None, Opt(help="Generic resources per node, as sbatch's --gres, e.g. gpu:a100:4. (default: none)")] = None,
     setup: Annotated[list[str] | None, Opt(metavar="LINE", help="A shell line the batch script runs before the launcher (repeatable, in order), e.g. --setup 'module load cuda/12.4' --setup 'source ~/venv/bin/activate'. (default: none)")] = None,

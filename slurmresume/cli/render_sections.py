@@ -32,7 +32,10 @@ def hang_view(st: Status) -> list[RenderableType]:
         for r in order[:RANK_ROWS]:
             row = rows[r]
             note = f"straggler (> {100 * view['straggler_margin']:.0f}% slower)" if int(r) in view["stragglers"] else ""
-            table.add_row(r, str(row.get("step")), _secs(row.get("age_s")), str(row.get("phase")),
+            phase = str(row.get("phase")) + (f" ({row['moving_bytes'] / 1e9:.2f} GB, budget {row.get('budget_s')} s)"
+                                              if isinstance(row.get("moving_bytes"), int) and row["moving_bytes"] > 0
+                                              else "")
+            table.add_row(r, str(row.get("step")), _secs(row.get("age_s")), phase,
                           _secs(row.get("median_s")), _secs(row.get("p99_s")), Text(note, style="yellow"))
         out.append(table)
         if len(order) > RANK_ROWS:

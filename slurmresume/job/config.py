@@ -121,6 +121,7 @@ class JobSpec:
     hang_startup: float | None = None  # --hang-startup SECONDS: start-up and warm-up budget (None: hang_budgets')
     hang_busy: float | None = None  # --hang-busy SECONDS: ckpt.busy() budget, at least the step budget
     hang_save: float | None = None  # --hang-save SECONDS: the save/restore budget's floor
+    hang_io_rate: float | None = None  # --hang-io-rate MB/S: throughput assumed for a save/restore/pull not yet measured
     hang_budgets: HangBudgets = field(default_factory=HangBudgets)  # library/drill: every budget (the knobs win)
 
     def __post_init__(self) -> None:
@@ -138,10 +139,11 @@ class JobSpec:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         parse_hang_timeout(self.hang_timeout)  # ConfigError naming the value
-        for name in ("hang_startup", "hang_busy", "hang_save"):
+        for name in ("hang_startup", "hang_busy", "hang_save", "hang_io_rate"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {v!r}")
+                unit = "MB/s" if name == "hang_io_rate" else "seconds"
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of {unit}, got {v!r}")
         for name in ("max_requeues", "max_failures", "max_hangs"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -192,7 +194,8 @@ class JobSpec:
         return replace(b, enabled=enabled, timeout_s=seconds,
                        startup_s=b.startup_s if self.hang_startup is None else float(self.hang_startup),
                        busy_s=b.busy_s if self.hang_busy is None else float(self.hang_busy),
-                       save_floor_s=b.save_floor_s if self.hang_save is None else float(self.hang_save))
+                       save_floor_s=b.save_floor_s if self.hang_save is None else float(self.hang_save),
+                       io_rate_mbs=b.io_rate_mbs if self.hang_io_rate is None else float(self.hang_io_rate))
 
     @property
     def procs(self) -> int:

@@ -13,18 +13,31 @@ children`), remembering every (pid, start time) it has seen, so that a rank re-p
 agent died is still known. On EOF (the launcher exited or was killed) it stops every remembered
 process that is still the same process (pid and start time), walks once more for late children,
 and SIGKILLs them all. A pid reused by an unrelated process has another start time: never touched.
+
+Two windows closed in the child itself, before it execs torchrun (`Guardian.preexec`):
+- it writes its own pid into the guardian's pipe, so a launcher SIGKILLed between `Popen` and
+  `track()` still leaves the guardian knowing the agent (the child holds a copy of the write end
+  until its exec, so the guardian cannot see EOF before that pid);
+- it becomes a child subreaper (`prctl(PR_SET_CHILD_SUBREAPER)`, kept across exec): a process of
+  the tree that double-forks (a child that forks and exits within one walk) leaves its orphan to
+  the agent, not to init, so the next walk still finds it. Limit: an orphan made while the agent
+  itself is gone, or one that left through setsid and a second fork after the agent died, is
+  only Slurm's cgroup's to kill.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
 import subprocess
 import sys
-from typing import IO
+from collections.abc import Callable
+from typing import IO, Any
 
 POLL_S = 0.25
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
 def start_time(pid: int) -> int | None:
@@ -112,6 +125,16 @@ def main() -> None:
     kill_tree(known)
 
 
+def _prctl() -> Any:
+    """libc's prctl, or None off Linux/glibc (then orphans of a double fork are not kept)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
 class Guardian:
     """The launcher's handle: `track(pid)` after starting torchrun; `close()` (or the launcher's
     death) makes the guardian kill whatever of the tracked trees is still alive, then exit."""
@@ -126,6 +149,26 @@ class Guardian:
             self._stdin = self.proc.stdin
         except OSError:
             self.proc = None
+
+    def preexec(self, inner: Callable[[], None] | None = None) -> Callable[[], None]:
+        """A `preexec_fn` for the agent's Popen: `inner`, then in the child, before its exec,
+        become a child subreaper and write its own pid to the guardian (see the module doc).
+        Everything it needs is resolved here, in the parent."""
+        fd = self._stdin.fileno() if self._stdin is not None else None
+        prctl = _prctl()
+
+        def run() -> None:
+            if inner is not None:
+                inner()
+            if prctl is not None:
+                prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+            if fd is not None:
+                try:
+                    os.write(fd, b"%d\n" % os.getpid())
+                except OSError:
+                    pass
+
+        return run
 
     def track(self, pid: int) -> None:
         if self._stdin is None:

@@ -13,12 +13,20 @@ The rules (README, "Hang detection"):
               after them, --hang-timeout SECONDS: that many seconds
     busy      (`with ckpt.busy("eval"):` between steps)         the larger of busy_s (--hang-busy, 900 s)
               or `ckpt.busy(..., budget_s=)`, and the rank's step budget (never less than not wrapping)
-    save      (a synchronous or emergency save in progress)     save_multiple x longest save
-                                                                + save_floor_s (--hang-save, 5 x + 300 s),
-              counted from the later of its last heartbeat and the last time the bytes of a save in
-              progress under the root moved (a save whose files visibly grow is alive)
-    restore                                                     the save budget, at least startup_s
-The longest save is the larger of this run's and the log's recent saves (`save_cost_s`).
+    save      (a synchronous or emergency save in progress)     save_floor_s (--hang-save, 300 s) + the larger of
+                                                                save_multiple x longest save (5 x) and the bytes
+                                                                term (io_factor x bytes / throughput, 3 x)
+    restore   (a pull from the mirror included)                 the same with the bytes it reads or pulls,
+                                                                at least startup_s
+  Save and restore are counted from the later of the rank's last heartbeat and the last time the
+  bytes of a save or pull in progress under the root moved (a save whose files visibly grow is alive).
+The longest save is the larger of this run's and the log's recent saves (`save_cost_s`). The bytes
+term: the rank publishes the bytes it is about to move (its shards' sizes before a save, the
+manifest's total before a pull, its part before a restore's read) and the slowest throughput it
+measured for that kind of transfer in this process (transfers of 64 MiB or more; a pull with
+none: the slowest of the log's recent pulls, heartbeat.logged_pull_rate); with none known, io_rate_mbs (--hang-io-rate, 50 MB/s) is assumed. Ranks restoring on one node wait for
+each other (rank 0 pulls while the others wait in a collective): each gets the largest bytes term
+among them.
 """
 
 from __future__ import annotations
@@ -51,9 +59,14 @@ class HangBudgets:
     busy_s: float = 900.0  # --hang-busy: `ckpt.busy()` without budget_s (never less than the step budget)
     save_multiple: float = 5.0  # save/restore budget: save_multiple x longest save + save_floor_s
     save_floor_s: float = 300.0  # --hang-save
+    # --hang-io-rate: MB/s assumed for a save, restore or pull until this process measured one
+    # (conservative: a loaded parallel file system or a bucket over a shared link)
+    io_rate_mbs: float = 50.0
+    io_factor: float = 3.0  # the bytes term: io_factor x bytes / throughput
 
     def __post_init__(self) -> None:
-        for name in ("multiple", "floor_s", "startup_s", "busy_s", "save_multiple", "save_floor_s"):
+        for name in ("multiple", "floor_s", "startup_s", "busy_s", "save_multiple", "save_floor_s", "io_rate_mbs",
+                     "io_factor"):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ConfigError(f"hang budget {name} must be a positive number of seconds, got {value}")
@@ -66,8 +79,9 @@ class HangBudgets:
         step = f"{self.timeout_s:g} s" if self.timeout_s is not None else f"{self.multiple:g}x longest step + {self.floor_s:g} s"
         return (f"step: {step} (after {self.warmup_steps} warm-up steps: {self.startup_s:g} s); "
                 f"start-up: {self.startup_s:g} s; busy: {self.busy_s:g} s, at least the step budget; "
-                f"save: {self.save_multiple:g}x longest save + {self.save_floor_s:g} s; "
-                f"restore: the save budget, at least {self.startup_s:g} s")
+                f"save: {self.save_floor_s:g} s + the larger of {self.save_multiple:g}x longest save and "
+                f"{self.io_factor:g}x its bytes at the measured throughput (else {self.io_rate_mbs:g} MB/s); "
+                f"restore: the same with its bytes, at least {self.startup_s:g} s")
 
 
 def parse_hang_timeout(value: str) -> tuple[bool, float | None]:
@@ -95,19 +109,36 @@ def step_budget(rec: Record, b: HangBudgets) -> float:
     return b.multiple * rec.longest_step + b.floor_s
 
 
-def budget(rec: Record | None, b: HangBudgets, save_cost_s: float = 0.0) -> tuple[str, float]:
-    """(phase, seconds the rank may go without a heartbeat in it). No record: never judged (inf)."""
+def io_seconds(nbytes: int, rate: float, b: HangBudgets) -> float:
+    """The bytes term: io_factor x the time `nbytes` take at `rate` bytes/s (0: not measured, the
+    assumed io_rate_mbs instead)."""
+    if nbytes <= 0:
+        return 0.0
+    return b.io_factor * nbytes / (rate if rate > 0 else b.io_rate_mbs * 1e6)
+
+
+def restoring_io_s(records: dict[int, Record | None], b: HangBudgets) -> float:
+    """The largest bytes term among the ranks restoring (the others wait for them in a collective)."""
+    return max((io_seconds(r.expect_bytes, r.rate, b) for r in records.values()
+                if r is not None and r.phase == RESTORE), default=0.0)
+
+
+def budget(rec: Record | None, b: HangBudgets, save_cost_s: float = 0.0, peer_io_s: float = 0.0
+           ) -> tuple[str, float]:
+    """(phase, seconds the rank may go without a heartbeat in it). No record: never judged (inf).
+    `peer_io_s`: the largest bytes term among the node's restoring ranks (they wait for each other)."""
     if rec is None:
         return UNKNOWN, float("inf")
     if rec.phase == STARTUP:
         return STARTUP, b.startup_s
     if rec.phase == BUSY:
         return BUSY, max(rec.budget_s or b.busy_s, step_budget(rec, b))
-    save = b.save_multiple * max(rec.longest_save, save_cost_s) + b.save_floor_s
+    moving = io_seconds(rec.expect_bytes, rec.rate, b)
     if rec.phase == SAVE:
-        return SAVE, save
+        return SAVE, b.save_floor_s + max(b.save_multiple * max(rec.longest_save, save_cost_s), moving)
     if rec.phase == RESTORE:
-        return RESTORE, max(b.startup_s, save)
+        work = max(b.save_multiple * max(rec.longest_save, save_cost_s), moving, peer_io_s)
+        return RESTORE, max(b.startup_s, b.save_floor_s + work)
     if rec.phase == STEP:
         return STEP, step_budget(rec, b)
     return rec.phase, float("inf")  # done: the script is finishing; torchrun's exit decides
@@ -143,11 +174,12 @@ def judge(records: dict[int, Record | None], now: float, b: HangBudgets, save_co
         return None
     every: list[tuple[float, int, str, float, float]] = []
     state: dict[int, dict[str, Any]] = {}
+    peer_io_s = restoring_io_s(records, b)
     for rank, rec in sorted(records.items()):
         if rec is None or rank in unwatched:
             state[rank] = {"step": None, "phase": UNWATCHED if rank in unwatched else UNKNOWN, "age_s": None}
             continue
-        phase, allowed = budget(rec, b, save_cost_s)
+        phase, allowed = budget(rec, b, save_cost_s, peer_io_s)
         last = max(rec.time, io_at) if io_at is not None and phase in (SAVE, RESTORE) else rec.time
         silent = now - last
         state[rank] = {"step": rec.step, "phase": phase, "age_s": round(silent, 3)}

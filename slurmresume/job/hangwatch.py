@@ -30,7 +30,7 @@ from typing import Any
 
 from ..contract import RUNS_DIR
 from ..train.heartbeat import RESTORE, SAVE, SIZE, STEP, Record, scan, stacks_path
-from .hang import UNKNOWN, UNWATCHED, Hang, HangBudgets, judge, percentile
+from .hang import UNKNOWN, UNWATCHED, Hang, HangBudgets, budget, judge, percentile, restoring_io_s
 
 log = logging.getLogger("slurmresume")
 
@@ -219,19 +219,24 @@ class HangWatch:
         return out, round(time.monotonic() - began, 3)
 
     def summary(self, now: float) -> dict[str, Any]:
-        """Per rank: last step, its age, phase, step-time median and p99 (seconds). `now`:
+        """Per rank: last step, its age, phase, step-time median and p99, its budget now (seconds;
+inf: never judged, e.g. done), the bytes of a save/restore/pull in progress. `now`:
         time.monotonic(); "time" fields are wall clock, for display."""
         ranks: dict[str, Any] = {}
+        peer_io_s = restoring_io_s(self.records, self.budgets)
         for rank, rec in self.records.items():
             if rec is None or rank in self.unwatched:
                 ranks[str(rank)] = {"step": None, "phase": UNWATCHED if rank in self.unwatched else UNKNOWN,
                                     "age_s": None}
                 continue
             d = list(rec.durations)
+            allowed = budget(rec, self.budgets, self.save_cost_s, peer_io_s)[1]
             ranks[str(rank)] = {"step": rec.step, "phase": rec.phase, "age_s": round(now - rec.time, 1),
                                 "time": rec.wall, "median_s": percentile(d, 50), "p99_s": percentile(d, 99),
                                 "samples": len(d), "longest_step_s": round(rec.longest_step, 4),
-                                "longest_save_s": round(rec.longest_save, 4)}
+                                "longest_save_s": round(rec.longest_save, 4),
+                                "budget_s": round(allowed, 1) if allowed < float("inf") else None,
+                                "moving_bytes": rec.expect_bytes, "rate_bps": round(rec.rate)}
         return {"time": time.time(), "host": os.uname().nodename, "budgets": self.budgets.describe(),
                 "procs": self.procs, "watched": self.directory is not None, "ranks": ranks}
 
@@ -256,8 +261,9 @@ class HangWatch:
 
 
 def _saving_bytes(root: Path) -> int:
-    """Bytes of every file in the root's saves in progress (layout.saving_dirs) and pulls from the
-    mirror in progress (`.mirror-download.*`, the restore's download), one level deep."""
+    """Bytes (size + allocated) of every file in the root's saves in progress (layout.saving_dirs)
+    and pulls from the mirror in progress (`.mirror-download.*`, the restore's download), one level
+    deep."""
     from ..checkpoint.layout import saving_dirs
     from ..checkpoint.leftovers import DOWNLOAD_PREFIX
 
@@ -269,10 +275,20 @@ def _saving_bytes(root: Path) -> int:
     for path in [p for _, p in saving_dirs(root)] + pulls:
         try:
             with os.scandir(path) as entries:
-                total += sum(_size(Path(e.path)) for e in entries if e.is_file(follow_symlinks=False))
+                total += sum(_written(Path(e.path)) for e in entries if e.is_file(follow_symlinks=False))
         except OSError:
             pass
     return total
+
+
+def _written(path: Path) -> int:
+    """Size plus allocated bytes: a pull sets each shard's full size first (ftruncate) and then
+    fills it, so only its allocated blocks show the bytes arriving."""
+    try:
+        st = path.stat()
+    except OSError:
+        return 0
+    return st.st_size + 512 * st.st_blocks
 
 
 def _size(path: Path) -> int:

@@ -89,8 +89,8 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
     killed; the result then carries the hang. `lost()` true (the root's lease now names another
     run): the tree is killed at once, since nothing it saves may commit there any more."""
     latest_before = _latest_step(root)
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup(warn), stdout=log_file, stderr=log_file,
-                            start_new_session=True)
+    setup = guardian.preexec(_child_setup(warn)) if guardian is not None else _child_setup(warn)  # guardian.py
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=setup, stdout=log_file, stderr=log_file, start_new_session=True)
     tree = {proc.pid: start_time(proc.pid) or 0}
     if guardian is not None:
         guardian.track(proc.pid)

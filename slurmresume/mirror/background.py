@@ -54,6 +54,7 @@ class Mirror:
         self.retention = retention
         self.chunk, self.concurrency = chunk, concurrency
         self._on_event = on_event
+        self.on_pull: Callable[[int], None] | None = None  # told a pull's bytes before it starts (the hang watch)
         self._cv = threading.Condition()
         self._pending: tuple[str, Path, int] | None = None  # ("upload", root, step) | ("scan", root, -1)
         self._busy = False
@@ -232,6 +233,7 @@ class Mirror:
             if not info.complete:
                 self.unrestorable[rs.step] = info.problem or "incomplete"
                 continue
+            self._pulling(info.manifest)
             try:
                 result = download_step(self.s3, self.loc, rs.step, root, settings=self.settings, deadline=deadline)
             except CheckpointError as exc:
@@ -245,6 +247,10 @@ class Mirror:
                         bytes=result.bytes, seconds=round(result.seconds, 4))
             return result
         return None
+
+    def _pulling(self, manifest: Any) -> None:
+        if self.on_pull is not None and manifest is not None:
+            self.on_pull(int(manifest.total_bytes))
 
     def fresh_start_refusal(self, root: Path) -> str | None:
         """Rank 0, when nothing loads and the local root holds no committed step: the bucket's
@@ -308,6 +314,7 @@ class Mirror:
             raise NoCheckpointError(f"step {step} is not a complete checkpoint under {root} nor on the mirror "
                                     f"{self.loc.url} ({why}): `slurmresume status --ckpt-dir {self.loc.url}` "
                                     "lists the mirror's steps")
+        self._pulling(info.manifest)
         result = download_step(self.s3, self.loc, step, root, settings=self.settings,
                                deadline=time.monotonic() + self.settings.pull_deadline)
         log.info("mirror: step %d downloaded from %s for restore(step=%d)", step, self.loc.url, step)

@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from .claims import lost
 from .ddp import find_wrappers
 from .emergency import save_and_exit
-from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, phase
+from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, expect_io, phase
 from .options import check_options
 from .restoring import Request, restore_and_record
 from .roots import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
@@ -131,6 +131,7 @@ class Checkpointer:
             self.wait()
             started = time.perf_counter()
             payload = self._prepare_payload(step, state, metrics, meta)
+            expect_io("save", sum(t.numel() * t.element_size() for _, t in payload.tensors))  # the budget scales with it
             return self._save_now(step, payload, reason, started, None)  # blocking for all of it
 
     def save_async(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,

@@ -8,7 +8,9 @@ microseconds, far under 1% of a 50 ms step). The launcher `pread`s the files on 
 A record says: which process (pid, rank), what it is doing (phase: start-up, step, save,
 restore, busy (`ckpt.busy()`: an evaluation between steps), done), since when, the last step it
 reported and when, the longest step and save it has measured in this run, the budget a `busy`
-stretch asked for, and a ring of its last RING step durations (status: median, p99). A seq
+stretch asked for, the bytes the save, restore or mirror pull in progress has to move and the
+throughput this process measured for that kind of I/O (`expect_io`: the launcher scales the
+budget with them, hang.py), and a ring of its last RING step durations (status: median, p99). A seq
 number at both ends of the record lets a reader drop a torn read (it retries once, then reports
 nothing rather than a mix of two records).
 
@@ -37,7 +39,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ..contract import ENV_DRILL_HANG, ENV_DUMP_SIGNAL, ENV_HEARTBEAT_DIR, ENV_RUN_ID
 
@@ -45,10 +47,13 @@ STARTUP, STEP, SAVE, RESTORE, DONE, BUSY = "start-up", "step", "save", "restore"
 PHASES = (STARTUP, STEP, SAVE, RESTORE, DONE, BUSY)  # the index is what the record stores
 RING = 256
 _MAGIC = b"SRHB"
-_VERSION = 2
+_VERSION = 3
 # magic, version, seq, pid, rank, phase, steps_seen, durations written (ring index = n % RING), step, time, phase_since,
-# longest_step, longest_save, wall, budget_s (time and phase_since: monotonic; wall: time.time(), display only)
-_HEAD = struct.Struct("<4sIQiiIIIqdddddd")
+# longest_step, longest_save, wall, budget_s, expect_bytes, rate (time and phase_since: monotonic; wall: time.time(),
+# display only; rate: bytes/s, 0 when not measured)
+_HEAD = struct.Struct("<4sIQiiIIIqddddddqd")
+IO_MEASURE_MIN_BYTES = 64 << 20  # a smaller transfer's time is mostly fixed costs: not a throughput
+IO_KINDS = ("save", "restore", "pull")
 _RING = struct.Struct(f"<{RING}f")
 _TAIL = struct.Struct("<Q")
 SIZE = _HEAD.size + _RING.size + _TAIL.size
@@ -84,6 +89,8 @@ class Record:
     durations: tuple[float, ...]  # the last step durations (seconds), oldest first
     wall: float = 0.0  # time.time() of the last heartbeat: for display only, never for an age
     budget_s: float = 0.0  # the budget `ckpt.busy(..., budget_s=)` asked for (0: none)
+    expect_bytes: int = 0  # the bytes the save/restore/pull in progress has to move (0: not known)
+    rate: float = 0.0  # bytes/s this process measured for that kind of I/O (0: none measured yet)
 
 
 class Beat:
@@ -100,6 +107,9 @@ class Beat:
         self.last = time.monotonic()
         self.phase_since = self.last
         self.budget_s = 0.0
+        self.expect_bytes, self.rate = 0, 0.0  # the I/O in progress (expect_io)
+        self._expecting: tuple[str, int, float] | None = None  # (kind, bytes, since) being measured
+        self.rates: dict[str, float] = {}  # kind -> the slowest throughput measured in this process
         self.failed = False  # a write failed: the record was emptied ("not watched"), no more writes
         self.longest_step = 0.0
         self.longest_save = 0.0
@@ -132,8 +142,30 @@ class Beat:
         (monotonic) time it began. `budget_s`: what a busy stretch asked for (0: the default)."""
         now = time.monotonic()
         self.phase, self.phase_since, self.last, self.budget_s = phase, now, now, budget_s
+        self.expect_bytes, self.rate, self._expecting = 0, 0.0, None
         self._write()
         return now
+
+    def expect(self, kind: str, nbytes: int, logged_rate: float = 0.0) -> None:
+        """Inside a save or restore: `nbytes` are to be moved now (`kind`: save, restore or pull).
+        Published with the slowest throughput this process measured for `kind`, else
+        `logged_rate` (an earlier run's, from the log; 0: none), so the launcher can scale the
+        budget; also a heartbeat (the work before it is done). The transfer announced before,
+        if any, ends here and is measured."""
+        now = time.monotonic()
+        self._measure(now)
+        self._expecting = (kind, max(int(nbytes), 0), now)
+        rate = self.rates.get(kind) or max(logged_rate, 0.0)
+        self.expect_bytes, self.rate, self.last = max(int(nbytes), 0), rate, now
+        self._write()
+
+    def _measure(self, now: float) -> None:
+        if self._expecting is None:
+            return
+        kind, nbytes, since = self._expecting
+        self._expecting = None
+        if nbytes >= IO_MEASURE_MIN_BYTES and now > since:
+            self.rates[kind] = min(self.rates.get(kind, float("inf")), nbytes / (now - since))
 
     def leave(self, began: float, measured_save: bool = False) -> None:
         """Back to stepping after a save/restore (a restore returns to start-up: step() has not
@@ -141,8 +173,10 @@ class Beat:
         now = time.monotonic()
         if measured_save:
             self.longest_save = max(self.longest_save, now - began)
+        self._measure(now)
         self.phase = STEP if self.steps_seen else STARTUP
         self.phase_since, self.last, self.budget_s = now, now, 0.0
+        self.expect_bytes, self.rate = 0, 0.0
         self._write()
 
     def _write(self) -> None:
@@ -151,7 +185,7 @@ class Beat:
         self.seq += 1
         data = (_HEAD.pack(_MAGIC, _VERSION, self.seq, os.getpid(), self.rank, PHASES.index(self.phase),
                            self.steps_seen, self.ring_len, self.step, self.last, self.phase_since, self.longest_step,
-                           self.longest_save, time.time(), self.budget_s)
+                           self.longest_save, time.time(), self.budget_s, self.expect_bytes, self.rate)
                 + self.ring.tobytes() + _TAIL.pack(self.seq))
         try:
             if os.pwrite(self.fd, data, 0) == len(data):
@@ -223,12 +257,15 @@ def read_record(path: Path) -> Record | None:
         head = _HEAD.unpack_from(data, 0)
         if head[0] != _MAGIC or head[2] != _TAIL.unpack_from(data, _HEAD.size + _RING.size)[0]:
             continue
-        _, version, _, pid, rank, phase, steps_seen, n, step, t, since, longest, save, wall, asked = head
-        if phase >= len(PHASES) or version != _VERSION:
+        if head[1] != _VERSION:
+            return None
+        _, _, _, pid, rank, phase, steps_seen, n, step, t, since, longest, save, wall, asked, expect, rate = head
+        if phase >= len(PHASES):
             return None
         raw = _RING.unpack_from(data, _HEAD.size)
         ring = tuple(raw[(n - min(n, RING) + i) % RING] for i in range(min(n, RING)))  # oldest first
-        return Record(pid, rank, PHASES[phase], step, t, since, longest, save, steps_seen, ring, wall, asked)
+        return Record(pid, rank, PHASES[phase], step, t, since, longest, save, steps_seen, ring, wall, asked,
+                      expect, rate)
     return None
 
 
@@ -328,9 +365,32 @@ def drill_hang_here(step: int) -> None:
 def phase(beat: Beat | None, name: str, *, measured_save: bool = False, budget_s: float = 0.0) -> Iterator[None]:
     """A save, restore or busy stretch of the training thread, as the hang watch sees it (a
     no-op when run bare, `beat` None). `budget_s`: a busy stretch's own budget (0: the default)."""
+    global _ACTIVE
     began = beat.enter(name, budget_s) if beat is not None else 0.0
+    outer, _ACTIVE = _ACTIVE, beat if beat is not None else _ACTIVE
     try:
         yield
     finally:
+        _ACTIVE = outer
         if beat is not None:
             beat.leave(began, measured_save=measured_save)
+
+
+_ACTIVE: Beat | None = None  # the Beat of the phase the training thread is in (phase()), for expect_io
+
+
+def expect_io(kind: str, nbytes: int, logged_rate: float = 0.0) -> None:
+    """Inside a save or restore (phase()): `nbytes` are to be moved now (`kind`: save, restore,
+    pull); the rank's heartbeat publishes them (Beat.expect). A no-op when run bare."""
+    if _ACTIVE is not None:
+        _ACTIVE.expect(kind, nbytes, logged_rate)
+
+
+def logged_pull_rate(events: list[dict[str, Any]]) -> float:
+    """The slowest of the last pulls from the mirror in the log (`mirror_downloaded`, bytes and
+    seconds, of at least IO_MEASURE_MIN_BYTES), bytes/s; 0 when none. Pure."""
+    rates = [float(e["bytes"]) / float(e["seconds"]) for e in events[-200:]
+             if e.get("event") == "mirror_downloaded" and isinstance(e.get("bytes"), (int, float))
+             and isinstance(e.get("seconds"), (int, float)) and e["bytes"] >= IO_MEASURE_MIN_BYTES
+             and e["seconds"] > 0]
+    return min(rates[-10:], default=0.0)

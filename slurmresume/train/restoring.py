@@ -59,6 +59,7 @@ from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RUN_ID
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError, UnreadableCheckpointError
 from ..events import process_started_at, try_append_event
 from . import ddp, rng
+from .heartbeat import expect_io
 from .messages import Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
 
 log = logging.getLogger("slurmresume")
@@ -168,6 +169,8 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
     live = flatten_live(state)
     part = plan_part(group.rank, choice, state, live, req.strict)
     two_pass = bool(group.max_int(int(isinstance(part, Part) and budget is not None and part.staging > budget)))
+    if isinstance(part, Part):  # the hang watch scales this rank's budget with the bytes it reads
+        expect_io("restore", part.staging * (2 if two_pass else 1))
     got = read_part(group.rank, choice, part, list(state), live, req.strict, "verify" if two_pass else "stage")
     failures, io = _verdict(group, got)
     if not failures and two_pass:

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.collective import Group
-from ..events import try_append_event
+from ..events import read_events, try_append_event
 from .asyncsave import AsyncWriter
-from .heartbeat import Beat, beat_from_env, drill_hang_step
+from .heartbeat import Beat, beat_from_env, drill_hang_step, expect_io, logged_pull_rate
 from .logs import ensure_handler
 from .roots import claim_root, warn_if_not_launchers_root
 from .signals import SignalFlag, install_flag
@@ -92,6 +92,8 @@ def wire(root: Path, explicit_root: str | os.PathLike[str] | None, *, save_every
     ensure_handler()  # the training log shows restored / warning / saved lines without setup
     # the launcher's hang watch (heartbeat.py): one pwrite per step(); None when run bare
     beat = beat_from_env(rank)
+    if beat is not None and hasattr(rank0_mirror, "on_pull"):  # a pull's bytes scale its hang budget
+        rank0_mirror.on_pull = lambda nbytes: expect_io("pull", nbytes, logged_pull_rate(read_events(root)))
     writer = AsyncWriter(beat, sched)
     drill_hang, drill_first_save = drill_hang_step(rank), drill_first_save_from_env()
     warn_if_not_launchers_root(explicit_root, root, rank)

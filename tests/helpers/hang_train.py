@@ -14,6 +14,10 @@ $PIDDIR/where-<run id>-<R> (the run id from the launcher; "bare" when run withou
 $THROTTLE_MBPS=1: a throttled writer (a slow parallel file system): every shard is fed to its
 writer at about that many MB/s, and the state carries 4 MB more, so each save takes ~4 s while
 its file visibly grows.
+$FSYNC_PAUSE="*:5" (or "1:inf"): the first save of the first attempt, on every rank (or rank 1), sits
+that many seconds in its shard's final fsync, no byte moving (a parallel file system flushing);
+inf: it never returns. The state carries 4 MiB more (also with $BIG=1), so the save has bytes to
+scale its budget.
 """
 
 import os
@@ -55,6 +59,21 @@ def throttle(mbps: float) -> None:
     writer.ShardSink.feed = slow_feed
 
 
+def slow_fsync(seconds: float) -> None:
+    from slurmresume.checkpoint import fsio
+
+    fsync = fsio.fsync_fd
+    paused = []
+
+    def pause_once(fd: int, label: str, path: str = "") -> None:
+        if label == "shard" and not paused:
+            paused.append(True)
+            time.sleep(1e6 if seconds == float("inf") else seconds)
+        fsync(fd, label, path)
+
+    fsio.fsync_fd = pause_once
+
+
 def main() -> None:
     steps, sleep = int(sys.argv[1]), float(sys.argv[2])
     slow_step = int(sys.argv[3]) if len(sys.argv) > 3 else -1
@@ -77,8 +96,14 @@ def main() -> None:
     if os.environ.get("THROTTLE_MBPS"):
         throttle(float(os.environ["THROTTLE_MBPS"]))
         state["big"] = torch.nn.Linear(1024, 1024, bias=False)  # 4 MB
+    pause = os.environ.get("FSYNC_PAUSE", "").split(":")
+    if len(pause) == 2 or os.environ.get("BIG"):
+        state["big"] = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB
     step = ckpt.restore(state)
     first_run = step == 0
+    first_attempt = os.environ.get("SLURMRESUME_RUN_ID", "").endswith(".0")  # no save committed: step 0 again
+    if first_run and first_attempt and len(pause) == 2 and pause[0] in ("*", str(rank)):
+        slow_fsync(float(pause[1]))
     stuck = tuple(int(x) for x in os.environ["CSTUCK"].split(":")) if os.environ.get("CSTUCK") else None
     evals = {int(a): (float(b), c) for a, b, c in
              (item.split(":") for item in os.environ.get("EVALS", "").split(",") if item)}

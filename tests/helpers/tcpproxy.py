@@ -2,18 +2,24 @@
 
 - `cut_after=N`: once N bytes have gone from the server to the client (all connections
   together), the connection carrying byte N is closed mid-response, once;
-- `silent=True`: accepts every connection and never answers (nor forwards).
+- `silent=True`: accepts every connection and never answers (nor forwards);
+- `rate_bps=R`: server-to-client bytes flow at about R bytes/s (all connections together), and
+  `stall=(N, S)`: once N bytes have gone down, nothing more goes for S seconds (a congested link).
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 
 
 class Proxy:
-    def __init__(self, upstream_port: int, *, cut_after: int | None = None, silent: bool = False) -> None:
+    def __init__(self, upstream_port: int, *, cut_after: int | None = None, silent: bool = False,
+                 rate_bps: float | None = None, stall: tuple[int, float] | None = None) -> None:
         self.upstream_port, self.cut_after, self.silent = upstream_port, cut_after, silent
+        self.rate_bps, self.stall, self.stalled = rate_bps, stall, False
+        self._pace = threading.Lock()  # one down-going chunk at a time when paced
         self.down_bytes, self.cuts, self.accepted = 0, 0, 0
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
@@ -63,6 +69,9 @@ class Proxy:
                     if cut:
                         dst.sendall(data[: self.cut_after - before])
                         break
+                    if self.rate_bps or self.stall:
+                        self._paced(data, dst)
+                        continue
                 dst.sendall(data)
         except OSError:
             pass
@@ -72,6 +81,15 @@ class Proxy:
             except OSError:
                 pass
             s.close()
+
+    def _paced(self, data: bytes, dst: socket.socket) -> None:
+        with self._pace:
+            if self.stall is not None and not self.stalled and self.down_bytes >= self.stall[0]:
+                self.stalled = True
+                time.sleep(self.stall[1])
+            if self.rate_bps:
+                time.sleep(len(data) / self.rate_bps)
+        dst.sendall(data)
 
     def close(self) -> None:
         self._listener.close()
