@@ -60,8 +60,9 @@ UNSEEDED = "never seeded: it differed between the two runs already at the first 
 FOLLOWS = "follows from the difference(s) listed before it"
 DDP_DRIFT = ("only what the training step computes differs, on {world} ranks: with DDP, its gradient bucket "
              "layout (rebuilt after a process's first backward; with 3+ ranks the all-reduce rounds by it). The "
-             "Checkpointer records it when the DDP wrapper exists before ckpt.restore() and the model or the "
-             "wrapper is in state; otherwise add state[\"ddp_buckets\"] = slurmresume.DDPBuckets(ddp_model), "
+             "Checkpointer records it when the model or the DDP wrapper is in state (a framework's own wrapper: "
+             "ckpt.track_ddp(key, wrapper) before its first forward); otherwise add "
+             "state[\"ddp_buckets\"] = slurmresume.DDPBuckets(ddp_model), "
              "and check it is not DDPBuckets(..., enabled=False). Otherwise: {rest}")
 NOT_REPRODUCIBLE = "differed already at the first checkpoint, before any preemption: the script is not " \
                    "reproducible run to run (seed everything it draws from at start-up)"
