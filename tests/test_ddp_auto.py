@@ -81,7 +81,8 @@ def _wrapped_after_restore(rank: int, port: int, root: str, out: str) -> None:
             opt.zero_grad()
 
     def state(how: str, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
-        return {"model": model, "optimizer": opt} if how == "module" else {"net": _Holder(model), "optimizer": opt}
+        return {"model": model, "optimizer": opt, "note": 0} if how == "module" else {"net": _Holder(model),
+                                                                                      "optimizer": opt}
 
     got = {}
     for how in ("module", "track"):
@@ -95,6 +96,13 @@ def _wrapped_after_restore(rank: int, port: int, root: str, out: str) -> None:
         ck.save(3, state(how, model, opt))
         train(ddp, opt, range(4, 8))
         ck.close()
+        if how == "module":  # a run restored at its last step saves it again before any forward
+            mid, mid_opt = build(2)
+            ck_mid = Checkpointer(Path(root) / how, handle_signals=False)
+            assert ck_mid.restore(mid_state := state(how, mid, mid_opt)) == 3
+            mid_state["note"] = 1  # changed after the loop: the final save replaces step 3
+            assert ck_mid.save(3, mid_state) is not None  # and still holds the layout
+            ck_mid.close()
         # the resumed run: restore first, wrap afterwards (HF Trainer; a framework's own wrapper)
         model2, opt2 = build(1)
         ck2 = Checkpointer(Path(root) / how, handle_signals=False)
@@ -113,8 +121,9 @@ def _wrapped_after_restore(rank: int, port: int, root: str, out: str) -> None:
 def test_a_wrapper_created_after_restore_gets_the_saved_layout(tmp_path: Path) -> None:
     """3 ranks (2 hide the layout: a+b == b+a). Restore, then wrap the model in state (found at
     the wrapper's first forward), or hand a wrapper of a non-module entry over with track_ddp:
-    the resumed steps equal the uninterrupted run's bitwise. Old code: the layout stayed pending
-    nowhere, the resumed run reduced with DDP's initial layout and differed."""
+    the resumed steps equal the uninterrupted run's bitwise, also after a run that restored and
+    saved the step again before any forward. Old code: the layout stayed pending nowhere, the
+    resumed run reduced with DDP's initial layout and differed."""
     mp.spawn(_wrapped_after_restore, args=(free_port(), str(tmp_path), str(tmp_path / "out.json")), nprocs=3,
              join=True)
     assert json.loads((tmp_path / "out.json").read_text()) == {"module": True, "track": True}

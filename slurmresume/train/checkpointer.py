@@ -149,8 +149,9 @@ class Checkpointer:
 
     def _prepare_payload(self, step: int, state: Mapping[str, Any], metrics: Any, meta: Any) -> Payload:
         self._check_open()  # a seam: tests/helpers/train_forgets_scheduler.py wraps this method
-        found = self._ddp.search(state) if self._ddp.found is None else self._ddp.found
-        return payload_of(step, state, metrics, meta, found)
+        if self._ddp.found is None:
+            self._ddp.search(state)
+        return payload_of(step, state, metrics, meta, self._ddp.for_save())
 
     def _save_now(self, step: int, payload: Payload, reason: str, started: float,
                   blocking_s: float | None) -> Path | None:

@@ -41,6 +41,11 @@ class DDPTracker:
         self.found = find_wrappers(state)
         return self.found
 
+    def for_save(self) -> dict[str, Any]:
+        """What a save records: each wrapper's layout, and a restored one still pending as it was
+        (a run restored at its last step saves again before any forward)."""
+        return {**{k: _Pinned(v) for k, v in self.pending.items()}, **(self.found or {})}
+
     def restore(self, saved: Any) -> None:
         """Every rank, inside the verified load: pin each saved layout on its wrapper, keep the
         others for a wrapper created later."""
@@ -107,6 +112,16 @@ class DDPTracker:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+
+class _Pinned:
+    """A restored layout whose wrapper has not run yet, saved as it was restored."""
+
+    def __init__(self, layout: str) -> None:
+        self.layout = layout
+
+    def state_dict(self) -> dict[str, str]:
+        return {"buckets": self.layout}
 
 
 def _distributed() -> bool:
