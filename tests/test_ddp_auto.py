@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch.multiprocessing as mp
 from helpers.procs import free_port
 
@@ -118,6 +119,7 @@ def _wrapped_after_restore(rank: int, port: int, root: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 3 ranks, five Checkpointers: 84-186 s on the loaded shared machine
 def test_a_wrapper_created_after_restore_gets_the_saved_layout(tmp_path: Path) -> None:
     """3 ranks (2 hide the layout: a+b == b+a). Restore, then wrap the model in state (found at
     the wrapper's first forward), or hand a wrapper of a non-module entry over with track_ddp:
