@@ -28,6 +28,8 @@ p.add_argument("--lr", type=float, default=3e-3)
 p.add_argument("--ckpt-dir", default=os.environ.get("SLURMRESUME_CKPT_DIR", "runs/hf"))
 p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (tests)")
 p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
+p.add_argument("--no-find-unused", action="store_true",
+               help="ddp_find_unused_parameters=False (faster; DDP then rebuilds its gradient buckets)")
 args = p.parse_args()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the network
 
@@ -75,6 +77,7 @@ training_args = TrainingArguments(
     dataloader_num_workers=0,
     eval_strategy="steps" if args.eval_every else "no",
     eval_steps=args.eval_every or None,
+    ddp_find_unused_parameters=False if args.no_find_unused else None,
 )
 resume = SlurmResumeCallback(args.ckpt_dir, save_every=args.save_every)  # <- slurmresume
 trainer = Trainer(model=model, args=training_args, train_dataset=Sequences(seed=args.seed),

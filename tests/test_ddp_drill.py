@@ -48,10 +48,11 @@ def test_ddp_drill_passes_bitwise_on_4_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [3, pytest.param(4, marks=pytest.mark.exhaustive)])
+@pytest.mark.parametrize("nproc", [3, pytest.param(4, marks=pytest.mark.exhaustive),
+                                   pytest.param(8, marks=pytest.mark.exhaustive)])
 def test_the_example_passes_the_drill_with_no_ddp_line(tmp_path: Path, nproc: int) -> None:
     """examples/train.py as the README writes it (no DDPBuckets line) is bitwise after two
-    preemptions on 3 and 4 ranks. Failed on the old code: `model/...` differed (3 ranks, seed 85)."""
+    preemptions on 3, 4 and 8 ranks. Failed on the old code: `model/...` differed (3 ranks, seed 85)."""
     res, verdict = drill(tmp_path, nproc, "--save-every", "100", "--batch-size", "8", script=EXAMPLE)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert verdict["ok"] is True and verdict["differences"] == []

@@ -188,6 +188,9 @@ class SlurmResume(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _finish_epoch_restart(trainer.fit_loop)
+        wrapper = getattr(trainer.strategy, "model", None)  # strategy="ddp" wraps after setup's restore
+        if self.ckpt is not None and isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
+            self.ckpt.track_ddp(STATE_KEY, wrapper)  # its bucket layout saved, and restored before the first step
 
     # -- the step boundary ------------------------------------------------------------------
 

@@ -38,7 +38,8 @@ HINTS = {
 CAUSE_HINTS = {
     "rng": "this RNG stream is drawn differently after a resume: worker-side randomness (DataLoader "
            "workers are seeded when an iterator is created: use SeededDataset), a script-owned generator "
-           f"that is not in state, or a draw outside the saved state; {ADAPT}",
+           "that is not in state, a draw outside the saved state, or restore(..., restore_rng=False); "
+           f"{ADAPT}",
     "value": "a plain value differs: keep every value carried between steps (prefetched batch, hidden "
              "state, best metric) in state and read it back from there after restore(); a result of the "
              "step (the last loss) follows from what fed it: worker-side augmentation (SeededDataset) or a "
@@ -47,9 +48,11 @@ CAUSE_HINTS = {
     "hyper": "the optimizer's hyperparameters (param_groups: lr, ...) differ: did you save the LR "
              f"scheduler, and restore before building anything that changes them? {ADAPT}",
     "optimizer": "did you save the LR scheduler? Otherwise the data order or randomness is not in the "
-                 f"state; {ADAPT}",
-    "model": "is the data order or the randomness reproduced (seeded sampler, DataLoader generator, "
-             f"worker-side augmentation: SeededDataset)? With DDP on 3+ ranks: the gradient bucket layout; {ADAPT}",
+                 "state: a script-owned torch.Generator (state[\"gen\"] = gen), the sampler's position "
+                 f"(sampler.advance), worker-side draws (SeededDataset); {ADAPT}",
+    "model": "is the data order or the randomness reproduced (a seeded sampler advanced after each batch, a "
+             "DataLoader generator, a script-owned torch.Generator in state, worker-side augmentation: "
+             f"SeededDataset)? With DDP on 3+ ranks: the gradient bucket layout; {ADAPT}",
     "other": "",
 }
 UNSEEDED = "never seeded: it differed between the two runs already at the first checkpoint; seed it if your " \
@@ -57,8 +60,9 @@ UNSEEDED = "never seeded: it differed between the two runs already at the first 
 FOLLOWS = "follows from the difference(s) listed before it"
 DDP_DRIFT = ("only what the training step computes differs, on {world} ranks: with DDP, its gradient bucket "
              "layout (rebuilt after a process's first backward; with 3+ ranks the all-reduce rounds by it). The "
-             "Checkpointer records it when the DDP wrapper exists before ckpt.restore() and the model or the "
-             "wrapper is in state; otherwise add state[\"ddp_buckets\"] = slurmresume.DDPBuckets(ddp_model), "
+             "Checkpointer records it when the model or the DDP wrapper is in state (a framework's own wrapper: "
+             "ckpt.track_ddp(key, wrapper) before its first forward); otherwise add "
+             "state[\"ddp_buckets\"] = slurmresume.DDPBuckets(ddp_model), "
              "and check it is not DDPBuckets(..., enabled=False). Otherwise: {rest}")
 NOT_REPRODUCIBLE = "differed already at the first checkpoint, before any preemption: the script is not " \
                    "reproducible run to run (seed everything it draws from at start-up)"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,8 +40,10 @@ from .drillcheck import (
     MetricDifference,
     first_metric_difference,
     metric_streams,
+    name_unadvanced,
     resumption_problems,
     run_facts,
+    unadvanced_samplers,
 )
 
 # A hang drill's script is short and its steps are measured: a 5 s floor instead of 600 s keeps
@@ -153,7 +156,7 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
          {**first, ENV_DRILL_RECORD: str(ref_rec)})
     ref = find_latest(ref_root, warn=False)
     if ref is None:
-        raise CheckpointError(_no_checkpoint("uninterrupted", ref_root))
+        raise CheckpointError(_no_checkpoint("uninterrupted", ref_root, spec.script))
     if preemptions >= ref.step:  # each warning needs its own step before the last
         raise ConfigError(f"--preemptions {preemptions} needs at least {preemptions + 1} steps, and the script ran "
                           f"{ref.step}: lower --preemptions or run more steps")
@@ -177,7 +180,7 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
         return report
     final = find_latest(drill_root, warn=False)
     if final is None:
-        raise CheckpointError(_no_checkpoint("preempted", drill_root))
+        raise CheckpointError(_no_checkpoint("preempted", drill_root, spec.script))
     events = read_events(drill_root)
     saved = [e["step"] for e in events if e["event"] == "exit_after_save" and e.get("kind") == "preempt"]
     restarts = sum(1 for e in events if e["event"] == "requeued")
@@ -200,6 +203,7 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     report.differences = compare_checkpoints(ref.path, final.path, ignore_keys)
     explain(report.differences, unseeded={d.key for d in at_first if d.cause == "rng"},
             first={d.top for d in at_first if d.cause != "rng"}, world=world)
+    name_unadvanced(report.differences, unadvanced_samplers(ref.path, ref.step), ref.step)
     return report
 
 
@@ -295,13 +299,40 @@ def _first_checkpoints(ref_root: Path, drill_root: Path) -> tuple[Path, Path] | 
     return dirs[0], dirs[1]
 
 
-def _no_checkpoint(which: str, root: Path) -> str:
+def _no_checkpoint(which: str, root: Path, script: Path | None = None) -> str:
     """Why a run left nothing under the drill's root: the script saved elsewhere (an explicit
-    Checkpointer(root=...) overriding the launcher's), or it never saved."""
+    Checkpointer(root=...) overriding the launcher's), its framework never got our callback,
+    or it never saved."""
     conflicts = [e for e in read_events(root) if e["event"] == "root_conflict"]
     if conflicts:
         return (f"the {which} run saved to {conflicts[-1].get('script_root')}, not to the drill's root {root}: "
                 "the script passes its own root to Checkpointer(root=...), which overrides the launcher's "
                 "$SLURMRESUME_CKPT_DIR; pass root=None (or the launcher's root) under submit/drill")
-    return (f"the {which} run left no complete checkpoint in {root}: save at the end of training "
-            "(ckpt.save(step, state))")
+    missing = f"the {which} run left no complete checkpoint in {root}: "
+    framework = framework_of(script)
+    if framework:
+        return missing + FRAMEWORK_FIX[framework]
+    return missing + "save at the end of training (ckpt.save(step, state))"
+
+
+FRAMEWORK_FIX = {
+    "lightning": "pass the callback to the Trainer (pl.Trainer(callbacks=[SlurmResume()]), from "
+                 "slurmresume.integrations.lightning): it restores, saves on the warning and saves the last step",
+    "transformers": "pass the callback to the Trainer (Trainer(..., callbacks=[resume]) with resume = "
+                    "SlurmResumeCallback() from slurmresume.integrations.transformers) and train with "
+                    "trainer.train(resume_from_checkpoint=resume.resume_from(trainer))",
+}
+
+
+def framework_of(script: Path | None) -> str | None:
+    """'lightning' or 'transformers' when the script imports that framework's Trainer (read as
+    text, never run), else None."""
+    try:
+        text = script.read_text(errors="replace") if script is not None else ""
+    except OSError:
+        return None
+    if re.search(r"^\s*(import|from)\s+(lightning|pytorch_lightning)\b", text, re.M):
+        return "lightning"
+    if re.search(r"^\s*from\s+transformers\b.*\bTrainer\b", text, re.M):
+        return "transformers"
+    return None

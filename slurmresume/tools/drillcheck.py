@@ -143,3 +143,35 @@ def run_facts(root: Path, records: Path) -> list[RunFacts]:
 
 def metric_streams(records: Path, world: int) -> dict[int, list[dict[str, Any]]]:
     return {rank: read_records(records, rank) for rank in range(world)}
+
+
+# A ResumableSampler's saved state (train/sampler.py) whose position is still 0 at the end of a
+# run that trained steps: the loop never calls `sampler.advance()`, so a resumed run starts its
+# epoch over (the state is equal in both runs; only what the data feeds differs)
+SAMPLER_KEYS = frozenset({"epoch", "position", "seed", "num_replicas"})
+NOT_ADVANCED = ("the sampler '{key}' was never advanced (its saved position is 0 at step {step}), so each resumed "
+                "run starts its epoch over: call `sampler.advance(batch_size)` after each batch; " + ADAPT)
+
+
+def unadvanced_samplers(step_dir: Path, step: int) -> list[str]:
+    """State keys of rank 0's ResumableSampler entries saved at position 0 after `step` > 0 steps."""
+    from ..checkpoint.jsonenc import loads
+    from ..checkpoint.manifest import read_manifest
+    from ..checkpoint.shard import SKELETON_KEY, load_tensors
+
+    if step <= 0:
+        return []
+    shard = read_manifest(step_dir).shards[0]
+    _, meta, _ = load_tensors(step_dir, shard["file"], shard["bytes"])
+    entries = loads(meta.get(SKELETON_KEY, "{}"), "skeleton").get("entries") or {}
+    return [key for key, entry in sorted(entries.items()) if isinstance(entry, dict)
+            and isinstance(entry.get("value"), dict) and set(entry["value"]) == SAMPLER_KEYS
+            and entry["value"].get("position") == 0]
+
+
+def name_unadvanced(differences: list[Any], samplers: list[str], step: int) -> None:
+    """The first failing difference, when what the data feeds differs (a plain value, the
+    optimizer, the model) and a sampler was never advanced: name the sampler."""
+    lead = next((d for d in differences if not d.note.startswith("never seeded")), None)
+    if samplers and lead is not None and lead.cause in {"value", "hyper", "optimizer", "model"}:
+        lead.note = NOT_ADVANCED.format(key=samplers[0], step=step)

@@ -25,7 +25,7 @@ from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError
 from .claims import lost
-from .ddp import find_wrappers
+from .ddptrack import DDPTracker
 from .emergency import save_and_exit
 from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, expect_io, phase
 from .options import check_options
@@ -105,7 +105,7 @@ class Checkpointer:
         self.save_policy = w.sched.policy
         self._sched, self._async, self._beat, self._boundary = w.sched, w.writer, w.beat, w.boundary
         self._drill_hang, self._first_save = w.drill_hang, w.drill_first_save
-        self._ddp: dict[str, Any] | None = None  # DDP wrappers found in the state (ddp.find_wrappers)
+        self._ddp = DDPTracker()  # the DDP wrappers whose bucket layouts are saved (train/ddptrack.py)
         self._record = recorder_from_env(self.rank)  # under `slurmresume drill` only
 
     @property
@@ -150,9 +150,9 @@ class Checkpointer:
 
     def _prepare_payload(self, step: int, state: Mapping[str, Any], metrics: Any, meta: Any) -> Payload:
         self._check_open()  # a seam: tests/helpers/train_forgets_scheduler.py wraps this method
-        if self._ddp is None:
-            self._ddp = find_wrappers(state)
-        return payload_of(step, state, metrics, meta, self._ddp)
+        if self._ddp.found is None:
+            self._ddp.search(state)
+        return payload_of(step, state, metrics, meta, self._ddp.for_save())
 
     def _save_now(self, step: int, payload: Payload, reason: str, started: float,
                   blocking_s: float | None) -> Path | None:
@@ -185,6 +185,7 @@ class Checkpointer:
             drill_hang_here(step)  # as a hang in the training step would: before this step's heartbeat
         if self._record is not None:
             self._record.record(step, "step", metrics)
+        self._ddp.step_boundary()
         if self._beat is not None:
             self._beat.beat_step(step)
         trigger = self._sched.trigger(step, epoch_end=epoch_end)
@@ -238,10 +239,11 @@ class Checkpointer:
         `allow_fresh_start=True` (default: $SLURMRESUME_ALLOW_FRESH_START == "1")."""
         self._check_open()
         with phase(self._beat, RESTORE):
-            self._ddp = find_wrappers(state)  # before the load: the layout is pinned right after it
+            self._ddp.search(state)  # before the load: the layout is pinned right after it
             req = replace(Request.of(step, self.verify_on_restore if verify is None else verify, restore_rng, strict,
                                      allow_fresh_start), ddp_buckets=self._ddp)
             info = restore_and_record(self.group, self.root, state, req, self.mirror, created_at=self._created_at)
+            self._ddp.watch(state)  # a wrapper created after this restore: ddptrack
             if info is None:
                 return 0
             self.restored, self.last_saved_step = info, info.step
@@ -249,6 +251,13 @@ class Checkpointer:
             self._sched.restored(info.step)
             self._boundary.restored(info.step)
             return info.step
+
+    def track_ddp(self, key: str, wrapper: Any) -> None:
+        """Every rank, before the wrapper's first forward. Record the bucket layout of a
+        DistributedDataParallel `wrapper` under `key`, and pin the one restored for `key`: for a
+        wrapper of something that is not a module in `state` (a framework's own wrapper). A DDP
+        wrapper of a module in `state` is found without this, also when created after restore()."""
+        self._ddp.adopt(key, wrapper)
 
     @contextlib.contextmanager
     def busy(self, what: str = "busy", *, budget_s: float | None = None) -> Iterator[None]:

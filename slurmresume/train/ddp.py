@@ -12,7 +12,8 @@ rebuilds the reducer with that assignment before the first resumed step.
 
 Automatic: `Checkpointer` finds the DDP wrapper of each module in `state` (the wrapper itself, or
 the model it wraps: `find_wrappers`) and keeps their layouts as library-owned state ("ddp"), so a
-script that follows the README needs no line for it. The wrapper must exist when `restore` runs.
+script that follows the README needs no line for it. A wrapper created after `restore` (HF Trainer,
+Lightning's strategy) is handled by `ddptrack`.
 An explicit entry is the override, and turns the automatic one off for the whole state:
 
     state["ddp_buckets"] = slurmresume.DDPBuckets(ddp_model)                 # the same, by hand

@@ -29,8 +29,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field, replace
+from collections.abc import MutableMapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ from ..checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, in
 from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RUN_ID
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError, UnreadableCheckpointError
 from ..events import process_started_at, try_append_event
-from . import ddp, rng
+from . import rng
 from .heartbeat import expect_io
 from .messages import Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
 
@@ -74,7 +74,7 @@ class Request:
     restore_rng: bool
     strict: bool
     allow_fresh_start: bool
-    ddp_buckets: Mapping[str, Any] = field(default_factory=dict)  # {state key: DDPBuckets}: ddp.find_wrappers
+    ddp_buckets: Any = None  # the Checkpointer's DDPTracker (train/ddptrack.py): pins the saved layouts
 
     @classmethod
     def of(cls, step: int | None, verify: bool, restore_rng: bool, strict: bool,
@@ -184,8 +184,8 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
                                   f"and restart")
     if not failures:
         apply_loaded(group, state, got, choice, req.restore_rng)
-        if req.ddp_buckets and isinstance(got.library, dict):
-            ddp.restore(req.ddp_buckets, got.library.get("ddp"))
+        if req.ddp_buckets is not None and isinstance(got.library, dict):
+            req.ddp_buckets.restore(got.library.get("ddp"))
     return failures, io
 
 
