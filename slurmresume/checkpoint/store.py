@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnreadableCheckpointError
-from .layout import INPROGRESS, MARKER, step_dirs
+from .layout import INPROGRESS, MANIFEST, MARKER, step_dirs
 from .manifest import (
     MAX_MARKER,
     Manifest,
     MarkerFacts,
     check_marker,
+    manifest_cap,
     marker_facts,
     read_bounded,
     read_manifest,
@@ -206,6 +207,15 @@ def scan_marker(path: Path, step: int) -> MarkerFacts | None:
     if facts.step != step:
         raise CorruptCheckpointError(f"commit marker {where} is for step {facts.step}, not {step}")
     if facts.world_size is None or facts.total_bytes is None or not facts.metrics_known:
+        return None
+    # A commit promises the step loads, but a marker does not say so for a manifest over this
+    # version's cap (an older release's commit, a lowered cap): one stat, and any doubt (missing,
+    # not a plain file, too big) goes to the full read, which classifies it precisely.
+    try:
+        st = (path / MANIFEST).lstat()
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > manifest_cap():
         return None
     return facts
 
