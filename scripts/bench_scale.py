@@ -189,7 +189,7 @@ class Ops:
     """Metadata operations, counted where they happen: the os functions every path goes through,
     and checkpoint.fsio's fsync labels (a file's fsync vs a directory's). fsync is not performed."""
 
-    KINDS = {"open": "open", "stat": "stat", "lstat": "stat", "mkdir": "mkdir", "rename": "rename",
+    KINDS = {"stat": "stat", "lstat": "stat", "mkdir": "mkdir", "rename": "rename",
              "replace": "rename", "unlink": "unlink", "rmdir": "unlink", "scandir": "list", "listdir": "list"}
 
     def __init__(self) -> None:
@@ -209,6 +209,8 @@ class Ops:
                 return real(*a, **k)
             setattr(owner, name, counted)
 
+        # each os function wrapped once (os.open below, not in KINDS): a second wrap would be
+        # restored to the first wrapper and stay, counting every later call twice
         for name, kind in self.KINDS.items():
             wrap(os, name, lambda *a, _k=kind, **k: _k)
         wrap(os, "open", lambda path, flags, *a, **k: "create" if flags & os.O_CREAT else "open")
