@@ -230,13 +230,13 @@ class PruneResult:
 def scan(root: Path) -> list[CheckpointRecord]:
     """Records for every step directory under `root`, and for every save directory left behind
     (`.saving.*`, never complete: only a commit's rename makes a step). Never deletes."""
-    records = [record_from_info(info) for info in list_checkpoints(Path(root))]
+    records = [record_from_info(info) for info in list_checkpoints(Path(root), scan=True)]
     return records + [_record(Path(root), step, path.name) for step, path in saving_dirs(Path(root))]
 
 
 def _record(root: Path, step: int, name: str) -> CheckpointRecord:
     """The record of one entry; a `.saving.*` directory is never complete (it is not a step)."""
-    record = record_from_info(inspect_dir(step, root / name))
+    record = record_from_info(inspect_dir(step, root / name, scan=True))
     if name.startswith(SAVING_PREFIX) and record.complete:
         # marker written, not yet published: its note (kept in the record) still protects it
         record = replace(record, complete=False, mtime=abandoned.last_activity(root / name))
@@ -368,7 +368,7 @@ def _still_deletable(root: Path, r: CheckpointRecord, plan: PrunePlan, policy: R
     looked at again: a writer may have started or resumed in one since the scan."""
     if r.complete:
         for keeper in (plan.newest, plan.best):
-            if keeper is not None and not inspect_dir(keeper.step, root / keeper.name).complete:
+            if keeper is not None and not inspect_dir(keeper.step, root / keeper.name, scan=True).complete:
                 return f"{keeper.name}, kept by the plan, is no longer complete: run prune again"
         return None  # committed directories never change, and newer ones only add protection
     if not os.path.lexists(root / r.name):

@@ -9,7 +9,8 @@ both fail or one lose, but neither can destroy a committed step.
 Durability order (DESIGN.md section 1):
   1. rank 0: mkdir `.saving.step_N.<token>/` and its `.inprogress` note (pid, host, time);
      fsync the root. The directory's name is broadcast. No lock: nothing shared is touched.
-  2. every rank: its shard to a temp name in that directory, fsync, rename, fsync the directory.
+  2. every rank: its shard to a temp name in that directory, fsync, rename (no directory fsync:
+     rank 0's, in step 4 before the marker, covers every rank's rename).
   3. all ranks report (size, checksum, tensor index) to rank 0.
   4. rank 0: manifest.json (temp, fsync, rename), COMMITTED (temp, fsync, rename), drop
      `.inprogress`, fsync the directory; then publish: rename it to `step_N`, fsync the root.
@@ -163,8 +164,10 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
     try:
         d = _own_dir(root, step, into)
         fsio.makedirs(d, 0o755)
+        # No directory fsync here: W ranks fsyncing one shared directory are W metadata operations
+        # on one server. Rank 0's fsync of it (with the manifest, after every rank reported its
+        # rename) makes every shard's name durable before the marker is written.
         written = write_shard(d, file, tensors, {SKELETON_KEY: dumps(skeleton), "format": "pt"})
-        fsio.fsync_dir(d, "step")
         index = written.tensors
         for name, spec in (skeleton.get("dtensors") or {}).items():
             if name in index:  # where this piece sits in its global tensor (manifest index)

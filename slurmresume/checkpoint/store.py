@@ -2,6 +2,12 @@
 
 A directory is *complete* only when its commit marker exists, matches the manifest, and every
 shard has the size the manifest records. Checksums are checked on request (`verify`).
+
+Scans (`scan=True`: `latest`, `status`, retention) judge a step by its commit marker alone
+(<= 4 KiB, sealed by its own checksum; it carries the world size, total bytes and metrics):
+no manifest is parsed and no shard opened, whatever the world size. Only a marker written
+before those fields existed (or whose metrics did not fit) sends a scan to the manifest.
+Restores and `verify` still read the manifest and check every shard's size.
 """
 
 from __future__ import annotations
@@ -15,8 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError, UnreadableCheckpointError
-from .layout import INPROGRESS, MARKER, step_dirs
-from .manifest import Manifest, read_manifest
+from .layout import INPROGRESS, MANIFEST, MARKER, step_dirs
+from .manifest import (
+    MAX_MARKER,
+    Manifest,
+    MarkerFacts,
+    check_marker,
+    manifest_cap,
+    marker_facts,
+    read_bounded,
+    read_manifest,
+    refuse_newer,
+)
 from .shard import hash_file, open_checked
 
 log = logging.getLogger("slurmresume")
@@ -33,19 +49,26 @@ class CheckpointInfo:
     mtime: float = 0.0
     in_progress: bool = False
     unreadable: bool = False  # committed, but not by this version's rules (newer format, over a cap): not corrupt
+    facts: MarkerFacts | None = None  # a scan's answer from the marker alone (manifest left unread)
 
     @property
     def complete(self) -> bool:
-        return self.has_marker and self.manifest is not None and self.problem is None
+        return self.has_marker and (self.manifest is not None or self.facts is not None) and self.problem is None
 
     @property
     def metrics(self) -> Any:
-        return self.manifest.metrics if self.manifest else None
+        return self.manifest.metrics if self.manifest else self.facts.metrics if self.facts else None
+
+    @property
+    def world_size(self) -> int | None:
+        return self.manifest.world_size if self.manifest else self.facts.world_size if self.facts else None
 
     @property
     def total_bytes(self) -> int:
         if self.manifest:
             return self.manifest.total_bytes
+        if self.facts and self.facts.total_bytes is not None:
+            return self.facts.total_bytes
         return _dir_bytes(self.path)
 
     @property
@@ -122,8 +145,10 @@ def check_structure(path: Path, manifest: Manifest) -> list[str]:
 UNREADABLE = "unreadable by this user (permission denied): fix with chmod/chown, or ask its owner"
 
 
-def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
-    """Everything knowable about one step directory; never raises for a bad checkpoint."""
+def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False) -> CheckpointInfo:
+    """Everything knowable about one step directory; never raises for a bad checkpoint. With
+    `scan` (and no `verify`), a step whose marker carries the scan fields is judged by the marker
+    alone (`info.facts`, `info.manifest` None): see the module docstring."""
     try:
         st = path.lstat()
     except FileNotFoundError:
@@ -140,6 +165,9 @@ def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
         info.problem = "no commit marker (incomplete or being written)"
         return info
     try:
+        if scan and not verify and (facts := scan_marker(path, step)) is not None:
+            info.facts = facts
+            return info
         info.manifest = read_manifest(path, expected_step=step)
         check_sizes(path, info.manifest)
     except UnreadableCheckpointError as exc:
@@ -160,6 +188,38 @@ def inspect_dir(step: int, path: Path, verify: bool = False) -> CheckpointInfo:
     return info
 
 
+def scan_marker(path: Path, step: int) -> MarkerFacts | None:
+    """What the commit marker of step directory `path` says, when it answers a scan (world size,
+    total bytes, metrics); None for an older marker without them (read the manifest). Raises
+    CorruptCheckpointError (own checksum fails, malformed, another step's) or
+    UnreadableCheckpointError (a newer format)."""
+    from .jsonenc import loads
+
+    where = path / MARKER
+    data = loads(read_bounded(where, MAX_MARKER, "commit marker"), f"commit marker {where}")
+    facts = marker_facts(data, where)
+    try:
+        check_marker(data, path)
+    except CorruptCheckpointError:
+        refuse_newer(data, path)  # a newer release may seal its marker otherwise: unreadable, not corrupt
+        raise
+    refuse_newer(data, path)
+    if facts.step != step:
+        raise CorruptCheckpointError(f"commit marker {where} is for step {facts.step}, not {step}")
+    if facts.world_size is None or facts.total_bytes is None or not facts.metrics_known:
+        return None
+    # A commit promises the step loads, but a marker does not say so for a manifest over this
+    # version's cap (an older release's commit, a lowered cap): one stat, and any doubt (missing,
+    # not a plain file, too big) goes to the full read, which classifies it precisely.
+    try:
+        st = (path / MANIFEST).lstat()
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > manifest_cap():
+        return None
+    return facts
+
+
 def _unless_vanished(info: CheckpointInfo) -> CheckpointInfo:
     """A prune renames a directory away in one step: files missing because the whole directory
     went while it was being read mean "deleted", not "corrupt" (no false alarm in `status`)."""
@@ -169,13 +229,13 @@ def _unless_vanished(info: CheckpointInfo) -> CheckpointInfo:
                           mtime=info.mtime)
 
 
-def list_checkpoints(root: Path, verify: bool = False) -> list[CheckpointInfo]:
-    """Every step directory under root, newest first, each inspected."""
-    return [inspect_dir(step, path, verify) for step, path in step_dirs(Path(root))]
+def list_checkpoints(root: Path, verify: bool = False, scan: bool = False) -> list[CheckpointInfo]:
+    """Every step directory under root, newest first, each inspected (`scan`: see inspect_dir)."""
+    return [inspect_dir(step, path, verify, scan) for step, path in step_dirs(Path(root))]
 
 
 def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = None,
-                max_step: int | None = None, warn: bool = True) -> CheckpointInfo | None:
+                max_step: int | None = None, warn: bool = True, scan: bool = False) -> CheckpointInfo | None:
     """The newest complete checkpoint (checked newest-first, stopping at the first good one).
     Incomplete or corrupt newer directories are skipped, with a warning naming each. A newer
     step this version cannot read (`CheckpointInfo.unreadable`) is not skipped: it raises
@@ -183,7 +243,7 @@ def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = Non
     for step, path in step_dirs(Path(root)):
         if (exclude and step in exclude) or (max_step is not None and step > max_step):
             continue
-        info = inspect_dir(step, path, verify)
+        info = inspect_dir(step, path, verify, scan)
         if info.complete:
             return info
         if info.unreadable:

@@ -256,7 +256,7 @@ def latest(
         s3_commands().latest(ckpt_dir)
         return
     root = resolve_root(ckpt_dir)
-    info = find_latest(root, warn=False)
+    info = find_latest(root, warn=False, scan=True)
     if info is None:
         raise NoCheckpointError(f"no complete checkpoint under {root}")
     typer.echo(os.fspath(info.path))

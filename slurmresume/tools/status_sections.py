@@ -114,23 +114,23 @@ def cost_summary(events: list[dict[str, Any]], now: float) -> dict[str, Any] | N
 
 
 
-def _inspect_rows(root: Path, limit: int | None) -> tuple[list[CheckpointInfo], int]:
+def _inspect_rows(root: Path, limit: int | None, scan: bool = True) -> tuple[list[CheckpointInfo], int]:
     """Newest first: all step directories, or the newest `limit` (continuing past them until a
-    complete one is found), plus how many older ones were left out."""
+    complete one is found), plus how many older ones were left out. `scan`: judged by markers."""
     if limit is None:
-        return list_checkpoints(root), 0
+        return list_checkpoints(root, scan=scan), 0
     dirs = step_dirs(root)
     infos: list[CheckpointInfo] = []
     for step, path in dirs:
         if len(infos) >= limit and any(i.complete for i in infos):
             break
-        infos.append(inspect_dir(step, path))
+        infos.append(inspect_dir(step, path, scan=scan))
     return infos, len(dirs) - len(infos)
 
 
 def checkpoint_rows(root: Path, best_metric: str | None, mode: str, verify: bool, now: float,
                      limit: int | None = None) -> tuple[list[CheckpointRow], dict[str, Any] | None, int]:
-    infos, omitted = _inspect_rows(root, limit)
+    infos, omitted = _inspect_rows(root, limit, scan=not verify)
     records = [record_from_info(i) for i in infos]
     rows = [_row(i, r, verify, now) for i, r in zip(infos, records, strict=True)]
     newest = next((row for row in rows if row.state == "complete"), None)
@@ -160,5 +160,5 @@ def _row(info: CheckpointInfo, rec: Any, verify: bool, now: float) -> Checkpoint
         verified, problem = not problems, "; ".join(problems) or None
     return CheckpointRow(info.step, info.path.name, str(info.path), state, info.created,
                          max(0.0, now - info.created), info.total_bytes,
-                         info.manifest.world_size if info.manifest else None, verified,
+                         info.world_size, verified,
                          rec.metrics, problem=problem)

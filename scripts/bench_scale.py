@@ -1,0 +1,533 @@
+"""The save and restore paths at 8 ... 16,384 ranks, on one machine: what grows with the world size.
+
+    python scripts/bench_scale.py [--ranks 8,64,512,4096,16384] [--models 7B,70B,405B]
+                                  [--reshard 64:48,16384:12288] [--read] [--json-out scale.json]
+
+One process plays rank 0 of a W-rank job: torch.distributed's "fake" backend with FakeStore and
+`init_device_mesh` give it a real DeviceMesh and real DTensors (FSDP2 `Shard(0)` placements of the
+model's parameters and both Adam moments, fp32). The fake backend's collectives hand every rank its
+own input back; here they carry each rank's own input (`Fabric`): what rank i would send is what
+the real `checkpoint.commit.write_rank` returned when this process ran it as rank i. Every rank's
+shard is "synthetic and sparse" (`SparseShards`): the real safetensors header for the ranks whose
+files a measured restore reads, and for every rank a file of the right size made by ftruncate, its
+tensor bytes never written (zeros on read), their block digests those of zeros. So W files exist
+and every restore check that opens them runs for real, without 80 GB ... 4.9 TB of tensors.
+
+Per (model, W) it prints:
+- manifest bytes (what the code's format writes; a step the save refuses is reported as refused);
+- bytes each rank sends and receives during the save, for rank 0 and for any other rank, from the
+  collectives' own semantics (all_gather: everyone receives everyone's; gather: only the root);
+- rank 0's commit metadata time, wall and CPU: gather of the reports -> manifest -> marker ->
+  publish (the part of a save between the last shard's fsync and "saved");
+- one rank's restore plan (rank 0, the busiest: it picks the step for everyone): `pick` (rank 0
+  only) and `plan_part` (every rank), seconds and peak Python heap (tracemalloc, a second pass);
+  the same for the plan of rank 0 of --reshard's target world (e.g. 16,384 -> 12,288);
+- metadata operations per save (all ranks: the job's total) and per restore (pick + W x one rank's
+  plan), counted at the os seam (open/create, stat, mkdir, rename, unlink, listdir) and through
+  checkpoint.fsio's labels (fsync, directory fsync). fsyncs are counted, not performed: this
+  measures CPU and operation counts, not the disk.
+
+The save is composed here from the same calls `train.saving.save_collective` makes (prepare,
+write_rank on every rank, the gather of the reports, commit, the outcome's broadcast); the one
+step left out is replica detection (the state is all DTensors: nothing is replicated). Where the
+code's protocol changes (a gather instead of all_gather, per-rank index files), `save_rank0` is the
+one place to follow it; the manifest and the plans measured are whatever the code writes and reads.
+
+A (model, W) whose manifest would exceed --max-manifest-mib (extrapolated linearly in W from the
+last one measured) is not built: it is reported with the predicted size (building a multi-GiB
+manifest on a shared machine measures only the swap). The CPU here is shared and loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import xxhash  # noqa: E402
+from scale_manifest import MODELS as _PAPER_MODELS  # noqa: E402
+
+from slurmresume.checkpoint import commit, fsio  # noqa: E402
+from slurmresume.checkpoint import shard as shard_mod  # noqa: E402
+from slurmresume.checkpoint.collective import Group  # noqa: E402
+from slurmresume.checkpoint.layout import MANIFEST, step_dir_name  # noqa: E402
+from slurmresume.checkpoint.manifest import MAX_MANIFEST  # noqa: E402
+from slurmresume.checkpoint.state import flatten_live  # noqa: E402
+from slurmresume.train import restoring  # noqa: E402
+from slurmresume.train.messages import WriteReport  # noqa: E402
+from slurmresume.train.saving import payload_of  # noqa: E402
+
+# (hidden, layers, ffn, vocab, kv width): Llama-2 7B, Llama-3 70B (scale_manifest.py), Llama-3.1 405B;
+# "tiny" (the same 9 tensors per layer, 2 layers) is for the tests' runs of this harness
+MODELS = {**_PAPER_MODELS, "405B": (16384, 126, 53248, 128256, 1024), "tiny": (256, 2, 512, 8192, 256)}
+MOMENTS = ("param", "exp_avg", "exp_avg_sq")
+STEP = 100
+
+
+def parameters(model: str) -> list[tuple[str, tuple[int, ...]]]:
+    d, layers, ffn, vocab, kv = MODELS[model]
+    out = [("tok_embeddings.weight", (vocab, d)), ("norm.weight", (d,)), ("output.weight", (vocab, d))]
+    for i in range(layers):
+        for name, shape in (("attention.wq", (d, d)), ("attention.wk", (kv, d)), ("attention.wv", (kv, d)),
+                            ("attention.wo", (d, d)), ("feed_forward.w1", (ffn, d)), ("feed_forward.w2", (d, ffn)),
+                            ("feed_forward.w3", (ffn, d)), ("attention_norm", (d,)), ("ffn_norm", (d,))):
+            out.append((f"layers.{i}.{name}.weight", shape))
+    return out
+
+
+def chunk0(dim0: int, world: int, rank: int) -> tuple[int, int]:
+    """torch.chunk along dim 0, as FSDP2's Shard(0): (offset, rows); trailing ranks may get 0."""
+    size = -(-dim0 // world)
+    start = min(rank * size, dim0)
+    return start, max(0, min(size, dim0 - start))
+
+
+# -- the fake world -------------------------------------------------------------------------------
+
+def fake_world(world: int, rank: int = 0) -> Any:
+    """This process as `rank` of `world` on the fake backend; returns the 1-D CPU DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    return init_device_mesh("cpu", (world,))
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+class Fabric:
+    """The fake backend's collectives, made to carry each rank's own input: while `peers` holds
+    one JSON payload per rank (`Group.all_gather_json`'s length-then-bytes protocol), an
+    all_gather or gather hands rank i's payload to slot i; otherwise every slot gets this rank's
+    input (a broadcast from rank 0, a verdict everyone agrees on). Counts, per collective's
+    semantics, the bytes rank 0 and any other rank send and receive."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.peers: list[bytes] | None = None
+        self.sent = {"rank0": 0, "other": 0}
+        self.received = {"rank0": 0, "other": 0}
+        self.calls: Counter[str] = Counter()
+
+    def _slot(self, i: int, own: Any, out: Any) -> None:
+        if self.peers is None or i == 0:
+            out.copy_(own)
+        elif own.dtype == torch.int64 and own.numel() == 1:
+            out.fill_(len(self.peers[i]))
+        else:
+            raw = self.peers[i]
+            out.zero_()
+            if raw:
+                out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+    def all_gather(self, outputs: list[Any], tensor: Any, group: Any = None, async_op: bool = False) -> None:
+        self.calls["all_gather"] += 1
+        for i, out in enumerate(outputs):
+            self._slot(i, tensor, out)
+        total = sum(_nbytes(o) for o in outputs)
+        self.sent["rank0"] += _nbytes(tensor)
+        self.sent["other"] += _nbytes(outputs[1]) if len(outputs) > 1 else 0
+        self.received["rank0"] += total - _nbytes(outputs[0])
+        self.received["other"] += total - (_nbytes(outputs[1]) if len(outputs) > 1 else 0)
+
+    def gather(self, tensor: Any, gather_list: list[Any] | None = None, dst: int = 0, group: Any = None,
+               async_op: bool = False, **_: Any) -> None:
+        self.calls["gather"] += 1
+        for i, out in enumerate(gather_list or ()):
+            self._slot(i, tensor, out)
+        total = sum(_nbytes(o) for o in gather_list or ())
+        self.sent["rank0"] += _nbytes(tensor)
+        self.sent["other"] += _nbytes(tensor)
+        self.received["rank0"] += total - _nbytes(tensor)
+
+    def broadcast(self, tensor: Any, src: int = 0, group: Any = None, async_op: bool = False, **_: Any) -> None:
+        self.calls["broadcast"] += 1
+        self.sent["rank0"] += _nbytes(tensor)
+        self.received["other"] += _nbytes(tensor)
+
+    def all_reduce(self, tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+        self.calls["all_reduce"] += 1
+        for who in ("rank0", "other"):
+            self.sent[who] += _nbytes(tensor)
+            self.received[who] += _nbytes(tensor)
+        return None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Fabric]:
+        saved = {n: getattr(dist, n) for n in ("all_gather", "gather", "broadcast", "all_reduce")}
+        for n in saved:
+            setattr(dist, n, getattr(self, n))
+        try:
+            yield self
+        finally:
+            for n, f in saved.items():
+                setattr(dist, n, f)
+
+
+# -- counting metadata operations -----------------------------------------------------------------
+
+class Ops:
+    """Metadata operations, counted where they happen: the os functions every path goes through,
+    and checkpoint.fsio's fsync labels (a file's fsync vs a directory's). fsync is not performed."""
+
+    KINDS = {"stat": "stat", "lstat": "stat", "mkdir": "mkdir", "rename": "rename",
+             "replace": "rename", "unlink": "unlink", "rmdir": "unlink", "scandir": "list", "listdir": "list"}
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[Counter[str]]:
+        self.counts = Counter()
+        saved: dict[tuple[Any, str], Any] = {}
+
+        def wrap(owner: Any, name: str, kind: Callable[..., str]) -> None:
+            real = getattr(owner, name)
+            saved[(owner, name)] = real
+
+            def counted(*a: Any, **k: Any) -> Any:
+                self.counts[kind(*a, **k)] += 1
+                return real(*a, **k)
+            setattr(owner, name, counted)
+
+        # each os function wrapped once (os.open below, not in KINDS): a second wrap would be
+        # restored to the first wrapper and stay, counting every later call twice
+        for name, kind in self.KINDS.items():
+            wrap(os, name, lambda *a, _k=kind, **k: _k)
+        wrap(os, "open", lambda path, flags, *a, **k: "create" if flags & os.O_CREAT else "open")
+        real_fsync_fd, real_fsync_dir = fsio.fsync_fd, fsio.fsync_dir
+        saved[(fsio, "fsync_fd")], saved[(fsio, "fsync_dir")] = real_fsync_fd, real_fsync_dir
+        fsio.fsync_fd = lambda fd, label, path="": self.counts.update(["fsync"])  # type: ignore[assignment]
+        fsio.fsync_dir = lambda path, label: self.counts.update(["fsyncdir"])  # type: ignore[assignment]
+        try:
+            yield self.counts
+        finally:
+            for (owner, name), real in saved.items():
+                setattr(owner, name, real)
+
+    @staticmethod
+    def total(counts: Counter[str]) -> int:
+        return sum(counts.values())
+
+
+# -- synthetic sparse shards ----------------------------------------------------------------------
+
+_ZERO_DIGESTS: dict[int, str] = {}
+
+
+def zero_digest(n: int) -> str:
+    if n not in _ZERO_DIGESTS:
+        _ZERO_DIGESTS[n] = xxhash.xxh3_64_hexdigest(bytes(n))
+    return _ZERO_DIGESTS[n]
+
+
+def zero_blocks(nbytes: int) -> list[str]:
+    block = shard_mod.VERIFY_BLOCK
+    full, rest = divmod(nbytes, block)
+    return [zero_digest(block)] * full + ([zero_digest(rest)] if rest else [])
+
+
+def _owns_memory(t: Any) -> bool:
+    """A CPU tensor with its own bytes (not a meta tensor, not one float expanded) of at most 1 MiB."""
+    return t.device.type == "cpu" and 0 not in t.stride() and _nbytes(t) <= 1 << 20
+
+
+class SparseShards:
+    """Stands in for checkpoint.shard.write_shard (the module attribute commit.write_rank calls):
+    the same header (real for every file, so any rank's restore can read its own), the file
+    ftruncated to its full size (tensor bytes are zeros, never written), block digests of zeros,
+    and the same create / fsync / rename sequence as the real writer."""
+
+    def __call__(self, directory: Path, file: str, tensors: list[tuple[str, Any]],
+                 metadata: dict[str, str]) -> Any:
+        tensors = shard_mod.order_for_alignment(tensors)
+        header, index = shard_mod.build_header(tensors, metadata)
+        data, real = 0, []
+        for name, t in tensors:
+            n = _nbytes(t)
+            if _owns_memory(t):  # the library's own state (RNG) and any small plain tensor: its bytes
+                raw = bytes(shard_mod.byte_view(t.detach().contiguous()))
+                real.append((len(header) + data, raw))
+                block = shard_mod.VERIFY_BLOCK
+                index[name]["xxh3"] = [xxhash.xxh3_64_hexdigest(raw[i:i + block]) for i in range(0, n, block)]
+            else:
+                index[name]["xxh3"] = zero_blocks(n)
+            data += n
+        tmp = directory / f".{file}.tmp.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, header)
+            os.ftruncate(fd, len(header) + data)
+            for offset, raw in real:
+                os.pwrite(fd, raw, offset)
+            fsio.fsync_fd(fd, "shard", tmp)
+        finally:
+            os.close(fd)
+        fsio.rename(tmp, directory / file, "shard")
+        return shard_mod.WrittenShard(file=file, bytes=len(header) + data, xxh3="0" * 16, tensors=index,
+                                      header_xxh3=xxhash.xxh3_64_hexdigest(header), writer="sparse")
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        real = commit.write_shard
+        commit.write_shard = self  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            commit.write_shard = real
+
+
+# -- one rank's state -----------------------------------------------------------------------------
+
+def rank_state(model: str, mesh: Any, world: int, rank: int, zeros: bool = False) -> dict[str, Any]:
+    """Rank `rank`'s FSDP2-style state: every parameter and both Adam moments as a Shard(0)
+    DTensor on `mesh`. Its local piece is one float expanded to the piece's shape (distinct
+    storage per tensor, as `flatten`'s tied-weight detection needs; 4 bytes of memory), or with
+    `zeros` real zeros (for a restore that reads)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    state: dict[str, dict[str, Any]] = {m: {} for m in MOMENTS}
+    for pname, shape in parameters(model):
+        _, rows = chunk0(shape[0], world, rank)
+        local = (rows, *shape[1:])
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        for m in MOMENTS:
+            t = torch.zeros(local) if zeros else torch.zeros(1).expand(local)
+            state[m][pname] = DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                                 stride=stride)
+    return state
+
+
+def peer_payload(template: Any, model: str, world: int, rank: int) -> tuple[dict[str, Any], list[Any]]:
+    """Rank `rank`'s (skeleton, tensors) from rank 0's payload: the same names, this rank's piece
+    offsets and local shapes (what `flatten` gives on that rank), meta tensors of those shapes."""
+    shapes = {f"{m}/{p}": s for p, s in parameters(model) for m in MOMENTS}
+    specs = dict(template.skeleton.get("dtensors") or {})
+    tensors = []
+    for name, t in template.tensors:
+        shape = shapes.get(name)
+        if shape is None or name not in specs:
+            tensors.append((name, t))
+            continue
+        off, rows = chunk0(shape[0], world, rank)
+        specs[name] = {**specs[name], "offset": [off, *[0] * (len(shape) - 1)], "local_shape": [rows, *shape[1:]]}
+        tensors.append((name, torch.empty((rows, *shape[1:]), device="meta")))
+    return {**template.skeleton, "dtensors": specs}, tensors
+
+
+# -- the save (rank 0's view) ---------------------------------------------------------------------
+
+def save_rank0(model: str, world: int, root: Path, ops: Ops) -> dict[str, Any]:
+    """One W-rank save of `model` into `root` (see the module docstring). Returns the figures."""
+    mesh = fake_world(world)
+    group = Group(dist.group.WORLD, 0, world)
+    template = payload_of(STEP, rank_state(model, mesh, world, 0), {"loss": 1.0}, None)
+    fabric = Fabric(world)
+    out: dict[str, Any] = {"model": model, "ranks": world}
+    with fabric.installed(), SparseShards().installed(), ops.counting() as counts:
+        decision = group.broadcast_json(commit.prepare(root, STEP))
+        t0 = time.perf_counter()
+        reports = []
+        for rank in range(world):  # every rank writes its shard (synthetic): what it then sends
+            skeleton, tensors = (template.skeleton, template.tensors) if rank == 0 else \
+                peer_payload(template, model, world, rank)
+            reports.append(commit.write_rank(root, STEP, Group(None, rank, world), skeleton, tensors,
+                                             into=decision["dir"]))
+        out["emulate_ranks_s"] = time.perf_counter() - t0  # no collective ran meanwhile: the bytes count on
+        wall, cpu = time.perf_counter(), time.process_time()
+        fabric.peers = [json.dumps(WriteReport.from_json(r).to_json(), separators=(",", ":")).encode()
+                        for r in reports]
+        mine = WriteReport.from_json(reports[0]).to_json()
+        gathered = [WriteReport.from_json(r) for r in group.all_gather_json(mine)]
+        fabric.peers = None
+        outcome = commit.commit(root, STEP, [r.to_json() for r in gathered], template.metrics, template.meta,
+                                into=decision["dir"])
+        out["commit_wall_s"] = time.perf_counter() - wall
+        out["commit_cpu_s"] = time.process_time() - cpu
+        group.broadcast_json(outcome)
+    out.update(saved=bool(outcome.get("ok")), error=outcome.get("error"), save_ops=dict(counts),
+               save_ops_total=Ops.total(counts), sent=dict(fabric.sent), received=dict(fabric.received),
+               collectives=dict(fabric.calls))
+    manifest = root / step_dir_name(STEP) / MANIFEST
+    out["manifest_bytes"] = manifest.stat().st_size if manifest.exists() else _refused_size(outcome.get("error"))
+    return out
+
+
+def _refused_size(error: str | None) -> int | None:
+    """The manifest's size from a refusal's one line ("... would be N bytes ..."), if it says."""
+    import re
+
+    m = re.search(r"(\d+)[- ]bytes?", error or "")
+    return int(m.group(1)) if m else None
+
+
+# -- the restore plan (one rank) ------------------------------------------------------------------
+
+def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory: bool = True,
+         read: bool = False) -> dict[str, Any]:
+    """Rank 0 of a `world`-rank job restoring the `saved_world`-rank step under `root`: rank 0's
+    `pick` and its `plan_part` (what every rank plans), timed, counted and, in a second pass,
+    their peak Python heap. With `read`, then its `read_part` too: the bytes of its box (zeros
+    from the sparse files) read and checked against their digests, into real zero tensors."""
+    mesh = fake_world(world)
+    state = rank_state(model, mesh, world, 0, zeros=read)
+    live = flatten_live(state)
+    out: dict[str, Any] = {"from": saved_world, "to": world}
+    with Fabric(world).installed():
+        with ops.counting() as counts:
+            t, c = time.perf_counter(), time.process_time()
+            choice = restoring.pick(root, None, False, set(), False, None)
+            out["pick_s"], out["pick_cpu_s"] = time.perf_counter() - t, time.process_time() - c
+            out["pick_ops"] = Ops.total(counts)
+        if not isinstance(choice, restoring.RestoreChoice):
+            return {**out, "error": str(getattr(choice, "message", choice))}
+        with ops.counting() as counts:
+            t, c = time.perf_counter(), time.process_time()
+            part = restoring.plan_part(0, choice, state, live, True)
+            out["plan_s"], out["plan_cpu_s"] = time.perf_counter() - t, time.process_time() - c
+            out["plan_ops"] = Ops.total(counts)
+        if isinstance(part, restoring.Failure):
+            return {**out, "error": part.message}
+        out["restore_ops_total"] = out["pick_ops"] + world * out["plan_ops"]  # + W x read_ops with --read
+        if read:
+            with ops.counting() as counts:
+                t = time.perf_counter()
+                got = restoring.read_part(0, choice, part, list(state), live, True)
+                out["read_s"] = time.perf_counter() - t
+                out["read_ops"] = Ops.total(counts)
+            out["read_bytes"], out["needed_bytes"] = got.read, got.needed
+            out["restore_ops_total"] += world * out["read_ops"]
+            if got.failure is not None:
+                return {**out, "error": got.failure.message}
+        if memory:
+            tracemalloc.start()
+            choice = restoring.pick(root, None, False, set(), False, None)
+            out["pick_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.reset_peak()
+            restoring.plan_part(0, choice, state, live, True)
+            out["plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+    return out
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+def measure(model: str, world: int, reshard_to: int | None, workdir: Path, memory: bool = True,
+            read: bool = False) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix=f"scale-{model}-{world}-", dir=workdir))
+    ops = Ops()
+    try:
+        row = save_rank0(model, world, root, ops)
+        if row["saved"]:
+            row["same"] = plan(model, world, world, root, ops, memory, read)
+            if reshard_to:
+                row["reshard"] = plan(model, world, reshard_to, root, ops, memory, read)
+        return row
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _mib(n: float | None) -> str:
+    return "?" if n is None else f"{n / 2**20:.2f} MiB"
+
+
+def line(r: dict[str, Any]) -> str:
+    if r.get("skipped"):
+        return f"{r['model']:>4s} {r['ranks']:6d} ranks: not run ({r['skipped']})"
+    s = (f"{r['model']:>4s} {r['ranks']:6d} ranks: manifest {_mib(r['manifest_bytes'])}"
+         f"{'' if r['saved'] else ' REFUSED: ' + str(r['error'])[:90]}; commit (rank 0) "
+         f"{r['commit_wall_s']:.3f} s wall {r['commit_cpu_s']:.3f} s cpu; save recv rank0 "
+         f"{_mib(r['received']['rank0'])} other {_mib(r['received']['other'])}, sent other "
+         f"{r['sent']['other']} B; save ops {r['save_ops_total']:,} ({r['save_ops'].get('fsyncdir', 0):,} dir fsyncs)")
+    for key in ("same", "reshard"):
+        p = r.get(key)
+        if p is None:
+            continue
+        if "error" in p:
+            s += f"\n      restore {p['from']}->{p['to']}: {p['error'][:100]}"
+            continue
+        s += (f"\n      restore {p['from']}->{p['to']}: pick (rank 0) {p['pick_s'] * 1e3:.1f} ms "
+              f"({p['pick_cpu_s'] * 1e3:.1f} cpu), plan (one rank) {p['plan_s'] * 1e3:.1f} ms "
+              f"({p['plan_cpu_s'] * 1e3:.1f} cpu), peak heap pick {_mib(p.get('pick_peak_bytes'))} plan "
+              f"{_mib(p.get('plan_peak_bytes'))}; ops pick {p['pick_ops']:,} + W x plan {p['plan_ops']} = "
+              f"{p['restore_ops_total']:,} ({p['restore_ops_total'] / p['to']:.1f} per rank)")
+        if "read_s" in p:
+            s += f"; read {_mib(p['read_bytes'])} in {p['read_s']:.2f} s, {p['read_ops']} ops"
+    return s
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and every option's default in --help."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--ranks", default="8,64,512,4096,16384", help="world sizes, comma separated")
+    ap.add_argument("--models", default="7B,70B,405B", help="of: " + ", ".join(MODELS))
+    ap.add_argument("--reshard", default="64:48,16384:12288",
+                    help="FROM:TO,...: also plan rank 0's restore of the FROM-rank step on TO ranks ('' for none)")
+    ap.add_argument("--max-manifest-mib", type=float, default=256.0,
+                    help="do not build a manifest predicted over this size (extrapolated from the last one)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc pass (peak heap of the plan)")
+    ap.add_argument("--read", action="store_true",
+                    help="also read rank 0's box (zeros, checked against digests): memory = its bytes per rank")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the sparse checkpoints are written")
+    ap.add_argument("--json-out", default=None, help="also write every figure there as JSON")
+    args = ap.parse_args(argv)
+    try:
+        worlds = [int(x) for x in args.ranks.split(",")]
+        reshard = {int(a): int(b) for a, _, b in (p.partition(":") for p in args.reshard.split(",") if p)}
+    except ValueError:
+        ap.error(f"--ranks {args.ranks!r} / --reshard {args.reshard!r}: expected integers (8,64 and 16384:12288)")
+    models = args.models.split(",")
+    if any(w < 2 for w in worlds) or any(m not in MODELS for m in models) or any(v < 1 for v in reshard.values()):
+        ap.error(f"--ranks must be at least 2 and --models among {', '.join(MODELS)}")
+    import logging
+
+    logging.getLogger("slurmresume").setLevel(logging.ERROR)
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs (shared, loaded)", flush=True)
+    rows = []
+    for model in models:
+        last: tuple[int, int] | None = None  # (world, manifest bytes)
+        for world in worlds:
+            predicted = last[1] * world / last[0] if last and last[1] else None
+            if predicted is not None and predicted > args.max_manifest_mib * 2**20:
+                over = " (over this version's read cap: the save would refuse)" if predicted > MAX_MANIFEST else ""
+                row: dict[str, Any] = {"model": model, "ranks": world, "predicted_manifest_bytes": predicted,
+                                       "skipped": f"manifest predicted {_mib(predicted)}{over}"}
+            else:
+                to = reshard.get(world)
+                row = measure(model, world, to, Path(args.dir), memory=not args.no_memory, read=args.read)
+                if row.get("manifest_bytes"):
+                    last = (world, row["manifest_bytes"])
+            rows.append(row)
+            print(line(row), flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                                   "rows": rows}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
