@@ -99,10 +99,10 @@ def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: i
         _sweep(s3, loc, step)
         return _already(step, existing, marker_raw, loc)
     attempt = new_attempt()  # this attempt's own keys: no other writer can overwrite or abort them
-    fds = {s["file"]: open_checked(step_dir, s["file"], s["bytes"]) for s in manifest.shards}
+    fds = {s["file"]: open_checked(step_dir, s["file"], s["bytes"]) for s in manifest.files}
     try:
         config = transfer_config(chunk, concurrency)
-        for s in manifest.shards:
+        for s in manifest.files:
             key = loc.key(step, f"{attempt}/{s['file']}")
             with os.fdopen(os.dup(fds[s["file"]]), "rb") as f:
                 point("shard", key)
@@ -175,10 +175,10 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
     try:
         fsio.write_durable(tmp / INPROGRESS, leftovers.note(), "mirror.note")  # who: checkpoint/leftovers.py
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slurmresume-get") as pool:
-            for s in manifest.shards:
+            for s in manifest.files:
                 _fetch_shard(s3, loc, commit.key(loc, s["file"]), tmp / s["file"], s["bytes"], chunk, pool,
                              settings or MirrorSettings.from_env(), deadline)
-        for s in manifest.shards:
+        for s in manifest.files:
             digest = hash_file(tmp, s["file"], s["bytes"])
             if digest != s["xxh3"]:
                 raise CorruptCheckpointError(f"s3://{loc.bucket}/{commit.key(loc, s['file'])} fails its checksum after download "

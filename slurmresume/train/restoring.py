@@ -39,7 +39,6 @@ from ..checkpoint.collective import Group
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_manifest
-from ..checkpoint.replicas import elastic
 from ..checkpoint.reshard import STATS as RESHARD_STATS
 from ..checkpoint.reshard import is_dtensor, load_sharded, staging_bytes
 from ..checkpoint.reshard import targets as reshard_targets
@@ -254,8 +253,14 @@ def choose(root: Path, step: int | None, verify: bool, tried: set[int], mirror: 
     m = info.manifest
     if m is None:  # inspect_dir gives a manifest with every complete step
         raise CorruptCheckpointError(f"checkpoint {info.path}: no manifest")
-    return RestoreChoice(info.step, str(info.path), m.world_size, tuple(m.shards), sharding_json(m.sharded),
-                         elastic(m.tensors, m.world_size))
+    try:
+        return RestoreChoice(info.step, str(info.path), m.world_size, tuple(m.shards), sharding_json(m.sharded),
+                             m.elastic)
+    except CorruptCheckpointError as exc:  # format 2: a damaged tensor index, read only now
+        if step is not None:
+            raise
+        log.warning("skipping %s: %s", info.path, exc)
+        return choose(root, step, verify, tried | {info.step})
 
 
 @dataclass(frozen=True)

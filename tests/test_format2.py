@@ -1,0 +1,71 @@
+"""Format 2: a small manifest (per shard: sizes and checksums of the shard and of its rank's index
+file; each DTensor once) and per-rank index files covered by the manifest's checksum."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers.core import model_equal, save_steps, step_dir, tiny_model, tiny_state
+from typer.testing import CliRunner
+
+from slurmresume import Checkpointer
+from slurmresume.checkpoint.layout import MANIFEST
+from slurmresume.checkpoint.store import inspect_dir
+from slurmresume.cli import app
+from slurmresume.errors import CorruptCheckpointError
+
+INDEX = "rank-00000.index.json"
+
+
+def test_the_manifest_lists_no_tensor_of_any_rank(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1]).close()
+    manifest = json.loads((step_dir(tmp_path, 1) / MANIFEST).read_text())
+    index = json.loads((step_dir(tmp_path, 1) / INDEX).read_text())
+    assert manifest["format"] == "slurmresume/2" and "tensors" not in manifest
+    assert [s["index"] for s in manifest["shards"]] == [INDEX]
+    assert "model/0.weight" in index["tensors"] and index["tensors"]["model/0.weight"]["xxh3"]
+    assert index["rank"] == 0 and index["file"] == manifest["shards"][0]["file"]
+
+
+def _flip(path: Path, offset: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_a_flipped_index_byte_fails_verify_and_restore_falls_back(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1, 2]).close()
+    index = step_dir(tmp_path, 2) / INDEX
+    _flip(index, index.read_bytes().index(b'"xxh3":["') + 10)  # a digit of a block digest
+    info = inspect_dir(2, step_dir(tmp_path, 2), verify=True)
+    assert not info.complete and "tensor index" in (info.problem or "") and "fails its checksum" in info.problem
+    res = CliRunner().invoke(app, ["verify", "--ckpt-dir", str(tmp_path), "--all"], terminal_width=200)
+    assert res.exit_code != 0
+    state = tiny_state(987654)
+    with Checkpointer(tmp_path, handle_signals=False) as ck:
+        assert ck.restore(state) == 1
+    assert model_equal(state["model"], tiny_model(1))
+
+
+def test_a_missing_index_makes_the_step_incomplete(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1, 2]).close()
+    (step_dir(tmp_path, 2) / INDEX).unlink()
+    info = inspect_dir(2, step_dir(tmp_path, 2))
+    assert not info.complete and info.has_marker and not info.unreadable and INDEX in (info.problem or "")
+    state = tiny_state(987654)
+    with Checkpointer(tmp_path, handle_signals=False) as ck:
+        assert ck.restore(state) == 1
+
+
+def test_an_index_of_another_rank_is_refused(tmp_path: Path) -> None:
+    """An index file that matches its digest but claims another rank (or file) is never used."""
+    save_steps(tmp_path, [1]).close()
+    info = inspect_dir(1, step_dir(tmp_path, 1))
+    assert info.manifest is not None
+    shard = {**info.manifest.shards[0], "rank": 1}
+    from slurmresume.checkpoint.rankindex import read_index
+
+    with pytest.raises(CorruptCheckpointError, match="not rank 1's index"):
+        read_index(step_dir(tmp_path, 1), shard)
