@@ -69,3 +69,34 @@ def test_an_index_of_another_rank_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(CorruptCheckpointError, match="not rank 1's index"):
         read_index(step_dir(tmp_path, 1), shard)
+
+
+def _collectives_run(tmp_path: Path, world: int = 3) -> list[dict]:
+    import subprocess
+    import sys
+
+    from helpers.procs import HELPERS, clean_env
+
+    out = tmp_path / "out"
+    out.mkdir()
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                          "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "scale_collectives.py"),
+                          str(out), str(tmp_path / "ck")], env=clean_env(), capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _collectives_run(tmp_path_factory.mktemp("collectives"))
+
+
+def test_the_save_gathers_fixed_records_and_never_all_gathers(collectives: list[dict]) -> None:
+    """3 ranks, a Shard(0) DTensor, a Replicate() one, a replicated and a per-rank plain tensor:
+    no all_gather during the save (the old save all-gathered every rank's tensor index and the
+    digests of every tensor); rank 0 gathers records, the outcome is broadcast."""
+    for r in collectives:
+        assert r["step"] == 1 and r["exact"], r
+        assert not [c for c in r["calls"] if c.startswith("all_gather")], r["calls"]
+        assert "gather" in r["calls"] and "broadcast" in r["calls"]

@@ -61,6 +61,7 @@ from . import ddp, rng
 from .messages import Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
 
 log = logging.getLogger("slurmresume")
+MAX_FAILURES = 4  # load errors every rank receives (the first is the one reported)
 
 
 @dataclass(frozen=True)
@@ -186,9 +187,12 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
 
 
 def _verdict(group: Group, got: Loaded) -> tuple[list[Failure], list[list[int]]]:
-    """Collective: every rank's load error (the verdict) and [bytes read, bytes needed]."""
-    verdicts = group.all_gather_json({"failure": got.failure and got.failure.to_json(), "io": [got.read, got.needed]})
-    return [Failure.from_json(v["failure"]) for v in verdicts if v["failure"]], [v["io"] for v in verdicts]
+    """Collective: the load errors (the verdict: rank 0 gathers each rank's fixed-size record and
+    broadcasts the first few errors) and, on rank 0 only, [bytes read, bytes needed] per rank."""
+    records = group.gather_json({"failure": got.failure and got.failure.to_json(), "io": [got.read, got.needed]})
+    mine = [r["failure"] for r in records if r["failure"]][:MAX_FAILURES] if records is not None else None
+    failures = group.broadcast_json(mine)
+    return [Failure.from_json(f) for f in failures], [r["io"] for r in records] if records is not None else []
 
 
 def pick(root: Path, step: int | None, verify: bool, tried: set[int], allow_fresh: bool, mirror: Any) -> Pick:
