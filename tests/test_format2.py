@@ -100,3 +100,46 @@ def test_the_save_gathers_fixed_records_and_never_all_gathers(collectives: list[
         assert r["step"] == 1 and r["exact"], r
         assert not [c for c in r["calls"] if c.startswith("all_gather")], r["calls"]
         assert "gather" in r["calls"] and "broadcast" in r["calls"]
+
+
+def test_a_same_world_restore_opens_only_its_own_files_and_rank_0s(collectives: list[dict]) -> None:
+    """Placement-aware restore: rank r reads its own shard and index (and rank 0's, where the
+    replicated tensors are stored); only rank 0 checks every file's size. The old code had every
+    rank open every shard after the restore (inspect_dir), and rank 0 read every index."""
+    own = {1: {"rank-00001-of-00003.safetensors", "rank-00001.index.json"},
+           2: {"rank-00002-of-00003.safetensors", "rank-00002.index.json"}}
+    first = {"rank-00000-of-00003.safetensors", "rank-00000.index.json", "manifest.json", "COMMITTED"}
+    for rank in (1, 2):
+        opened = set(collectives[rank]["opens"])
+        assert own[rank] <= opened and opened <= own[rank] | first, (rank, sorted(opened))
+
+
+@pytest.mark.parametrize(("shape", "mesh", "placements"), [
+    ((12, 4), (3,), ("shard:0",)), ((10, 7), (4,), ("shard:1",)), ((2, 5), (4,), ("shard:0",)),
+    ((9, 6), (2, 3), ("shard:0", "shard:1")), ((9, 6), (2, 3), ("replicate", "shard:0")),
+    ((13, 5), (2, 3), ("shard:0", "shard:0")), ((8,), (2, 2), ("replicate", "replicate")),
+])
+def test_holders_match_torchs_placement_rule(shape: tuple, mesh: tuple, placements: tuple) -> None:
+    """Every rank's piece computed by `placement.holders` is the one torch gives its coordinate,
+    and a box is tiled exactly by the pieces found (the lowest rank of replicated coordinates)."""
+    import itertools
+    import math
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from slurmresume.checkpoint.placement import holders
+
+    torch_placements = [Replicate() if p == "replicate" else Shard(int(p[6:])) for p in placements]
+    everything = holders(shape, mesh, placements, (0,) * len(shape), shape)
+    assert sum(math.prod(p.shape) for p in everything) == math.prod(shape)
+    for p in everything:
+        coord = list(itertools.product(*map(range, mesh)))[p.rank]
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh, list(coord), torch_placements)
+        assert (tuple(local), tuple(offset)) == (p.shape, p.offset)
+    box_lo = tuple(d // 3 for d in shape)
+    box = tuple(max(1, d // 2) for d in shape)
+    found = holders(shape, mesh, placements, box_lo, box)
+    assert {p.rank for p in found} == {p.rank for p in everything
+                                       if all(o < bl + b and bl < o + s for o, s, bl, b in zip(p.offset, p.shape,
+                                                                                               box_lo, box))}

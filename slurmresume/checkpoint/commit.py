@@ -180,7 +180,8 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
         if group.rank == 0:  # what the manifest lists once per tensor: rank 0 knows it, nobody sends it
             report["replicated"] = sorted(replicated or ())
             report["sharded"] = {n: {"dtype": index[n]["dtype"], "shape": sp["shape"], "placements": sp["placements"],
-                                     "mesh_shape": sp.get("mesh_shape")} for n, sp in specs.items() if n in index}
+                                     "mesh_shape": sp.get("mesh_shape"), "mesh_arange": bool(sp.get("mesh_arange"))}
+                                 for n, sp in specs.items() if n in index}
         return report
     except Exception as exc:
         error = _describe(exc, d / file)  # before the clean-up frees space or inodes

@@ -210,9 +210,17 @@ class Manifest:
     def sharded(self) -> dict[str, Any]:
         """name -> sharding.Sharded: every saved piece of each DTensor (format 2: from every index)."""
         if self._sharded is None:
-            from .sharding import index_pieces
+            from .placement import arithmetic
+            from .sharding import Sharded, index_pieces
 
-            self._sharded = index_pieces(self.tensors, self.world_size)
+            specs = self.raw.get("sharded") or {}
+            if self.listed is None and all(arithmetic(sp, self.world_size) for sp in specs.values()):
+                # format 2 from one full mesh: pieces by rank arithmetic, no index file read
+                self._sharded = {n: Sharded(n, sp["dtype"], tuple(sp["shape"]), (),
+                                            (tuple(sp["mesh_shape"]), tuple(sp["placements"])))
+                                 for n, sp in specs.items()}
+            else:
+                self._sharded = index_pieces(self.tensors, self.world_size)
         return self._sharded
 
     @property

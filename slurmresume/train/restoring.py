@@ -98,7 +98,8 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
         if group.rank == 0:
             log.info("fresh start: no complete checkpoint under %s", root)
         return None
-    info = inspect_dir(choice.step, Path(choice.path))
+    # rank 0 checked every file's size when it chose; the others read the (small) manifest only
+    info = inspect_dir(choice.step, Path(choice.path)) if group.rank == 0 else _loaded_info(choice)
     if group.rank == 0:
         log.info("restored from step %d (%s) in %.2f s", choice.step, choice.path, time.perf_counter() - started)
         try_append_event(root, "restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID),
@@ -106,6 +107,15 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
                          restore_began_at=restore_began, restore_s=round(time.time() - restore_began, 4),
                          **read_summary(io))
     return info
+
+
+def _loaded_info(choice: RestoreChoice) -> CheckpointInfo:
+    """What a rank other than 0 records of the step it loaded: its manifest, no file opened."""
+    path = Path(choice.path)
+    try:
+        return CheckpointInfo(choice.step, path, True, manifest=read_manifest(path, choice.step))
+    except CheckpointError as exc:  # changed since it loaded: recorded, as inspect_dir would
+        return CheckpointInfo(choice.step, path, True, problem=str(exc))
 
 
 def read_summary(io: list[list[int]], per_rank_up_to: int = 256) -> dict[str, Any]:
