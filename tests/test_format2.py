@@ -128,7 +128,10 @@ def test_holders_match_torchs_placement_rule(shape: tuple, mesh: tuple, placemen
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    from slurmresume.checkpoint.placement import holders
+    from slurmresume.checkpoint.sharding import Sharded
+
+    def holders(shape: tuple, mesh: tuple, placements: tuple, offset: tuple, box: tuple) -> tuple:
+        return Sharded("t", "F32", shape, (), (mesh, placements)).pieces_in(offset, box)
 
     torch_placements = [Replicate() if p == "replicate" else Shard(int(p[6:])) for p in placements]
     everything = holders(shape, mesh, placements, (0,) * len(shape), shape)

@@ -11,7 +11,8 @@ from typing import Any, TypeGuard
 import xxhash
 
 from ..errors import CorruptCheckpointError, UnreadableCheckpointError, UnsafeCheckpointError
-from . import fsio, jsonenc
+from . import jsonenc
+from .bounded import read_bounded as read_bounded  # re-exported: the mirror reads through it
 from .jsonenc import dumps, loads
 from .layout import FORMAT, FORMATS_READ, MANIFEST, MARKER, is_plain_shard_name
 from .rankindex import check_shard_entry
@@ -248,34 +249,6 @@ class Manifest:
             return None
         blocks = {n: t["xxh3"] for n, t in self.rank_tensors(rank).items() if "xxh3" in t}
         return Expected(self.shards[rank]["header_xxh3"], blocks)
-
-
-def read_bounded(path: Path, limit: int, what: str) -> bytes:
-    import os
-    import stat
-
-    label = f"read.{what.replace(' ', '_')}"
-    try:
-        fd = fsio.retry_transient(label, path, lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{what} {path} is missing") from None
-    except OSError as exc:
-        if exc.errno in fsio.TRANSIENT_ERRNOS:
-            raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
-        raise UnsafeCheckpointError(f"refusing {what} {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafeCheckpointError(f"refusing {what} {path}: not a regular file")
-        if st.st_size > limit:  # not corrupt: a bigger file may be a valid step this version cannot read
-            raise UnreadableCheckpointError(f"{what} {path} is {st.st_size} bytes, over this version's read cap "
-                                            f"of {limit} bytes: unreadable by this version (kept, never deleted)")
-        try:
-            return fsio.retry_transient(label, path, lambda: os.pread(fd, limit + 1, 0))
-        except OSError as exc:
-            raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
-    finally:
-        os.close(fd)
 
 
 def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:

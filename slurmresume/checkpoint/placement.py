@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .sharding import Piece, intersect
+Box = tuple[int, tuple[int, ...], tuple[int, ...]]  # (saved rank, global offset, shape)
 
 
 def arithmetic(spec: Any, world: int) -> bool:
@@ -26,7 +26,7 @@ def arithmetic(spec: Any, world: int) -> bool:
 
 
 def holders(shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple[str, ...], offset: tuple[int, ...],
-            box: tuple[int, ...]) -> tuple[Piece, ...]:
+            box: tuple[int, ...]) -> tuple[Box, ...]:
     """Pure: the saved pieces (rank, global offset, shape) that intersect the box (offset, box),
     each held by the lowest rank that holds it. Work grows with the pieces found, not with W."""
     states: list[tuple[tuple[int, ...], list[int], list[int]]] = [((), [0] * len(shape), list(shape))]
@@ -51,9 +51,9 @@ def holders(shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple[str
         states = nxt
     out = []
     for coords, lo, ext in states:
-        if intersect(tuple(lo), tuple(ext), offset, box) is not None:
+        if all(max(a, b) < min(a + n, b + m) for a, n, b, m in zip(lo, ext, offset, box)):
             rank = 0
             for c, n in zip(coords, mesh):
                 rank = rank * n + c
-            out.append(Piece(rank, tuple(lo), tuple(ext)))
+            out.append((rank, tuple(lo), tuple(ext)))
     return tuple(out)

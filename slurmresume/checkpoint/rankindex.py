@@ -20,6 +20,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError
 from . import fsio
+from .bounded import read_bounded
 from .jsonenc import dumps, loads
 from .layout import FORMAT, index_name
 
@@ -41,8 +42,6 @@ def write_index(directory: Path, rank: int, file: str, tensors: dict[str, Any]) 
 def read_index(step_dir: Path, shard: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Rank `shard["rank"]`'s tensor entries {name: info}, after checking the file against the
     digest the manifest records for it (CorruptCheckpointError naming the file otherwise)."""
-    from .manifest import read_bounded
-
     path = step_dir / shard["index"]
     raw = read_bounded(path, MAX_INDEX, "tensor index")
     if len(raw) != shard["index_bytes"] or xxhash.xxh3_64_hexdigest(raw) != shard["index_xxh3"]:

@@ -71,7 +71,7 @@ class Sharded:
             return self.pieces
         from .placement import holders
 
-        return holders(self.shape, self.layout[0], self.layout[1], offset, box)
+        return tuple(Piece(*h) for h in holders(self.shape, self.layout[0], self.layout[1], offset, box))
 
 
 def check_piece(entry: dict[str, Any], world_size: int) -> Piece:
