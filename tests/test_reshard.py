@@ -174,10 +174,10 @@ def test_hostile_manifest_offsets_refused_before_reading(saved: tuple[Path, Path
     assert reshard.STATS["bytes"] == 0
 
 
-@pytest.mark.parametrize("edits,message", [
-    ({1: {"global_offset": [2, 0]}}, "overlap"),
-    ({-1: {"global_shape": [12, 4]}}, "do not cover"),
-    ({0: {"shape": [5, 4]}, 1: {"shape": [3, 4], "global_offset": [5, 0]}}, "does not hold"),  # vs its header
+@pytest.mark.parametrize("edits,message", [  # format 2: each index is checked against the manifest's placements
+    ({1: {"global_offset": [2, 0]}}, "disagrees with the placements"),  # (format 1: "overlap")
+    ({-1: {"global_shape": [12, 4]}}, "disagree"),  # (format 1: "do not cover")
+    ({0: {"shape": [5, 4]}, 1: {"shape": [3, 4], "global_offset": [5, 0]}}, "disagrees with the placements"),
 ])
 def test_inconsistent_pieces_refused_at_read(saved: tuple[Path, Path], tmp_path: Path, edits: dict,
                                              message: str) -> None:

@@ -188,9 +188,11 @@ class Manifest:
         if self.listed is not None:
             return {t["name"]: t for t in self.listed if t.get("rank") == rank}
         if rank not in self._indexes:
-            from .rankindex import read_index
+            from .rankindex import check_pieces, read_index
 
-            self._indexes[rank] = read_index(self.directory, self.shards[rank])
+            entries = read_index(self.directory, self.shards[rank])
+            check_pieces(entries, rank, self.world_size, self.raw.get("sharded") or {})
+            self._indexes[rank] = entries
         return self._indexes[rank]
 
     @property

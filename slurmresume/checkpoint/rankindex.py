@@ -59,6 +59,34 @@ def read_index(step_dir: Path, shard: dict[str, Any]) -> dict[str, dict[str, Any
     return tensors
 
 
+def check_pieces(entries: dict[str, dict[str, Any]], rank: int, world: int, specs: dict[str, Any]) -> None:
+    """The DTensor pieces of rank `rank`'s index: each a box inside its global shape that agrees
+    with the manifest's spec of its tensor (dtype, global shape) and, where the manifest places
+    pieces by arithmetic, one that the placements give. CorruptCheckpointError otherwise: a
+    restore that reads this rank refuses before a byte of its data is used."""
+    from .placement import arithmetic, holders
+    from .sharding import check_piece
+
+    for name, info in entries.items():
+        if "global_offset" not in info and "global_shape" not in info:
+            continue
+        piece = check_piece({"name": name, "rank": rank, **info}, world)
+        spec = specs.get(name)
+        if spec is None:
+            continue
+        if info.get("dtype") != spec.get("dtype") or list(info.get("global_shape") or ()) != spec.get("shape"):
+            raise CorruptCheckpointError(f"pieces of tensor {name!r} disagree: rank {rank}'s index says "
+                                         f"{info.get('dtype')} {info.get('global_shape')}, the manifest "
+                                         f"{spec.get('dtype')} {spec.get('shape')}")
+        if arithmetic(spec, world) and not any(
+                (lo, ext) == (piece.offset, piece.shape)
+                for _, lo, ext in holders(tuple(spec["shape"]), tuple(spec["mesh_shape"]), tuple(spec["placements"]),
+                                          piece.offset, piece.shape)):
+            raise CorruptCheckpointError(f"tensor {name!r}: rank {rank}'s piece at {list(piece.offset)} of shape "
+                                         f"{list(piece.shape)} disagrees with the placements {spec['placements']} "
+                                         "in the manifest")
+
+
 def check_shard_entry(s: dict[str, Any], rank: int) -> str | None:
     """Why format 2's index fields of manifest shard entry `rank` are malformed, else None."""
     if s.get("index") != index_name(rank):

@@ -180,6 +180,22 @@ def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[s
     return out
 
 
+def source_ranks(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> set[int]:
+    """The saved ranks whose shards hold this rank's boxes of `where` (their index files are read,
+    and checked, before any data)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out: set[int] = set()
+    for name, target in where.items():
+        tensor = index[name]
+        shape, offset = tuple(tensor.shape), (0,) * len(tensor.shape)
+        if target.mesh is not None:
+            shape, offset = compute_local_shape_and_global_offset(tensor.shape, target.mesh, target.placements)
+        if math.prod(shape):
+            out.update(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
+    return out
+
+
 def staging_bytes(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> int:
     """Bytes of fresh memory a staged `load_sharded` of `where` takes (this rank's boxes)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
