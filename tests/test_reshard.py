@@ -69,7 +69,7 @@ def test_manifest_records_global_offsets(saved: tuple[Path, Path]) -> None:
     pieces = {(n, r): {**t, "replicated": r == 0 and n in manifest["replicated"]} for r in (0, 1)
               for n, t in json.loads((saved[1] / STEP / f"rank-0000{r}.index.json").read_text())["tensors"].items()}
     assert manifest["sharded"]["model/0.weight"] == {"dtype": "F32", "shape": [32, 16], "placements": ["shard:0"],
-                                                    "mesh_shape": [2]}
+                                                    "mesh_shape": [2], "mesh_arange": True}
     assert pieces["model/0.weight", 0]["global_offset"] == [0, 0]
     assert pieces["model/0.weight", 1]["global_offset"] == [16, 0]
     assert pieces["model/0.weight", 1]["shape"] == [16, 16] and pieces["model/0.weight", 1]["global_shape"] == [32, 16]
