@@ -31,7 +31,7 @@ pytestmark = pytest.mark.xdist_group("core_crash")
 KILL_LABELS = [
     "write.inprogress", "fsync.inprogress", "rename.inprogress", "fsyncdir.inprogress",
     "fsyncdir.root", "write.shard.header", "write.shard.data", "fsync.shard", "rename.shard",
-    "fsyncdir.step", "write.manifest", "fsync.manifest", "rename.manifest", "fsyncdir.manifest",
+    "write.index", "fsync.index", "rename.index", "fsyncdir.step", "write.manifest", "fsync.manifest", "rename.manifest", "fsyncdir.manifest",
     "write.marker", "fsync.marker", "rename.marker", "fsyncdir.marker", "unlink.inprogress",
     "rename.publish",
 ]
@@ -156,7 +156,7 @@ def test_kill_in_a_fresh_process_via_environment(tmp_path: Path, traced_save: li
     assert find_latest(root).step == 1
     assert not step_dir(root, 2).exists()
     [(_, partial)] = saving_dirs(root)
-    assert sorted(os.listdir(partial)) == sorted([MARKER, MANIFEST, shard_name(0, 1)])
+    assert sorted(os.listdir(partial)) == sorted([MARKER, MANIFEST, shard_name(0, 1), "rank-00000.index.json"])
 
 
 def test_injected_io_error_fails_the_save_cleanly(tmp_path: Path, traced_save: list[list[str]]) -> None:
