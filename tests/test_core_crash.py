@@ -129,7 +129,7 @@ def test_kill_mid_save_falls_back_then_resave_replaces(
     # leaves the killed save's directory alone.
     caplog.clear()
     assert save_steps(root, [2]).last_saved_step == 2
-    assert sorted(os.listdir(step_dir(root, 2))) == sorted([MARKER, MANIFEST, shard_name(0, 1)])
+    assert sorted(os.listdir(step_dir(root, 2))) == sorted([MARKER, MANIFEST, shard_name(0, 1), "rank-00000.index.json"])
     assert [p.name for p in root.iterdir() if p.name.startswith(".deleting.")] == []
     assert saving_dirs(root) == [(2, partial)]
     info = inspect_dir(2, step_dir(root, 2), verify=True)
