@@ -80,7 +80,7 @@ def report(model: str, world: int, rank: int, params: list) -> dict:
            "pinned": False, "tensors": tensors, "error": None}  # "tensors": the rank's index file
     if rank == 0:  # the per-tensor section only rank 0 sends itself
         out["sharded"] = {n: {"dtype": "F32", "shape": t["global_shape"], "placements": ["shard:0"],
-                              "mesh_shape": [world]} for n, t in tensors.items()}
+                              "mesh_shape": [world], "mesh_arange": True} for n, t in tensors.items()}
         out["replicated"] = []
     return out
 
