@@ -28,12 +28,14 @@ import sys
 import time
 from pathlib import Path
 
+import xxhash
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slurmresume.checkpoint.jsonenc import dumps, loads  # noqa: E402
-from slurmresume.checkpoint.layout import shard_name  # noqa: E402
+from slurmresume.checkpoint.layout import FORMAT, index_name, shard_name  # noqa: E402
 from slurmresume.checkpoint.manifest import MAX_MANIFEST, build_manifest, validate_manifest  # noqa: E402
 from slurmresume.checkpoint.shard import VERIFY_BLOCK  # noqa: E402
-from slurmresume.checkpoint.sharding import cover  # noqa: E402
+from slurmresume.checkpoint.sharding import cover, index_pieces  # noqa: E402
 
 # (hidden, layers, ffn, vocab, kv width): Llama-2 7B and Llama-3 70B shapes
 MODELS = {"7B": (4096, 32, 11008, 32000, 4096), "70B": (8192, 80, 28672, 128256, 1024)}
@@ -71,8 +73,16 @@ def report(model: str, world: int, rank: int, params: list) -> dict:
             tensors[name] = {"dtype": "F32", "shape": list(local), "xxh3": [digest] * -(-nbytes // VERIFY_BLOCK),
                              "global_shape": list(shape), "global_offset": [off] + [0] * (len(shape) - 1)}
             total += nbytes
-    return {"rank": rank, "file": shard_name(rank, world), "bytes": total, "xxh3": digest, "header_xxh3": digest,
-            "tensors": tensors, "replicated": [], "error": None}
+    file = shard_name(rank, world)
+    index = dumps({"format": FORMAT, "rank": rank, "file": file, "tensors": tensors}).encode()
+    out = {"rank": rank, "file": file, "bytes": total, "xxh3": digest, "header_xxh3": digest,
+           "index": index_name(rank), "index_bytes": len(index), "index_xxh3": xxhash.xxh3_64_hexdigest(index),
+           "pinned": False, "tensors": tensors, "error": None}  # "tensors": the rank's index file
+    if rank == 0:  # the per-tensor section only rank 0 sends itself
+        out["sharded"] = {n: {"dtype": "F32", "shape": t["global_shape"], "placements": ["shard:0"],
+                              "mesh_shape": [world], "mesh_arange": True} for n, t in tensors.items()}
+        out["replicated"] = []
+    return out
 
 
 def timed(fn, repeats: int = 3) -> float:  # noqa: ANN001
@@ -90,8 +100,11 @@ def measure(model: str, world: int) -> dict:
     manifest = build_manifest(1, reports, {"loss": 1.0}, None)
     raw = dumps(manifest).encode()
     encode_s = timed(lambda: dumps(manifest).encode(), 1)
-    parsed = validate_manifest(loads(raw, "m"), Path("/nonexistent/step_000000001"), 1)
+    validate_manifest(loads(raw, "m"), Path("/nonexistent/step_000000001"), 1)
     parse_s = timed(lambda: validate_manifest(loads(raw, "m"), Path("/x/step_000000001"), 1), 1)
+    # the restore plan over every rank's pieces (format 2 keeps them in the ranks' index files)
+    sharded = index_pieces([{"name": n, "rank": r["rank"], **t} for r in reports for n, t in r["tensors"].items()],
+                           world)
     rank = world // 2
 
     def plan() -> None:
@@ -99,10 +112,11 @@ def measure(model: str, world: int) -> dict:
             off, rows = chunk0(shape[0], world, rank)
             for m in MOMENTS:
                 name = f"model/{pname}" if m == "param" else f"optim/state/{pname}/{m}"
-                cover(parsed.sharded[name], (off, *([0] * (len(shape) - 1))), (rows, *shape[1:]))
+                cover(sharded[name], (off, *([0] * (len(shape) - 1))), (rows, *shape[1:]))
 
     plan_s = timed(plan, 1)
-    return {"entries": len(manifest["tensors"]), "manifest_bytes": len(raw), "encode_s": encode_s,
+    return {"entries": sum(len(r["tensors"]) for r in reports), "manifest_bytes": len(raw),
+            "index_bytes_per_rank": max(r["index_bytes"] for r in reports), "encode_s": encode_s,
             "parse_s": parse_s, "plan_one_rank_s": plan_s, "measured": True}
 
 
@@ -167,12 +181,14 @@ def main() -> None:
                 w0, m0 = last
                 k = world / w0
                 m = {"entries": m0["entries"] * k, "manifest_bytes": m0["manifest_bytes"] * k,
+                     "index_bytes_per_rank": m0["index_bytes_per_rank"],
                      "encode_s": m0["encode_s"] * k, "parse_s": m0["parse_s"] * k,
                      "plan_one_rank_s": m0["plan_one_rank_s"] * k, "measured": False}
             rows.append(model_row(model, world, m, args.rank_gbps, args.fs_gbps))
             r = rows[-1]
             print(f"{model:>4s} {world:5d} ranks: {r['bytes_per_rank'] / 1e9:8.2f} GB/rank, "
-                  f"{r['entries']:>10,.0f} entries, manifest {r['manifest_bytes'] / 2**20:8.1f} MiB"
+                  f"{r['entries']:>10,.0f} entries, manifest {r['manifest_bytes']:,.0f} B "
+                  f"+ {r['index_bytes_per_rank']:,.0f} B index per rank"
                   f"{' (OVER the 64 MiB limit)' if r['over_manifest_limit'] else ''}, encode {r['encode_s']:.2f} s, "
                   f"parse {r['parse_s']:.2f} s, plan one rank {r['plan_one_rank_s']:.2f} s, "
                   f"save ~{r['save_s']:.1f} s, restore ~{r['restore_s']:.1f} s"

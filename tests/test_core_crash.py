@@ -31,6 +31,7 @@ pytestmark = pytest.mark.xdist_group("core_crash")
 KILL_LABELS = [
     "write.inprogress", "fsync.inprogress", "rename.inprogress", "fsyncdir.inprogress",
     "fsyncdir.root", "write.shard.header", "write.shard.data", "fsync.shard", "rename.shard",
+    "write.index", "fsync.index", "rename.index",
     "write.manifest", "fsync.manifest", "rename.manifest", "fsyncdir.manifest",
     "write.marker", "fsync.marker", "rename.marker", "fsyncdir.marker", "unlink.inprogress",
     "fsyncdir.step", "rename.publish",
@@ -130,7 +131,7 @@ def test_kill_mid_save_falls_back_then_resave_replaces(
     # leaves the killed save's directory alone.
     caplog.clear()
     assert save_steps(root, [2]).last_saved_step == 2
-    assert sorted(os.listdir(step_dir(root, 2))) == sorted([MARKER, MANIFEST, shard_name(0, 1)])
+    assert sorted(os.listdir(step_dir(root, 2))) == sorted([MARKER, MANIFEST, shard_name(0, 1), "rank-00000.index.json"])
     assert [p.name for p in root.iterdir() if p.name.startswith(".deleting.")] == []
     assert saving_dirs(root) == [(2, partial)]
     info = inspect_dir(2, step_dir(root, 2), verify=True)
@@ -157,7 +158,7 @@ def test_kill_in_a_fresh_process_via_environment(tmp_path: Path, traced_save: li
     assert find_latest(root).step == 1
     assert not step_dir(root, 2).exists()
     [(_, partial)] = saving_dirs(root)
-    assert sorted(os.listdir(partial)) == sorted([MARKER, MANIFEST, shard_name(0, 1)])
+    assert sorted(os.listdir(partial)) == sorted([MARKER, MANIFEST, shard_name(0, 1), "rank-00000.index.json"])
 
 
 def test_injected_io_error_fails_the_save_cleanly(tmp_path: Path, traced_save: list[list[str]]) -> None:

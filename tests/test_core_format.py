@@ -73,11 +73,15 @@ def test_shard_is_stock_safetensors_and_equals_state_dict(tmp_path: Path) -> Non
 
     # layout and manifest
     assert d == step_dir(tmp_path, 7) and d.name == "step_000000007"
-    assert sorted(os.listdir(d)) == sorted([MARKER, MANIFEST, shard_name(0, 1)])
+    assert sorted(os.listdir(d)) == sorted([MARKER, MANIFEST, shard_name(0, 1), "rank-00000.index.json"])
     m = read_manifest(d, 7)
-    assert m.raw["format"] == FORMAT and m.world_size == 1 and m.metrics == {"loss": 1.25}
+    assert m.raw["format"] == FORMAT == "slurmresume/2" and m.world_size == 1 and m.metrics == {"loss": 1.25}
+    index_raw = (d / "rank-00000.index.json").read_bytes()
     assert m.shards == [{"file": "rank-00000-of-00001.safetensors", "rank": 0, "bytes": len(raw),
-                         "xxh3": m.shards[0]["xxh3"], "header_xxh3": m.shards[0]["header_xxh3"]}]
+                         "xxh3": m.shards[0]["xxh3"], "header_xxh3": m.shards[0]["header_xxh3"],
+                         "index": "rank-00000.index.json", "index_bytes": len(index_raw),
+                         "index_xxh3": xxhash.xxh3_64_hexdigest(index_raw)}]
+    assert "tensors" not in m.raw and m.raw["sharded"] == {} and m.raw["elastic"] is False
     index = {t["name"]: t for t in m.tensors}
     assert set(index) == set(loaded)
     assert index["model/0.weight"] == {"name": "model/0.weight", "rank": 0, "dtype": "F32", "shape": [7, 5],

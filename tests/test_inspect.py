@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.core import rewrite_manifest, shard, tiny_model
+from helpers.core import rewrite_index, rewrite_manifest, shard, tiny_model
 from helpers.procs import REPO
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -147,10 +147,10 @@ def test_refuses_what_is_not_committed(root):
 
 
 def test_a_manifest_index_that_disagrees_with_the_header(root):
-    rewrite_manifest(root / step_dir_name(7), lambda m: m["tensors"][0].update(shape=[1, 2, 3]))
+    rewrite_index(root / step_dir_name(7), 0, lambda t: next(iter(t.values())).update(shape=[1, 2, 3]))
     with pytest.raises(CorruptCheckpointError, match="disagrees with its shard header"):
         inspect_checkpoint(*locate("7", root))
-    rewrite_manifest(root / step_dir_name(7), lambda m: m["tensors"][0].update(rank=-1))
+    rewrite_index(root / step_dir_name(7), 0, lambda t: t.update(ghost=t.pop(next(iter(t)))))
     with pytest.raises(CorruptCheckpointError, match="names no tensor of its shard"):
         inspect_checkpoint(*locate("7", root))
 
@@ -158,7 +158,7 @@ def test_a_manifest_index_that_disagrees_with_the_header(root):
 def test_a_header_tensor_missing_from_the_manifest_index(root):
     """--tensors reads every tensor of the header: one the index does not list is refused by
     name (it used to raise KeyError out of inspect)."""
-    rewrite_manifest(root / step_dir_name(7), lambda m: m["tensors"].pop(0))
+    rewrite_index(root / step_dir_name(7), 0, lambda t: t.pop(next(iter(t))))
     with pytest.raises(CorruptCheckpointError, match="that the manifest's tensor index does not list"):
         inspect_checkpoint(*locate("7", root), tensors=True)
 

@@ -44,8 +44,11 @@ MESSAGES = [
     PrepareDecision("write", ".saving.step_000000003.abcdef0123456789", True),
     PrepareDecision("skip"),
     PrepareDecision("error", error="no space left on device"),
-    WriteReport(0, "rank-00000-of-00002.safetensors", 1234, "ab" * 8, "cd" * 8,
-                {"model.w": {"dtype": "F32", "shape": [2, 2], "offsets": [0, 16]}}, ("model.b",)),
+    WriteReport(0, "rank-00000-of-00002.safetensors", 1234, "ab" * 8, "cd" * 8, "rank-00000.index.json", 321,
+                "ef" * 8, True, sharded={"model.w": {"dtype": "F32", "shape": [4, 2], "placements": ["shard:0"]}},
+                replicated=("model.b",)),
+    WriteReport(1, "rank-00001-of-00002.safetensors", 1234, "ab" * 8, "cd" * 8, "rank-00001.index.json", 321,
+                "ef" * 8),
     WriteReport(1, "rank-00001-of-00002.safetensors", error="permission denied writing /x"),
     SaveOutcome(True, "/ckpt/step_000000003"),
     SaveOutcome(False, error="disk quota exceeded"),
@@ -93,6 +96,13 @@ def test_the_typed_messages_carry_exactly_what_commit_writes_and_reads(tmp_path:
     assert WriteReport.from_json(report).to_json() == report  # build_manifest reads the same dict
     outcome = _commit.commit(tmp_path, 5, [WriteReport.from_json(report).to_json()], None, None, into=decision["dir"])
     assert SaveOutcome.from_json(outcome) == SaveOutcome(True, str(tmp_path / "step_000000005"))
+
+
+def test_a_record_that_crosses_ranks_is_fixed_size() -> None:
+    """What a rank sends rank 0 after its write has no per-tensor part (rank 0 keeps its own)."""
+    full = MESSAGES[4]
+    assert isinstance(full, WriteReport)
+    assert "sharded" not in full.record() and "replicated" not in full.record() and len(json.dumps(full.record())) < 400
 
 
 def test_save_collective_on_a_world_of_one_commits_then_skips(tmp_path: Path) -> None:

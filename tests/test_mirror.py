@@ -47,7 +47,8 @@ def test_upload_then_download_round_trip(s3, url: str, tmp_path: Path) -> None:
     assert result.action == "uploaded"
     attempt = s3.head_object(Bucket=loc.bucket, Key=loc.key(5, MARKER))["Metadata"]["slurmresume-objects"]
     assert keys(s3, url) == [f"{step_dir_name(5)}/{n}" for n in ("COMMITTED", f"{attempt}/manifest.json",
-                                                                  f"{attempt}/rank-00000-of-00001.safetensors")]
+                                                                  f"{attempt}/rank-00000-of-00001.safetensors",
+                                                                  f"{attempt}/rank-00000.index.json")]
     assert upload_step(s3, loc, src / step_dir_name(5), 5).action == "present"  # idempotent
     info = remote.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 5 and info.verified

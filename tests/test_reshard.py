@@ -65,8 +65,11 @@ def baseline(saved: tuple[Path, Path]) -> list[str]:
 
 @pytest.mark.slow
 def test_manifest_records_global_offsets(saved: tuple[Path, Path]) -> None:
-    manifest = json.loads((saved[1] / STEP / "manifest.json").read_text())
-    pieces = {(t["name"], t["rank"]): t for t in manifest["tensors"]}
+    manifest = json.loads((saved[1] / STEP / "manifest.json").read_text())  # format 2: each rank's own index
+    pieces = {(n, r): {**t, "replicated": r == 0 and n in manifest["replicated"]} for r in (0, 1)
+              for n, t in json.loads((saved[1] / STEP / f"rank-0000{r}.index.json").read_text())["tensors"].items()}
+    assert manifest["sharded"]["model/0.weight"] == {"dtype": "F32", "shape": [32, 16], "placements": ["shard:0"],
+                                                    "mesh_shape": [2], "mesh_arange": True}
     assert pieces["model/0.weight", 0]["global_offset"] == [0, 0]
     assert pieces["model/0.weight", 1]["global_offset"] == [16, 0]
     assert pieces["model/0.weight", 1]["shape"] == [16, 16] and pieces["model/0.weight", 1]["global_shape"] == [32, 16]
@@ -134,12 +137,17 @@ def test_restore_without_dtensors_in_state_gives_global_tensors(saved: tuple[Pat
 
 
 def _edit(root: Path, name: str, edits: dict[int, dict]) -> None:
-    """Change the manifest entries of `name` ({rank: changes}, rank -1: every rank), re-mark."""
+    """Change the index entries of `name` ({rank: changes}, rank -1: every rank), re-seal the
+    index digests in the manifest and the manifest's in the marker."""
     d = root / STEP
     manifest = json.loads((d / "manifest.json").read_text())
-    for t in manifest["tensors"]:
-        if t["name"] == name:
-            t.update({**edits.get(-1, {}), **edits.get(t["rank"], {})})
+    for rank, shard in enumerate(manifest["shards"]):
+        index = json.loads((d / shard["index"]).read_text())
+        if name in index["tensors"]:
+            index["tensors"][name].update({**edits.get(-1, {}), **edits.get(rank, {})})
+        raw = json.dumps(index).encode()
+        (d / shard["index"]).write_bytes(raw)
+        shard.update(index_bytes=len(raw), index_xxh3=xxhash.xxh3_64_hexdigest(raw))
     raw = json.dumps(manifest).encode()
     (d / "manifest.json").write_bytes(raw)
     (d / "COMMITTED").write_text(json.dumps({"step": 3, "manifest_xxh3": xxhash.xxh3_64_hexdigest(raw)}))
@@ -154,8 +162,7 @@ def _edit(root: Path, name: str, edits: dict[int, dict]) -> None:
     (1, {"global_offset": [4]}, "different numbers of dimensions"),
     (1, {"global_shape": [8, 1 << 41]}, "non-negative integers"),
     (1, {"global_shape": [9, 4]}, "disagree"),
-    (1, {"rank": 7}, "not one of the 2 saving ranks"),
-])
+])  # (format 1's "rank" field of an entry, pointing at another rank, has no format-2 counterpart)
 def test_hostile_manifest_offsets_refused_before_reading(saved: tuple[Path, Path], tmp_path: Path, rank: int,
                                                          changes: dict, message: str) -> None:
     root = tmp_path / "ck"
@@ -167,10 +174,10 @@ def test_hostile_manifest_offsets_refused_before_reading(saved: tuple[Path, Path
     assert reshard.STATS["bytes"] == 0
 
 
-@pytest.mark.parametrize("edits,message", [
-    ({1: {"global_offset": [2, 0]}}, "overlap"),
-    ({-1: {"global_shape": [12, 4]}}, "do not cover"),
-    ({0: {"shape": [5, 4]}, 1: {"shape": [3, 4], "global_offset": [5, 0]}}, "does not hold"),  # vs its header
+@pytest.mark.parametrize("edits,message", [  # format 2: each index is checked against the manifest's placements
+    ({1: {"global_offset": [2, 0]}}, "disagrees with the placements"),  # (format 1: "overlap")
+    ({-1: {"global_shape": [12, 4]}}, "disagree"),  # (format 1: "do not cover")
+    ({0: {"shape": [5, 4]}, 1: {"shape": [3, 4], "global_offset": [5, 0]}}, "disagrees with the placements"),
 ])
 def test_inconsistent_pieces_refused_at_read(saved: tuple[Path, Path], tmp_path: Path, edits: dict,
                                              message: str) -> None:

@@ -11,6 +11,7 @@ from slurmresume.checkpoint import fsio
 from slurmresume.checkpoint.jsonenc import dumps
 from slurmresume.checkpoint.layout import MANIFEST, MARKER, shard_name
 from slurmresume.checkpoint.manifest import build_manifest, marker_bytes, read_manifest
+from slurmresume.checkpoint.rankindex import write_index
 from slurmresume.checkpoint.sharding import cover
 
 WORLD = 4096
@@ -24,21 +25,26 @@ def _chunk0(dim0: int, rank: int) -> tuple[int, int]:
     return start, max(0, min(size, dim0 - start))
 
 
-def _report(rank: int) -> dict:
+def _report(d: Path, rank: int) -> dict:
     tensors = {}
     for pname, shape in PARAMS.items():
         off, rows = _chunk0(shape[0], rank)
         for m in ("model", "exp_avg", "exp_avg_sq"):
             tensors[f"{m}/{pname}"] = {"dtype": "F32", "shape": [rows, *shape[1:]], "xxh3": [DIGEST],
                                        "global_shape": list(shape), "global_offset": [off] + [0] * (len(shape) - 1)}
-    return {"rank": rank, "file": shard_name(rank, WORLD), "bytes": 4096, "xxh3": DIGEST, "header_xxh3": DIGEST,
-            "tensors": tensors, "replicated": [], "error": None}
+    own = write_index(d, rank, shard_name(rank, WORLD), tensors)  # format 2: the rank's own index file
+    out = {"rank": rank, "file": shard_name(rank, WORLD), "bytes": 4096, "xxh3": DIGEST, "header_xxh3": DIGEST,
+           **own, "pinned": False, "error": None}
+    if rank == 0:
+        out["sharded"] = {n: {"dtype": "F32", "shape": t["global_shape"], "placements": ["shard:0"],
+                              "mesh_shape": [WORLD]} for n, t in tensors.items()}
+    return out
 
 
 def test_4096_rank_manifest_parses_and_plans(tmp_path: Path) -> None:
     d = tmp_path / "step_000000001"
     d.mkdir()
-    raw = dumps(build_manifest(1, [_report(r) for r in range(WORLD)], None, None)).encode()
+    raw = dumps(build_manifest(1, [_report(d, r) for r in range(WORLD)], None, None)).encode()
     fsio.write_durable(d / MANIFEST, raw, "manifest")
     fsio.write_durable(d / MARKER, marker_bytes(1, raw), "marker")
 

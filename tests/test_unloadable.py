@@ -1,7 +1,7 @@
 """Never commit what cannot be loaded; never call "corrupt" what this version merely cannot read.
 
 - Save: rank 0 checks the manifest and the marker (and each rank its shard header) against every
-  reader cap before the marker; over a cap, the save fails with one line naming ranks x tensors
+  reader cap before the marker; over a cap, the save fails with one line naming ranks and tensors
   and the cap, and nothing is committed (no step directory, no private save directory left).
 - Read: a step written by a newer slurmresume (format 2 here, this version reads 1) or over a
   read cap is "unreadable by this version": `latest`/`status`/`verify`/`inspect` say so,
@@ -30,7 +30,8 @@ from slurmresume import Checkpointer
 from slurmresume.checkpoint import commit, manifest, shard
 from slurmresume.checkpoint.collective import Group
 from slurmresume.checkpoint.layout import MANIFEST, MARKER, SAVING_PREFIX, step_dir_name
-from slurmresume.checkpoint.manifest import over_cap
+from slurmresume.checkpoint.manifest import over_cap, read_manifest
+from slurmresume.checkpoint.rankindex import write_index
 from slurmresume.checkpoint.state import flatten
 from slurmresume.checkpoint.store import find_latest, inspect_dir, newest_committed
 from slurmresume.cli import app
@@ -40,7 +41,7 @@ from slurmresume.job.launcher import Relay, decide, run_torchrun
 from slurmresume.retention import RetentionPolicy, apply_policy, execute
 from slurmresume.tools import status as status_mod
 
-NEWER = "written by a newer slurmresume (format 2; this reads 1): upgrade"
+NEWER = "written by a newer slurmresume (format 3; this reads 2): upgrade"
 ENV = {"COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1", "SLURMRESUME_CKPT_DIR": ""}
 
 
@@ -57,7 +58,7 @@ def _leftovers(root: Path) -> list[str]:
 @pytest.mark.parametrize(("sizes", "says"), [
     ((100, 50, 3, 7), None),
     ((64 << 20, 4096, 512, 291), None),  # exactly at both caps: readable
-    (((64 << 20) + 1, 50, 512, 291), "512 ranks x 291 tensors per rank"),
+    (((64 << 20) + 1, 50, 512, 291), "512 ranks, 291 tensors listed once"),
     ((100, 4097, 3, 7), "marker read cap"),
 ])
 def test_over_cap_is_a_pure_table(sizes: tuple[int, int, int, int], says: str | None) -> None:
@@ -86,7 +87,7 @@ def test_save_over_the_manifest_cap_commits_nothing(tmp_path: Path, monkeypatch:
 
     assert outcome["ok"] is False
     error = outcome["error"]
-    assert "3 ranks x" in error and "tensors per rank" in error and "600-byte manifest read cap" in error, error
+    assert "3 ranks," in error and "tensors listed once" in error and "600-byte manifest read cap" in error, error
     assert "\n" not in error
     assert not (root / step_dir_name(2)).exists() and _leftovers(root) == []
     with pytest.raises(SaveError, match="nothing committed: the manifest of step 2"):
@@ -95,34 +96,41 @@ def test_save_over_the_manifest_cap_commits_nothing(tmp_path: Path, monkeypatch:
     assert find_latest(root).step == 1  # type: ignore[union-attr]
 
 
-def test_a_512_rank_7b_shaped_manifest_is_refused_at_the_real_cap(tmp_path: Path) -> None:
-    """The issue's case, at the real 64 MiB cap: 512 ranks x 873 tensor entries (a 7B model's 291
-    parameters and both Adam moments, FSDP2 Shard(0)) make a ~90 MiB manifest. The old code
-    committed it and could never load it; now the commit refuses before the marker."""
+def test_a_512_rank_7b_shaped_checkpoint_commits_under_the_real_cap(tmp_path: Path) -> None:
+    """The issue's case, at the real 64 MiB cap: 512 ranks x 873 tensors (a 7B model's 291
+    parameters and both Adam moments, FSDP2 Shard(0)) made a ~90 MiB format-1 manifest: the
+    commit was refused (item 1). Format 2 lists ranks and tensors, not their product: it commits,
+    a small manifest, and one rank's entries come from that rank's index file alone."""
     world, digest = 512, "0123456789abcdef"
     names = [f"{kind}/layers.{i // 9}.w{i % 9}" for kind in ("model", "exp_avg", "exp_avg_sq") for i in range(291)]
+    root = tmp_path / "ckpt"
+    decision = commit.prepare(root, 5)
+    d = root / decision["dir"]
 
     def report(rank: int) -> dict:
         tensors = {n: {"dtype": "F32", "shape": [8, 4096], "xxh3": [digest], "global_shape": [8 * world, 4096],
                        "global_offset": [8 * rank, 0]} for n in names}
-        return {"rank": rank, "file": f"rank-{rank:05d}-of-{world:05d}.safetensors", "bytes": 4096,
-                "xxh3": digest, "header_xxh3": digest, "tensors": tensors, "replicated": [], "error": None}
+        file = f"rank-{rank:05d}-of-{world:05d}.safetensors"
+        (d / file).write_bytes(b"\0" * 4096)
+        return {"rank": rank, "file": file, "bytes": 4096, "xxh3": digest, "header_xxh3": digest,
+                **write_index(d, rank, file, tensors), "pinned": False, "error": None,
+                **({"sharded": {n: {"dtype": "F32", "shape": [8 * world, 4096], "placements": ["shard:0"],
+                                    "mesh_shape": [world]} for n in names}} if rank == 0 else {})}
 
-    root = tmp_path / "ckpt"
-    decision = commit.prepare(root, 5)
     outcome = commit.commit(root, 5, [report(r) for r in range(world)], None, None, into=decision["dir"])
-    assert outcome["ok"] is False
-    assert f"512 ranks x {len(names)} tensors per rank" in outcome["error"], outcome["error"]
-    assert f"{64 << 20}-byte manifest read cap" in outcome["error"]
-    assert not (root / step_dir_name(5)).exists() and _leftovers(root) == []
+    assert outcome["ok"] is True, outcome
+    m = read_manifest(root / step_dir_name(5), 5)
+    assert (root / step_dir_name(5) / MANIFEST).stat().st_size < 1 << 20 and m.world_size == world
+    assert len(m.rank_tensors(511)) == len(names) and list(m._indexes) == [511]
+    assert inspect_dir(5, root / step_dir_name(5)).complete
 
 
 def test_checkpointer_save_over_a_cap_raises_and_keeps_the_previous(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "ckpt"
     ckpt = save_steps(root, [1])
-    monkeypatch.setattr(manifest, "MAX_MANIFEST", 500)
-    with pytest.raises(SaveError, match=r"1 ranks x \d+ tensors per rank.*500-byte manifest read cap"):
+    monkeypatch.setattr(manifest, "MAX_MANIFEST", 200)
+    with pytest.raises(SaveError, match=r"1 ranks, \d+ tensors listed once.*200-byte manifest read cap"):
         ckpt.save(2, tiny_state(2))
     ckpt.close()
     monkeypatch.undo()
@@ -144,13 +152,13 @@ def test_shard_header_over_the_read_cap_commits_nothing(tmp_path: Path, monkeypa
 # -- 2. unreadable by this version, never corrupt -------------------------------------------------
 
 def _newer_manifest(d: Path) -> None:
-    rewrite_manifest(d, lambda m: m.update(format="slurmresume/2"))
+    rewrite_manifest(d, lambda m: m.update(format="slurmresume/3"))
 
 
 def _newer_marker(d: Path) -> None:
     """A newer release may change what the marker pins: its format says so before anything else."""
-    (d / MARKER).write_text(json.dumps({"step": 2, "format": "slurmresume/2", "index_xxh3": "0" * 16}))
-    (d / MANIFEST).write_text('{"format": "slurmresume/2", "shards": "elsewhere"}')
+    (d / MARKER).write_text(json.dumps({"step": 2, "format": "slurmresume/3", "index_xxh3": "0" * 16}))
+    (d / MANIFEST).write_text('{"format": "slurmresume/3", "shards": "elsewhere"}')
 
 
 @pytest.fixture(params=["manifest", "marker"])
@@ -171,7 +179,7 @@ def test_newer_format_is_unreadable_not_corrupt(newer_root: Path) -> None:
     info = inspect_dir(2, step_dir(newer_root, 2))
     assert info.unreadable and not info.complete
     assert NEWER in (info.problem or "")
-    with pytest.raises(UnreadableCheckpointError, match=r"format 2; this reads 1\): upgrade"):
+    with pytest.raises(UnreadableCheckpointError, match=r"format 3; this reads 2\): upgrade"):
         find_latest(newer_root)
 
 
@@ -227,15 +235,15 @@ def test_cli_says_newer_everywhere_and_prune_keeps_it(newer_root: Path, monkeypa
 
 @pytest.mark.parametrize("where", [MANIFEST, MARKER])
 def test_a_flipped_format_digit_is_corrupt_not_newer(tmp_path: Path, where: str) -> None:
-    """The format is believed only where a checksum backs it: bit rot that turns "slurmresume/1"
+    """The format is believed only where a checksum backs it: bit rot that turns "slurmresume/2"
     into "slurmresume/9" (in a manifest its marker no longer pins, or in a marker whose manifest
-    says format 1) is corruption, and restore falls back to step 1 as for any corruption."""
+    says format 2) is corruption, and restore falls back to step 1 as for any corruption."""
     root = tmp_path / "ckpt"
     save_steps(root, [1, 2]).close()
     path = step_dir(root, 2) / where
     raw = path.read_bytes()
-    assert raw.count(b'"slurmresume/1"') == 1
-    path.write_bytes(raw.replace(b'"slurmresume/1"', b'"slurmresume/9"'))
+    assert raw.count(b'"slurmresume/2"') == 1
+    path.write_bytes(raw.replace(b'"slurmresume/2"', b'"slurmresume/9"'))
     info = inspect_dir(2, step_dir(root, 2))
     assert not info.complete and not info.unreadable and info.has_marker, info.problem
     state = tiny_state(987654)

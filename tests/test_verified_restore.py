@@ -125,13 +125,15 @@ def test_fresh_start_allowed_when_no_step_was_ever_committed(tmp_path: Path) -> 
 def test_a_killed_writers_temp_files_are_cleaned_at_restore(tmp_path: Path) -> None:
     save_steps(tmp_path, [1, 2]).close()
     d = step_dir(tmp_path, 2)
-    leftovers = [d / ".rank-00000-of-00001.safetensors.tmp.424242", d / ".manifest.json.tmp.424242"]
+    leftovers = [d / ".rank-00000-of-00001.safetensors.tmp.424242", d / ".manifest.json.tmp.424242",
+                 d / ".rank-00000.index.json.tmp.424242"]
     for p in leftovers:
         p.write_bytes(b"\0" * 4096)
     step, state = restore_fresh(tmp_path)
     assert step == 2 and model_equal(state["model"], tiny_model(2))
     assert not any(p.exists() for p in leftovers)
-    assert sorted(os.listdir(d)) == ["COMMITTED", "manifest.json", "rank-00000-of-00001.safetensors"]
+    assert sorted(os.listdir(d)) == ["COMMITTED", "manifest.json", "rank-00000-of-00001.safetensors",
+                                     "rank-00000.index.json"]
 
 
 def test_another_param_grouping_is_refused_before_anything_loads(tmp_path: Path) -> None:

@@ -9,9 +9,10 @@ both fail or one lose, but neither can destroy a committed step.
 Durability order (DESIGN.md section 1):
   1. rank 0: mkdir `.saving.step_N.<token>/` and its `.inprogress` note (pid, host, time);
      fsync the root. The directory's name is broadcast. No lock: nothing shared is touched.
-  2. every rank: its shard to a temp name in that directory, fsync, rename (no directory fsync:
-     rank 0's, in step 4 before the marker, covers every rank's rename).
-  3. all ranks report (size, checksum, tensor index) to rank 0.
+  2. every rank: its shard, then its tensor index (format 2, `rankindex`), each to a temp name in
+     that directory, fsync, rename (no directory fsync: rank 0's, in step 4 before the marker,
+     covers every rank's renames).
+  3. all ranks report a fixed-size record (sizes, checksums of shard, header and index) to rank 0.
   4. rank 0: manifest.json (temp, fsync, rename), COMMITTED (temp, fsync, rename), drop
      `.inprogress`, fsync the directory; then publish: rename it to `step_N`, fsync the root.
      Only when `step_N` already exists and is not a complete checkpoint (a corrupt one, or a
@@ -52,6 +53,8 @@ from .layout import (
     step_dir_name,
 )
 from .manifest import build_manifest, marker_bytes, over_cap
+from .rankindex import write_index
+from .replicas import LIBRARY_PREFIX
 from .shard import SKELETON_KEY, write_shard
 from .store import inspect_dir
 
@@ -169,16 +172,30 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
         # rename) makes every shard's name durable before the marker is written.
         written = write_shard(d, file, tensors, {SKELETON_KEY: dumps(skeleton), "format": "pt"})
         index = written.tensors
-        for name, spec in (skeleton.get("dtensors") or {}).items():
-            if name in index:  # where this piece sits in its global tensor (manifest index)
+        specs = skeleton.get("dtensors") or {}
+        for name, spec in specs.items():
+            if name in index:  # where this piece sits in its global tensor (the rank's index file)
                 index[name] = {**index[name], "global_shape": spec["shape"], "global_offset": spec["offset"]}
-        return {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
-                "header_xxh3": written.header_xxh3, "tensors": index, "writer": written.writer, "replicated": sorted(replicated or ()) if group.rank == 0 else [],
-                "error": None}
+        own = write_index(d, group.rank, file, index)
+        report = {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
+                  "header_xxh3": written.header_xxh3, **own, "writer": written.writer,
+                  "pinned": pins_world(index, specs, replicated or set()), "error": None}
+        if group.rank == 0:  # what the manifest lists once per tensor: rank 0 knows it, nobody sends it
+            report["replicated"] = sorted(replicated or ())
+            report["sharded"] = {n: {"dtype": index[n]["dtype"], "shape": sp["shape"], "placements": sp["placements"],
+                                     "mesh_shape": sp.get("mesh_shape"), "mesh_arange": bool(sp.get("mesh_arange"))}
+                                 for n, sp in specs.items() if n in index}
+        return report
     except Exception as exc:
         error = _describe(exc, d / file)  # before the clean-up frees space or inodes
         _cleanup_temp(d, file)
         return {"rank": group.rank, "file": file, "error": error}
+
+
+def pins_world(index: dict[str, Any], dtensors: dict[str, Any], replicated: set[str]) -> bool:
+    """Pure: whether a rank's tensors include a genuinely per-rank plain tensor, which only a run
+    of the same world size can load (replicas, DTensor pieces and the library's RNG do not)."""
+    return any(n not in replicated and n not in dtensors and not n.startswith(LIBRARY_PREFIX) for n in index)
 
 
 def commit(root: Path, step: int, reports: list[dict[str, Any]], metrics: Any, meta: Any, *, into: str,
@@ -198,7 +215,7 @@ def commit(root: Path, step: int, reports: list[dict[str, Any]], metrics: Any, m
         raw = dumps(manifest).encode()
         marker = marker_bytes(step, raw, manifest)
         # A commit is a promise that the step loads: every read cap is checked before the marker.
-        per_rank = max((len(r.get("tensors") or ()) for r in reports), default=0)
+        per_rank = len(manifest["sharded"]) + len(manifest["replicated"])
         refusal = over_cap(step, len(raw), len(marker), len(reports), per_rank)
         if refusal is not None:
             raise SaveError(refusal)

@@ -147,8 +147,9 @@ def note_failure(exc: BaseException, path: str | os.PathLike[str], needed: int |
             exc.slurmresume_needed = needed  # type: ignore[attr-defined]
 
 
-def write_durable(path: Path, data: bytes, label: str, mode: int = 0o644) -> None:
-    """Write `data` to `path` atomically and durably: temp file, fsync, rename, dir fsync."""
+def write_durable(path: Path, data: bytes, label: str, mode: int = 0o644, *, sync_dir: bool = True) -> None:
+    """Write `data` to `path` atomically and durably: temp file, fsync, rename, dir fsync (left to
+    the caller with `sync_dir=False`, who fsyncs the directory once for several files)."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
@@ -170,6 +171,8 @@ def write_durable(path: Path, data: bytes, label: str, mode: int = 0o644) -> Non
         _unlink_quiet(tmp)
         note_failure(exc, path, len(data))
         raise
+    if not sync_dir:
+        return
     try:
         fsync_dir(path.parent, label)
     except BaseException as exc:

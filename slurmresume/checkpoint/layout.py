@@ -3,6 +3,8 @@
 <root>/
   step_000001200/
     rank-00000-of-00002.safetensors
+    rank-00000.index.json   format 2: this rank's tensor index (names, shapes, block digests),
+                       written and fsynced with its shard; manifest.json records its digest
     manifest.json
     COMMITTED          written last; its presence is what makes the step usable
   .saving.step_000001400.<hex>/   a save in progress: private to the one save that created it;
@@ -19,7 +21,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-FORMAT = "slurmresume/1"
+FORMAT = "slurmresume/2"  # the manifest format this version writes
+FORMATS_READ = ("slurmresume/1", "slurmresume/2")  # ... and those it reads (1: one manifest lists every tensor)
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
 INPROGRESS = ".inprogress"
@@ -39,6 +42,7 @@ STEP_DIGITS = 9
 _STEP_RE = re.compile(rf"step_([0-9]{{{STEP_DIGITS},}})")
 _SAVING_RE = re.compile(rf"\.saving\.step_([0-9]{{{STEP_DIGITS},}})\.([0-9a-f]{{16}})")
 _SHARD_RE = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.safetensors")
+_INDEX_RE = re.compile(r"rank-([0-9]{5,})\.index\.json")
 
 
 def step_dir_name(step: int) -> str:
@@ -85,6 +89,16 @@ def shard_name(rank: int, world_size: int) -> str:
 def is_plain_shard_name(name: object) -> bool:
     """True for a manifest file name we are willing to open: no path parts, our pattern."""
     return isinstance(name, str) and _SHARD_RE.fullmatch(name) is not None
+
+
+def index_name(rank: int) -> str:
+    """Rank `rank`'s tensor index file (format 2)."""
+    return f"rank-{rank:05d}.index.json"
+
+
+def is_plain_step_file(name: object) -> bool:
+    """A shard or an index file name: the files of a step a reader or the mirror opens by name."""
+    return is_plain_shard_name(name) or (isinstance(name, str) and _INDEX_RE.fullmatch(name) is not None)
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:

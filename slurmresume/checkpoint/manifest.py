@@ -11,9 +11,11 @@ from typing import Any, TypeGuard
 import xxhash
 
 from ..errors import CorruptCheckpointError, UnreadableCheckpointError, UnsafeCheckpointError
-from . import fsio, jsonenc
+from . import jsonenc
+from .bounded import read_bounded as read_bounded  # re-exported: the mirror reads through it
 from .jsonenc import dumps, loads
-from .layout import FORMAT, MANIFEST, MARKER, is_plain_shard_name
+from .layout import FORMAT, FORMATS_READ, MANIFEST, MARKER, is_plain_shard_name
+from .rankindex import check_shard_entry
 from .shard import VERIFY_BLOCK, Expected
 
 MAX_MANIFEST = 64 << 20
@@ -47,14 +49,15 @@ def manifest_cap() -> int:
     return min(MAX_MANIFEST, jsonenc.MAX_JSON_BYTES)
 
 
-def over_cap(step: int, manifest_bytes: int, marker_bytes: int, world: int, tensors_per_rank: int) -> str | None:
+def over_cap(step: int, manifest_bytes: int, marker_bytes: int, world: int, tensors_once: int) -> str | None:
     """Pure: why a reader of this version would refuse a step with these sizes, else None. The
-    coordinator asks before it writes the marker, so that a commit is a promise the step loads."""
+    coordinator asks before it writes the marker, so that a commit is a promise the step loads.
+    (Format 2's manifest grows with ranks + tensors, no longer with ranks x tensors.)"""
     cap = manifest_cap()
     if manifest_bytes > cap:
-        return (f"the manifest of step {step} would be {manifest_bytes} bytes ({world} ranks x {tensors_per_rank} "
-                f"tensors per rank), over the {cap}-byte manifest read cap of this version; "
-                "save fewer, larger tensors per rank (e.g. flatten parameter groups) or use fewer ranks")
+        return (f"the manifest of step {step} would be {manifest_bytes} bytes ({world} ranks, {tensors_once} "
+                f"tensors listed once), over the {cap}-byte manifest read cap of this version; "
+                "save fewer, larger tensors (e.g. flatten parameter groups) or use fewer ranks")
     if marker_bytes > MAX_MARKER:
         return (f"the commit marker of step {step} would be {marker_bytes} bytes, over the {MAX_MARKER}-byte "
                 "marker read cap of this version; record fewer or smaller metrics")
@@ -62,19 +65,13 @@ def over_cap(step: int, manifest_bytes: int, marker_bytes: int, world: int, tens
 
 
 def build_manifest(step: int, reports: list[dict[str, Any]], metrics: Any, meta: Any) -> dict[str, Any]:
-    """Rank 0: the manifest from every rank's shard report (ordered by rank)."""
-    shards, tensors = [], []
+    """Rank 0: the format-2 manifest from every rank's fixed-size record (ordered by rank): per
+    shard its file, size and checksums and its index file's; each DTensor's dtype, global shape
+    and placements once (from rank 0's record); the names stored once, in shard 0."""
+    shards = []
     for rep in sorted(reports, key=lambda r: r["rank"]):
-        entry_s = {"file": rep["file"], "rank": rep["rank"], "bytes": rep["bytes"], "xxh3": rep["xxh3"]}
-        if rep.get("header_xxh3"):
-            entry_s["header_xxh3"] = rep["header_xxh3"]
-        shards.append(entry_s)
-        shared = set(rep.get("replicated") or ())
-        for name, info in rep["tensors"].items():
-            entry = {"name": name, "rank": rep["rank"], **info}
-            if name in shared:
-                entry["replicated"] = True  # stored once, here in rank 0's shard, for every rank
-            tensors.append(entry)
+        shards.append({k: rep[k] for k in _SHARD_KEYS})
+    first = next(r for r in reports if r["rank"] == 0)
     now = time.time()
     return {
         "format": FORMAT,
@@ -84,10 +81,15 @@ def build_manifest(step: int, reports: list[dict[str, Any]], metrics: Any, meta:
         "created_iso": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
         "verify_block": VERIFY_BLOCK,
         "shards": shards,
-        "tensors": tensors,
+        "sharded": first.get("sharded") or {},
+        "replicated": list(first.get("replicated") or ()),
+        "elastic": not any(r.get("pinned") for r in reports),
         "metrics": metrics,
         "meta": meta,
     }
+
+
+_SHARD_KEYS = ("file", "rank", "bytes", "xxh3", "header_xxh3", "index", "index_bytes", "index_xxh3")
 
 
 def marker_bytes(step: int, manifest_raw: bytes, manifest: dict[str, Any] | None = None) -> bytes:
@@ -150,21 +152,29 @@ def marker_facts(data: Any, where: Path) -> MarkerFacts:
 
 @dataclass
 class Manifest:
-    """A validated manifest, plus what the loader needs to trust it."""
+    """A validated manifest, plus what the loader needs to trust it. Format 1 lists every rank's
+    tensors itself (`listed`); format 2 keeps them in per-rank index files, read (and checked
+    against the manifest) only when asked: `rank_tensors(r)` opens rank r's alone."""
 
     step: int
     world_size: int
     created: float
     shards: list[dict[str, Any]]
-    tensors: list[dict[str, Any]]
     metrics: Any
     meta: Any
     raw: dict[str, Any] = field(repr=False)
-    sharded: dict[str, Any] = field(default_factory=dict, repr=False)  # name -> sharding.Sharded (DTensors)
+    directory: Path = field(default=Path("."), repr=False)
+    listed: list[dict[str, Any]] | None = field(default=None, repr=False)  # format 1's tensor list
+    _sharded: dict[str, Any] | None = field(default=None, repr=False)  # name -> sharding.Sharded (DTensors)
+    _indexes: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @property
     def total_bytes(self) -> int:
         return sum(s["bytes"] for s in self.shards)
+
+    @property
+    def version(self) -> int:
+        return format_version(self.raw.get("format")) or 0
 
     @property
     def has_block_digests(self) -> bool:
@@ -172,40 +182,75 @@ class Manifest:
         checkpoints need the whole-shard checksum pass instead."""
         return self.raw.get("verify_block") == VERIFY_BLOCK and all("header_xxh3" in s for s in self.shards)
 
+    def rank_tensors(self, rank: int) -> dict[str, dict[str, Any]]:
+        """Shard `rank`'s tensor entries {name: info}; format 2 reads and checks its index file
+        (once per Manifest), and no other."""
+        if self.listed is not None:
+            return {t["name"]: t for t in self.listed if t.get("rank") == rank}
+        if rank not in self._indexes:
+            from .rankindex import check_pieces, read_index
+
+            entries = read_index(self.directory, self.shards[rank])
+            check_pieces(entries, rank, self.world_size, self.raw.get("sharded") or {})
+            self._indexes[rank] = entries
+        return self._indexes[rank]
+
+    @property
+    def tensors(self) -> list[dict[str, Any]]:
+        """Every rank's tensor entries, as format 1 lists them ({"name", "rank", ...}). Format 2:
+        reads every index file: for tools (inspect, export, compare), not for a restore."""
+        if self.listed is not None:
+            return self.listed
+        shared = set(self.raw.get("replicated") or ())
+        out = []
+        for rank in range(self.world_size):
+            for name, info in self.rank_tensors(rank).items():
+                out.append({"name": name, "rank": rank, **info, **({"replicated": True} if rank == 0
+                                                                      and name in shared else {})})
+        return out
+
+    @property
+    def sharded(self) -> dict[str, Any]:
+        """name -> sharding.Sharded: every saved piece of each DTensor (format 2: from every index)."""
+        if self._sharded is None:
+            from .placement import arithmetic
+            from .sharding import Sharded, index_pieces
+
+            specs = self.raw.get("sharded") or {}
+            if self.listed is None and all(arithmetic(sp, self.world_size) for sp in specs.values()):
+                # format 2 from one full mesh: pieces by rank arithmetic, no index file read
+                self._sharded = {n: Sharded(n, sp["dtype"], tuple(sp["shape"]), (),
+                                            (tuple(sp["mesh_shape"]), tuple(sp["placements"])))
+                                 for n, sp in specs.items()}
+            else:
+                self._sharded = index_pieces(self.tensors, self.world_size)
+        return self._sharded
+
+    @property
+    def files(self) -> list[dict[str, Any]]:
+        """Every file of the step besides manifest and marker, as {"file", "bytes", "xxh3", "rank"}:
+        the shards and (format 2) their index files. What the mirror copies and `verify` hashes."""
+        out = [{k: s[k] for k in ("file", "bytes", "xxh3", "rank")} for s in self.shards]
+        if self.listed is None:
+            out += [{"file": s["index"], "bytes": s["index_bytes"], "xxh3": s["index_xxh3"], "rank": s["rank"]}
+                    for s in self.shards]
+        return out
+
+    @property
+    def elastic(self) -> bool:
+        """Whether another world size may load it (see replicas.elastic); format 2 records it."""
+        if self.listed is None:
+            return self.world_size == 1 or self.raw.get("elastic") is True
+        from .replicas import elastic
+
+        return elastic(self.listed, self.world_size)
+
     def expected(self, rank: int) -> Expected | None:
         """The digests a verified read of shard `rank` checks, or None for an older checkpoint."""
         if not self.has_block_digests:
             return None
-        blocks = {t["name"]: t["xxh3"] for t in self.tensors if t.get("rank") == rank and "xxh3" in t}
+        blocks = {n: t["xxh3"] for n, t in self.rank_tensors(rank).items() if "xxh3" in t}
         return Expected(self.shards[rank]["header_xxh3"], blocks)
-
-
-def read_bounded(path: Path, limit: int, what: str) -> bytes:
-    import os
-    import stat
-
-    label = f"read.{what.replace(' ', '_')}"
-    try:
-        fd = fsio.retry_transient(label, path, lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{what} {path} is missing") from None
-    except OSError as exc:
-        if exc.errno in fsio.TRANSIENT_ERRNOS:
-            raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
-        raise UnsafeCheckpointError(f"refusing {what} {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafeCheckpointError(f"refusing {what} {path}: not a regular file")
-        if st.st_size > limit:  # not corrupt: a bigger file may be a valid step this version cannot read
-            raise UnreadableCheckpointError(f"{what} {path} is {st.st_size} bytes, over this version's read cap "
-                                            f"of {limit} bytes: unreadable by this version (kept, never deleted)")
-        try:
-            return fsio.retry_transient(label, path, lambda: os.pread(fd, limit + 1, 0))
-        except OSError as exc:
-            raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
-    finally:
-        os.close(fd)
 
 
 def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
@@ -271,8 +316,9 @@ def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> M
 
     if not isinstance(data, dict):
         raise bad("not a JSON object")
-    if data.get("format") != FORMAT:
-        raise bad(f"format {data.get('format')!r} is not {FORMAT!r}")
+    if data.get("format") not in FORMATS_READ:
+        raise bad(f"format {data.get('format')!r} is not one of {', '.join(FORMATS_READ)}")
+    v2 = data["format"] != FORMATS_READ[0]
     step, world = data.get("step"), data.get("world_size")
     if not _is_int(step) or step < 0 or (expected_step is not None and step != expected_step):
         raise bad(f"step {step!r} does not match the directory")
@@ -292,29 +338,61 @@ def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> M
             raise bad(f"shard {s.get('file')} has no valid checksum")
         if "header_xxh3" in s and not (isinstance(s["header_xxh3"], str) and len(s["header_xxh3"]) == 16):
             raise bad(f"shard {s.get('file')} has a malformed header checksum")
+        if v2 and (why := check_shard_entry(s, i)):
+            raise bad(why)
     if len({s["file"] for s in shards}) != len(shards):
         raise bad("two shard entries name the same file")
-    tensors = data.get("tensors")
-    if not isinstance(tensors, list):
-        raise bad("tensor index is missing")
-    for t in tensors:
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-            raise bad("a tensor index entry is not an object with a name")
-        digests = t.get("xxh3")
-        if digests is not None and not (isinstance(digests, list)
-                                        and all(isinstance(d, str) and len(d) == 16 for d in digests)):
-            raise bad(f"tensor {t.get('name')!r} has malformed checksums")
     created = data.get("created")
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < MAX_TIME:
         raise bad(f"created time {created!r} is missing or not a plausible epoch time")
+    try:
+        if v2:
+            check_once(data)
+            return Manifest(step, world, float(created), shards, data.get("metrics"), data.get("meta"), data,
+                            step_dir)
+        return _v1(data, step, world, float(created), shards, step_dir)
+    except CorruptCheckpointError as exc:
+        raise bad(str(exc).removeprefix(f"manifest {where}: ")) from None
+
+
+def check_once(data: dict[str, Any]) -> None:
+    """Format 2's per-tensor section: each DTensor once (dtype, global shape, placements), the
+    names stored once in shard 0, and whether another world size may load the step."""
+    from .sharding import check_placements, check_shape
+
+    sharded, shared = data.get("sharded"), data.get("replicated")
+    if not isinstance(sharded, dict):
+        raise CorruptCheckpointError("the DTensor section 'sharded' is not an object")
+    for name, spec in sharded.items():
+        what = f"DTensor {name!r}"
+        if not isinstance(spec, dict) or not isinstance(spec.get("dtype"), str):
+            raise CorruptCheckpointError(f"{what} has no valid dtype")
+        shape = check_shape(spec.get("shape"), what)
+        check_placements(spec.get("placements"), len(shape), what)
+    if not isinstance(shared, list) or not all(isinstance(n, str) for n in shared):
+        raise CorruptCheckpointError("'replicated' is not a list of tensor names")
+    if not isinstance(data.get("elastic"), bool):
+        raise CorruptCheckpointError("'elastic' is not true or false")
+
+
+def _v1(data: dict[str, Any], step: int, world: int, created: float, shards: list[dict[str, Any]],
+        step_dir: Path) -> Manifest:
+    """Format 1: the manifest lists every rank's tensors; checked (DTensor pieces too) here."""
+    tensors = data.get("tensors")
+    if not isinstance(tensors, list):
+        raise CorruptCheckpointError("tensor index is missing")
+    for t in tensors:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise CorruptCheckpointError("a tensor index entry is not an object with a name")
+        digests = t.get("xxh3")
+        if digests is not None and not (isinstance(digests, list)
+                                        and all(isinstance(d, str) and len(d) == 16 for d in digests)):
+            raise CorruptCheckpointError(f"tensor {t.get('name')!r} has malformed checksums")
     from .sharding import index_pieces
 
-    try:
-        sharded = index_pieces(tensors, world)
-    except CorruptCheckpointError as exc:
-        raise bad(str(exc)) from None
-    return Manifest(step, world, float(created), shards, tensors, data.get("metrics"), data.get("meta"), data,
-                    sharded)
+    sharded = index_pieces(tensors, world)
+    return Manifest(step, world, created, shards, data.get("metrics"), data.get("meta"), data, step_dir,
+                    tensors, sharded)
 
 
 def _is_int(v: Any) -> TypeGuard[int]:

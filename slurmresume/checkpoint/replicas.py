@@ -8,10 +8,12 @@ replicated. No declaration is needed and nothing is guessed: a tensor that diffe
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import xxhash
 
+from .jsonenc import dumps
 from .shard import st_dtype
 from .writer import tensor_bytes
 
@@ -29,6 +31,47 @@ def tensor_digests(tensors: list[tuple[str, Any]], dtensors: dict[str, dict[str,
         if dtensors and name in dtensors:
             out[name].append(dtensors[name].get("offset"))
     return out
+
+
+def by_placement(dtensors: dict[str, dict[str, Any]], world: int) -> tuple[set[str], set[str]]:
+    """Pure: (replicated, sharded) DTensor names decided by their placements alone, for DTensors
+    whose mesh spans every rank: identical on every rank when each of their Shard placements is
+    on a mesh dimension of size 1, else pieces. A DTensor on a smaller mesh is in neither set
+    (its value may differ between meshes: compared by digest like a plain tensor)."""
+    replicated: set[str] = set()
+    sharded: set[str] = set()
+    for name, spec in dtensors.items():
+        mesh = spec.get("mesh_shape") or []
+        if math.prod(mesh) != world or len(mesh) != len(spec.get("placements") or ()):
+            continue
+        split = any(p != "replicate" and n > 1 for p, n in zip(spec["placements"], mesh))
+        (sharded if split else replicated).add(name)
+    return replicated, sharded
+
+
+def replicated_across(group: Any, tensors: list[tuple[str, Any]],
+                      dtensors: dict[str, dict[str, Any]] | None = None) -> set[str]:
+    """Collective: the names stored once (rank 0's shard) because every rank holds the same
+    bytes. DTensors spanning all ranks are decided by placement, with no exchange; the rest by
+    two fixed-size MAX reductions of 63-bit digests (the names first, then each value's): each
+    rank receives O(tensors), never every rank's index. Ranks whose tensor names differ fall
+    back to exchanging the digests (`replicated_names`)."""
+    dtensors = dtensors or {}
+    placed, split = by_placement(dtensors, group.world_size)
+    rest = [(n, t) for n, t in tensors if n not in placed and n not in split]
+    digests = tensor_digests(rest, dtensors)
+    keys = sorted(digests)
+    names = _h63(dumps([[k, *digests[k][:2], *digests[k][3:]] for k in keys]))
+    agreed = group.max_ints([len(keys), names, -len(keys), -names])
+    if agreed[:2] != [-agreed[2], -agreed[3]]:  # not the same names (and shapes) on every rank
+        return placed | replicated_names(group.all_gather_json(digests))
+    values = [_h63(digests[k][2]) for k in keys]
+    top = group.max_ints(values + [-v for v in values])
+    return placed | {k for i, k in enumerate(keys) if top[i] == -top[len(keys) + i]}
+
+
+def _h63(text: str) -> int:
+    return xxhash.xxh3_64_intdigest(text.encode()) & ((1 << 63) - 1)
 
 
 def replicated_names(per_rank: list[dict[str, list[Any]]]) -> set[str]:

@@ -73,7 +73,21 @@ def describe(dt: Any, where: str) -> tuple[Any, dict[str, Any]]:
         raise ConfigError(f"DTensor at '{where}': local tensor {list(local.shape)} is not the "
                           f"{list(shape)} its placements give (padded?): save an unpadded DTensor")
     return local, {"shape": list(dt.shape), "offset": [int(o) for o in offset], "local_shape": list(shape),
-                   "placements": names, "mesh_shape": list(dt.device_mesh.shape)}
+                   "placements": names, "mesh_shape": list(dt.device_mesh.shape),
+                   "mesh_arange": _is_arange(dt.device_mesh)}
+
+
+_ARANGE: dict[int, tuple[Any, bool]] = {}  # id(mesh) -> (mesh, whether its ranks are 0..n-1 in order)
+
+
+def _is_arange(mesh: Any) -> bool:
+    """Whether the mesh's rank at each coordinate is its row-major index (init_device_mesh over
+    every rank): then a saved rank's piece follows from its rank and the placements alone."""
+    hit = _ARANGE.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        ranks = mesh.mesh.flatten().tolist()
+        hit = _ARANGE[id(mesh)] = (mesh, ranks == list(range(len(ranks))))
+    return hit[1]
 
 
 @dataclass
@@ -163,6 +177,22 @@ def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[s
                 out[name] = _wrap(dest, target, tensor.shape)
     finally:
         files.close()
+    return out
+
+
+def source_ranks(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> set[int]:
+    """The saved ranks whose shards hold this rank's boxes of `where` (their index files are read,
+    and checked, before any data)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out: set[int] = set()
+    for name, target in where.items():
+        tensor = index[name]
+        shape, offset = tuple(tensor.shape), (0,) * len(tensor.shape)
+        if target.mesh is not None:
+            shape, offset = compute_local_shape_and_global_offset(tensor.shape, target.mesh, target.placements)
+        if math.prod(shape):
+            out.update(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
     return out
 
 

@@ -36,8 +36,10 @@ def same_as_committed(step_dir: Path, step: int, rank: int, world_size: int, ske
         shared = set(saved.pop("replicated", None) or ())
         if saved != loads(dumps(skeleton), "skeleton"):
             return False
-        digests = {t["name"]: t.get("xxh3") for t in manifest.tensors
-                   if t.get("rank") == rank or (t.get("rank") == 0 and t["name"] in shared)}
+        mine = manifest.rank_tensors(rank)
+        first = manifest.rank_tensors(0) if shared else {}
+        digests = {**{n: t.get("xxh3") for n, t in first.items() if n in shared},
+                   **{n: t.get("xxh3") for n, t in mine.items()}}
         if set(digests) != {n for n, _ in tensors}:
             return False
         for name, t in tensors:

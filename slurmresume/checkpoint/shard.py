@@ -238,9 +238,9 @@ def _contiguous_cpu(t: Any) -> Any:
 def open_checked(directory: Path, file: str, expected_bytes: int) -> int:
     """Open a shard for reading after refusing anything that is not a plain regular file of the
     expected size inside `directory`. Returns an fd (O_NOFOLLOW, so a swapped-in link fails)."""
-    from .layout import is_plain_shard_name
+    from .layout import is_plain_step_file
 
-    if not is_plain_shard_name(file):
+    if not is_plain_step_file(file):
         raise UnsafeCheckpointError(f"refusing shard name {file!r} in {directory}: not a plain shard file name")
     path = directory / file
     try:

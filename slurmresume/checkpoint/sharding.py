@@ -56,12 +56,22 @@ class Piece:
 
 @dataclass(frozen=True)
 class Sharded:
-    """Every saved piece of one DTensor, from the manifest."""
+    """Every saved piece of one DTensor, from the manifest (format 1) or the ranks' index files;
+    or (format 2, `layout` = (mesh shape, placements)) none listed: `pieces_in` computes those
+    that hold a box (`placement.holders`)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]  # global
     pieces: tuple[Piece, ...]
+    layout: tuple[tuple[int, ...], tuple[str, ...]] | None = None
+
+    def pieces_in(self, offset: tuple[int, ...], box: tuple[int, ...]) -> tuple[Piece, ...]:
+        if self.layout is None:
+            return self.pieces
+        from .placement import holders
+
+        return tuple(Piece(*h) for h in holders(self.shape, self.layout[0], self.layout[1], offset, box))
 
 
 def check_piece(entry: dict[str, Any], world_size: int) -> Piece:
@@ -112,13 +122,16 @@ def index_pieces(tensors: list[dict[str, Any]], world_size: int) -> dict[str, Sh
 
 def to_json(index: dict[str, Sharded]) -> dict[str, Any]:
     return {n: {"dtype": s.dtype, "shape": list(s.shape),
-                "pieces": [[p.rank, list(p.offset), list(p.shape)] for p in s.pieces]} for n, s in index.items()}
+                "pieces": [[p.rank, list(p.offset), list(p.shape)] for p in s.pieces],
+                **({"layout": [list(s.layout[0]), list(s.layout[1])]} if s.layout else {})} for n, s in index.items()}
 
 
 def from_json(data: dict[str, Any]) -> dict[str, Sharded]:
-    """Inverse of `to_json` (the data came from `index_pieces` on rank 0, already validated)."""
+    """Inverse of `to_json` (the data came from rank 0's manifest, already validated)."""
     return {n: Sharded(n, d["dtype"], tuple(d["shape"]),
-                       tuple(Piece(r, tuple(o), tuple(s)) for r, o, s in d["pieces"])) for n, d in data.items()}
+                       tuple(Piece(r, tuple(o), tuple(s)) for r, o, s in d["pieces"]),
+                       (tuple(d["layout"][0]), tuple(d["layout"][1])) if d.get("layout") else None)
+            for n, d in data.items()}
 
 
 def check_placements(placements: Any, ndim: int, what: str) -> list[str]:
@@ -163,7 +176,7 @@ def cover(tensor: Sharded, offset: tuple[int, ...], shape: tuple[int, ...]) -> l
     if math.prod(shape) == 0:
         return []
     hits = []
-    for piece in tensor.pieces:
+    for piece in tensor.pieces_in(offset, shape):
         box = intersect(piece.offset, piece.shape, offset, shape)
         if box is not None:
             hits.append((piece, box[0], box[1]))

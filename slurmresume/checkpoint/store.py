@@ -89,7 +89,7 @@ def _dir_bytes(path: Path) -> int:
 
 
 def check_sizes(info_path: Path, manifest: Manifest) -> None:
-    for s in manifest.shards:
+    for s in manifest.files:
         os.close(open_checked(info_path, s["file"], s["bytes"]))
 
 
@@ -97,14 +97,15 @@ def check_checksums(path: Path, manifest: Manifest) -> list[str]:
     """Problems found (empty list: every shard matches its checksum, and its header and JSON
     skeleton are what a restore accepts, so that a verified checkpoint also loads)."""
     problems = []
-    for s in manifest.shards:
+    for s in manifest.files:  # the shards, then (format 2) their index files
         try:
             digest = hash_file(path, s["file"], s["bytes"])
         except CorruptCheckpointError as exc:
             problems.append(str(exc))
             continue
         if digest != s["xxh3"]:
-            problems.append(f"shard {path / s['file']} fails its checksum (xxh3 {digest}, manifest {s['xxh3']})")
+            what = "shard" if s["file"].endswith(".safetensors") else "tensor index"
+            problems.append(f"{what} {path / s['file']} fails its checksum (xxh3 {digest}, manifest {s['xxh3']})")
     return problems or check_structure(path, manifest)
 
 

@@ -112,8 +112,8 @@ def local_copy(loc: S3Location, which: str | int | None, *, headers_only: bool,
 
 
 def _fetch_headers(s3: Any, loc: S3Location, step: int, step_dir: Path) -> None:
-    """Marker + manifest (checked: the marker pins the manifest) and every shard's header,
-    in sparse files of the manifest's sizes."""
+    """Marker + manifest (checked: the marker pins the manifest), every shard's header, in
+    sparse files of the manifest's sizes, and (format 2) every tensor index file."""
     commit = read_remote_commit(s3, loc, step)
     marker_raw, manifest_raw, manifest = commit.marker_raw, commit.manifest_raw, commit.manifest
     step_dir.mkdir(mode=0o755)
@@ -132,6 +132,9 @@ def _fetch_headers(s3: Any, loc: S3Location, step: int, step_dir: Path) -> None:
             os.pwrite(fd, head + raw, 0)
         finally:
             os.close(fd)
+    for s in manifest.files[len(manifest.shards):]:  # format 2's tensor indexes: small, whole
+        fsio.write_durable(step_dir / s["file"], _range(s3, loc, commit.key(loc, s["file"]), 0, s["bytes"]),
+                           "mirror.index", sync_dir=False)
     fsio.write_durable(step_dir / MANIFEST, manifest_raw, "mirror.manifest")
     fsio.write_durable(step_dir / MARKER, marker_raw, "mirror.marker")
 

@@ -99,13 +99,13 @@ def inspect(s3: Any, loc: S3Location, rs: RemoteStep, verify: bool = False) -> R
         info.problem = str(exc)
         return info
     info.manifest = commit.manifest
-    for s in info.manifest.shards:
+    for s in info.manifest.files:
         if rs.sizes.get(commit.name(s["file"])) != s["bytes"]:
             info.problem = (f"shard {info.url}/{commit.name(s['file'])} is "
                             f"{rs.sizes.get(commit.name(s['file']), 'missing')} bytes, the manifest says {s['bytes']}")
             return info
     if verify:
-        problems = [p for s in info.manifest.shards if (p := _check_shard(s3, loc, commit, s))]
+        problems = [p for s in info.manifest.files if (p := _check_shard(s3, loc, commit, s))]
         info.verified = not problems
         info.problem = "; ".join(problems) or None
     return info

@@ -100,10 +100,10 @@ def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: i
         _sweep(s3, loc, step)
         return _already(step, existing, marker_raw, loc)
     attempt = new_attempt()  # this attempt's own keys: no other writer can overwrite or abort them
-    fds = {s["file"]: open_checked(step_dir, s["file"], s["bytes"]) for s in manifest.shards}
+    fds = {s["file"]: open_checked(step_dir, s["file"], s["bytes"]) for s in manifest.files}
     try:
         config = transfer_config(chunk, concurrency)
-        for s in manifest.shards:
+        for s in manifest.files:
             key = loc.key(step, f"{attempt}/{s['file']}")
             with os.fdopen(os.dup(fds[s["file"]]), "rb") as f:
                 point("shard", key)
@@ -178,7 +178,7 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
         fsio.write_durable(tmp / INPROGRESS, leftovers.note(), "mirror.note")  # who: checkpoint/leftovers.py
         settings = settings or MirrorSettings.from_env()
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slurmresume-get") as pool:
-            for s in manifest.shards:
+            for s in manifest.files:  # shards and (format 2) rank index files
                 part = chunk or part_size(s["bytes"], workers)
                 part = -(-part // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
                 digest = fetch_shard(s3, loc, commit.key(loc, s["file"]), tmp / s["file"], s["bytes"], pool,

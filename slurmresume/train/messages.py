@@ -79,35 +79,50 @@ class PrepareDecision:
 
 @dataclass(frozen=True)
 class WriteReport:
-    """Each rank -> rank 0, after writing its shard: what the manifest records for it, or the
-    error that stops the commit. Wraps the dict of `checkpoint.commit.write_rank`."""
+    """Each rank -> rank 0, after writing its shard and its tensor index: a fixed-size record of
+    what the manifest lists for it (sizes and checksums; `pinned`: it holds a per-rank plain
+    tensor), or the error that stops the commit. Only rank 0's own report carries the
+    per-tensor section (`sharded`, `replicated`), which it never sends. Wraps the dict of
+    `checkpoint.commit.write_rank`."""
 
     rank: int
     file: str
     bytes: int = 0
     xxh3: str = ""
     header_xxh3: str = ""
-    tensors: dict[str, Any] = field(default_factory=dict)
-    replicated: tuple[str, ...] = ()
+    index: str = ""
+    index_bytes: int = 0
+    index_xxh3: str = ""
+    pinned: bool = False
     error: str | None = None
     writer: str | None = None  # the write path used (checkpoint.calibrate), for the save event
+    sharded: dict[str, Any] = field(default_factory=dict)  # rank 0 only
+    replicated: tuple[str, ...] = ()  # rank 0 only
 
     def to_json(self) -> dict[str, Any]:
         """The dict `checkpoint.commit.commit` and `build_manifest` read (a failed write: only the
         rank, the file and the error, as `write_rank` returns it)."""
         if self.error is not None:
             return {"rank": self.rank, "file": self.file, "error": self.error}
-        return {"rank": self.rank, "file": self.file, "bytes": self.bytes, "xxh3": self.xxh3,
-                "header_xxh3": self.header_xxh3, "tensors": self.tensors, "replicated": list(self.replicated),
-                "error": None, "writer": self.writer}
+        out = {"rank": self.rank, "file": self.file, "bytes": self.bytes, "xxh3": self.xxh3,
+               "header_xxh3": self.header_xxh3, "index": self.index, "index_bytes": self.index_bytes,
+               "index_xxh3": self.index_xxh3, "pinned": self.pinned, "error": None, "writer": self.writer}
+        if self.rank == 0:
+            out.update(sharded=self.sharded, replicated=list(self.replicated))
+        return out
+
+    def record(self) -> dict[str, Any]:
+        """What crosses ranks: the report without rank 0's per-tensor section (fixed size)."""
+        return {k: v for k, v in self.to_json().items() if k not in ("sharded", "replicated")}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WriteReport:
         if d.get("error") is not None:
             return cls(int(d["rank"]), str(d["file"]), error=str(d["error"]))
         return cls(int(d["rank"]), str(d["file"]), int(d["bytes"]), str(d["xxh3"]), str(d["header_xxh3"]),
-                   dict(d["tensors"]), tuple(d.get("replicated") or ()), None,
-                   str(d["writer"]) if d.get("writer") is not None else None)
+                   str(d["index"]), int(d["index_bytes"]), str(d["index_xxh3"]), bool(d.get("pinned")), None,
+                   str(d["writer"]) if d.get("writer") is not None else None, dict(d.get("sharded") or {}),
+                   tuple(d.get("replicated") or ()))
 
 
 @dataclass(frozen=True)

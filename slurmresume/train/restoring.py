@@ -39,9 +39,8 @@ from ..checkpoint.collective import Group
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_manifest
-from ..checkpoint.replicas import elastic
 from ..checkpoint.reshard import STATS as RESHARD_STATS
-from ..checkpoint.reshard import is_dtensor, load_sharded, staging_bytes
+from ..checkpoint.reshard import is_dtensor, load_sharded, source_ranks, staging_bytes
 from ..checkpoint.reshard import targets as reshard_targets
 from ..checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header, verify_tensors
 from ..checkpoint.sharding import from_json
@@ -63,6 +62,7 @@ from .heartbeat import expect_io
 from .messages import Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
 
 log = logging.getLogger("slurmresume")
+MAX_FAILURES = 4  # load errors every rank receives (the first is the one reported)
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,8 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
         if group.rank == 0:
             log.info("fresh start: no complete checkpoint under %s", root)
         return None
-    info = inspect_dir(choice.step, Path(choice.path))
+    # rank 0 checked every file's size when it chose; the others read the (small) manifest only
+    info = inspect_dir(choice.step, Path(choice.path)) if group.rank == 0 else _loaded_info(choice)
     if group.rank == 0:
         log.info("restored from step %d (%s) in %.2f s", choice.step, choice.path, time.perf_counter() - started)
         try_append_event(root, "restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID),
@@ -107,6 +108,15 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
                          restore_began_at=restore_began, restore_s=round(time.time() - restore_began, 4),
                          **read_summary(io))
     return info
+
+
+def _loaded_info(choice: RestoreChoice) -> CheckpointInfo:
+    """What a rank other than 0 records of the step it loaded: its manifest, no file opened."""
+    path = Path(choice.path)
+    try:
+        return CheckpointInfo(choice.step, path, True, manifest=read_manifest(path, choice.step))
+    except CheckpointError as exc:  # changed since it loaded: recorded, as inspect_dir would
+        return CheckpointInfo(choice.step, path, True, problem=str(exc))
 
 
 def read_summary(io: list[list[int]], per_rank_up_to: int = 256) -> dict[str, Any]:
@@ -190,9 +200,12 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
 
 
 def _verdict(group: Group, got: Loaded) -> tuple[list[Failure], list[list[int]]]:
-    """Collective: every rank's load error (the verdict) and [bytes read, bytes needed]."""
-    verdicts = group.all_gather_json({"failure": got.failure and got.failure.to_json(), "io": [got.read, got.needed]})
-    return [Failure.from_json(v["failure"]) for v in verdicts if v["failure"]], [v["io"] for v in verdicts]
+    """Collective: the load errors (the verdict: rank 0 gathers each rank's fixed-size record and
+    broadcasts the first few errors) and, on rank 0 only, [bytes read, bytes needed] per rank."""
+    records = group.gather_json({"failure": got.failure and got.failure.to_json(), "io": [got.read, got.needed]})
+    mine = [r["failure"] for r in records if r["failure"]][:MAX_FAILURES] if records is not None else None
+    failures = group.broadcast_json(mine)
+    return [Failure.from_json(f) for f in failures], [r["io"] for r in records] if records is not None else []
 
 
 def pick(root: Path, step: int | None, verify: bool, tried: set[int], allow_fresh: bool, mirror: Any) -> Pick:
@@ -257,8 +270,14 @@ def choose(root: Path, step: int | None, verify: bool, tried: set[int], mirror: 
     m = info.manifest
     if m is None:  # inspect_dir gives a manifest with every complete step
         raise CorruptCheckpointError(f"checkpoint {info.path}: no manifest")
-    return RestoreChoice(info.step, str(info.path), m.world_size, tuple(m.shards), sharding_json(m.sharded),
-                         elastic(m.tensors, m.world_size))
+    try:
+        return RestoreChoice(info.step, str(info.path), m.world_size, tuple(m.shards), sharding_json(m.sharded),
+                             m.elastic)
+    except CorruptCheckpointError as exc:  # format 2: a damaged tensor index, read only now
+        if step is not None:
+            raise
+        log.warning("skipping %s: %s", info.path, exc)
+        return choose(root, step, verify, tried | {info.step})
 
 
 @dataclass(frozen=True)
@@ -328,6 +347,8 @@ def plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any],
         check_fits(state, decode_entries(keys, skeleton, meta_tensors(shapes), strict)[0])
         wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
         where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
+        for r in sorted(source_ranks(wanted, where)):  # their indexes, checked before any data is read
+            manifest.rank_tensors(r)
         staging = sum(int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for i in infos.values())
         return Part(directory, shard, first, manifest, src, skeleton, names, shared & set(infos), wanted, where,
                     staging + staging_bytes(wanted, where))

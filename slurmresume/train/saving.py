@@ -13,10 +13,12 @@ same order, "0" = rank 0 only; each arrow is one collective on the side group):
           (`checkpoint.same`); if any rank differs (MAX), 0 prepares again with replace=True
           -> broadcast PrepareDecision
   3. all: skip returns SaveResult(skipped=True); error raises SaveError on every rank.
-  4. all: world > 1: tensor digests -> all_gather; data-parallel replicas are stored once
-          (rank 0's shard).
-  5. all: `checkpoint.commit.write_rank` writes, fsyncs and renames this rank's shard into
-          the private directory; an error is reported, not raised  -> all_gather WriteReport
+  4. all: world > 1: data-parallel replicas are stored once (rank 0's shard): DTensors by
+          placement, other tensors by digest (`checkpoint.replicas.replicated_across`)
+          -> 2 MAX all_reduces of O(tensors) int64s (no exchange of indexes)
+  5. all: `checkpoint.commit.write_rank` writes, fsyncs and renames this rank's shard and its
+          tensor index into the private directory; an error is reported, not raised
+          -> gather of fixed-size WriteReport records to rank 0 (`Group.gather_json`)
   6. 0:   `checkpoint.commit.commit`: manifest, COMMITTED, publish as step_N (or discard the
           directory when any report failed)                        -> broadcast SaveOutcome
   7. all: return SaveResult; the caller records it and raises when `outcome.ok` is False.
@@ -41,7 +43,7 @@ from ..checkpoint import commit as _commit
 from ..checkpoint.collective import Group
 from ..checkpoint.jsonenc import encode
 from ..checkpoint.layout import step_dir_name
-from ..checkpoint.replicas import replicated_names, tensor_digests
+from ..checkpoint.replicas import replicated_across
 from ..checkpoint.same import same_as_committed
 from ..checkpoint.state import flatten
 from ..contract import ENV_RUN_ID
@@ -120,18 +122,19 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
         raise SaveError(f"checkpoint save failed, nothing committed: {decision.error}")
     replicated: set[str] = set()
     if group.world_size > 1:
-        digests = tensor_digests(payload.tensors, payload.skeleton.get("dtensors"))
-        replicated = replicated_names(group.all_gather_json(digests))
+        replicated = replicated_across(group, payload.tensors, payload.skeleton.get("dtensors"))
     with _calibrate.emergency() if emergency else contextlib.nullcontext():
         mine = WriteReport.from_json(_commit.write_rank(root, step, group, payload.skeleton, payload.tensors,
                                                         replicated, into=decision.dir))
-    reports = [WriteReport.from_json(r) for r in group.all_gather_json(mine.to_json())]
-    outcome = None
-    if group.rank == 0:
+    records = group.gather_json(mine.record())  # fixed-size records, to rank 0 only
+    outcome: SaveOutcome | None = None
+    reports: tuple[WriteReport, ...] = (mine,)  # a rank other than 0 knows its own report only
+    if records is not None:
+        reports = tuple([mine, *(WriteReport.from_json(r) for r in records[1:])])  # rank 0's own: in full
         outcome = SaveOutcome.from_json(_commit.commit(root, step, [r.to_json() for r in reports], payload.metrics,
                                                        payload.meta, into=decision.dir, replace=decision.replace))
     outcome = SaveOutcome.from_json(group.broadcast_json(outcome.to_json() if outcome else None))
-    return SaveResult(skipped=False, outcome=outcome, reports=tuple(reports))
+    return SaveResult(skipped=False, outcome=outcome, reports=reports)
 
 
 def _decide(group: Group, root: Path, step: int, replace: bool = False) -> PrepareDecision:

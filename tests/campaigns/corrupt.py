@@ -123,8 +123,8 @@ def _damage(rng: random.Random, d: Path, kind: str) -> tuple[str, str, bool]:
             return target.name, "deleted", True
         target.write_bytes(bytes(data))
         return target.name, desc, True
-    field = rng.choice(["metrics", "bytes", "xxh3", "step", "tensor", "world_size", "format"])
-    changed = field not in ("metrics", "tensor")  # the tensor index is informational
+    field = rng.choice(["metrics", "bytes", "xxh3", "step", "created_iso", "world_size", "format"])
+    changed = field not in ("metrics", "created_iso")  # informational fields
 
     def edit(m: dict[str, Any]) -> None:
         if field == "metrics":
@@ -135,8 +135,8 @@ def _damage(rng: random.Random, d: Path, kind: str) -> tuple[str, str, bool]:
             m["shards"][0]["xxh3"] = f"{rng.getrandbits(64):016x}"
         elif field == "step":
             m["step"] = 2
-        elif field == "tensor":
-            m["tensors"][0]["shape"] = [999]
+        elif field == "created_iso":  # (format 1 edited its tensor index here; format 2 has none)
+            m["created_iso"] = "2000-01-01T00:00:00Z"
         elif field == "world_size":
             m["world_size"] = 2
         else:

@@ -79,6 +79,19 @@ def rewrite_manifest(d: Path, edit: Callable[[dict], Any]) -> dict:
     return data
 
 
+def rewrite_index(d: Path, rank: int, edit: Callable[[dict], Any]) -> None:
+    """Format 2: let `edit` change rank `rank`'s tensor index ({name: entry}) in place, and re-seal
+    it: its size and digest in the manifest, the manifest's in the marker (a knowing hand)."""
+    import xxhash
+
+    path = d / f"rank-{rank:05d}.index.json"
+    data = json.loads(path.read_bytes())
+    edit(data["tensors"])
+    raw = json.dumps(data, separators=(",", ":")).encode()
+    path.write_bytes(raw)
+    rewrite_manifest(d, lambda m: m["shards"][rank].update(index_bytes=len(raw), index_xxh3=xxhash.xxh3_64_hexdigest(raw)))
+
+
 # -- which files does a piece of code open? ---------------------------------------------------
 
 _recording: list[list[tuple[str, int]]] = []

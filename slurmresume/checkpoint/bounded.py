@@ -1,0 +1,37 @@
+"""Reading a small file of a step (marker, manifest, tensor index) with a size cap, refusing links
+and special files; what every reader of those files goes through."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CorruptCheckpointError, UnreadableCheckpointError, UnsafeCheckpointError
+from . import fsio
+
+
+def read_bounded(path: Path, limit: int, what: str) -> bytes:
+    import os
+    import stat
+
+    label = f"read.{what.replace(' ', '_')}"
+    try:
+        fd = fsio.retry_transient(label, path, lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{what} {path} is missing") from None
+    except OSError as exc:
+        if exc.errno in fsio.TRANSIENT_ERRNOS:
+            raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
+        raise UnsafeCheckpointError(f"refusing {what} {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeCheckpointError(f"refusing {what} {path}: not a regular file")
+        if st.st_size > limit:  # not corrupt: a bigger file may be a valid step this version cannot read
+            raise UnreadableCheckpointError(f"{what} {path} is {st.st_size} bytes, over this version's read cap "
+                                            f"of {limit} bytes: unreadable by this version (kept, never deleted)")
+        try:
+            return fsio.retry_transient(label, path, lambda: os.pread(fd, limit + 1, 0))
+        except OSError as exc:
+            raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
+    finally:
+        os.close(fd)

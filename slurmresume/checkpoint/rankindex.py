@@ -1,0 +1,99 @@
+"""Format 2's per-rank tensor index: `rank-NNNNN.index.json` beside each rank's shard.
+
+Format 1 listed every rank's tensors (names, shapes, block digests, global offsets) in the one
+manifest: it grew with ranks x tensors and crossed the reader's cap at a few hundred ranks. In
+format 2 each rank writes its own entries into its index file, fsynced with its shard (the
+caller fsyncs the directory once for both), and sends rank 0 only a fixed-size record: the
+file's size and xxh3, which the manifest lists, so that the manifest's checksum (pinned by the
+marker) covers every index file. A reader opens only the index files of the ranks it reads.
+
+    {"format": "slurmresume/2", "rank": 3, "file": "rank-00003-of-00008.safetensors",
+     "tensors": {NAME: {"dtype", "shape", "xxh3": [block digests], "global_shape"?, "global_offset"?}}}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from ..errors import CorruptCheckpointError
+from . import fsio
+from .bounded import read_bounded
+from .jsonenc import dumps, loads
+from .layout import FORMAT, index_name
+
+MAX_INDEX = 64 << 20  # one rank's tensors: a header's worth (shard.MAX_HEADER) plus block digests
+
+
+def write_index(directory: Path, rank: int, file: str, tensors: dict[str, Any]) -> dict[str, Any]:
+    """Every rank, after its shard: write its index durably, except for the directory fsync the
+    caller does once for shard and index. Returns what the manifest records of it."""
+    raw = dumps({"format": FORMAT, "rank": rank, "file": file, "tensors": tensors}).encode()
+    if len(raw) > MAX_INDEX:  # never write (and commit) what the reader refuses
+        raise CorruptCheckpointError(f"the tensor index of rank {rank} would be {len(raw)} bytes ({len(tensors)} "
+                                     f"tensors), over the {MAX_INDEX}-byte index read cap of this version")
+    name = index_name(rank)
+    fsio.write_durable(directory / name, raw, "index", sync_dir=False)
+    return {"index": name, "index_bytes": len(raw), "index_xxh3": xxhash.xxh3_64_hexdigest(raw)}
+
+
+def read_index(step_dir: Path, shard: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Rank `shard["rank"]`'s tensor entries {name: info}, after checking the file against the
+    digest the manifest records for it (CorruptCheckpointError naming the file otherwise)."""
+    path = step_dir / shard["index"]
+    raw = read_bounded(path, MAX_INDEX, "tensor index")
+    if len(raw) != shard["index_bytes"] or xxhash.xxh3_64_hexdigest(raw) != shard["index_xxh3"]:
+        raise CorruptCheckpointError(f"tensor index {path} does not match the manifest (damaged or replaced)")
+    data = loads(raw, f"tensor index {path}")
+    if not (isinstance(data, dict) and data.get("rank") == shard["rank"] and data.get("file") == shard["file"]
+            and isinstance(data.get("tensors"), dict)):
+        raise CorruptCheckpointError(f"tensor index {path} is not rank {shard['rank']}'s index")
+    tensors: dict[str, dict[str, Any]] = data["tensors"]
+    for name, info in tensors.items():
+        digests = info.get("xxh3") if isinstance(info, dict) else None
+        if not isinstance(info, dict) or not (
+                isinstance(digests, list) and all(isinstance(d, str) and len(d) == 16 for d in digests)):
+            raise CorruptCheckpointError(f"tensor index {path}: tensor {name!r} has a malformed entry")
+    return tensors
+
+
+def check_pieces(entries: dict[str, dict[str, Any]], rank: int, world: int, specs: dict[str, Any]) -> None:
+    """The DTensor pieces of rank `rank`'s index: each a box inside its global shape that agrees
+    with the manifest's spec of its tensor (dtype, global shape) and, where the manifest places
+    pieces by arithmetic, one that the placements give. CorruptCheckpointError otherwise: a
+    restore that reads this rank refuses before a byte of its data is used."""
+    from .placement import arithmetic, holders
+    from .sharding import check_piece
+
+    for name, info in entries.items():
+        if "global_offset" not in info and "global_shape" not in info:
+            continue
+        piece = check_piece({"name": name, "rank": rank, **info}, world)
+        spec = specs.get(name)
+        if spec is None:
+            continue
+        if info.get("dtype") != spec.get("dtype") or list(info.get("global_shape") or ()) != spec.get("shape"):
+            raise CorruptCheckpointError(f"pieces of tensor {name!r} disagree: rank {rank}'s index says "
+                                         f"{info.get('dtype')} {info.get('global_shape')}, the manifest "
+                                         f"{spec.get('dtype')} {spec.get('shape')}")
+        if arithmetic(spec, world) and not any(
+                (lo, ext) == (piece.offset, piece.shape)
+                for _, lo, ext in holders(tuple(spec["shape"]), tuple(spec["mesh_shape"]), tuple(spec["placements"]),
+                                          piece.offset, piece.shape)):
+            raise CorruptCheckpointError(f"tensor {name!r}: rank {rank}'s piece at {list(piece.offset)} of shape "
+                                         f"{list(piece.shape)} disagrees with the placements {spec['placements']} "
+                                         "in the manifest")
+
+
+def check_shard_entry(s: dict[str, Any], rank: int) -> str | None:
+    """Why format 2's index fields of manifest shard entry `rank` are malformed, else None."""
+    if s.get("index") != index_name(rank):
+        return f"shard {rank}'s index file is {s.get('index')!r}, not {index_name(rank)!r}"
+    size, digest = s.get("index_bytes"), s.get("index_xxh3")
+    if not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
+        return f"shard {rank}'s index size {size!r} is not a byte count"
+    if not (isinstance(digest, str) and len(digest) == 16):
+        return f"shard {rank}'s index has no valid checksum"
+    return None

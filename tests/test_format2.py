@@ -1,0 +1,148 @@
+"""Format 2: a small manifest (per shard: sizes and checksums of the shard and of its rank's index
+file; each DTensor once) and per-rank index files covered by the manifest's checksum."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers.core import model_equal, save_steps, step_dir, tiny_model, tiny_state
+from typer.testing import CliRunner
+
+from slurmresume import Checkpointer
+from slurmresume.checkpoint.layout import MANIFEST
+from slurmresume.checkpoint.store import inspect_dir
+from slurmresume.cli import app
+from slurmresume.errors import CorruptCheckpointError
+
+INDEX = "rank-00000.index.json"
+
+
+def test_the_manifest_lists_no_tensor_of_any_rank(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1]).close()
+    manifest = json.loads((step_dir(tmp_path, 1) / MANIFEST).read_text())
+    index = json.loads((step_dir(tmp_path, 1) / INDEX).read_text())
+    assert manifest["format"] == "slurmresume/2" and "tensors" not in manifest
+    assert [s["index"] for s in manifest["shards"]] == [INDEX]
+    assert "model/0.weight" in index["tensors"] and index["tensors"]["model/0.weight"]["xxh3"]
+    assert index["rank"] == 0 and index["file"] == manifest["shards"][0]["file"]
+
+
+def _flip(path: Path, offset: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_a_flipped_index_byte_fails_verify_and_restore_falls_back(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1, 2]).close()
+    index = step_dir(tmp_path, 2) / INDEX
+    _flip(index, index.read_bytes().index(b'"xxh3":["') + 10)  # a digit of a block digest
+    info = inspect_dir(2, step_dir(tmp_path, 2), verify=True)
+    assert not info.complete and "tensor index" in (info.problem or "") and "fails its checksum" in info.problem
+    res = CliRunner().invoke(app, ["verify", "--ckpt-dir", str(tmp_path), "--all"], terminal_width=200)
+    assert res.exit_code != 0
+    state = tiny_state(987654)
+    with Checkpointer(tmp_path, handle_signals=False) as ck:
+        assert ck.restore(state) == 1
+    assert model_equal(state["model"], tiny_model(1))
+
+
+def test_a_missing_index_makes_the_step_incomplete(tmp_path: Path) -> None:
+    save_steps(tmp_path, [1, 2]).close()
+    (step_dir(tmp_path, 2) / INDEX).unlink()
+    info = inspect_dir(2, step_dir(tmp_path, 2))
+    assert not info.complete and info.has_marker and not info.unreadable and INDEX in (info.problem or "")
+    state = tiny_state(987654)
+    with Checkpointer(tmp_path, handle_signals=False) as ck:
+        assert ck.restore(state) == 1
+
+
+def test_an_index_of_another_rank_is_refused(tmp_path: Path) -> None:
+    """An index file that matches its digest but claims another rank (or file) is never used."""
+    save_steps(tmp_path, [1]).close()
+    info = inspect_dir(1, step_dir(tmp_path, 1))
+    assert info.manifest is not None
+    shard = {**info.manifest.shards[0], "rank": 1}
+    from slurmresume.checkpoint.rankindex import read_index
+
+    with pytest.raises(CorruptCheckpointError, match="not rank 1's index"):
+        read_index(step_dir(tmp_path, 1), shard)
+
+
+def _collectives_run(tmp_path: Path, world: int = 3) -> list[dict]:
+    import subprocess
+    import sys
+
+    from helpers.procs import HELPERS, clean_env
+
+    out = tmp_path / "out"
+    out.mkdir()
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                          "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "scale_collectives.py"),
+                          str(out), str(tmp_path / "ck")], env=clean_env(), capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def collectives(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _collectives_run(tmp_path_factory.mktemp("collectives"))
+
+
+def test_the_save_gathers_fixed_records_and_never_all_gathers(collectives: list[dict]) -> None:
+    """3 ranks, a Shard(0) DTensor, a Replicate() one, a replicated and a per-rank plain tensor:
+    no all_gather during the save (the old save all-gathered every rank's tensor index and the
+    digests of every tensor); rank 0 gathers records, the outcome is broadcast."""
+    for r in collectives:
+        assert r["step"] == 1 and r["exact"], r
+        assert not [c for c in r["calls"] if c.startswith("all_gather")], r["calls"]
+        assert "gather" in r["calls"] and "broadcast" in r["calls"]
+
+
+def test_a_same_world_restore_opens_only_its_own_files_and_rank_0s(collectives: list[dict]) -> None:
+    """Placement-aware restore: rank r reads its own shard and index (and rank 0's, where the
+    replicated tensors are stored); only rank 0 checks every file's size. The old code had every
+    rank open every shard after the restore (inspect_dir), and rank 0 read every index."""
+    own = {1: {"rank-00001-of-00003.safetensors", "rank-00001.index.json"},
+           2: {"rank-00002-of-00003.safetensors", "rank-00002.index.json"}}
+    first = {"rank-00000-of-00003.safetensors", "rank-00000.index.json", "manifest.json", "COMMITTED"}
+    for rank in (1, 2):
+        opened = set(collectives[rank]["opens"])
+        assert own[rank] <= opened and opened <= own[rank] | first, (rank, sorted(opened))
+
+
+@pytest.mark.parametrize(("shape", "mesh", "placements"), [
+    ((12, 4), (3,), ("shard:0",)), ((10, 7), (4,), ("shard:1",)), ((2, 5), (4,), ("shard:0",)),
+    ((9, 6), (2, 3), ("shard:0", "shard:1")), ((9, 6), (2, 3), ("replicate", "shard:0")),
+    ((13, 5), (2, 3), ("shard:0", "shard:0")), ((8,), (2, 2), ("replicate", "replicate")),
+])
+def test_holders_match_torchs_placement_rule(shape: tuple, mesh: tuple, placements: tuple) -> None:
+    """Every rank's piece computed by `placement.holders` is the one torch gives its coordinate,
+    and a box is tiled exactly by the pieces found (the lowest rank of replicated coordinates)."""
+    import itertools
+    import math
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from slurmresume.checkpoint.sharding import Sharded
+
+    def holders(shape: tuple, mesh: tuple, placements: tuple, offset: tuple, box: tuple) -> tuple:
+        return Sharded("t", "F32", shape, (), (mesh, placements)).pieces_in(offset, box)
+
+    torch_placements = [Replicate() if p == "replicate" else Shard(int(p[6:])) for p in placements]
+    everything = holders(shape, mesh, placements, (0,) * len(shape), shape)
+    assert sum(math.prod(p.shape) for p in everything) == math.prod(shape)
+    for p in everything:
+        coord = list(itertools.product(*map(range, mesh)))[p.rank]
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh, list(coord), torch_placements)
+        assert (tuple(local), tuple(offset)) == (p.shape, p.offset)
+    box_lo = tuple(d // 3 for d in shape)
+    box = tuple(max(1, d // 2) for d in shape)
+    found = holders(shape, mesh, placements, box_lo, box)
+    assert {p.rank for p in found} == {p.rank for p in everything
+                                       if all(o < bl + b and bl < o + s for o, s, bl, b in zip(p.offset, p.shape,
+                                                                                               box_lo, box))}
