@@ -135,6 +135,7 @@ class Fabric:
             out.fill_(len(self.peers[i]))
         else:
             raw = self.peers[i]
+            raw = raw + b" " * (len(out) - len(raw))  # padded as Group.gather_json pads (JSON ignores it)
             out.zero_()
             if raw:
                 out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -166,6 +167,8 @@ class Fabric:
 
     def all_reduce(self, tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
         self.calls["all_reduce"] += 1
+        if self.peers is not None and tensor.numel() == 1:  # gather_json's MAX of the record lengths
+            tensor.fill_(max(len(p) for p in self.peers))
         for who in ("rank0", "other"):
             self.sent[who] += _nbytes(tensor)
             self.received[who] += _nbytes(tensor)
@@ -354,10 +357,12 @@ def save_rank0(model: str, world: int, root: Path, ops: Ops) -> dict[str, Any]:
                                              into=decision["dir"]))
         out["emulate_ranks_s"] = time.perf_counter() - t0  # no collective ran meanwhile: the bytes count on
         wall, cpu = time.perf_counter(), time.process_time()
-        fabric.peers = [json.dumps(WriteReport.from_json(r).to_json(), separators=(",", ":")).encode()
+        # What each rank sends rank 0: its fixed-size record (train/saving.py), by Group.gather_json
+        fabric.peers = [json.dumps(WriteReport.from_json(r).record(), separators=(",", ":")).encode()
                         for r in reports]
-        mine = WriteReport.from_json(reports[0]).to_json()
-        gathered = [WriteReport.from_json(r) for r in group.all_gather_json(mine)]
+        mine = WriteReport.from_json(reports[0])
+        records = group.gather_json(mine.record()) or []
+        gathered = [mine, *(WriteReport.from_json(r) for r in records[1:])]  # rank 0's own: in full
         fabric.peers = None
         outcome = commit.commit(root, STEP, [r.to_json() for r in gathered], template.metrics, template.meta,
                                 into=decision["dir"])

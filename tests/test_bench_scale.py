@@ -67,9 +67,6 @@ def test_4096_ranks_within_generous_bounds(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="format 1's manifest holds every rank's tensor index: ~90 MiB for "
-                   "512 ranks x 873 tensors, over the 64 MiB read cap, so the save refuses to commit; "
-                   "format 2 (small manifest, per-rank index files, #29.2) makes it pass: then drop this mark")
 def test_a_512_rank_7b_checkpoint_commits_loads_on_512_and_reshards_to_384(tmp_path: Path) -> None:
     (row,) = _run(tmp_path, "--models", "7B", "--ranks", "512", "--reshard", "512:384", "--read", "--no-memory",
                   "--max-manifest-mib", "1024", timeout=1200)
