@@ -99,3 +99,17 @@ def test_a_piece_whose_bytes_reach_the_host_by_a_copy_gets_fine_digests(tmp_path
     for a, b in (("a", "c"), ("b", "d")):
         assert (tmp_path / a / "rank-00000-of-00001.safetensors").read_bytes() == (
             tmp_path / b / "rank-00000-of-00001.safetensors").read_bytes()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("keep", [HOST_COPY_KEEP, 0])
+def test_a_piece_saved_from_the_gpu_gets_the_fine_digests_of_its_host_bytes(tmp_path: Path, keep: int,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real device path (no seam): a CUDA piece's header holds the same stripes, and the file
+    the same bytes, as the same piece saved from host memory."""
+    monkeypatch.setattr(shard.fine_digests, "__defaults__", (keep,))
+    for dim, t in ((1, torch.randn(37, 1000).to(torch.bfloat16)), (0, torch.randn(1000, 24))):
+        want, got = _write(tmp_path / f"h{dim}", t, dim), _write(tmp_path / f"d{dim}", t.cuda(), dim)
+        assert got == want and want["w"][2] == 16
+        assert (tmp_path / f"h{dim}" / "rank-00000-of-00001.safetensors").read_bytes() == (
+            tmp_path / f"d{dim}" / "rank-00000-of-00001.safetensors").read_bytes()
