@@ -23,6 +23,7 @@ from slurmresume.checkpoint.reshard import _fine_blocks
 from slurmresume.checkpoint.shard import FINE_KEY, fine_width
 from slurmresume.contract import ENV_RESTORE_STAGING
 from slurmresume.events import read_events
+from slurmresume.train import restoring
 from slurmresume.train.restoring import staging_budget
 
 
@@ -30,12 +31,15 @@ def _values(step: int) -> torch.Tensor:
     return torch.arange(4096, dtype=torch.float32) + 1000.0 * step
 
 
-@pytest.mark.parametrize("verify,staging", [(False, None), (True, None), (False, "0")])
+@pytest.mark.parametrize("verify,staging,cached", [(False, None, False), (True, None, False), (False, "0", False),
+                                                   (False, None, True)])
 def test_fallback_leaves_the_older_steps_exact_bytes_in_the_users_tensor(tmp_path: Path, verify: bool,
-                                                                         staging: str | None,
+                                                                         staging: str | None, cached: bool,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Default restore, verify_on_restore, and a part over the staging budget (verified in a
-    first pass, read into the live tensor in a second)."""
+    """Default restore, verify_on_restore, a part over the staging budget (verified in a first
+    pass, read into the live tensor in a second), and a part in the page cache (the same two
+    passes, both from memory). `cached` stands for the page cache's answer."""
+    monkeypatch.setattr(restoring, "all_cached", lambda path: cached)
     if staging is not None:
         monkeypatch.setenv(ENV_RESTORE_STAGING, staging)
     with Checkpointer(tmp_path, handle_signals=False) as ck:
@@ -49,7 +53,7 @@ def test_fallback_leaves_the_older_steps_exact_bytes_in_the_users_tensor(tmp_pat
     assert state["model"]["w"] is w  # loaded in place: the object the user keeps using
     assert w.numpy().tobytes() == _values(1).numpy().tobytes()
     event = [e for e in read_events(tmp_path) if e["event"] == "restored"][-1]
-    passes = 2 if staging == "0" else 1
+    passes = 2 if staging == "0" or cached else 1
     assert event["read_bytes"] == [passes * event["needed_bytes"][0]] and event["needed_bytes"][0] >= 4096 * 4
 
 
@@ -67,7 +71,10 @@ def test_a_staging_budget_that_is_not_a_number_is_one_clear_error(tmp_path: Path
         Checkpointer(tmp_path, handle_signals=False).restore({"x": torch.zeros(2)})
 
 
-def test_a_refused_restore_leaves_plain_tensors_untouched(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_refused_restore_leaves_plain_tensors_untouched(tmp_path: Path, cached: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(restoring, "all_cached", lambda path: cached)  # staged, or two passes from memory
     with Checkpointer(tmp_path, handle_signals=False) as ck:
         ck.save(2, {"model": {"w": _values(2)}, "x": torch.ones(3)})
     flip_byte(shard(tmp_path, 2), "model/w", at=0.99)  # the last block: everything before it reads fine

@@ -9,8 +9,9 @@ VERIFY_BLOCK (xxh3-64) and the header bytes as a whole; the manifest records tho
 (`build_manifest`). A reader given them (`Expected`) hashes each block right after reading it
 (the block is still in cache) and refuses a mismatch with CorruptCheckpointError, so the default
 restore needs no separate checksum pass. Byte-range reads of a resharded tensor widen to whole
-blocks (reshard.read_box): a DTensor piece in CPU memory also gets finer digests, ~64 stripes
-along its sharded dimension, stored in the header (`fine_digests`). Checkpoints written before
+blocks (reshard.read_box): a DTensor piece also gets finer digests, ~64 stripes along its
+sharded dimension, stored in the header (`fine_digests`; a GPU piece is copied to the host
+before the header is built, and that copy is hashed and streamed). Checkpoints written before
 block digests existed carry none; their restore runs the whole-shard checksum pass instead
 (restoring.choose).
 """
@@ -42,10 +43,13 @@ SKELETON_KEY = "slurmresume.skeleton"
 # header, which the manifest's header digest covers, so the manifest does not grow with them.
 FINE_KEY = "slurmresume.fine_blocks"
 FINE_PER_PIECE = 64  # a piece is cut into about this many row-aligned blocks (at most VERIFY_BLOCK each)
-# Stripes across the rows (a Shard(1) piece) are hashed from strided copies, ~10x slower than runs
-# of rows (0.4 vs 4 GiB/s measured here): only pieces up to this size get them, so that a save's
-# extra hashing stays small; a larger one's column boxes read whole rows.
-FINE_STRIPED_MAX = 16 << 20
+# Stripes across the rows (a Shard(1) piece) are hashed from strided copies into one reused buffer,
+# slower than runs of rows (0.2-1 vs 4+ GiB/s on the loaded 2-core VM): every size gets them, since
+# a column box of a piece without them reads whole rows (1.3x at 3 -> 2 ranks).
+# A piece whose bytes reach host memory only by a copy (a GPU piece, `on_device`) is copied before
+# the header is built, hashed from that copy, and the copy is streamed: copies are kept up to this
+# many bytes per shard, a piece beyond it is copied again while streaming (host memory stays bounded).
+HOST_COPY_KEEP = 1 << 30
 MAX_HEADER = MAX_JSON_BYTES
 
 _DTYPES: dict[str, str] = {
@@ -155,41 +159,71 @@ def fine_width(shape: list[int], itemsize: int, dim: int) -> int:
 
 def stripe_digests(t: Any, dim: int, width: int) -> list[str]:
     """xxh3-64 hex digests of `t`'s stripes of `width` along `dim`, each in row-major order."""
+    import torch
+
     if dim == 0:
         return block_digests(tensor_bytes(t.contiguous()), width * (t.element_size() * t.numel() // t.shape[0]))
-    return [xxhash.xxh3_64_hexdigest(tensor_bytes(t.narrow(dim, i, min(width, t.shape[dim] - i)).contiguous()))
-            for i in range(0, t.shape[dim], width)]
+    buf = torch.empty(t.numel() // t.shape[dim] * width, dtype=t.dtype)  # one buffer for every stripe
+    out = []
+    for i in range(0, t.shape[dim], width):
+        part = t.narrow(dim, i, min(width, t.shape[dim] - i))
+        into = buf[: part.numel()].view(part.shape)
+        into.copy_(part)
+        out.append(xxhash.xxh3_64_hexdigest(tensor_bytes(into)))
+    return out
 
 
-def fine_digests(tensors: list[tuple[str, Any]], skeleton: str) -> dict[str, dict[str, Any]]:
-    """{name: {"dim", "width", "xxh3": [...]}} for the DTensor pieces (named in the skeleton's
-    "dtensors", cut along their first sharded dimension) held in CPU memory: a rank resharding
-    reads a range of such a piece and needs digests that end near it. A piece on the GPU is
-    skipped (its bytes reach the CPU only while streaming, after the header): its reads widen
-    to VERIFY_BLOCK. Hashing happens here, before the header is written, in one extra pass
-    over these pieces' memory."""
+def on_device(t: Any) -> bool:
+    """Whether `t`'s bytes reach host memory only by a copy (a GPU tensor). A seam: tests take the
+    GPU's path on CPU through it."""
+    return bool(t.device.type != "cpu")
+
+
+def to_host(t: Any) -> Any:
+    """A contiguous host copy of a device tensor (the D2H copy of the streaming loop too)."""
+    return t.detach().cpu().contiguous()
+
+
+def sharded_dim(specs: Any, name: str) -> int | None:
+    """The first sharded dimension of DTensor piece `name` in the skeleton's "dtensors" specs."""
+    spec = specs.get(name) if isinstance(specs, dict) else None
+    placements = spec.get("placements") if isinstance(spec, dict) else None
+    dims = [int(p[6:]) for p in placements or () if isinstance(p, str) and p[6:].isdigit() and p[:6] == "shard:"]
+    return dims[0] if dims else None
+
+
+def fine_digests(tensors: list[tuple[str, Any]], skeleton: str,
+                 keep: int = HOST_COPY_KEEP) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Any]]]:
+    """({name: {"dim", "width", "xxh3": [...]}}, tensors to stream) for the DTensor pieces (named
+    in the skeleton's "dtensors", cut along their first sharded dimension): a rank resharding
+    reads a range of such a piece and needs digests that end near it. Hashing happens here,
+    before the header is written, in one extra pass over these pieces' memory. A piece on a
+    device is copied to the host first and hashed there; the copy replaces it in the returned
+    list (streamed without a second copy) while the copies kept stay within `keep` bytes."""
     try:
         specs = (json.loads(skeleton) or {}).get("dtensors") or {}
     except (ValueError, AttributeError, TypeError):
-        return {}
+        return {}, tensors
     out: dict[str, dict[str, Any]] = {}
-    for name, t in tensors:
-        spec = specs.get(name) if isinstance(specs, dict) else None
-        placements = spec.get("placements") if isinstance(spec, dict) else None
-        dims = [int(p[6:]) for p in placements or () if isinstance(p, str) and p[6:].isdigit() and p[:6] == "shard:"]
-        if not dims or t.device.type != "cpu" or (dims[0] > 0 and t.numel() * t.element_size() > FINE_STRIPED_MAX):
+    stream, kept = list(tensors), 0
+    for i, (name, t) in enumerate(tensors):
+        dim = sharded_dim(specs, name)
+        if dim is None or not (width := fine_width(list(t.shape), t.element_size(), dim)):
             continue
-        if not (width := fine_width(list(t.shape), t.element_size(), dims[0])):
-            continue
-        out[name] = {"dim": dims[0], "width": width, "xxh3": stripe_digests(t.detach(), dims[0], width)}
-    return out
+        host = to_host(t) if on_device(t) else t.detach()
+        out[name] = {"dim": dim, "width": width, "xxh3": stripe_digests(host, dim, width)}
+        if host is not t and kept + (n := host.numel() * host.element_size()) <= keep:
+            stream[i], kept = (name, host), kept + n
+    return out, stream
 
 
 def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> WrittenShard:
     """Write one shard durably (temp, fsync, rename). Called by each rank for its own file.
     Tensor bytes stream from tensor memory through the writer's reused staging buffers."""
     tensors = order_for_alignment(tensors)
-    fine = fine_digests(tensors, metadata.get(SKELETON_KEY, ""))
+    fine, stream = fine_digests(tensors, metadata.get(SKELETON_KEY, ""))
+    hosted = {id(b) for (_, a), (_, b) in zip(tensors, stream) if a is not b}  # copied already: stream as is
+    tensors = stream
     if fine:
         metadata = {**metadata, FINE_KEY: json.dumps(fine, separators=(",", ":"))}
     header, index = build_header(tensors, metadata)
@@ -209,7 +243,7 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         fsio.fault_point("write.shard.header", tmp)
         sink.feed(header)
         for name, t in tensors:
-            data = tensor_bytes(_contiguous_cpu(t))
+            data = tensor_bytes(t if id(t) in hosted else _contiguous_cpu(t))
             sink.feed(data)  # first: the writer thread starts on it while this thread hashes blocks
             index[name]["xxh3"] = block_digests(data)
         digest = sink.finish()
@@ -229,10 +263,7 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
 
 
 def _contiguous_cpu(t: Any) -> Any:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t.contiguous()
+    return to_host(t) if on_device(t) else t.detach().contiguous()
 
 
 def open_checked(directory: Path, file: str, expected_bytes: int) -> int:
