@@ -51,10 +51,11 @@ def test_directory_fsyncs_per_save_do_not_grow_with_ranks(tmp_path: Path, monkey
     # marker and note once each: the same at 3 and at 6 ranks (the old code: one more per rank)
     assert small["fsyncdir.step"] == large["fsyncdir.step"] == 1, (small, large)
     assert total(small, "fsyncdir.") == total(large, "fsyncdir.") == 6, (small, large)
-    # per shard: one create (its header write), one fsync, one rename
+    # per rank: its shard and its index file (format 2), each one create, one fsync, one rename
     for c, world in ((small, 3), (large, 6)):
         assert c["write.shard.header"] == c["fsync.shard"] == c["rename.shard"] == world, c
-        assert total(c, "fsync.") == world + 3  # + note, manifest, marker
+        assert c["write.index"] == c["fsync.index"] == c["rename.index"] == world, c
+        assert total(c, "fsync.") == 2 * world + 3  # + note, manifest, marker
     latest = find_latest(root, verify=True)
     assert latest is not None and latest.step == 2 and latest.manifest is not None
     assert latest.manifest.world_size == 6
