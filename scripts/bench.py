@@ -181,6 +181,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     ack = slurmresume.Checkpointer(work / "ours_async", handle_signals=False)
     counter = iter(range(1, 1 << 30))
     writers: list[str | None] = []
+    breakdowns: dict[str, list[dict]] = {}  # per slurmresume save method: each timed save's breakdown
 
     def ours(strategy: str | None) -> Callable[[], None]:
         def run() -> None:
@@ -192,8 +193,10 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
             name = OURS if strategy is None else f"slurmresume save, writer={strategy}"
             try:
                 record(name, with_mem(name, lambda: ck.save(next(counter), {"m": Holder(state)})))
-                if strategy is None:  # the path this save took (a near-tie of probes is settled by real saves)
-                    writers.append(last_writer(work / "ours"))
+                saved = last_saved(work / "ours")
+                breakdowns.setdefault(name, []).append(saved.get("breakdown") or {})
+                if strategy is None:  # the path this save took (the choice keeps learning from real saves)
+                    writers.append(saved.get("writer"))
             finally:
                 os.environ.pop(calibrate.ENV, None)
         return run
@@ -260,6 +263,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     results.clear()
     memory.clear()
     writers.clear()
+    breakdowns.clear()
     for r in range(rounds):
         k = r % len(methods)
         for m in methods[k:] + methods[:k]:
@@ -274,7 +278,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     med = {k: statistics.median(v) for k, v in results.items()}
     return {"gib": gib, "bytes": nbytes, "largest_tensor_bytes": largest, "dtype": str(dtype), "rounds": rounds,
             "seconds": med, "all": results, "peak_extra_bytes": memory, "calibration": calibration,
-            "writers": writers, "calibration_end": calibrate.cached_choice(work / "ours")}
+            "writers": writers, "calibration_end": calibrate.cached_choice(work / "ours"), "breakdowns": breakdowns}
 
 
 def drop_steps(root: Path) -> None:
@@ -284,17 +288,35 @@ def drop_steps(root: Path) -> None:
         shutil.rmtree(child, ignore_errors=True)
 
 
-def last_writer(root: Path) -> str | None:
-    """The write path of the newest save under `root` (its `save_committed` event)."""
+def last_saved(root: Path) -> dict:
+    """The newest `save_committed` event under `root` (its writer and breakdown); {} when none."""
     try:
         lines = (root / "events.jsonl").read_text().splitlines()
     except OSError:
-        return None
+        return {}
     for line in reversed(lines):
         e = json.loads(line)
         if e.get("event") == "save_committed":
-            return e.get("writer")
-    return None
+            return e
+    return {}
+
+
+BREAKDOWN = ("shard_gbps", "shard_s", "write_calls_s", "hash_s", "fsync_s", "wait_s", "rank_write_s", "commit_s",
+             "collective_s", "prepare_s")
+
+
+def breakdown_rows(r: dict) -> list[str]:
+    """Per slurmresume save method, the median over the rounds of each part of its breakdown
+    (slurmresume.train.breakdown): a regression then has a name."""
+    rows = [f"| {'save, median over rounds':40s} | " + " | ".join(f"{k.removesuffix('_s'):>10s}" for k in BREAKDOWN) + " |"]
+    rows.append(f"|{'-' * 42}|" + "|".join("-" * 12 for _ in BREAKDOWN) + "|")
+    for name, saves in sorted((r.get("breakdowns") or {}).items()):
+        cells = []
+        for k in BREAKDOWN:
+            vals = [b[k] for b in saves if isinstance(b.get(k), (int, float))]
+            cells.append(f"{statistics.median(vals):10.3f}" if vals else f"{'-':>10s}")
+        rows.append(f"| {name:40s} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def spread(values: list[float]) -> tuple[float, float, float, float]:
@@ -392,14 +414,12 @@ def report(sizes: list[dict], scan: dict | None, agree: dict | None) -> None:
         print(f"\n## {r['gib']} GiB state ({r['dtype']}, {r['bytes'] / GiB:.2f} GiB, largest tensor "
               f"{r['largest_tensor_bytes'] / 2**20:.0f} MiB), {r['rounds']} interleaved rounds, page cache dropped "
               "before each method")
-        rates = ", ".join(f"{k} {v:.2f}" for k, v in ((cal.get("entry") or {}).get("gbps") or {}).items())
-        print(f"write-path calibration: chose {cal['choice']} in {cal['seconds']:.2f} s (GB/s: {rates})")
+        print(f"write-path calibration: chose {cal['choice']} in {cal['seconds']:.2f} s "
+              f"(belief: {(cal.get('entry') or {}).get('belief_line')})")
         end = r.get("calibration_end") or {}
         if r.get("writers"):
             print(f"timed '{OURS}' saves, round by round, wrote with: {', '.join(map(str, r['writers']))}; "
-                  f"at the end: {end.get('strategy')} (settled by {end.get('settled_by')}"
-                  + (f", real saves GB/s {end['settled']['observed_gbps']}" if end.get("settled") else "")
-                  + (f", trial still open: {end['trial']}" if end.get("trial") else "") + ")")
+                  f"belief at the end: {end.get('belief_line')}")
         print(f"| {'method':40s} | {'median s':>8s} | {'min-max s':>13s} | {'IQR s':>6s} | {'GB/s':>5s} | "
               f"{'raw/it':>6s} | {'peer/it':>7s} | {'peak extra MiB':>14s} |")
         print(f"|{'-' * 42}|{'-' * 10}|{'-' * 15}|{'-' * 8}|{'-' * 7}|{'-' * 8}|{'-' * 9}|{'-' * 16}|")
@@ -414,6 +434,10 @@ def report(sizes: list[dict], scan: dict | None, agree: dict | None) -> None:
             print(f"{name}: best peer ({q['best_peer']}) / ours per round: median {q['median']:.2f}x, "
                   f"min-max {q['min']:.2f}-{q['max']:.2f}x; median ours <= median best peer: "
                   f"{q['median_of_ours_le_best_peer']}{note}")
+        print("\nwhere our saves' seconds went (shard GB/s; seconds: the slowest rank's shard, its write calls, "
+              "hashing, fsync, waiting for the writer; the rank's whole write; manifest+marker+publish; "
+              "collectives; prepare):")
+        print("\n".join(breakdown_rows(r)))
     if scan:
         print(f"\nfind_latest among {scan['directories']} step directories (warm): {scan['find_latest_warm_s'] * 1e3:.1f} ms")
     if agree:

@@ -170,7 +170,7 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
             if name in index:  # where this piece sits in its global tensor (manifest index)
                 index[name] = {**index[name], "global_shape": spec["shape"], "global_offset": spec["offset"]}
         return {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
-                "header_xxh3": written.header_xxh3, "tensors": index, "writer": written.writer, "replicated": sorted(replicated or ()) if group.rank == 0 else [],
+                "header_xxh3": written.header_xxh3, "tensors": index, "writer": written.writer, "timing": written.timing, "replicated": sorted(replicated or ()) if group.rank == 0 else [],
                 "error": None}
     except Exception as exc:
         error = _describe(exc, d / file)  # before the clean-up frees space or inodes

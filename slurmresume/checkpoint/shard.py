@@ -21,6 +21,7 @@ import json
 import os
 import stat
 import struct
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -74,6 +75,7 @@ class WrittenShard:
     tensors: dict[str, dict[str, Any]]  # name -> {dtype, shape, xxh3: [block digests]}
     header_xxh3: str = ""
     writer: str = ""  # the write path used (writer.STRATEGIES)
+    timing: dict[str, float] | None = None  # where the seconds went (ShardSink.timing + block_hash_s)
 
 
 @dataclass(frozen=True)
@@ -208,10 +210,13 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
     try:
         fsio.fault_point("write.shard.header", tmp)
         sink.feed(header)
+        block_s = 0.0
         for name, t in tensors:
             data = tensor_bytes(_contiguous_cpu(t))
             sink.feed(data)  # first: the writer thread starts on it while this thread hashes blocks
+            started = time.perf_counter()
             index[name]["xxh3"] = block_digests(data)
+            block_s += time.perf_counter() - started
         digest = sink.finish()
     except BaseException as exc:
         sink.abort()
@@ -224,8 +229,9 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         fsio._unlink_quiet(tmp)
         fsio.note_failure(exc, final, needed)
         raise
+    timing = {**sink.timing(), "hash_s": round(sink.hash_s + block_s, 4)}
     return WrittenShard(file=file, bytes=sink.total, xxh3=digest, tensors=index,
-                        header_xxh3=xxhash.xxh3_64_hexdigest(header), writer=sink.strategy)
+                        header_xxh3=xxhash.xxh3_64_hexdigest(header), writer=sink.strategy, timing=timing)
 
 
 def _contiguous_cpu(t: Any) -> Any:

@@ -113,6 +113,9 @@ class ShardSink:
         self.started = time.perf_counter()
         self.seconds = 0.0
         self.kicked = self.waited = 0  # buffered-wb: bytes handed to writeback / known written
+        # where the time went (`timing()`, the save's breakdown): seconds in the write calls
+        # (summed over writer threads), hashing, the final fsync, the producer waiting for room
+        self.write_s = self.hash_s = self.fsync_s = self.wait_s = 0.0
         self.error: BaseException | None = None
         if self.direct:
             count, self.size, threads = _DIRECT[strategy]
@@ -143,14 +146,18 @@ class ShardSink:
             self._raise_if_failed()
             for start in range(0, len(view), CHUNK):
                 part = view[start : start + CHUNK]
+                t = time.perf_counter()
                 self.q.put(bytes(part) if reused else part)  # at most QUEUED copies wait at once
-            self.hasher.update(view)
+                self.wait_s += time.perf_counter() - t
+            self.hash(view)
             return
         src = np.frombuffer(view, dtype=np.uint8) if len(view) else np.empty(0, np.uint8)
         pos = 0
         while pos < len(src):
             if self.fill == 0:
+                t = time.perf_counter()
                 self.free[self.cur].acquire()  # wait until a writer is done with this buffer
+                self.wait_s += time.perf_counter() - t
                 self._raise_if_failed()
             n = min(self.size - self.fill, len(src) - pos)
             np.copyto(self.bufs[self.cur][self.fill : self.fill + n], src[pos : pos + n])
@@ -183,7 +190,7 @@ class ShardSink:
 
     def _flush_buffer(self) -> None:
         filled = self.fill
-        self.hasher.update(self.bufs[self.cur][:filled].data)
+        self.hash(self.bufs[self.cur][:filled].data)
         self.q.put((self.cur, filled, self.offset))
         self.offset += filled
         self.cur, self.fill = (self.cur + 1) % len(self.bufs), 0
@@ -197,7 +204,9 @@ class ShardSink:
             self._raise_if_failed()
             if self.direct:
                 os.ftruncate(self.fd, self.total)  # drop the alignment padding of the last block
+            t = time.perf_counter()
             fsio.fsync_fd(self.fd, "shard", self.path)
+            self.fsync_s += time.perf_counter() - t
         finally:
             fd, self.fd = self.fd, -1  # abort() after a failed finish() must not close it again:
             os.close(fd)  # by then the number may belong to a file another thread opened
@@ -205,6 +214,18 @@ class ShardSink:
         if self.on_finish is not None:
             self.on_finish(self.strategy, self.total, self.seconds)
         return self.hasher.hexdigest()
+
+    def hash(self, data: memoryview | bytes) -> None:
+        t = time.perf_counter()
+        self.hasher.update(data)
+        self.hash_s += time.perf_counter() - t
+
+    def timing(self) -> dict[str, float]:
+        """Seconds of this shard's write (after finish): `shard_s` open to fsynced, `write_s` in
+        write calls (thread-seconds), `hash_s` hashing the stream, `fsync_s` the final fsync,
+        `wait_s` the producer waiting for the writer."""
+        return {k: round(v, 4) for k, v in (("shard_s", self.seconds), ("write_s", self.write_s), ("hash_s", self.hash_s),
+                                            ("fsync_s", self.fsync_s), ("wait_s", self.wait_s))}
 
     def abort(self) -> None:
         if any(t.is_alive() for t in self.threads):
@@ -236,7 +257,9 @@ class ShardSink:
                     padded = -(-filled // ALIGN) * ALIGN
                     if padded != filled:
                         self.bufs[idx][filled:padded] = 0
+                    t = time.perf_counter()
                     fsio.pwrite_all(self.fd, self.bufs[idx][:padded].data, offset, "shard.data", self.path)
+                    self.write_s += time.perf_counter() - t
             except BaseException as exc:  # handed to the producer, raised on its thread
                 self.error = exc
             finally:
@@ -248,10 +271,12 @@ class ShardSink:
         while (view := self.q.get()) is not None:
             try:
                 if self.error is None:
+                    t = time.perf_counter()
                     fsio.write_all(self.fd, view, "shard.data", self.path)
                     written += len(view)
                     if self.strategy == "buffered-wb":
                         self._writeback(written)
+                    self.write_s += time.perf_counter() - t
             except BaseException as exc:  # handed to the producer, raised on its thread
                 self.error = exc
 

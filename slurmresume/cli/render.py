@@ -22,6 +22,7 @@ from rich.text import Text
 from ..duration import format_duration
 from ..retention import PrunePlan, PruneResult
 from ..tools.status import Status, VerifyResult
+from ..train.breakdown import describe as describe_breakdown
 from ..train.policy import RECENT_SAVES, IntervalSummary
 
 if TYPE_CHECKING:
@@ -143,6 +144,8 @@ def writer_line(st: Status) -> Text | None:
         text += f"; belief here: {w['belief_line']}"
     elif w.get("strategy"):
         text += f"; {w.get('source')} here: {w['strategy']}"
+    if isinstance(w.get("last_breakdown"), dict):  # train.breakdown: where that save's seconds went
+        text += f"; that save: {describe_breakdown(w['last_breakdown'])}"
     return Text(text, style="dim")
 
 

@@ -91,6 +91,7 @@ class WriteReport:
     replicated: tuple[str, ...] = ()
     error: str | None = None
     writer: str | None = None  # the write path used (checkpoint.calibrate), for the save event
+    timing: dict[str, float] | None = None  # where this rank's write spent its seconds (the save's breakdown)
 
     def to_json(self) -> dict[str, Any]:
         """The dict `checkpoint.commit.commit` and `build_manifest` read (a failed write: only the
@@ -99,7 +100,7 @@ class WriteReport:
             return {"rank": self.rank, "file": self.file, "error": self.error}
         return {"rank": self.rank, "file": self.file, "bytes": self.bytes, "xxh3": self.xxh3,
                 "header_xxh3": self.header_xxh3, "tensors": self.tensors, "replicated": list(self.replicated),
-                "error": None, "writer": self.writer}
+                "error": None, "writer": self.writer, "timing": self.timing}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WriteReport:
@@ -107,7 +108,8 @@ class WriteReport:
             return cls(int(d["rank"]), str(d["file"]), error=str(d["error"]))
         return cls(int(d["rank"]), str(d["file"]), int(d["bytes"]), str(d["xxh3"]), str(d["header_xxh3"]),
                    dict(d["tensors"]), tuple(d.get("replicated") or ()), None,
-                   str(d["writer"]) if d.get("writer") is not None else None)
+                   str(d["writer"]) if d.get("writer") is not None else None,
+                   dict(d["timing"]) if isinstance(d.get("timing"), dict) else None)
 
 
 @dataclass(frozen=True)

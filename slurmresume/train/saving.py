@@ -48,6 +48,8 @@ from ..contract import ENV_RUN_ID
 from ..errors import ConfigError, SaveError
 from ..events import try_append_event
 from . import ddp, rng
+from .breakdown import Stopwatch, summarize
+from .breakdown import describe as describe_breakdown
 from .logs import size as log_size
 from .messages import PrepareDecision, SaveOutcome, WriteReport
 
@@ -93,6 +95,7 @@ class SaveResult:
     skipped: bool
     outcome: SaveOutcome | None = None
     reports: tuple[WriteReport, ...] = ()
+    breakdown: dict[str, Any] | None = None  # rank 0: where the seconds went (train.breakdown)
 
     @property
     def bytes(self) -> int:
@@ -106,32 +109,41 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
     saves never replace one). `emergency`: a save after a signal, which never spends its lead
     measuring write paths (`checkpoint.calibrate.emergency`). Raises SaveError on every rank when the prepare fails; a failed
     write or commit is returned (`outcome.ok` False), for the caller to record, then raise."""
-    decision = _decide(group, root, step)
+    sw = Stopwatch()
+    with sw("prepare"):
+        decision = _decide(group, root, step)
     if decision.action == "skip" and replace_if_changed:
         same = same_as_committed(root / step_dir_name(step), step, group.rank, group.world_size,
                                  payload.skeleton, payload.tensors)
         if group.max_int(int(not same)):  # any rank's state differs: replace the step
             if group.rank == 0:
                 log.info("step %d is committed, but the state changed since: saving it again", step)
-            decision = _decide(group, root, step, replace=True)
+            with sw("prepare"):
+                decision = _decide(group, root, step, replace=True)
     if decision.action == "skip":
         return SaveResult(skipped=True)
     if decision.action == "error":
         raise SaveError(f"checkpoint save failed, nothing committed: {decision.error}")
     replicated: set[str] = set()
     if group.world_size > 1:
-        digests = tensor_digests(payload.tensors, payload.skeleton.get("dtensors"))
-        replicated = replicated_names(group.all_gather_json(digests))
-    with _calibrate.emergency() if emergency else contextlib.nullcontext():
+        with sw("replica_digests"):
+            digests = tensor_digests(payload.tensors, payload.skeleton.get("dtensors"))
+        with sw("collective"):
+            replicated = replicated_names(group.all_gather_json(digests))
+    with sw("write"), _calibrate.emergency() if emergency else contextlib.nullcontext():
         mine = WriteReport.from_json(_commit.write_rank(root, step, group, payload.skeleton, payload.tensors,
                                                         replicated, into=decision.dir))
-    reports = [WriteReport.from_json(r) for r in group.all_gather_json(mine.to_json())]
+    with sw("collective"):
+        reports = [WriteReport.from_json(r) for r in group.all_gather_json(mine.to_json())]
     outcome = None
     if group.rank == 0:
-        outcome = SaveOutcome.from_json(_commit.commit(root, step, [r.to_json() for r in reports], payload.metrics,
-                                                       payload.meta, into=decision.dir, replace=decision.replace))
-    outcome = SaveOutcome.from_json(group.broadcast_json(outcome.to_json() if outcome else None))
-    return SaveResult(skipped=False, outcome=outcome, reports=tuple(reports))
+        with sw("commit"):
+            outcome = SaveOutcome.from_json(_commit.commit(root, step, [r.to_json() for r in reports], payload.metrics,
+                                                           payload.meta, into=decision.dir, replace=decision.replace))
+    with sw("collective"):
+        outcome = SaveOutcome.from_json(group.broadcast_json(outcome.to_json() if outcome else None))
+    return SaveResult(skipped=False, outcome=outcome, reports=tuple(reports),
+                      breakdown=summarize(reports, sw.seconds) if group.rank == 0 else None)
 
 
 def _decide(group: Group, root: Path, step: int, replace: bool = False) -> PrepareDecision:
@@ -203,10 +215,13 @@ def record(root: Path, result: SaveResult, step: int, reason: str, seconds: floa
         try_append_event(root, "save_failed", step=step, error=result.outcome.error, reason=reason)
         return
     log.info("saved step %d in %.2f s (%s, %s)", step, seconds, log_size(result.bytes), reason)
+    if result.breakdown:
+        log.debug("step %d save breakdown: %s", step, describe_breakdown(result.breakdown))
     try_append_event(root, "save_committed", step=step, seconds=round(seconds, 4), reason=reason,
                      world_size=world_size, run_id=os.environ.get(ENV_RUN_ID),
                      blocking_s=None if blocking_s is None else round(blocking_s, 4), interval_s=interval_s,
-                     bytes=result.bytes, writer=result.reports[0].writer if result.reports else None)
+                     bytes=result.bytes, writer=result.reports[0].writer if result.reports else None,
+                     breakdown=result.breakdown)
 
 
 def apply_retention(root: Path, retention: Any) -> None:
