@@ -21,7 +21,6 @@ import json
 import os
 import stat
 import struct
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -210,13 +209,8 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
     try:
         fsio.fault_point("write.shard.header", tmp)
         sink.feed(header)
-        block_s = 0.0
-        for name, t in tensors:
-            data = tensor_bytes(_contiguous_cpu(t))
-            sink.feed(data)  # first: the writer thread starts on it while this thread hashes blocks
-            started = time.perf_counter()
-            index[name]["xxh3"] = block_digests(data)
-            block_s += time.perf_counter() - started
+        for name, t in tensors:  # each block is queued (or staged), then hashed twice while in cache
+            index[name]["xxh3"] = sink.feed_blocks(tensor_bytes(_contiguous_cpu(t)), VERIFY_BLOCK)
         digest = sink.finish()
     except BaseException as exc:
         sink.abort()
@@ -229,9 +223,8 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         fsio._unlink_quiet(tmp)
         fsio.note_failure(exc, final, needed)
         raise
-    timing = {**sink.timing(), "hash_s": round(sink.hash_s + block_s, 4)}
     return WrittenShard(file=file, bytes=sink.total, xxh3=digest, tensors=index,
-                        header_xxh3=xxhash.xxh3_64_hexdigest(header), writer=sink.strategy, timing=timing)
+                        header_xxh3=xxhash.xxh3_64_hexdigest(header), writer=sink.strategy, timing=sink.timing())
 
 
 def _contiguous_cpu(t: Any) -> Any:
