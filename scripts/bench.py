@@ -336,6 +336,106 @@ def ratio_to_best_peer(r: dict, name: str = OURS) -> dict:
             "median_of_ours_le_best_peer": statistics.median(r["all"][name]) <= peers[best]}
 
 
+RANK_PEERS = ("torch.save + fsync", "safetensors save_file + fsync", "DCP save")
+
+
+def bench_ranks(gib: float, dtype: torch.dtype, rounds: int, work: Path, ranks: int) -> dict:
+    """`ranks` processes on this machine each save their own `gib` GiB state at once (different
+    values per rank: no replica is deduplicated), every method once per round in a rotating
+    order, the page cache dropped before each; a method's time is from a barrier before to a
+    barrier after (the slowest rank)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = 27000 + os.getpid() % 1000
+    procs = [ctx.Process(target=_rank_worker, args=(r, ranks, port, gib, dtype, rounds, str(work), q))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    out = q.get()
+    for p in procs:
+        p.join()
+    return out
+
+
+def _rank_worker(rank: int, ranks: int, port: int, gib: float, dtype: torch.dtype, rounds: int, work_s: str,
+                 q) -> None:  # noqa: ANN001
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from slurmresume.checkpoint import calibrate, writer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    torch.manual_seed(rank)
+    state = {k: v + rank for k, v in make_state(gib, dtype).items()}
+    work = Path(work_s)
+    mine = work / f"rank{rank}"
+    mine.mkdir(parents=True, exist_ok=True)
+    os.environ[calibrate.CACHE_ENV] = str(work / "writer-cache.json")
+    ck = slurmresume.Checkpointer(work / "ours", handle_signals=False)
+    counter = iter(range(1, 1 << 30))
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+
+    def ours(strategy: str | None) -> Callable[[], None]:
+        def run() -> None:
+            if strategy:
+                os.environ[calibrate.ENV] = strategy
+            try:
+                ck.save(next(counter), {"m": Holder(state)})
+            finally:
+                os.environ.pop(calibrate.ENV, None)
+        return run
+
+    def clean() -> None:
+        if rank == 0:
+            drop_steps(work / "ours")
+        for child in mine.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        shutil.rmtree(work / "dcp", ignore_errors=True) if rank == 0 else None
+
+    methods: dict[str, Callable[[], object]] = {
+        "raw O_DIRECT write+fsync": lambda: raw_write(mine / "f", nbytes, True),
+        "raw buffered write+fdatasync": lambda: raw_write(mine / "f", nbytes, False),
+        "torch.save + fsync": lambda: (torch.save(state, mine / "s.pt"), fsync_path(mine / "s.pt")),
+        "safetensors save_file + fsync": lambda: (save_file(state, str(mine / "s.st")), fsync_path(mine / "s.st")),
+        "DCP save": lambda: dcp.save({"m": state}, checkpoint_id=str(work / "dcp")),
+        OURS: ours(None),
+        **{f"slurmresume save, writer={s}": ours(s) for s in writer.STRATEGIES},
+    }
+    ours(None)()  # the first save calibrates and pays one-time costs: not timed
+    results: dict[str, list[float]] = {}
+    breakdowns: dict[str, list[dict]] = {}
+    names = list(methods)
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            clean()
+            dist.barrier()
+            if rank == 0:
+                drop_caches()
+            dist.barrier()
+            t0 = time.perf_counter()
+            methods[name]()
+            dist.barrier()
+            results.setdefault(name, []).append(time.perf_counter() - t0)
+            if name.startswith("slurmresume") and rank == 0:
+                breakdowns.setdefault(name, []).append(last_saved(work / "ours").get("breakdown") or {})
+        if rank == 0:
+            print(f"  {ranks} x {gib} GiB round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    ck.close()
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in results.items()}
+        q.put({"gib": gib, "ranks": ranks, "bytes": nbytes * ranks, "largest_tensor_bytes": 0, "dtype": str(dtype),
+               "rounds": rounds, "seconds": med, "all": results, "peak_extra_bytes": {}, "breakdowns": breakdowns,
+               "calibration": {"choice": "-", "seconds": 0.0,
+                               "entry": calibrate.cached_choice(work / "ours")},
+               "calibration_end": calibrate.cached_choice(work / "ours"), "writers": []})
+    dist.destroy_process_group()
+
+
 def bench_scan(work: Path, n: int = 10_000) -> dict:
     root = work / "scan"
     shutil.rmtree(root, ignore_errors=True)
@@ -411,7 +511,7 @@ def report(sizes: list[dict], scan: dict | None, agree: dict | None) -> None:
         best_raw = min(v for k, v in s.items() if k.startswith("raw") and "write" in k)
         best_peer = min(v for k, v in s.items() if k in PEERS)
         cal = r["calibration"]
-        print(f"\n## {r['gib']} GiB state ({r['dtype']}, {r['bytes'] / GiB:.2f} GiB, largest tensor "
+        print(f"\n## {str(r['ranks']) + ' ranks saving at once, each ' if r.get('ranks', 1) > 1 else ''}{r['gib']} GiB state ({r['dtype']}, {r['bytes'] / GiB:.2f} GiB, largest tensor "
               f"{r['largest_tensor_bytes'] / 2**20:.0f} MiB), {r['rounds']} interleaved rounds, page cache dropped "
               "before each method")
         print(f"write-path calibration: chose {cal['choice']} in {cal['seconds']:.2f} s "
@@ -457,6 +557,9 @@ def main() -> None:
     ap.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=5,
                     help="interleaved rounds, at least 5 for a spread worth reading")
     ap.add_argument("--quick", action="store_true", help="skip the directory scan and the agreement benchmark")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="processes saving at once, each its own state of each size (2: 2 x 1 GiB); over 1 runs "
+                         "only the write paths, the peers that save per rank and DCP, and implies --quick")
     ap.add_argument("--dir", default=None, help="benchmark directory; none: a temp dir under /tmp")
     ap.add_argument("--json-out", default=None, help="also write every figure there as JSON")
     args = ap.parse_args()
@@ -464,6 +567,18 @@ def main() -> None:
         ap.error("--rounds must be at least 1 (5 or more for a spread worth reading)")
     work = Path(args.dir or tempfile.mkdtemp(prefix="slurmresume-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.ranks > 1:
+        sizes = [bench_ranks(float(s), getattr(torch, args.dtype), args.rounds, work, args.ranks)
+                 for s in args.sizes.split(",")]
+        for r in sizes:
+            r["ratio_to_best_peer"] = {k: ratio_to_best_peer(r, k) for k in r["all"]
+                                       if k == OURS or k.startswith("slurmresume save, writer=")}
+        report(sizes, None, None)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                                       "sizes": sizes}, indent=2))
+        shutil.rmtree(work, ignore_errors=True) if not args.dir else None
+        return
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(28000 + os.getpid() % 1000))
