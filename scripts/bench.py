@@ -242,6 +242,19 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
         record("slurmresume restore (cold)" if cold else "slurmresume restore", timed(load))
         record("slurmresume restore (page cache)", timed(load))
         assert all(torch.equal(target.tensors[k], state[k]) for k in list(state)[:3])
+        # the peer: safetensors load_file (mmap) + copy into the same model, page cache dropped first
+        from safetensors.torch import load_file
+
+        peer_file = work / "restore_peer.st"
+        if not peer_file.exists():
+            save_file(state, str(peer_file))
+
+        def peer_load() -> None:
+            for k, v in load_file(str(peer_file)).items():
+                copies[k].copy_(v)
+
+        cold = drop_caches()
+        record("safetensors load_file + copy (cold)" if cold else "safetensors load_file + copy", timed(peer_load))
 
     methods: list[Callable[[], None]] = [
         lambda: record("raw O_DIRECT write+fsync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, True))),
@@ -275,6 +288,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     ck.close()
     for name in ("raw", "torch_save", "save_file", "dcp", "dcp_async", "ours", "ours_async"):
         shutil.rmtree(work / name, ignore_errors=True)
+    (work / "restore_peer.st").unlink(missing_ok=True)
     med = {k: statistics.median(v) for k, v in results.items()}
     return {"gib": gib, "bytes": nbytes, "largest_tensor_bytes": largest, "dtype": str(dtype), "rounds": rounds,
             "seconds": med, "all": results, "peak_extra_bytes": memory, "calibration": calibration,
