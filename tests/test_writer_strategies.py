@@ -196,3 +196,20 @@ def test_a_damaged_belief_in_the_cache_never_breaks_a_save(tmp_path: Path, _own_
     assert calibrate.choose(tmp_path, size_hint=1 << 30) == ("buffered", "calibrated")
     calibrate.observe(tmp_path, "buffered", 1 << 30, 1.0)  # and recording a save does not raise either
     assert calibrate.cached_choice(tmp_path)["belief"]["paths"]["buffered"]["n"] == 1  # type: ignore[index]
+
+
+def test_writev_all_finishes_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffered writer hands many views to one writev; a short write (a signal, a pipe, a
+    network file system) must resume mid-view, and empty views are skipped."""
+    from slurmresume.checkpoint import fsio
+
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: real(fd, [memoryview(b"".join(bytes(b) for b in bufs))[:7]]))
+    views = [b"abc", b"", memoryview(bytes(range(256)) * 3), b"x" * 10, b"tail"]
+    p = tmp_path / "f"
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT)
+    try:
+        fsio.writev_all(fd, views, "shard.data", p)
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"".join(bytes(v) for v in views)
