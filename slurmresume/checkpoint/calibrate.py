@@ -322,7 +322,7 @@ def observe(directory: str | os.PathLike[str], strategy: str, nbytes: int, secon
             _write_cache(key, after)
             _memo[key] = after
         if after["strategy"] != before:
-            log.info("write path for %s is now %s, as real saves measure it: %s", directory, after["strategy"],
+            log.info("write path on %s is now %s, as real saves measure it: %s", key, after["strategy"],
                      bandit.describe(belief, now))
     except Exception:  # noqa: BLE001, S110 - after a save that worked: a lost observation costs nothing
         pass
