@@ -185,3 +185,26 @@ def test_status_shows_the_belief(tmp_path: Path, cache: Path) -> None:
     assert line is not None
     assert line.plain.startswith("write path: last save buffered; belief here: *buffered 2.00 GB/s (30 s ago, 1 save(s)); "
                                  "direct 0.80 GB/s (2.0 h ago, probe); the large save 8 from now explores"), line.plain
+
+
+def test_the_whole_save_explores_together_on_rank_0s_ticket(tmp_path: Path, cache: Path) -> None:
+    """At scale a rank exploring alone would gate every save on its slower path: rank 0 takes one
+    ticket per save (`save_ticket`, in the prepare) and every rank follows it (`agreed`), taking
+    no ticket of its own."""
+    root = tmp_path / "root"
+    root.mkdir()
+    key = calibrate.fs_key(root)
+    now = time.time()
+    calibrate._write_cache(key, bandit.to_entry(_belief({"direct": 1.0, "buffered": 0.9}, at=now, tickets=6), now))
+    assert calibrate.save_ticket(root) is False  # ticket 6
+    for _ in range(3):  # the other ranks of that save: the best, no ticket taken
+        with calibrate.agreed(False):
+            assert calibrate.choose(root, 1 << 30) == ("direct", "calibrated")
+    assert calibrate.save_ticket(root) is True  # ticket 7: this save explores, on every rank
+    for _ in range(3):
+        with calibrate.agreed(True):
+            assert calibrate.choose(root, 1 << 30) == ("buffered", "explore")
+    assert json.loads(cache.read_text())[key]["tickets"] == 8
+    with calibrate.emergency():
+        assert calibrate.save_ticket(root) is False
+    assert json.loads(cache.read_text())[key]["tickets"] == 8

@@ -66,6 +66,39 @@ def emergency() -> Iterator[None]:
         _state.emergency = before
 
 
+@contextlib.contextmanager
+def agreed(explore: bool) -> Iterator[None]:
+    """In this thread meanwhile, large saves explore exactly when `explore` (the whole save's
+    decision, from rank 0's `save_ticket`) instead of taking tickets of their own."""
+    before = getattr(_state, "explore", None)
+    _state.explore = explore
+    try:
+        yield
+    finally:
+        _state.explore = before
+
+
+def save_ticket(directory: str | os.PathLike[str]) -> bool:
+    """Rank 0, once per large non-emergency save: take a ticket from the belief of `directory`'s
+    file system and say whether this save explores (`bandit.explores`). False when nothing is
+    known yet or anything fails (a hint never fails a save)."""
+    if forced() is not None or getattr(_state, "emergency", False):
+        return False
+    try:
+        key = fs_key(directory)
+        with _guard, _locked():
+            entry = _read_cache().get(key)
+            belief = _belief(entry)
+            if belief is None or not isinstance(entry, dict):
+                return False
+            ticket, belief = bandit.take_ticket(belief)
+            keep = {k: v for k, v in entry.items() if k in ("key", "measured_at", "calibration")}
+            _write_cache(key, bandit.to_entry(belief, time.time(), **keep))
+        return bandit.explores(ticket)
+    except Exception:  # noqa: BLE001 - no exploration this time
+        return False
+
+
 def cache_path() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
@@ -212,7 +245,12 @@ def _ticket_locked(directory: Path, key: str) -> tuple[str, bool]:
                 raise ValueError("the calibration measured no write path")
             entry = {"key": key, "measured_at": probed["measured_at"],
                      "calibration": {k: probed.get(k) for k in ("gbps", "seconds", "probe_bytes")}}
-        ticket, belief = bandit.take_ticket(belief)
+        told = getattr(_state, "explore", None)  # the save's agreed decision (`agreed`), else a ticket here
+        ticket: int | None
+        if told is None:
+            ticket, belief = bandit.take_ticket(belief)
+        else:
+            ticket = bandit.EXPLORE_EVERY - 1 if told else None
         strategy, explored = bandit.pick(belief, now, emergency=False, ticket=ticket)
         entry = bandit.to_entry(belief, now, **{k: v for k, v in (entry or {}).items()
                                                 if k in ("key", "measured_at", "calibration")})

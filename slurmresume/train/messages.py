@@ -68,13 +68,16 @@ class PrepareDecision:
     dir: str = ""
     replace: bool = False
     error: str = ""
+    explore: bool = False  # every rank explores its runner-up write path on this save (checkpoint.bandit)
 
     def to_json(self) -> dict[str, Any]:
-        return {"action": self.action, "dir": self.dir, "replace": self.replace, "error": self.error}
+        return {"action": self.action, "dir": self.dir, "replace": self.replace, "error": self.error,
+                "explore": self.explore}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PrepareDecision:
-        return cls(str(d["action"]), str(d.get("dir") or ""), bool(d.get("replace")), str(d.get("error") or ""))
+        return cls(str(d["action"]), str(d.get("dir") or ""), bool(d.get("replace")), str(d.get("error") or ""),
+                   bool(d.get("explore")))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ and no rank raises between collectives (each failure travels as data to the next
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -110,8 +111,11 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
     measuring write paths (`checkpoint.calibrate.emergency`). Raises SaveError on every rank when the prepare fails; a failed
     write or commit is returned (`outcome.ok` False), for the caller to record, then raise."""
     sw = Stopwatch()
+    # one exploration decision for the whole save (rank 0's ticket): a rank exploring alone would
+    # gate every save of a large job on its slower path
+    ticket = not emergency and sum(t.numel() * t.element_size() for _, t in payload.tensors) >= _calibrate.RECHECK_MIN_BYTES
     with sw("prepare"):
-        decision = _decide(group, root, step)
+        decision = _decide(group, root, step, ticket=ticket)
     if decision.action == "skip" and replace_if_changed:
         same = same_as_committed(root / step_dir_name(step), step, group.rank, group.world_size,
                                  payload.skeleton, payload.tensors)
@@ -119,7 +123,7 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
             if group.rank == 0:
                 log.info("step %d is committed, but the state changed since: saving it again", step)
             with sw("prepare"):
-                decision = _decide(group, root, step, replace=True)
+                decision = _decide(group, root, step, replace=True, ticket=ticket)
     if decision.action == "skip":
         return SaveResult(skipped=True)
     if decision.action == "error":
@@ -130,7 +134,7 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
             digests = tensor_digests(payload.tensors, payload.skeleton.get("dtensors"))
         with sw("collective"):
             replicated = replicated_names(group.all_gather_json(digests))
-    with sw("write"), _calibrate.emergency() if emergency else contextlib.nullcontext():
+    with sw("write"), _calibrate.emergency() if emergency else _calibrate.agreed(decision.explore):
         mine = WriteReport.from_json(_commit.write_rank(root, step, group, payload.skeleton, payload.tensors,
                                                         replicated, into=decision.dir))
     with sw("collective"):
@@ -146,12 +150,15 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
                       breakdown=summarize(reports, sw.seconds) if group.rank == 0 else None)
 
 
-def _decide(group: Group, root: Path, step: int, replace: bool = False) -> PrepareDecision:
-    """Collective: rank 0 prepares, every rank gets its decision."""
+def _decide(group: Group, root: Path, step: int, replace: bool = False, ticket: bool = False) -> PrepareDecision:
+    """Collective: rank 0 prepares (and, for a large non-emergency save, takes this save's
+    exploration ticket: `calibrate.save_ticket`), every rank gets its decision."""
     mine = None
     if group.rank == 0:  # `replace` only when asked: fault campaigns wrap prepare(root, step)
         mine = PrepareDecision.from_json(_commit.prepare(root, step, replace=True) if replace
                                          else _commit.prepare(root, step))
+        if ticket and mine.action == "write":
+            mine = dataclasses.replace(mine, explore=_calibrate.save_ticket(root))
     return PrepareDecision.from_json(group.broadcast_json(mine.to_json() if mine else None))
 
 
