@@ -181,6 +181,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     ack = slurmresume.Checkpointer(work / "ours_async", handle_signals=False)
     counter = iter(range(1, 1 << 30))
     writers: list[str | None] = []
+    breakdowns: dict[str, list[dict]] = {}  # per slurmresume save method: each timed save's breakdown
 
     def ours(strategy: str | None) -> Callable[[], None]:
         def run() -> None:
@@ -192,8 +193,10 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
             name = OURS if strategy is None else f"slurmresume save, writer={strategy}"
             try:
                 record(name, with_mem(name, lambda: ck.save(next(counter), {"m": Holder(state)})))
-                if strategy is None:  # the path this save took (a near-tie of probes is settled by real saves)
-                    writers.append(last_writer(work / "ours"))
+                saved = last_saved(work / "ours")
+                breakdowns.setdefault(name, []).append(saved.get("breakdown") or {})
+                if strategy is None:  # the path this save took (the choice keeps learning from real saves)
+                    writers.append(saved.get("writer"))
             finally:
                 os.environ.pop(calibrate.ENV, None)
         return run
@@ -239,6 +242,19 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
         record("slurmresume restore (cold)" if cold else "slurmresume restore", timed(load))
         record("slurmresume restore (page cache)", timed(load))
         assert all(torch.equal(target.tensors[k], state[k]) for k in list(state)[:3])
+        # the peer: safetensors load_file (mmap) + copy into the same model, page cache dropped first
+        from safetensors.torch import load_file
+
+        peer_file = work / "restore_peer.st"
+        if not peer_file.exists():
+            save_file(state, str(peer_file))
+
+        def peer_load() -> None:
+            for k, v in load_file(str(peer_file)).items():
+                copies[k].copy_(v)
+
+        cold = drop_caches()
+        record("safetensors load_file + copy (cold)" if cold else "safetensors load_file + copy", timed(peer_load))
 
     methods: list[Callable[[], None]] = [
         lambda: record("raw O_DIRECT write+fsync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, True))),
@@ -260,6 +276,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     results.clear()
     memory.clear()
     writers.clear()
+    breakdowns.clear()
     for r in range(rounds):
         k = r % len(methods)
         for m in methods[k:] + methods[:k]:
@@ -271,10 +288,11 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     ck.close()
     for name in ("raw", "torch_save", "save_file", "dcp", "dcp_async", "ours", "ours_async"):
         shutil.rmtree(work / name, ignore_errors=True)
+    (work / "restore_peer.st").unlink(missing_ok=True)
     med = {k: statistics.median(v) for k, v in results.items()}
     return {"gib": gib, "bytes": nbytes, "largest_tensor_bytes": largest, "dtype": str(dtype), "rounds": rounds,
             "seconds": med, "all": results, "peak_extra_bytes": memory, "calibration": calibration,
-            "writers": writers, "calibration_end": calibrate.cached_choice(work / "ours")}
+            "writers": writers, "calibration_end": calibrate.cached_choice(work / "ours"), "breakdowns": breakdowns}
 
 
 def drop_steps(root: Path) -> None:
@@ -284,17 +302,35 @@ def drop_steps(root: Path) -> None:
         shutil.rmtree(child, ignore_errors=True)
 
 
-def last_writer(root: Path) -> str | None:
-    """The write path of the newest save under `root` (its `save_committed` event)."""
+def last_saved(root: Path) -> dict:
+    """The newest `save_committed` event under `root` (its writer and breakdown); {} when none."""
     try:
         lines = (root / "events.jsonl").read_text().splitlines()
     except OSError:
-        return None
+        return {}
     for line in reversed(lines):
         e = json.loads(line)
         if e.get("event") == "save_committed":
-            return e.get("writer")
-    return None
+            return e
+    return {}
+
+
+BREAKDOWN = ("shard_gbps", "shard_s", "write_calls_s", "hash_s", "fsync_s", "wait_s", "rank_write_s", "commit_s",
+             "collective_s", "prepare_s")
+
+
+def breakdown_rows(r: dict) -> list[str]:
+    """Per slurmresume save method, the median over the rounds of each part of its breakdown
+    (slurmresume.train.breakdown): a regression then has a name."""
+    rows = [f"| {'save, median over rounds':40s} | " + " | ".join(f"{k.removesuffix('_s'):>10s}" for k in BREAKDOWN) + " |"]
+    rows.append(f"|{'-' * 42}|" + "|".join("-" * 12 for _ in BREAKDOWN) + "|")
+    for name, saves in sorted((r.get("breakdowns") or {}).items()):
+        cells = []
+        for k in BREAKDOWN:
+            vals = [b[k] for b in saves if isinstance(b.get(k), (int, float))]
+            cells.append(f"{statistics.median(vals):10.3f}" if vals else f"{'-':>10s}")
+        rows.append(f"| {name:40s} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def spread(values: list[float]) -> tuple[float, float, float, float]:
@@ -312,6 +348,106 @@ def ratio_to_best_peer(r: dict, name: str = OURS) -> dict:
     return {"best_peer": best, "ratios": per_round, "median": statistics.median(per_round), "min": min(per_round),
             "max": max(per_round), "straddles": min(per_round) < 1.0 < max(per_round),
             "median_of_ours_le_best_peer": statistics.median(r["all"][name]) <= peers[best]}
+
+
+RANK_PEERS = ("torch.save + fsync", "safetensors save_file + fsync", "DCP save")
+
+
+def bench_ranks(gib: float, dtype: torch.dtype, rounds: int, work: Path, ranks: int) -> dict:
+    """`ranks` processes on this machine each save their own `gib` GiB state at once (different
+    values per rank: no replica is deduplicated), every method once per round in a rotating
+    order, the page cache dropped before each; a method's time is from a barrier before to a
+    barrier after (the slowest rank)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    port = 27000 + os.getpid() % 1000
+    procs = [ctx.Process(target=_rank_worker, args=(r, ranks, port, gib, dtype, rounds, str(work), q))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    out = q.get()
+    for p in procs:
+        p.join()
+    return out
+
+
+def _rank_worker(rank: int, ranks: int, port: int, gib: float, dtype: torch.dtype, rounds: int, work_s: str,
+                 q) -> None:  # noqa: ANN001
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from slurmresume.checkpoint import calibrate, writer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    torch.manual_seed(rank)
+    state = {k: v + rank for k, v in make_state(gib, dtype).items()}
+    work = Path(work_s)
+    mine = work / f"rank{rank}"
+    mine.mkdir(parents=True, exist_ok=True)
+    os.environ[calibrate.CACHE_ENV] = str(work / "writer-cache.json")
+    ck = slurmresume.Checkpointer(work / "ours", handle_signals=False)
+    counter = iter(range(1, 1 << 30))
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+
+    def ours(strategy: str | None) -> Callable[[], None]:
+        def run() -> None:
+            if strategy:
+                os.environ[calibrate.ENV] = strategy
+            try:
+                ck.save(next(counter), {"m": Holder(state)})
+            finally:
+                os.environ.pop(calibrate.ENV, None)
+        return run
+
+    def clean() -> None:
+        if rank == 0:
+            drop_steps(work / "ours")
+        for child in mine.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        shutil.rmtree(work / "dcp", ignore_errors=True) if rank == 0 else None
+
+    methods: dict[str, Callable[[], object]] = {
+        "raw O_DIRECT write+fsync": lambda: raw_write(mine / "f", nbytes, True),
+        "raw buffered write+fdatasync": lambda: raw_write(mine / "f", nbytes, False),
+        "torch.save + fsync": lambda: (torch.save(state, mine / "s.pt"), fsync_path(mine / "s.pt")),
+        "safetensors save_file + fsync": lambda: (save_file(state, str(mine / "s.st")), fsync_path(mine / "s.st")),
+        "DCP save": lambda: dcp.save({"m": state}, checkpoint_id=str(work / "dcp")),
+        OURS: ours(None),
+        **{f"slurmresume save, writer={s}": ours(s) for s in writer.STRATEGIES},
+    }
+    ours(None)()  # the first save calibrates and pays one-time costs: not timed
+    results: dict[str, list[float]] = {}
+    breakdowns: dict[str, list[dict]] = {}
+    names = list(methods)
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            clean()
+            dist.barrier()
+            if rank == 0:
+                drop_caches()
+            dist.barrier()
+            t0 = time.perf_counter()
+            methods[name]()
+            dist.barrier()
+            results.setdefault(name, []).append(time.perf_counter() - t0)
+            if name.startswith("slurmresume") and rank == 0:
+                breakdowns.setdefault(name, []).append(last_saved(work / "ours").get("breakdown") or {})
+        if rank == 0:
+            print(f"  {ranks} x {gib} GiB round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    ck.close()
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in results.items()}
+        q.put({"gib": gib, "ranks": ranks, "bytes": nbytes * ranks, "largest_tensor_bytes": 0, "dtype": str(dtype),
+               "rounds": rounds, "seconds": med, "all": results, "peak_extra_bytes": {}, "breakdowns": breakdowns,
+               "calibration": {"choice": "-", "seconds": 0.0,
+                               "entry": calibrate.cached_choice(work / "ours")},
+               "calibration_end": calibrate.cached_choice(work / "ours"), "writers": []})
+    dist.destroy_process_group()
 
 
 def bench_scan(work: Path, n: int = 10_000) -> dict:
@@ -389,17 +525,15 @@ def report(sizes: list[dict], scan: dict | None, agree: dict | None) -> None:
         best_raw = min(v for k, v in s.items() if k.startswith("raw") and "write" in k)
         best_peer = min(v for k, v in s.items() if k in PEERS)
         cal = r["calibration"]
-        print(f"\n## {r['gib']} GiB state ({r['dtype']}, {r['bytes'] / GiB:.2f} GiB, largest tensor "
+        print(f"\n## {str(r['ranks']) + ' ranks saving at once, each ' if r.get('ranks', 1) > 1 else ''}{r['gib']} GiB state ({r['dtype']}, {r['bytes'] / GiB:.2f} GiB, largest tensor "
               f"{r['largest_tensor_bytes'] / 2**20:.0f} MiB), {r['rounds']} interleaved rounds, page cache dropped "
               "before each method")
-        rates = ", ".join(f"{k} {v:.2f}" for k, v in ((cal.get("entry") or {}).get("gbps") or {}).items())
-        print(f"write-path calibration: chose {cal['choice']} in {cal['seconds']:.2f} s (GB/s: {rates})")
+        print(f"write-path calibration: chose {cal['choice']} in {cal['seconds']:.2f} s "
+              f"(belief: {(cal.get('entry') or {}).get('belief_line')})")
         end = r.get("calibration_end") or {}
         if r.get("writers"):
             print(f"timed '{OURS}' saves, round by round, wrote with: {', '.join(map(str, r['writers']))}; "
-                  f"at the end: {end.get('strategy')} (settled by {end.get('settled_by')}"
-                  + (f", real saves GB/s {end['settled']['observed_gbps']}" if end.get("settled") else "")
-                  + (f", trial still open: {end['trial']}" if end.get("trial") else "") + ")")
+                  f"belief at the end: {end.get('belief_line')}")
         print(f"| {'method':40s} | {'median s':>8s} | {'min-max s':>13s} | {'IQR s':>6s} | {'GB/s':>5s} | "
               f"{'raw/it':>6s} | {'peer/it':>7s} | {'peak extra MiB':>14s} |")
         print(f"|{'-' * 42}|{'-' * 10}|{'-' * 15}|{'-' * 8}|{'-' * 7}|{'-' * 8}|{'-' * 9}|{'-' * 16}|")
@@ -414,6 +548,10 @@ def report(sizes: list[dict], scan: dict | None, agree: dict | None) -> None:
             print(f"{name}: best peer ({q['best_peer']}) / ours per round: median {q['median']:.2f}x, "
                   f"min-max {q['min']:.2f}-{q['max']:.2f}x; median ours <= median best peer: "
                   f"{q['median_of_ours_le_best_peer']}{note}")
+        print("\nwhere our saves' seconds went (shard GB/s; seconds: the slowest rank's shard, its write calls, "
+              "hashing, fsync, waiting for the writer; the rank's whole write; manifest+marker+publish; "
+              "collectives; prepare):")
+        print("\n".join(breakdown_rows(r)))
     if scan:
         print(f"\nfind_latest among {scan['directories']} step directories (warm): {scan['find_latest_warm_s'] * 1e3:.1f} ms")
     if agree:
@@ -433,6 +571,9 @@ def main() -> None:
     ap.add_argument("--rounds", "--repeats", dest="rounds", type=int, default=5,
                     help="interleaved rounds, at least 5 for a spread worth reading")
     ap.add_argument("--quick", action="store_true", help="skip the directory scan and the agreement benchmark")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="processes saving at once, each its own state of each size (2: 2 x 1 GiB); over 1 runs "
+                         "only the write paths, the peers that save per rank and DCP, and implies --quick")
     ap.add_argument("--dir", default=None, help="benchmark directory; none: a temp dir under /tmp")
     ap.add_argument("--json-out", default=None, help="also write every figure there as JSON")
     args = ap.parse_args()
@@ -440,6 +581,18 @@ def main() -> None:
         ap.error("--rounds must be at least 1 (5 or more for a spread worth reading)")
     work = Path(args.dir or tempfile.mkdtemp(prefix="slurmresume-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.ranks > 1:
+        sizes = [bench_ranks(float(s), getattr(torch, args.dtype), args.rounds, work, args.ranks)
+                 for s in args.sizes.split(",")]
+        for r in sizes:
+            r["ratio_to_best_peer"] = {k: ratio_to_best_peer(r, k) for k in r["all"]
+                                       if k == OURS or k.startswith("slurmresume save, writer=")}
+        report(sizes, None, None)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                                       "sizes": sizes}, indent=2))
+        shutil.rmtree(work, ignore_errors=True) if not args.dir else None
+        return
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(28000 + os.getpid() % 1000))

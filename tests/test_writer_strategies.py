@@ -94,7 +94,7 @@ def test_calibration_picks_the_fastest_and_caches_it(tmp_path: Path, monkeypatch
     entry = next(iter(json.loads(_own_cache.read_text()).values()))
     assert entry["strategy"] == "buffered-wb" and set(entry["gbps"]) == set(writer.STRATEGIES)
     # paths over 2x the fastest after round one are not measured again
-    assert {k: len(v) for k, v in entry["seconds"].items()} == {"buffered-wb": 2, "direct": 1, "direct-par": 1,
+    assert {k: len(v) for k, v in entry["calibration"]["seconds"].items()} == {"buffered-wb": 2, "direct": 1, "direct-par": 1,
                                                                   "buffered": 1}
     assert not list(tmp_path.glob(".slurmresume-calibrate*"))  # probes removed
     # the cache answers the next process (memory cleared) without measuring again
@@ -120,22 +120,22 @@ def test_forced_strategy_and_bad_values(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert calibrate.choose(tmp_path, 0) == ("buffered", "forced")
 
 
-def test_a_much_slower_save_marks_the_choice_stale(tmp_path: Path, _own_cache: Path) -> None:
+def test_a_much_slower_save_moves_the_choice_to_the_next_path(tmp_path: Path, _own_cache: Path) -> None:
+    """A cache entry from before the bandit (probe speeds only) is a belief of probes: the first
+    real save replaces its path's figure, and when that is far below the next path's, the next
+    save takes that path (no stale mark, no re-measuring: issue #32)."""
     key = calibrate.fs_key(tmp_path)
-    calibrate._write_cache(key, {"strategy": "direct", "gbps": {"direct": 2.0}, "measured_at": 0})
+    calibrate._write_cache(key, {"strategy": "direct", "gbps": {"direct": 2.0, "buffered": 1.0},
+                                 "measured_at": time.time()})
     assert calibrate.choose(tmp_path, 0) == ("direct", "calibrated")
-    calibrate.observe(tmp_path, "direct", 1 << 30, 0.6)  # 1.8 GB/s: fine
-    calibrate.observe(tmp_path, "direct", 1 << 30, 1.0)  # 1.07 GB/s: a slow hour, not a reason
-    assert not json.loads(_own_cache.read_text())[key].get("stale")
-    calibrate.observe(tmp_path, "direct", 1 << 30, 5.0)  # 0.2 GB/s: re-measure next time
-    assert json.loads(_own_cache.read_text())[key]["stale"] is True
-    assert calibrate.choose(tmp_path, 0) == (calibrate.DEFAULT, "default")  # small: not now
-    assert calibrate.cached_choice(tmp_path)["stale"] is True  # type: ignore[index]
-    # a calibration minutes old is not redone for one slow save
-    calibrate._write_cache(key, {"strategy": "direct", "gbps": {"direct": 2.0}, "measured_at": time.time()})
-    calibrate._memo.clear()
-    calibrate.observe(tmp_path, "direct", 1 << 30, 5.0)
-    assert not json.loads(_own_cache.read_text())[key].get("stale")
+    calibrate.observe(tmp_path, "direct", 1 << 30, 1 / 1.8)  # 1.93 GB/s: still the best
+    assert calibrate.choose(tmp_path, 1 << 30) == ("direct", "calibrated")
+    calibrate.observe(tmp_path, "direct", 1 << 30, 10.0)  # 0.11 GB/s: the EWMA drops to ~1.02
+    calibrate.observe(tmp_path, "direct", 1 << 30, 10.0)  # and to ~0.56, under buffered's 1.0
+    assert calibrate.choose(tmp_path, 0) == ("buffered", "calibrated")
+    with calibrate.emergency():
+        assert calibrate.choose(tmp_path, 1 << 30) == ("buffered", "calibrated")
+    assert calibrate.cached_choice(tmp_path)["belief"]["paths"]["direct"]["n"] == 3  # type: ignore[index]
 
 
 def test_real_calibration_on_this_disk(tmp_path: Path) -> None:
@@ -172,36 +172,6 @@ def _fake_probes(monkeypatch: pytest.MonkeyPatch, fake: dict[str, float]) -> Non
     monkeypatch.setattr(calibrate, "time_probe", probe)
 
 
-def test_a_near_tie_of_probes_is_settled_by_real_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         _own_cache: Path) -> None:
-    """2026-12-04: the probes called direct 0.40 and buffered 0.38 GB/s and direct was kept, where
-    buffered was 1.56x the best peer on a 4 GiB save. A near-tie now lets the next large saves
-    decide: each contender once, then the best real GB/s; emergency saves never explore."""
-    _fake_probes(monkeypatch, {"direct": 0.100, "direct-par": 0.5, "buffered-wb": 0.3, "buffered": 0.110})
-    big = 1 << 30
-    assert calibrate.choose(tmp_path, size_hint=big) == ("direct", "calibrated")  # the calibration's pick
-    key = calibrate.fs_key(tmp_path)
-    entry = json.loads(_own_cache.read_text())[key]
-    assert entry["trial"] == {"contenders": ["direct", "buffered"], "observed": {}}  # within 1.25x only
-    with calibrate.emergency():
-        assert calibrate.choose(tmp_path, size_hint=big) == ("direct", "calibrated")
-        calibrate.observe(tmp_path, "direct", big, 1.0)  # an emergency save records nothing
-    assert calibrate.choose(tmp_path, size_hint=1 << 20) == ("direct", "calibrated")  # small shards: the pick
-    assert calibrate.choose(tmp_path, size_hint=big) == ("direct", "calibrated")
-    calibrate.observe(tmp_path, "direct", big, 4.0)  # 0.27 GB/s on a real save
-    calibrate._memo.clear()  # another rank / the next process reads the trial from the cache
-    assert calibrate.choose(tmp_path, size_hint=big) == ("buffered", "calibrated")
-    assert calibrate.cached_choice(tmp_path)["trial"]["observed"] == {"direct": [0.268]}  # type: ignore[index]
-    calibrate.observe(tmp_path, "buffered", big, 2.5)  # 0.43 GB/s: better on real saves
-    entry = json.loads(_own_cache.read_text())[key]
-    assert "trial" not in entry and entry["strategy"] == "buffered" and entry["settled_by"] == "saves"
-    assert entry["settled"]["observed_gbps"] == {"direct": [0.268], "buffered": [0.429]}
-    assert calibrate.choose(tmp_path, size_hint=big) == ("buffered", "calibrated")
-    with calibrate.emergency():
-        assert calibrate.choose(tmp_path, size_hint=big) == ("buffered", "calibrated")
-    assert calibrate.cached_choice(tmp_path)["settled_by"] == "saves"  # type: ignore[index]
-
-
 def test_a_clear_winner_of_the_probes_opens_no_trial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       _own_cache: Path) -> None:
     _fake_probes(monkeypatch, {"direct": 0.1, "direct-par": 0.2, "buffered-wb": 0.3, "buffered": 0.13})
@@ -211,61 +181,35 @@ def test_a_clear_winner_of_the_probes_opens_no_trial(tmp_path: Path, monkeypatch
     assert all(calibrate.choose(tmp_path, size_hint=1 << 30) == ("direct", "calibrated") for _ in range(3))
 
 
-def test_trial_saves_write_real_checkpoints_with_each_contender(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                _own_cache: Path) -> None:
-    """Through the Checkpointer: the saves of a trial use the contenders in turn (the event log's
-    `writer`), every checkpoint verifies, and the trial then settles on one path."""
-    key = calibrate.fs_key(tmp_path)
-    calibrate._write_cache(key, {"strategy": "direct", "gbps": {"direct": 1.0, "buffered-wb": 0.9},
-                                 "measured_at": time.time(),
-                                 "trial": {"contenders": ["direct", "buffered-wb"], "observed": {}}})
-    monkeypatch.setattr(calibrate, "RECHECK_MIN_BYTES", 1 << 20)  # a 4 MiB state counts as large here
-    root = tmp_path / "root"
-    ck = slurmresume.Checkpointer(root, handle_signals=False)
-    state = {"w": torch.zeros(1 << 20)}
-    try:
-        for step in (1, 2, 3):
-            state["w"] += 1
-            ck.save(step, {"m": state})
-    finally:
-        ck.close()
-    events = [json.loads(x) for x in (root / "events.jsonl").read_text().splitlines()]
-    used = [e["writer"] for e in events if e["event"] == "save_committed"]
-    settled = json.loads(_own_cache.read_text())[key]
-    assert used[:2] == ["direct", "buffered-wb"] and used[2] == settled["strategy"], used
-    assert "trial" not in settled and settled["settled_by"] == "saves"
-    assert set(settled["settled"]["observed_gbps"]) == {"direct", "buffered-wb"}
-    for step in (1, 2, 3):  # each checkpoint, whichever path wrote it, verifies with the step's bytes
-        info = slurmresume.find_latest(root, verify=True, max_step=step)
-        assert info is not None and info.step == step and info.verified is True
-
-
-def test_status_line_shows_an_open_trial_and_how_the_path_was_settled() -> None:
-    from types import SimpleNamespace
-
-    from slurmresume.cli.render import writer_line
-
-    base = {"last_save": "direct", "source": "calibrated", "strategy": "direct", "gbps": {"direct": 0.4}}
-    open_ = writer_line(SimpleNamespace(writer={**base, "trial": {"contenders": ["direct", "buffered"],
-                                                                 "observed": {"direct": [0.3]}}}))  # type: ignore[arg-type]
-    assert open_ is not None and "settling by real saves: direct 1 save(s), buffered 0 save(s)" in open_.plain
-    done = writer_line(SimpleNamespace(writer={**base, "settled_by": "saves"}))  # type: ignore[arg-type]
-    assert done is not None and done.plain.endswith("settled by real saves")
-
-
-@pytest.mark.parametrize("trial", [{"contenders": ["direct", "warp-drive"], "observed": {}},
-                                   {"contenders": "direct", "observed": {}},
-                                   {"contenders": ["direct", "buffered"], "observed": {"direct": ["fast"]}},
-                                   ["direct"]])
-def test_a_damaged_trial_in_the_cache_never_breaks_a_save(tmp_path: Path, _own_cache: Path,
-                                                           monkeypatch: pytest.MonkeyPatch, trial: object) -> None:
-    """The cache is a file in the user's home: a damaged trial makes the entry no answer (a large
+@pytest.mark.parametrize("paths", [{"direct": {"gbps": "fast", "at": 1.0}}, ["direct"],
+                                   {"warp-drive": {"gbps": 1.0, "at": 1.0}}, {"direct": {"gbps": float("inf"), "at": 1.0}},
+                                   {"direct": {"gbps": 1.0}}])
+def test_a_damaged_belief_in_the_cache_never_breaks_a_save(tmp_path: Path, _own_cache: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, paths: object) -> None:
+    """The cache is a file in the user's home: a damaged belief makes the entry no answer (a large
     save measures anew, a small one takes the default), and choose() still never raises."""
     key = calibrate.fs_key(tmp_path)
-    calibrate._write_cache(key, {"strategy": "direct", "gbps": {"direct": 1.0}, "measured_at": time.time(),
-                                 "trial": trial})
+    calibrate._write_cache(key, {"strategy": "direct", "tickets": 7, "paths": paths})
     assert calibrate.choose(tmp_path, size_hint=1 << 20) == (calibrate.DEFAULT, "default")
     monkeypatch.setattr(calibrate, "calibrate", lambda *a, **k: {"strategy": "buffered", "gbps": {"buffered": 1.0},
                                                                  "measured_at": time.time()})
     assert calibrate.choose(tmp_path, size_hint=1 << 30) == ("buffered", "calibrated")
     calibrate.observe(tmp_path, "buffered", 1 << 30, 1.0)  # and recording a save does not raise either
+    assert calibrate.cached_choice(tmp_path)["belief"]["paths"]["buffered"]["n"] == 1  # type: ignore[index]
+
+
+def test_writev_all_finishes_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffered writer hands many views to one writev; a short write (a signal, a pipe, a
+    network file system) must resume mid-view, and empty views are skipped."""
+    from slurmresume.checkpoint import fsio
+
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: real(fd, [memoryview(b"".join(bytes(b) for b in bufs))[:7]]))
+    views = [b"abc", b"", memoryview(bytes(range(256)) * 3), b"x" * 10, b"tail"]
+    p = tmp_path / "f"
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT)
+    try:
+        fsio.writev_all(fd, views, "shard.data", p)
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"".join(bytes(v) for v in views)

@@ -1,30 +1,24 @@
-"""Which write path (writer.STRATEGIES) is fastest on a file system: measured, cached, re-checked.
+"""Which write path (writer.STRATEGIES) is fastest on a file system: measured, cached, and kept
+learning from real saves (`bandit`: the decisions; this module: the environment and the cache).
 
 `choose(directory, size_hint)` answers, in this order:
   1. SLURMRESUME_WRITER=<strategy> forces one (tests, or a user who knows); `auto` or unset goes
      on. SLURMRESUME_NO_ODIRECT=1 forces `buffered`, =0 forces `direct` (the older switch).
-  2. this process's memory of the file system, else the cache file
-     ($SLURMRESUME_WRITER_CACHE, default $XDG_CACHE_HOME/slurmresume/writer.json), keyed by host,
-     st_dev, file-system type and mount point: one entry per disk as this node sees it.
-  3. a calibration, but only for a shard of at least CALIBRATE_MIN_BYTES and never during an
-     emergency save (`emergency()`): every strategy writes a probe file of PROBE_BYTES
-     (SLURMRESUME_CALIBRATE_MIB) durably into the directory, ROUNDS interleaved rounds, and the
-     lowest median wins. About a second on these disks, once per node and file system; the cache
-     file is locked meanwhile so the ranks of one node do not measure each other.
+  2. the belief for the file system in the cache file ($SLURMRESUME_WRITER_CACHE, default
+     $XDG_CACHE_HOME/slurmresume/writer.json), keyed by host, st_dev, file-system type and mount
+     point: one entry per disk as this node sees it. A large save (>= RECHECK_MIN_BYTES) that may
+     explore takes a ticket from it under the cache's lock (`bandit.pick`: every
+     bandit.EXPLORE_EVERY-th explores the path measured longest ago); a small or emergency save
+     reads it without the lock and takes the best (this process's memory when the file fails).
+  3. a calibration when nothing fresh is known, but only for a shard of at least
+     CALIBRATE_MIN_BYTES and never during an emergency save (`emergency()`): every strategy
+     writes a probe file of PROBE_BYTES (SLURMRESUME_CALIBRATE_MIB) durably into the directory,
+     ROUNDS interleaved rounds; the probes' speeds seed the belief. About a second on these
+     disks; the cache file is locked meanwhile so the ranks of one node do not measure each other.
   4. otherwise `direct` (the best path on most days here), source "default".
-A save that runs at under 1/SLOW_FACTOR of the speed its strategy was calibrated at (`observe`,
-shards of at least RECHECK_MIN_BYTES, a calibration older than RECHECK_AFTER_S) marks the entry
-stale: the next large save measures again.
-
-Near-ties are settled by real saves. Probes are small, and a path that ties on 128 MiB can be
-1.5x faster on a 4 GiB shard (buffered with writeback overlaps the page cache with the caller's
-hashing; that pays off only on large files: docs/benchmarks.md, 2026-12-04). So when the
-calibration finds other paths within TIE x the fastest probe, the entry holds a `trial`: the next
-large (>= RECHECK_MIN_BYTES), non-emergency saves each use the contender with the fewest real
-saves, `observe` records the GB/s each save reached, and once every contender has TRIAL_SAVES of
-them the path with the best median of real saves becomes the choice (`settled_by: "saves"`). An
-emergency save never explores: it uses the calibrated choice. Every step is in the cache file
-and in `status`.
+After a large non-emergency save, `observe` folds its GB/s into the belief (`bandit.update`),
+under the lock: the choice follows what real saves measure. An emergency save never explores,
+never takes the lock and records nothing. `status` shows the belief (`cached_choice`).
 """
 
 from __future__ import annotations
@@ -39,7 +33,9 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
+
+from . import bandit
 
 log = logging.getLogger("slurmresume")
 
@@ -51,11 +47,7 @@ PROBE_BYTES = 128 << 20
 ROUNDS = 2
 PRUNE = 2.0
 CALIBRATE_MIN_BYTES = 64 << 20
-RECHECK_MIN_BYTES = 256 << 20
-SLOW_FACTOR = 3.0  # the disk here drifts 2x within an hour: that alone is no reason to measure again
-RECHECK_AFTER_S = 600.0  # nor is a slow save right after a calibration (measuring costs ~1 GiB of writes)
-TIE = 1.25  # probes within this factor of the fastest are settled by real saves
-TRIAL_SAVES = 1  # real saves per contender before settling (each is a large shard: already a long sample)
+RECHECK_MIN_BYTES = 256 << 20  # a save at least this large explores and is recorded (a long enough sample)
 MAX_CACHE_BYTES = 1 << 20  # a few hundred file systems' entries; a larger file is damaged, not read
 _memo: dict[str, dict[str, Any]] = {}
 _guard = threading.Lock()
@@ -72,6 +64,39 @@ def emergency() -> Iterator[None]:
         yield
     finally:
         _state.emergency = before
+
+
+@contextlib.contextmanager
+def agreed(explore: bool) -> Iterator[None]:
+    """In this thread meanwhile, large saves explore exactly when `explore` (the whole save's
+    decision, from rank 0's `save_ticket`) instead of taking tickets of their own."""
+    before = getattr(_state, "explore", None)
+    _state.explore = explore
+    try:
+        yield
+    finally:
+        _state.explore = before
+
+
+def save_ticket(directory: str | os.PathLike[str]) -> bool:
+    """Rank 0, once per large non-emergency save: take a ticket from the belief of `directory`'s
+    file system and say whether this save explores (`bandit.explores`). False when nothing is
+    known yet or anything fails (a hint never fails a save)."""
+    if forced() is not None or getattr(_state, "emergency", False):
+        return False
+    try:
+        key = fs_key(directory)
+        with _guard, _locked():
+            entry = _read_cache().get(key)
+            belief = _belief(entry)
+            if belief is None or not isinstance(entry, dict):
+                return False
+            ticket, belief = bandit.take_ticket(belief)
+            keep = {k: v for k, v in entry.items() if k in ("key", "measured_at", "calibration")}
+            _write_cache(key, bandit.to_entry(belief, time.time(), **keep))
+        return bandit.explores(ticket)
+    except Exception:  # noqa: BLE001 - no exploration this time
+        return False
 
 
 def cache_path() -> Path:
@@ -153,26 +178,17 @@ def _write_cache(key: str, entry: dict[str, Any]) -> None:
         _warn_once(f"could not write the writer calibration cache {path}: {exc}")
 
 
-def _valid(entry: Any) -> TypeGuard[dict[str, Any]]:
+def _belief(entry: Any) -> dict[str, Any] | None:
     from .writer import STRATEGIES
 
-    if not (isinstance(entry, dict) and entry.get("strategy") in STRATEGIES and not entry.get("stale")):
-        return False
-    trial = entry.get("trial")
-    if trial is None:
-        return True
-    # a damaged trial (hand-edited, truncated) would name a path no writer has, or fail to sort:
-    # the entry is then no answer at all, and the next large save calibrates anew
-    contenders, observed = (trial.get("contenders"), trial.get("observed")) if isinstance(trial, dict) else (None, None)
-    return (isinstance(contenders, list) and bool(contenders) and all(c in STRATEGIES for c in contenders)
-            and isinstance(observed, dict) and all(isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
-                                                   for v in observed.values()))
+    return bandit.belief_of(entry, STRATEGIES)
 
 
 def choose(directory: str | os.PathLike[str], size_hint: int = 0) -> tuple[str, str]:
     """(strategy, source) for a shard written into `directory`; source is "forced", "calibrated"
-    or "default". Never raises: a failed calibration, or a cache that cannot be used, means the
-    default (one warning)."""
+    (the best the belief knows), "explore" (a path tried by design, `bandit.pick`) or "default".
+    Never raises: a failed calibration, or a cache that cannot be used, means the default (one
+    warning)."""
     try:
         return _choose(directory, size_hint)
     except Exception as exc:  # noqa: BLE001 - a speed hint never fails a save (emergency ones included)
@@ -189,41 +205,60 @@ def _choose(directory: str | os.PathLike[str], size_hint: int) -> tuple[str, str
     except OSError:
         return DEFAULT, "default"
     emergency_now = bool(getattr(_state, "emergency", False))
-    entry = _memo.get(key)
-    if _valid(entry) and entry.get("trial") and not emergency_now:
-        entry = None  # a trial moves on with every node-local save: read what the other ranks recorded
-    if not _valid(entry):
-        entry = _read_cache().get(key)
-        if _valid(entry):
-            _memo[key] = entry
-    if _valid(entry):
-        if entry.get("trial") and not emergency_now and size_hint >= RECHECK_MIN_BYTES:
-            return trial_pick(entry), "calibrated"
-        return entry["strategy"], "calibrated"
-    if size_hint < CALIBRATE_MIN_BYTES or emergency_now:
-        return DEFAULT, "default"
+    now = time.time()
+    if emergency_now or size_hint < RECHECK_MIN_BYTES:  # the best known, without the lock
+        entry = _read_cache().get(key) or _memo.get(key)
+        belief = _belief(entry)
+        top = bandit.best(belief, now) if belief else None
+        if top is not None:
+            _memo[key] = entry  # type: ignore[assignment]
+            return top, "calibrated"
+        if size_hint < CALIBRATE_MIN_BYTES or emergency_now:
+            return DEFAULT, "default"
     try:
-        entry = _calibrate_locked(Path(directory), key)
+        strategy, explored = _ticket_locked(Path(directory), key)
     except Exception as exc:  # noqa: BLE001 - the save goes on with the default path
         log.warning("write-path calibration in %s failed (%s): using %s", directory, exc, DEFAULT)
         return DEFAULT, "default"
-    _memo[key] = entry
-    return entry["strategy"], "calibrated"
+    return strategy, "explore" if explored else "calibrated"
 
 
-def _calibrate_locked(directory: Path, key: str) -> dict[str, Any]:
+def _locked() -> Any:
     from filelock import FileLock
 
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _guard, FileLock(str(path) + ".lock", timeout=120):
-        entry = _read_cache().get(key)  # another rank of this node may have measured meanwhile
-        if _valid(entry):
-            return entry
-        entry = calibrate(directory)
-        entry["key"] = key
+    return FileLock(str(path) + ".lock", timeout=120)
+
+
+def _ticket_locked(directory: Path, key: str) -> tuple[str, bool]:
+    """Under the cache's lock: the belief for `key` (calibrated now when nothing fresh is known),
+    a ticket taken from it, the path that ticket gets (`bandit.pick`), the entry written back."""
+    with _guard, _locked():
+        now = time.time()
+        entry = _read_cache().get(key)
+        belief = _belief(entry)
+        if belief is None or bandit.best(belief, now) is None:
+            probed = calibrate(directory)
+            belief = _belief(probed)
+            if belief is None:
+                raise ValueError("the calibration measured no write path")
+            entry = {"key": key, "measured_at": probed["measured_at"],
+                     "calibration": {k: probed.get(k) for k in ("gbps", "seconds", "probe_bytes")}}
+        told = getattr(_state, "explore", None)  # the save's agreed decision (`agreed`), else a ticket here
+        ticket: int | None
+        if told is None:
+            ticket, belief = bandit.take_ticket(belief)
+        else:
+            ticket = bandit.EXPLORE_EVERY - 1 if told else None
+        strategy, explored = bandit.pick(belief, now, emergency=False, ticket=ticket)
+        entry = bandit.to_entry(belief, now, **{k: v for k, v in (entry or {}).items()
+                                                if k in ("key", "measured_at", "calibration")})
         _write_cache(key, entry)
-    return entry
+        _memo[key] = entry
+    if explored:
+        log.info("write path: exploring %s on this save (best known: %s)", strategy, entry["strategy"])
+    return str(strategy), explored
 
 
 def probe_bytes() -> int:
@@ -266,38 +301,9 @@ def calibrate(directory: Path, strategies: tuple[str, ...] | None = None, nbytes
     entry: dict[str, Any] = {"strategy": best, "gbps": gbps,
                              "seconds": {n: [round(x, 4) for x in v] for n, v in times.items()},
                              "probe_bytes": nbytes, "measured_at": time.time()}
-    contenders = sorted((n for n in med if med[n] <= TIE * med[best]), key=med.__getitem__)
-    if len(contenders) > 1:
-        entry["trial"] = {"contenders": contenders, "observed": {}}
-    log.info("write path for %s: %s (%s)%s", directory, best,
-             ", ".join(f"{n} {g:.2f} GB/s" for n, g in gbps.items()),
-             f"; within {TIE}x: {', '.join(contenders)}, the next large saves decide" if len(contenders) > 1 else "")
+    log.info("write path for %s: %s (%s); real saves refine it", directory, best,
+             ", ".join(f"{n} {g:.2f} GB/s" for n, g in gbps.items()))
     return entry
-
-
-def trial_pick(entry: dict[str, Any]) -> str:
-    """The contender of an open trial with the fewest real saves (ties: the faster probe first)."""
-    trial = entry["trial"]
-    observed = trial.get("observed") or {}
-    return str(min(trial["contenders"], key=lambda n: (len(observed.get(n, [])), trial["contenders"].index(n))))
-
-
-def settle(entry: dict[str, Any], strategy: str, gbps: float) -> dict[str, Any]:
-    """The entry after one real save of `gbps` with `strategy` during its trial (pure): the
-    observation recorded; once every contender has TRIAL_SAVES, the best median becomes the
-    strategy and the trial closes (kept as `settled`, for status and the next reader)."""
-    trial = entry["trial"]
-    if strategy not in trial["contenders"]:
-        return entry
-    observed = {n: list(v) for n, v in (trial.get("observed") or {}).items()}
-    observed.setdefault(strategy, []).append(round(gbps, 3))
-    if any(len(observed.get(n, [])) < TRIAL_SAVES for n in trial["contenders"]):
-        return {**entry, "trial": {**trial, "observed": observed}}
-    rates = {n: statistics.median(observed[n]) for n in trial["contenders"]}
-    best = max(rates, key=rates.__getitem__)
-    out = {k: v for k, v in entry.items() if k != "trial"}
-    out.update({"strategy": best, "settled_by": "saves", "settled": {"observed_gbps": observed, "at": time.time()}})
-    return out
 
 
 def time_probe(strategy: str, probe: Path, src: memoryview, nbytes: int) -> float:
@@ -321,69 +327,48 @@ def time_probe(strategy: str, probe: Path, src: memoryview, nbytes: int) -> floa
 
 def open_sink(path: str | os.PathLike[str], size_hint: int = 0) -> Any:
     """A writer.ShardSink for `path` with the strategy `choose` picks for its file system
-    (`size_hint` bytes of a large shard allow a first calibration there); a calibrated choice is
-    re-checked by `observe` when the sink finishes. The one place that joins the two modules:
-    calibrate imports writer (to measure), never the other way round."""
+    (`size_hint` bytes of a large shard allow a first calibration there, and exploring); a
+    measured choice feeds `observe` when the sink finishes. The one place that joins the two
+    modules: calibrate imports writer (to measure), never the other way round."""
     from .writer import ShardSink
 
     directory = os.path.dirname(os.path.abspath(path))
     strategy, source = choose(directory, size_hint)
-    on_finish = (lambda s, n, secs: observe(directory, s, n, secs)) if source == "calibrated" else None
+    measured = source in ("calibrated", "explore")
+    on_finish = (lambda s, n, secs: observe(directory, s, n, secs)) if measured else None
     return ShardSink(path, strategy, source=source, on_finish=on_finish)
 
 
 def observe(directory: str | os.PathLike[str], strategy: str, nbytes: int, seconds: float) -> None:
-    """After a save with a calibrated strategy: mark the entry stale when it ran at under
-    1/SLOW_FACTOR of its calibrated speed (the disk changed, or another path now wins) and the
-    calibration is older than RECHECK_AFTER_S."""
-    if nbytes < RECHECK_MIN_BYTES or seconds <= 0:
+    """After a save with a measured strategy: fold its GB/s into the file system's belief
+    (`bandit.update`, under the cache's lock). Not for small shards (RECHECK_MIN_BYTES: too short
+    a sample) nor emergency saves (they never wait for a lock). Never raises."""
+    if nbytes < RECHECK_MIN_BYTES or seconds <= 0 or getattr(_state, "emergency", False):
         return
     try:
         key = fs_key(directory)
-        if not getattr(_state, "emergency", False) and _observe_trial(key, strategy, nbytes / seconds / 1e9):
-            return
-        entry = _memo.get(key) or _read_cache().get(key)
-        if not _valid(entry) or entry["strategy"] != strategy:
-            return
-        expected = float(entry["gbps"][strategy])
-        got = nbytes / seconds / 1e9
-        young = time.time() - float(entry.get("measured_at") or 0) < RECHECK_AFTER_S
-        if got * SLOW_FACTOR < expected and not young:
-            log.warning("this save wrote %.2f GB/s with %s, calibrated at %.2f GB/s: measuring again next time",
-                        got, strategy, expected)
-            stale = {**entry, "stale": True, "stale_gbps": round(got, 3)}
-            _memo.pop(key, None)
-            _write_cache(key, stale)
-    except Exception:  # noqa: BLE001, S110 - after a save that worked: a damaged hint costs a re-measure
+        with _guard, _locked():
+            now = time.time()
+            entry = _read_cache().get(key)
+            belief = _belief(entry)
+            if belief is None or not isinstance(entry, dict):
+                return
+            before = bandit.best(belief, now)
+            belief = bandit.update(belief, strategy, nbytes / seconds / 1e9, now)
+            keep = {k: v for k, v in entry.items() if k in ("key", "measured_at", "calibration")}
+            after = bandit.to_entry(belief, now, **keep)
+            _write_cache(key, after)
+            _memo[key] = after
+        if after["strategy"] != before:
+            log.info("write path on %s is now %s, as real saves measure it: %s", key, after["strategy"],
+                     bandit.describe(belief, now))
+    except Exception:  # noqa: BLE001, S110 - after a save that worked: a lost observation costs nothing
         pass
-
-
-def _observe_trial(key: str, strategy: str, gbps: float) -> bool:
-    """Record a real save in this file system's open trial (under the cache's lock: the ranks of a
-    node record their saves in one file). True when there was a trial to record in."""
-    from filelock import FileLock
-
-    path = cache_path()
-    if not path.exists():
-        return False
-    with _guard, FileLock(str(path) + ".lock", timeout=30):
-        entry = _read_cache().get(key)
-        if not _valid(entry) or not entry.get("trial"):
-            return False
-        after = settle(entry, strategy, gbps)
-        if after is entry:
-            return False
-        if "trial" not in after:
-            log.info("write path settled by real saves: %s (GB/s %s)", after["strategy"],
-                     after["settled"]["observed_gbps"])
-        _write_cache(key, after)
-        _memo[key] = after
-    return True
 
 
 def cached_choice(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     """What this node knows for `directory`'s file system (for `status`): {strategy, source, key,
-    measured_at, gbps, stale} or None."""
+    measured_at, gbps, belief, belief_line} or None."""
     f = forced()
     if f is not None:
         return {"strategy": f, "source": "forced"}
@@ -392,8 +377,10 @@ def cached_choice(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     except OSError:
         return None
     entry = _read_cache().get(key)
-    if not isinstance(entry, dict):
+    belief = _belief(entry)
+    if belief is None or not isinstance(entry, dict):
         return None
-    return {"strategy": entry.get("strategy"), "source": "calibrated", "key": key,
-            "measured_at": entry.get("measured_at"), "gbps": entry.get("gbps"), "stale": bool(entry.get("stale")),
-            "trial": entry.get("trial"), "settled_by": entry.get("settled_by", "probes"), "settled": entry.get("settled")}
+    now = time.time()
+    return {"strategy": bandit.best(belief, now), "source": "measured", "key": key,
+            "measured_at": entry.get("measured_at"), "gbps": {n: p["gbps"] for n, p in belief["paths"].items()},
+            "belief": belief, "belief_line": bandit.describe(belief, now)}

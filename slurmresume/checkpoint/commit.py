@@ -179,6 +179,7 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
         own = write_index(d, group.rank, file, index)
         report = {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
                   "header_xxh3": written.header_xxh3, **own, "writer": written.writer,
+                  "timing": written.timing,
                   "pinned": pins_world(index, specs, replicated or set()), "error": None}
         if group.rank == 0:  # what the manifest lists once per tensor: rank 0 knows it, nobody sends it
             report["replicated"] = sorted(replicated or ())

@@ -128,6 +128,22 @@ def write_all(fd: int, data: memoryview | bytes, label: str, path: str | os.Path
         view = view[n:]
 
 
+def writev_all(fd: int, views: list[memoryview | bytes], label: str, path: str | os.PathLike[str] = "") -> None:
+    """`write_all` of several buffers with writev (from their own memory, one system call for
+    many small tensors): the same fault point, once per buffer (as many crossings as separate
+    writes would make, whatever the batching: campaigns count them)."""
+    for _ in views:
+        fault_point(f"write.{label}", path)
+    pending = [memoryview(v).cast("B") for v in views if len(v)]
+    while pending:
+        n = os.writev(fd, pending[:1024])  # IOV_MAX on Linux
+        while pending and n >= len(pending[0]):
+            n -= len(pending[0])
+            pending.pop(0)
+        if n:
+            pending[0] = pending[0][n:]
+
+
 def pwrite_all(fd: int, data: memoryview | bytes, offset: int, label: str, path: str | os.PathLike[str] = "") -> None:
     """`write_all` at a file offset (several writer threads on one file): the same fault point."""
     fault_point(f"write.{label}", path)

@@ -78,6 +78,7 @@ class WrittenShard:
     tensors: dict[str, dict[str, Any]]  # name -> {dtype, shape, xxh3: [block digests]}
     header_xxh3: str = ""
     writer: str = ""  # the write path used (writer.STRATEGIES)
+    timing: dict[str, float] | None = None  # where the seconds went (ShardSink.timing + block_hash_s)
 
 
 @dataclass(frozen=True)
@@ -242,10 +243,9 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
     try:
         fsio.fault_point("write.shard.header", tmp)
         sink.feed(header)
-        for name, t in tensors:
+        for name, t in tensors:  # each block is queued (or staged), then hashed twice while in cache
             data = tensor_bytes(t if id(t) in hosted else _contiguous_cpu(t))
-            sink.feed(data)  # first: the writer thread starts on it while this thread hashes blocks
-            index[name]["xxh3"] = block_digests(data)
+            index[name]["xxh3"] = sink.feed_blocks(data, VERIFY_BLOCK)
         digest = sink.finish()
     except BaseException as exc:
         sink.abort()
@@ -259,7 +259,7 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         fsio.note_failure(exc, final, needed)
         raise
     return WrittenShard(file=file, bytes=sink.total, xxh3=digest, tensors=index,
-                        header_xxh3=xxhash.xxh3_64_hexdigest(header), writer=sink.strategy)
+                        header_xxh3=xxhash.xxh3_64_hexdigest(header), writer=sink.strategy, timing=sink.timing())
 
 
 def _contiguous_cpu(t: Any) -> Any:

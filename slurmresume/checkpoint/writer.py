@@ -43,7 +43,9 @@ ALIGN = 4096
 STRATEGIES = ("direct", "direct-par", "buffered-wb", "buffered")
 # strategy -> (staging buffers, bytes each, writer threads); buffered paths stage nothing
 _DIRECT = {"direct": (2, CHUNK, 1), "direct-par": (4, CHUNK // 2, 4)}
-QUEUED = 4  # buffered paths: views of the caller's memory waiting for the writer thread
+QUEUED = 16  # buffered paths: views of the caller's memory (or 4 MiB copies) waiting for the writer thread
+PIECE = 4 << 20  # hashed right after it is copied or queued, while it is still in the CPU's cache
+BATCH = 64  # buffered paths: the most queued views one writev hands the kernel
 _local = threading.local()
 
 _SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
@@ -113,6 +115,9 @@ class ShardSink:
         self.started = time.perf_counter()
         self.seconds = 0.0
         self.kicked = self.waited = 0  # buffered-wb: bytes handed to writeback / known written
+        # where the time went (`timing()`, the save's breakdown): seconds in the write calls
+        # (summed over writer threads), hashing, the final fsync, the producer waiting for room
+        self.write_s = self.hash_s = self.fsync_s = self.wait_s = 0.0
         self.error: BaseException | None = None
         if self.direct:
             count, self.size, threads = _DIRECT[strategy]
@@ -134,30 +139,52 @@ class ShardSink:
 
     def feed(self, data: memoryview | bytes, *, reused: bool = False) -> None:
         """Queue `data` for writing. The buffered paths write from the caller's memory in a
-        thread after feed() returns, so that memory must stay unchanged until finish(): a tensor
-        being saved does. A caller that refills one buffer (a read loop) passes `reused=True`,
-        and the buffered paths then queue a copy; the direct paths always copy into staging."""
+        thread after feed() returns (no copy), so that memory must stay unchanged until finish():
+        a tensor being saved does. A caller that refills one buffer (a read loop) passes
+        `reused=True`, and the buffered paths then queue a copy; the direct paths always copy into
+        staging (O_DIRECT needs aligned memory). Each PIECE is hashed right after it is queued or
+        copied, while it is in the CPU's cache: the stream is read from memory once."""
         view = memoryview(data).cast("B")
         self.total += len(view)
         if not self.direct:
             self._raise_if_failed()
-            for start in range(0, len(view), CHUNK):
-                part = view[start : start + CHUNK]
-                self.q.put(bytes(part) if reused else part)  # at most QUEUED copies wait at once
-            self.hasher.update(view)
+            step = PIECE if reused else CHUNK
+            for start in range(0, len(view), step):
+                part = view[start : start + step]
+                t = time.perf_counter()
+                self.q.put(bytes(part) if reused else part)  # at most QUEUED items wait at once
+                self.wait_s += time.perf_counter() - t
+                for at in range(0, len(part), PIECE):
+                    self.hash(part[at : at + PIECE])
             return
         src = np.frombuffer(view, dtype=np.uint8) if len(view) else np.empty(0, np.uint8)
         pos = 0
         while pos < len(src):
             if self.fill == 0:
+                t = time.perf_counter()
                 self.free[self.cur].acquire()  # wait until a writer is done with this buffer
+                self.wait_s += time.perf_counter() - t
                 self._raise_if_failed()
-            n = min(self.size - self.fill, len(src) - pos)
+            n = min(self.size - self.fill, len(src) - pos, PIECE)
             np.copyto(self.bufs[self.cur][self.fill : self.fill + n], src[pos : pos + n])
+            self.hash(view[pos : pos + n])  # the piece just read: in cache
             self.fill += n
             pos += n
             if self.fill == self.size:
                 self._flush_buffer()
+
+    def feed_blocks(self, data: memoryview, block: int) -> list[str]:
+        """`feed(data)` one `block` at a time, and return each block's xxh3 hex digest (a
+        shard's per-block checksums), hashed right after the stream hash read it: in cache."""
+        view = memoryview(data).cast("B")
+        digests = []
+        for i in range(0, len(view), block):
+            piece = view[i : i + block]
+            self.feed(piece)
+            t = time.perf_counter()
+            digests.append(xxhash.xxh3_64_hexdigest(piece))
+            self.hash_s += time.perf_counter() - t
+        return digests
 
     def _writeback(self, written: int) -> None:
         """Start writeback of each new CHUNK range, and wait for the one before it: the page cache
@@ -183,7 +210,6 @@ class ShardSink:
 
     def _flush_buffer(self) -> None:
         filled = self.fill
-        self.hasher.update(self.bufs[self.cur][:filled].data)
         self.q.put((self.cur, filled, self.offset))
         self.offset += filled
         self.cur, self.fill = (self.cur + 1) % len(self.bufs), 0
@@ -197,7 +223,9 @@ class ShardSink:
             self._raise_if_failed()
             if self.direct:
                 os.ftruncate(self.fd, self.total)  # drop the alignment padding of the last block
+            t = time.perf_counter()
             fsio.fsync_fd(self.fd, "shard", self.path)
+            self.fsync_s += time.perf_counter() - t
         finally:
             fd, self.fd = self.fd, -1  # abort() after a failed finish() must not close it again:
             os.close(fd)  # by then the number may belong to a file another thread opened
@@ -205,6 +233,18 @@ class ShardSink:
         if self.on_finish is not None:
             self.on_finish(self.strategy, self.total, self.seconds)
         return self.hasher.hexdigest()
+
+    def hash(self, data: memoryview | bytes) -> None:
+        t = time.perf_counter()
+        self.hasher.update(data)
+        self.hash_s += time.perf_counter() - t
+
+    def timing(self) -> dict[str, float]:
+        """Seconds of this shard's write (after finish): `shard_s` open to fsynced, `write_s` in
+        write calls (thread-seconds), `hash_s` hashing the stream, `fsync_s` the final fsync,
+        `wait_s` the producer waiting for the writer."""
+        return {k: round(v, 4) for k, v in (("shard_s", self.seconds), ("write_s", self.write_s), ("hash_s", self.hash_s),
+                                            ("fsync_s", self.fsync_s), ("wait_s", self.wait_s))}
 
     def abort(self) -> None:
         if any(t.is_alive() for t in self.threads):
@@ -236,7 +276,9 @@ class ShardSink:
                     padded = -(-filled // ALIGN) * ALIGN
                     if padded != filled:
                         self.bufs[idx][filled:padded] = 0
+                    t = time.perf_counter()
                     fsio.pwrite_all(self.fd, self.bufs[idx][:padded].data, offset, "shard.data", self.path)
+                    self.write_s += time.perf_counter() - t
             except BaseException as exc:  # handed to the producer, raised on its thread
                 self.error = exc
             finally:
@@ -244,14 +286,24 @@ class ShardSink:
 
 
     def _buffered_writer(self) -> None:
-        written = 0
-        while (view := self.q.get()) is not None:
+        written, stop = 0, False
+        while not stop:
+            batch = [self.q.get()]
+            while batch[-1] is not None and len(batch) < BATCH:  # what else waits: one writev for all
+                try:
+                    batch.append(self.q.get_nowait())
+                except queue.Empty:
+                    break
+            stop = batch[-1] is None
+            views = [v for v in batch if v is not None]
             try:
-                if self.error is None:
-                    fsio.write_all(self.fd, view, "shard.data", self.path)
-                    written += len(view)
+                if self.error is None and views:
+                    t = time.perf_counter()
+                    fsio.writev_all(self.fd, views, "shard.data", self.path)
+                    written += sum(len(v) for v in views)
                     if self.strategy == "buffered-wb":
                         self._writeback(written)
+                    self.write_s += time.perf_counter() - t
             except BaseException as exc:  # handed to the producer, raised on its thread
                 self.error = exc
 

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from ..duration import format_duration
 from ..tools.status import Status
+from ..train.breakdown import describe as describe_breakdown
 from .render_base import console, event_details, metrics_text, size, when
 from .render_sections import hang_view, interval_view
 
@@ -76,18 +77,12 @@ def writer_line(st: Status) -> Text | None:
     if not w:
         return None
     text = "write path: " + (f"last save {w['last_save']}" if w.get("last_save") else "no save logged")
-    if w.get("strategy"):
-        rates = ", ".join(f"{k} {v:.2f}" for k, v in (w.get("gbps") or {}).items())
-        text += f"; {w.get('source')} here: {w['strategy']}" + (f" (GB/s: {rates})" if rates else "")
-        if w.get("stale"):
-            text += ", stale: re-measured at the next large save"
-        trial = w.get("trial")
-        if trial:
-            seen = trial.get("observed") or {}
-            text += ("; near-tie of probes, settling by real saves: "
-                     + ", ".join(f"{n} {len(seen.get(n, []))} save(s)" for n in trial.get("contenders", [])))
-        elif w.get("settled_by") == "saves":
-            text += ", settled by real saves"
+    if w.get("belief_line"):  # checkpoint.bandit.describe: path -> speed, age, saves; * the best
+        text += f"; belief here: {w['belief_line']}"
+    elif w.get("strategy"):
+        text += f"; {w.get('source')} here: {w['strategy']}"
+    if isinstance(w.get("last_breakdown"), dict):  # train.breakdown: where that save's seconds went
+        text += f"; that save: {describe_breakdown(w['last_breakdown'])}"
     return Text(text, style="dim")
 
 

@@ -103,7 +103,8 @@ def writer_summary(root: Path, events: list[dict[str, Any]]) -> dict[str, Any] |
     cached = cached_choice(root)
     if last is None and cached is None:
         return None
-    return {"last_save": last.get("writer") if last else None, **(cached or {})}
+    return {"last_save": last.get("writer") if last else None, "last_breakdown": last.get("breakdown") if last else None,
+            **(cached or {})}
 
 
 def cost_summary(events: list[dict[str, Any]], now: float) -> dict[str, Any] | None:

@@ -68,13 +68,16 @@ class PrepareDecision:
     dir: str = ""
     replace: bool = False
     error: str = ""
+    explore: bool = False  # every rank explores its runner-up write path on this save (checkpoint.bandit)
 
     def to_json(self) -> dict[str, Any]:
-        return {"action": self.action, "dir": self.dir, "replace": self.replace, "error": self.error}
+        return {"action": self.action, "dir": self.dir, "replace": self.replace, "error": self.error,
+                "explore": self.explore}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PrepareDecision:
-        return cls(str(d["action"]), str(d.get("dir") or ""), bool(d.get("replace")), str(d.get("error") or ""))
+        return cls(str(d["action"]), str(d.get("dir") or ""), bool(d.get("replace")), str(d.get("error") or ""),
+                   bool(d.get("explore")))
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class WriteReport:
     writer: str | None = None  # the write path used (checkpoint.calibrate), for the save event
     sharded: dict[str, Any] = field(default_factory=dict)  # rank 0 only
     replicated: tuple[str, ...] = ()  # rank 0 only
+    timing: dict[str, float] | None = None  # where this rank's write spent its seconds (the save's breakdown)
 
     def to_json(self) -> dict[str, Any]:
         """The dict `checkpoint.commit.commit` and `build_manifest` read (a failed write: only the
@@ -106,7 +110,8 @@ class WriteReport:
             return {"rank": self.rank, "file": self.file, "error": self.error}
         out = {"rank": self.rank, "file": self.file, "bytes": self.bytes, "xxh3": self.xxh3,
                "header_xxh3": self.header_xxh3, "index": self.index, "index_bytes": self.index_bytes,
-               "index_xxh3": self.index_xxh3, "pinned": self.pinned, "error": None, "writer": self.writer}
+               "index_xxh3": self.index_xxh3, "pinned": self.pinned, "error": None, "writer": self.writer,
+               "timing": self.timing}
         if self.rank == 0:
             out.update(sharded=self.sharded, replicated=list(self.replicated))
         return out
@@ -122,7 +127,8 @@ class WriteReport:
         return cls(int(d["rank"]), str(d["file"]), int(d["bytes"]), str(d["xxh3"]), str(d["header_xxh3"]),
                    str(d["index"]), int(d["index_bytes"]), str(d["index_xxh3"]), bool(d.get("pinned")), None,
                    str(d["writer"]) if d.get("writer") is not None else None, dict(d.get("sharded") or {}),
-                   tuple(d.get("replicated") or ()))
+                   tuple(d.get("replicated") or ()),
+                   dict(d["timing"]) if isinstance(d.get("timing"), dict) else None)
 
 
 @dataclass(frozen=True)

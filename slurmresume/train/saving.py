@@ -30,6 +30,7 @@ and no rank raises between collectives (each failure travels as data to the next
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -50,6 +51,8 @@ from ..contract import ENV_RUN_ID
 from ..errors import ConfigError, SaveError
 from ..events import try_append_event
 from . import ddp, rng
+from .breakdown import Stopwatch, summarize
+from .breakdown import describe as describe_breakdown
 from .logs import size as log_size
 from .messages import PrepareDecision, SaveOutcome, WriteReport
 
@@ -95,6 +98,7 @@ class SaveResult:
     skipped: bool
     outcome: SaveOutcome | None = None
     reports: tuple[WriteReport, ...] = ()
+    breakdown: dict[str, Any] | None = None  # rank 0: where the seconds went (train.breakdown)
 
     @property
     def bytes(self) -> int:
@@ -108,41 +112,55 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
     saves never replace one). `emergency`: a save after a signal, which never spends its lead
     measuring write paths (`checkpoint.calibrate.emergency`). Raises SaveError on every rank when the prepare fails; a failed
     write or commit is returned (`outcome.ok` False), for the caller to record, then raise."""
-    decision = _decide(group, root, step)
+    sw = Stopwatch()
+    # one exploration decision for the whole save (rank 0's ticket): a rank exploring alone would
+    # gate every save of a large job on its slower path
+    ticket = not emergency and sum(t.numel() * t.element_size() for _, t in payload.tensors) >= _calibrate.RECHECK_MIN_BYTES
+    with sw("prepare"):
+        decision = _decide(group, root, step, ticket=ticket)
     if decision.action == "skip" and replace_if_changed:
         same = same_as_committed(root / step_dir_name(step), step, group.rank, group.world_size,
                                  payload.skeleton, payload.tensors)
         if group.max_int(int(not same)):  # any rank's state differs: replace the step
             if group.rank == 0:
                 log.info("step %d is committed, but the state changed since: saving it again", step)
-            decision = _decide(group, root, step, replace=True)
+            with sw("prepare"):
+                decision = _decide(group, root, step, replace=True, ticket=ticket)
     if decision.action == "skip":
         return SaveResult(skipped=True)
     if decision.action == "error":
         raise SaveError(f"checkpoint save failed, nothing committed: {decision.error}")
     replicated: set[str] = set()
     if group.world_size > 1:
-        replicated = replicated_across(group, payload.tensors, payload.skeleton.get("dtensors"))
-    with _calibrate.emergency() if emergency else contextlib.nullcontext():
+        with sw("replica_digests"):  # hashing, and two fixed-size MAX all-reduces (replicas.py)
+            replicated = replicated_across(group, payload.tensors, payload.skeleton.get("dtensors"))
+    with sw("write"), _calibrate.emergency() if emergency else _calibrate.agreed(decision.explore):
         mine = WriteReport.from_json(_commit.write_rank(root, step, group, payload.skeleton, payload.tensors,
                                                         replicated, into=decision.dir))
-    records = group.gather_json(mine.record())  # fixed-size records, to rank 0 only
+    with sw("collective"):
+        records = group.gather_json(mine.record())  # fixed-size records, to rank 0 only
     outcome: SaveOutcome | None = None
     reports: tuple[WriteReport, ...] = (mine,)  # a rank other than 0 knows its own report only
     if records is not None:
         reports = tuple([mine, *(WriteReport.from_json(r) for r in records[1:])])  # rank 0's own: in full
-        outcome = SaveOutcome.from_json(_commit.commit(root, step, [r.to_json() for r in reports], payload.metrics,
-                                                       payload.meta, into=decision.dir, replace=decision.replace))
-    outcome = SaveOutcome.from_json(group.broadcast_json(outcome.to_json() if outcome else None))
-    return SaveResult(skipped=False, outcome=outcome, reports=reports)
+        with sw("commit"):
+            outcome = SaveOutcome.from_json(_commit.commit(root, step, [r.to_json() for r in reports], payload.metrics,
+                                                           payload.meta, into=decision.dir, replace=decision.replace))
+    with sw("collective"):
+        outcome = SaveOutcome.from_json(group.broadcast_json(outcome.to_json() if outcome else None))
+    return SaveResult(skipped=False, outcome=outcome, reports=reports,
+                      breakdown=summarize(reports, sw.seconds) if group.rank == 0 else None)
 
 
-def _decide(group: Group, root: Path, step: int, replace: bool = False) -> PrepareDecision:
-    """Collective: rank 0 prepares, every rank gets its decision."""
+def _decide(group: Group, root: Path, step: int, replace: bool = False, ticket: bool = False) -> PrepareDecision:
+    """Collective: rank 0 prepares (and, for a large non-emergency save, takes this save's
+    exploration ticket: `calibrate.save_ticket`), every rank gets its decision."""
     mine = None
     if group.rank == 0:  # `replace` only when asked: fault campaigns wrap prepare(root, step)
         mine = PrepareDecision.from_json(_commit.prepare(root, step, replace=True) if replace
                                          else _commit.prepare(root, step))
+        if ticket and mine.action == "write":
+            mine = dataclasses.replace(mine, explore=_calibrate.save_ticket(root))
     return PrepareDecision.from_json(group.broadcast_json(mine.to_json() if mine else None))
 
 
@@ -206,10 +224,13 @@ def record(root: Path, result: SaveResult, step: int, reason: str, seconds: floa
         try_append_event(root, "save_failed", step=step, error=result.outcome.error, reason=reason)
         return
     log.info("saved step %d in %.2f s (%s, %s)", step, seconds, log_size(result.bytes), reason)
+    if result.breakdown:
+        log.debug("step %d save breakdown: %s", step, describe_breakdown(result.breakdown))
     try_append_event(root, "save_committed", step=step, seconds=round(seconds, 4), reason=reason,
                      world_size=world_size, run_id=os.environ.get(ENV_RUN_ID),
                      blocking_s=None if blocking_s is None else round(blocking_s, 4), interval_s=interval_s,
-                     bytes=result.bytes, writer=result.reports[0].writer if result.reports else None)
+                     bytes=result.bytes, writer=result.reports[0].writer if result.reports else None,
+                     breakdown=result.breakdown)
 
 
 def apply_retention(root: Path, retention: Any) -> None:
