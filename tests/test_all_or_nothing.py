@@ -37,9 +37,11 @@ def test_fallback_leaves_the_older_steps_exact_bytes_in_the_users_tensor(tmp_pat
                                                                          staging: str | None, cached: bool,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Default restore, verify_on_restore, a part over the staging budget (verified in a first
-    pass, read into the live tensor in a second), and a part in the page cache (the same two
-    passes, both from memory). `cached` stands for the page cache's answer."""
+    pass, read into the live tensor in a second), and a part in the page cache with the warm
+    path opted in (the same two passes, both from memory). `cached` stands for the page cache's
+    answer."""
     monkeypatch.setattr(restoring, "all_cached", lambda path: cached)
+    monkeypatch.setenv("SLURMRESUME_RESTORE_WARM", "1")
     if staging is not None:
         monkeypatch.setenv(ENV_RESTORE_STAGING, staging)
     with Checkpointer(tmp_path, handle_signals=False) as ck:
@@ -75,6 +77,7 @@ def test_a_staging_budget_that_is_not_a_number_is_one_clear_error(tmp_path: Path
 def test_a_refused_restore_leaves_plain_tensors_untouched(tmp_path: Path, cached: bool,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(restoring, "all_cached", lambda path: cached)  # staged, or two passes from memory
+    monkeypatch.setenv("SLURMRESUME_RESTORE_WARM", "1")
     with Checkpointer(tmp_path, handle_signals=False) as ck:
         ck.save(2, {"model": {"w": _values(2)}, "x": torch.ones(3)})
     flip_byte(shard(tmp_path, 2), "model/w", at=0.99)  # the last block: everything before it reads fine

@@ -1,5 +1,5 @@
-"""Issue #33, the warm restore's cost: when this rank's shards are in the page cache (same world
-size), a restore verifies them in a first pass through one small buffer and reads them into the
+"""Issue #33, the warm restore's cost: opted in (SLURMRESUME_RESTORE_WARM=1), when this rank's
+shards are in the page cache (same world size), a restore verifies them in a first pass through one small buffer and reads them into the
 live tensors in a second, both from memory, instead of faulting in staging memory and copying
 from it; a cold part is staged (read once from the disk). Either way nothing in `state` is
 touched before every byte was verified."""
@@ -39,10 +39,16 @@ def test_all_cached_follows_the_page_cache(tmp_path: Path) -> None:
     assert all_cached(p)
 
 
-@pytest.mark.parametrize("warm", [True, False])
-def test_a_warm_restore_reads_twice_from_memory_and_a_cold_one_stages(tmp_path: Path, warm: bool) -> None:
-    """Real outcomes: the bytes each plan reads (the `restored` event: two passes warm, one
-    cold), the user's tensor objects kept and holding the saved bytes."""
+@pytest.mark.parametrize(("warm", "opted_in"), [(True, True), (False, True), (True, False)])
+def test_a_warm_restore_reads_twice_from_memory_and_a_cold_one_stages(tmp_path: Path, warm: bool, opted_in: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real outcomes: the bytes each plan reads (the `restored` event: two passes warm and opted
+    in with SLURMRESUME_RESTORE_WARM=1, else one: staged), the user's tensor objects kept and
+    holding the saved bytes."""
+    if opted_in:
+        monkeypatch.setenv("SLURMRESUME_RESTORE_WARM", "1")
+    else:
+        monkeypatch.delenv("SLURMRESUME_RESTORE_WARM", raising=False)
     saved = {"w": torch.randn(300_000), "b": torch.arange(7, dtype=torch.int64)}
     with Checkpointer(tmp_path, handle_signals=False) as ck:
         ck.save(1, saved)
@@ -59,4 +65,4 @@ def test_a_warm_restore_reads_twice_from_memory_and_a_cold_one_stages(tmp_path: 
         assert ck.restore(state) == 1
     assert state["w"] is w and state["b"] is b and torch.equal(w, saved["w"]) and torch.equal(b, saved["b"])
     event = [e for e in read_events(tmp_path) if e["event"] == "restored"][-1]
-    assert event["read_bytes"] == [(2 if warm else 1) * event["needed_bytes"][0]], event
+    assert event["read_bytes"] == [(2 if warm and opted_in else 1) * event["needed_bytes"][0]], event

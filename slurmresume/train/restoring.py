@@ -60,7 +60,7 @@ from ..checkpoint.state import (
     validate_skeleton,
 )
 from ..checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, inspect_dir
-from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RUN_ID
+from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RESTORE_WARM, ENV_RUN_ID
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError, UnreadableCheckpointError
 from ..events import process_started_at, try_append_event
 from . import rng
@@ -182,13 +182,15 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
     # part of this step has verified (the all_gather is the verdict). A part larger than the
     # staging budget on any rank: every rank verifies without keeping (pass 1), and reads into
     # the live tensors only after that verdict (pass 2).
-    # Warm (every rank's files in the page cache, same world size) and no staging budget set:
-    # two passes too, both from memory, ~3x faster than faulting in staging memory and copying
-    # from it (residency.py). A budget set explicitly is obeyed as it says.
+    # Warm (every rank's files in the page cache, same world size), opted in with
+    # SLURMRESUME_RESTORE_WARM=1 and no staging budget set: two passes too, both from memory,
+    # ~3x faster than faulting in staging memory and copying from it (residency.py), at the cost
+    # written in contract.ENV_RESTORE_WARM. A budget set explicitly is obeyed as it says.
     live = flatten_live(state)
     part = plan_part(group.rank, choice, state, live, req.strict)
     over = isinstance(part, Part) and budget is not None and part.staging > budget
-    warm = not os.environ.get(ENV_RESTORE_STAGING, "").strip() and cached(part, choice.world_size == group.world_size)
+    warm = (os.environ.get(ENV_RESTORE_WARM, "").strip() == "1" and not os.environ.get(ENV_RESTORE_STAGING, "").strip()
+            and cached(part, choice.world_size == group.world_size))
     two_pass = group.max_int(2 if over else 0 if warm else 1) != 1
     if isinstance(part, Part):  # the hang watch scales this rank's budget with the bytes it reads
         expect_io("restore", part.staging * (2 if two_pass else 1))
