@@ -62,7 +62,7 @@ def _root_with_slow_save(tmp_path: Path, lead: int) -> Path:
     ck = Checkpointer(root, handle_signals=False)
     ck.save(5, tiny_state(5))
     ck.close()
-    nbytes = sum(p.stat().st_size for p in (root / "step_000000005").glob("rank-*"))
+    nbytes = sum(p.stat().st_size for p in (root / "step_000000005").glob("rank-*.safetensors"))  # the shards (not the index files)
     append_event(root, "submitted", job="123", signal_lead=lead)
     append_event(root, "signal_forwarded", signal="SIGUSR1")
     append_event(root, "save_committed", step=6, seconds=45.0, bytes=nbytes, reason="preempt")

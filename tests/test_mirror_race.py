@@ -63,7 +63,7 @@ def test_two_full_uploads_of_one_step_racing_leave_the_winner_loadable(s3, tmp_p
         folder = s3.head_object(Bucket=loc.bucket, Key=loc.key(step, MARKER))["Metadata"]["slurmresume-objects"]
         left = sorted(o["Key"][len(loc.step_prefix(step)):] for o in
                       s3.list_objects_v2(Bucket=loc.bucket, Prefix=loc.step_prefix(step)).get("Contents") or [])
-        assert left == [MARKER, f"{folder}/{MANIFEST}", f"{folder}/{SHARD}"], (step, left)
+        assert left == [MARKER, f"{folder}/{MANIFEST}", f"{folder}/{SHARD}", f"{folder}/rank-00000.index.json"], (step, left)
         assert not s3.list_multipart_uploads(Bucket=loc.bucket, Prefix=loc.step_prefix(step)).get("Uploads")
 
 
@@ -74,8 +74,9 @@ def test_a_bucket_in_the_layout_before_attempt_folders_still_reads(s3, tmp_path:
     ckpt.save(4, {"w": torch.arange(1000.0)})
     ckpt.close()
     loc = parse_s3_url(unique_url())
-    for name in (SHARD, MANIFEST, MARKER):  # in the old order: the marker last
-        s3.put_object(Bucket=loc.bucket, Key=loc.key(4, name), Body=(root / step_dir_name(4) / name).read_bytes())
+    step_dir = root / step_dir_name(4)  # every file (shard, its index, manifest), the marker last
+    for name in [p.name for p in sorted(step_dir.iterdir()) if p.name != MARKER] + [MARKER]:
+        s3.put_object(Bucket=loc.bucket, Key=loc.key(4, name), Body=(step_dir / name).read_bytes())
     info = remote.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 4 and info.verified
     assert download_step(s3, loc, 4, tmp_path / "dst").action == "downloaded"
