@@ -101,7 +101,7 @@ def test_kill_between_the_last_shard_and_the_marker_then_the_next_run_finishes(s
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     names = {o["Key"].rsplit("/", 1)[-1] for o in
              s3.list_objects_v2(Bucket=loc.bucket, Prefix=loc.step_prefix(2)).get("Contents") or []}
-    assert names == {SHARD, MANIFEST}  # every file there, no marker
+    assert names == {SHARD, "rank-00000.index.json", MANIFEST}  # every file there (format 2: the index too), no marker
     assert w.seen <= {1}
     assert [i.step for i in remote.list_remote(s3, loc) if i.complete] == [1]
     # the next run (a requeue): restore finds nothing newer on the bucket, and the Checkpointer's

@@ -128,7 +128,8 @@ def test_one_node_rendezvous_takes_no_random_delay(tmp_path: Path) -> None:
                       "dist.init_process_group('gloo')\n"
                       "t = torch.ones(1)\n"
                       "dist.all_reduce(t)\n"
-                      f"open({str(done)!r} + os.environ['RANK'], 'w').write(str(int(t.item())))\n")
+                      f"open({str(done)!r} + os.environ['RANK'], 'w').write(str(int(t.item())))\n"
+                      "dist.destroy_process_group()\n")  # else gloo's threads may abort the exit
     spec = JobSpec(script=script, ckpt_dir=tmp_path / "ck", nproc_per_node=2)
     cmd = torchrun_command(spec, nnodes=1, endpoint=f"127.0.0.1:{free_port()}", rdzv_id="7")
     boot = ("import runpy, sys\n"

@@ -260,7 +260,7 @@ def sweep(report: Report, mnt: Path, rng: random.Random, rep: int) -> None:
             else:
                 report.fail(f"{mode} {kind}", "the save never fitted")
         # ENOSPC reported by fsync (simulated): the n-th fsync of the save fails
-        for n in range(1, 5):  # the file fsyncs: .inprogress, shard, manifest, marker
+        for n in range(1, 6):  # the file fsyncs: .inprogress, shard, its index (format 2), manifest, marker
             _reset(root, events)
             with FsyncENOSPC(n):
                 exc = _attempt(root, extra, trace, mode)
