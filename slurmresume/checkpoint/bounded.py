@@ -30,7 +30,14 @@ def read_bounded(path: Path, limit: int, what: str) -> bytes:
             raise UnreadableCheckpointError(f"{what} {path} is {st.st_size} bytes, over this version's read cap "
                                             f"of {limit} bytes: unreadable by this version (kept, never deleted)")
         try:
-            return fsio.retry_transient(label, path, lambda: os.pread(fd, limit + 1, 0))
+            # Sized from fstat, not the cap: a 4 KiB marker or a 0.2 MiB manifest no longer allocates
+            # the 64 MiB cap on every scan and pick. One byte more shows a file that grew since the
+            # fstat; then it is read as before, up to the cap and one byte.
+            size = min(st.st_size, limit) + 1
+            raw = fsio.retry_transient(label, path, lambda: os.pread(fd, size, 0))
+            if len(raw) == size and size <= limit:
+                raw = fsio.retry_transient(label, path, lambda: os.pread(fd, limit + 1, 0))
+            return raw
         except OSError as exc:
             raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
     finally:
