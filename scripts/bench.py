@@ -236,7 +236,11 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
         target = Holder(copies)  # reuse the copy buffers: a 4 GiB run must fit in 24 GiB
 
         def load() -> None:
-            slurmresume.Checkpointer(work / "ours", handle_signals=False).restore({"m": target})
+            reader = slurmresume.Checkpointer(work / "ours", handle_signals=False)
+            try:
+                reader.restore({"m": target})
+            finally:
+                reader.close()  # an open one keeps sharing the root's lease into the next size's fresh root
 
         cold = drop_caches()
         record("slurmresume restore (cold)" if cold else "slurmresume restore", timed(load))

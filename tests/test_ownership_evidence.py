@@ -304,3 +304,45 @@ def test_a_bare_holder_that_lost_its_lease_stops_at_the_next_step(tmp_path, monk
         other.kill()
         other.wait()
         ck.close()
+
+
+def test_a_checkpointer_opened_on_a_wiped_root_leases_it_again_and_keeps_it(tmp_path, monkeypatch) -> None:
+    """A process that wiped its root (a benchmark's fresh directory, `rm -rf` between experiments)
+    while a Checkpointer on it was still open: the next Checkpointer on that root takes the lease
+    again instead of sharing a claim whose heartbeat is about to find the lease gone (the old code
+    refused its second save, "lost checkpoint root"), and the first one closing later does not free
+    the lease the second one still counts on."""
+    import shutil
+
+    import torch
+
+    from slurmresume import Checkpointer
+    from slurmresume.contract import ENV_LEASE_HEARTBEAT
+
+    monkeypatch.setenv(ENV_LEASE_HEARTBEAT, "0.1")
+    root = tmp_path / "root"
+    first = Checkpointer(root, handle_signals=False)
+    first.save(1, {"w": torch.ones(2)})
+    shutil.rmtree(root)
+    second = Checkpointer(root, handle_signals=False)
+    try:
+        second.save(2, {"w": torch.ones(2)})
+        time.sleep(1.0)  # several heartbeats
+        second.save(3, {"w": torch.ones(2)})
+        shutil.rmtree(root)
+        deadline = time.time() + 10
+        while not claims.lost(first._wiring.lease_key) and time.time() < deadline:
+            time.sleep(0.05)  # this time the heartbeat finds the lease gone before the next open
+        third = Checkpointer(root, handle_signals=False)
+        third.save(4, {"w": torch.ones(2)})
+        first.close()
+        second.close()
+        time.sleep(0.5)
+        third.save(5, {"w": torch.ones(2)})
+        assert json.loads((root / OWNER).read_text())["owner"].startswith("local-")
+        assert sorted(p.name for p in root.glob("step_*")) == ["step_000000004", "step_000000005"]
+        third.close()
+        assert not (root / OWNER).exists()  # the last one closing frees the root
+    finally:
+        first.close()
+        second.close()

@@ -52,17 +52,26 @@ def for_checkpointer(root: Path, *, creating: bool = False) -> tuple[str, str] |
     key = (str(Path(root).absolute()), owner)
     with _HELD_LOCK:
         held = _HELD.get(key)
-        if held is not None and not held.holder.lost:
+        if held is not None and not held.holder.lost and _names(root, owner):
             held.users += 1
             return key
-        try:
+        try:  # a first claim, or one whose lease is gone (the root was wiped) or was taken
             acquire(root, owner, takeover=os.environ.get(ENV_TAKEOVER) == "1",
                     hint=f"set {ENV_TAKEOVER}=1 (or use `slurmresume submit --takeover`)")
         except OSError as exc:  # a read-only root can still be restored from; saves will say why they fail
             log.warning("cannot write the lease %s (%s): continuing without one", lease_path(root), exc)
             return None
-        _HELD[key] = _Claim(Holder(root, owner), 1, os.getpid())
+        if held is None or held.pid != os.getpid():
+            _HELD[key] = _Claim(Holder(root, owner), 1, os.getpid())
+        else:  # leased again: a fresh heartbeat for every open Checkpointer, and they still count
+            held.holder.stop()
+            held.holder, held.users = Holder(root, owner), held.users + 1
         return key
+
+
+def _names(root: Path, owner: str) -> bool:
+    current = read_lease(root)
+    return current is not None and current.owner == owner
 
 
 def _check_names(root: Path, mine: str) -> None:
