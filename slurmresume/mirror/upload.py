@@ -107,11 +107,24 @@ def upload_files(s3: Any, loc: S3Location, items: list[Item], plan: UploadPlan) 
                     elif kind == "complete":
                         del started[it.key]
         except BaseException:
-            for fut in running:  # waiting requests never start; running ones end (botocore's bounds)
-                fut.cancel()
-            wait(list(running))
+            _stop(running, started)
             _abort(s3, loc, started)
             raise
+
+
+def _stop(running: dict[Future[Any], tuple[str, Item, int]], started: dict[str, str]) -> None:
+    """Cancel the waiting requests, wait for the running ones (bounded by botocore's timeouts and
+    tries), and note the multipart uploads they started or completed meanwhile in `started`."""
+    for fut in running:
+        fut.cancel()
+    wait(list(running))
+    for fut, (kind, it, _) in running.items():
+        if fut.cancelled() or fut.exception() is not None:
+            continue
+        if kind == "create":
+            started[it.key] = fut.result()
+        elif kind == "complete":
+            started.pop(it.key, None)
 
 
 def _read(it: Item, off: int, n: int) -> bytes:
