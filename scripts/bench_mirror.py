@@ -9,8 +9,9 @@ One real checkpoint of --mib MiB (one rank, one shard) is saved locally, then in
 interleaved so that drift of the shared machine hits every method alike (ours first in odd
 rounds, boto3 first in even ones; every object is read for the first time, and the round's
 objects are deleted at its end):
-  ours upload    transfer.upload_step: shard (multipart, 8 MiB parts, 4 in flight), manifest,
-                 conditional marker + read-back
+  ours upload    transfer.upload_step: shard, index and manifest on one pool (upload.plan_upload:
+                 8 MiB parts read with pread, 10 in flight within SLURMRESUME_MIRROR_UPLOAD_MIB),
+                 the step's listing beside them, then conditional marker + read-back
   boto3 upload   s3.upload_file of the same shard with boto3's default TransferConfig
   ours download  transfer.download_step: ranged GETs (part size from the object's size,
                  8 threads) hashed as they arrive, one fsync, xxh3 compared with the manifest,

@@ -24,13 +24,11 @@ Rules, each answering a failure seen elsewhere (PITFALLS.md, "Commits and retent
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import math
 import numbers
 import os
 import shutil
-import socket
 import stat
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -45,7 +43,7 @@ from filelock import Timeout
 from .checkpoint import leftovers as abandoned
 from .checkpoint.commit import hide, root_lock
 from .checkpoint.jsonenc import decode
-from .checkpoint.layout import DELETING_PREFIX, INPROGRESS, LOCK, SAVING_PREFIX, saving_dirs
+from .checkpoint.layout import DELETING_PREFIX, LOCK, SAVING_PREFIX, saving_dirs
 from .checkpoint.store import UNREADABLE, CheckpointInfo, inspect_dir, list_checkpoints
 from .duration import format_duration
 from .errors import CheckpointError, ConfigError, SlurmResumeError, UnsafeCheckpointError
@@ -248,7 +246,7 @@ def record_from_info(info: CheckpointInfo) -> CheckpointRecord:
     (newest mtime of the directory and its entries: a streaming shard keeps it fresh). Every
     record keeps whether an `.inprogress` writer may still run, complete ones too: a save's
     private directory is whole before its publishing rename (see `_record`)."""
-    busy = info.in_progress and _writer_may_run(info.path / INPROGRESS)
+    busy = info.in_progress and not abandoned.writer_dead(info.path)  # the leftovers' one rule
     if info.complete:
         try:
             metrics = decode(info.metrics)
@@ -258,29 +256,6 @@ def record_from_info(info: CheckpointInfo) -> CheckpointRecord:
     unreadable = info.unreadable or (info.problem or "").startswith(UNREADABLE)
     return CheckpointRecord(info.step, info.path.name, False, info.has_marker, busy, abandoned.last_activity(info.path),
                             unreadable=unreadable)
-
-
-def _writer_may_run(note: Path) -> bool:
-    """False only when the `.inprogress` note names a process on this host that has exited;
-    a writer on another host cannot be checked from here, so it may still be running."""
-    try:
-        fd = os.open(note, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            data = json.loads(os.read(fd, 4096))
-        finally:
-            os.close(fd)
-        pid, host = int(data["pid"]), str(data["host"])
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # a hostile note: may run
-        return True
-    if host != socket.gethostname() or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists, owned by someone else
-    return True
 
 
 @contextmanager

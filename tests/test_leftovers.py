@@ -88,3 +88,31 @@ def test_last_activity_of_a_file_or_a_link_is_its_own_mtime(tmp_path) -> None:
     assert leftovers.last_activity(f) == OLD
     assert leftovers.last_activity(link) == OLD
     assert leftovers.last_activity(tmp_path / "gone") >= time.time() - 5  # vanished: fresh, never old
+
+
+def test_retention_and_the_leftovers_judge_a_writer_note_by_one_rule(tmp_path: Path) -> None:
+    """A note from another boot of this host names a pid that, in this boot, means nothing: the
+    writer is not provably dead (it may be a same-named host sharing the root), so neither the
+    leftovers' clean-up nor retention may treat its directory as abandoned. A reused pid (alive
+    now, another boot) and a live writer of this boot: alive both ways; a dead pid of this boot:
+    dead both ways. Retention once judged a note without the boot id."""
+    from slurmresume.checkpoint.layout import step_dir_name
+    from slurmresume.checkpoint.store import inspect_dir
+    from slurmresume.evidence import boot_id
+    from slurmresume.retention import record_from_info
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    cases = {  # (pid, boot id) -> provably dead
+        (gone.pid, "another-boot"): False,
+        (os.getpid(), "another-boot"): False,  # a reused pid
+        (os.getpid(), boot_id()): False,
+        (gone.pid, boot_id()): True,
+    }
+    for i, ((pid, boot), dead) in enumerate(cases.items()):
+        d = tmp_path / step_dir_name(i + 1)
+        d.mkdir()
+        (d / INPROGRESS).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "boot_id": boot,
+                                                "started": OLD}))
+        record = record_from_info(inspect_dir(i + 1, d))
+        assert (leftovers.writer_dead(d), not record.in_progress) == (dead, dead), (pid, boot)

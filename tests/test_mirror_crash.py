@@ -75,7 +75,7 @@ def test_kill_in_the_middle_of_a_multipart_upload(s3, tmp_path: Path) -> None:
     loc = parse_s3_url(url)
     assert push(root, url, 1).returncode == 0
     with Watcher(url) as w:
-        proc = push(root, url, 2, kill_at="mirror.part:6")
+        proc = push(root, url, 2, kill_at="mirror.part:2")  # the second part: the multipart upload exists
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     uploads = s3.list_multipart_uploads(Bucket=loc.bucket, Prefix=loc.step_prefix(2)).get("Uploads") or []
     assert [u["Key"].rsplit("/", 1)[-1] for u in uploads] == [SHARD]  # killed mid-multipart

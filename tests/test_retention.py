@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slurmresume import Checkpointer, retention
+from slurmresume.checkpoint import leftovers
 from slurmresume.checkpoint.commit import root_lock
 from slurmresume.checkpoint.layout import DELETING_PREFIX, INPROGRESS, LOCK, MARKER, step_dir_name
 from slurmresume.checkpoint.store import find_latest, inspect_dir, list_checkpoints
@@ -429,7 +430,7 @@ def test_prune_racing_a_writer(tmp_path, monkeypatch, variant):
     else:
         policy = RetentionPolicy(keep=1, remove_incomplete_older_than=0)
         monkeypatch.setattr(retention, "root_lock", lambda root, timeout: _NoLock())
-        monkeypatch.setattr(retention, "_writer_may_run", lambda note: False)
+        monkeypatch.setattr(leftovers, "writer_dead", lambda directory: True)
     root, stop = tmp_path / "root", tmp_path / "stop"
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(stop), str(REPO / "tests")],
                               env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

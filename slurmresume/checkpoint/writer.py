@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import fsio
+from . import fsio, writeback
 
 CHUNK = 32 << 20
 ALIGN = 4096
@@ -48,20 +48,9 @@ PIECE = 4 << 20  # hashed right after it is copied or queued, while it is still 
 BATCH = 64  # buffered paths: the most queued views one writev hands the kernel
 _local = threading.local()
 
-_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
-
-
-def _libc_sync_file_range() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range  # ctypes releases the GIL
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_sync_file_range = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = (
+    writeback.WAIT_BEFORE, writeback.WRITE, writeback.WAIT_AFTER)
+_sync_file_range = writeback.sync_file_range  # a module name, so tests can refuse it here
 
 
 def _staging(count: int, size: int) -> tuple[np.ndarray, ...]:

@@ -184,7 +184,8 @@ def submit(
                                       "from the AWS environment. Timeouts and retries: $SLURMRESUME_MIRROR_CONNECT_TIMEOUT "
                                       "(default 10 s), _READ_TIMEOUT (30 s), _ATTEMPTS per request and part (4), "
                                       "_CLOSE_DEADLINE for the last upload (240 s; then exit 78), _PULL_DEADLINE for a "
-                                      "pull in restore (240 s). [default: none]")] = None,
+                                      "pull in restore (240 s); _UPLOAD_MIB, the memory of an upload's parts in flight (128 MiB: "
+                                      "10 parts of 8 MiB). [default: none]")] = None,
     no_script_check: Annotated[bool, Opt("--no-script-check", help="Submit even when the script never calls restore() or ckpt.step() itself (a module it imports does). (default: refuse such a script)")] = False,
     shared_root: Annotated[bool, Opt("--shared-root", help="With --nodes > 1: every node mounts --ckpt-dir although it is on a local or memory file system. (default: refuse such a root, except under --dry-run)")] = False,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,

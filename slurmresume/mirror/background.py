@@ -34,7 +34,7 @@ from ..errors import CheckpointError, NoCheckpointError
 from . import remote
 from .s3 import S3Location, client, parse_s3_url
 from .settings import MirrorSettings
-from .transfer import CHUNK, CONCURRENCY, Transfer, download_step, upload_step
+from .transfer import Transfer, download_step, upload_step
 
 log = logging.getLogger("slurmresume")
 
@@ -46,7 +46,7 @@ class Mirror:
     One per process; only rank 0 uses it (the local root is shared by the ranks)."""
 
     def __init__(self, url: str | os.PathLike[str] | S3Location, *, retention: Any = None,
-                 on_event: Event | None = None, chunk: int = CHUNK, concurrency: int = CONCURRENCY,
+                 on_event: Event | None = None, chunk: int | None = None, concurrency: int | None = None,
                  settings: MirrorSettings | None = None) -> None:
         self.loc = url if isinstance(url, S3Location) else parse_s3_url(url)
         self.settings = settings or MirrorSettings.from_env()
@@ -166,7 +166,7 @@ class Mirror:
             log.info("mirror: resuming the upload of step %d (the bucket's newest complete is %s)", step,
                      newest.step if newest else "none")
         result = upload_step(self.s3, self.loc, root / step_dir_name(step), step, chunk=self.chunk,
-                             concurrency=self.concurrency)
+                             concurrency=self.concurrency, settings=self.settings)
         self.done.append(result)
         if result.action == "uploaded":
             log.info("mirror: step %d uploaded to %s (%.1f MB in %.2f s)", step, self.loc.step_url(step),

@@ -135,24 +135,51 @@ def sweep(s3: Any, loc: S3Location, step: int) -> int:
     if stored is None:
         return 0
     keep = folder_of(dict(stored.get("Metadata") or {}), loc.step_url(step))
+    return remove(s3, loc, step, garbage(s3, loc, step, keep))
+
+
+@dataclass(frozen=True)
+class Garbage:
+    """Objects and unfinished multipart uploads (key, UploadId) under a step that are in an
+    attempt folder other than `keep`'s."""
+
+    keep: str
+    keys: tuple[str, ...] = ()
+    uploads: tuple[tuple[str, str], ...] = ()
+
+
+def garbage(s3: Any, loc: S3Location, step: int, keep: str) -> Garbage:
+    """What `remove` would delete once the marker names `keep` (two listings). An uploader lists
+    this beside its upload: if its marker wins, no other attempt can commit, and a writer racing
+    it loses and removes its own folder, so the listing taken before the marker is all the
+    winner has to remove."""
     prefix = loc.step_prefix(step)
 
-    def garbage(key: str) -> bool:
+    def other(key: str) -> bool:
         name = key[len(prefix):]
         folder = name.partition("/")[0] if "/" in name else ""
         return folder.startswith(ATTEMPT_PREFIX) and folder != keep
 
     keys = [o["Key"] for page in list_objects(s3, loc, prefix) for o in page.get("Contents") or []
-            if garbage(o["Key"])]
+            if other(o["Key"])]
+    uploads = call(f"listing multipart uploads under {loc.step_url(step)}", s3.list_multipart_uploads,
+                   Bucket=loc.bucket, Prefix=prefix).get("Uploads") or []
+    return Garbage(keep, tuple(keys), tuple((u["Key"], u["UploadId"]) for u in uploads if other(u["Key"])))
+
+
+def remove(s3: Any, loc: S3Location, step: int, found: Garbage) -> int:
+    """Delete `found` (only while the step's marker names `found.keep`). Returns the count."""
+    keys = list(found.keys)
     for i in range(0, len(keys), 1000):
         call(f"deleting losing uploads under {loc.step_url(step)}", s3.delete_objects, Bucket=loc.bucket,
              Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
-    uploads = call(f"listing multipart uploads under {loc.step_url(step)}", s3.list_multipart_uploads,
-                   Bucket=loc.bucket, Prefix=prefix).get("Uploads") or []
-    aborted = 0
-    for up in uploads:
-        if garbage(up["Key"]):
-            call(f"aborting a losing upload of s3://{loc.bucket}/{up['Key']}", s3.abort_multipart_upload,
-                 Bucket=loc.bucket, Key=up["Key"], UploadId=up["UploadId"])
-            aborted += 1
-    return len(keys) + aborted
+    from botocore.exceptions import ClientError
+
+    for key, upload_id in found.uploads:
+        try:
+            s3.abort_multipart_upload(Bucket=loc.bucket, Key=key, UploadId=upload_id)
+        except ClientError as exc:  # its writer finished or aborted it since the listing: gone either way
+            if error_code(exc) not in ("NoSuchUpload", "404"):
+                raise CheckpointError(f"aborting a losing upload of s3://{loc.bucket}/{key}: {error_code(exc)}") \
+                    from exc
+    return len(keys) + len(found.uploads)

@@ -21,7 +21,8 @@ from typing import Any
 
 import xxhash
 
-from ..checkpoint import fsio, writer
+from ..checkpoint import fsio
+from ..checkpoint.writeback import WRITE, sync_file_range
 from ..errors import CorruptCheckpointError
 from .ranges import fetch_range
 from .s3 import S3Location
@@ -56,8 +57,8 @@ def fetch_shard(s3: Any, loc: S3Location, key: str, path: Path, size: int, pool:
             for fut, (a, b) in zip(futures, ranges):
                 fut.result()
                 _hash_range(fd, hasher, a, b, path)
-                if writer._sync_file_range is not None:  # start the writeback of what is hashed
-                    writer._sync_file_range(fd, a, b - a, writer._SYNC_FILE_RANGE_WRITE)
+                if sync_file_range is not None:  # start the writeback of what is hashed
+                    sync_file_range(fd, a, b - a, WRITE)
         except BaseException:
             # The other parts stop (waiting ones) or end (running ones, bounded by their tries)
             # before `fd` is closed: a number closed under a running part could be reused by

@@ -11,6 +11,10 @@ within the hang watch's save/restore floor (300 s), and `close()` within the sam
 | SLURMRESUME_MIRROR_ATTEMPTS           | 4       | tries per request and per part (backoff between) |
 | SLURMRESUME_MIRROR_CLOSE_DEADLINE     | 240     | seconds `close()` waits for the last upload      |
 | SLURMRESUME_MIRROR_PULL_DEADLINE      | 240     | seconds a pull inside `restore()` may take       |
+| SLURMRESUME_MIRROR_UPLOAD_MIB         | 128     | MiB of file parts an upload holds at once        |
+
+The last bounds an upload's memory: parts in flight x part size (upload.plan_upload: 8 MiB
+parts, so 10 in flight by default; fewer for the larger parts of very large shards).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class MirrorSettings:
     close_deadline: float = 240.0  # seconds close() waits for the uploader (then: mirror_behind)
     pull_deadline: float = 240.0  # seconds one pull (download of one step) inside restore() may take
     backoff: float = 0.5  # first pause between tries of a part, doubled each time, at most 8 s
+    upload_mib: int = 128  # MiB of file parts one upload holds in memory at once (parts in flight x part size)
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "read_timeout", "close_deadline", "pull_deadline"):
@@ -39,6 +44,8 @@ class MirrorSettings:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()} must be a positive number of seconds, got {value}")
         if self.attempts < 1:
             raise ConfigError(f"{ENV_PREFIX}ATTEMPTS must be >= 1, got {self.attempts}")
+        if self.upload_mib < 1:
+            raise ConfigError(f"{ENV_PREFIX}UPLOAD_MIB must be >= 1 (MiB), got {self.upload_mib}")
 
     def pause(self, attempt: int) -> float:
         """Seconds to wait before try `attempt + 1` (attempt counts from 1)."""
@@ -48,7 +55,7 @@ class MirrorSettings:
     def from_env(cls) -> MirrorSettings:
         values: dict[str, float | int] = {}
         for name, kind in (("connect_timeout", float), ("read_timeout", float), ("attempts", int),
-                           ("close_deadline", float), ("pull_deadline", float)):
+                           ("close_deadline", float), ("pull_deadline", float), ("upload_mib", int)):
             raw = os.environ.get(ENV_PREFIX + name.upper())
             if raw is None or raw == "":
                 continue

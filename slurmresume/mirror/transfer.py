@@ -2,11 +2,12 @@
 
 Upload (one process, rank 0): read and check the local marker + manifest, open every shard
 (held open: a local prune during the upload cannot pull bytes out from under it), upload the
-shards under this attempt's own folder (multipart, parallel, bounded memory: `chunk *
-concurrency` bytes per shard in flight), then the manifest there, then the marker with
-`If-None-Match: *` naming that folder, then read the marker's writer token back (commit.py).
-The marker is the last object written, so no reader sees the step complete before its files;
-whoever loses the marker race removes its own folder.
+files and the manifest under this attempt's own folder (upload.py: parts in flight on one
+pool, memory bounded by `settings.upload_mib`), while one listing notes what killed writers
+left under the step; then the marker with `If-None-Match: *` naming that folder, then read
+the marker's writer token back (commit.py). The marker is the last object written, so no
+reader sees the step complete before its files; whoever loses the marker race removes its own
+folder, the winner what the listing found.
 
 Download: marker + manifest checked first, shards fetched with parallel ranged GETs into a
 hidden `.mirror-download.*` directory and hashed as they arrive (download.py), every shard's
@@ -22,7 +23,7 @@ import os
 import shutil
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,19 +44,28 @@ from ..checkpoint.manifest import (
 from ..checkpoint.shard import open_checked
 from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, CorruptCheckpointError
-from .commit import RemoteCommit, new_attempt, put_marker, read_remote_commit, sweep
+from .commit import (
+    Garbage,
+    RemoteCommit,
+    garbage,
+    new_attempt,
+    put_marker,
+    read_remote_commit,
+    remove,
+    sweep,
+)
 
 __all__ = ["RemoteCommit", "Transfer", "download_step", "put_marker", "read_remote_commit", "upload_step"]
 from .download import fetch_shard, part_size
-from .s3 import S3Location, call, get_bounded, point
+from .s3 import S3Location, get_bounded, point
 from .settings import MirrorSettings
+from .upload import MIB, Item, plan_upload, upload_files
 
 log = logging.getLogger("slurmresume")
 
-CHUNK = 8 << 20  # multipart part size and ranged-GET size
-CONCURRENCY = 4  # parts in flight per shard
-# Downloads stream each range through a 1 MiB buffer, so their memory does not grow with the
-# range size; the part size follows the object's size (download.part_size).
+# Uploads: part size and parts in flight from the largest file's size and a memory bound
+# (upload.plan_upload). Downloads stream each range through a 1 MiB buffer, so their memory
+# does not grow with the range size; the part size follows the object's size (download.part_size).
 DOWNLOAD_WORKERS = 8
 DOWNLOAD_PREFIX = leftovers.DOWNLOAD_PREFIX  # one name, which checkpoint/leftovers.py cleans up
 
@@ -69,13 +79,6 @@ class Transfer:
     detail: str = ""
 
 
-def transfer_config(chunk: int = CHUNK, concurrency: int = CONCURRENCY) -> Any:
-    from boto3.s3.transfer import TransferConfig
-
-    return TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk, max_concurrency=concurrency,
-                          max_io_queue=concurrency * 2, use_threads=True)
-
-
 def read_committed(step_dir: Path, step: int) -> tuple[bytes, bytes, Manifest]:
     """(marker bytes, manifest bytes, validated manifest) of a local committed step."""
     marker_raw = read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
@@ -87,41 +90,66 @@ def read_committed(step_dir: Path, step: int) -> tuple[bytes, bytes, Manifest]:
     return marker_raw, manifest_raw, manifest
 
 
-def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: int = CHUNK,
-                concurrency: int = CONCURRENCY) -> Transfer:
+def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: int | None = None,
+                concurrency: int | None = None, settings: MirrorSettings | None = None) -> Transfer:
     """Copy the committed local `step_dir` to the bucket. Idempotent: a step whose marker is
     already there is left alone ("present" when it is the same commit, "conflict" when another
     run committed different bytes for that step). Raises CheckpointError on I/O failures; the
-    step then stays invisible on the bucket (no marker)."""
+    step then stays invisible on the bucket (no marker). `chunk`/`concurrency`: part size and
+    parts in flight (default: `upload.plan_upload` within `settings.upload_mib`)."""
     started = time.perf_counter()
+    settings = settings or MirrorSettings.from_env()
     marker_raw, manifest_raw, manifest = read_committed(step_dir, step)
     existing = get_bounded(s3, loc, loc.key(step, MARKER), MAX_MARKER)
     if existing is not None:
         _sweep(s3, loc, step)
         return _already(step, existing, marker_raw, loc)
     attempt = new_attempt()  # this attempt's own keys: no other writer can overwrite or abort them
+    plan = plan_upload(max((s["bytes"] for s in manifest.files), default=0), settings.upload_mib * MIB,
+                       part=chunk, in_flight=concurrency)
     fds = {s["file"]: open_checked(step_dir, s["file"], s["bytes"]) for s in manifest.files}
     try:
-        config = transfer_config(chunk, concurrency)
-        for s in manifest.files:
-            key = loc.key(step, f"{attempt}/{s['file']}")
-            with os.fdopen(os.dup(fds[s["file"]]), "rb") as f:
-                point("shard", key)
-                call(f"uploading {step_dir / s['file']} to s3://{loc.bucket}/{key}", s3.upload_fileobj, f,
-                     loc.bucket, key, Config=config, Callback=lambda n, key=key: point("part", key))
+        items = [Item(loc.key(step, f"{attempt}/{s['file']}"), s["bytes"], fd=fds[s["file"]],
+                      what=str(step_dir / s["file"])) for s in manifest.files]
+        # the manifest goes beside the files (nothing reads it before the marker names the folder)
+        items.append(Item(loc.key(step, f"{attempt}/{MANIFEST}"), len(manifest_raw), data=manifest_raw,
+                          what=f"the manifest of {loc.step_url(step)}"))
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="slurmresume-list") as side:
+            seen = side.submit(garbage, s3, loc, step, attempt)  # what killed writers left, beside the upload
+            upload_files(s3, loc, items, plan)
+            found = _listed(seen, loc, step)
     finally:
         for fd in fds.values():
             os.close(fd)
-    point("manifest", loc.key(step, f"{attempt}/{MANIFEST}"))
-    call(f"uploading the manifest of {loc.step_url(step)}", s3.put_object, Bucket=loc.bucket,
-         Key=loc.key(step, f"{attempt}/{MANIFEST}"), Body=manifest_raw)
     point("marker", loc.key(step, MARKER))
     won = put_marker(s3, loc, step, marker_raw, folder=attempt)
-    _sweep(s3, loc, step)  # a loser removes its own folder; a winner what killed writers left
     if not won:
+        _sweep(s3, loc, step)  # a loser removes its own folder
         existing = get_bounded(s3, loc, loc.key(step, MARKER), MAX_MARKER)
         return _already(step, existing or b"", marker_raw, loc)
+    if found is None:
+        _sweep(s3, loc, step)
+    elif found.keys or found.uploads:
+        _remove(s3, loc, step, found)
     return Transfer(step, "uploaded", manifest.total_bytes, time.perf_counter() - started)
+
+
+def _listed(seen: Future[Garbage], loc: S3Location, step: int) -> Garbage | None:
+    """The listing taken beside the upload, or None when it failed (the full sweep runs then)."""
+    try:
+        return seen.result()
+    except CheckpointError as exc:
+        log.info("mirror: listing %s beside the upload failed (%s): swept after the commit", loc.step_url(step), exc)
+        return None
+
+
+def _remove(s3: Any, loc: S3Location, step: int, found: Garbage) -> None:
+    try:
+        removed = remove(s3, loc, step, found)
+    except CheckpointError as exc:
+        log.warning("mirror: losing uploads under %s not removed: %s", loc.step_url(step), exc)
+        return
+    log.info("mirror: removed %d object(s)/upload(s) no commit names under %s", removed, loc.step_url(step))
 
 
 def _sweep(s3: Any, loc: S3Location, step: int) -> None:
