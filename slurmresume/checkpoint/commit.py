@@ -38,7 +38,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from ..errors import SaveError
-from . import fsio
+from . import fsio, nodefile
 from .collective import Group
 from .jsonenc import dumps
 from .layout import (
@@ -170,7 +170,12 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
         # No directory fsync here: W ranks fsyncing one shared directory are W metadata operations
         # on one server. Rank 0's fsync of it (with the manifest, after every rank reported its
         # rename) makes every shard's name durable before the marker is written.
-        written = write_shard(d, file, tensors, {SKELETON_KEY: dumps(skeleton), "format": "pt"})
+        metadata = {SKELETON_KEY: dumps(skeleton), "format": "pt"}
+        if nodefile.layout_from_env() == "per-node":  # the node's ranks share one file (nodefile)
+            written = nodefile.write_node_shard(d, nodefile.link_for(group), tensors, metadata)
+            file = written.file
+        else:
+            written = write_shard(d, file, tensors, metadata)
         index = written.tensors
         specs = skeleton.get("dtensors") or {}
         for name, spec in specs.items():

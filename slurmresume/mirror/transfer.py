@@ -40,6 +40,7 @@ from ..checkpoint.manifest import (
     read_bounded,
     read_manifest,
 )
+from ..checkpoint.nodefile import refuse_mirror
 from ..checkpoint.shard import open_checked
 from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -99,6 +100,7 @@ def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: i
     if existing is not None:
         _sweep(s3, loc, step)
         return _already(step, existing, marker_raw, loc)
+    refuse_mirror(manifest.files, str(step_dir))
     attempt = new_attempt()  # this attempt's own keys: no other writer can overwrite or abort them
     fds = {s["file"]: open_checked(step_dir, s["file"], s["bytes"]) for s in manifest.files}
     try:
@@ -168,6 +170,7 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
         return Transfer(step, "present")
     commit = read_remote_commit(s3, loc, step)
     marker_raw, manifest_raw, manifest = commit.marker_raw, commit.manifest_raw, commit.manifest
+    refuse_mirror(manifest.files, loc.step_url(step))
     if replace_if_marker is not None and marker_raw != replace_if_marker:
         raise CheckpointError(f"{loc.step_url(step)} is another commit of step {step} than {final}: not used "
                               "to replace it")

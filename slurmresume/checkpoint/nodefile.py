@@ -1,0 +1,192 @@
+"""The per-node layout (opt-in): the ranks of one node write disjoint ranges of one file.
+
+On a parallel file system every create is a metadata-server operation, and W ranks creating W
+shards at the same moment queue on it. With `SLURMRESUME_LAYOUT=per-node` a step holds one data
+file per node instead of one per rank:
+
+    step_N/node-00000.bin          ranks 0..L-1: each rank's safetensors bytes in its own range
+    step_N/node-00008.bin          ...named by the node's first rank
+    step_N/rank-00003.index.json   unchanged: one index per rank (its block digests, its range)
+
+A rank's manifest entry names its range as "node-00000.bin@OFFSET" with its length as the
+shard's bytes and the xxh3 of those bytes: every reader (restore at the same W or resharded,
+verify, inspect, export) reads a rank's bytes from its range (`shard.split_locator`). Format 1
+and per-rank format-2 steps are read as before.
+
+The protocol, on the ranks of one node (L = LOCAL_WORLD_SIZE; torchrun numbers a node's ranks
+contiguously, so they are [first, first + L)); no rank outside the node takes part:
+  1. every rank plans its shard (header and size are known before a byte is written);
+  2. one node-local all-gather of [size, host] (a gloo subgroup of the node's ranks, created
+     once, `use_local_synchronization`): each rank's range is the sum of the sizes before it,
+     each range starting on a 4 KiB boundary (O_DIRECT writes aligned blocks);
+  3. the node's first rank creates the file (O_EXCL: the save's private directory) and sizes it;
+     node barrier;
+  4. every rank writes its range (the write path `calibrate` picks for the file system); no
+     rank fsyncs; node barrier;
+  5. the first rank fsyncs the file once. One fsync of an inode flushes every dirty page of it on
+     this host, whichever process wrote them, so one fsync per node replaces L. When the ranks
+     turn out not to share a host (a launch that numbers ranks otherwise) each rank fsyncs
+     its own writes instead: the leader's fsync would not reach another client's cache.
+A rank that fails still reaches both barriers (its error travels in its record to rank 0, which
+then commits nothing), so no rank of the node waits forever on it. A rank killed mid-write
+leaves its node waiting at a barrier until the launcher ends the job; nothing is committed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Protocol
+
+import xxhash
+
+from ..errors import CheckpointError, ConfigError
+from . import fsio
+from .calibrate import open_sink
+from .layout import node_file_name
+from .shard import WrittenShard, plan_shard, stream_shard, written
+from .writer import ALIGN
+
+ENV = "SLURMRESUME_LAYOUT"
+LAYOUTS = ("per-rank", "per-node")
+
+
+def layout_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """The layout this save writes: "per-rank" (the default) or "per-node"."""
+    value = env.get(ENV, "").strip() or LAYOUTS[0]
+    if value not in LAYOUTS:
+        raise ConfigError(f"{ENV}={value!r} is not a layout; valid: {', '.join(LAYOUTS)} (default {LAYOUTS[0]})")
+    return value
+
+
+def node_ranks(rank: int, world: int, local_world: int) -> range:
+    """Pure: the global ranks of `rank`'s node (torchrun: node g holds [g L, (g + 1) L)). A local
+    world that does not divide the world (not torchrun's homogeneous launch) makes every rank
+    its own node: correct, only not fewer files."""
+    if local_world < 1 or world % local_world:
+        return range(rank, rank + 1)
+    first = rank - rank % local_world
+    return range(first, first + local_world)
+
+
+def ranges(sizes: list[int], align: int = ALIGN) -> tuple[list[int], int]:
+    """Pure: each rank's offset in the node file (aligned) and the file's size."""
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += -(-size // align) * align
+    return offsets, at
+
+
+class NodeLink(Protocol):
+    index: int  # this rank's place among its node's ranks (0: the node's first rank, the leader)
+    first: int  # the node's first global rank: names the file
+
+    def exchange(self, values: list[int]) -> list[list[int]]: ...
+
+    def barrier(self) -> None: ...
+
+
+class GlooLink:
+    """The node's ranks over a gloo subgroup of just them (created on the first save, kept on the
+    save's side `Group` and destroyed with it). Collective among the node's ranks only."""
+
+    def __init__(self, group: Any, ranks: range) -> None:
+        self.index, self.first, self.size = group.rank - ranks.start, ranks.start, len(ranks)
+        self.pg = getattr(group, "node_pg", None)
+        if self.pg is None and self.size > 1:
+            import torch.distributed as dist
+
+            from .collective import LAZY
+
+            mine = LAZY not in os.environ
+            os.environ.setdefault(LAZY, "1")
+            try:
+                self.pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            finally:
+                if mine:
+                    os.environ.pop(LAZY, None)
+            group.node_pg = self.pg
+
+    def exchange(self, values: list[int]) -> list[list[int]]:
+        if self.size == 1:
+            return [values]
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.zeros_like(mine) for _ in range(self.size)]
+        dist.all_gather(out, mine, group=self.pg)
+        return [[int(v) for v in t.tolist()] for t in out]
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.exchange([0])
+
+
+def link_for(group: Any) -> NodeLink:
+    """The node link of this rank (a seam: the scale harness and tests hand their own)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return GlooLink(group, node_ranks(group.rank, group.world_size, local))
+
+
+def _host() -> int:
+    return xxhash.xxh3_64_intdigest(socket.gethostname().encode()) & ((1 << 63) - 1)
+
+
+def write_node_shard(directory: Path, link: NodeLink, tensors: list[tuple[str, Any]],
+                     metadata: dict[str, str]) -> WrittenShard:
+    """Every rank of a node, together: write this rank's shard into its range of the node file
+    (the module's protocol). Raises this rank's error only after both node barriers."""
+    path = directory / node_file_name(link.first)
+    error: BaseException | None = None
+    plan, fd = None, -1
+    try:
+        plan = plan_shard(path, tensors, metadata)
+    except BaseException as exc:
+        error = exc
+    host = _host()
+    sizes = link.exchange([plan.bytes if plan is not None else -1, host])
+    offsets, total = ranges([max(s, 0) for s, _ in sizes])
+    same_host = all(h == host for _, h in sizes)
+    if error is None and any(s < 0 for s, _ in sizes):
+        error = OSError(f"another rank of node {path.name} could not plan its shard")
+    if link.index == 0 and error is None:
+        try:  # the save's private directory: nobody else creates this name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            os.ftruncate(fd, total)
+        except BaseException as exc:
+            error = exc
+    link.barrier()  # the file exists with its size (or the leader failed: the open below fails)
+    sink, digest = None, ""
+    if error is None and plan is not None:
+        try:
+            sink = open_sink(path, size_hint=plan.bytes, base=offsets[link.index], shared=True, sync=not same_host)
+            digest = stream_shard(sink, plan, path)
+        except BaseException as exc:
+            if sink is not None:
+                sink.abort()
+            error = exc
+    link.barrier()  # every range of the node is written
+    try:
+        if fd >= 0 and error is None and same_host:
+            fsio.fsync_fd(fd, "shard", path)  # one fsync for the node's L ranges
+    except BaseException as exc:
+        error = exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if error is not None:
+        fsio.note_failure(error, path, plan.bytes if plan is not None else None)
+        raise error
+    assert plan is not None and sink is not None
+    return written(f"{path.name}@{offsets[link.index]}", plan, sink, digest)
+
+
+def refuse_mirror(files: list[dict[str, Any]], where: str) -> None:
+    """The mirror copies a step file by file; this version does not copy node files' ranges:
+    one clear line instead of a bucket copy that could not be restored."""
+    if any("@" in s["file"] for s in files):
+        raise CheckpointError(f"{where} uses the per-node layout ({ENV}=per-node): this version's mirror does not "
+                              f"copy it; save with {ENV}=per-rank (the default) to mirror checkpoints")

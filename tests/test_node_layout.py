@@ -1,0 +1,149 @@
+"""The per-node layout (#29 item 6, `checkpoint/nodefile.py`): 4 real gloo ranks as 2 emulated
+nodes of 2 (LOCAL_WORLD_SIZE=2) write one `node-NNNNN.bin` per node, each rank its own range."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.procs import HELPERS, clean_env
+from typer.testing import CliRunner
+
+from slurmresume.checkpoint.layout import MANIFEST, MARKER
+from slurmresume.checkpoint.nodefile import node_ranks, ranges
+from slurmresume.cli import app
+
+SCRIPT = HELPERS / "node_layout.py"
+
+
+def _torchrun(world: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                           "--max-restarts=0", "--monitor-interval=0.2", str(SCRIPT), *args],
+                          env=clean_env(**env), capture_output=True, text=True, timeout=240)
+
+
+def _save(root: Path, steps: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return _torchrun(4, "save", str(root), steps, SLURMRESUME_LAYOUT="per-node", NODE_SIZE="2", **env)
+
+
+def _restore(root: Path, world: int, out: Path) -> list[dict]:
+    out.mkdir()
+    res = _torchrun(world, "restore", str(root), str(out))
+    assert res.returncode == 0, res.stderr[-4000:]
+    return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pernode") / "ck"
+    res = _save(root, "1,2")
+    assert res.returncode == 0, res.stderr[-4000:]
+    return root
+
+
+def _manifest(step_dir: Path) -> dict:
+    return json.loads((step_dir / MANIFEST).read_text())
+
+
+def test_a_per_node_step_holds_one_data_file_per_node_and_restores_bitwise(saved: Path, tmp_path: Path) -> None:
+    d = saved / "step_000000002"
+    assert sorted(p.name for p in d.iterdir()) == [MARKER, MANIFEST, "node-00000.bin", "node-00002.bin",
+                                                   *(f"rank-{r:05d}.index.json" for r in range(4))]
+    shards = _manifest(d)["shards"]
+    assert [s["file"].partition("@")[0] for s in shards] == ["node-00000.bin"] * 2 + ["node-00002.bin"] * 2
+    for a, b in ((shards[0], shards[1]), (shards[2], shards[3])):  # disjoint, aligned ranges in rank order
+        start_a, start_b = int(a["file"].partition("@")[2]), int(b["file"].partition("@")[2])
+        assert start_a == 0 and start_b % 4096 == 0 and start_a + a["bytes"] <= start_b
+        assert (d / b["file"].partition("@")[0]).stat().st_size >= start_b + b["bytes"]
+    for r in _restore(saved, 4, tmp_path / "out"):
+        assert r == {"step": 2, "value": 2, "emb": [2], "bias": [2]}, r
+
+
+def test_a_per_node_step_reshards_4_to_3(saved: Path, tmp_path: Path) -> None:
+    for r in _restore(saved, 3, tmp_path / "out"):
+        assert r == {"step": 2, "value": 2, "emb": [2], "bias": [2]}, r
+
+
+def test_verify_and_export_read_each_ranks_range(saved: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(HELPERS))
+    from node_layout import emb
+
+    res = CliRunner().invoke(app, ["verify", "--ckpt-dir", str(saved), "--all"], terminal_width=200)
+    assert res.exit_code == 0 and res.output.count("ok") == 2, res.output
+    out = tmp_path / "emb.safetensors"
+    res = CliRunner().invoke(app, ["export", "latest", "--only", "emb", "--out", str(out), "--ckpt-dir", str(saved)])
+    assert res.exit_code == 0, res.output
+    (tensor,) = load_file(out).values()
+    assert tensor.equal(emb(2))
+
+
+def test_a_flipped_byte_inside_one_ranks_range_fails_verify_and_the_restore_falls_back(saved: Path,
+                                                                                       tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    shutil.copytree(saved, root)
+    shard = _manifest(root / "step_000000002")["shards"][3]
+    name, _, base = shard["file"].partition("@")
+    path = root / "step_000000002" / name
+    raw = bytearray(path.read_bytes())
+    raw[int(base) + shard["bytes"] - 1] ^= 0x01  # the last data byte of rank 3, in the node's second range
+    path.write_bytes(bytes(raw))
+    res = CliRunner().invoke(app, ["verify", "--ckpt-dir", str(root), "--all"], terminal_width=200)
+    assert res.exit_code != 0 and "step 2" in res.output, res.output
+    for r in _restore(root, 4, tmp_path / "out"):
+        assert r == {"step": 1, "value": 1, "emb": [1], "bias": [1]}, r
+
+
+def test_a_rank_killed_mid_write_leaves_no_marker(saved: Path, tmp_path: Path) -> None:
+    """Rank 3 dies (SIGKILL) on its second write into node-00002.bin (a 40 MiB shard: O_DIRECT
+    writes it in 32 MiB pieces, the buffered paths in 32 MiB views): the save of step 3 never
+    commits, the node file is left in the private save directory, and step 2 stays the newest."""
+    root = tmp_path / "ck"
+    shutil.copytree(saved, root)
+    res = _save(root, "3", KILL_RANK="3", KILL_AT="write.shard.data:2", BIG_MIB="40", SLURMRESUME_WRITER="direct")
+    assert res.returncode != 0
+    assert not (root / "step_000000003").exists()
+    (leftover,) = [p for p in root.iterdir() if p.name.startswith(".saving.step_000000003.")]
+    assert (leftover / "node-00002.bin").exists() and not (leftover / MARKER).exists()
+    from slurmresume.checkpoint.store import find_latest
+
+    info = find_latest(root)
+    assert info is not None and info.step == 2
+
+
+@pytest.mark.parametrize(("rank", "world", "local", "expected"), [
+    (5, 16, 8, range(0, 8)), (8, 16, 8, range(8, 16)), (3, 4, 2, range(2, 4)), (3, 6, 4, range(3, 4)),
+    (0, 1, 1, range(0, 1)), (2, 4, 0, range(2, 3)),
+])
+def test_a_nodes_ranks(rank: int, world: int, local: int, expected: range) -> None:
+    assert node_ranks(rank, world, local) == expected
+
+
+def test_ranges_are_aligned_and_disjoint() -> None:
+    assert ranges([10, 4096, 4097, 1]) == ([0, 4096, 8192, 16384], 20480)
+    assert ranges([]) == ([], 0)
+
+
+def test_creates_and_fsyncs_per_save_fewer_per_node_than_per_rank(tmp_path: Path) -> None:
+    """scripts/bench_scale.py counts the save's metadata operations at the fsio/os seam: 16 ranks,
+    per-rank against per-node with 8 ranks per node (2 node files). Per rank: a shard and an index
+    (create + fsync each); per node: one node file created and fsynced once by its first rank."""
+    out = tmp_path / "rows.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_scale.py"
+    res = subprocess.run([sys.executable, str(script), "--models", "tiny", "--ranks", "16", "--reshard", "",
+                          "--no-memory", "--layout", "per-rank,per-node:8", "--dir", str(tmp_path),
+                          "--json-out", str(out)], capture_output=True, text=True, timeout=300,
+                         env=clean_env(PYTHONPATH=str(script.parents[1])))
+    assert res.returncode == 0, res.stdout + res.stderr
+    rank, node = json.loads(out.read_text())["rows"]
+    assert rank["saved"] and node["saved"] and node["layout"] == "per-node/8"
+    assert "error" not in node["same"], node["same"]  # the per-node step's restore plan (rank 0's pick too)
+    creates = rank["save_ops"]["create"] - node["save_ops"]["create"]
+    fsyncs = rank["save_ops"]["fsync"] - node["save_ops"]["fsync"]
+    assert creates == fsyncs == 16 - 2, (rank["save_ops"], node["save_ops"])  # W shard files -> W / 8 node files
+    assert node["save_ops"].get("rename", 0) < rank["save_ops"].get("rename", 0)
