@@ -66,9 +66,11 @@ class SparseNode:
         header, index = shard_mod.build_header(tensors, metadata)
         return shard_mod.ShardPlan(header, index, tensors, set(), len(header) + sum(self.nbytes(t) for _, t in tensors))
 
-    def size(self, skeleton: dict[str, Any], tensors: list[tuple[str, Any]]) -> int:
-        """What write_rank's plan of this rank's shard will say (the same metadata)."""
-        return int(self.plan(Path("."), tensors, {shard_mod.SKELETON_KEY: dumps(skeleton), "format": "pt"}).bytes)
+    def size(self, rank: int, skeleton: dict[str, Any], tensors: list[tuple[str, Any]]) -> int:
+        """The range write_rank will ask for this rank (shard and index; the same metadata)."""
+        metadata = {shard_mod.SKELETON_KEY: dumps(skeleton), "format": "pt"}
+        plan, reserved = nodefile.planned(Path("node.bin"), rank, tensors, metadata, skeleton.get("dtensors") or {})
+        return int(plan.bytes) + reserved
 
     def stream(self, sink: _Sink, plan: Any, label: Path) -> str:
         try:

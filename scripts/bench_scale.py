@@ -358,7 +358,7 @@ def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0) 
         for first in range(0, world, node):  # every rank writes its shard (synthetic): what it then sends
             payloads = [(template.skeleton, template.tensors) if rank == 0 else peer_payload(template, model, world, rank)
                         for rank in range(first, min(first + node, world))]
-            sizes = [sparse_node.size(*p) for p in payloads] if per_node else []
+            sizes = [sparse_node.size(first + i, *p) for i, p in enumerate(payloads)] if per_node else []
             for i, (skeleton, tensors) in enumerate(payloads):
                 if per_node:
                     bench_nodefile.use_link(bench_nodefile.SequentialLink(i, first, sizes))

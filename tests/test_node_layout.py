@@ -51,14 +51,14 @@ def _manifest(step_dir: Path) -> dict:
 
 def test_a_per_node_step_holds_one_data_file_per_node_and_restores_bitwise(saved: Path, tmp_path: Path) -> None:
     d = saved / "step_000000002"
-    assert sorted(p.name for p in d.iterdir()) == [MARKER, MANIFEST, "node-00000.bin", "node-00002.bin",
-                                                   *(f"rank-{r:05d}.index.json" for r in range(4))]
+    assert sorted(p.name for p in d.iterdir()) == [MARKER, MANIFEST, "node-00000.bin", "node-00002.bin"]
     shards = _manifest(d)["shards"]
     assert [s["file"].partition("@")[0] for s in shards] == ["node-00000.bin"] * 2 + ["node-00002.bin"] * 2
     for a, b in ((shards[0], shards[1]), (shards[2], shards[3])):  # disjoint, aligned ranges in rank order
         start_a, start_b = int(a["file"].partition("@")[2]), int(b["file"].partition("@")[2])
-        assert start_a == 0 and start_b % 4096 == 0 and start_a + a["bytes"] <= start_b
-        assert (d / b["file"].partition("@")[0]).stat().st_size >= start_b + b["bytes"]
+        index_a = int(a["index"].partition("@")[2])  # the index right after the shard, in the rank's range
+        assert start_a == 0 and start_b % 4096 == 0 and index_a == a["bytes"] <= index_a + a["index_bytes"] <= start_b
+        assert (d / b["file"].partition("@")[0]).stat().st_size >= int(b["index"].partition("@")[2]) + b["index_bytes"]
     for r in _restore(saved, 4, tmp_path / "out"):
         assert r == {"step": 2, "value": 2, "emb": [2], "bias": [2]}, r
 
@@ -132,7 +132,8 @@ def test_ranges_are_aligned_and_disjoint() -> None:
 def test_creates_and_fsyncs_per_save_fewer_per_node_than_per_rank(tmp_path: Path) -> None:
     """scripts/bench_scale.py counts the save's metadata operations at the fsio/os seam: 16 ranks,
     per-rank against per-node with 8 ranks per node (2 node files). Per rank: a shard and an index
-    (create + fsync each); per node: one node file created and fsynced once by its first rank."""
+    (create + fsync each); per node: one node file (every rank's shard and index) created and
+    fsynced once by its first rank."""
     out = tmp_path / "rows.json"
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_scale.py"
     res = subprocess.run([sys.executable, str(script), "--models", "tiny", "--ranks", "16", "--reshard", "",
@@ -145,5 +146,6 @@ def test_creates_and_fsyncs_per_save_fewer_per_node_than_per_rank(tmp_path: Path
     assert "error" not in node["same"], node["same"]  # the per-node step's restore plan (rank 0's pick too)
     creates = rank["save_ops"]["create"] - node["save_ops"]["create"]
     fsyncs = rank["save_ops"]["fsync"] - node["save_ops"]["fsync"]
-    assert creates == fsyncs == 16 - 2, (rank["save_ops"], node["save_ops"])  # W shard files -> W / 8 node files
+    # 2 W files (shard, index) -> W / 8 node files
+    assert creates == fsyncs == 2 * 16 - 2, (rank["save_ops"], node["save_ops"])
     assert node["save_ops"].get("rename", 0) < rank["save_ops"].get("rename", 0)

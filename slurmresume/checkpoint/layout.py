@@ -44,7 +44,7 @@ _SAVING_RE = re.compile(rf"\.saving\.step_([0-9]{{{STEP_DIGITS},}})\.([0-9a-f]{{
 _SHARD_RE = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.safetensors")
 _INDEX_RE = re.compile(r"rank-([0-9]{5,})\.index\.json")
 # per-node layout (`nodefile`): one file per node, named by the node's first rank; a rank's shard
-# is the range "node-NNNNN.bin@OFFSET" of it (the manifest records its length as the shard's bytes)
+# and its index are ranges "node-NNNNN.bin@OFFSET" of it (the manifest records their lengths)
 _NODE_RE = re.compile(r"node-([0-9]{5,})\.bin")
 _NODE_RANGE_RE = re.compile(r"node-([0-9]{5,})\.bin@(0|[1-9][0-9]{0,18})")
 

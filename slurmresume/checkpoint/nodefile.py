@@ -1,28 +1,31 @@
 """The per-node layout (opt-in): the ranks of one node write disjoint ranges of one file.
 
 On a parallel file system every create is a metadata-server operation, and W ranks creating W
-shards at the same moment queue on it. With `SLURMRESUME_LAYOUT=per-node` a step holds one data
-file per node instead of one per rank:
+shards and W index files at the same moment queue on it. With `SLURMRESUME_LAYOUT=per-node` a
+step holds one data file per node instead of two files per rank:
 
-    step_N/node-00000.bin          ranks 0..L-1: each rank's safetensors bytes in its own range
-    step_N/node-00008.bin          ...named by the node's first rank
-    step_N/rank-00003.index.json   unchanged: one index per rank (its block digests, its range)
+    step_N/node-00000.bin     ranks 0..L-1, each its own range: its safetensors bytes, then its
+                              tensor index (`rankindex`), padded with blanks to the size agreed
+    step_N/node-00008.bin     ...named by the node's first rank
 
-A rank's manifest entry names its range as "node-00000.bin@OFFSET" with its length as the
-shard's bytes and the xxh3 of those bytes: every reader (restore at the same W or resharded,
-verify, inspect, export) reads a rank's bytes from its range (`shard.split_locator`). Format 1
-and per-rank format-2 steps are read as before.
+A rank's manifest entry names its shard as "node-00000.bin@OFFSET" (the shard's bytes and xxh3
+as before) and its index as "node-00000.bin@OFFSET2": every reader (restore at the same W or
+resharded, verify, inspect, export) reads a rank's bytes from its range (`shard.split_locator`,
+`rankindex.read_index`). Format 1 and per-rank format-2 steps are read as before. Creates per
+save: W / L + 3 instead of 2 W + 3; file fsyncs W / L + 2 instead of 2 W + 2.
 
 The protocol, on the ranks of one node (L = LOCAL_WORLD_SIZE; torchrun numbers a node's ranks
 contiguously, so they are [first, first + L)); no rank outside the node takes part:
-  1. every rank plans its shard (header and size are known before a byte is written);
+  1. every rank plans its shard (header and size are known before a byte is written) and its
+     index (each block digest is 16 hex digits: its length is known too; the offset in its
+     "file" field is reserved at 19 digits and the JSON padded);
   2. one node-local all-gather of [size, host] (a gloo subgroup of the node's ranks, created
      once, `use_local_synchronization`): each rank's range is the sum of the sizes before it,
      each range starting on a 4 KiB boundary (O_DIRECT writes aligned blocks);
   3. the node's first rank creates the file (O_EXCL: the save's private directory) and sizes it;
      node barrier;
-  4. every rank writes its range (the write path `calibrate` picks for the file system); no
-     rank fsyncs; node barrier;
+  4. every rank writes its range (the write path `calibrate` picks for the file system): its
+     shard, then its index; no rank fsyncs; node barrier;
   5. the first rank fsyncs the file once. One fsync of an inode flushes every dirty page of it on
      this host, whichever process wrote them, so one fsync per node replaces L. When the ranks
      turn out not to share a host (a launch that numbers ranks otherwise) each rank fsyncs
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,7 +49,16 @@ from ..errors import CheckpointError, ConfigError
 from . import fsio
 from .calibrate import open_sink
 from .layout import node_file_name
-from .shard import WrittenShard, plan_shard, stream_shard, written
+from .rankindex import index_bytes, placed
+from .shard import (
+    ITEMSIZE,
+    VERIFY_BLOCK,
+    ShardPlan,
+    WrittenShard,
+    plan_shard,
+    stream_shard,
+    written,
+)
 from .writer import ALIGN
 
 ENV = "SLURMRESUME_LAYOUT"
@@ -135,19 +148,20 @@ def _host() -> int:
     return xxhash.xxh3_64_intdigest(socket.gethostname().encode()) & ((1 << 63) - 1)
 
 
-def write_node_shard(directory: Path, link: NodeLink, tensors: list[tuple[str, Any]],
-                     metadata: dict[str, str]) -> WrittenShard:
-    """Every rank of a node, together: write this rank's shard into its range of the node file
-    (the module's protocol). Raises this rank's error only after both node barriers."""
+def write_node_shard(directory: Path, link: NodeLink, rank: int, tensors: list[tuple[str, Any]],
+                     metadata: dict[str, str], specs: dict[str, Any]) -> tuple[WrittenShard, dict[str, Any]]:
+    """Every rank of a node, together: write this rank's shard, then its tensor index, into its
+    range of the node file (the module's protocol). Returns the shard as written and what the
+    manifest records of the index. Raises this rank's error only after both node barriers."""
     path = directory / node_file_name(link.first)
     error: BaseException | None = None
-    plan, fd = None, -1
+    plan, fd, reserved = None, -1, 0
     try:
-        plan = plan_shard(path, tensors, metadata)
+        plan, reserved = planned(path, rank, tensors, metadata, specs)
     except BaseException as exc:
         error = exc
     host = _host()
-    sizes = link.exchange([plan.bytes if plan is not None else -1, host])
+    sizes = link.exchange([plan.bytes + reserved if plan is not None else -1, host])
     offsets, total = ranges([max(s, 0) for s, _ in sizes])
     same_host = all(h == host for _, h in sizes)
     if error is None and any(s < 0 for s, _ in sizes):
@@ -159,11 +173,14 @@ def write_node_shard(directory: Path, link: NodeLink, tensors: list[tuple[str, A
         except BaseException as exc:
             error = exc
     link.barrier()  # the file exists with its size (or the leader failed: the open below fails)
-    sink, digest = None, ""
+    base = offsets[link.index]
+    sink, digest, own = None, "", {}
     if error is None and plan is not None:
         try:
-            sink = open_sink(path, size_hint=plan.bytes, base=offsets[link.index], shared=True, sync=not same_host)
+            sink = open_sink(path, size_hint=plan.bytes, base=base, shared=True, sync=False)
             digest = stream_shard(sink, plan, path)
+            own = _write_index(path, base + plan.bytes, reserved, rank, f"{path.name}@{base}", plan.index, specs,
+                               sync=not same_host)
         except BaseException as exc:
             if sink is not None:
                 sink.abort()
@@ -181,7 +198,47 @@ def write_node_shard(directory: Path, link: NodeLink, tensors: list[tuple[str, A
         fsio.note_failure(error, path, plan.bytes if plan is not None else None)
         raise error
     assert plan is not None and sink is not None
-    return written(f"{path.name}@{offsets[link.index]}", plan, sink, digest)
+    shard = written(f"{path.name}@{base}", plan, sink, digest)
+    return replace(shard, tensors=placed(shard.tensors, specs)), own
+
+
+def planned(path: Path, rank: int, tensors: list[tuple[str, Any]], metadata: dict[str, str],
+            specs: dict[str, Any]) -> tuple[ShardPlan, int]:
+    """The rank's shard plan and the bytes reserved for its index: its range is their sum."""
+    plan = plan_shard(path, tensors, metadata)
+    return plan, len(_index(rank, f"{path.name}@{'9' * 19}", plan.index, specs, placeholder=True))
+
+
+def _index(rank: int, file: str, index: dict[str, Any], specs: dict[str, Any], placeholder: bool = False) -> bytes:
+    """The rank's index file's bytes; with `placeholder`, before the digests exist: each digest
+    is 16 hex digits, so the length is the final one (file: the longest locator)."""
+    if placeholder:
+        index = {n: {**e, "xxh3": ["0" * 16] * -(-_nbytes(e) // VERIFY_BLOCK)} for n, e in index.items()}
+    return index_bytes(rank, file, placed(index, specs))
+
+
+def _nbytes(entry: dict[str, Any]) -> int:
+    n = ITEMSIZE[entry["dtype"]]
+    for d in entry["shape"]:
+        n *= d
+    return n
+
+
+def _write_index(path: Path, at: int, reserved: int, rank: int, file: str, index: dict[str, Any],
+                 specs: dict[str, Any], sync: bool) -> dict[str, Any]:
+    """The index, padded with spaces to the `reserved` bytes agreed, right after the shard."""
+    raw = _index(rank, file, index, specs)
+    if len(raw) > reserved:
+        raise OSError(f"rank {rank}'s tensor index grew past the {reserved} bytes reserved for it in {path}")
+    raw += b" " * (reserved - len(raw))  # JSON allows trailing blanks; the digest covers them
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        fsio.pwrite_all(fd, raw, at, "index", path)
+        if sync:
+            fsio.fsync_fd(fd, "shard", path)
+    finally:
+        os.close(fd)
+    return {"index": f"{path.name}@{at}", "index_bytes": reserved, "index_xxh3": xxhash.xxh3_64_hexdigest(raw)}
 
 
 def refuse_mirror(files: list[dict[str, Any]], where: str) -> None:
