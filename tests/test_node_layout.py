@@ -149,3 +149,19 @@ def test_creates_and_fsyncs_per_save_fewer_per_node_than_per_rank(tmp_path: Path
     # 2 W files (shard, index) -> W / 8 node files
     assert creates == fsyncs == 2 * 16 - 2, (rank["save_ops"], node["save_ops"])
     assert node["save_ops"].get("rename", 0) < rank["save_ops"].get("rename", 0)
+
+
+def test_the_mirror_refuses_a_per_node_step_in_one_line_before_touching_the_bucket(saved: Path) -> None:
+    """This version's mirror copies a step file by file; a per-node step's ranges are not copied:
+    the upload says so in one line, and no request reaches the bucket (nothing half-written)."""
+    from slurmresume.errors import CheckpointError
+    from slurmresume.mirror.s3 import S3Location
+    from slurmresume.mirror.transfer import upload_step
+
+    class NoBucket:
+        def __getattr__(self, name: str) -> None:
+            raise AssertionError(f"the bucket was asked for {name}")
+
+    with pytest.raises(CheckpointError, match="per-node layout") as err:
+        upload_step(NoBucket(), S3Location("bucket"), saved / "step_000000002", 2)
+    assert "\n" not in str(err.value) and "SLURMRESUME_LAYOUT=per-rank" in str(err.value)

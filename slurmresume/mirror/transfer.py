@@ -96,11 +96,11 @@ def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: i
     step then stays invisible on the bucket (no marker)."""
     started = time.perf_counter()
     marker_raw, manifest_raw, manifest = read_committed(step_dir, step)
+    refuse_mirror(manifest.files, str(step_dir))  # before anything reaches the bucket
     existing = get_bounded(s3, loc, loc.key(step, MARKER), MAX_MARKER)
     if existing is not None:
         _sweep(s3, loc, step)
         return _already(step, existing, marker_raw, loc)
-    refuse_mirror(manifest.files, str(step_dir))
     attempt = new_attempt()  # this attempt's own keys: no other writer can overwrite or abort them
     fds = {s["file"]: open_checked(step_dir, s["file"], s["bytes"]) for s in manifest.files}
     try:
