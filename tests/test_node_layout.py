@@ -116,6 +116,25 @@ def test_a_rank_killed_mid_write_leaves_no_marker(saved: Path, tmp_path: Path) -
     assert info is not None and info.step == 2
 
 
+@pytest.mark.parametrize(("rank", "label"), [("3", "write.shard.data"), ("2", "fsync.shard")])
+def test_one_ranks_io_error_fails_the_save_on_every_rank_without_a_hang(saved: Path, tmp_path: Path, rank: str,
+                                                                        label: str) -> None:
+    """An I/O error on one rank of a node (rank 3 writing its range; rank 2, the node's first, at
+    the node file's one fsync) still takes that rank through both node barriers: every rank gets
+    the failed save in one line (no rank waits forever), nothing of step 3 is left, step 2 stays."""
+    root = tmp_path / "ck"
+    shutil.copytree(saved, root)
+    res = _save(root, "3", FAIL_RANK=rank, FAIL_AT=label)
+    assert res.returncode != 0
+    failed = [line for line in res.stderr.splitlines() if "SaveError: checkpoint save failed, nothing committed" in line]
+    assert len(failed) == 4 and all("injected I/O error" in line for line in failed), res.stderr[-3000:]
+    assert sorted(p.name for p in root.iterdir() if "000000003" in p.name) == []
+    from slurmresume.checkpoint.store import find_latest
+
+    info = find_latest(root)
+    assert info is not None and info.step == 2
+
+
 @pytest.mark.parametrize(("rank", "world", "local", "expected"), [
     (5, 16, 8, range(0, 8)), (8, 16, 8, range(8, 16)), (3, 4, 2, range(2, 4)), (3, 6, 4, range(3, 4)),
     (0, 1, 1, range(0, 1)), (2, 4, 0, range(2, 3)),

@@ -4,7 +4,8 @@ node size emulated by NODE_SIZE (LOCAL_WORLD_SIZE for the save: 4 ranks as 2 nod
     node_layout.py save    ROOT STEPS       save the given steps (comma separated), per-node layout
     node_layout.py restore ROOT OUT         restore; rank r writes OUT/r.json: the restored step and
                                             which saved step each tensor equals, bit for bit
-A rank named by KILL_RANK gets SLURMRESUME_TEST_KILL_AT=KILL_AT (it dies there, mid-write);
+A rank named by KILL_RANK gets SLURMRESUME_TEST_KILL_AT=KILL_AT (it dies there, mid-write), one
+named by FAIL_RANK SLURMRESUME_TEST_FAIL_AT=FAIL_AT (an injected I/O error there);
 BIG_MIB adds a per-rank float tensor of that many MiB to the saved state.
 
 The state: a DTensor of 13 x 8 rows sharded over the ranks (uneven pieces), a replicated bf16
@@ -18,8 +19,9 @@ import os
 import sys
 from pathlib import Path
 
-if os.environ.get("KILL_RANK") is not None and os.environ.get("KILL_RANK") == os.environ.get("RANK"):
-    os.environ["SLURMRESUME_TEST_KILL_AT"] = os.environ["KILL_AT"]
+for _act in ("KILL", "FAIL"):
+    if os.environ.get(f"{_act}_RANK") is not None and os.environ.get(f"{_act}_RANK") == os.environ.get("RANK"):
+        os.environ[f"SLURMRESUME_TEST_{_act}_AT"] = os.environ[f"{_act}_AT"]
 os.environ["LOCAL_WORLD_SIZE"] = os.environ.get("NODE_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 import torch  # noqa: E402
