@@ -135,12 +135,13 @@ def test_one_ranks_io_error_fails_the_save_on_every_rank_without_a_hang(saved: P
     assert info is not None and info.step == 2
 
 
-@pytest.mark.parametrize(("rank", "world", "local", "expected"), [
-    (5, 16, 8, range(0, 8)), (8, 16, 8, range(8, 16)), (3, 4, 2, range(2, 4)), (3, 6, 4, range(3, 4)),
-    (0, 1, 1, range(0, 1)), (2, 4, 0, range(2, 3)),
+@pytest.mark.parametrize(("rank", "world", "local_rank", "local", "expected"), [
+    (5, 16, 5, 8, range(0, 8)), (8, 16, 0, 8, range(8, 16)), (3, 4, 1, 2, range(2, 4)),
+    (3, 6, 1, 4, range(2, 6)),  # nodes of 2 and 4 ranks (torchrun: contiguous blocks per node)
+    (0, 1, 0, 1, range(0, 1)), (2, 4, 0, 0, range(2, 3)), (2, 4, 3, 2, range(2, 3)), (3, 4, 0, 4, range(3, 4)),
 ])
-def test_a_nodes_ranks(rank: int, world: int, local: int, expected: range) -> None:
-    assert node_ranks(rank, world, local) == expected
+def test_a_nodes_ranks(rank: int, world: int, local_rank: int, local: int, expected: range) -> None:
+    assert node_ranks(rank, world, local_rank, local) == expected
 
 
 def test_ranges_are_aligned_and_disjoint() -> None:
@@ -184,3 +185,36 @@ def test_the_mirror_refuses_a_per_node_step_in_one_line_before_touching_the_buck
     with pytest.raises(CheckpointError, match="per-node layout") as err:
         upload_step(NoBucket(), S3Location("bucket"), saved / "step_000000002", 2)
     assert "\n" not in str(err.value) and "SLURMRESUME_LAYOUT=per-rank" in str(err.value)
+
+
+@pytest.mark.parametrize("strategy", ["direct", "direct-par", "buffered-wb", "buffered"])
+def test_every_write_path_writes_only_its_range_of_a_shared_file(tmp_path: Path, strategy: str) -> None:
+    """A node file's ranges written by each write path (O_DIRECT pads its last block to 4 KiB:
+    inside the aligned range, never past it): the bytes around a range stay as they were, no
+    truncate, no fsync by the writer (the node's first rank does it)."""
+    import os
+
+    import xxhash
+
+    from slurmresume.checkpoint import fsio
+    from slurmresume.checkpoint.writer import ShardSink
+
+    path = tmp_path / "node-00000.bin"
+    sizes = [5000, 70 << 20, 1]  # the middle one spans several staging buffers
+    offsets, total = ranges(sizes)
+    path.write_bytes(b"\xee" * total)
+    payloads = [os.urandom(n) for n in sizes]
+    synced: list[str] = []
+    real = fsio.fsync_fd
+    fsio.fsync_fd = lambda fd, label, p="": synced.append(label)  # type: ignore[assignment]
+    try:
+        for base, data in zip(offsets, payloads):
+            sink = ShardSink(path, strategy, base=base, shared=True, sync=False)
+            sink.feed(memoryview(data))
+            assert sink.finish() == xxhash.xxh3_64_hexdigest(data)
+    finally:
+        fsio.fsync_fd = real  # type: ignore[assignment]
+    raw = path.read_bytes()
+    assert len(raw) == total and synced == []
+    for base, data in zip(offsets, payloads):
+        assert raw[base : base + len(data)] == data

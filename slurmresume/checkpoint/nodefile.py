@@ -15,7 +15,7 @@ resharded, verify, inspect, export) reads a rank's bytes from its range (`shard.
 save: W / L + 3 instead of 2 W + 3; file fsyncs W / L + 2 instead of 2 W + 2.
 
 The protocol, on the ranks of one node (L = LOCAL_WORLD_SIZE; torchrun numbers a node's ranks
-contiguously, so they are [first, first + L)); no rank outside the node takes part:
+contiguously: [RANK - LOCAL_RANK, + L)); no rank outside the node takes part:
   1. every rank plans its shard (header and size are known before a byte is written) and its
      index (each block digest is 16 hex digits: its length is known too; the offset in its
      "file" field is reserved at 19 digits and the JSON padded);
@@ -73,13 +73,14 @@ def layout_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
     return value
 
 
-def node_ranks(rank: int, world: int, local_world: int) -> range:
-    """Pure: the global ranks of `rank`'s node (torchrun: node g holds [g L, (g + 1) L)). A local
-    world that does not divide the world (not torchrun's homogeneous launch) makes every rank
-    its own node: correct, only not fewer files."""
-    if local_world < 1 or world % local_world:
+def node_ranks(rank: int, world: int, local_rank: int, local_world: int) -> range:
+    """Pure: the global ranks of `rank`'s node. torchrun gives each node's agent a contiguous
+    block of global ranks (its workers are rank - LOCAL_RANK ... + LOCAL_WORLD_SIZE - 1), also when
+    nodes run different numbers of workers. Anything inconsistent (no torchrun variables) makes
+    the rank its own node: correct, only not fewer files."""
+    first = rank - local_rank
+    if not (0 <= local_rank < local_world and first >= 0 and first + local_world <= world):
         return range(rank, rank + 1)
-    first = rank - rank % local_world
     return range(first, first + local_world)
 
 
@@ -140,8 +141,11 @@ class GlooLink:
 
 def link_for(group: Any) -> NodeLink:
     """The node link of this rank (a seam: the scale harness and tests hand their own)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return GlooLink(group, node_ranks(group.rank, group.world_size, local))
+    try:
+        local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        local_rank, local_world = 0, 1
+    return GlooLink(group, node_ranks(group.rank, group.world_size, local_rank, local_world))
 
 
 def _host() -> int:

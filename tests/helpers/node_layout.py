@@ -1,5 +1,6 @@
 """Test helper (run under torch.distributed.run, gloo): the per-node layout (`nodefile`) with the
-node size emulated by NODE_SIZE (LOCAL_WORLD_SIZE for the save: 4 ranks as 2 nodes of 2).
+node size emulated by NODE_SIZE (LOCAL_WORLD_SIZE and LOCAL_RANK for the save: 4 ranks as 2
+nodes of 2).
 
     node_layout.py save    ROOT STEPS       save the given steps (comma separated), per-node layout
     node_layout.py restore ROOT OUT         restore; rank r writes OUT/r.json: the restored step and
@@ -22,7 +23,9 @@ from pathlib import Path
 for _act in ("KILL", "FAIL"):
     if os.environ.get(f"{_act}_RANK") is not None and os.environ.get(f"{_act}_RANK") == os.environ.get("RANK"):
         os.environ[f"SLURMRESUME_TEST_{_act}_AT"] = os.environ[f"{_act}_AT"]
-os.environ["LOCAL_WORLD_SIZE"] = os.environ.get("NODE_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+if os.environ.get("NODE_SIZE"):  # torchrun's variables as on nodes of NODE_SIZE ranks
+    os.environ["LOCAL_WORLD_SIZE"] = os.environ["NODE_SIZE"]
+    os.environ["LOCAL_RANK"] = str(int(os.environ["RANK"]) % int(os.environ["NODE_SIZE"]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
