@@ -218,3 +218,18 @@ def test_every_write_path_writes_only_its_range_of_a_shared_file(tmp_path: Path,
     assert len(raw) == total and synced == []
     for base, data in zip(offsets, payloads):
         assert raw[base : base + len(data)] == data
+
+
+def test_a_checkpointer_refuses_a_bad_layout_or_a_mirrored_per_node_one_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from slurmresume import Checkpointer
+    from slurmresume.errors import ConfigError
+
+    monkeypatch.setenv("SLURMRESUME_LAYOUT", "per-host")
+    with pytest.raises(ConfigError, match="not a layout; valid: per-rank, per-node"):
+        Checkpointer(tmp_path / "a", handle_signals=False)
+    monkeypatch.setenv("SLURMRESUME_LAYOUT", "per-node")
+    with pytest.raises(ConfigError, match="cannot be mirrored"):
+        Checkpointer(tmp_path / "b", handle_signals=False, mirror="s3://bucket/prefix")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything is written
+    Checkpointer(tmp_path / "c", handle_signals=False).close()

@@ -73,6 +73,16 @@ def layout_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
     return value
 
 
+def check_layout(mirrored: bool) -> str:
+    """Every rank, when a Checkpointer starts: the layout, or one ConfigError line (a bad value,
+    or the per-node layout with a mirror, which this version's mirror does not copy)."""
+    layout = layout_from_env()
+    if layout == "per-node" and mirrored:
+        raise ConfigError(f"{ENV}=per-node cannot be mirrored by this version (the mirror copies a step file by "
+                          f"file); unset {ENV} or the mirror")
+    return layout
+
+
 def node_ranks(rank: int, world: int, local_rank: int, local_world: int) -> range:
     """Pure: the global ranks of `rank`'s node. torchrun gives each node's agent a contiguous
     block of global ranks (its workers are rank - LOCAL_RANK ... + LOCAL_WORLD_SIZE - 1), also when
