@@ -233,3 +233,25 @@ def test_a_checkpointer_refuses_a_bad_layout_or_a_mirrored_per_node_one_in_one_l
         Checkpointer(tmp_path / "b", handle_signals=False, mirror="s3://bucket/prefix")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything is written
     Checkpointer(tmp_path / "c", handle_signals=False).close()
+
+
+def test_a_range_is_opened_only_inside_a_plain_node_file(tmp_path: Path) -> None:
+    """A manifest's range names only our node files (no path, digits only) and must end inside
+    the file; a node file replaced by a link is refused like a shard."""
+    import os
+
+    from slurmresume.checkpoint.shard import hash_file, open_checked
+    from slurmresume.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+    (tmp_path / "node-00000.bin").write_bytes(bytes(range(256)) * 32)  # 8 KiB
+    assert hash_file(tmp_path, "node-00000.bin@4096", 4096) == hash_file(tmp_path, "node-00000.bin@4096", 4096)
+    os.close(open_checked(tmp_path, "node-00000.bin@4096", 4096))
+    with pytest.raises(CorruptCheckpointError, match="from byte 4097: truncated"):
+        open_checked(tmp_path, "node-00000.bin@4097", 4096)
+    for bad in ("node-00000.bin@", "node-00000.bin@-1", "node-00000.bin@01", "../node-00000.bin@0",
+                "node-00000.bin@0@0", "other.bin@0"):
+        with pytest.raises(UnsafeCheckpointError, match="not a plain shard file name"):
+            open_checked(tmp_path, bad, 1)
+    os.symlink(tmp_path / "node-00000.bin", tmp_path / "node-00008.bin")
+    with pytest.raises(UnsafeCheckpointError):
+        open_checked(tmp_path, "node-00008.bin@0", 1)

@@ -358,8 +358,9 @@ def hash_file(directory: Path, file: str, expected_bytes: int) -> str:
 def read_header(directory: Path, file: str, expected_bytes: int, expect: Expected | None = None) -> tuple[dict[str, Any], int]:
     """Parse and bound-check a shard's header (checked against `expect.header` when given).
     Returns (header, data_start)."""
-    path, base = directory / file, shard_base(file)
-    fd = open_checked(directory, file, expected_bytes)
+    path = directory / file
+    fd = open_checked(directory, file, expected_bytes)  # refuses a name that is not ours first
+    base = shard_base(file)
     try:
         try:
             head = fsio.retry_transient("read.shard.header", path, lambda: os.pread(fd, 8, base))
