@@ -68,7 +68,7 @@ def test_a_per_node_step_reshards_4_to_3(saved: Path, tmp_path: Path) -> None:
         assert r == {"step": 2, "value": 2, "emb": [2], "bias": [2]}, r
 
 
-def test_verify_and_export_read_each_ranks_range(saved: Path, tmp_path: Path) -> None:
+def test_verify_inspect_and_export_read_each_ranks_range(saved: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     sys.path.insert(0, str(HELPERS))
@@ -76,6 +76,9 @@ def test_verify_and_export_read_each_ranks_range(saved: Path, tmp_path: Path) ->
 
     res = CliRunner().invoke(app, ["verify", "--ckpt-dir", str(saved), "--all"], terminal_width=200)
     assert res.exit_code == 0 and res.output.count("ok") == 2, res.output
+    res = CliRunner().invoke(app, ["inspect", str(saved / "step_000000002")], terminal_width=200)
+    rows = [ln.split() for ln in res.output.splitlines()]
+    assert res.exit_code == 0 and [r[1] for r in rows if r[:1] == ["emb"] and r[1].isdigit()] == ["0", "1", "2", "3"]
     out = tmp_path / "emb.safetensors"
     res = CliRunner().invoke(app, ["export", "latest", "--only", "emb", "--out", str(out), "--ckpt-dir", str(saved)])
     assert res.exit_code == 0, res.output
