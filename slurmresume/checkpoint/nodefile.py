@@ -12,7 +12,8 @@ A rank's manifest entry names its shard as "node-00000.bin@OFFSET" (the shard's 
 as before) and its index as "node-00000.bin@OFFSET2": every reader (restore at the same W or
 resharded, verify, inspect, export) reads a rank's bytes from its range (`shard.split_locator`,
 `rankindex.read_index`). Format 1 and per-rank format-2 steps are read as before. Creates per
-save: W / L + 3 instead of 2 W + 3; file fsyncs W / L + 2 instead of 2 W + 2.
+save: W / L + 5 instead of 2 W + 5; file fsyncs W / L + 3 instead of 2 W + 3 (the rest are the
+save's own note, manifest, marker and root lock: docs/scaling.md, "One file per node").
 
 The protocol, on the ranks of one node (L = LOCAL_WORLD_SIZE; torchrun numbers a node's ranks
 contiguously: [RANK - LOCAL_RANK, + L)); no rank outside the node takes part:
