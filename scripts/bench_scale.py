@@ -57,6 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_nodefile  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import xxhash  # noqa: E402
@@ -339,22 +340,30 @@ def peer_payload(template: Any, model: str, world: int, rank: int) -> tuple[dict
 
 # -- the save (rank 0's view) ---------------------------------------------------------------------
 
-def save_rank0(model: str, world: int, root: Path, ops: Ops) -> dict[str, Any]:
-    """One W-rank save of `model` into `root` (see the module docstring). Returns the figures."""
+def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0) -> dict[str, Any]:
+    """One W-rank save of `model` into `root` (see the module docstring). Returns the figures.
+    `per_node` > 0: the per-node layout with that many ranks per node (bench_nodefile)."""
     mesh = fake_world(world)
     group = Group(dist.group.WORLD, 0, world)
     template = payload_of(STEP, rank_state(model, mesh, world, 0), {"loss": 1.0}, None)
     fabric = Fabric(world)
-    out: dict[str, Any] = {"model": model, "ranks": world}
-    with fabric.installed(), SparseShards().installed(), ops.counting() as counts:
+    out: dict[str, Any] = {"model": model, "ranks": world, "layout": f"per-node/{per_node}" if per_node else "per-rank"}
+    sparse_node = bench_nodefile.SparseNode(_nbytes, _owns_memory, zero_blocks)
+    layout = sparse_node.installed() if per_node else contextlib.nullcontext()
+    with fabric.installed(), SparseShards().installed(), layout, ops.counting() as counts:
         decision = group.broadcast_json(commit.prepare(root, STEP))
         t0 = time.perf_counter()
         reports = []
-        for rank in range(world):  # every rank writes its shard (synthetic): what it then sends
-            skeleton, tensors = (template.skeleton, template.tensors) if rank == 0 else \
-                peer_payload(template, model, world, rank)
-            reports.append(commit.write_rank(root, STEP, Group(None, rank, world), skeleton, tensors,
-                                             into=decision["dir"]))
+        node = max(per_node, 1)
+        for first in range(0, world, node):  # every rank writes its shard (synthetic): what it then sends
+            payloads = [(template.skeleton, template.tensors) if rank == 0 else peer_payload(template, model, world, rank)
+                        for rank in range(first, min(first + node, world))]
+            sizes = [sparse_node.size(first + i, *p) for i, p in enumerate(payloads)] if per_node else []
+            for i, (skeleton, tensors) in enumerate(payloads):
+                if per_node:
+                    bench_nodefile.use_link(bench_nodefile.SequentialLink(i, first, sizes))
+                reports.append(commit.write_rank(root, STEP, Group(None, first + i, world), skeleton, tensors,
+                                                 into=decision["dir"]))
         out["emulate_ranks_s"] = time.perf_counter() - t0  # no collective ran meanwhile: the bytes count on
         wall, cpu = time.perf_counter(), time.process_time()
         # What each rank sends rank 0: its fixed-size record (train/saving.py), by Group.gather_json
@@ -437,11 +446,11 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
 # -- the driver -----------------------------------------------------------------------------------
 
 def measure(model: str, world: int, reshard_to: int | None, workdir: Path, memory: bool = True,
-            read: bool = False) -> dict[str, Any]:
+            read: bool = False, per_node: int = 0) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"scale-{model}-{world}-", dir=workdir))
     ops = Ops()
     try:
-        row = save_rank0(model, world, root, ops)
+        row = save_rank0(model, world, root, ops, per_node)
         if row["saved"]:
             row["same"] = plan(model, world, world, root, ops, memory, read)
             if reshard_to:
@@ -460,7 +469,9 @@ def _mib(n: float | None) -> str:
 def line(r: dict[str, Any]) -> str:
     if r.get("skipped"):
         return f"{r['model']:>4s} {r['ranks']:6d} ranks: not run ({r['skipped']})"
-    s = (f"{r['model']:>4s} {r['ranks']:6d} ranks: manifest {_mib(r['manifest_bytes'])}"
+    ops = r["save_ops"]
+    s = (f"{r['model']:>4s} {r['ranks']:6d} ranks {r.get('layout', 'per-rank')}: creates {ops.get('create', 0):,} "
+         f"fsyncs {ops.get('fsync', 0):,} per save; manifest {_mib(r['manifest_bytes'])}"
          f"{'' if r['saved'] else ' REFUSED: ' + str(r['error'])[:90]}; commit (rank 0) "
          f"{r['commit_wall_s']:.3f} s wall {r['commit_cpu_s']:.3f} s cpu; save recv rank0 "
          f"{_mib(r['received']['rank0'])} other {_mib(r['received']['other'])}, sent other "
@@ -499,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also read rank 0's box (zeros, checked against digests): memory = its bytes per rank")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the sparse checkpoints are written")
     ap.add_argument("--json-out", default=None, help="also write every figure there as JSON")
+    ap.add_argument("--layout", default="per-rank",
+                    help="per-rank, or per-node:N (one file per node of N ranks, checkpoint/nodefile.py), "
+                         "or both: per-rank,per-node:8 (each (model, W) saved once per layout)")
     args = ap.parse_args(argv)
     try:
         worlds = [int(x) for x in args.ranks.split(",")]
@@ -506,6 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--ranks {args.ranks!r} / --reshard {args.reshard!r}: expected integers (8,64 and 16384:12288)")
     models = args.models.split(",")
+    try:
+        layouts = [0 if x == "per-rank" else int(x.removeprefix("per-node:")) for x in args.layout.split(",")]
+    except ValueError:
+        layouts = [-1]
+    if any(n < 0 for n in layouts):
+        ap.error(f"--layout {args.layout!r}: expected per-rank and/or per-node:N (N ranks per node)")
     if any(w < 2 for w in worlds) or any(m not in MODELS for m in models) or any(v < 1 for v in reshard.values()):
         ap.error(f"--ranks must be at least 2 and --models among {', '.join(MODELS)}")
     import logging
@@ -522,10 +542,15 @@ def main(argv: list[str] | None = None) -> int:
                 row: dict[str, Any] = {"model": model, "ranks": world, "predicted_manifest_bytes": predicted,
                                        "skipped": f"manifest predicted {_mib(predicted)}{over}"}
             else:
-                to = reshard.get(world)
-                row = measure(model, world, to, Path(args.dir), memory=not args.no_memory, read=args.read)
-                if row.get("manifest_bytes"):
-                    last = (world, row["manifest_bytes"])
+                for per_node in layouts:
+                    to = reshard.get(world)
+                    row = measure(model, world, to, Path(args.dir), memory=not args.no_memory, read=args.read,
+                                  per_node=per_node)
+                    if row.get("manifest_bytes"):
+                        last = (world, row["manifest_bytes"])
+                    rows.append(row)
+                    print(line(row), flush=True)
+                continue
             rows.append(row)
             print(line(row), flush=True)
     if args.json_out:

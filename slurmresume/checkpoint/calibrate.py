@@ -325,7 +325,7 @@ def time_probe(strategy: str, probe: Path, src: memoryview, nbytes: int) -> floa
     return time.perf_counter() - t0
 
 
-def open_sink(path: str | os.PathLike[str], size_hint: int = 0) -> Any:
+def open_sink(path: str | os.PathLike[str], size_hint: int = 0, **where: Any) -> Any:
     """A writer.ShardSink for `path` with the strategy `choose` picks for its file system
     (`size_hint` bytes of a large shard allow a first calibration there, and exploring); a
     measured choice feeds `observe` when the sink finishes. The one place that joins the two
@@ -336,7 +336,7 @@ def open_sink(path: str | os.PathLike[str], size_hint: int = 0) -> Any:
     strategy, source = choose(directory, size_hint)
     measured = source in ("calibrated", "explore")
     on_finish = (lambda s, n, secs: observe(directory, s, n, secs)) if measured else None
-    return ShardSink(path, strategy, source=source, on_finish=on_finish)
+    return ShardSink(path, strategy, source=source, on_finish=on_finish, **where)  # where: a node file's range
 
 
 def observe(directory: str | os.PathLike[str], strategy: str, nbytes: int, seconds: float) -> None:

@@ -20,6 +20,7 @@ class Group:
         self.pg = pg
         self.rank = rank
         self.world_size = world_size
+        self.node_pg: Any = None
 
     @classmethod
     def create(cls) -> Group:
@@ -116,12 +117,14 @@ class Group:
         import torch.distributed as dist
 
         pg, self.pg = self.pg, None
+        node, self.node_pg = self.node_pg, None  # the per-node layout's subgroup (nodefile), if any
         self.world_size, self.rank = 1, 0  # any later collective is a local no-op
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group(pg)
-        except (RuntimeError, ValueError):  # already gone with the default group
-            pass
+        for one in (node, pg):
+            try:
+                if one is not None and dist.is_initialized():
+                    dist.destroy_process_group(one)
+            except (RuntimeError, ValueError):  # already gone with the default group
+                pass
 
     def barrier(self) -> None:
         if self.world_size > 1:

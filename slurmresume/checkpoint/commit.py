@@ -38,7 +38,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from ..errors import SaveError
-from . import fsio
+from . import fsio, nodefile
 from .collective import Group
 from .jsonenc import dumps
 from .layout import (
@@ -53,7 +53,7 @@ from .layout import (
     step_dir_name,
 )
 from .manifest import build_manifest, marker_bytes, over_cap
-from .rankindex import write_index
+from .rankindex import placed, write_index
 from .replicas import LIBRARY_PREFIX
 from .shard import SKELETON_KEY, write_shard
 from .store import inspect_dir
@@ -170,13 +170,16 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
         # No directory fsync here: W ranks fsyncing one shared directory are W metadata operations
         # on one server. Rank 0's fsync of it (with the manifest, after every rank reported its
         # rename) makes every shard's name durable before the marker is written.
-        written = write_shard(d, file, tensors, {SKELETON_KEY: dumps(skeleton), "format": "pt"})
-        index = written.tensors
+        metadata = {SKELETON_KEY: dumps(skeleton), "format": "pt"}
         specs = skeleton.get("dtensors") or {}
-        for name, spec in specs.items():
-            if name in index:  # where this piece sits in its global tensor (the rank's index file)
-                index[name] = {**index[name], "global_shape": spec["shape"], "global_offset": spec["offset"]}
-        own = write_index(d, group.rank, file, index)
+        if nodefile.layout_from_env() == "per-node":  # the node's ranks share one file (nodefile)
+            written, own = nodefile.write_node_shard(d, nodefile.link_for(group), group.rank, tensors, metadata,
+                                                     specs)
+            file, index = written.file, written.tensors
+        else:
+            written = write_shard(d, file, tensors, metadata)
+            index = placed(written.tensors, specs)  # where each DTensor piece sits in its global tensor
+            own = write_index(d, group.rank, file, index)
         report = {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
                   "header_xxh3": written.header_xxh3, **own, "writer": written.writer,
                   "timing": written.timing,

@@ -43,6 +43,10 @@ _STEP_RE = re.compile(rf"step_([0-9]{{{STEP_DIGITS},}})")
 _SAVING_RE = re.compile(rf"\.saving\.step_([0-9]{{{STEP_DIGITS},}})\.([0-9a-f]{{16}})")
 _SHARD_RE = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.safetensors")
 _INDEX_RE = re.compile(r"rank-([0-9]{5,})\.index\.json")
+# per-node layout (`nodefile`): one file per node, named by the node's first rank; a rank's shard
+# and its index are ranges "node-NNNNN.bin@OFFSET" of it (the manifest records their lengths)
+_NODE_RE = re.compile(r"node-([0-9]{5,})\.bin")
+_NODE_RANGE_RE = re.compile(r"node-([0-9]{5,})\.bin@(0|[1-9][0-9]{0,18})")
 
 
 def step_dir_name(step: int) -> str:
@@ -87,8 +91,19 @@ def shard_name(rank: int, world_size: int) -> str:
 
 
 def is_plain_shard_name(name: object) -> bool:
-    """True for a manifest file name we are willing to open: no path parts, our pattern."""
-    return isinstance(name, str) and _SHARD_RE.fullmatch(name) is not None
+    """True for a manifest file name we are willing to open: no path parts, our pattern (a rank's
+    own file, or its range of a node file)."""
+    return isinstance(name, str) and (_SHARD_RE.fullmatch(name) is not None
+                                      or _NODE_RANGE_RE.fullmatch(name) is not None)
+
+
+def node_file_name(first_rank: int) -> str:
+    """The per-node layout's one data file of the node whose first rank is `first_rank`."""
+    return f"node-{first_rank:05d}.bin"
+
+
+def is_node_file_name(name: object) -> bool:
+    return isinstance(name, str) and _NODE_RE.fullmatch(name) is not None
 
 
 def index_name(rank: int) -> str:

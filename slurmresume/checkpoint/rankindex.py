@@ -13,6 +13,7 @@ marker) covers every index file. A reader opens only the index files of the rank
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +23,30 @@ from ..errors import CorruptCheckpointError
 from . import fsio
 from .bounded import read_bounded
 from .jsonenc import dumps, loads
-from .layout import FORMAT, index_name
+from .layout import FORMAT, index_name, is_plain_shard_name
 
 MAX_INDEX = 64 << 20  # one rank's tensors: a header's worth (shard.MAX_HEADER) plus block digests
+
+
+def placed(index: dict[str, Any], specs: dict[str, Any]) -> dict[str, Any]:
+    """The index entries with where each DTensor piece sits in its global tensor (from the
+    skeleton's specs)."""
+    return {n: {**e, "global_shape": specs[n]["shape"], "global_offset": specs[n]["offset"]} if n in specs else e
+            for n, e in index.items()}
+
+
+def index_bytes(rank: int, file: str, tensors: dict[str, Any]) -> bytes:
+    raw = dumps({"format": FORMAT, "rank": rank, "file": file, "tensors": tensors}).encode()
+    if len(raw) > MAX_INDEX:  # never write (and commit) what the reader refuses
+        raise CorruptCheckpointError(f"the tensor index of rank {rank} would be {len(raw)} bytes ({len(tensors)} "
+                                     f"tensors), over the {MAX_INDEX}-byte index read cap of this version")
+    return raw
 
 
 def write_index(directory: Path, rank: int, file: str, tensors: dict[str, Any]) -> dict[str, Any]:
     """Every rank, after its shard: write its index durably, except for the directory fsync the
     caller does once for shard and index. Returns what the manifest records of it."""
-    raw = dumps({"format": FORMAT, "rank": rank, "file": file, "tensors": tensors}).encode()
-    if len(raw) > MAX_INDEX:  # never write (and commit) what the reader refuses
-        raise CorruptCheckpointError(f"the tensor index of rank {rank} would be {len(raw)} bytes ({len(tensors)} "
-                                     f"tensors), over the {MAX_INDEX}-byte index read cap of this version")
+    raw = index_bytes(rank, file, tensors)
     name = index_name(rank)
     fsio.write_durable(directory / name, raw, "index", sync_dir=False)
     return {"index": name, "index_bytes": len(raw), "index_xxh3": xxhash.xxh3_64_hexdigest(raw)}
@@ -43,7 +56,10 @@ def read_index(step_dir: Path, shard: dict[str, Any]) -> dict[str, dict[str, Any
     """Rank `shard["rank"]`'s tensor entries {name: info}, after checking the file against the
     digest the manifest records for it (CorruptCheckpointError naming the file otherwise)."""
     path = step_dir / shard["index"]
-    raw = read_bounded(path, MAX_INDEX, "tensor index")
+    if "@" in shard["index"]:  # per-node layout: the index follows the rank's shard in its range (nodefile)
+        raw = _read_range(step_dir, shard["index"], shard["index_bytes"])
+    else:
+        raw = read_bounded(path, MAX_INDEX, "tensor index")
     if len(raw) != shard["index_bytes"] or xxhash.xxh3_64_hexdigest(raw) != shard["index_xxh3"]:
         raise CorruptCheckpointError(f"tensor index {path} does not match the manifest (damaged or replaced)")
     data = loads(raw, f"tensor index {path}")
@@ -87,9 +103,26 @@ def check_pieces(entries: dict[str, dict[str, Any]], rank: int, world: int, spec
                                          "in the manifest")
 
 
+def _read_range(step_dir: Path, locator: str, size: int) -> bytes:
+    from .shard import open_checked, pread_exact
+
+    if size > MAX_INDEX:
+        raise CorruptCheckpointError(f"tensor index {step_dir / locator} claims {size} bytes, over the "
+                                     f"{MAX_INDEX}-byte index read cap of this version")
+    buf = bytearray(size)
+    fd = open_checked(step_dir, locator, size)
+    try:
+        pread_exact(fd, memoryview(buf), int(locator.partition("@")[2]), step_dir / locator)
+    finally:
+        os.close(fd)
+    return bytes(buf)
+
+
 def check_shard_entry(s: dict[str, Any], rank: int) -> str | None:
     """Why format 2's index fields of manifest shard entry `rank` are malformed, else None."""
-    if s.get("index") != index_name(rank):
+    index = s.get("index")
+    in_node = isinstance(index, str) and "@" in index and is_plain_shard_name(index)
+    if index != index_name(rank) and not in_node:
         return f"shard {rank}'s index file is {s.get('index')!r}, not {index_name(rank)!r}"
     size, digest = s.get("index_bytes"), s.get("index_xxh3")
     if not (isinstance(size, int) and not isinstance(size, bool) and size > 0):

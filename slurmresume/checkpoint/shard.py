@@ -218,9 +218,19 @@ def fine_digests(tensors: list[tuple[str, Any]], skeleton: str,
     return out, stream
 
 
-def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> WrittenShard:
-    """Write one shard durably (temp, fsync, rename). Called by each rank for its own file.
-    Tensor bytes stream from tensor memory through the writer's reused staging buffers."""
+@dataclass
+class ShardPlan:
+    """What a shard will hold, decided before a byte is written: its header and its size
+    (`bytes`), which a node file (`nodefile`) needs to agree each rank's range first."""
+
+    header: bytes
+    index: dict[str, Any]
+    tensors: list[tuple[str, Any]]
+    hosted: set[int]
+    bytes: int
+
+
+def plan_shard(final: Path, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> ShardPlan:
     tensors = order_for_alignment(tensors)
     fine, stream = fine_digests(tensors, metadata.get(SKELETON_KEY, ""))
     hosted = {id(b) for (_, a), (_, b) in zip(tensors, stream) if a is not b}  # copied already: stream as is
@@ -228,25 +238,45 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
     if fine:
         metadata = {**metadata, FINE_KEY: json.dumps(fine, separators=(",", ":"))}
     header, index = build_header(tensors, metadata)
-    final = directory / file
     if len(header) - 8 > MAX_HEADER:  # the reader refuses it: never write (and commit) what cannot load
         raise SaveError(f"the safetensors header of {final} would be {len(header) - 8} bytes ({len(tensors)} "
                         f"tensors), over the {MAX_HEADER}-byte header read cap of this version; save fewer, "
                         "larger tensors or less non-tensor state per rank")
-    tmp = directory / f".{file}.tmp.{os.getpid()}"
     needed = len(header) + sum(t.numel() * t.element_size() for _, t in tensors)
+    return ShardPlan(header, index, tensors, hosted, needed)
+
+
+def stream_shard(sink: Any, plan: ShardPlan, label: Path) -> str:
+    """Feed the plan's header and tensors to `sink` and finish it (its fsync unless the sink
+    leaves that to a node file's owner). Returns the xxh3 of the bytes; fills the block digests."""
+    fsio.fault_point("write.shard.header", label)
+    sink.feed(plan.header)
+    for name, t in plan.tensors:  # each block is queued (or staged), then hashed twice while in cache
+        data = tensor_bytes(t if id(t) in plan.hosted else _contiguous_cpu(t))
+        plan.index[name]["xxh3"] = sink.feed_blocks(data, VERIFY_BLOCK)
+    digest: str = sink.finish()
+    return digest
+
+
+def written(file: str, plan: ShardPlan, sink: Any, digest: str) -> WrittenShard:
+    return WrittenShard(file=file, bytes=sink.total, xxh3=digest, tensors=plan.index,
+                        header_xxh3=xxhash.xxh3_64_hexdigest(plan.header), writer=sink.strategy, timing=sink.timing())
+
+
+def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> WrittenShard:
+    """Write one shard durably (temp, fsync, rename). Called by each rank for its own file.
+    Tensor bytes stream from tensor memory through the writer's reused staging buffers."""
+    final = directory / file
+    plan = plan_shard(final, tensors, metadata)
+    tmp = directory / f".{file}.tmp.{os.getpid()}"
+    needed = plan.bytes
     try:
         sink = open_sink(tmp, size_hint=needed)
     except BaseException as exc:
         fsio.note_failure(exc, final, needed)
         raise
     try:
-        fsio.fault_point("write.shard.header", tmp)
-        sink.feed(header)
-        for name, t in tensors:  # each block is queued (or staged), then hashed twice while in cache
-            data = tensor_bytes(t if id(t) in hosted else _contiguous_cpu(t))
-            index[name]["xxh3"] = sink.feed_blocks(data, VERIFY_BLOCK)
-        digest = sink.finish()
+        digest = stream_shard(sink, plan, tmp)
     except BaseException as exc:
         sink.abort()
         fsio._unlink_quiet(tmp)
@@ -258,8 +288,7 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         fsio._unlink_quiet(tmp)
         fsio.note_failure(exc, final, needed)
         raise
-    return WrittenShard(file=file, bytes=sink.total, xxh3=digest, tensors=index,
-                        header_xxh3=xxhash.xxh3_64_hexdigest(header), writer=sink.strategy, timing=sink.timing())
+    return written(file, plan, sink, digest)
 
 
 def _contiguous_cpu(t: Any) -> Any:
@@ -273,7 +302,8 @@ def open_checked(directory: Path, file: str, expected_bytes: int) -> int:
 
     if not is_plain_step_file(file):
         raise UnsafeCheckpointError(f"refusing shard name {file!r} in {directory}: not a plain shard file name")
-    path = directory / file
+    name, base = split_locator(file)
+    path = directory / name
     try:
         fd = fsio.retry_transient("read.shard.open", path,
                                   lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
@@ -287,23 +317,39 @@ def open_checked(directory: Path, file: str, expected_bytes: int) -> int:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise UnsafeCheckpointError(f"refusing shard {path}: not a regular file")
-    if st.st_size != expected_bytes:
+    if st.st_size != expected_bytes if base is None else st.st_size < base + expected_bytes:
         os.close(fd)
         raise CorruptCheckpointError(
-            f"shard {path} is {st.st_size} bytes, the manifest says {expected_bytes}: truncated or replaced"
+            f"shard {directory / file} is {st.st_size} bytes, the manifest says {expected_bytes}"
+            f"{'' if base is None else f' from byte {base}'}: truncated or replaced"
         )
     return fd
+
+
+def split_locator(file: str) -> tuple[str, int | None]:
+    """A manifest's file entry: a rank's own file (base None), or "NAME@OFFSET", that rank's
+    range of a node file (`nodefile`: its bytes are [OFFSET, OFFSET + bytes) of NAME)."""
+    name, at, base = file.partition("@")
+    return (name, int(base)) if at else (file, None)
+
+
+def shard_base(file: str) -> int:
+    return split_locator(file)[1] or 0
 
 
 def hash_file(directory: Path, file: str, expected_bytes: int) -> str:
     fd = open_checked(directory, file, expected_bytes)
     hasher = xxhash.xxh3_64()
+    _, at = split_locator(file)
+    base, left = at or 0, None if at is None else expected_bytes  # a node file's range ends before the file
     try:
         with os.fdopen(fd, "rb", buffering=0) as f:
             buf = bytearray(min(CHUNK, expected_bytes + 1))  # not 64 MiB per small shard
             view = memoryview(buf)
-            while n := f.readinto(buf):
+            f.seek(base)
+            while left != 0 and (n := f.readinto(buf if left is None else view[: min(len(buf), left)])):
                 hasher.update(view[:n])
+                left = None if left is None else left - n
     except OSError as exc:
         raise CorruptCheckpointError(f"cannot read shard {directory / file}: {exc}") from exc
     return hasher.hexdigest()
@@ -313,16 +359,17 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
     """Parse and bound-check a shard's header (checked against `expect.header` when given).
     Returns (header, data_start)."""
     path = directory / file
-    fd = open_checked(directory, file, expected_bytes)
+    fd = open_checked(directory, file, expected_bytes)  # refuses a name that is not ours first
+    base = shard_base(file)
     try:
         try:
-            head = fsio.retry_transient("read.shard.header", path, lambda: os.pread(fd, 8, 0))
+            head = fsio.retry_transient("read.shard.header", path, lambda: os.pread(fd, 8, base))
             if len(head) < 8:
                 raise CorruptCheckpointError(f"shard {path} is too short to be safetensors")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER or 8 + n > expected_bytes:
                 raise UnsafeCheckpointError(f"shard {path} claims a {n}-byte header: refused")
-            raw = fsio.retry_transient("read.shard.header", path, lambda: os.pread(fd, n, 8))
+            raw = fsio.retry_transient("read.shard.header", path, lambda: os.pread(fd, n, base + 8))
         except OSError as exc:
             raise CorruptCheckpointError(f"cannot read shard {path}: {exc} (after retries)") from exc
     finally:
@@ -350,7 +397,7 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
         end = stop
     if end != data_len:
         raise CorruptCheckpointError(f"shard {path}: tensor data does not fill the file")
-    return header, 8 + n
+    return header, base + 8 + n  # where the data starts in the file (a node file: in its range)
 
 
 def _offsets(path: Path, kv: tuple[str, Any]) -> tuple[int, int]:

@@ -97,6 +97,7 @@ def check_checksums(path: Path, manifest: Manifest) -> list[str]:
     """Problems found (empty list: every shard matches its checksum, and its header and JSON
     skeleton are what a restore accepts, so that a verified checkpoint also loads)."""
     problems = []
+    shards = {s["file"] for s in manifest.shards}
     for s in manifest.files:  # the shards, then (format 2) their index files
         try:
             digest = hash_file(path, s["file"], s["bytes"])
@@ -104,7 +105,7 @@ def check_checksums(path: Path, manifest: Manifest) -> list[str]:
             problems.append(str(exc))
             continue
         if digest != s["xxh3"]:
-            what = "shard" if s["file"].endswith(".safetensors") else "tensor index"
+            what = "shard" if s["file"] in shards else "tensor index"
             problems.append(f"{what} {path / s['file']} fails its checksum (xxh3 {digest}, manifest {s['xxh3']})")
     return problems or check_structure(path, manifest)
 

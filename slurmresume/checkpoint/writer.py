@@ -81,15 +81,20 @@ class ShardSink:
     bytes, seconds)` is called after a successful finish (calibrate's re-check)."""
 
     def __init__(self, path: str | os.PathLike[str], strategy: str, *, source: str = "given",
-                 on_finish: Callable[[str, int, float], None] | None = None) -> None:
+                 on_finish: Callable[[str, int, float], None] | None = None, base: int = 0,
+                 shared: bool = False, sync: bool = True) -> None:
+        # `shared`: write the range starting at `base` (a multiple of ALIGN) of an existing file,
+        # sized by its creator (a node file, `nodefile`): no create, no truncate; `sync=False`
+        # leaves the fsync to that file's owner.
         self.path = path
+        self.base, self.shared, self.sync = base, shared, sync
         self.hasher = xxhash.xxh3_64()
         self.total = 0
         self.source = source
         self.on_finish = on_finish
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown write strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        flags = os.O_WRONLY | os.O_NOFOLLOW | (0 if shared else os.O_CREAT | os.O_TRUNC)
         fd = -1
         if strategy in _DIRECT and hasattr(os, "O_DIRECT"):
             try:
@@ -101,6 +106,8 @@ class ShardSink:
         self.strategy = strategy
         self.direct = strategy in _DIRECT
         self.fd = fd if fd >= 0 else os.open(path, flags, 0o644)
+        if base:
+            os.lseek(self.fd, base, os.SEEK_SET)  # the buffered paths write at the file position
         self.started = time.perf_counter()
         self.seconds = 0.0
         self.kicked = self.waited = 0  # buffered-wb: bytes handed to writeback / known written
@@ -111,7 +118,7 @@ class ShardSink:
         if self.direct:
             count, self.size, threads = _DIRECT[strategy]
             self.bufs = _staging(count, self.size)
-            self.cur, self.fill, self.offset = 0, 0, 0
+            self.cur, self.fill, self.offset = 0, 0, base
             self.q: queue.Queue[Any] = queue.Queue(maxsize=count)
             self.free = [threading.Semaphore(1) for _ in range(count)]
             target = self._writer
@@ -190,7 +197,7 @@ class ShardSink:
     def _srf(self, offset: int, nbytes: int, flags: int) -> None:
         if self.strategy != "buffered-wb" or _sync_file_range is None:
             return
-        if _sync_file_range(self.fd, offset, nbytes, flags) != 0:
+        if _sync_file_range(self.fd, self.base + offset, nbytes, flags) != 0:
             err = ctypes.get_errno()
             if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ESPIPE):
                 self.strategy = "buffered"  # not here: plain writes, the final fsync makes them durable
@@ -210,10 +217,11 @@ class ShardSink:
                 self._flush_buffer()
             self._stop_writers()
             self._raise_if_failed()
-            if self.direct:
+            if self.direct and not self.shared:
                 os.ftruncate(self.fd, self.total)  # drop the alignment padding of the last block
             t = time.perf_counter()
-            fsio.fsync_fd(self.fd, "shard", self.path)
+            if self.sync:
+                fsio.fsync_fd(self.fd, "shard", self.path)
             self.fsync_s += time.perf_counter() - t
         finally:
             fd, self.fd = self.fd, -1  # abort() after a failed finish() must not close it again:

@@ -41,6 +41,7 @@ from ..checkpoint.manifest import (
     read_bounded,
     read_manifest,
 )
+from ..checkpoint.nodefile import refuse_mirror
 from ..checkpoint.shard import open_checked
 from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -100,6 +101,7 @@ def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: i
     started = time.perf_counter()
     settings = settings or MirrorSettings.from_env()
     marker_raw, manifest_raw, manifest = read_committed(step_dir, step)
+    refuse_mirror(manifest.files, str(step_dir))  # before anything reaches the bucket
     existing = get_bounded(s3, loc, loc.key(step, MARKER), MAX_MARKER)
     if existing is not None:
         _sweep(s3, loc, step)
@@ -196,6 +198,7 @@ def download_step(s3: Any, loc: S3Location, step: int, root: Path, *, chunk: int
         return Transfer(step, "present")
     commit = read_remote_commit(s3, loc, step)
     marker_raw, manifest_raw, manifest = commit.marker_raw, commit.manifest_raw, commit.manifest
+    refuse_mirror(manifest.files, loc.step_url(step))
     if replace_if_marker is not None and marker_raw != replace_if_marker:
         raise CheckpointError(f"{loc.step_url(step)} is another commit of step {step} than {final}: not used "
                               "to replace it")

@@ -74,10 +74,13 @@ def wire(root: Path, explicit_root: str | os.PathLike[str] | None, *, save_every
     """Every rank, in the order of the module docstring. `root` is the resolved root,
     `explicit_root` what the script passed (compared with the launcher's). Raises ConfigError
     for a bad mirror and RootOwnedError for a root another run owns, on every rank."""
+    from ..checkpoint.nodefile import check_layout
+    from ..contract import ENV_MIRROR
     from ..mirror.hook import mirror_for
     from .policy import scheduler_for
 
     mirror_for(mirror, rank=-1)  # validates the URL (ConfigError) before any setup
+    check_layout(mirror is not None or bool(os.environ.get(ENV_MIRROR)))  # per-node: a ConfigError with a mirror
     sched = scheduler_for(save_policy, save_every, root)
     group = Group.create()
     try:  # one owner per root: refused here, before anything is written
