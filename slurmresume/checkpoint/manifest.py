@@ -76,6 +76,7 @@ class Manifest:
     _sharded: dict[str, Any] | None = field(default=None, repr=False)  # name -> sharding.Sharded (DTensors)
     _indexes: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
     digest: str = ""  # xxh3 of the manifest's bytes as read (what the commit marker pins)
+    _arithmetic: bool | None = field(default=None, repr=False)
 
     @property
     def total_bytes(self) -> int:
@@ -124,8 +125,10 @@ class Manifest:
         every piece from the specs here (`sharded` reads no index file)."""
         from .placement import arithmetic
 
-        specs = self.raw.get("sharded") or {}
-        return self.listed is None and all(arithmetic(sp, self.world_size) for sp in specs.values())
+        if self._arithmetic is None:
+            specs = self.raw.get("sharded") or {}
+            self._arithmetic = self.listed is None and all(arithmetic(sp, self.world_size) for sp in specs.values())
+        return self._arithmetic
 
     @property
     def sharded(self) -> dict[str, Any]:

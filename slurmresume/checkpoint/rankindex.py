@@ -78,7 +78,7 @@ def check_pieces(entries: dict[str, dict[str, Any]], rank: int, world: int, spec
             raise CorruptCheckpointError(f"pieces of tensor {name!r} disagree: rank {rank}'s index says "
                                          f"{info.get('dtype')} {info.get('global_shape')}, the manifest "
                                          f"{spec.get('dtype')} {spec.get('shape')}")
-        if arithmetic(spec, world) and (piece.offset, piece.shape) != local_box(
+        if arithmetic(spec, world) and (piece.offset, piece.shape) != local_box(  # O(1): its own box
                 tuple(spec["shape"]), tuple(spec["mesh_shape"]), _coordinate(rank, spec["mesh_shape"]),
                 tuple(spec["placements"])):
             raise CorruptCheckpointError(f"tensor {name!r}: rank {rank}'s piece at {list(piece.offset)} of shape "

@@ -18,6 +18,7 @@ read it).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -184,7 +185,7 @@ def box_of(tensor: Sharded, target: Target) -> tuple[tuple[int, ...], tuple[int,
 
     if target.mesh is None:
         return tuple(tensor.shape), (0,) * len(tensor.shape)
-    kinds = _kinds(target.placements)
+    kinds = _kinds(tuple(target.placements))
     coord = target.mesh.get_coordinate() if kinds is not None else None
     if kinds is None or coord is None:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -195,7 +196,8 @@ def box_of(tensor: Sharded, target: Target) -> tuple[tuple[int, ...], tuple[int,
     return shape, offset
 
 
-def _kinds(placements: Any) -> tuple[str, ...] | None:
+@functools.lru_cache(maxsize=64)
+def _kinds(placements: tuple[Any, ...]) -> tuple[str, ...] | None:
     """Shard(d) / Replicate() placements as the manifest writes them; None for any other kind
     (a _StridedShard, a Partial: torch's function handles those)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -211,24 +213,26 @@ def _kinds(placements: Any) -> tuple[str, ...] | None:
     return tuple(out)
 
 
-def source_ranks(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> set[int]:
+def source_ranks(index: Mapping[str, Sharded], where: Mapping[str, Target],
+                 boxes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None) -> set[int]:
     """The saved ranks whose shards hold this rank's boxes of `where` (their index files are read,
-    and checked, before any data)."""
+    and checked, before any data). `boxes`: `box_of` of each, when the caller has them."""
     out: set[int] = set()
     for name, target in where.items():
         tensor = index[name]
-        shape, offset = box_of(tensor, target)
+        shape, offset = boxes[name] if boxes is not None else box_of(tensor, target)
         if math.prod(shape):
             out.update(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
     return out
 
 
-def staging_bytes(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> int:
+def staging_bytes(index: Mapping[str, Sharded], where: Mapping[str, Target],
+                  boxes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None) -> int:
     """Bytes of fresh memory a staged `load_sharded` of `where` takes (this rank's boxes)."""
     total = 0
     for name, target in where.items():
         tensor = index[name]
-        shape = box_of(tensor, target)[0]
+        shape = (boxes[name] if boxes is not None else box_of(tensor, target))[0]
         total += math.prod(shape) * ITEMSIZE[tensor.dtype]
     return total
 

@@ -45,7 +45,7 @@ from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_pinned
 from ..checkpoint.reshard import STATS as RESHARD_STATS
-from ..checkpoint.reshard import is_dtensor, load_sharded, source_ranks, staging_bytes
+from ..checkpoint.reshard import box_of, is_dtensor, load_sharded, source_ranks, staging_bytes
 from ..checkpoint.reshard import targets as reshard_targets
 from ..checkpoint.residency import all_cached
 from ..checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header, verify_tensors
@@ -370,11 +370,12 @@ def plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any],
         check_fits(state, decode_entries(keys, skeleton, meta_tensors(shapes), strict)[0])
         wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
         where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
-        for r in sorted(source_ranks(wanted, where)):  # their indexes, checked before any data is read
+        boxes = {n: box_of(wanted[n], t) for n, t in where.items()}
+        for r in sorted(source_ranks(wanted, where, boxes)):  # their indexes, checked before any data is read
             manifest.rank_tensors(r)
         staging = sum(int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for i in infos.values())
         return Part(directory, shard, first, manifest, src, skeleton, names, shared & set(infos), wanted, where,
-                    staging + staging_bytes(wanted, where))
+                    staging + staging_bytes(wanted, where, boxes))
     except CheckpointError as exc:
         return Failure.of(exc)
 
