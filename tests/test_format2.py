@@ -181,3 +181,30 @@ def test_local_box_is_torchs_rule_for_every_coordinate_empty_pieces_included() -
                         (shape, mesh, placements, coord)
                     cases += 1
     assert cases > 1000
+
+
+def test_a_dtensor_rank_0_does_not_hold_is_restored_by_its_listed_pieces(tmp_path: Path) -> None:
+    """3 gloo ranks; a Shard(0) DTensor on a mesh over ranks [1, 2] (a pipeline stage's), which the
+    manifest's once-per-tensor section (rank 0's) cannot list. Restored as Shard(1) on the same
+    ranks, each rank's box spans both saved pieces. The old code took its pieces for plain tensors
+    of each rank's own shard and loaded wrong values on ranks 1 and 2 without an error; now a
+    rank's record says it holds such a piece, the manifest says "pieces_listed", and the pieces
+    come from the index files."""
+    import subprocess
+    import sys
+
+    from helpers.procs import HELPERS, clean_env
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for mode in ("save", "restore"):
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+                              "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "submesh_restore.py"),
+                              str(out), str(tmp_path / "ck"), mode], env=clean_env(), capture_output=True, text=True,
+                             timeout=240)
+        assert res.returncode == 0, res.stderr[-4000:]
+    for rank in range(3):
+        r = json.loads((out / f"{rank}.json").read_text())
+        assert r == {"step": 1, "exact": True, "error": None}, (rank, r)
+    manifest = json.loads((step_dir(tmp_path / "ck", 1) / MANIFEST).read_text())
+    assert manifest["sharded"] == {} and manifest.get("pieces_listed") is True

@@ -18,7 +18,8 @@ from .shard import VERIFY_BLOCK
 def build_manifest(step: int, reports: list[dict[str, Any]], metrics: Any, meta: Any) -> dict[str, Any]:
     """Rank 0: the format-2 manifest from every rank's fixed-size record (ordered by rank): per
     shard its file, size and checksums and its index file's; each DTensor's dtype, global shape
-    and placements once (from rank 0's record); the names stored once, in shard 0."""
+    and placements once (from rank 0's record); the names stored once, in shard 0; "pieces_listed"
+    when some rank holds a DTensor those placements do not give (its pieces: in the index files)."""
     shards = []
     for rep in sorted(reports, key=lambda r: r["rank"]):
         shards.append({k: rep[k] for k in _SHARD_KEYS})
@@ -35,6 +36,7 @@ def build_manifest(step: int, reports: list[dict[str, Any]], metrics: Any, meta:
         "sharded": first.get("sharded") or {},
         "replicated": list(first.get("replicated") or ()),
         "elastic": not any(r.get("pinned") for r in reports),
+        **({"pieces_listed": True} if any(r.get("listed") for r in reports) else {}),
         "metrics": metrics,
         "meta": meta,
     }
@@ -61,6 +63,8 @@ def check_once(data: dict[str, Any]) -> None:
         raise CorruptCheckpointError("'replicated' is not a list of tensor names")
     if not isinstance(data.get("elastic"), bool):
         raise CorruptCheckpointError("'elastic' is not true or false")
+    if data.get("pieces_listed", False) is not True and "pieces_listed" in data:
+        raise CorruptCheckpointError("'pieces_listed' is not true")
 
 
 def check_v1(data: dict[str, Any], world: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:

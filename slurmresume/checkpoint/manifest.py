@@ -125,9 +125,10 @@ class Manifest:
         every piece from the specs here (`sharded` reads no index file)."""
         from .placement import arithmetic
 
-        if self._arithmetic is None:
+        if self._arithmetic is None:  # "pieces_listed": some rank holds a DTensor the specs do not place
             specs = self.raw.get("sharded") or {}
-            self._arithmetic = self.listed is None and all(arithmetic(sp, self.world_size) for sp in specs.values())
+            self._arithmetic = (self.listed is None and self.raw.get("pieces_listed") is not True
+                                and all(arithmetic(sp, self.world_size) for sp in specs.values()))
         return self._arithmetic
 
     @property

@@ -102,6 +102,7 @@ class WriteReport:
     sharded: dict[str, Any] = field(default_factory=dict)  # rank 0 only
     replicated: tuple[str, ...] = ()  # rank 0 only
     timing: dict[str, float] | None = None  # where this rank's write spent its seconds (the save's breakdown)
+    listed: bool = False  # holds a DTensor piece not placed by arithmetic (commit.unplaced)
 
     def to_json(self) -> dict[str, Any]:
         """The dict `checkpoint.commit.commit` and `build_manifest` read (a failed write: only the
@@ -111,7 +112,7 @@ class WriteReport:
         out = {"rank": self.rank, "file": self.file, "bytes": self.bytes, "xxh3": self.xxh3,
                "header_xxh3": self.header_xxh3, "index": self.index, "index_bytes": self.index_bytes,
                "index_xxh3": self.index_xxh3, "pinned": self.pinned, "error": None, "writer": self.writer,
-               "timing": self.timing}
+               "timing": self.timing, "listed": self.listed}
         if self.rank == 0:
             out.update(sharded=self.sharded, replicated=list(self.replicated))
         return out
@@ -128,7 +129,7 @@ class WriteReport:
                    str(d["index"]), int(d["index_bytes"]), str(d["index_xxh3"]), bool(d.get("pinned")), None,
                    str(d["writer"]) if d.get("writer") is not None else None, dict(d.get("sharded") or {}),
                    tuple(d.get("replicated") or ()),
-                   dict(d["timing"]) if isinstance(d.get("timing"), dict) else None)
+                   dict(d["timing"]) if isinstance(d.get("timing"), dict) else None, bool(d.get("listed")))
 
 
 @dataclass(frozen=True)
