@@ -31,6 +31,7 @@ of the restore; it is freed once copied into the live state. No rank holds a sec
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -337,6 +338,20 @@ def plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any],
               strict: bool) -> Part | Failure:
     """Every rank: validate this rank's part of `choice` against the live state and plan its read,
     touching no object in `state` (shapes and placements come from `live`)."""
+    # The plan makes ~10^5 small objects (the JSON of manifest, index, header and skeleton), none
+    # in a reference cycle: with the cyclic GC on, every few plans a full collection walked the
+    # training process's whole heap (7B at 1,024 ranks: ~55 ms of CPU, every third plan ~210 ms).
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _plan_part(rank, choice, state, live, strict)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
+               strict: bool) -> Part | Failure:
     # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (see apply_loaded for
     # its RNG). Replicated tensors live in shard 0 only and are read from there. DTensor pieces
     # are read by box from whichever shards hold this rank's new region (reshard).
