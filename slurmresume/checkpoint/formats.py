@@ -83,3 +83,28 @@ def check_v1(data: dict[str, Any], world: int) -> tuple[list[dict[str, Any]], di
     from .sharding import index_pieces
 
     return tensors, index_pieces(tensors, world)
+
+
+def shard_problem(shards: list[Any], v2: bool) -> str | None:
+    """Why the manifest's per-shard table (one entry per rank, in rank order) is malformed, else
+    None: a plain file name each, distinct, a size, the checksums, and (format 2) its index file's."""
+    from .layout import is_plain_shard_name
+    from .marker import is_int
+    from .rankindex import check_shard_entry
+
+    for i, s in enumerate(shards):
+        if not isinstance(s, dict) or s.get("rank") != i:
+            return f"shard entry {i} is malformed"
+        if not is_plain_shard_name(s.get("file")):
+            return f"shard name {s.get('file')!r} is not a plain shard file name (no '/', no '..')"
+        if not is_int(s.get("bytes")) or s["bytes"] < 8:
+            return f"shard {s.get('file')} has an invalid size {s.get('bytes')!r}"
+        if not (isinstance(s.get("xxh3"), str) and len(s["xxh3"]) == 16):
+            return f"shard {s.get('file')} has no valid checksum"
+        if "header_xxh3" in s and not (isinstance(s["header_xxh3"], str) and len(s["header_xxh3"]) == 16):
+            return f"shard {s.get('file')} has a malformed header checksum"
+        if v2 and (why := check_shard_entry(s, i)):
+            return why
+    if len({s["file"] for s in shards}) != len(shards):
+        return "two shard entries name the same file"
+    return None

@@ -18,9 +18,9 @@ from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from . import jsonenc
 from .bounded import read_bounded as read_bounded  # re-exported: the mirror reads through it
 from .formats import build_manifest as build_manifest
-from .formats import check_once, check_v1
+from .formats import check_once, check_v1, shard_problem
 from .jsonenc import loads
-from .layout import FORMATS_READ, MANIFEST, MARKER, is_plain_shard_name
+from .layout import FORMATS_READ, MANIFEST, MARKER
 from .marker import MAX_MARKER as MAX_MARKER
 from .marker import MarkerFacts as MarkerFacts
 from .marker import check_marker as check_marker
@@ -29,8 +29,8 @@ from .marker import is_int, says_newer
 from .marker import marker_bytes as marker_bytes
 from .marker import marker_facts as marker_facts
 from .marker import newer_format as newer_format
+from .marker import pinned_manifest as pinned_manifest
 from .marker import refuse_newer as refuse_newer
-from .rankindex import check_shard_entry
 from .shard import VERIFY_BLOCK, Expected
 
 MAX_MANIFEST = 64 << 20
@@ -214,25 +214,6 @@ def read_pinned(step_dir: Path, step: int, digest: str) -> Manifest:
     return manifest
 
 
-def pinned_manifest(marker: Any, raw: bytes | None, where: Path | str) -> Any:
-    """The parsed manifest `raw` (None: absent) that the parsed `marker` pins, or why not.
-    The format is trusted only where a checksum backs it, so that a flipped bit is "corrupt",
-    never "newer": a manifest its marker pins may say a newer format (UnreadableCheckpointError);
-    a marker that does not pin its manifest is unreadable only when it says a newer format
-    itself (a newer release may pin differently), else corrupt."""
-    if raw is None or not (isinstance(marker, dict) and marker.get("manifest_xxh3") == xxhash.xxh3_64_hexdigest(raw)):
-        refuse_newer(marker, where)
-        what = "is missing" if raw is None else "does not match its commit marker (edited?)"
-        raise CorruptCheckpointError(f"manifest {where}/{MANIFEST} {what}")
-    data = loads(raw, f"manifest {where}/{MANIFEST}")
-    refuse_newer(data, where)
-    if says_newer(marker):
-        raise CorruptCheckpointError(f"commit marker {where}/{MARKER} says format {marker.get('format')!r}, the "
-                                     "manifest it pins is this version's (a damaged marker?)")
-    check_marker(marker, where)
-    return data
-
-
 def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> Manifest:
     where = step_dir / MANIFEST
 
@@ -252,21 +233,8 @@ def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> M
     shards = data.get("shards")
     if not isinstance(shards, list) or len(shards) != world:
         raise bad(f"expected {world} shards")
-    for i, s in enumerate(shards):
-        if not isinstance(s, dict) or s.get("rank") != i:
-            raise bad(f"shard entry {i} is malformed")
-        if not is_plain_shard_name(s.get("file")):
-            raise bad(f"shard name {s.get('file')!r} is not a plain shard file name (no '/', no '..')")
-        if not is_int(s.get("bytes")) or s["bytes"] < 8:
-            raise bad(f"shard {s.get('file')} has an invalid size {s.get('bytes')!r}")
-        if not (isinstance(s.get("xxh3"), str) and len(s["xxh3"]) == 16):
-            raise bad(f"shard {s.get('file')} has no valid checksum")
-        if "header_xxh3" in s and not (isinstance(s["header_xxh3"], str) and len(s["header_xxh3"]) == 16):
-            raise bad(f"shard {s.get('file')} has a malformed header checksum")
-        if v2 and (why := check_shard_entry(s, i)):
-            raise bad(why)
-    if len({s["file"] for s in shards}) != len(shards):
-        raise bad("two shard entries name the same file")
+    if why := shard_problem(shards, v2):
+        raise bad(why)
     created = data.get("created")
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < MAX_TIME:
         raise bad(f"created time {created!r} is missing or not a plausible epoch time")

@@ -14,8 +14,8 @@ from typing import Any, TypeGuard
 import xxhash
 
 from ..errors import CorruptCheckpointError, UnreadableCheckpointError
-from .jsonenc import dumps
-from .layout import FORMAT, MARKER
+from .jsonenc import dumps, loads
+from .layout import FORMAT, MANIFEST, MARKER
 
 MAX_MARKER = 4096
 _FORMAT_PREFIX = "slurmresume/"
@@ -111,3 +111,22 @@ def refuse_newer(data: Any, step_dir: Path | str) -> None:
 
 def is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def pinned_manifest(marker: Any, raw: bytes | None, where: Path | str) -> Any:
+    """The parsed manifest `raw` (None: absent) that the parsed `marker` pins, or why not.
+    The format is trusted only where a checksum backs it, so that a flipped bit is "corrupt",
+    never "newer": a manifest its marker pins may say a newer format (UnreadableCheckpointError);
+    a marker that does not pin its manifest is unreadable only when it says a newer format
+    itself (a newer release may pin differently), else corrupt."""
+    if raw is None or not (isinstance(marker, dict) and marker.get("manifest_xxh3") == xxhash.xxh3_64_hexdigest(raw)):
+        refuse_newer(marker, where)
+        what = "is missing" if raw is None else "does not match its commit marker (edited?)"
+        raise CorruptCheckpointError(f"manifest {where}/{MANIFEST} {what}")
+    data = loads(raw, f"manifest {where}/{MANIFEST}")
+    refuse_newer(data, where)
+    if says_newer(marker):
+        raise CorruptCheckpointError(f"commit marker {where}/{MARKER} says format {marker.get('format')!r}, the "
+                                     "manifest it pins is this version's (a damaged marker?)")
+    check_marker(marker, where)
+    return data
