@@ -19,13 +19,16 @@ Per (model, W) it prints:
   collectives' own semantics (all_gather: everyone receives everyone's; gather: only the root);
 - rank 0's commit metadata time, wall and CPU: gather of the reports -> manifest -> marker ->
   publish (the part of a save between the last shard's fsync and "saved");
-- one rank's restore plan (rank 0, the busiest: it picks the step for everyone): `pick` (rank 0
-  only) and `plan_part` (every rank), seconds and peak Python heap (tracemalloc, a second pass);
-  the same for the plan of rank 0 of --reshard's target world (e.g. 16,384 -> 12,288);
-- metadata operations per save (all ranks: the job's total) and per restore (pick + W x one rank's
-  plan), counted at the os seam (open/create, stat, mkdir, rename, unlink, listdir) and through
-  checkpoint.fsio's labels (fsync, directory fsync). fsyncs are counted, not performed: this
-  measures CPU and operation counts, not the disk.
+- the restore plan: rank 0's `pick` (it chooses the step for everyone, and keeps its parse of
+  the manifest) and its `plan_part`, and the `plan_part` of a rank that is not 0 (the choice as
+  it arrives by broadcast: that rank reads the manifest itself), seconds and peak Python heap
+  (tracemalloc, a second pass); the same for --reshard's target world (e.g. 16,384 -> 12,288);
+- metadata operations per save (all ranks: the job's total) and per restore (pick + rank 0's
+  plan + (W - 1) x another rank's plan), counted at the os seam (open/create, stat, mkdir,
+  rename, unlink, listdir, scandir) and through checkpoint.fsio's labels (fsync, directory
+  fsync). A directory listing counts one operation (plus one per DirEntry.stat, which none of
+  these paths calls); an fstat on an open file counts none (the open counted). fsyncs are
+  counted, not performed: this measures CPU and operation counts, not the disk.
 
 The save is composed here from the same calls `train.saving.save_collective` makes (prepare,
 write_rank on every rank, the gather of the reports, commit, the outcome's broadcast); the one
@@ -399,9 +402,11 @@ def _refused_size(error: str | None) -> int | None:
 def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory: bool = True,
          read: bool = False) -> dict[str, Any]:
     """Rank 0 of a `world`-rank job restoring the `saved_world`-rank step under `root`: rank 0's
-    `pick` and its `plan_part` (what every rank plans), timed, counted and, in a second pass,
-    their peak Python heap. With `read`, then its `read_part` too: the bytes of its box (zeros
-    from the sparse files) read and checked against their digests, into real zero tensors."""
+    `pick` and its `plan_part`, and the `plan_part` of a rank that receives the choice by
+    broadcast (`other_*`: it parses the manifest itself; played here by the same box with the
+    choice as it crosses the wire), timed, counted and, in a second pass, their peak Python
+    heap. With `read`, then rank 0's `read_part` too: the bytes of its box (zeros from the
+    sparse files) read and checked against their digests, into real zero tensors."""
     mesh = fake_world(world)
     state = rank_state(model, mesh, world, 0, zeros=read)
     live = flatten_live(state)
@@ -421,7 +426,17 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
             out["plan_ops"] = Ops.total(counts)
         if isinstance(part, restoring.Failure):
             return {**out, "error": part.message}
-        out["restore_ops_total"] = out["pick_ops"] + world * out["plan_ops"]  # + W x read_ops with --read
+        wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
+        out["choice_bytes"] = len(json.dumps(restoring.pick_to_json(choice), separators=(",", ":")))
+        with ops.counting() as counts:
+            t, c = time.perf_counter(), time.process_time()
+            other = restoring.plan_part(0, wire, state, live, True)
+            out["other_plan_s"], out["other_plan_cpu_s"] = time.perf_counter() - t, time.process_time() - c
+            out["other_plan_ops"] = Ops.total(counts)
+        if isinstance(other, restoring.Failure):
+            return {**out, "error": other.message}
+        # + W x read_ops with --read
+        out["restore_ops_total"] = out["pick_ops"] + out["plan_ops"] + (world - 1) * out["other_plan_ops"]
         if read:
             with ops.counting() as counts:
                 t = time.perf_counter()
@@ -439,6 +454,9 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
             tracemalloc.reset_peak()
             restoring.plan_part(0, choice, state, live, True)
             out["plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.reset_peak()
+            restoring.plan_part(0, wire, state, live, True)
+            out["other_plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
     return out
 
@@ -484,10 +502,12 @@ def line(r: dict[str, Any]) -> str:
             s += f"\n      restore {p['from']}->{p['to']}: {p['error'][:100]}"
             continue
         s += (f"\n      restore {p['from']}->{p['to']}: pick (rank 0) {p['pick_s'] * 1e3:.1f} ms "
-              f"({p['pick_cpu_s'] * 1e3:.1f} cpu), plan (one rank) {p['plan_s'] * 1e3:.1f} ms "
-              f"({p['plan_cpu_s'] * 1e3:.1f} cpu), peak heap pick {_mib(p.get('pick_peak_bytes'))} plan "
-              f"{_mib(p.get('plan_peak_bytes'))}; ops pick {p['pick_ops']:,} + W x plan {p['plan_ops']} = "
-              f"{p['restore_ops_total']:,} ({p['restore_ops_total'] / p['to']:.1f} per rank)")
+              f"({p['pick_cpu_s'] * 1e3:.1f} cpu), plan rank 0 {p['plan_s'] * 1e3:.1f} ms "
+              f"({p['plan_cpu_s'] * 1e3:.1f} cpu), plan other rank {p['other_plan_s'] * 1e3:.1f} ms "
+              f"({p['other_plan_cpu_s'] * 1e3:.1f} cpu), peak heap pick {_mib(p.get('pick_peak_bytes'))} plan "
+              f"{_mib(p.get('plan_peak_bytes'))} other {_mib(p.get('other_plan_peak_bytes'))}; choice broadcast "
+              f"{p['choice_bytes']} B; ops pick {p['pick_ops']:,} + plan {p['plan_ops']} + (W-1) x "
+              f"{p['other_plan_ops']} = {p['restore_ops_total']:,} ({p['restore_ops_total'] / p['to']:.2f} per rank)")
         if "read_s" in p:
             s += f"; read {_mib(p['read_bytes'])} in {p['read_s']:.2f} s, {p['read_ops']} ops"
     return s

@@ -48,6 +48,18 @@ def test_smoke_16_ranks_saves_plans_reads_and_reshards(tmp_path: Path) -> None:
     assert row["reshard"]["to"] == 12
 
 
+def test_metadata_operations_per_restore_stay_within_4_per_rank(tmp_path: Path) -> None:
+    """#29's target, counted at the os and fsio seams at 64 ranks: pick + rank 0's plan + 63 other
+    ranks' plans <= 4 W (the old code: 8 W, rank 0 opened every shard and index file to check its
+    size and each rank read marker and manifest again). The choice crosses ranks in O(1) bytes."""
+    (row,) = _run(tmp_path, "--models", "tiny", "--ranks", "64", "--reshard", "", "--no-memory")
+    p = row["same"]
+    assert "error" not in p, p
+    assert p["restore_ops_total"] <= 4 * 64, p
+    assert p["other_plan_ops"] <= 3, p  # the manifest, its own index, its own shard
+    assert p["choice_bytes"] < 512, p
+
+
 @pytest.mark.slow
 def test_4096_ranks_within_generous_bounds(tmp_path: Path) -> None:
     """Today's format at 4,096 ranks (a small model: 63 tensors per rank). Bounds are generous

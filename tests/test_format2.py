@@ -114,6 +114,16 @@ def test_a_same_world_restore_opens_only_its_own_files_and_rank_0s(collectives: 
         assert own[rank] <= opened and opened <= own[rank] | first, (rank, sorted(opened))
 
 
+def test_every_rank_parses_the_manifest_once_per_restore(collectives: list[dict]) -> None:
+    """Rank 0 reads marker and manifest once, when it chooses the step, and plans from that parse;
+    every other rank reads the manifest once (checked against the digest rank 0 broadcast) and
+    never the marker. The old code read both twice on ranks 1 and 2 (the plan, then what was
+    loaded) and three times on rank 0 (the choice, the plan, then inspect_dir)."""
+    for rank, r in enumerate(collectives):
+        assert r["opens"].count("manifest.json") == 1, (rank, r["opens"])
+        assert r["opens"].count("COMMITTED") == (1 if rank == 0 else 0), (rank, r["opens"])
+
+
 @pytest.mark.parametrize(("shape", "mesh", "placements"), [
     ((12, 4), (3,), ("shard:0",)), ((10, 7), (4,), ("shard:1",)), ((2, 5), (4,), ("shard:0",)),
     ((9, 6), (2, 3), ("shard:0", "shard:1")), ((9, 6), (2, 3), ("replicate", "shard:0")),
@@ -146,3 +156,55 @@ def test_holders_match_torchs_placement_rule(shape: tuple, mesh: tuple, placemen
     assert {p.rank for p in found} == {p.rank for p in everything
                                        if all(o < bl + b and bl < o + s for o, s, bl, b in zip(p.offset, p.shape,
                                                                                                box_lo, box))}
+
+
+def test_local_box_is_torchs_rule_for_every_coordinate_empty_pieces_included() -> None:
+    """`placement.local_box` (the restore plan's arithmetic, in place of torch's ~30 us call per
+    DTensor) gives every coordinate the (offset, shape) torch gives it, on 1-3-D meshes, with
+    uneven and empty pieces and a dimension sharded twice (torch puts an empty piece at the end)."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from slurmresume.checkpoint.placement import local_box
+
+    cases = 0
+    for shape in [(12, 4), (10, 7), (2, 5), (13, 5), (8,), (1, 3), (0, 4)]:
+        for mesh in [(3,), (5,), (2, 3), (2, 2, 2)]:
+            kinds = ["replicate"] + [f"shard:{d}" for d in range(len(shape))]
+            for placements in itertools.product(kinds, repeat=len(mesh)):
+                theirs = [Replicate() if p == "replicate" else Shard(int(p[6:])) for p in placements]
+                for coord in itertools.product(*map(range, mesh)):
+                    local, offset = _compute_local_shape_and_global_offset(shape, mesh, list(coord), theirs)
+                    assert local_box(shape, mesh, coord, placements) == (tuple(offset), tuple(local)), \
+                        (shape, mesh, placements, coord)
+                    cases += 1
+    assert cases > 1000
+
+
+def test_a_dtensor_rank_0_does_not_hold_is_restored_by_its_listed_pieces(tmp_path: Path) -> None:
+    """3 gloo ranks; a Shard(0) DTensor on a mesh over ranks [1, 2] (a pipeline stage's), which the
+    manifest's once-per-tensor section (rank 0's) cannot list. Restored as Shard(1) on the same
+    ranks, each rank's box spans both saved pieces. The old code took its pieces for plain tensors
+    of each rank's own shard and loaded wrong values on ranks 1 and 2 without an error; now a
+    rank's record says it holds such a piece, the manifest says "pieces_listed", and the pieces
+    come from the index files."""
+    import subprocess
+    import sys
+
+    from helpers.procs import HELPERS, clean_env
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for mode in ("save", "restore"):
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+                              "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "submesh_restore.py"),
+                              str(out), str(tmp_path / "ck"), mode], env=clean_env(), capture_output=True, text=True,
+                             timeout=240)
+        assert res.returncode == 0, res.stderr[-4000:]
+    for rank in range(3):
+        r = json.loads((out / f"{rank}.json").read_text())
+        assert r == {"step": 1, "exact": True, "error": None}, (rank, r)
+    manifest = json.loads((step_dir(tmp_path / "ck", 1) / MANIFEST).read_text())
+    assert manifest["sharded"] == {} and manifest.get("pieces_listed") is True

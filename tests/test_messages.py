@@ -52,9 +52,7 @@ MESSAGES = [
     WriteReport(1, "rank-00001-of-00002.safetensors", error="permission denied writing /x"),
     SaveOutcome(True, "/ckpt/step_000000003"),
     SaveOutcome(False, error="disk quota exceeded"),
-    RestoreChoice(7, "/ckpt/step_000000007", 2, ({"file": "rank-00000-of-00002.safetensors", "bytes": 10},
-                                                 {"file": "rank-00001-of-00002.safetensors", "bytes": 12}),
-                  {"model.w": {"dtype": "F32"}}, True),
+    RestoreChoice(7, "/ckpt/step_000000007", 2, "0123456789abcdef", {"model.w": {"dtype": "F32"}}, True),
 ]
 
 

@@ -183,7 +183,8 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
         report = {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
                   "header_xxh3": written.header_xxh3, **own, "writer": written.writer,
                   "timing": written.timing,
-                  "pinned": pins_world(index, specs, replicated or set()), "error": None}
+                  "pinned": pins_world(index, specs, replicated or set()), "error": None,
+                  "listed": unplaced(index, specs, group.world_size)}
         if group.rank == 0:  # what the manifest lists once per tensor: rank 0 knows it, nobody sends it
             report["replicated"] = sorted(replicated or ())
             report["sharded"] = {n: {"dtype": index[n]["dtype"], "shape": sp["shape"], "placements": sp["placements"],
@@ -194,6 +195,15 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
         error = _describe(exc, d / file)  # before the clean-up frees space or inodes
         _cleanup_temp(d, file)
         return {"rank": group.rank, "file": file, "error": error}
+
+
+def unplaced(index: dict[str, Any], dtensors: dict[str, Any], world: int) -> bool:
+    """Pure: whether this rank holds a DTensor piece that the placements over every rank do not
+    give (a mesh over some ranks only, e.g. a pipeline stage's, which rank 0 may not even hold):
+    then the restore finds every piece in the index files, never by arithmetic."""
+    from .placement import arithmetic
+
+    return any(n in index and not arithmetic(sp, world) for n, sp in dtensors.items())
 
 
 def pins_world(index: dict[str, Any], dtensors: dict[str, Any], replicated: set[str]) -> bool:

@@ -57,3 +57,22 @@ def holders(shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple[str
                 rank = rank * n + c
             out.append((rank, tuple(lo), tuple(ext)))
     return tuple(out)
+
+
+def local_box(shape: tuple[int, ...], mesh: tuple[int, ...], coord: tuple[int, ...],
+              placements: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Pure: (global offset, shape) of the piece the mesh coordinate `coord` holds, by torch's rule
+    (`compute_local_shape_and_global_offset` for Shard/Replicate placements, an empty piece's
+    offset included), in O(mesh dims) and without torch's per-call overhead (a restore plan asks
+    once per DTensor)."""
+    lo, ext = [0] * len(shape), list(shape)
+    for p, n, c in zip(placements, mesh, coord):
+        if p == "replicate" or n == 1:
+            continue
+        d = int(p[6:])
+        chunk = -(-ext[d] // n)
+        start = min(c * chunk, ext[d])
+        lo[d] += start
+        ext[d] = max(0, min(ext[d], c * chunk + chunk) - start)
+    # torch places an empty piece at the end of its dimension, however it got empty
+    return tuple(shape[d] if ext[d] == 0 else lo[d] for d in range(len(shape))), tuple(ext)

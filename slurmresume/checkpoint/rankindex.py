@@ -80,7 +80,7 @@ def check_pieces(entries: dict[str, dict[str, Any]], rank: int, world: int, spec
     with the manifest's spec of its tensor (dtype, global shape) and, where the manifest places
     pieces by arithmetic, one that the placements give. CorruptCheckpointError otherwise: a
     restore that reads this rank refuses before a byte of its data is used."""
-    from .placement import arithmetic, holders
+    from .placement import arithmetic, local_box
     from .sharding import check_piece
 
     for name, info in entries.items():
@@ -94,10 +94,9 @@ def check_pieces(entries: dict[str, dict[str, Any]], rank: int, world: int, spec
             raise CorruptCheckpointError(f"pieces of tensor {name!r} disagree: rank {rank}'s index says "
                                          f"{info.get('dtype')} {info.get('global_shape')}, the manifest "
                                          f"{spec.get('dtype')} {spec.get('shape')}")
-        if arithmetic(spec, world) and not any(
-                (lo, ext) == (piece.offset, piece.shape)
-                for _, lo, ext in holders(tuple(spec["shape"]), tuple(spec["mesh_shape"]), tuple(spec["placements"]),
-                                          piece.offset, piece.shape)):
+        if arithmetic(spec, world) and (piece.offset, piece.shape) != local_box(  # O(1): its own box
+                tuple(spec["shape"]), tuple(spec["mesh_shape"]), _coordinate(rank, spec["mesh_shape"]),
+                tuple(spec["placements"])):
             raise CorruptCheckpointError(f"tensor {name!r}: rank {rank}'s piece at {list(piece.offset)} of shape "
                                          f"{list(piece.shape)} disagrees with the placements {spec['placements']} "
                                          "in the manifest")
@@ -116,6 +115,15 @@ def _read_range(step_dir: Path, locator: str, size: int) -> bytes:
     finally:
         os.close(fd)
     return bytes(buf)
+
+
+def _coordinate(rank: int, mesh: list[int]) -> tuple[int, ...]:
+    """Rank `rank`'s coordinate on a row-major mesh of shape `mesh` over ranks 0..W-1."""
+    out = []
+    for n in reversed(mesh):
+        rank, c = divmod(rank, n)
+        out.append(c)
+    return tuple(reversed(out))
 
 
 def check_shard_entry(s: dict[str, Any], rank: int) -> str | None:

@@ -7,7 +7,8 @@ Scans (`scan=True`: `latest`, `status`, retention) judge a step by its commit ma
 (<= 4 KiB, sealed by its own checksum; it carries the world size, total bytes and metrics):
 no manifest is parsed and no shard opened, whatever the world size. Only a marker written
 before those fields existed (or whose metrics did not fit) sends a scan to the manifest.
-Restores and `verify` still read the manifest and check every shard's size.
+`verify` still reads the manifest and checks every file's size; a restore reads the manifest
+and each rank checks the size of every file it opens.
 """
 
 from __future__ import annotations
@@ -147,10 +148,13 @@ def check_structure(path: Path, manifest: Manifest) -> list[str]:
 UNREADABLE = "unreadable by this user (permission denied): fix with chmod/chown, or ask its owner"
 
 
-def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False) -> CheckpointInfo:
+def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False, *,
+                sizes: bool = True) -> CheckpointInfo:
     """Everything knowable about one step directory; never raises for a bad checkpoint. With
     `scan` (and no `verify`), a step whose marker carries the scan fields is judged by the marker
-    alone (`info.facts`, `info.manifest` None): see the module docstring."""
+    alone (`info.facts`, `info.manifest` None): see the module docstring. `sizes=False` (a
+    restore's choice: each rank checks the sizes of the files it opens) skips the open of every
+    file to check its size."""
     try:
         st = path.lstat()
     except FileNotFoundError:
@@ -171,7 +175,8 @@ def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False)
             info.facts = facts
             return info
         info.manifest = read_manifest(path, expected_step=step)
-        check_sizes(path, info.manifest)
+        if sizes or verify:
+            check_sizes(path, info.manifest)
     except UnreadableCheckpointError as exc:
         info.problem, info.unreadable = str(exc), True
         return _unless_vanished(info)
@@ -237,7 +242,8 @@ def list_checkpoints(root: Path, verify: bool = False, scan: bool = False) -> li
 
 
 def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = None,
-                max_step: int | None = None, warn: bool = True, scan: bool = False) -> CheckpointInfo | None:
+                max_step: int | None = None, warn: bool = True, scan: bool = False, *,
+                sizes: bool = True) -> CheckpointInfo | None:
     """The newest complete checkpoint (checked newest-first, stopping at the first good one).
     Incomplete or corrupt newer directories are skipped, with a warning naming each. A newer
     step this version cannot read (`CheckpointInfo.unreadable`) is not skipped: it raises
@@ -245,7 +251,7 @@ def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = Non
     for step, path in step_dirs(Path(root)):
         if (exclude and step in exclude) or (max_step is not None and step > max_step):
             continue
-        info = inspect_dir(step, path, verify, scan)
+        info = inspect_dir(step, path, verify, scan, sizes=sizes)
         if info.complete:
             return info
         if info.unreadable:

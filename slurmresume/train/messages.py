@@ -102,6 +102,7 @@ class WriteReport:
     sharded: dict[str, Any] = field(default_factory=dict)  # rank 0 only
     replicated: tuple[str, ...] = ()  # rank 0 only
     timing: dict[str, float] | None = None  # where this rank's write spent its seconds (the save's breakdown)
+    listed: bool = False  # holds a DTensor piece not placed by arithmetic (commit.unplaced)
 
     def to_json(self) -> dict[str, Any]:
         """The dict `checkpoint.commit.commit` and `build_manifest` read (a failed write: only the
@@ -111,7 +112,7 @@ class WriteReport:
         out = {"rank": self.rank, "file": self.file, "bytes": self.bytes, "xxh3": self.xxh3,
                "header_xxh3": self.header_xxh3, "index": self.index, "index_bytes": self.index_bytes,
                "index_xxh3": self.index_xxh3, "pinned": self.pinned, "error": None, "writer": self.writer,
-               "timing": self.timing}
+               "timing": self.timing, "listed": self.listed}
         if self.rank == 0:
             out.update(sharded=self.sharded, replicated=list(self.replicated))
         return out
@@ -128,7 +129,7 @@ class WriteReport:
                    str(d["index"]), int(d["index_bytes"]), str(d["index_xxh3"]), bool(d.get("pinned")), None,
                    str(d["writer"]) if d.get("writer") is not None else None, dict(d.get("sharded") or {}),
                    tuple(d.get("replicated") or ()),
-                   dict(d["timing"]) if isinstance(d.get("timing"), dict) else None)
+                   dict(d["timing"]) if isinstance(d.get("timing"), dict) else None, bool(d.get("listed")))
 
 
 @dataclass(frozen=True)
@@ -152,24 +153,29 @@ class SaveOutcome:
 
 @dataclass(frozen=True)
 class RestoreChoice:
-    """Rank 0 -> all: the checkpoint every rank loads now. `shards` are the manifest's per-rank
-    entries (file, bytes, ...), `sharded` the DTensor index as `checkpoint.sharding.to_json`
-    writes it, `elastic` whether another world size may load it."""
+    """Rank 0 -> all: the checkpoint every rank loads now, O(1) on the wire whatever the world
+    size: its step directory, the digest of the manifest rank 0 read there (pinned by the commit
+    marker it checked), the saved world size and whether another one may load it, and `sharded`,
+    the DTensor specs as `checkpoint.sharding.to_json` writes them (each tensor once where the
+    placements give the pieces; listed pieces only for a mesh that does not span every rank).
+    Each rank reads the manifest itself, checked against `manifest_xxh3` (no second look at the
+    marker); `manifest` holds that parse on the rank that has one and never crosses ranks."""
 
     step: int
     path: str
     world_size: int
-    shards: tuple[dict[str, Any], ...]
+    manifest_xxh3: str
     sharded: dict[str, Any] = field(default_factory=dict)
     elastic: bool = False
+    manifest: Any = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "path": self.path, "world_size": self.world_size, "shards": list(self.shards),
-                "sharded": self.sharded, "elastic": self.elastic}
+        return {"step": self.step, "path": self.path, "world_size": self.world_size,
+                "manifest_xxh3": self.manifest_xxh3, "sharded": self.sharded, "elastic": self.elastic}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RestoreChoice:
-        return cls(int(d["step"]), str(d["path"]), int(d["world_size"]), tuple(d["shards"]),
+        return cls(int(d["step"]), str(d["path"]), int(d["world_size"]), str(d["manifest_xxh3"]),
                    dict(d.get("sharded") or {}), bool(d.get("elastic")))
 
 
