@@ -184,6 +184,11 @@ def test_max_requeues_stops_after_one(cluster: None, tmp_path: Path) -> None:
     assert count(root, "exit_after_save") == 2  # the second warning still saved its step
 
 
+# Issue #5's scenario 3 (a low-partition job preempted by a high-partition job saves, requeues and
+# finishes after it) is also test_slurm_two_nodes::test_two_nodes_example_preempted_twice_by_high_
+# partition_ends_bitwise_equal (twice, on two nodes, bitwise); the one-node requeue path is
+# test_three_preemptions_end_bitwise_equal. This one-node point runs with `bash scripts/test --exhaustive`.
+@pytest.mark.exhaustive
 @pytest.mark.slurm_exclusive  # the whole node: the high job would preempt other tests' jobs too
 def test_real_preemption_by_high_partition(cluster: None, tmp_path: Path) -> None:
     root = tmp_path / "run"
