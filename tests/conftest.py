@@ -69,7 +69,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # (requeues, time limits) bounds the whole run alone.
     by_id = {item.nodeid: item for item in items if item.get_closest_marker("slurm")}
     slurm: list[pytest.Item] = []
-    for i, chain in enumerate(slurm_chains(list(by_id), order, SLURM_CHAINS)):
+    alone = {nodeid for nodeid, item in by_id.items() if item.get_closest_marker("slurm_exclusive")}
+    for i, chain in enumerate(slurm_chains(list(by_id), order, SLURM_CHAINS, alone)):
         for nodeid in chain:
             by_id[nodeid].add_marker(pytest.mark.xdist_group(f"slurm{i}"))
             slurm.append(by_id[nodeid])

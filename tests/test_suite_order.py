@@ -43,3 +43,12 @@ def test_the_recorded_durations_keep_every_slurm_module_whole() -> None:
     chains = slurm_chains(slurm, recorded, 2)
     assert all(_contiguous(chain) for chain in chains)
     assert len({module_of(n) for n in slurm}) == sum(len({module_of(n) for n in chain}) for chain in chains)
+
+
+def test_only_the_shared_tests_are_balanced_between_the_chains() -> None:
+    """A test that holds the cluster alone stops every chain whichever runs it: balancing it like
+    a shared one left one chain with most of the shared tests (here 700 s against 300 s)."""
+    seconds = {"tests/a.py::t": 500.0, "tests/b.py::t": 400.0, "tests/c.py::t": 300.0, "tests/d.py::t": 200.0}
+    chains = slurm_chains(list(seconds), seconds, 2, exclusive={"tests/b.py::t"})
+    shared = sorted(sum(seconds[n] for n in chain if n != "tests/b.py::t") for chain in chains)
+    assert shared == [500.0, 500.0], chains

@@ -11,7 +11,7 @@ other modules' tests, and the switch and the reference ran up to four times and 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 UNLISTED_S = 30.0  # a Slurm test not in durations.json: about a minute's run, half of it waiting
 
@@ -20,21 +20,23 @@ def module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def slurm_chains(nodeids: Sequence[str], seconds: Mapping[str, float], chains: int) -> list[list[str]]:
-    """`chains` lists of nodeids: whole modules, the heaviest first, each to the lightest chain so
-    far (by the recorded seconds); in a chain, its modules in that order and each module's tests
-    the longest first."""
+def slurm_chains(nodeids: Sequence[str], seconds: Mapping[str, float], chains: int,
+                 exclusive: Collection[str] = ()) -> list[list[str]]:
+    """`chains` lists of nodeids: whole modules, the heaviest first, each to the chain with the
+    fewest recorded seconds of shared tests so far; in a chain, its modules in that order and each
+    module's tests the longest first. A test in `exclusive` holds the cluster alone: every chain
+    waits for it whichever chain runs it, so only the shared tests' seconds are balanced."""
     modules: dict[str, list[str]] = {}
     for nodeid in nodeids:
         modules.setdefault(module_of(nodeid), []).append(nodeid)
 
-    def cost(ids: list[str]) -> float:
-        return sum(seconds.get(i, UNLISTED_S) for i in ids)
+    def cost(ids: list[str], shared_only: bool = False) -> float:
+        return sum(seconds.get(i, UNLISTED_S) for i in ids if not (shared_only and i in exclusive))
 
     out: list[list[str]] = [[] for _ in range(chains)]
     load = [0.0] * chains
     for ids in sorted(modules.values(), key=lambda ids: -cost(ids)):
         i = load.index(min(load))
-        load[i] += cost(ids)
+        load[i] += cost(ids, shared_only=True)
         out[i] += sorted(ids, key=lambda nodeid: -seconds.get(nodeid, UNLISTED_S))
     return out
