@@ -6,8 +6,9 @@
 Collects what `bash scripts/test` would run (the exhaustive lane left out), prices each test by
 its recorded seconds (a run's own contention is in them: they were recorded on this 2-core
 machine with 4 workers) and a test not listed (under 3 s) at --short-s, then prints the Slurm
-chains as tests/conftest.py builds them and the estimate: the larger of the longest chain and
-the total divided by the workers. An estimate, not a measurement: say so where it is quoted."""
+chains as tests/conftest.py builds them and the estimate: the larger of the Slurm lane (the
+tests that hold the cluster alone, plus the longer chain's shared tests) and the total divided
+by the workers. An estimate, not a measurement: say so where it is quoted."""
 
 from __future__ import annotations
 
@@ -40,11 +41,16 @@ def main(argv: list[str]) -> int:
     short = sum(1 for t in tests if t not in seconds)
     total = listed + short * opts.short_s
     print(f"{len(tests)} tests: {listed:.0f} s recorded, {short} unlisted x {opts.short_s} s")
-    chains = slurm_chains(slurm, seconds, 2)
+    alone = set(collected("slurm and slurm_exclusive"))
+    chains = slurm_chains(slurm, seconds, 2, alone)
+    shared = [sum(seconds.get(t, 30.0) for t in chain if t not in alone) for chain in chains]
     for i, chain in enumerate(chains):
-        print(f"slurm{i}: {sum(seconds.get(t, 30.0) for t in chain):.0f} s, {len(chain)} tests")
-    longest = max(sum(seconds.get(t, 30.0) for t in chain) for chain in chains)
-    estimate = max(longest, total / opts.workers)
+        print(f"slurm{i}: {sum(seconds.get(t, 30.0) for t in chain):.0f} s, {len(chain)} tests, "
+              f"{shared[i]:.0f} s of them shared")
+    # a test holding the cluster alone stops both chains: the lane is those plus the longer shared part
+    lane = sum(seconds.get(t, 30.0) for t in alone) + max(shared)
+    print(f"slurm lane: {lane:.0f} s")
+    estimate = max(lane, total / opts.workers)
     print(f"estimate: {estimate:.0f} s ({estimate / 60:.1f} min) on {opts.workers} workers")
     return 0
 
