@@ -6,9 +6,10 @@
 Collects what `bash scripts/test` would run (the exhaustive lane left out), prices each test by
 its recorded seconds (a run's own contention is in them: they were recorded on this 2-core
 machine with 4 workers) and a test not listed (under 3 s) at --short-s, then prints the Slurm
-chains as tests/conftest.py builds them and the estimate: the larger of the Slurm lane (the
-tests that hold the cluster alone, plus the longer chain's shared tests) and the total divided
-by the workers. An estimate, not a measurement: say so where it is quoted."""
+chains as tests/conftest.py builds them and the estimate: the Slurm lane (the tests that hold
+the cluster alone, plus the longer chain's shared tests; their seconds should come from a
+serial run, see scripts/durations.py), with the other tests on the other workers meanwhile and
+on all of them after. An estimate, not a measurement: say so where it is quoted."""
 
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ def main(argv: list[str]) -> int:
     opts = ap.parse_args(argv)
     seconds = json.loads((REPO / "tests" / "durations.json").read_text())
     tests, slurm = collected(), collected("slurm")
-    listed = sum(seconds[t] for t in tests if t in seconds)
-    short = sum(1 for t in tests if t not in seconds)
+    rest = [t for t in tests if t not in set(slurm)]
+    listed = sum(seconds[t] for t in rest if t in seconds)
+    short = sum(1 for t in rest if t not in seconds)
     total = listed + short * opts.short_s
-    print(f"{len(tests)} tests: {listed:.0f} s recorded, {short} unlisted x {opts.short_s} s")
+    print(f"{len(rest)} tests beside Slurm's {len(slurm)}: {listed:.0f} s recorded, {short} unlisted x {opts.short_s} s")
     alone = set(collected("slurm and slurm_exclusive"))
     chains = slurm_chains(slurm, seconds, 2, alone)
     shared = [sum(seconds.get(t, 30.0) for t in chain if t not in alone) for chain in chains]
@@ -50,7 +52,9 @@ def main(argv: list[str]) -> int:
     # a test holding the cluster alone stops both chains: the lane is those plus the longer shared part
     lane = sum(seconds.get(t, 30.0) for t in alone) + max(shared)
     print(f"slurm lane: {lane:.0f} s")
-    estimate = max(lane, total / opts.workers)
+    # the other tests have workers - 2 workers while the lane runs, then all of them
+    free = opts.workers - len(chains)
+    estimate = lane if total <= free * lane else lane + (total - free * lane) / opts.workers
     print(f"estimate: {estimate:.0f} s ({estimate / 60:.1f} min) on {opts.workers} workers")
     return 0
 
