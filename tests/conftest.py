@@ -16,6 +16,7 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 from helpers import procs  # noqa: E402
+from helpers.suite_order import slurm_chains  # noqa: E402
 from helpers.typer_cache import install as _cache_cli_commands  # noqa: E402
 
 _cache_cli_commands()  # CliRunner builds each app's command once per worker, not per invoke
@@ -63,16 +64,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # worker holds at most ~3 tests ahead, so a long test is never the last one left running
     # while the other workers are idle. Unlisted (short) tests keep their collection order.
     order = json.loads((TESTS / "durations.json").read_text()) if (TESTS / "durations.json").exists() else {}
-    slurm = sorted((item for item in items if item.get_closest_marker("slurm")),
-                   key=lambda item: -order.get(item.nodeid, 0))
-    # Two chains of real-Slurm tests, balanced by recorded duration (longest first, each to the
-    # shorter chain): they share the cluster (helpers/cluster_lock.py), so neither chain's
-    # waiting on Slurm (requeues, time limits) bounds the whole run alone.
-    chains = [0.0] * SLURM_CHAINS
-    for item in slurm:
-        i = chains.index(min(chains))
-        chains[i] += order.get(item.nodeid, 30.0)
-        item.add_marker(pytest.mark.xdist_group(f"slurm{i}"))
+    # Chains of real-Slurm tests, whole modules balanced by recorded duration (helpers/suite_order.py):
+    # they share the cluster (helpers/cluster_lock.py), so neither chain's waiting on Slurm
+    # (requeues, time limits) bounds the whole run alone.
+    by_id = {item.nodeid: item for item in items if item.get_closest_marker("slurm")}
+    slurm: list[pytest.Item] = []
+    alone = {nodeid for nodeid, item in by_id.items() if item.get_closest_marker("slurm_exclusive")}
+    for i, chain in enumerate(slurm_chains(list(by_id), order, SLURM_CHAINS, alone)):
+        for nodeid in chain:
+            by_id[nodeid].add_marker(pytest.mark.xdist_group(f"slurm{i}"))
+            slurm.append(by_id[nodeid])
     rest = sorted((item for item in items if not item.get_closest_marker("slurm")),
                   key=lambda item: -order.get(item.nodeid, 0))
     items[:] = slurm + rest

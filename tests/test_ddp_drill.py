@@ -57,6 +57,11 @@ def test_the_example_passes_the_drill_with_no_ddp_line(tmp_path: Path, nproc: in
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert verdict["ok"] is True and verdict["differences"] == []
     assert verdict["preemptions"] == 2 and verdict["missed"] == 0
+    # what test_drill's 2-rank point (now in the exhaustive lane) asserted on the same command:
+    # --json puts the verdict alone on stdout, the runs' output on stderr; the warnings planned
+    # at 7 and 23 (the last one races the end of training) are saved one step later (pipelined)
+    assert json.loads(res.stdout) == verdict and "done at step 24" in res.stderr
+    assert verdict["planned"] == [7, 23] and verdict["saved_steps"] == [8, 24], verdict
 
 
 @pytest.mark.slow

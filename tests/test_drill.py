@@ -24,9 +24,12 @@ def drill(tmp_path: Path, script: Path, *opts: str) -> subprocess.CompletedProce
 # Seed 85 plans the warnings at steps 7 and 23 of 24: the last one races the end of training (a
 # fast script used to finish before the launcher's relay landed, and the drill lost it).
 @pytest.mark.slow
-# One rank: also every other drill test (culprit, forgotten scheduler, augmentation); the
-# 1-rank point of this one runs with `bash scripts/test --exhaustive`.
-@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.exhaustive), 2])
+# One rank: also every other drill test (culprit, forgotten scheduler, augmentation). Several
+# ranks: the same command on 3 ranks, with these assertions, is
+# test_ddp_drill::test_the_example_passes_the_drill_with_no_ddp_line[3]. Both points here run
+# with `bash scripts/test --exhaustive`.
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.exhaustive),
+                                   pytest.param(2, marks=pytest.mark.exhaustive)])
 def test_drill_passes_on_the_example(tmp_path: Path, nproc: int) -> None:
     res = drill(tmp_path, EXAMPLE, "--preemptions", "2", "--nproc-per-node", str(nproc), "--seed", "85")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]

@@ -5,12 +5,14 @@ saved step and end bitwise equal to an uninterrupted local run."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers.integrations import EXAMPLES, events, offline_env
+from helpers.procs import signal_tree
 from test_slurm_e2e import cluster, final_state, job_log, sacct_states, scancel, submit, wait  # noqa: F401
 
 from slurmresume.checkpoint.store import find_latest
@@ -33,6 +35,26 @@ def test_scancel_usr1_requeues_and_resumes_bitwise(cluster: None, tmp_path: Path
             monkeypatch.setenv(key, value)
     root = tmp_path / "run"
     job = submit(root, "--time", "15", script=EXAMPLES / script, script_args=(*ARGS, "--step-sleep", "0.5"))
+    # the uninterrupted local run, while the job mostly waits (its step sleep, the requeue)
+    ref, ref_log = tmp_path / "reference", tmp_path / "reference.log"
+    with ref_log.open("w") as log:
+        uninterrupted = subprocess.Popen([sys.executable, "-m", "slurmresume", "submit", "--local",
+                                          str(EXAMPLES / script), "--ckpt-dir", str(ref), "--", *ARGS],
+                                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        _requeue_once(root, job)
+        assert uninterrupted.wait(timeout=900) == 0, ref_log.read_text()[-5000:]
+    finally:
+        if uninterrupted.poll() is None:  # its ranks are in their own sessions: the whole tree
+            signal_tree(uninterrupted.pid, signal.SIGKILL)
+    final = find_latest(root, warn=False)
+    assert final is not None and final.step == 16
+    reference = find_latest(ref, warn=False)
+    assert reference is not None and compare_checkpoints(reference.path, final.path) == []
+
+
+def _requeue_once(root: Path, job: str) -> None:
+    """The job: warned after its step 2, requeued once, resumed exactly at the saved step."""
     wait(lambda: (root / "step_000000002" / "COMMITTED").exists(), 400, f"step 2\n{job_log(root, job)}")
     scancel("--signal=USR1", job)
     assert final_state(job, timeout=600) == "COMPLETED", job_log(root, job)
@@ -41,12 +63,3 @@ def test_scancel_usr1_requeues_and_resumes_bitwise(cluster: None, tmp_path: Path
     saved = [e["step"] for e in ev if e["event"] == "exit_after_save"]
     restored = [e["step"] for e in ev if e["event"] == "restored"]
     assert len(saved) == 1 and restored == saved, ev  # resumed exactly at the saved step
-    final = find_latest(root, warn=False)
-    assert final is not None and final.step == 16
-    ref = tmp_path / "reference"
-    out = subprocess.run([sys.executable, "-m", "slurmresume", "submit", "--local", str(EXAMPLES / script),
-                          "--ckpt-dir", str(ref), "--", *ARGS], capture_output=True, text=True, timeout=900,
-                         env={**os.environ})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    reference = find_latest(ref, warn=False)
-    assert reference is not None and compare_checkpoints(reference.path, final.path) == []

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers.procs import signal_tree
 
 from slurmresume.checkpoint.store import find_latest
 from slurmresume.tools.compare import compare_checkpoints
@@ -100,21 +103,33 @@ def preempt_at(root: Path, job: str, step: int, restart: int, *scancel_args: str
     scancel(*scancel_args, job)
 
 
-def reference(tmp_path: Path, steps: int, nproc: int) -> Path:
-    ref = tmp_path / "reference"
-    out = subprocess.run([sys.executable, "-m", "slurmresume", "submit", "--local", str(SIG_TRAIN), "--ckpt-dir",
-                          str(ref), "--nproc-per-node", str(nproc), "--", str(steps), "0", "0"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    info = find_latest(ref, warn=False)
-    assert info is not None and info.step == steps
-    return info.path
+def reference(tmp_path: Path, steps: int, nproc: int) -> Callable[[], Path]:
+    """Start the uninterrupted local run now, to overlap the Slurm job's waiting; the function
+    returned waits for it and gives its last step's directory."""
+    ref, log = tmp_path / "reference", tmp_path / "reference.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "slurmresume", "submit", "--local", str(SIG_TRAIN),
+                                 "--ckpt-dir", str(ref), "--nproc-per-node", str(nproc), "--", str(steps), "0", "0"],
+                                stdout=out, stderr=subprocess.STDOUT)
+
+    def finish() -> Path:
+        try:
+            assert proc.wait(timeout=300) == 0, log.read_text()[-5000:]
+        finally:
+            if proc.poll() is None:  # its ranks are in their own sessions: the whole tree
+                signal_tree(proc.pid, signal.SIGKILL)
+        info = find_latest(ref, warn=False)
+        assert info is not None and info.step == steps
+        return info.path
+
+    return finish
 
 
 def test_three_preemptions_end_bitwise_equal(cluster: None, tmp_path: Path) -> None:
     root, steps = tmp_path / "run", 90
     job = submit(root, "--nproc-per-node", "2", "--cpus-per-task", "2", "--time", "10",
                  script_args=(str(steps), "0.1", "0"))
+    uninterrupted = reference(tmp_path, steps, 2)
     for restart, step in enumerate((8, 12, 10)):
         preempt_at(root, job, step, restart, "--signal=USR1")
     assert final_state(job) == "COMPLETED", job_log(root, job)
@@ -128,7 +143,7 @@ def test_three_preemptions_end_bitwise_equal(cluster: None, tmp_path: Path) -> N
         assert (root / f"step_{s:09d}" / "COMMITTED").exists()
     final = find_latest(root, warn=False)
     assert final is not None and final.step == steps
-    assert compare_checkpoints(reference(tmp_path, steps, 2), final.path) == []
+    assert compare_checkpoints(uninterrupted(), final.path) == []
 
 
 def test_batch_shell_delivery_reaches_workers(cluster: None, tmp_path: Path) -> None:
@@ -184,6 +199,11 @@ def test_max_requeues_stops_after_one(cluster: None, tmp_path: Path) -> None:
     assert count(root, "exit_after_save") == 2  # the second warning still saved its step
 
 
+# Issue #5's scenario 3 (a low-partition job preempted by a high-partition job saves, requeues and
+# finishes after it) is also test_slurm_two_nodes::test_two_nodes_example_preempted_twice_by_high_
+# partition_ends_bitwise_equal (twice, on two nodes, bitwise); the one-node requeue path is
+# test_three_preemptions_end_bitwise_equal. This one-node point runs with `bash scripts/test --exhaustive`.
+@pytest.mark.exhaustive
 @pytest.mark.slurm_exclusive  # the whole node: the high job would preempt other tests' jobs too
 def test_real_preemption_by_high_partition(cluster: None, tmp_path: Path) -> None:
     root = tmp_path / "run"
