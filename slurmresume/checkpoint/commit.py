@@ -11,7 +11,8 @@ Durability order (DESIGN.md section 1):
      fsync the root. The directory's name is broadcast. No lock: nothing shared is touched.
   2. every rank: its shard, then its tensor index (format 2, `rankindex`), each to a temp name in
      that directory, fsync, rename (no directory fsync: rank 0's, in step 4 before the marker,
-     covers every rank's renames).
+     covers every rank's renames). The index is written and fsynced while the shard's fsync
+     runs (on another thread); the shard is renamed after both fsyncs returned.
   3. all ranks report a fixed-size record (sizes, checksums of shard, header and index) to rank 0.
   4. rank 0: manifest.json (temp, fsync, rename), COMMITTED (temp, fsync, rename), drop
      `.inprogress`, fsync the directory; then publish: rename it to `step_N`, fsync the root.
@@ -170,13 +171,17 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
         # No directory fsync here: W ranks fsyncing one shared directory are W metadata operations
         # on one server. Rank 0's fsync of it (with the manifest, after every rank reported its
         # rename) makes every shard's name durable before the marker is written.
-        written = write_shard(d, file, tensors, {SKELETON_KEY: dumps(skeleton), "format": "pt"})
-        index = written.tensors
         specs = skeleton.get("dtensors") or {}
-        for name, spec in specs.items():
-            if name in index:  # where this piece sits in its global tensor (the rank's index file)
-                index[name] = {**index[name], "global_shape": spec["shape"], "global_offset": spec["offset"]}
-        own = write_index(d, group.rank, file, index)
+        own: dict[str, Any] = {}
+
+        def index_file(index: dict[str, Any]) -> None:  # written while the shard's fsync runs
+            for name, spec in specs.items():
+                if name in index:  # where this piece sits in its global tensor (the rank's index file)
+                    index[name] = {**index[name], "global_shape": spec["shape"], "global_offset": spec["offset"]}
+            own.update(write_index(d, group.rank, file, index))
+
+        written = write_shard(d, file, tensors, {SKELETON_KEY: dumps(skeleton), "format": "pt"}, beside=index_file)
+        index = written.tensors
         report = {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
                   "header_xxh3": written.header_xxh3, **own, "writer": written.writer,
                   "timing": written.timing,

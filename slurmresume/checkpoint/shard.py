@@ -22,7 +22,8 @@ import json
 import os
 import stat
 import struct
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -218,9 +219,14 @@ def fine_digests(tensors: list[tuple[str, Any]], skeleton: str,
     return out, stream
 
 
-def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> WrittenShard:
+def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], metadata: dict[str, str],
+                beside: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> WrittenShard:
     """Write one shard durably (temp, fsync, rename). Called by each rank for its own file.
-    Tensor bytes stream from tensor memory through the writer's reused staging buffers."""
+    Tensor bytes stream from tensor memory (or the writer's reused staging buffers), hashed on
+    the writer's hasher thread. `beside(index)`, given the tensor index with its block digests,
+    runs while the shard's fsync does (another file written meanwhile: the rank's index); the
+    shard is renamed only after both are done. A failure of either removes the shard's temp
+    file and raises."""
     tensors = order_for_alignment(tensors)
     fine, stream = fine_digests(tensors, metadata.get(SKELETON_KEY, ""))
     hosted = {id(b) for (_, a), (_, b) in zip(tensors, stream) if a is not b}  # copied already: stream as is
@@ -243,10 +249,13 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
     try:
         fsio.fault_point("write.shard.header", tmp)
         sink.feed(header)
-        for name, t in tensors:  # each block is queued (or staged), then hashed twice while in cache
+        for name, t in tensors:  # each block is queued (or staged), the hasher digests it meanwhile
             data = tensor_bytes(t if id(t) in hosted else _contiguous_cpu(t))
             index[name]["xxh3"] = sink.feed_blocks(data, VERIFY_BLOCK)
-        digest = sink.finish()
+        digest = sink.drain()
+        fsio.fault_point("fsync.shard", tmp)  # crossed here, on the caller's thread: labels keep their order
+        _overlapped(lambda: sink.sync(crossed=True), lambda: beside(index) if beside else None)
+        sink.report()  # here: the caller's thread knows whether this save is an emergency
     except BaseException as exc:
         sink.abort()
         fsio._unlink_quiet(tmp)
@@ -260,6 +269,27 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         raise
     return WrittenShard(file=file, bytes=sink.total, xxh3=digest, tensors=index,
                         header_xxh3=xxhash.xxh3_64_hexdigest(header), writer=sink.strategy, timing=sink.timing())
+
+
+def _overlapped(background: Callable[[], None], foreground: Callable[[], None]) -> None:
+    """Run `background` on a thread while `foreground` runs here; wait for both; raise the
+    foreground's error, else the background's."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            background()
+        except BaseException as exc:  # raised on the caller's thread below
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="slurmresume-shard-fsync", daemon=True)
+    thread.start()
+    try:
+        foreground()
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
 
 
 def _contiguous_cpu(t: Any) -> Any:
