@@ -235,12 +235,19 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
             v.zero_()
         target = Holder(copies)  # reuse the copy buffers: a 4 GiB run must fit in 24 GiB
 
+        opened: list[slurmresume.Checkpointer] = []
+
         def load() -> None:
-            slurmresume.Checkpointer(work / "ours", handle_signals=False).restore({"m": target})
+            opened.append(slurmresume.Checkpointer(work / "ours", handle_signals=False))
+            opened[-1].restore({"m": target})
 
         cold = drop_caches()
-        record("slurmresume restore (cold)" if cold else "slurmresume restore", timed(load))
-        record("slurmresume restore (page cache)", timed(load))
+        try:
+            record("slurmresume restore (cold)" if cold else "slurmresume restore", timed(load))
+            record("slurmresume restore (page cache)", timed(load))
+        finally:  # closed, after the timing: an open one keeps refreshing the root's lease, and the next
+            for c in opened:  # size's Checkpointer on the same root was then "taken over" (2026-12-05)
+                c.close()
         assert all(torch.equal(target.tensors[k], state[k]) for k in list(state)[:3])
         # the peer: safetensors load_file (mmap) + copy into the same model, page cache dropped first
         from safetensors.torch import load_file
@@ -355,7 +362,7 @@ RANK_PEERS = ("torch.save + fsync", "safetensors save_file + fsync", "DCP save")
 
 def bench_ranks(gib: float, dtype: torch.dtype, rounds: int, work: Path, ranks: int) -> dict:
     """`ranks` processes on this machine each save their own `gib` GiB state at once (different
-    values per rank: no replica is deduplicated), every method once per round in a rotating
+    names and values per rank: no replica is deduplicated, by DCP or by us), every method once per round in a rotating
     order, the page cache dropped before each; a method's time is from a barrier before to a
     barrier after (the slowest rank)."""
     import torch.multiprocessing as mp
@@ -384,7 +391,9 @@ def _rank_worker(rank: int, ranks: int, port: int, gib: float, dtype: torch.dtyp
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     torch.manual_seed(rank)
-    state = {k: v + rank for k, v in make_state(gib, dtype).items()}
+    # each rank's names are its own: DCP deduplicates plain tensors of the same name across ranks
+    # (they look replicated to it) and would write one rank's bytes for both
+    state = {f"rank{rank}.{k}": v + rank for k, v in make_state(gib, dtype).items()}
     work = Path(work_s)
     mine = work / f"rank{rank}"
     mine.mkdir(parents=True, exist_ok=True)
