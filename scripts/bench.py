@@ -362,8 +362,8 @@ RANK_PEERS = ("torch.save + fsync", "safetensors save_file + fsync", "DCP save")
 
 def bench_ranks(gib: float, dtype: torch.dtype, rounds: int, work: Path, ranks: int) -> dict:
     """`ranks` processes on this machine each save their own `gib` GiB state at once (different
-    names and values per rank: no replica is deduplicated, by DCP or by us), every method once per round in a rotating
-    order, the page cache dropped before each; a method's time is from a barrier before to a
+    values per rank, and names per rank for DCP: nothing is deduplicated), every method once per
+    round in a rotating order, the page cache dropped before each; a method's time is from a barrier before to a
     barrier after (the slowest rank)."""
     import torch.multiprocessing as mp
 
@@ -391,9 +391,10 @@ def _rank_worker(rank: int, ranks: int, port: int, gib: float, dtype: torch.dtyp
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     torch.manual_seed(rank)
-    # each rank's names are its own: DCP deduplicates plain tensors of the same name across ranks
-    # (they look replicated to it) and would write one rank's bytes for both
-    state = {f"rank{rank}.{k}": v + rank for k, v in make_state(gib, dtype).items()}
+    state = {k: v + rank for k, v in make_state(gib, dtype).items()}
+    # DCP deduplicates plain tensors of the same name across ranks (they look replicated to it) and
+    # would write one rank's bytes for both (losing the others'): it gets each rank's own names
+    named = {f"rank{rank}.{k}": v for k, v in state.items()}
     work = Path(work_s)
     mine = work / f"rank{rank}"
     mine.mkdir(parents=True, exist_ok=True)
@@ -424,7 +425,7 @@ def _rank_worker(rank: int, ranks: int, port: int, gib: float, dtype: torch.dtyp
         "raw buffered write+fdatasync": lambda: raw_write(mine / "f", nbytes, False),
         "torch.save + fsync": lambda: (torch.save(state, mine / "s.pt"), fsync_path(mine / "s.pt")),
         "safetensors save_file + fsync": lambda: (save_file(state, str(mine / "s.st")), fsync_path(mine / "s.st")),
-        "DCP save": lambda: dcp.save({"m": state}, checkpoint_id=str(work / "dcp")),
+        "DCP save": lambda: dcp.save({"m": named}, checkpoint_id=str(work / "dcp")),
         OURS: ours(None),
         **{f"slurmresume save, writer={s}": ours(s) for s in writer.STRATEGIES},
     }

@@ -323,7 +323,7 @@ def _describe(exc: BaseException, path: Path) -> str:
     where = Path(getattr(exc, "slurmresume_path", None) or path)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         needed = getattr(exc, "slurmresume_needed", None)
-        free, inodes = _free_space(where)
+        free, inodes = getattr(exc, "slurmresume_free", None) or fsio.free_space(where)
         what = "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
         need = f", {needed} bytes needed" if needed is not None else ""
         ino = "; no free inodes left (the file system ran out of files, not bytes)" if inodes == 0 else ""
@@ -335,18 +335,6 @@ def _describe(exc: BaseException, path: Path) -> str:
     if isinstance(exc, PermissionError):
         return f"permission denied writing {where}: make the checkpoint root writable or choose another"
     return f"{type(exc).__name__} while writing {where}: {exc}"
-
-
-def _free_space(path: Path) -> tuple[int, int | None]:
-    """(bytes free to this user, inodes free or None when the file system does not count them)
-    of the nearest existing directory at or above `path`; (-1, None) when unknown."""
-    for p in (path, *path.parents):
-        try:
-            st = os.statvfs(p)
-        except OSError:
-            continue
-        return st.f_bavail * st.f_frsize, (st.f_favail if st.f_files else None)
-    return -1, None
 
 
 def raise_if_failed(outcome: dict[str, Any]) -> None:
