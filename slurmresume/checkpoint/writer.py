@@ -131,9 +131,10 @@ class _Hasher:
 
 class ShardSink:
     """Writes a byte stream durably: `feed()` chunks, `finish()` (`drain`, `sync`, `report`)
-    fsyncs and returns the xxh3 digest. `strategy` is one of STRATEGIES; `calibrate.open_sink` picks it for a file system
-    (this module never imports calibrate, which imports it to measure). `on_finish(strategy,
-    bytes, seconds)` is called after a successful finish (calibrate's re-check)."""
+    fsyncs and returns the xxh3 digest. `strategy` is one of STRATEGIES; `calibrate.open_sink`
+    picks it for a file system (this module never imports calibrate, which imports it to
+    measure). `on_finish(strategy, bytes, seconds)` is called after a successful finish
+    (calibrate's re-check)."""
 
     def __init__(self, path: str | os.PathLike[str], strategy: str, *, source: str = "given",
                  on_finish: Callable[[str, int, float], None] | None = None) -> None:
