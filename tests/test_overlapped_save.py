@@ -17,7 +17,7 @@ import torch
 import xxhash
 
 import slurmresume
-from slurmresume.checkpoint import calibrate, writer
+from slurmresume.checkpoint import calibrate, hashing, writer
 from slurmresume.checkpoint.layout import MANIFEST, MARKER
 
 
@@ -68,7 +68,7 @@ def test_the_writer_hashes_on_its_own_thread_and_the_digests_match_the_file(
         threads.append(threading.get_ident())
         return xxhash.xxh3_64_hexdigest(data)
 
-    monkeypatch.setattr(writer, "xxhash", SimpleNamespace(xxh3_64=Recording, xxh3_64_hexdigest=hexdigest))
+    monkeypatch.setattr(hashing, "xxhash", SimpleNamespace(xxh3_64=Recording, xxh3_64_hexdigest=hexdigest))
     state = _state()
     with slurmresume.Checkpointer(tmp_path, handle_signals=False) as ck:
         ck.save(1, {"m": state})

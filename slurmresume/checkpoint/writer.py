@@ -13,8 +13,8 @@ behind them the next. So the writer offers:
                32 MiB range is handed to the kernel at once (sync_file_range WRITE) and the
                range before it waited for, so the final fsync finds little left dirty
   buffered     plain writes from tensor memory, then fsync (what most peers do)
-Hashing (xxh3 of the stream, and the per-block digests) runs on its own thread (`_Hasher`) over
-the same memory the writer writes: xxhash releases the GIL for large buffers, so the caller only
+Hashing (xxh3 of the stream, and the per-block digests) runs on its own thread
+(`hashing.Hasher`) over the same memory the writer writes: xxhash releases the GIL for large buffers, so the caller only
 queues, the writer writes and the hasher hashes at once. The stream hash is one sequential
 xxh3, so one hasher thread per shard (~20 GB/s here), not several.
 
@@ -38,16 +38,15 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from . import fsio
+from .hashing import QUEUED, Hasher
 
 CHUNK = 32 << 20
 ALIGN = 4096
 STRATEGIES = ("direct", "direct-par", "buffered-wb", "buffered")
 # strategy -> (staging buffers, bytes each, writer threads); buffered paths stage nothing
 _DIRECT = {"direct": (2, CHUNK, 1), "direct-par": (4, CHUNK // 2, 4)}
-QUEUED = 16  # buffered paths: views of the caller's memory (or 4 MiB copies) waiting for the writer thread
 PIECE = 4 << 20  # hashed right after it is copied or queued, while it is still in the CPU's cache
 BATCH = 64  # buffered paths: the most queued views one writev hands the kernel
 _local = threading.local()
@@ -87,46 +86,6 @@ def release_staging(keep: str | None = None) -> None:
     pools = getattr(_local, "pools", None) or {}
     wanted = _DIRECT.get(keep or "")
     _local.pools = {k: v for k, v in pools.items() if wanted is not None and k == wanted[:2]}
-
-
-class _Hasher:
-    """One thread that hashes, in order, what the sink queues: every item updates the stream's
-    xxh3, and an item with a `digests` list also appends its own xxh3 (a block digest) to it.
-    Items are memory that stays unchanged until `close()`: the caller's tensors (feed()'s
-    contract) or a private copy. At most QUEUED items wait, so copies stay bounded."""
-
-    def __init__(self) -> None:
-        self.hasher = xxhash.xxh3_64()
-        self.q: queue.Queue[Any] = queue.Queue(maxsize=QUEUED)
-        self.seconds = 0.0  # thread-seconds hashing
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="slurmresume-shard-hasher", daemon=True)
-        self.thread.start()
-
-    def put(self, view: memoryview | bytes, digests: list[str] | None = None) -> None:
-        self.q.put((view, digests))
-
-    def close(self) -> str:
-        """Wait for everything queued; the stream's hex digest."""
-        if self.thread.is_alive():
-            self.q.put(None)
-            self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.hasher.hexdigest()
-
-    def _run(self) -> None:
-        while (item := self.q.get()) is not None:
-            view, digests = item
-            try:
-                if self.error is None:
-                    t = time.perf_counter()
-                    self.hasher.update(view)
-                    if digests is not None:
-                        digests.append(xxhash.xxh3_64_hexdigest(view))
-                    self.seconds += time.perf_counter() - t
-            except BaseException as exc:  # raised on the caller's thread by close()
-                self.error = exc
 
 
 class ShardSink:
@@ -178,7 +137,7 @@ class ShardSink:
                         for _ in range(threads)]
         for t in self.threads:
             t.start()
-        self.hashing = _Hasher()  # started last: a failed open above leaves no thread behind
+        self.hashing = Hasher()  # started last: a failed open above leaves no thread behind
 
     # -- producer side (caller's thread) ---------------------------------------------------
 
