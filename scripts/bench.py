@@ -610,21 +610,29 @@ def main() -> None:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     import gc
 
-    sizes = []
+    sizes: list[dict] = []
+
+    def save_json(scan: dict | None = None, agree: dict | None = None) -> None:
+        data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "machine": f"{os.cpu_count()} cores, {os.uname().machine}", "sizes": sizes, "scan": scan,
+                "agreement": agree}
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(data, indent=2))
+
     for s in args.sizes.split(","):
-        sizes.append(bench_size(float(s), getattr(torch, args.dtype), args.rounds, work))
+        r = bench_size(float(s), getattr(torch, args.dtype), args.rounds, work)
+        r["ratio_to_best_peer"] = {k: ratio_to_best_peer(r, k) for k in r["all"]
+                                   if k == OURS or k.startswith("slurmresume save, writer=")}
+        sizes.append(r)
+        report([r], None, None)  # each size as soon as it is measured: a later size that fails or is
+        save_json()  # stopped (a 4 GiB run out of memory or time) does not take the earlier ones with it
+        sys.stdout.flush()
         gc.collect()
     scan = None if args.quick else bench_scan(work)
     dist.destroy_process_group()
     agree = None if args.quick else bench_agreement()
-    for r in sizes:
-        r["ratio_to_best_peer"] = {k: ratio_to_best_peer(r, k) for k in r["all"]
-                                   if k == OURS or k.startswith("slurmresume save, writer=")}
-    report(sizes, scan, agree)
-    data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
-            "sizes": sizes, "scan": scan, "agreement": agree}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(data, indent=2))
+    report([], scan, agree)
+    save_json(scan, agree)
     print(json.dumps({"sizes": [{"gib": r["gib"], "seconds": r["seconds"], "ratio_to_best_peer": {
         k: {x: v for x, v in q.items() if x != "ratios"} for k, q in r["ratio_to_best_peer"].items()}}
         for r in sizes]}))
