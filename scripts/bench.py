@@ -235,16 +235,19 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
             v.zero_()
         target = Holder(copies)  # reuse the copy buffers: a 4 GiB run must fit in 24 GiB
 
+        opened: list[slurmresume.Checkpointer] = []
+
         def load() -> None:
-            reader = slurmresume.Checkpointer(work / "ours", handle_signals=False)
-            try:
-                reader.restore({"m": target})
-            finally:
-                reader.close()  # an open one keeps sharing the root's lease into the next size's fresh root
+            opened.append(slurmresume.Checkpointer(work / "ours", handle_signals=False))
+            opened[-1].restore({"m": target})
 
         cold = drop_caches()
-        record("slurmresume restore (cold)" if cold else "slurmresume restore", timed(load))
-        record("slurmresume restore (page cache)", timed(load))
+        try:
+            record("slurmresume restore (cold)" if cold else "slurmresume restore", timed(load))
+            record("slurmresume restore (page cache)", timed(load))
+        finally:  # closed, after the timing: an open one keeps refreshing the root's lease, and the next
+            for c in opened:  # size's Checkpointer on the same root was then "taken over" (2026-12-05)
+                c.close()
         assert all(torch.equal(target.tensors[k], state[k]) for k in list(state)[:3])
         # the peer: safetensors load_file (mmap) + copy into the same model, page cache dropped first
         from safetensors.torch import load_file
@@ -359,8 +362,8 @@ RANK_PEERS = ("torch.save + fsync", "safetensors save_file + fsync", "DCP save")
 
 def bench_ranks(gib: float, dtype: torch.dtype, rounds: int, work: Path, ranks: int) -> dict:
     """`ranks` processes on this machine each save their own `gib` GiB state at once (different
-    values per rank: no replica is deduplicated), every method once per round in a rotating
-    order, the page cache dropped before each; a method's time is from a barrier before to a
+    values per rank, and names per rank for DCP: nothing is deduplicated), every method once per
+    round in a rotating order, the page cache dropped before each; a method's time is from a barrier before to a
     barrier after (the slowest rank)."""
     import torch.multiprocessing as mp
 
@@ -389,6 +392,9 @@ def _rank_worker(rank: int, ranks: int, port: int, gib: float, dtype: torch.dtyp
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     torch.manual_seed(rank)
     state = {k: v + rank for k, v in make_state(gib, dtype).items()}
+    # DCP deduplicates plain tensors of the same name across ranks (they look replicated to it) and
+    # would write one rank's bytes for both (losing the others'): it gets each rank's own names
+    named = {f"rank{rank}.{k}": v for k, v in state.items()}
     work = Path(work_s)
     mine = work / f"rank{rank}"
     mine.mkdir(parents=True, exist_ok=True)
@@ -419,7 +425,7 @@ def _rank_worker(rank: int, ranks: int, port: int, gib: float, dtype: torch.dtyp
         "raw buffered write+fdatasync": lambda: raw_write(mine / "f", nbytes, False),
         "torch.save + fsync": lambda: (torch.save(state, mine / "s.pt"), fsync_path(mine / "s.pt")),
         "safetensors save_file + fsync": lambda: (save_file(state, str(mine / "s.st")), fsync_path(mine / "s.st")),
-        "DCP save": lambda: dcp.save({"m": state}, checkpoint_id=str(work / "dcp")),
+        "DCP save": lambda: dcp.save({"m": named}, checkpoint_id=str(work / "dcp")),
         OURS: ours(None),
         **{f"slurmresume save, writer={s}": ours(s) for s in writer.STRATEGIES},
     }
@@ -604,21 +610,29 @@ def main() -> None:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     import gc
 
-    sizes = []
+    sizes: list[dict] = []
+
+    def save_json(scan: dict | None = None, agree: dict | None = None) -> None:
+        data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "machine": f"{os.cpu_count()} cores, {os.uname().machine}", "sizes": sizes, "scan": scan,
+                "agreement": agree}
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(data, indent=2))
+
     for s in args.sizes.split(","):
-        sizes.append(bench_size(float(s), getattr(torch, args.dtype), args.rounds, work))
+        r = bench_size(float(s), getattr(torch, args.dtype), args.rounds, work)
+        r["ratio_to_best_peer"] = {k: ratio_to_best_peer(r, k) for k in r["all"]
+                                   if k == OURS or k.startswith("slurmresume save, writer=")}
+        sizes.append(r)
+        report([r], None, None)  # each size as soon as it is measured: a later size that fails or is
+        save_json()  # stopped (a 4 GiB run out of memory or time) does not take the earlier ones with it
+        sys.stdout.flush()
         gc.collect()
     scan = None if args.quick else bench_scan(work)
     dist.destroy_process_group()
     agree = None if args.quick else bench_agreement()
-    for r in sizes:
-        r["ratio_to_best_peer"] = {k: ratio_to_best_peer(r, k) for k in r["all"]
-                                   if k == OURS or k.startswith("slurmresume save, writer=")}
-    report(sizes, scan, agree)
-    data = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
-            "sizes": sizes, "scan": scan, "agreement": agree}
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(data, indent=2))
+    report([], scan, agree)
+    save_json(scan, agree)
     print(json.dumps({"sizes": [{"gib": r["gib"], "seconds": r["seconds"], "ratio_to_best_peer": {
         k: {x: v for x, v in q.items() if x != "ratios"} for k, q in r["ratio_to_best_peer"].items()}}
         for r in sizes]}))

@@ -30,8 +30,8 @@ pytestmark = pytest.mark.xdist_group("core_crash")
 # Every label a save crosses before (and including) the rename that publishes it, in order.
 KILL_LABELS = [
     "write.inprogress", "fsync.inprogress", "rename.inprogress", "fsyncdir.inprogress",
-    "fsyncdir.root", "write.shard.header", "write.shard.data", "fsync.shard", "rename.shard",
-    "write.index", "fsync.index", "rename.index",
+    "fsyncdir.root", "write.shard.header", "write.shard.data", "fsync.shard",
+    "write.index", "fsync.index", "rename.index", "rename.shard",  # the index is written while the shard's fsync runs
     "write.manifest", "fsync.manifest", "rename.manifest", "fsyncdir.manifest",
     "write.marker", "fsync.marker", "rename.marker", "fsyncdir.marker", "unlink.inprogress",
     "fsyncdir.step", "rename.publish",

@@ -11,7 +11,8 @@ Durability order (DESIGN.md section 1):
      fsync the root. The directory's name is broadcast. No lock: nothing shared is touched.
   2. every rank: its shard, then its tensor index (format 2, `rankindex`), each to a temp name in
      that directory, fsync, rename (no directory fsync: rank 0's, in step 4 before the marker,
-     covers every rank's renames).
+     covers every rank's renames). The index is written and fsynced while the shard's fsync
+     runs (on another thread); the shard is renamed after both fsyncs returned.
   3. all ranks report a fixed-size record (sizes, checksums of shard, header and index) to rank 0.
   4. rank 0: manifest.json (temp, fsync, rename), COMMITTED (temp, fsync, rename), drop
      `.inprogress`, fsync the directory; then publish: rename it to `step_N`, fsync the root.
@@ -177,9 +178,13 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
                                                      specs)
             file, index = written.file, written.tensors
         else:
-            written = write_shard(d, file, tensors, metadata)
+            own = {}
+
+            def index_file(entries: dict[str, Any]) -> None:  # written while the shard's fsync runs
+                own.update(write_index(d, group.rank, file, placed(entries, specs)))
+
+            written = write_shard(d, file, tensors, metadata, beside=index_file)
             index = placed(written.tensors, specs)  # where each DTensor piece sits in its global tensor
-            own = write_index(d, group.rank, file, index)
         report = {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
                   "header_xxh3": written.header_xxh3, **own, "writer": written.writer,
                   "timing": written.timing,
@@ -331,7 +336,7 @@ def _describe(exc: BaseException, path: Path) -> str:
     where = Path(getattr(exc, "slurmresume_path", None) or path)
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         needed = getattr(exc, "slurmresume_needed", None)
-        free, inodes = _free_space(where)
+        free, inodes = getattr(exc, "slurmresume_free", None) or fsio.free_space(where)
         what = "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
         need = f", {needed} bytes needed" if needed is not None else ""
         ino = "; no free inodes left (the file system ran out of files, not bytes)" if inodes == 0 else ""
@@ -343,18 +348,6 @@ def _describe(exc: BaseException, path: Path) -> str:
     if isinstance(exc, PermissionError):
         return f"permission denied writing {where}: make the checkpoint root writable or choose another"
     return f"{type(exc).__name__} while writing {where}: {exc}"
-
-
-def _free_space(path: Path) -> tuple[int, int | None]:
-    """(bytes free to this user, inodes free or None when the file system does not count them)
-    of the nearest existing directory at or above `path`; (-1, None) when unknown."""
-    for p in (path, *path.parents):
-        try:
-            st = os.statvfs(p)
-        except OSError:
-            continue
-        return st.f_bavail * st.f_frsize, (st.f_favail if st.f_files else None)
-    return -1, None
 
 
 def raise_if_failed(outcome: dict[str, Any]) -> None:

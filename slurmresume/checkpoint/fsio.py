@@ -161,6 +161,22 @@ def note_failure(exc: BaseException, path: str | os.PathLike[str], needed: int |
             exc.slurmresume_path = os.fspath(path)  # type: ignore[attr-defined]
         if needed is not None and getattr(exc, "slurmresume_needed", None) is None:
             exc.slurmresume_needed = needed  # type: ignore[attr-defined]
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT) and getattr(exc, "slurmresume_free", None) is None:
+            # as it was when the write failed: a clean-up (another thread's, or the caller's) may
+            # free space or an inode before the message is written
+            exc.slurmresume_free = free_space(Path(path))  # type: ignore[attr-defined]
+
+
+def free_space(path: Path) -> tuple[int, int | None]:
+    """(bytes free to this user, inodes free or None when the file system does not count them)
+    of the nearest existing directory at or above `path`; (-1, None) when unknown."""
+    for p in (path, *path.parents):
+        try:
+            st = os.statvfs(p)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize, (st.f_favail if st.f_files else None)
+    return -1, None
 
 
 def write_durable(path: Path, data: bytes, label: str, mode: int = 0o644, *, sync_dir: bool = True) -> None:

@@ -3,7 +3,10 @@
 Each rank hashes its tensors (xxh3, ~20 GB/s here); a tensor whose name, dtype, shape and hash
 agree on every rank is stored only in rank 0's shard, and the other ranks' skeletons list it as
 replicated. No declaration is needed and nothing is guessed: a tensor that differs anywhere
-(a sharded parameter, a per-rank RNG state) stays in each rank's own shard.
+(a sharded parameter, a per-rank RNG state) stays in each rank's own shard. A large tensor is
+first compared by a sample of it (`sample_digest`): one that differs there is per-rank and is
+not read whole before the write (issue #32: that pass was ~7% of a 2-rank save); only tensors
+whose samples agree are hashed in full.
 """
 
 from __future__ import annotations
@@ -20,14 +23,53 @@ from .writer import tensor_bytes
 LIBRARY_PREFIX = "__slurmresume__/"
 
 
-def tensor_digests(tensors: list[tuple[str, Any]], dtensors: dict[str, dict[str, Any]] | None = None) -> dict[str, list[Any]]:
+SAMPLE_WHOLE = 1 << 20  # a tensor up to this size is sampled whole: its sample is its full hash
+SAMPLES = 16  # else this many SAMPLE_BYTES slices, evenly spread, first and last included
+SAMPLE_BYTES = 4096
+
+
+def _host(t: Any) -> Any:
+    cpu = t.detach()
+    return (cpu.cpu() if cpu.device.type != "cpu" else cpu).contiguous()
+
+
+def _device_sample(t: Any) -> memoryview:
+    """The bytes `sample_digest` reads of a large device tensor, gathered on the device (the
+    same bytes in the same order: its digest equals that of the host copy's sample)."""
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    last = flat.numel() - SAMPLE_BYTES
+    parts = [flat[last * i // (SAMPLES - 1):][:SAMPLE_BYTES] for i in range(SAMPLES)]
+    return tensor_bytes(torch.cat(parts).cpu())
+
+
+def sample_digest(view: memoryview) -> str:
+    """xxh3 of a few evenly spread slices of `view` (all of it when small): ranks whose samples
+    differ certainly hold different bytes; equal samples prove nothing (`tensor_digests` decides)."""
+    if len(view) <= SAMPLE_WHOLE:
+        return xxhash.xxh3_64_hexdigest(view)
+    h = xxhash.xxh3_64()
+    last = len(view) - SAMPLE_BYTES
+    for i in range(SAMPLES):
+        at = last * i // (SAMPLES - 1)
+        h.update(view[at : at + SAMPLE_BYTES])
+    return h.hexdigest()
+
+
+def tensor_digests(tensors: list[tuple[str, Any]], dtensors: dict[str, dict[str, Any]] | None = None,
+                   sample: bool = False) -> dict[str, list[Any]]:
     """Per name: dtype, shape, hash and, for a DTensor's local piece, its global offset: equal
-    pieces at different offsets (a sharded LayerNorm weight of ones) are not replicas."""
+    pieces at different offsets (a sharded LayerNorm weight of ones) are not replicas. With
+    `sample`, the hash is `sample_digest`'s (a tensor of at most SAMPLE_WHOLE bytes: its full hash)."""
     out: dict[str, list[Any]] = {}
     for name, t in tensors:
-        cpu = t.detach()
-        cpu = (cpu.cpu() if cpu.device.type != "cpu" else cpu).contiguous()
-        out[name] = [st_dtype(cpu), list(cpu.shape), xxhash.xxh3_64_hexdigest(tensor_bytes(cpu))]
+        if sample and t.device.type != "cpu" and _nbytes(t) > SAMPLE_WHOLE:
+            digest = sample_digest(_device_sample(t))  # the slices only cross to the host
+        else:
+            view = tensor_bytes(_host(t))
+            digest = sample_digest(view) if sample else xxhash.xxh3_64_hexdigest(view)
+        out[name] = [st_dtype(t), list(t.shape), digest]
         if dtensors and name in dtensors:
             out[name].append(dtensors[name].get("offset"))
     return out
@@ -59,15 +101,33 @@ def replicated_across(group: Any, tensors: list[tuple[str, Any]],
     dtensors = dtensors or {}
     placed, split = by_placement(dtensors, group.world_size)
     rest = [(n, t) for n, t in tensors if n not in placed and n not in split]
-    digests = tensor_digests(rest, dtensors)
-    keys = sorted(digests)
-    names = _h63(dumps([[k, *digests[k][:2], *digests[k][3:]] for k in keys]))
+    sampled = tensor_digests(rest, dtensors, sample=True)
+    keys = sorted(sampled)
+    names = _h63(dumps([[k, *sampled[k][:2], *sampled[k][3:]] for k in keys]))
     agreed = group.max_ints([len(keys), names, -len(keys), -names])
     if agreed[:2] != [-agreed[2], -agreed[3]]:  # not the same names (and shapes) on every rank
-        return placed | replicated_names(group.all_gather_json(digests))
+        return placed | replicated_names(group.all_gather_json(tensor_digests(rest, dtensors)))
+    # Samples first: a tensor whose samples differ on some rank is not a replica, and is never read
+    # whole here (per-rank state: each rank's bytes are read once, by the writer). Only tensors
+    # whose samples agree everywhere are hashed in full (every rank gets the same candidates).
+    candidates, by_name = _agreeing(group, keys, sampled), dict(rest)
+    large = [k for k in keys if k in candidates and _nbytes(by_name[k]) > SAMPLE_WHOLE]
+    full = tensor_digests([(k, by_name[k]) for k in large], dtensors)
+    return placed | (candidates - set(large)) | _agreeing(group, large, full)
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel() * t.element_size())
+
+
+def _agreeing(group: Any, keys: list[str], digests: dict[str, list[Any]]) -> set[str]:
+    """Collective (every rank passes the same `keys`): those whose digest is the same on every
+    rank, by two fixed-size MAX reductions (none when `keys` is empty)."""
+    if not keys:
+        return set()
     values = [_h63(digests[k][2]) for k in keys]
     top = group.max_ints(values + [-v for v in values])
-    return placed | {k for i, k in enumerate(keys) if top[i] == -top[len(keys) + i]}
+    return {k for i, k in enumerate(keys) if top[i] == -top[len(keys) + i]}
 
 
 def _h63(text: str) -> int:

@@ -22,7 +22,8 @@ import json
 import os
 import stat
 import struct
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -249,13 +250,17 @@ def plan_shard(final: Path, tensors: list[tuple[str, Any]], metadata: dict[str, 
 def stream_shard(sink: Any, plan: ShardPlan, label: Path) -> str:
     """Feed the plan's header and tensors to `sink` and finish it (its fsync unless the sink
     leaves that to a node file's owner). Returns the xxh3 of the bytes; fills the block digests."""
-    fsio.fault_point("write.shard.header", label)
-    sink.feed(plan.header)
-    for name, t in plan.tensors:  # each block is queued (or staged), then hashed twice while in cache
-        data = tensor_bytes(t if id(t) in plan.hosted else _contiguous_cpu(t))
-        plan.index[name]["xxh3"] = sink.feed_blocks(data, VERIFY_BLOCK)
+    _feed(sink, plan, label)
     digest: str = sink.finish()
     return digest
+
+
+def _feed(sink: Any, plan: ShardPlan, label: Path) -> None:
+    fsio.fault_point("write.shard.header", label)
+    sink.feed(plan.header)
+    for name, t in plan.tensors:  # each block is queued (or staged), the hasher digests it meanwhile
+        data = tensor_bytes(t if id(t) in plan.hosted else _contiguous_cpu(t))
+        plan.index[name]["xxh3"] = sink.feed_blocks(data, VERIFY_BLOCK)
 
 
 def written(file: str, plan: ShardPlan, sink: Any, digest: str) -> WrittenShard:
@@ -263,9 +268,14 @@ def written(file: str, plan: ShardPlan, sink: Any, digest: str) -> WrittenShard:
                         header_xxh3=xxhash.xxh3_64_hexdigest(plan.header), writer=sink.strategy, timing=sink.timing())
 
 
-def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> WrittenShard:
+def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], metadata: dict[str, str],
+                beside: Callable[[dict[str, dict[str, Any]]], None] | None = None) -> WrittenShard:
     """Write one shard durably (temp, fsync, rename). Called by each rank for its own file.
-    Tensor bytes stream from tensor memory through the writer's reused staging buffers."""
+    Tensor bytes stream from tensor memory (or the writer's reused staging buffers), hashed on
+    the writer's hasher thread. `beside(index)`, given the tensor index with its block digests,
+    runs while the shard's fsync does (another file written meanwhile: the rank's index); the
+    shard is renamed only after both are done. A failure of either removes the shard's temp
+    file and raises."""
     final = directory / file
     plan = plan_shard(final, tensors, metadata)
     tmp = directory / f".{file}.tmp.{os.getpid()}"
@@ -276,7 +286,11 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         fsio.note_failure(exc, final, needed)
         raise
     try:
-        digest = stream_shard(sink, plan, tmp)
+        _feed(sink, plan, tmp)
+        digest = sink.drain()
+        fsio.fault_point("fsync.shard", tmp)  # crossed here, on the caller's thread: labels keep their order
+        _overlapped(lambda: sink.sync(crossed=True), lambda: beside(plan.index) if beside else None)
+        sink.report()  # here: the caller's thread knows whether this save is an emergency
     except BaseException as exc:
         sink.abort()
         fsio._unlink_quiet(tmp)
@@ -289,6 +303,27 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
         fsio.note_failure(exc, final, needed)
         raise
     return written(file, plan, sink, digest)
+
+
+def _overlapped(background: Callable[[], None], foreground: Callable[[], None]) -> None:
+    """Run `background` on a thread while `foreground` runs here; wait for both; raise the
+    foreground's error, else the background's."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            background()
+        except BaseException as exc:  # raised on the caller's thread below
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="slurmresume-shard-fsync", daemon=True)
+    thread.start()
+    try:
+        foreground()
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
 
 
 def _contiguous_cpu(t: Any) -> Any:

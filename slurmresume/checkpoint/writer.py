@@ -13,10 +13,14 @@ behind them the next. So the writer offers:
                32 MiB range is handed to the kernel at once (sync_file_range WRITE) and the
                range before it waited for, so the final fsync finds little left dirty
   buffered     plain writes from tensor memory, then fsync (what most peers do)
-The buffered paths write from a thread while the caller hashes, so that the copy into the page
-cache and the checksums use both cores.
+Hashing (xxh3 of the stream, and the per-block digests) runs on its own thread
+(`hashing.Hasher`) over the same memory the writer writes: xxhash releases the GIL for large buffers, so the caller only
+queues, the writer writes and the hasher hashes at once. The stream hash is one sequential
+xxh3, so one hasher thread per shard (~20 GB/s here), not several.
 
-Every path writes the same bytes, hashes them with xxh3 in order, and `finish()` fsyncs.
+Every path writes the same bytes, hashes them with xxh3 in order; `drain()` waits for the writes
+and the hashes, `sync()` fsyncs (`finish()` is both): a caller may write another file (the
+shard's index) between the two while the fsync runs on another thread.
 Staging buffers are allocated once per thread and reused. Where O_DIRECT is refused (some file
 systems), a direct path falls back to `buffered`.
 """
@@ -34,16 +38,15 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from . import fsio, writeback
+from .hashing import QUEUED, Hasher
 
 CHUNK = 32 << 20
 ALIGN = 4096
 STRATEGIES = ("direct", "direct-par", "buffered-wb", "buffered")
 # strategy -> (staging buffers, bytes each, writer threads); buffered paths stage nothing
 _DIRECT = {"direct": (2, CHUNK, 1), "direct-par": (4, CHUNK // 2, 4)}
-QUEUED = 16  # buffered paths: views of the caller's memory (or 4 MiB copies) waiting for the writer thread
 PIECE = 4 << 20  # hashed right after it is copied or queued, while it is still in the CPU's cache
 BATCH = 64  # buffered paths: the most queued views one writev hands the kernel
 _local = threading.local()
@@ -75,10 +78,11 @@ def release_staging(keep: str | None = None) -> None:
 
 
 class ShardSink:
-    """Writes a byte stream durably: `feed()` chunks, `finish()` fsyncs and returns the xxh3
-    digest. `strategy` is one of STRATEGIES; `calibrate.open_sink` picks it for a file system
-    (this module never imports calibrate, which imports it to measure). `on_finish(strategy,
-    bytes, seconds)` is called after a successful finish (calibrate's re-check)."""
+    """Writes a byte stream durably: `feed()` chunks, `finish()` (`drain`, `sync`, `report`)
+    fsyncs and returns the xxh3 digest. `strategy` is one of STRATEGIES; `calibrate.open_sink`
+    picks it for a file system (this module never imports calibrate, which imports it to
+    measure). `on_finish(strategy, bytes, seconds)` is called after a successful finish
+    (calibrate's re-check)."""
 
     def __init__(self, path: str | os.PathLike[str], strategy: str, *, source: str = "given",
                  on_finish: Callable[[str, int, float], None] | None = None, base: int = 0,
@@ -87,8 +91,8 @@ class ShardSink:
         # sized by its creator (a node file, `nodefile`): no create, no truncate; `sync=False`
         # leaves the fsync to that file's owner.
         self.path = path
-        self.base, self.shared, self.sync = base, shared, sync
-        self.hasher = xxhash.xxh3_64()
+        self.base, self.shared, self.durable = base, shared, sync
+        self.digest = ""
         self.total = 0
         self.source = source
         self.on_finish = on_finish
@@ -113,7 +117,7 @@ class ShardSink:
         self.kicked = self.waited = 0  # buffered-wb: bytes handed to writeback / known written
         # where the time went (`timing()`, the save's breakdown): seconds in the write calls
         # (summed over writer threads), hashing, the final fsync, the producer waiting for room
-        self.write_s = self.hash_s = self.fsync_s = self.wait_s = 0.0
+        self.write_s = self.hash_wait_s = self.fsync_s = self.wait_s = 0.0
         self.error: BaseException | None = None
         if self.direct:
             count, self.size, threads = _DIRECT[strategy]
@@ -123,23 +127,27 @@ class ShardSink:
             self.free = [threading.Semaphore(1) for _ in range(count)]
             target = self._writer
         else:
-            # the caller hashes while this thread copies into the page cache: two cores at work
             self.q = queue.Queue(maxsize=QUEUED)
             target, threads = self._buffered_writer, 1
         self.threads = [threading.Thread(target=target, name="slurmresume-shard-writer", daemon=True)
                         for _ in range(threads)]
         for t in self.threads:
             t.start()
+        self.hashing = Hasher()  # started last: a failed open above leaves no thread behind
 
     # -- producer side (caller's thread) ---------------------------------------------------
 
-    def feed(self, data: memoryview | bytes, *, reused: bool = False) -> None:
-        """Queue `data` for writing. The buffered paths write from the caller's memory in a
-        thread after feed() returns (no copy), so that memory must stay unchanged until finish():
-        a tensor being saved does. A caller that refills one buffer (a read loop) passes
-        `reused=True`, and the buffered paths then queue a copy; the direct paths always copy into
-        staging (O_DIRECT needs aligned memory). Each PIECE is hashed right after it is queued or
-        copied, while it is in the CPU's cache: the stream is read from memory once."""
+    def feed(self, data: memoryview | bytes, *, reused: bool = False, digests: list[str] | None = None) -> None:
+        """Queue `data` for writing and hashing. The buffered paths write from the caller's memory
+        in a thread after feed() returns (no copy), and the hasher reads it on its own thread, so
+        that memory must stay unchanged until finish(): a tensor being saved does. A caller that
+        refills one buffer (a read loop) passes `reused=True`: the buffered paths then queue a copy
+        (to the writer and the hasher alike), the direct paths hash a copy of what they staged.
+        The direct paths always copy into staging (O_DIRECT needs aligned memory). With
+        `digests` (not with `reused`), the xxh3 of all of `data` is appended to that list by the
+        hasher (a block digest: complete after drain())."""
+        if reused and digests is not None:
+            raise ValueError("block digests need memory that stays unchanged: not with reused=True")
         view = memoryview(data).cast("B")
         self.total += len(view)
         if not self.direct:
@@ -147,11 +155,14 @@ class ShardSink:
             step = PIECE if reused else CHUNK
             for start in range(0, len(view), step):
                 part = view[start : start + step]
+                item = bytes(part) if reused else part
                 t = time.perf_counter()
-                self.q.put(bytes(part) if reused else part)  # at most QUEUED items wait at once
+                self.q.put(item)  # at most QUEUED items wait at once
                 self.wait_s += time.perf_counter() - t
-                for at in range(0, len(part), PIECE):
-                    self.hash(part[at : at + PIECE])
+                if reused:
+                    self._hash(item)
+            if not reused:
+                self._hash(view, digests)
             return
         src = np.frombuffer(view, dtype=np.uint8) if len(view) else np.empty(0, np.uint8)
         pos = 0
@@ -163,24 +174,31 @@ class ShardSink:
                 self._raise_if_failed()
             n = min(self.size - self.fill, len(src) - pos, PIECE)
             np.copyto(self.bufs[self.cur][self.fill : self.fill + n], src[pos : pos + n])
-            self.hash(view[pos : pos + n])  # the piece just read: in cache
+            if digests is None:  # the piece just copied, hashed while it is in cache
+                self._hash(bytes(view[pos : pos + n]) if reused else view[pos : pos + n])
             self.fill += n
             pos += n
             if self.fill == self.size:
                 self._flush_buffer()
+        if digests is not None:
+            self._hash(view, digests)  # the source, unchanged until finish(): copied just now, in cache
 
     def feed_blocks(self, data: memoryview, block: int) -> list[str]:
-        """`feed(data)` one `block` at a time, and return each block's xxh3 hex digest (a
-        shard's per-block checksums), hashed right after the stream hash read it: in cache."""
+        """`feed(data)` one `block` at a time; returns the list the hasher fills with each block's
+        xxh3 hex digest (a shard's per-block checksums), complete once drain() returns."""
         view = memoryview(data).cast("B")
-        digests = []
+        digests: list[str] = []
         for i in range(0, len(view), block):
-            piece = view[i : i + block]
-            self.feed(piece)
-            t = time.perf_counter()
-            digests.append(xxhash.xxh3_64_hexdigest(piece))
-            self.hash_s += time.perf_counter() - t
+            self.feed(view[i : i + block], digests=digests)
         return digests
+
+    def _hash(self, view: memoryview | bytes, digests: list[str] | None = None) -> None:
+        """Hand `view` to the hasher thread in PIECE items (one item when it carries a block digest)."""
+        step = len(view) if digests is not None else PIECE
+        for at in range(0, len(view), max(step, 1)):
+            t = time.perf_counter()
+            self.hashing.put(view[at : at + step], digests)  # waits only when QUEUED items wait
+            self.hash_wait_s += time.perf_counter() - t
 
     def _writeback(self, written: int) -> None:
         """Start writeback of each new CHUNK range, and wait for the one before it: the page cache
@@ -210,42 +228,73 @@ class ShardSink:
         self.offset += filled
         self.cur, self.fill = (self.cur + 1) % len(self.bufs), 0
 
-    def finish(self) -> str:
-        """Write what is left, fsync, close. Returns the xxh3 hex digest of all bytes fed."""
+    def drain(self) -> str:
+        """Write and hash what is left (not yet durable: `sync()`). Returns the xxh3 hex digest of
+        all bytes fed; every list feed_blocks returned is complete. On error, call abort()."""
+        if self.direct and self.fill:
+            self._flush_buffer()
+        self._stop_writers()
+        t = time.perf_counter()
+        self.digest = self.hashing.close()
+        self.hash_wait_s += time.perf_counter() - t
+        self._raise_if_failed()
+        if self.direct and not self.shared:
+            os.ftruncate(self.fd, self.total)  # drop the alignment padding of the last block
+        return self.digest
+
+    def sync(self, *, crossed: bool = False) -> None:
+        """fsync and close (after drain). Any thread may call it; `crossed` when the caller
+        already crossed the fault point (`fsio.fault_point("fsync.shard")`) on its own thread,
+        so that the labels keep their order whatever the threads do."""
         try:
-            if self.direct and self.fill:
-                self._flush_buffer()
-            self._stop_writers()
-            self._raise_if_failed()
-            if self.direct and not self.shared:
-                os.ftruncate(self.fd, self.total)  # drop the alignment padding of the last block
             t = time.perf_counter()
-            if self.sync:
+            if not self.durable:
+                pass  # a range of a node file: its creator fsyncs the whole file (nodefile)
+            elif crossed:
+                os.fsync(self.fd)
+            else:
                 fsio.fsync_fd(self.fd, "shard", self.path)
             self.fsync_s += time.perf_counter() - t
         finally:
             fd, self.fd = self.fd, -1  # abort() after a failed finish() must not close it again:
             os.close(fd)  # by then the number may belong to a file another thread opened
         self.seconds = time.perf_counter() - self.started
+
+    def report(self) -> None:
+        """After sync, on the caller's thread (whose thread-local state says, e.g., whether this
+        is an emergency save): `on_finish(strategy, bytes, seconds)`."""
         if self.on_finish is not None:
             self.on_finish(self.strategy, self.total, self.seconds)
-        return self.hasher.hexdigest()
 
-    def hash(self, data: memoryview | bytes) -> None:
-        t = time.perf_counter()
-        self.hasher.update(data)
-        self.hash_s += time.perf_counter() - t
+    def finish(self) -> str:
+        """Write what is left, fsync, close. Returns the xxh3 hex digest of all bytes fed."""
+        try:
+            self.drain()
+        except BaseException:
+            self.abort()
+            raise
+        self.sync()
+        self.report()
+        return self.digest
 
     def timing(self) -> dict[str, float]:
         """Seconds of this shard's write (after finish): `shard_s` open to fsynced, `write_s` in
-        write calls (thread-seconds), `hash_s` hashing the stream, `fsync_s` the final fsync,
-        `wait_s` the producer waiting for the writer."""
-        return {k: round(v, 4) for k, v in (("shard_s", self.seconds), ("write_s", self.write_s), ("hash_s", self.hash_s),
-                                            ("fsync_s", self.fsync_s), ("wait_s", self.wait_s))}
+        write calls (thread-seconds), `hash_s` hashing the stream and its block digests (the
+        hasher thread's seconds; the caller's thread hashes nothing), `hash_wait_s` the caller
+        waiting for the hasher, `fsync_s` the final fsync, `wait_s` the producer waiting for
+        the writer."""
+        return {k: round(v, 4) for k, v in (
+            ("shard_s", self.seconds), ("write_s", self.write_s), ("hash_s", self.hashing.seconds),
+            ("hash_wait_s", self.hash_wait_s), ("fsync_s", self.fsync_s),
+            ("wait_s", self.wait_s))}
 
     def abort(self) -> None:
         if any(t.is_alive() for t in self.threads):
             self._stop_writers()
+        try:
+            self.hashing.close()
+        except BaseException:  # noqa: BLE001, S110 - the write failed already: that error is raised
+            pass
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             try:

@@ -36,7 +36,9 @@ def summarize(reports: Sequence[Any], phases: dict[str, float]) -> dict[str, Any
       shard_gbps     bytes / seconds of the slowest rank's shard write (open to fsynced)
       shard_s        those seconds; `slowest_rank` which rank
       write_calls_s  its seconds inside write calls (thread-seconds)
-      hash_s         its seconds hashing (xxh3 of the stream, per-block digests)
+      hash_s         its seconds hashing (xxh3 of the stream, per-block digests), on the
+                     writer's hasher thread, beside the writes
+      hash_wait_s    its caller waiting for that hasher (the rank's own thread hashes nothing)
       fsync_s        its final fsync
       wait_s         its caller waiting for the writer (the queue or a staging buffer)
       prepare_s, replica_digests_s, rank_write_s (rank 0's whole write, directory fsync
@@ -51,8 +53,8 @@ def summarize(reports: Sequence[Any], phases: dict[str, float]) -> dict[str, Any
     shard_s = float(t.get("shard_s") or 0.0)
     out.update({"slowest_rank": slow.rank, "shard_s": round(shard_s, 4),
                 "shard_gbps": round(slow.bytes / shard_s / 1e9, 4) if shard_s > 0 else None,
-                "write_calls_s": t.get("write_s"), "hash_s": t.get("hash_s"), "fsync_s": t.get("fsync_s"),
-                "wait_s": t.get("wait_s")})
+                "write_calls_s": t.get("write_s"), "hash_s": t.get("hash_s"),
+                "hash_wait_s": t.get("hash_wait_s"), "fsync_s": t.get("fsync_s"), "wait_s": t.get("wait_s")})
     return out
 
 

@@ -95,7 +95,7 @@ class FsyncENOSPC:
     at writeback, as NFS and ext4 with delayed allocation do)."""
 
     def __init__(self, n: int) -> None:
-        self.n, self.calls, self.real = n, 0, os.fsync
+        self.n, self.calls, self.real, self.raised = n, 0, os.fsync, False
 
     def __enter__(self) -> FsyncENOSPC:
         def fsync(fd: Any) -> None:
@@ -103,6 +103,7 @@ class FsyncENOSPC:
                 return self.real(fd)
             self.calls += 1
             if self.calls == self.n:
+                self.raised = True
                 raise OSError(errno.ENOSPC, "No space left on device")
             self.real(fd)
 
@@ -113,8 +114,10 @@ class FsyncENOSPC:
         os.fsync = self.real
 
 
-def _phase(trace: Path, exc: BaseException | None) -> str:
-    """Which file the failed save was creating or writing, and the last seam label crossed."""
+def _phase(trace: Path, exc: BaseException | None, op: str | None = None) -> str:
+    """Which file the failed save was creating or writing, and the last seam label crossed. `op`
+    when known otherwise: the shard's fsync runs on a thread beside the index file's write, so
+    the last label crossed may be the index's when the shard's (simulated) fsync fails."""
     labels = trace.read_text().split() if trace.exists() else []
     save = labels[labels.index("write.inprogress"):] if "write.inprogress" in labels else labels
     last = save[-1] if save else "-"
@@ -124,7 +127,7 @@ def _phase(trace: Path, exc: BaseException | None) -> str:
             else name)
     if kind == "step dir":
         return f"step dir (mkdir; after {last})"
-    op = "fsync" if last.startswith("fsync.") else "write" if last.startswith("write.") else "create"
+    op = op or ("fsync" if last.startswith("fsync.") else "write" if last.startswith("write.") else "create")
     return f"{kind} ({op}; after {last})"
 
 
@@ -262,9 +265,9 @@ def sweep(report: Report, mnt: Path, rng: random.Random, rep: int) -> None:
         # ENOSPC reported by fsync (simulated): the n-th fsync of the save fails
         for n in range(1, 6):  # the file fsyncs: .inprogress, shard, its index (format 2), manifest, marker
             _reset(root, events)
-            with FsyncENOSPC(n):
+            with FsyncENOSPC(n) as failing:
                 exc = _attempt(root, extra, trace, mode)
-            phase = _phase(trace, exc)
+            phase = _phase(trace, exc, "fsync" if failing.raised else None)
             trial = f"rep {rep} {mode} fsync#{n} ENOSPC ({phase})"
             report.trials += 1
             phases[f"fsync: {phase}"] = phases.get(f"fsync: {phase}", 0) + 1
