@@ -265,7 +265,7 @@ class SparseShards:
     and the same create / fsync / rename sequence as the real writer."""
 
     def __call__(self, directory: Path, file: str, tensors: list[tuple[str, Any]],
-                 metadata: dict[str, str]) -> Any:
+                 metadata: dict[str, str], beside: Any = None) -> Any:
         tensors = shard_mod.order_for_alignment(tensors)
         header, index = shard_mod.build_header(tensors, metadata)
         data, real = 0, []
@@ -289,6 +289,8 @@ class SparseShards:
             fsio.fsync_fd(fd, "shard", tmp)
         finally:
             os.close(fd)
+        if beside is not None:  # the rank's index file, which the real writer writes during that fsync
+            beside(index)
         fsio.rename(tmp, directory / file, "shard")
         return shard_mod.WrittenShard(file=file, bytes=len(header) + data, xxh3="0" * 16, tensors=index,
                                       header_xxh3=xxhash.xxh3_64_hexdigest(header), writer="sparse")
