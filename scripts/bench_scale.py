@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import xxhash  # noqa: E402
-from scale_manifest import MODELS as _PAPER_MODELS  # noqa: E402
+from model_shapes import MODELS, MOMENTS, chunk0, parameters  # noqa: E402
 
 from slurmresume.checkpoint import commit, fsio  # noqa: E402
 from slurmresume.checkpoint import shard as shard_mod  # noqa: E402
@@ -72,29 +72,7 @@ from slurmresume.train import restoring  # noqa: E402
 from slurmresume.train.messages import WriteReport  # noqa: E402
 from slurmresume.train.saving import payload_of  # noqa: E402
 
-# (hidden, layers, ffn, vocab, kv width): Llama-2 7B, Llama-3 70B (scale_manifest.py), Llama-3.1 405B;
-# "tiny" (the same 9 tensors per layer, 2 layers) is for the tests' runs of this harness
-MODELS = {**_PAPER_MODELS, "405B": (16384, 126, 53248, 128256, 1024), "tiny": (256, 2, 512, 8192, 256)}
-MOMENTS = ("param", "exp_avg", "exp_avg_sq")
 STEP = 100
-
-
-def parameters(model: str) -> list[tuple[str, tuple[int, ...]]]:
-    d, layers, ffn, vocab, kv = MODELS[model]
-    out = [("tok_embeddings.weight", (vocab, d)), ("norm.weight", (d,)), ("output.weight", (vocab, d))]
-    for i in range(layers):
-        for name, shape in (("attention.wq", (d, d)), ("attention.wk", (kv, d)), ("attention.wv", (kv, d)),
-                            ("attention.wo", (d, d)), ("feed_forward.w1", (ffn, d)), ("feed_forward.w2", (d, ffn)),
-                            ("feed_forward.w3", (ffn, d)), ("attention_norm", (d,)), ("ffn_norm", (d,))):
-            out.append((f"layers.{i}.{name}.weight", shape))
-    return out
-
-
-def chunk0(dim0: int, world: int, rank: int) -> tuple[int, int]:
-    """torch.chunk along dim 0, as FSDP2's Shard(0): (offset, rows); trailing ranks may get 0."""
-    size = -(-dim0 // world)
-    start = min(rank * size, dim0)
-    return start, max(0, min(size, dim0 - start))
 
 
 # -- the fake world -------------------------------------------------------------------------------
