@@ -2,6 +2,7 @@
 
     python scripts/bench_scale.py [--ranks 8,64,512,4096,16384] [--models 7B,70B,405B]
                                   [--reshard 64:48,16384:12288] [--read] [--json-out scale.json]
+                                  [--peer dcp]   (DCP measured the same way: scripts/bench_scale_dcp.py)
 
 One process plays rank 0 of a W-rank job: torch.distributed's "fake" backend with FakeStore and
 `init_device_mesh` give it a real DeviceMesh and real DTensors (FSDP2 `Shard(0)` placements of the
@@ -477,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also read rank 0's box (zeros, checked against digests): memory = its bytes per rank")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the sparse checkpoints are written")
     ap.add_argument("--json-out", default=None, help="also write every figure there as JSON")
+    ap.add_argument("--peer", choices=("", "dcp"), default="",
+                    help="also measure torch.distributed.checkpoint the same way at each point (bench_scale_dcp.py)")
     args = ap.parse_args(argv)
     try:
         worlds = [int(x) for x in args.ranks.split(",")]
@@ -506,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
                     last = (world, row["manifest_bytes"])
             rows.append(row)
             print(line(row), flush=True)
+            if args.peer == "dcp":
+                import bench_scale_dcp
+
+                row["dcp"] = bench_scale_dcp.beside(model, world, reshard.get(world), Path(args.dir), not args.no_memory)
+                print(bench_scale_dcp.line(row["dcp"]), flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                                    "rows": rows}, indent=1, default=str))
