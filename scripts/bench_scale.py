@@ -2,6 +2,7 @@
 
     python scripts/bench_scale.py [--ranks 8,64,512,4096,16384] [--models 7B,70B,405B]
                                   [--reshard 64:48,16384:12288] [--read] [--json-out scale.json]
+                                  [--peer dcp]   (DCP measured the same way: scripts/bench_scale_dcp.py)
 
 One process plays rank 0 of a W-rank job: torch.distributed's "fake" backend with FakeStore and
 `init_device_mesh` give it a real DeviceMesh and real DTensors (FSDP2 `Shard(0)` placements of the
@@ -64,7 +65,7 @@ import bench_nodefile  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import xxhash  # noqa: E402
-from scale_manifest import MODELS as _PAPER_MODELS  # noqa: E402
+from model_shapes import MODELS, MOMENTS, chunk0, parameters  # noqa: E402
 
 from slurmresume.checkpoint import commit, fsio  # noqa: E402
 from slurmresume.checkpoint import shard as shard_mod  # noqa: E402
@@ -76,29 +77,7 @@ from slurmresume.train import restoring  # noqa: E402
 from slurmresume.train.messages import WriteReport  # noqa: E402
 from slurmresume.train.saving import payload_of  # noqa: E402
 
-# (hidden, layers, ffn, vocab, kv width): Llama-2 7B, Llama-3 70B (scale_manifest.py), Llama-3.1 405B;
-# "tiny" (the same 9 tensors per layer, 2 layers) is for the tests' runs of this harness
-MODELS = {**_PAPER_MODELS, "405B": (16384, 126, 53248, 128256, 1024), "tiny": (256, 2, 512, 8192, 256)}
-MOMENTS = ("param", "exp_avg", "exp_avg_sq")
 STEP = 100
-
-
-def parameters(model: str) -> list[tuple[str, tuple[int, ...]]]:
-    d, layers, ffn, vocab, kv = MODELS[model]
-    out = [("tok_embeddings.weight", (vocab, d)), ("norm.weight", (d,)), ("output.weight", (vocab, d))]
-    for i in range(layers):
-        for name, shape in (("attention.wq", (d, d)), ("attention.wk", (kv, d)), ("attention.wv", (kv, d)),
-                            ("attention.wo", (d, d)), ("feed_forward.w1", (ffn, d)), ("feed_forward.w2", (d, ffn)),
-                            ("feed_forward.w3", (ffn, d)), ("attention_norm", (d,)), ("ffn_norm", (d,))):
-            out.append((f"layers.{i}.{name}.weight", shape))
-    return out
-
-
-def chunk0(dim0: int, world: int, rank: int) -> tuple[int, int]:
-    """torch.chunk along dim 0, as FSDP2's Shard(0): (offset, rows); trailing ranks may get 0."""
-    size = -(-dim0 // world)
-    start = min(rank * size, dim0)
-    return start, max(0, min(size, dim0 - start))
 
 
 # -- the fake world -------------------------------------------------------------------------------
@@ -535,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", default="per-rank",
                     help="per-rank, or per-node:N (one file per node of N ranks, checkpoint/nodefile.py), "
                          "or both: per-rank,per-node:8 (each (model, W) saved once per layout)")
+    ap.add_argument("--peer", choices=("", "dcp"), default="",
+                    help="also measure torch.distributed.checkpoint the same way at each point (bench_scale_dcp.py)")
     args = ap.parse_args(argv)
     try:
         worlds = [int(x) for x in args.ranks.split(",")]
@@ -572,6 +553,12 @@ def main(argv: list[str] | None = None) -> int:
                         last = (world, row["manifest_bytes"])
                     rows.append(row)
                     print(line(row), flush=True)
+                if args.peer == "dcp":  # once per point: DCP has no layouts of ours
+                    import bench_scale_dcp
+
+                    row["dcp"] = bench_scale_dcp.beside(model, world, reshard.get(world), Path(args.dir),
+                                                        not args.no_memory)
+                    print(bench_scale_dcp.line(row["dcp"]), flush=True)
                 continue
             rows.append(row)
             print(line(row), flush=True)

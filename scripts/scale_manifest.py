@@ -37,28 +37,10 @@ from slurmresume.checkpoint.manifest import MAX_MANIFEST, build_manifest, valida
 from slurmresume.checkpoint.shard import VERIFY_BLOCK  # noqa: E402
 from slurmresume.checkpoint.sharding import cover, index_pieces  # noqa: E402
 
-# (hidden, layers, ffn, vocab, kv width): Llama-2 7B and Llama-3 70B shapes
-MODELS = {"7B": (4096, 32, 11008, 32000, 4096), "70B": (8192, 80, 28672, 128256, 1024)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_shapes import MODELS, MOMENTS, chunk0, parameters  # noqa: E402
+
 STATE_BYTES = 4  # fp32 sharded parameters and both Adam moments (FSDP2 keeps sharded params fp32)
-MOMENTS = ("param", "exp_avg", "exp_avg_sq")
-
-
-def parameters(model: str) -> list[tuple[str, tuple[int, ...]]]:
-    d, layers, ffn, vocab, kv = MODELS[model]
-    out = [("tok_embeddings.weight", (vocab, d)), ("norm.weight", (d,)), ("output.weight", (vocab, d))]
-    for i in range(layers):
-        for name, shape in (("attention.wq", (d, d)), ("attention.wk", (kv, d)), ("attention.wv", (kv, d)),
-                            ("attention.wo", (d, d)), ("feed_forward.w1", (ffn, d)), ("feed_forward.w2", (d, ffn)),
-                            ("feed_forward.w3", (ffn, d)), ("attention_norm", (d,)), ("ffn_norm", (d,))):
-            out.append((f"layers.{i}.{name}.weight", shape))
-    return out
-
-
-def chunk0(dim0: int, world: int, rank: int) -> tuple[int, int]:
-    """torch.chunk along dim 0, as FSDP2's Shard(0): (offset, rows); trailing ranks may get 0."""
-    size = -(-dim0 // world)
-    start = min(rank * size, dim0)
-    return start, max(0, min(size, dim0 - start))
 
 
 def report(model: str, world: int, rank: int, params: list) -> dict:
