@@ -58,7 +58,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_scale import Ops, fake_world, rank_state  # noqa: E402
+from bench_scale import Ops, _mib, fake_world, rank_state  # noqa: E402
 from model_shapes import MODELS, MOMENTS, parameters  # noqa: E402
 from torch.distributed.checkpoint import (  # noqa: E402
     DefaultLoadPlanner,
@@ -276,10 +276,6 @@ def _clear_caches() -> None:
 
 def tensors(model: str) -> int:
     return len(parameters(model)) * len(MOMENTS)
-
-
-def _mib(n: float | None) -> str:
-    return "?" if n is None else f"{n / 2**20:.2f} MiB"
 
 
 def line(r: dict[str, Any]) -> str:
