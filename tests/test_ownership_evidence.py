@@ -84,8 +84,11 @@ INVALID = "echo 'slurm_load_jobs error: Invalid job id specified' >&2; exit 1"
 
 
 def _write_lease(root: Path, lease: ownership.Lease) -> None:
+    """Another run's lease, written under the lease's lock as its `acquire` would: without it a
+    live holder's heartbeat (read, then rewrite) could put its own lease back over this one."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / OWNER).write_text(json.dumps(lease.__dict__))
+    with ownership._lock(root):
+        (root / OWNER).write_text(json.dumps(lease.__dict__))
 
 
 def test_invalid_job_id_is_no_proof_against_a_fresh_lease(tmp_path, monkeypatch) -> None:

@@ -82,8 +82,11 @@ def retry_transient(label: str, path: str | os.PathLike[str], fn: Callable[[], T
     raise AssertionError("unreachable")
 
 
-def fsync_fd(fd: int, label: str, path: str | os.PathLike[str] = "") -> None:
-    fault_point(f"fsync.{label}", path)
+def fsync_fd(fd: int, label: str, path: str | os.PathLike[str] = "", *, crossed: bool = False) -> None:
+    """fsync `fd`, crossing its fault point first; `crossed`: the caller crossed it already (on
+    its own thread, so that labels keep their order while this fsync runs on another)."""
+    if not crossed:
+        fault_point(f"fsync.{label}", path)
     os.fsync(fd)
 
 

@@ -50,11 +50,15 @@ def throttle(mbps: float) -> None:
     feed = writer.ShardSink.feed
     piece = 64 << 10
 
-    def slow_feed(self, data, *, reused: bool = False) -> None:  # type: ignore[no-untyped-def]
+    def slow_feed(self, data, *, reused: bool = False, digests=None) -> None:  # type: ignore[no-untyped-def]
+        import xxhash
+
         view = memoryview(data).cast("B")
         for start in range(0, len(view), piece):
             feed(self, bytes(view[start : start + piece]), reused=True)
             time.sleep(piece / (mbps * 1e6))
+        if digests is not None:  # the block digest the hasher would have appended (pieces are copies here)
+            digests.append(xxhash.xxh3_64_hexdigest(view))
 
     writer.ShardSink.feed = slow_feed
 
@@ -65,11 +69,11 @@ def slow_fsync(seconds: float) -> None:
     fsync = fsio.fsync_fd
     paused = []
 
-    def pause_once(fd: int, label: str, path: str = "") -> None:
+    def pause_once(fd: int, label: str, path: str = "", **kw) -> None:  # type: ignore[no-untyped-def]
         if label == "shard" and not paused:
             paused.append(True)
             time.sleep(1e6 if seconds == float("inf") else seconds)
-        fsync(fd, label, path)
+        fsync(fd, label, path, **kw)
 
     fsio.fsync_fd = pause_once
 
