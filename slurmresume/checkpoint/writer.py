@@ -61,8 +61,11 @@ def _staging(count: int, size: int) -> tuple[np.ndarray, ...]:
     bufs = pools.get((count, size))
     if bufs is None:
         # mmap'ed memory is page-aligned, as O_DIRECT requires; touching it once up front
-        # avoids first-touch page faults during the first save.
-        bufs = tuple(np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8) for _ in range(count))
+        # avoids first-touch page faults during the first save. PRIVATE: Python's anonymous
+        # mmap is MAP_SHARED by default, so ranks forked after a save in their parent (fork-started
+        # workers, tests) wrote through one physical buffer and corrupted each other's shards.
+        bufs = tuple(np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                                   dtype=np.uint8) for _ in range(count))
         for b in bufs:
             b[::4096] = 0
         pools[(count, size)] = bufs
