@@ -400,20 +400,21 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
             out["pick_ops"] = Ops.total(counts)
         if not isinstance(choice, restoring.RestoreChoice):
             return {**out, "error": str(getattr(choice, "message", choice))}
-        with ops.counting() as counts:
-            t, c = time.perf_counter(), time.process_time()
-            part = restoring.plan_part(0, choice, state, live, True)
-            out["plan_s"], out["plan_cpu_s"] = time.perf_counter() - t, time.process_time() - c
-            out["plan_ops"] = Ops.total(counts)
+
+        def timed_plan(key: str, chosen: restoring.RestoreChoice) -> Any:  # `key`_s, _cpu_s, _ops into out
+            with ops.counting() as counts:
+                t, c = time.perf_counter(), time.process_time()
+                result = restoring.plan_part(0, chosen, state, live, True)
+                out[f"{key}_s"], out[f"{key}_cpu_s"] = time.perf_counter() - t, time.process_time() - c
+                out[f"{key}_ops"] = Ops.total(counts)
+            return result
+
+        part = timed_plan("plan", choice)
         if isinstance(part, restoring.Failure):
             return {**out, "error": part.message}
         wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
         out["choice_bytes"] = len(json.dumps(restoring.pick_to_json(choice), separators=(",", ":")))
-        with ops.counting() as counts:
-            t, c = time.perf_counter(), time.process_time()
-            other = restoring.plan_part(0, wire, state, live, True)
-            out["other_plan_s"], out["other_plan_cpu_s"] = time.perf_counter() - t, time.process_time() - c
-            out["other_plan_ops"] = Ops.total(counts)
+        other = timed_plan("other_plan", wire)
         if isinstance(other, restoring.Failure):
             return {**out, "error": other.message}
         # + W x read_ops with --read
