@@ -274,3 +274,31 @@ def test_saves_with_a_forced_path_feed_the_belief(tmp_path: Path, cache: Path, m
     with slurmresume.Checkpointer(tmp_path / "root2", handle_signals=False) as ck:
         ck.save(1, {"m": state})
     assert not other.exists()
+
+
+def test_every_rank_explores_the_path_rank_0_names_whatever_its_own_node_believes(tmp_path: Path, cache: Path) -> None:
+    """Three gloo ranks, each with the cache of another node: rank 0's belief makes buffered due,
+    the others believe buffered-wb is their runner-up. The whole save writes with buffered (one
+    path, so the exploration's cost is the one rank 0 budgeted); before, each rank explored its
+    own node's runner-up."""
+    from tests.test_guards import run_ranks
+
+    now = time.time()
+    beliefs = [_belief({"direct": 1.0, "buffered": 0.9}, at=now, tickets=bandit.EXPLORE_EVERY - 1)] + \
+        [_belief({"direct": 1.0, "buffered-wb": 0.95}, at=now) for _ in (1, 2)]
+    root = tmp_path / "root"
+
+    def body(rank: int) -> dict[str, int]:
+        import os
+
+        os.environ[calibrate.CACHE_ENV] = str(tmp_path / f"node{rank}.json")
+        key = calibrate.fs_key(tmp_path)
+        calibrate._write_cache(key, bandit.to_entry(beliefs[rank], now, key=key))
+        with slurmresume.Checkpointer(root, handle_signals=False) as ck:
+            ck.save(1, {"m": {"w": torch.full((1 << 20,), float(rank))}})
+        paths = json.loads((tmp_path / f"node{rank}.json").read_text())[key]["paths"]
+        return {n: p["n"] for n, p in paths.items()}
+
+    fed = run_ranks(tmp_path, body)
+    assert all(f.get("buffered") == 1 and f.get("direct") == 0 and f.get("buffered-wb", 0) == 0 for f in fed), fed
+    assert slurmresume.find_latest(root, verify=True).verified is True  # type: ignore[union-attr]
