@@ -291,6 +291,7 @@ def test_every_rank_explores_the_path_rank_0_names_whatever_its_own_node_believe
     def body(rank: int) -> dict[str, int]:
         import os
 
+        torch.set_num_threads(1)  # forked after this process's own saves: its intra-op pool is not the child's
         os.environ[calibrate.CACHE_ENV] = str(tmp_path / f"node{rank}.json")
         key = calibrate.fs_key(tmp_path)
         calibrate._write_cache(key, bandit.to_entry(beliefs[rank], now, key=key))
