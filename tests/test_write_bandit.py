@@ -19,7 +19,8 @@ NOW = 1_000_000.0
 
 
 def _belief(speeds: dict[str, float], at: float = NOW, tickets: int = 0, src: str = bandit.PROBE) -> dict:
-    return {"paths": {n: {"gbps": g, "at": at, "n": 0, "src": src} for n, g in speeds.items()}, "tickets": tickets}
+    return {"paths": {n: {"gbps": g, "at": at, "n": 0, "src": src, "t": 0} for n, g in speeds.items()},
+            "tickets": tickets}
 
 
 def test_a_near_path_is_tried_one_save_in_eight_and_a_far_one_as_often_as_its_cost_allows() -> None:
@@ -124,6 +125,21 @@ def test_a_path_believed_2_2_times_slower_is_still_tried_and_then_adopted(speeds
                                    {"strategy": "direct", "gbps": {"direct": 1.0}, "stale": True}])
 def test_a_damaged_or_stale_entry_is_no_belief(entry: object) -> None:
     assert bandit.belief_of(entry, S) is None
+
+
+def test_a_cache_from_before_the_spacing_starts_its_clock_now_and_tries_no_burst_of_paths() -> None:
+    """An entry written by the one-in-8 version (tickets counted, no `t`): every path counts as
+    tried at the current ticket, so the next saves do not try every path in turn, the 6x slower
+    one included: direct (0.84x, every 12) comes 12 saves on, buffered (0.73x) 23 on."""
+    old = {"tickets": 500, "paths": {n: {"gbps": g, "at": NOW, "n": 3, "src": "save"} for n, g in
+                                     {"direct-par": 0.95, "direct": 0.80, "buffered": 0.69, "buffered-wb": 0.14}.items()}}
+    b = bandit.belief_of(old, S)
+    assert b is not None and {p["t"] for p in b["paths"].values()} == {500}
+    drawn = []
+    for _ in range(30):
+        path, b = bandit.draw(b, NOW)
+        drawn.append(path)
+    assert {i: p for i, p in enumerate(drawn) if p} == {11: "direct", 22: "buffered", 23: "direct"}, drawn
 
 
 def test_an_entry_from_before_the_bandit_becomes_a_belief_of_probes() -> None:

@@ -37,7 +37,7 @@ So the choice is a small bandit over the write paths (writer.STRATEGIES), per fi
   is now far faster is adopted from its first explored save.
 
 `belief_of` also reads the older cache entries (strategy + probe GB/s, with or without a trial;
-paths without `t`: last tried at ticket 0). The imperative shell (the cache file, its lock, the
+paths without `t` count as tried at the current ticket). The imperative shell (the cache file, its lock, the
 ticket, rank 0's decision for the whole save) is in `calibrate`.
 """
 
@@ -77,7 +77,10 @@ def belief_of(entry: Any, strategies: tuple[str, ...]) -> dict[str, Any] | None:
             if name in strategies and isinstance(p, dict) and _number(p.get("gbps")) and _number(p.get("at")):
                 paths[name] = {"gbps": float(p["gbps"]), "at": float(p["at"]), "n": _count(p.get("n")),
                                "src": SAVE if p.get("src") == SAVE else PROBE,
-                               "t": min(_count(p.get("t")), tickets)}  # a damaged `t` never blocks a path
+                               # a damaged `t` never blocks a path; none (a cache from before the
+                               # spacing): tried now, or the first saves after an upgrade would try
+                               # every path in turn, the slowest included
+                               "t": min(_count(p["t"]), tickets) if "t" in p else tickets}
     elif not entry.get("stale") and isinstance(entry.get("gbps"), dict) and _number(entry.get("measured_at") or 1):
         at = float(entry.get("measured_at") or 1)
         for name, g in entry["gbps"].items():
