@@ -41,6 +41,21 @@ from slurmresume.checkpoint.store import find_latest  # noqa: E402
 GiB = 1 << 30
 
 
+def forcing(strategy: str | None, work: Path) -> None:
+    """Force `strategy` (None: choose) for the next save. A forced save feeds the belief of the
+    cache it sees (issue #32): the forced rows get a cache of their own, so that the chosen row
+    learns only from its own saves, as a run with no forced saves would, and the table still shows
+    whether the choice or the path lost."""
+    from slurmresume.checkpoint import calibrate
+
+    if strategy:
+        os.environ[calibrate.ENV] = strategy
+        os.environ[calibrate.CACHE_ENV] = str(work / "writer-cache-forced.json")
+    else:
+        os.environ.pop(calibrate.ENV, None)
+        os.environ[calibrate.CACHE_ENV] = str(work / "writer-cache.json")
+
+
 def make_state(gib: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Embedding + layers of attention/MLP matrices + many small norm/bias vectors."""
     d = 2048
@@ -185,10 +200,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
 
     def ours(strategy: str | None) -> Callable[[], None]:
         def run() -> None:
-            if strategy:
-                os.environ[calibrate.ENV] = strategy
-            else:
-                os.environ.pop(calibrate.ENV, None)
+            forcing(strategy, work)
             drop_steps(work / "ours")
             name = OURS if strategy is None else f"slurmresume save, writer={strategy}"
             try:
@@ -198,7 +210,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
                 if strategy is None:  # the path this save took (the choice keeps learning from real saves)
                     writers.append(saved.get("writer"))
             finally:
-                os.environ.pop(calibrate.ENV, None)
+                forcing(None, work)
         return run
 
     def dcp_async() -> None:
@@ -405,12 +417,11 @@ def _rank_worker(rank: int, ranks: int, port: int, gib: float, dtype: torch.dtyp
 
     def ours(strategy: str | None) -> Callable[[], None]:
         def run() -> None:
-            if strategy:
-                os.environ[calibrate.ENV] = strategy
+            forcing(strategy, work)
             try:
                 ck.save(next(counter), {"m": Holder(state)})
             finally:
-                os.environ.pop(calibrate.ENV, None)
+                forcing(None, work)
         return run
 
     def clean() -> None:

@@ -88,7 +88,7 @@ def test_an_unknown_kind_from_a_peer_is_a_checkpoint_error() -> None:
 
 def test_the_typed_messages_carry_exactly_what_commit_writes_and_reads(tmp_path: Path) -> None:
     decision = _commit.prepare(tmp_path, 5)
-    assert PrepareDecision.from_json(decision).to_json() == {**decision, "error": "", "explore": False}
+    assert PrepareDecision.from_json(decision).to_json() == {**decision, "error": "", "explore": ""}
     report = _commit.write_rank(tmp_path, 5, Group(), {"w": {"__tensor__": "w"}}, [("w", torch.arange(4.0))],
                                 into=decision["dir"])
     assert WriteReport.from_json(report).to_json() == report  # build_manifest reads the same dict

@@ -7,9 +7,11 @@ learning from real saves (`bandit`: the decisions; this module: the environment 
   2. the belief for the file system in the cache file ($SLURMRESUME_WRITER_CACHE, default
      $XDG_CACHE_HOME/slurmresume/writer.json), keyed by host, st_dev, file-system type and mount
      point: one entry per disk as this node sees it. A large save (>= RECHECK_MIN_BYTES) that may
-     explore takes a ticket from it under the cache's lock (`bandit.pick`: every
-     bandit.EXPLORE_EVERY-th explores the path measured longest ago); a small or emergency save
-     reads it without the lock and takes the best (this process's memory when the file fails).
+     explore takes a ticket from it under the cache's lock (`bandit.draw`: a path other than the
+     best is tried once its `bandit.spacing` of saves has passed, at most 5% of the save time in
+     all); in a Checkpointer's save rank 0 draws once (`save_ticket`) and every rank writes with
+     the path it names (`agreed`). A small or emergency save reads the belief without the lock
+     and takes the best (this process's memory when the file fails).
   3. a calibration when nothing fresh is known, but only for a shard of at least
      CALIBRATE_MIN_BYTES and never during an emergency save (`emergency()`): every strategy
      writes a probe file of PROBE_BYTES (SLURMRESUME_CALIBRATE_MIB) durably into the directory,
@@ -17,8 +19,9 @@ learning from real saves (`bandit`: the decisions; this module: the environment 
      disks; the cache file is locked meanwhile so the ranks of one node do not measure each other.
   4. otherwise `direct` (the best path on most days here), source "default".
 After a large non-emergency save, `observe` folds its GB/s into the belief (`bandit.update`),
-under the lock: the choice follows what real saves measure. An emergency save never explores,
-never takes the lock and records nothing. `status` shows the belief (`cached_choice`).
+under the lock: the choice follows what real saves measure, those with a forced path included
+(SLURMRESUME_WRITER: they are real saves of that path on this file system). An emergency save
+never explores, never takes the lock and records nothing. `status` shows the belief (`cached_choice`).
 """
 
 from __future__ import annotations
@@ -67,9 +70,10 @@ def emergency() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def agreed(explore: bool) -> Iterator[None]:
-    """In this thread meanwhile, large saves explore exactly when `explore` (the whole save's
-    decision, from rank 0's `save_ticket`) instead of taking tickets of their own."""
+def agreed(explore: str) -> Iterator[None]:
+    """In this thread meanwhile, large saves write with the path `explore` names (the whole
+    save's decision, from rank 0's `save_ticket`; "": the best this node knows) instead of
+    taking tickets of their own."""
     before = getattr(_state, "explore", None)
     _state.explore = explore
     try:
@@ -78,25 +82,27 @@ def agreed(explore: bool) -> Iterator[None]:
         _state.explore = before
 
 
-def save_ticket(directory: str | os.PathLike[str]) -> bool:
+def save_ticket(directory: str | os.PathLike[str]) -> str:
     """Rank 0, once per large non-emergency save: take a ticket from the belief of `directory`'s
-    file system and say whether this save explores (`bandit.explores`). False when nothing is
-    known yet or anything fails (a hint never fails a save)."""
+    file system and name the path this save explores on every rank (`bandit.draw`), "" for none.
+    "" when nothing is known yet or anything fails (a hint never fails a save). One path for the
+    whole save: the budget of `bandit.spacing` holds for the job, not only for rank 0's node."""
     if forced() is not None or getattr(_state, "emergency", False):
-        return False
+        return ""
     try:
         key = fs_key(directory)
         with _guard, _locked():
             entry = _read_cache().get(key)
             belief = _belief(entry)
             if belief is None or not isinstance(entry, dict):
-                return False
-            ticket, belief = bandit.take_ticket(belief)
+                return ""
+            now = time.time()
+            path, belief = bandit.draw(belief, now)
             keep = {k: v for k, v in entry.items() if k in ("key", "measured_at", "calibration")}
-            _write_cache(key, bandit.to_entry(belief, time.time(), **keep))
-        return bandit.explores(ticket)
+            _write_cache(key, bandit.to_entry(belief, now, **keep))
+        return path or ""
     except Exception:  # noqa: BLE001 - no exploration this time
-        return False
+        return ""
 
 
 def cache_path() -> Path:
@@ -233,7 +239,8 @@ def _locked() -> Any:
 
 def _ticket_locked(directory: Path, key: str) -> tuple[str, bool]:
     """Under the cache's lock: the belief for `key` (calibrated now when nothing fresh is known),
-    a ticket taken from it, the path that ticket gets (`bandit.pick`), the entry written back."""
+    a ticket taken from it and the path it gets (`bandit.draw`; or the path the save agreed on,
+    `agreed`), the entry written back."""
     with _guard, _locked():
         now = time.time()
         entry = _read_cache().get(key)
@@ -245,13 +252,14 @@ def _ticket_locked(directory: Path, key: str) -> tuple[str, bool]:
                 raise ValueError("the calibration measured no write path")
             entry = {"key": key, "measured_at": probed["measured_at"],
                      "calibration": {k: probed.get(k) for k in ("gbps", "seconds", "probe_bytes")}}
-        told = getattr(_state, "explore", None)  # the save's agreed decision (`agreed`), else a ticket here
-        ticket: int | None
+        told = getattr(_state, "explore", None)  # the save's agreed path (`agreed`), else a ticket here
         if told is None:
-            ticket, belief = bandit.take_ticket(belief)
+            path, belief = bandit.draw(belief, now)
         else:
-            ticket = bandit.EXPLORE_EVERY - 1 if told else None
-        strategy, explored = bandit.pick(belief, now, emergency=False, ticket=ticket)
+            from .writer import STRATEGIES
+
+            path = told if told in STRATEGIES else None
+        strategy, explored = (path, True) if path else (bandit.best(belief, now), False)
         entry = bandit.to_entry(belief, now, **{k: v for k, v in (entry or {}).items()
                                                 if k in ("key", "measured_at", "calibration")})
         _write_cache(key, entry)
@@ -334,19 +342,22 @@ def open_sink(path: str | os.PathLike[str], size_hint: int = 0, **where: Any) ->
 
     directory = os.path.dirname(os.path.abspath(path))
     strategy, source = choose(directory, size_hint)
-    measured = source in ("calibrated", "explore")
+    measured = source in ("calibrated", "explore", "forced")  # a forced path's real save is a measurement too
     on_finish = (lambda s, n, secs: observe(directory, s, n, secs)) if measured else None
     return ShardSink(path, strategy, source=source, on_finish=on_finish, **where)  # where: a node file's range
 
 
 def observe(directory: str | os.PathLike[str], strategy: str, nbytes: int, seconds: float) -> None:
-    """After a save with a measured strategy: fold its GB/s into the file system's belief
-    (`bandit.update`, under the cache's lock). Not for small shards (RECHECK_MIN_BYTES: too short
-    a sample) nor emergency saves (they never wait for a lock). Never raises."""
+    """After a save with a measured or forced strategy: fold its GB/s into the file system's
+    belief (`bandit.update`, under the cache's lock), when there is one (a forced path never
+    calibrates). Not for small shards (RECHECK_MIN_BYTES: too short a sample) nor emergency
+    saves (they never wait for a lock). Never raises."""
     if nbytes < RECHECK_MIN_BYTES or seconds <= 0 or getattr(_state, "emergency", False):
         return
     try:
         key = fs_key(directory)
+        if _belief(_read_cache().get(key)) is None:  # nothing to refine (a forced path, never calibrated here)
+            return
         with _guard, _locked():
             now = time.time()
             entry = _read_cache().get(key)

@@ -97,7 +97,7 @@ class PrepareDecision:
     dir: str = ""
     replace: bool = False
     error: str = ""
-    explore: bool = False  # every rank explores its runner-up write path on this save (checkpoint.bandit)
+    explore: str = ""  # the write path every rank explores on this save, "" for none (checkpoint.bandit)
 
     def to_json(self) -> dict[str, Any]:
         return {"action": self.action, "dir": self.dir, "replace": self.replace, "error": self.error,
@@ -106,7 +106,7 @@ class PrepareDecision:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PrepareDecision:
         return cls(str(d["action"]), str(d.get("dir") or ""), bool(d.get("replace")), str(d.get("error") or ""),
-                   bool(d.get("explore")))
+                   str(d.get("explore") or ""))
 
 
 @dataclass(frozen=True)
