@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.procs import HELPERS, clean_env
+from helpers.procs import HELPERS, clean_env, run_ranks
 from typer.testing import CliRunner
 
 from slurmresume.checkpoint.layout import MANIFEST, MARKER
@@ -24,10 +24,7 @@ SCRIPT = HELPERS / "node_layout.py"
 
 
 def _ranks(world: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """`world` gloo ranks forked from one process that imported torch once (helpers/forkranks.py:
-    torchrun's variables, the first failed rank ends the others); the launch is not under test."""
-    return subprocess.run([sys.executable, str(HELPERS / "forkranks.py"), str(world), str(SCRIPT), *args],
-                          env=clean_env(**env), capture_output=True, text=True, timeout=240)
+    return run_ranks(world, SCRIPT, *args, env=clean_env(**env))
 
 
 def _save(root: Path, steps: str, **env: str) -> subprocess.CompletedProcess[str]:
