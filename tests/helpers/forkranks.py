@@ -16,11 +16,14 @@ the others (SIGTERM, SIGKILL 5 s later), and the exit status is 1; 0 when every 
 
 from __future__ import annotations
 
+import atexit
+import importlib
 import os
 import runpy
 import signal
 import socket
 import sys
+import threading
 import time
 
 if __name__ == "__main__" and int(sys.argv[1]) > 1:  # as torchrun does for more than one rank, before
@@ -29,6 +32,9 @@ if __name__ == "__main__" and int(sys.argv[1]) > 1:  # as torchrun does for more
 import torch  # noqa: E402, F401  the point: imported once, before the ranks fork
 import torch.distributed  # noqa: E402, F401
 import torch.distributed.tensor  # noqa: E402, F401
+
+PRELOAD = "FORKRANKS_PRELOAD"  # more modules to import before the fork, comma separated (torch._dynamo:
+# a script that makes an optimizer imports it, ~2 CPU-s per process); never slurmresume (see above)
 
 
 def _free_port() -> int:
@@ -50,7 +56,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _rank(rank: int, world: int, port: int, script: str, args: list[str], parent: int) -> None:
-    """In the forked child: torchrun's environment, then the script as __main__; never returns."""
+    """In the forked child: torchrun's environment, the script as __main__, then the end of an
+    interpreter (its non-daemon threads joined, its atexit handlers run); never returns."""
     code = 0
     try:
         os.setsid()
@@ -68,6 +75,14 @@ def _rank(rank: int, world: int, port: int, script: str, args: list[str], parent
 
         traceback.print_exc()
         code = 1
+    try:  # the interpreter's own exit, as a torchrun rank ends: wait for non-daemon threads, then atexit
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        code = code or 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -75,6 +90,8 @@ def _rank(rank: int, world: int, port: int, script: str, args: list[str], parent
 
 def main(argv: list[str]) -> int:
     world, script, args = int(argv[0]), argv[1], argv[2:]
+    for name in filter(None, os.environ.pop(PRELOAD, "").split(",")):
+        importlib.import_module(name)
     port = _free_port()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -63,10 +63,13 @@ def run_example(ckpt_dir: Path, *args: str | int, nproc: int = 1, env: dict[str,
 
 
 def run_ranks(nproc: int, script: str | os.PathLike[str], *args: str | os.PathLike[str],
-              env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+              env: dict[str, str] | None = None, timeout: float = 240,
+              preload: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
     """`script args...` as `nproc` local gloo ranks forked from one process that imported torch
-    once (helpers/forkranks.py: torchrun's variables, the first failed rank ends the others, exit
-    1), for tests of the checkpoint library across ranks; a test of the launch uses torchrun."""
+    (and `preload`, e.g. torch._dynamo for a script that makes an optimizer) once
+    (helpers/forkranks.py: torchrun's variables, the first failed rank ends the others, exit 1),
+    for tests of the checkpoint library across ranks; a test of the launch uses torchrun."""
+    env = dict(env if env is not None else clean_env(), FORKRANKS_PRELOAD=",".join(preload))
     return run_python([HELPERS / "forkranks.py", str(nproc), script, *args], env=env, timeout=timeout)
 
 
