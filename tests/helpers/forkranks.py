@@ -1,15 +1,19 @@
 """Run a test helper script as N local gloo ranks forked from one process that imported torch
 once, in place of `torchrun --standalone --nproc-per-node=N script args...`:
 
-    python3 tests/helpers/forkranks.py N SCRIPT [ARGS...]
+    python3 tests/helpers/forkranks.py N SCRIPT [ARGS...]    (tests call procs.run_ranks)
 
 For tests of the checkpoint library across ranks, not of the launch: each torchrun rank is a
-fresh interpreter that imports torch (2-4 s of CPU each on this 2-core machine, torchrun itself
-one more), while a forked rank starts with torch already imported. Each rank gets torchrun's
-variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
-ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1 for more than one rank, as
-torchrun sets it), its own session (as torchrun's ranks), and runs the script as __main__. slurmresume is NOT imported before the fork: its test seams
-(SLURMRESUME_TEST_KILL_AT / FAIL_AT) are read at import, after the script set them per rank.
+fresh interpreter that imports torch (about 2 CPU-s each here; torchrun itself as much again),
+while a forked rank starts with torch imported. A 4-rank save: 16.5 CPU-s under torchrun, 6.5
+forked (docs/architecture.md, "Where the suite's time goes").
+
+Each rank gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1 for more than one rank,
+as torchrun sets it), its own session (as torchrun's ranks), dies with the runner, runs the
+script as __main__ and ends as an interpreter does. slurmresume is NOT imported before the
+fork: its test seams (SLURMRESUME_TEST_KILL_AT / FAIL_AT) are read at import, after the script
+set them per rank. MASTER_PORT was free a moment before the fork (as procs.free_port).
 
 As torchrun with --max-restarts=0: the first rank that fails (non-zero exit or a signal) ends
 the others (SIGTERM, SIGKILL 5 s later), and the exit status is 1; 0 when every rank exits 0."""
