@@ -16,7 +16,7 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 from helpers import procs  # noqa: E402
-from helpers.suite_order import slurm_chains  # noqa: E402
+from helpers.suite_order import fixture_groups, slurm_chains  # noqa: E402
 from helpers.typer_cache import install as _cache_cli_commands  # noqa: E402
 
 _cache_cli_commands()  # CliRunner builds each app's command once per worker, not per invoke
@@ -46,11 +46,17 @@ def run_python() -> Callable[..., object]:
     return procs.run_python
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist declares it; declared here too, so a run with -p no:xdist takes the marks below quietly
+    config.addinivalue_line("markers", "xdist_group(name): tests of one group run on one xdist worker")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n N --dist loadgroup`, what scripts/test uses): the tests on the real
     Slurm cluster form two groups (each runs one test after another on one worker), collected
-    first, so their serial chains start while the other workers take everything else.
+    first, so their serial chains start while the other workers take everything else; the other
+    tests that share a module-scoped fixture form one group per module.
 
     Tests marked `exhaustive` (the remaining points of a matrix such as start method x worker
     persistence, whose every value another test covers) run only with SLURMRESUME_EXHAUSTIVE=1
@@ -76,10 +82,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             slurm.append(by_id[nodeid])
     rest = sorted((item for item in items if not item.get_closest_marker("slurm")),
                   key=lambda item: -order.get(item.nodeid, 0))
+    # A module's tests that share a module-scoped fixture (a multi-rank save several tests read)
+    # form one group, run one after another on one worker: the fixture runs once, not once for
+    # each time the longest-first order comes back to the module (helpers/suite_order.py).
+    grouped = {item.nodeid for item in rest if item.get_closest_marker("xdist_group")}
+    groups = fixture_groups({item.nodeid: _scopes(item) for item in rest}, grouped)
+    for item in rest:
+        if item.nodeid in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
     items[:] = slurm + rest
 
 
 SLURM_CHAINS = 2
+
+
+def _scopes(item: pytest.Item) -> list[str]:
+    """The scopes of the fixtures a test uses."""
+    info = getattr(item, "_fixtureinfo", None)
+    return [defs[-1].scope for defs in info.name2fixturedefs.values() if defs] if info else []
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.procs import run_ranks
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,6 +19,9 @@ EXAMPLE = REPO / "examples" / "train.py"
 # One worker runs this module, so that its module-scoped fixture (a multi-process run) is
 # computed once: under xdist each worker that got one of its tests computed it again.
 pytestmark = pytest.mark.xdist_group("elastic")
+# The ranks are forked from one process that imported torch and torch._dynamo (an optimizer
+# imports it) once (helpers/forkranks.py): what is tested is the checkpoint, not the launch.
+DYNAMO = ("torch._dynamo",)
 
 PROBE = r'''
 import os, sys, torch, torch.distributed as dist, slurmresume
@@ -60,9 +64,8 @@ def _run(args: list[str], env: dict, timeout: int = 300) -> subprocess.Completed
 @pytest.fixture(scope="module")
 def ddp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ddp") / "ck"
-    res = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(EXAMPLE),
-                "--steps", "10", "--save-every", "10", "--batch-size", "4", "--ckpt-dir", str(root)],
-               env={**__import__("os").environ})
+    res = run_ranks(2, EXAMPLE, "--steps", "10", "--save-every", "10", "--batch-size", "4", "--ckpt-dir", str(root),
+                    env={**__import__("os").environ}, timeout=300, preload=DYNAMO)
     assert res.returncode == 0, res.stderr[-3000:]
     return root
 
@@ -88,9 +91,8 @@ def test_ddp_checkpoint_loads_on_another_world_size(ddp_root: Path, tmp_path: Pa
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     env = {**os.environ, "SLURMRESUME_CKPT_DIR": str(ddp_root), "PROBE_MODE": "load", "PROBE_OUT": str(tmp_path)}
-    cmd = [sys.executable, str(probe)] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(probe)]
-    res = _run(cmd, env)
+    res = _run([sys.executable, str(probe)], env) if nproc == 1 else run_ranks(nproc, probe, env=env, timeout=300,
+                                                                               preload=DYNAMO)
     assert res.returncode == 0, res.stderr[-3000:]
     probes = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("probe*.json"))]
     assert len(probes) == nproc and all(p["step"] == 10 for p in probes)
@@ -111,7 +113,7 @@ def test_sharded_state_refuses_another_world_size(tmp_path: Path) -> None:
     probe.write_text(PROBE)
     root = tmp_path / "ck"
     env = {**os.environ, "SLURMRESUME_CKPT_DIR": str(root), "PROBE_MODE": "sharded-save"}
-    res = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(probe)], env)
+    res = run_ranks(2, probe, env=env, timeout=300, preload=DYNAMO)
     assert res.returncode == 0, res.stderr[-3000:]
     res = _run([sys.executable, str(probe)], {**env, "PROBE_MODE": "sharded-load"})
     assert res.returncode != 0

@@ -8,15 +8,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.core import model_equal, tiny_model
-from helpers.procs import HELPERS, check, clean_env, run_python
+from helpers.procs import HELPERS, check, clean_env, run_python, run_ranks
 
 import slurmresume
 from slurmresume import Checkpointer, SaveError
@@ -104,9 +102,7 @@ def test_async_save_failing_at_exit_fails_the_process(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_time_based_saves_go_on_after_a_failed_one_on_two_ranks(tmp_path: Path) -> None:
     env = clean_env(SLURMRESUME_TEST_FAIL_AT="write.shard.header:1")  # each rank's first save fails
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "--max-restarts=0", "--monitor-interval=0.2", str(RUN), "seconds-warn", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_ranks(2, RUN, "seconds-warn", tmp_path, env=env, timeout=300)  # forked ranks (helpers/forkranks.py)
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     failed = [e["step"] for e in events if e["event"] == "save_failed"]

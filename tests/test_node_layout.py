@@ -1,5 +1,8 @@
 """The per-node layout (#29 item 6, `checkpoint/nodefile.py`): 4 real gloo ranks as 2 emulated
-nodes of 2 (LOCAL_WORLD_SIZE=2) write one `node-NNNNN.bin` per node, each rank its own range."""
+nodes of 2 (LOCAL_WORLD_SIZE=2) write one `node-NNNNN.bin` per node, each rank its own range.
+The ranks are forked from one process that imported torch (helpers/forkranks.py), not started
+by torchrun: what is tested is the layout, and each torchrun rank's own torch import cost more
+than its save."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.procs import HELPERS, clean_env
+from helpers.procs import HELPERS, clean_env, run_ranks
 from typer.testing import CliRunner
 
 from slurmresume.checkpoint.layout import MANIFEST, MARKER
@@ -20,19 +23,17 @@ from slurmresume.cli import app
 SCRIPT = HELPERS / "node_layout.py"
 
 
-def _torchrun(world: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                           "--max-restarts=0", "--monitor-interval=0.2", str(SCRIPT), *args],
-                          env=clean_env(**env), capture_output=True, text=True, timeout=240)
+def _ranks(world: int, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return run_ranks(world, SCRIPT, *args, env=clean_env(**env))
 
 
 def _save(root: Path, steps: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return _torchrun(4, "save", str(root), steps, SLURMRESUME_LAYOUT="per-node", NODE_SIZE="2", **env)
+    return _ranks(4, "save", str(root), steps, SLURMRESUME_LAYOUT="per-node", NODE_SIZE="2", **env)
 
 
 def _restore(root: Path, world: int, out: Path) -> list[dict]:
     out.mkdir()
-    res = _torchrun(world, "restore", str(root), str(out))
+    res = _ranks(world, "restore", str(root), str(out))
     assert res.returncode == 0, res.stderr[-4000:]
     return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
 

@@ -1,13 +1,17 @@
 """The full suite's Slurm chains (helpers/suite_order.py): a module's tests stay on one chain,
 one after another, so its module-scoped fixture runs once (test_slurm_two_nodes.py's switches
-the cluster to two nodes and back, and runs an uninterrupted reference both its runs compare to)."""
+the cluster to two nodes and back, and runs an uninterrupted reference both its runs compare to);
+the other tests that share a module-scoped fixture form one xdist group per module."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from helpers.suite_order import module_of, slurm_chains
+from helpers.suite_order import fixture_groups, module_of, slurm_chains
 
 TESTS = Path(__file__).resolve().parent
 
@@ -52,3 +56,34 @@ def test_only_the_shared_tests_are_balanced_between_the_chains() -> None:
     chains = slurm_chains(list(seconds), seconds, 2, exclusive={"tests/b.py::t"})
     shared = sorted(sum(seconds[n] for n in chain if n != "tests/b.py::t") for chain in chains)
     assert shared == [500.0, 500.0], chains
+
+
+def test_a_modules_tests_that_share_a_module_fixture_form_one_group() -> None:
+    scopes = {"tests/a.py::saved1": ["function", "module"], "tests/a.py::saved2": ["module"],
+              "tests/a.py::pure": ["function"], "tests/b.py::t[1]": ["class", "session"],
+              "tests/c.py::t": ["module"], "tests/d.py::t": ["session"]}
+    groups = fixture_groups(scopes, grouped={"tests/c.py::t"})
+    assert groups == {"tests/a.py::saved1": "fixture-a", "tests/a.py::saved2": "fixture-a",
+                      "tests/b.py::t[1]": "fixture-b"}  # c.py keeps its own group, a session fixture runs once anyway
+
+
+PLUGIN = '''
+def pytest_collection_finish(session):
+    for item in session.items:
+        mark = item.get_closest_marker("xdist_group")
+        print("GROUP", item.nodeid, mark.args[0] if mark else "-")
+'''
+
+
+def test_the_suite_groups_the_tests_of_test_node_layouts_saved_step(tmp_path: Path) -> None:
+    """The conftest marks them (collected as the full suite would): test_node_layout.py's tests
+    that read its module's 4-rank save share one xdist group; its pure tests stay free."""
+    (tmp_path / "show_groups.py").write_text(PLUGIN)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "show_groups", "--collect-only", "-q",
+                          "tests/test_node_layout.py"], cwd=TESTS.parent, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(TESTS.parent)])})
+    groups = dict(line.split()[1:] for line in res.stdout.splitlines() if line.startswith("GROUP "))
+    assert res.returncode == 0 and groups, res.stdout + res.stderr
+    saved = {nodeid for nodeid, group in groups.items() if group != "-"}
+    assert {group for group in groups.values() if group != "-"} == {"fixture-test_node_layout"}
+    assert len(saved) == 8 and all("test_a_nodes_ranks" not in nodeid for nodeid in saved), groups

@@ -9,8 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ from helpers.core import (
     tiny_model,
     tiny_state,
 )
-from helpers.procs import HELPERS, clean_env
+from helpers.procs import HELPERS, run_ranks
 
 from slurmresume import Checkpointer, CheckpointError, ConfigError
 from slurmresume.checkpoint.shard import read_header
@@ -155,9 +153,7 @@ def test_another_param_grouping_is_refused_before_anything_loads(tmp_path: Path)
 
 
 def _torchrun(nproc: int, *args: str | Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                          "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "verify_reshard.py"),
-                          *map(str, args)], env=clean_env(), capture_output=True, text=True, timeout=300)
+    res = run_ranks(nproc, HELPERS / "verify_reshard.py", *args, timeout=300)  # forked ranks: the launch is not under test
     assert res.returncode == 0, res.stderr[-4000:]
 
 

@@ -6,14 +6,12 @@ world size reads within 5% of the bytes it needs."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import xxhash
-from helpers.procs import HELPERS, clean_env
+from helpers.procs import HELPERS, run_ranks
 
 from slurmresume.checkpoint import shard
 from slurmresume.checkpoint.reshard import _fine_blocks
@@ -28,9 +26,7 @@ from slurmresume.events import read_events
 
 
 def _torchrun(nproc: int, *args: str | Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                          "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "wide_reshard.py"),
-                          *map(str, args)], env=clean_env(), capture_output=True, text=True, timeout=300)
+    res = run_ranks(nproc, HELPERS / "wide_reshard.py", *args, timeout=300)  # forked ranks: the launch is not under test
     assert res.returncode == 0, res.stderr[-4000:]
 
 

@@ -1,4 +1,5 @@
-"""Test helper (run under torch.distributed.run, gloo): the per-node layout (`nodefile`) with the
+"""Test helper (run as gloo ranks: under torch.distributed.run, or forked by helpers/forkranks.py
+as tests/test_node_layout.py runs it): the per-node layout (`nodefile`) with the
 node size emulated by NODE_SIZE (LOCAL_WORLD_SIZE and LOCAL_RANK for the save: 4 ranks as 2
 nodes of 2).
 

@@ -1,5 +1,6 @@
 """Running child processes in tests: a clean environment, a free port, the example training
-script (one process or several ranks via torch.distributed.run), helper scripts."""
+script (one process or several ranks via torch.distributed.run), helper scripts (one process, or
+several ranks forked by helpers/forkranks.py)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,17 @@ def run_example(ckpt_dir: Path, *args: str | int, nproc: int = 1, env: dict[str,
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "--max-restarts=0", "--monitor-interval=0.2", str(EXAMPLE), *script_args]
     return run_python(cmd, env=env, timeout=timeout)
+
+
+def run_ranks(nproc: int, script: str | os.PathLike[str], *args: str | os.PathLike[str],
+              env: dict[str, str] | None = None, timeout: float = 240,
+              preload: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """`script args...` as `nproc` local gloo ranks forked from one process that imported torch
+    (and `preload`, e.g. torch._dynamo for a script that makes an optimizer) once
+    (helpers/forkranks.py: torchrun's variables, the first failed rank ends the others, exit 1),
+    for tests of the checkpoint library across ranks; a test of the launch uses torchrun."""
+    env = dict(env if env is not None else clean_env(), FORKRANKS_PRELOAD=",".join(preload))
+    return run_python([HELPERS / "forkranks.py", str(nproc), script, *args], env=env, timeout=timeout)
 
 
 def check(proc: subprocess.CompletedProcess[str], rc: int = 0) -> subprocess.CompletedProcess[str]:

@@ -1,5 +1,6 @@
-"""The order in which the full suite hands its real-Slurm tests to the xdist workers (a pure
-function: tests/conftest.py applies it, tests/test_suite_order.py checks it).
+"""The order in which the full suite hands its real-Slurm tests to the xdist workers, and the
+groups that keep a module-scoped fixture to one run (pure functions: tests/conftest.py applies
+them, tests/test_suite_order.py checks them).
 
 The Slurm tests run as chains, one xdist group each, that share the one cluster
 (helpers/cluster_lock.py). A module's tests stay together, one after another on one chain:
@@ -40,3 +41,19 @@ def slurm_chains(nodeids: Sequence[str], seconds: Mapping[str, float], chains: i
         load[i] += cost(ids, shared_only=True)
         out[i] += sorted(ids, key=lambda nodeid: -seconds.get(nodeid, UNLISTED_S))
     return out
+
+
+SHARED_SCOPES = frozenset({"module", "class"})  # set up once per module (or class), torn down on leaving it
+
+
+def fixture_groups(scopes: Mapping[str, Collection[str]], grouped: Collection[str] = ()) -> dict[str, str]:
+    """The xdist group of each test (nodeid -> the scopes of the fixtures it uses) that uses a
+    module- or class-scoped fixture: one group per module; a test in `grouped` keeps its group.
+
+    Under `--dist loadgroup` a group goes to one worker as one unit, its tests one after another,
+    so the fixture runs once. Ungrouped, the suite's longest-first order interleaves modules on
+    every worker and pytest tears a module's fixture down whenever the next test is from another
+    module: test_node_layout.py's 4-rank save ran 4 times in one full run (40-48 s each), the
+    2- and 3-rank saves of test_all_or_nothing.py 3 times, test_format2.py's 3-rank run 3 times."""
+    return {nodeid: "fixture-" + module_of(nodeid).rpartition("/")[2].removesuffix(".py")
+            for nodeid, used in scopes.items() if nodeid not in grouped and SHARED_SCOPES & set(used)}
