@@ -74,3 +74,37 @@ def test_a_damaged_table_in_a_committed_step_is_refused_and_restore_falls_back(t
     rewrite_manifest(step_dir(tmp_path, 2), lambda m: m["shards"][0].update(xxh3="x" * 16))
     step, _ = restore_fresh(tmp_path)
     assert step == 1
+
+
+class _Mesh:
+    """A DeviceMesh's shape and this rank's coordinate (what the plan asks of one)."""
+
+    def __init__(self, shape: tuple[int, ...], coord: tuple[int, ...]) -> None:
+        self.shape, self._coord, self.ndim = shape, coord, len(shape)
+
+    def get_coordinate(self) -> list[int]:
+        return list(self._coord)
+
+
+@pytest.mark.parametrize(("shape", "mesh", "placements"), [
+    ((12, 4), (3,), ("shard:0",)), ((10, 7), (4,), ("shard:1",)), ((2, 5), (4,), ("shard:0",)),
+    ((9, 6), (2, 3), ("shard:0", "shard:1")), ((13, 5), (2, 3), ("shard:0", "shard:0")),
+])
+def test_a_box_on_its_saved_layout_has_its_own_coordinate_as_its_one_holder(shape: tuple, mesh: tuple,
+                                                                              placements: tuple) -> None:
+    """source_ranks' shortcut for a same-W restore (the live layout is the saved one) gives the
+    holders `placement.holders` gives, for every coordinate (empty pieces hold nothing)."""
+    import itertools
+
+    from torch.distributed.tensor import Shard
+
+    from slurmresume.checkpoint.reshard import Target, boxes_of, source_ranks
+    from slurmresume.checkpoint.sharding import Sharded
+
+    tensor = Sharded("w", "F32", shape, (), (mesh, placements))
+    live = tuple(Shard(int(p[6:])) for p in placements)
+    for coord in itertools.product(*(range(n) for n in mesh)):
+        where = {"w": Target(_Mesh(mesh, coord), live, None)}
+        (box_shape, offset), = boxes_of({"w": tensor}, where).values()
+        expected = {p.rank for p in tensor.pieces_in(offset, box_shape)} if 0 not in box_shape else set()
+        assert source_ranks({"w": tensor}, where, {"w": (box_shape, offset)}) == expected, coord

@@ -109,7 +109,7 @@ class Manifest:
             from .rankindex import check_pieces, read_index
 
             entries = read_index(self.directory, self.shards[rank])
-            check_pieces(entries, rank, self.world_size, self.raw.get("sharded") or {})
+            check_pieces(entries, rank, self.world_size, self.raw.get("sharded") or {}, self.placed_by_arithmetic)
             self._indexes[rank] = entries
         return self._indexes[rank]
 

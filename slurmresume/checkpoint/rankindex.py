@@ -76,11 +76,13 @@ def read_index(step_dir: Path, shard: dict[str, Any]) -> dict[str, dict[str, Any
     return tensors
 
 
-def check_pieces(entries: dict[str, dict[str, Any]], rank: int, world: int, specs: dict[str, Any]) -> None:
+def check_pieces(entries: dict[str, dict[str, Any]], rank: int, world: int, specs: dict[str, Any],
+                 placed: bool = False) -> None:
     """The DTensor pieces of rank `rank`'s index: each a box inside its global shape that agrees
     with the manifest's spec of its tensor (dtype, global shape) and, where the manifest places
     pieces by arithmetic, one that the placements give. CorruptCheckpointError otherwise: a
-    restore that reads this rank refuses before a byte of its data is used."""
+    restore that reads this rank refuses before a byte of its data is used. `placed`: every spec
+    is known to place by arithmetic (`Manifest.placed_by_arithmetic`), not asked again per entry."""
     from .placement import arithmetic, local_box
     from .sharding import piece_of
 
@@ -96,7 +98,7 @@ def check_pieces(entries: dict[str, dict[str, Any]], rank: int, world: int, spec
             raise CorruptCheckpointError(f"pieces of tensor {name!r} disagree: rank {rank}'s index says "
                                          f"{info.get('dtype')} {info.get('global_shape')}, the manifest "
                                          f"{spec.get('dtype')} {spec.get('shape')}")
-        if not arithmetic(spec, world):
+        if not (placed or arithmetic(spec, world)):
             continue
         mesh = tuple(spec["mesh_shape"])
         if mesh not in coords:

@@ -244,14 +244,38 @@ def _kinds(placements: tuple[Any, ...]) -> tuple[str, ...] | None:
 def source_ranks(index: Mapping[str, Sharded], where: Mapping[str, Target],
                  boxes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None) -> set[int]:
     """The saved ranks whose shards hold this rank's boxes of `where` (their index files are read,
-    and checked, before any data). `boxes`: `box_of` of each, when the caller has them."""
+    and checked, before any data). `boxes`: `box_of` of each, when the caller has them. A box on
+    the very layout it was saved on (same mesh shape, the same Shard placements, no Replicate: a
+    same-W restore) is the saved piece of this rank's coordinate: its one holder, found once per
+    layout instead of by `placement.holders` per tensor."""
     out: set[int] = set()
+    same: dict[tuple[Any, ...], int | None] = {}
     for name, target in where.items():
         tensor = index[name]
         shape, offset = boxes[name] if boxes is not None else box_of(tensor, target)
-        if math.prod(shape):
-            out.update(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
+        if not math.prod(shape):
+            continue
+        if tensor.layout is not None and target.mesh is not None and "replicate" not in tensor.layout[1]:
+            key = (id(target.mesh), id(target.placements), tensor.layout)
+            if key not in same:
+                same[key] = _holder_on_same_layout(target, tensor.layout)
+            if (holder := same[key]) is not None:
+                out.add(holder)
+                continue
+        out.update(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
     return out
+
+
+def _holder_on_same_layout(target: Target, layout: tuple[tuple[int, ...], tuple[str, ...]]) -> int | None:
+    """The saved rank at this rank's coordinate when `target` has the saved mesh shape and Shard
+    placements (row-major, as `placement.holders` numbers them), else None."""
+    coord = target.mesh.get_coordinate()
+    if coord is None or _kinds(tuple(target.placements)) != tuple(layout[1]) or tuple(target.mesh.shape) != tuple(layout[0]):
+        return None
+    rank = 0
+    for c, n in zip(coord, layout[0]):
+        rank = rank * n + c
+    return rank
 
 
 def staging_bytes(index: Mapping[str, Sharded], where: Mapping[str, Target],

@@ -612,14 +612,19 @@ def meta_tensors(infos: dict[str, Any]) -> dict[str, Any]:
 
 
 class MetaOnDemand(dict[str, Any]):
-    """`meta_tensors` of `infos` ({name: {"dtype", "shape"}}), each made when first looked up: a
-    plan that decodes only some entries (those of modules and optimizers, to check they fit)
-    makes no meta tensor for the others. A name not in `infos` raises KeyError, as a dict would."""
+    """`meta_tensors` of `infos` ({name: {"dtype", "shape"}}) and of the DTensors `sharded` (name ->
+    sharding.Sharded: its global shape), each made when first looked up: a plan that decodes only
+    some entries (those of modules and optimizers, to check they fit) makes no meta tensor for the
+    others. A name in neither raises KeyError, as a dict would."""
 
-    def __init__(self, infos: dict[str, Any]) -> None:
+    def __init__(self, infos: Mapping[str, Any], sharded: Mapping[str, Any]) -> None:
         super().__init__()
-        self.infos = infos
+        self.infos, self.sharded = infos, sharded
 
     def __missing__(self, name: str) -> Any:
-        t = self[name] = meta_tensors({name: self.infos[name]})[name]
+        if name in self.sharded:
+            info = {"dtype": self.sharded[name].dtype, "shape": list(self.sharded[name].shape)}
+        else:
+            info = self.infos[name]
+        t = self[name] = meta_tensors({name: info})[name]
         return t

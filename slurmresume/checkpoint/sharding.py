@@ -152,12 +152,19 @@ def check_specs(specs: Any) -> dict[str, dict[str, Any]]:
     """A skeleton's "dtensors" section: name -> {shape, offset, local_shape, placements, ...}."""
     if not isinstance(specs, dict):
         raise CorruptCheckpointError("checkpoint skeleton: 'dtensors' is not an object")
+    seen: set[tuple[Any, ...]] = set()  # (placements, ndim) checked: thousands of specs share a few
     for name, spec in specs.items():
         what = f"checkpoint skeleton, DTensor {name!r}"
         if not isinstance(spec, dict):
             raise CorruptCheckpointError(f"{what}: spec is not an object")
         glob = check_shape(spec.get("shape"), what)
-        check_placements(spec.get("placements"), len(glob), what)
+        placements = spec.get("placements")
+        key = (tuple(placements), len(glob)) if isinstance(placements, list) and all(
+            isinstance(p, str) for p in placements) else None
+        if key is None or key not in seen:
+            check_placements(placements, len(glob), what)
+            if key is not None:
+                seen.add(key)
     return specs
 
 

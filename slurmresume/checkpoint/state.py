@@ -177,8 +177,8 @@ def validate_skeleton(keys: Iterable[str], skeleton: Any, tensor_names: Containe
     if missing and strict:
         raise ConfigError(f"checkpoint has no entry for state key(s) {missing}; saved keys: "
                           f"{sorted(entries)}: pass restore(..., strict=False) to load the others")
-    if tensor_names is not None:
-        for name in _tensor_refs(skeleton):
+    if tensor_names is not None:  # tags live in the entries and the library (what decode reads)
+        for name in _tensor_refs([entries, skeleton.get("library")]):
             if not isinstance(name, str) or name not in tensor_names:
                 raise CorruptCheckpointError(f"checkpoint references tensor {name!r} that its shard lacks")
 

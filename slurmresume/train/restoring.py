@@ -389,9 +389,8 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         # Shapes from the headers (a DTensor: its global shape), as meta tensors: a checkpoint
         # that does not fit the live modules and optimizers is refused before any byte is loaded
         # (the other entries are decoded, and checked, by the read, before anything is applied).
-        shapes = {**infos, **{n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sharded.items()}}
         fits = [k for k in keys if is_stateful(state[k])]
-        check_fits(state, decode_entries(fits, skeleton, MetaOnDemand(shapes), strict, checked=True)[0])
+        check_fits(state, decode_entries(fits, skeleton, MetaOnDemand(infos, sharded), strict, checked=True)[0])
         wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
         where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
         boxes = boxes_of(wanted, where)
