@@ -203,25 +203,27 @@ def boxes_of(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> dict[
     DTensor) and each placements tuple its kinds once."""
     from .placement import local_box
 
-    layouts: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]] | None] = {}
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
     out = {}
     for name, target in where.items():
         tensor = index[name]
-        key = (id(target.mesh), id(target.placements))
-        if target.mesh is None or (lay := layouts.get(key, ())) is None:
+        kinds = _kinds(tuple(target.placements)) if target.mesh is not None else None
+        facts = _mesh_facts(target.mesh, meshes) if kinds is not None else None
+        if facts is None:
             out[name] = box_of(tensor, target)
             continue
-        if lay == ():
-            kinds = _kinds(tuple(target.placements))
-            coord = target.mesh.get_coordinate() if kinds is not None else None
-            lay = layouts[key] = None if kinds is None or coord is None else (
-                tuple(target.mesh.shape), tuple(coord), kinds)
-            if lay is None:
-                out[name] = box_of(tensor, target)
-                continue
-        offset, shape = local_box(tuple(tensor.shape), *lay)
+        offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)  # type: ignore[arg-type]
         out[name] = (shape, offset)
     return out
+
+
+def _mesh_facts(mesh: Any, cache: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None]
+                ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(shape, this rank's coordinate) of `mesh`, asked once per mesh per call (None: not on it)."""
+    if id(mesh) not in cache:
+        coord = mesh.get_coordinate()
+        cache[id(mesh)] = None if coord is None else (tuple(mesh.shape), tuple(coord))
+    return cache[id(mesh)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -249,33 +251,23 @@ def source_ranks(index: Mapping[str, Sharded], where: Mapping[str, Target],
     same-W restore) is the saved piece of this rank's coordinate: its one holder, found once per
     layout instead of by `placement.holders` per tensor."""
     out: set[int] = set()
-    same: dict[tuple[Any, ...], int | None] = {}
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
     for name, target in where.items():
         tensor = index[name]
         shape, offset = boxes[name] if boxes is not None else box_of(tensor, target)
         if not math.prod(shape):
             continue
         if tensor.layout is not None and target.mesh is not None and "replicate" not in tensor.layout[1]:
-            key = (id(target.mesh), id(target.placements), tensor.layout)
-            if key not in same:
-                same[key] = _holder_on_same_layout(target, tensor.layout)
-            if (holder := same[key]) is not None:
-                out.add(holder)
+            facts = _mesh_facts(target.mesh, meshes)
+            if (facts is not None and facts[0] == tuple(tensor.layout[0])
+                    and _kinds(tuple(target.placements)) == tuple(tensor.layout[1])):
+                rank = 0
+                for c, n in zip(facts[1], facts[0]):  # row-major, as placement.holders numbers them
+                    rank = rank * n + c
+                out.add(rank)
                 continue
         out.update(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
     return out
-
-
-def _holder_on_same_layout(target: Target, layout: tuple[tuple[int, ...], tuple[str, ...]]) -> int | None:
-    """The saved rank at this rank's coordinate when `target` has the saved mesh shape and Shard
-    placements (row-major, as `placement.holders` numbers them), else None."""
-    coord = target.mesh.get_coordinate()
-    if coord is None or _kinds(tuple(target.placements)) != tuple(layout[1]) or tuple(target.mesh.shape) != tuple(layout[0]):
-        return None
-    rank = 0
-    for c, n in zip(coord, layout[0]):
-        rank = rank * n + c
-    return rank
 
 
 def staging_bytes(index: Mapping[str, Sharded], where: Mapping[str, Target],

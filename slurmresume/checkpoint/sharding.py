@@ -33,7 +33,9 @@ def _is_count(v: Any) -> bool:
 
 def check_shape(shape: Any, what: str) -> list[int]:
     """A shape from disk: a list of at most MAX_NDIM non-negative bounded ints."""
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_count(d) for d in shape):
+    # type() is: JSON gives exact ints (bool, an int subclass, is refused), ~3x faster than _is_count
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
+            type(d) is int and 0 <= d <= MAX_DIM for d in shape):
         raise CorruptCheckpointError(f"{what}: shape {shape!r} is not a list of non-negative integers "
                                      f"(each at most {MAX_DIM})")
     if math.prod(shape) > MAX_NUMEL:
