@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,22 +146,23 @@ def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[st
     return out
 
 
-def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[str, Sharded],
+def load_sharded(directory: Path, shards: Sequence[dict[str, Any]], index: Mapping[str, Sharded],
                  where: Mapping[str, Target], expect: Callable[[int], Expected | None] | None = None,
-                 mode: str = "stage") -> dict[str, Any]:
+                 mode: str = "stage", opened: Any = None) -> dict[str, Any]:
     """Every rank: read each tensor in `where` for this rank. `mode` "stage": into fresh memory,
     never into the live tensors (the caller copies once every rank has verified); "verify":
     read and check, keeping one box at a time and returning nothing; "live": straight into the
     live local tensors (CPU, contiguous), else through one fresh box per tensor copied in (the
     second pass of a restore too large to stage). `expect(rank)` gives shard `rank`'s digests:
     then every byte range read is widened to whole checksum blocks and verified. Returns
-    {name: value} (a DTensor on the target's mesh, or a plain tensor)."""
-    files = ShardFiles(directory, shards, expect)
+    {name: value} (a DTensor on the target's mesh, or a plain tensor). `opened`: see ShardFiles."""
+    files = ShardFiles(directory, shards, expect, opened)
     out: dict[str, Any] = {}
+    boxes = boxes_of(index, where)
     try:
         for name, target in where.items():
             tensor = index[name]
-            shape, offset = box_of(tensor, target)
+            shape, offset = boxes[name]
             local = target.live.to_local() if is_dtensor(target.live) else target.live
             into = mode == "live" and local is not None
             dest = local if into and _fits(local, tuple(shape), tensor.dtype) else _empty(shape, tensor.dtype)
@@ -196,6 +197,35 @@ def box_of(tensor: Sharded, target: Target) -> tuple[tuple[int, ...], tuple[int,
     return shape, offset
 
 
+def boxes_of(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """`box_of` of every tensor in `where`, asking each mesh its shape and this rank's coordinate
+    once (DeviceMesh.shape costs ~100 us a call in torch 2.13: most of a restore plan, once per
+    DTensor) and each placements tuple its kinds once."""
+    from .placement import local_box
+
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
+    out = {}
+    for name, target in where.items():
+        tensor = index[name]
+        kinds = _kinds(tuple(target.placements)) if target.mesh is not None else None
+        facts = _mesh_facts(target.mesh, meshes) if kinds is not None else None
+        if facts is None:
+            out[name] = box_of(tensor, target)
+            continue
+        offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)  # type: ignore[arg-type]
+        out[name] = (shape, offset)
+    return out
+
+
+def _mesh_facts(mesh: Any, cache: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None]
+                ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(shape, this rank's coordinate) of `mesh`, asked once per mesh per call (None: not on it)."""
+    if id(mesh) not in cache:
+        coord = mesh.get_coordinate()
+        cache[id(mesh)] = None if coord is None else (tuple(mesh.shape), tuple(coord))
+    return cache[id(mesh)]
+
+
 @functools.lru_cache(maxsize=64)
 def _kinds(placements: tuple[Any, ...]) -> tuple[str, ...] | None:
     """Shard(d) / Replicate() placements as the manifest writes them; None for any other kind
@@ -216,13 +246,27 @@ def _kinds(placements: tuple[Any, ...]) -> tuple[str, ...] | None:
 def source_ranks(index: Mapping[str, Sharded], where: Mapping[str, Target],
                  boxes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None) -> set[int]:
     """The saved ranks whose shards hold this rank's boxes of `where` (their index files are read,
-    and checked, before any data). `boxes`: `box_of` of each, when the caller has them."""
+    and checked, before any data). `boxes`: `box_of` of each, when the caller has them. A box on
+    the very layout it was saved on (same mesh shape, the same Shard placements, no Replicate: a
+    same-W restore) is the saved piece of this rank's coordinate: its one holder, found once per
+    layout instead of by `placement.holders` per tensor."""
     out: set[int] = set()
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
     for name, target in where.items():
         tensor = index[name]
         shape, offset = boxes[name] if boxes is not None else box_of(tensor, target)
-        if math.prod(shape):
-            out.update(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
+        if not math.prod(shape):
+            continue
+        if tensor.layout is not None and target.mesh is not None and "replicate" not in tensor.layout[1]:
+            facts = _mesh_facts(target.mesh, meshes)
+            if (facts is not None and facts[0] == tuple(tensor.layout[0])
+                    and _kinds(tuple(target.placements)) == tuple(tensor.layout[1])):
+                rank = 0
+                for c, n in zip(facts[1], facts[0]):  # row-major, as placement.holders numbers them
+                    rank = rank * n + c
+                out.add(rank)
+                continue
+        out.update(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
     return out
 
 
@@ -260,11 +304,13 @@ def _wrap(local: Any, target: Target, global_shape: tuple[Any, ...]) -> Any:
 
 
 class ShardFiles:
-    """Open shards and their checked headers, opened on first use only."""
+    """Open shards and their checked headers, opened on first use only (through `opened`, an
+    opened.OpenShards, when given: a restore's files stay open from its plan to its last read,
+    and `close` leaves them to it)."""
 
-    def __init__(self, directory: Path, shards: list[dict[str, Any]],
-                 expect: Callable[[int], Expected | None] | None = None) -> None:
-        self.directory, self.shards = directory, shards
+    def __init__(self, directory: Path, shards: Sequence[dict[str, Any]],
+                 expect: Callable[[int], Expected | None] | None = None, opened: Any = None) -> None:
+        self.directory, self.shards, self.opened = directory, shards, opened
         self.open: dict[int, tuple[int, dict[str, Any], int]] = {}
         self.expect = expect
         self.expected: dict[int, Expected | None] = {}
@@ -292,9 +338,12 @@ class ShardFiles:
         if rank not in self.open:
             s = self.shards[rank]
             self.expected[rank] = self.expect(rank) if self.expect is not None else None
-            header, start = read_header(self.directory, s["file"], s["bytes"], self.expected[rank])
-            self.fine[rank] = _fine_blocks(header, self.directory / s["file"])
-            self.open[rank] = (open_checked(self.directory, s["file"], s["bytes"]), header, start)
+            if self.opened is not None:
+                self.open[rank] = self.opened.get(s["file"], s["bytes"], self.expected[rank])
+            else:
+                header, start = read_header(self.directory, s["file"], s["bytes"], self.expected[rank])
+                self.open[rank] = (open_checked(self.directory, s["file"], s["bytes"]), header, start)
+            self.fine[rank] = _fine_blocks(self.open[rank][1], self.directory / s["file"])
         fd, header, start = self.open[rank]
         path = self.directory / self.shards[rank]["file"]
         info = header.get(tensor.name)
@@ -304,8 +353,9 @@ class ShardFiles:
         return fd, start + int(info["data_offsets"][0]), path
 
     def close(self) -> None:
-        for fd, _, _ in self.open.values():
-            os.close(fd)
+        if self.opened is None:
+            for fd, _, _ in self.open.values():
+                os.close(fd)
         self.open.clear()
 
 

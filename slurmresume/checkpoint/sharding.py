@@ -33,7 +33,9 @@ def _is_count(v: Any) -> bool:
 
 def check_shape(shape: Any, what: str) -> list[int]:
     """A shape from disk: a list of at most MAX_NDIM non-negative bounded ints."""
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_count(d) for d in shape):
+    # type() is: JSON gives exact ints (bool, an int subclass, is refused), ~3x faster than _is_count
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(
+            type(d) is int and 0 <= d <= MAX_DIM for d in shape):
         raise CorruptCheckpointError(f"{what}: shape {shape!r} is not a list of non-negative integers "
                                      f"(each at most {MAX_DIM})")
     if math.prod(shape) > MAX_NUMEL:
@@ -76,11 +78,15 @@ class Sharded:
 
 def check_piece(entry: dict[str, Any], world_size: int) -> Piece:
     """Validate one manifest tensor entry that carries `global_shape` / `global_offset`."""
-    name = entry.get("name")
-    what = f"tensor {name!r} of rank {entry.get('rank')!r}"
-    rank = entry.get("rank")
+    return piece_of(entry.get("name"), entry.get("rank"), entry, world_size)
+
+
+def piece_of(name: Any, rank: Any, entry: dict[str, Any], world_size: int) -> Piece:
+    """`check_piece` of entry `entry` of tensor `name` in rank `rank`'s index (no copy of it)."""
     if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < world_size):
-        raise CorruptCheckpointError(f"{what}: rank is not one of the {world_size} saving ranks")
+        raise CorruptCheckpointError(f"tensor {name!r} of rank {rank!r}: rank is not one of the {world_size} "
+                                     "saving ranks")
+    what = f"tensor {name!r} of rank {rank!r}"
     local = check_shape(entry.get("shape"), what)
     glob = check_shape(entry.get("global_shape"), f"{what} (global shape)")
     offset = entry.get("global_offset")
@@ -148,12 +154,19 @@ def check_specs(specs: Any) -> dict[str, dict[str, Any]]:
     """A skeleton's "dtensors" section: name -> {shape, offset, local_shape, placements, ...}."""
     if not isinstance(specs, dict):
         raise CorruptCheckpointError("checkpoint skeleton: 'dtensors' is not an object")
+    seen: set[tuple[Any, ...]] = set()  # (placements, ndim) checked: thousands of specs share a few
     for name, spec in specs.items():
         what = f"checkpoint skeleton, DTensor {name!r}"
         if not isinstance(spec, dict):
             raise CorruptCheckpointError(f"{what}: spec is not an object")
         glob = check_shape(spec.get("shape"), what)
-        check_placements(spec.get("placements"), len(glob), what)
+        placements = spec.get("placements")
+        key = (tuple(placements), len(glob)) if isinstance(placements, list) and all(
+            isinstance(p, str) for p in placements) else None
+        if key is None or key not in seen:
+            check_placements(placements, len(glob), what)
+            if key is not None:
+                seen.add(key)
     return specs
 
 
