@@ -72,6 +72,28 @@ def test_a_template_is_cut_at_its_sentinels_and_rank_only(monkeypatch: pytest.Mo
     assert got == f'{{"rank":7,"file":"r7","o":[123,0],"long":1{s},"digits":"{s}7","g":[123]}}'
 
 
+def test_a_stamp_that_differs_from_the_real_write_rank_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check every run makes on its checked ranks (bench_stamp.Stamper._compare)."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from bench_stamp import RANK, Stamp, Stamper
+
+    stamp = Stamp(['{"o":', "o0", "}"], ["{", RANK, ',"g":', "o0", "}"], 0, [], {"error": None, "writer": "sparse"})
+    stamper = Stamper.__new__(Stamper)  # the check alone: no template to build
+    stamper.world, stamper.dims = 4, [8]
+    stamper.stamps = {stamper.signature(1): stamp}
+    header, _, report = stamp.render(1, 4, stamper.offsets(1))
+    assert report["index_bytes"] == len('{"rank":1,"file":"rank-00001-of-00004.safetensors","g":2}')
+    stamper.sparse = SimpleNamespace(last=(header, 0, []))
+    stamper._compare(1, report)
+    with pytest.raises(SystemExit, match="index_xxh3"):
+        stamper._compare(1, {**report, "index_xxh3": "0" * 16})
+    stamper.sparse = SimpleNamespace(last=(header + b" " * 8, 0, []))
+    with pytest.raises(SystemExit, match="the shard header"):
+        stamper._compare(1, report)
+
+
 _COUNTED = ("saved", "manifest_bytes", "save_ops", "save_ops_total", "sent", "received", "collectives", "step_digest")
 _PLANNED = ("pick_ops", "plan_ops", "other_plan_ops", "restore_ops_total", "choice_bytes", "read_bytes", "needed_bytes")
 
