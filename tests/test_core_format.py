@@ -75,7 +75,7 @@ def test_shard_is_stock_safetensors_and_equals_state_dict(tmp_path: Path) -> Non
     assert d == step_dir(tmp_path, 7) and d.name == "step_000000007"
     assert sorted(os.listdir(d)) == sorted([MARKER, MANIFEST, shard_name(0, 1), "rank-00000.index.json"])
     m = read_manifest(d, 7)
-    assert m.raw["format"] == FORMAT == "slurmresume/2" and m.world_size == 1 and m.metrics == {"loss": 1.25}
+    assert m.raw["format"] == FORMAT == "slurmresume/3" and m.world_size == 1 and m.metrics == {"loss": 1.25}
     index_raw = (d / "rank-00000.index.json").read_bytes()
     assert m.shards == [{"file": "rank-00000-of-00001.safetensors", "rank": 0, "bytes": len(raw),
                          "xxh3": m.shards[0]["xxh3"], "header_xxh3": m.shards[0]["header_xxh3"],

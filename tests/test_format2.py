@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.core import model_equal, save_steps, step_dir, tiny_model, tiny_state
+from helpers.core import model_equal, save_steps, shard_rows, step_dir, tiny_model, tiny_state
 from typer.testing import CliRunner
 
 from slurmresume import Checkpointer
@@ -23,10 +23,10 @@ def test_the_manifest_lists_no_tensor_of_any_rank(tmp_path: Path) -> None:
     save_steps(tmp_path, [1]).close()
     manifest = json.loads((step_dir(tmp_path, 1) / MANIFEST).read_text())
     index = json.loads((step_dir(tmp_path, 1) / INDEX).read_text())
-    assert manifest["format"] == "slurmresume/2" and "tensors" not in manifest
-    assert [s["index"] for s in manifest["shards"]] == [INDEX]
+    assert manifest["format"] == "slurmresume/3" and "tensors" not in manifest
+    assert [s["index"] for s in shard_rows(manifest)] == [INDEX]
     assert "model/0.weight" in index["tensors"] and index["tensors"]["model/0.weight"]["xxh3"]
-    assert index["rank"] == 0 and index["file"] == manifest["shards"][0]["file"]
+    assert index["rank"] == 0 and index["file"] == shard_rows(manifest)[0]["file"]
 
 
 def _flip(path: Path, offset: int) -> None:
@@ -122,6 +122,25 @@ def test_every_rank_parses_the_manifest_once_per_restore(collectives: list[dict]
     for rank, r in enumerate(collectives):
         assert r["opens"].count("manifest.json") == 1, (rank, r["opens"])
         assert r["opens"].count("COMMITTED") == (1 if rank == 0 else 0), (rank, r["opens"])
+
+
+def test_a_rank_opens_each_file_once_per_restore(collectives: list[dict]) -> None:
+    """The fds the plan opened (each shard checked by `open_checked`, its header checked against
+    the manifest) are kept for the read: one open per file per restore. The old code opened a
+    rank's own shard three times (the plan's header, the whole tensors, the DTensor boxes) and
+    four on rank 0."""
+    for rank, r in enumerate(collectives):
+        assert r["step"] == 1 and r["exact"], r
+        opened = [f for f in r["opens"] if f != "COMMITTED"]
+        assert opened and all(opened.count(f) == 1 for f in opened), (rank, r["opens"])
+
+
+def test_a_same_world_rank_builds_only_its_own_shard_row_and_rank_0s(collectives: list[dict]) -> None:
+    """Format 3 stores the shard table as columns: a restoring rank's parse makes no per-shard
+    object, and its plan builds the rows of the shards it reads (its own; rank 0's, where the
+    replicated tensors are), no other. The old format parsed one dict per shard on every rank."""
+    for rank, r in enumerate(collectives):
+        assert r["rows_built"] is not None and set(r["rows_built"]) <= {0, rank}, (rank, r["rows_built"])
 
 
 @pytest.mark.parametrize(("shape", "mesh", "placements"), [

@@ -285,11 +285,13 @@ def _flip_a_weight_byte(shard: Path) -> None:
 
 
 def _as_older_format(d: Path) -> None:
-    """What a version before per-block digests wrote: no `verify_block`, no header digest."""
+    """What a version before per-block digests wrote: no `verify_block`, no header digest (a
+    format-2 shard table, whose rows may lack it)."""
     from helpers.core import rewrite_manifest
 
     def edit(m: dict) -> None:
         m.pop("verify_block", None)
+        m["format"] = "slurmresume/2"
         for s in m["shards"]:
             s.pop("header_xxh3", None)
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.core import shard_rows
 from helpers.procs import alive_for_root, signal_tree
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -119,7 +120,7 @@ def test_signal_to_one_rank_saves_same_step_on_both(tmp_path: Path) -> None:
     assert len(agreed) == 1 and len(commits) == 1, out
     step = commits[0]["step"]
     manifest = json.loads((root / f"step_{step:09d}" / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and [s["rank"] for s in manifest["shards"]] == [0, 1]
+    assert manifest["world_size"] == 2 and [s["rank"] for s in shard_rows(manifest)] == [0, 1]
     assert progress(piddir, 0) == progress(piddir, 1) == step  # both stopped right at the agreed step
     assert step < 200
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.core import shard_rows
 from helpers.procs import HELPERS, clean_env
 from typer.testing import CliRunner
 
@@ -46,7 +47,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _manifest(step_dir: Path) -> dict:
-    return json.loads((step_dir / MANIFEST).read_text())
+    """manifest.json with its shard table as rows (format 3 stores columns)."""
+    data = json.loads((step_dir / MANIFEST).read_text())
+    return {**data, "shards": shard_rows(data)}
 
 
 def test_a_per_node_step_holds_one_data_file_per_node_and_restores_bitwise(saved: Path, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from helpers.core import edit_rows
 from helpers.procs import HELPERS, clean_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -141,13 +142,16 @@ def _edit(root: Path, name: str, edits: dict[int, dict]) -> None:
     index digests in the manifest and the manifest's in the marker."""
     d = root / STEP
     manifest = json.loads((d / "manifest.json").read_text())
-    for rank, shard in enumerate(manifest["shards"]):
-        index = json.loads((d / shard["index"]).read_text())
-        if name in index["tensors"]:
-            index["tensors"][name].update({**edits.get(-1, {}), **edits.get(rank, {})})
-        raw = json.dumps(index).encode()
-        (d / shard["index"]).write_bytes(raw)
-        shard.update(index_bytes=len(raw), index_xxh3=xxhash.xxh3_64_hexdigest(raw))
+
+    def reseal(m: dict) -> None:
+        for rank, shard in enumerate(m["shards"]):
+            index = json.loads((d / shard["index"]).read_text())
+            if name in index["tensors"]:
+                index["tensors"][name].update({**edits.get(-1, {}), **edits.get(rank, {})})
+            raw = json.dumps(index).encode()
+            (d / shard["index"]).write_bytes(raw)
+            shard.update(index_bytes=len(raw), index_xxh3=xxhash.xxh3_64_hexdigest(raw))
+    edit_rows(manifest, reseal)
     raw = json.dumps(manifest).encode()
     (d / "manifest.json").write_bytes(raw)
     (d / "COMMITTED").write_text(json.dumps({"step": 3, "manifest_xxh3": xxhash.xxh3_64_hexdigest(raw)}))

@@ -3,7 +3,7 @@
 - Save: rank 0 checks the manifest and the marker (and each rank its shard header) against every
   reader cap before the marker; over a cap, the save fails with one line naming ranks and tensors
   and the cap, and nothing is committed (no step directory, no private save directory left).
-- Read: a step written by a newer slurmresume (format 2 here, this version reads 1) or over a
+- Read: a step written by a newer slurmresume (format 4 here, this version reads 3) or over a
   read cap is "unreadable by this version": `latest`/`status`/`verify`/`inspect` say so,
   `restore` refuses (no fall back to an older step that a later save would overwrite it from,
   no fresh start), a save never replaces it, and retention never deletes it.
@@ -41,7 +41,7 @@ from slurmresume.job.launcher import Relay, decide, run_torchrun
 from slurmresume.retention import RetentionPolicy, apply_policy, execute
 from slurmresume.tools import status as status_mod
 
-NEWER = "written by a newer slurmresume (format 3; this reads 2): upgrade"
+NEWER = "written by a newer slurmresume (format 4; this reads 3): upgrade"
 ENV = {"COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1", "SLURMRESUME_CKPT_DIR": ""}
 
 
@@ -76,7 +76,7 @@ def test_save_over_the_manifest_cap_commits_nothing(tmp_path: Path, monkeypatch:
     W x T and the cap; step 2 never appears, the older step 1 is untouched."""
     root = tmp_path / "ckpt"
     save_steps(root, [1]).close()
-    monkeypatch.setattr(manifest, "MAX_MANIFEST", 600)
+    monkeypatch.setattr(manifest, "MAX_MANIFEST", 200)
     decision = commit.prepare(root, 2)
     assert decision["action"] == "write"
     reports = []
@@ -87,7 +87,7 @@ def test_save_over_the_manifest_cap_commits_nothing(tmp_path: Path, monkeypatch:
 
     assert outcome["ok"] is False
     error = outcome["error"]
-    assert "3 ranks," in error and "tensors listed once" in error and "600-byte manifest read cap" in error, error
+    assert "3 ranks," in error and "tensors listed once" in error and "200-byte manifest read cap" in error, error
     assert "\n" not in error
     assert not (root / step_dir_name(2)).exists() and _leftovers(root) == []
     with pytest.raises(SaveError, match="nothing committed: the manifest of step 2"):
@@ -152,13 +152,13 @@ def test_shard_header_over_the_read_cap_commits_nothing(tmp_path: Path, monkeypa
 # -- 2. unreadable by this version, never corrupt -------------------------------------------------
 
 def _newer_manifest(d: Path) -> None:
-    rewrite_manifest(d, lambda m: m.update(format="slurmresume/3"))
+    rewrite_manifest(d, lambda m: m.update(format="slurmresume/4"))
 
 
 def _newer_marker(d: Path) -> None:
     """A newer release may change what the marker pins: its format says so before anything else."""
-    (d / MARKER).write_text(json.dumps({"step": 2, "format": "slurmresume/3", "index_xxh3": "0" * 16}))
-    (d / MANIFEST).write_text('{"format": "slurmresume/3", "shards": "elsewhere"}')
+    (d / MARKER).write_text(json.dumps({"step": 2, "format": "slurmresume/4", "index_xxh3": "0" * 16}))
+    (d / MANIFEST).write_text('{"format": "slurmresume/4", "shards": "elsewhere"}')
 
 
 @pytest.fixture(params=["manifest", "marker"])
@@ -179,7 +179,7 @@ def test_newer_format_is_unreadable_not_corrupt(newer_root: Path) -> None:
     info = inspect_dir(2, step_dir(newer_root, 2))
     assert info.unreadable and not info.complete
     assert NEWER in (info.problem or "")
-    with pytest.raises(UnreadableCheckpointError, match=r"format 3; this reads 2\): upgrade"):
+    with pytest.raises(UnreadableCheckpointError, match=r"format 4; this reads 3\): upgrade"):
         find_latest(newer_root)
 
 
@@ -235,15 +235,15 @@ def test_cli_says_newer_everywhere_and_prune_keeps_it(newer_root: Path, monkeypa
 
 @pytest.mark.parametrize("where", [MANIFEST, MARKER])
 def test_a_flipped_format_digit_is_corrupt_not_newer(tmp_path: Path, where: str) -> None:
-    """The format is believed only where a checksum backs it: bit rot that turns "slurmresume/2"
+    """The format is believed only where a checksum backs it: bit rot that turns "slurmresume/3"
     into "slurmresume/9" (in a manifest its marker no longer pins, or in a marker whose manifest
-    says format 2) is corruption, and restore falls back to step 1 as for any corruption."""
+    says format 3) is corruption, and restore falls back to step 1 as for any corruption."""
     root = tmp_path / "ckpt"
     save_steps(root, [1, 2]).close()
     path = step_dir(root, 2) / where
     raw = path.read_bytes()
-    assert raw.count(b'"slurmresume/2"') == 1
-    path.write_bytes(raw.replace(b'"slurmresume/2"', b'"slurmresume/9"'))
+    assert raw.count(b'"slurmresume/3"') == 1
+    path.write_bytes(raw.replace(b'"slurmresume/3"', b'"slurmresume/9"'))
     info = inspect_dir(2, step_dir(root, 2))
     assert not info.complete and not info.unreadable and info.has_marker, info.problem
     state = tiny_state(987654)

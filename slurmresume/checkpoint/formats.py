@@ -2,7 +2,8 @@
 
 Format 1 lists every rank's tensors in the manifest itself (`check_v1`); format 2 lists each
 DTensor once (dtype, global shape, placements) and keeps each rank's tensors in its own index file
-(`check_once`, and `build_manifest` from every rank's fixed-size record).
+(`check_once`); format 3, written now (`build_manifest` from every rank's fixed-size record), is
+format 2 with the shard table as columns (shardtable.py).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from .shard import VERIFY_BLOCK
 
 
 def build_manifest(step: int, reports: list[dict[str, Any]], metrics: Any, meta: Any) -> dict[str, Any]:
-    """Rank 0: the format-2 manifest from every rank's fixed-size record (ordered by rank): per
-    shard its file, size and checksums and its index file's; each DTensor's dtype, global shape
+    """Rank 0: the format-3 manifest from every rank's fixed-size record (ordered by rank): per
+    shard its size and checksums and its index file's, as columns (names only where they are not
+    the per-rank ones); each DTensor's dtype, global shape
     and placements once (from rank 0's record); the names stored once, in shard 0; "pieces_listed"
     when some rank holds a DTensor those placements do not give (its pieces: in the index files)."""
-    shards = []
-    for rep in sorted(reports, key=lambda r: r["rank"]):
-        shards.append({k: rep[k] for k in _SHARD_KEYS})
+    from .shardtable import columns
+
+    shards = columns([{k: rep[k] for k in _SHARD_KEYS} for rep in sorted(reports, key=lambda r: r["rank"])])
     first = next(r for r in reports if r["rank"] == 0)
     now = time.time()
     return {
@@ -86,8 +88,9 @@ def check_v1(data: dict[str, Any], world: int) -> tuple[list[dict[str, Any]], di
 
 
 def shard_problem(shards: list[Any], v2: bool) -> str | None:
-    """Why the manifest's per-shard table (one entry per rank, in rank order) is malformed, else
-    None: a plain file name each, distinct, a size, the checksums, and (format 2) its index file's."""
+    """Why a format-1/2 per-shard table (one entry per rank, in rank order) is malformed, else
+    None: a plain file name each, distinct, a size, the checksums, and (format 2) its index file's.
+    Format 3's columns: shardtable.problem."""
     from .layout import is_plain_shard_name
     from .marker import is_int
     from .rankindex import check_shard_entry

@@ -3,7 +3,7 @@
 <root>/
   step_000001200/
     rank-00000-of-00002.safetensors
-    rank-00000.index.json   format 2: this rank's tensor index (names, shapes, block digests),
+    rank-00000.index.json   format 2+: this rank's tensor index (names, shapes, block digests),
                        written and fsynced with its shard; manifest.json records its digest
     manifest.json
     COMMITTED          written last; its presence is what makes the step usable
@@ -21,8 +21,10 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-FORMAT = "slurmresume/2"  # the manifest format this version writes
-FORMATS_READ = ("slurmresume/1", "slurmresume/2")  # ... and those it reads (1: one manifest lists every tensor)
+FORMAT = "slurmresume/3"  # the manifest format this version writes
+# ... and those it reads (1: one manifest lists every tensor; 2: per-rank index files, the shard
+# table as one object per shard; 3: the same table as columns, shardtable.py)
+FORMATS_READ = ("slurmresume/1", "slurmresume/2", "slurmresume/3")
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
 INPROGRESS = ".inprogress"

@@ -8,6 +8,7 @@ sections (format 1's tensor list, format 2's DTensor specs, the coordinator's bu
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,10 @@ from .marker import marker_facts as marker_facts
 from .marker import newer_format as newer_format
 from .marker import pinned_manifest as pinned_manifest
 from .marker import refuse_newer as refuse_newer
+from .rankindex import IndexDigests
 from .shard import VERIFY_BLOCK, Expected
+from .shardtable import ShardTable
+from .shardtable import problem as table_problem
 
 MAX_MANIFEST = 64 << 20
 MAX_TIME = 1e11  # epoch seconds (year 5138): what time.strftime and datetime can render
@@ -62,12 +66,13 @@ def over_cap(step: int, manifest_bytes: int, marker_bytes: int, world: int, tens
 class Manifest:
     """A validated manifest, plus what the loader needs to trust it. Format 1 lists every rank's
     tensors itself (`listed`); format 2 keeps them in per-rank index files, read (and checked
-    against the manifest) only when asked: `rank_tensors(r)` opens rank r's alone."""
+    against the manifest) only when asked: `rank_tensors(r)` opens rank r's alone. `shards`: format
+    1/2's list of rows, or format 3's `ShardTable`, which builds a rank's row only when asked."""
 
     step: int
     world_size: int
     created: float
-    shards: list[dict[str, Any]]
+    shards: Sequence[dict[str, Any]]
     metrics: Any
     meta: Any
     raw: dict[str, Any] = field(repr=False)
@@ -80,6 +85,8 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        if isinstance(self.shards, ShardTable):
+            return self.shards.total_bytes
         return sum(s["bytes"] for s in self.shards)
 
     @property
@@ -90,7 +97,8 @@ class Manifest:
     def has_block_digests(self) -> bool:
         """Written with per-block tensor digests (every read verifiable as it happens); older
         checkpoints need the whole-shard checksum pass instead."""
-        return self.raw.get("verify_block") == VERIFY_BLOCK and all("header_xxh3" in s for s in self.shards)
+        return self.raw.get("verify_block") == VERIFY_BLOCK and (  # format 3: a column, always written
+            isinstance(self.shards, ShardTable) or all("header_xxh3" in s for s in self.shards))
 
     def rank_tensors(self, rank: int) -> dict[str, dict[str, Any]]:
         """Shard `rank`'s tensor entries {name: info}; format 2 reads and checks its index file
@@ -167,11 +175,12 @@ class Manifest:
         return elastic(self.listed, self.world_size)
 
     def expected(self, rank: int) -> Expected | None:
-        """The digests a verified read of shard `rank` checks, or None for an older checkpoint."""
+        """The digests a verified read of shard `rank` checks, or None for an older checkpoint: its
+        header's from the manifest; its tensors' from its index file, read (`rank_tensors`) when
+        first asked (a reshard reading a piece by the header's finer digests never asks)."""
         if not self.has_block_digests:
             return None
-        blocks = {n: t["xxh3"] for n, t in self.rank_tensors(rank).items() if "xxh3" in t}
-        return Expected(self.shards[rank]["header_xxh3"], blocks)
+        return Expected(self.shards[rank]["header_xxh3"], IndexDigests(lambda: self.rank_tensors(rank)))
 
 
 def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
@@ -203,18 +212,22 @@ def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
 def read_pinned(step_dir: Path, step: int, digest: str) -> Manifest:
     """The manifest of `step_dir` that rank 0 chose to restore, read by another rank: its bytes
     must hash to `digest` (what rank 0 read, pinned by the commit marker it checked), so the marker
-    is not read again; CorruptCheckpointError when the file changed since. Then validated as
-    `read_manifest` validates it."""
+    is not read again; CorruptCheckpointError when the file changed since. Those are the bytes
+    rank 0 validated (`read_manifest`) before it chose them: their per-shard and per-tensor
+    sections are not checked again here (O(W + T) on every rank), the rest as `validate_manifest`."""
     raw = read_bounded(step_dir / MANIFEST, manifest_cap(), "manifest")
     if xxhash.xxh3_64_hexdigest(raw) != digest:
         raise CorruptCheckpointError(f"manifest {step_dir / MANIFEST} changed since rank 0 chose step {step} "
                                      "(its checksum no longer matches what the commit marker pinned)")
-    manifest = validate_manifest(loads(raw, f"manifest {step_dir / MANIFEST}"), step_dir, step)
+    manifest = validate_manifest(loads(raw, f"manifest {step_dir / MANIFEST}"), step_dir, step, checked=True)
     manifest.digest = digest
     return manifest
 
 
-def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> Manifest:
+def validate_manifest(data: Any, step_dir: Path, expected_step: int | None, checked: bool = False) -> Manifest:
+    """The Manifest of parsed manifest.json `data`, validated (UnsafeCheckpointError naming the
+    file). `checked`: bytes whose digest matches those another reader validated (`read_pinned`):
+    the shard table and the format-2+ tensor section are taken as they are."""
     where = step_dir / MANIFEST
 
     def bad(msg: str) -> CorruptCheckpointError:
@@ -225,22 +238,28 @@ def validate_manifest(data: Any, step_dir: Path, expected_step: int | None) -> M
     if data.get("format") not in FORMATS_READ:
         raise bad(f"format {data.get('format')!r} is not one of {', '.join(FORMATS_READ)}")
     v2 = data["format"] != FORMATS_READ[0]
+    columnar = data["format"] == FORMATS_READ[2]
     step, world = data.get("step"), data.get("world_size")
     if not is_int(step) or step < 0 or (expected_step is not None and step != expected_step):
         raise bad(f"step {step!r} does not match the directory")
     if not is_int(world) or world < 1:
         raise bad(f"world_size {world!r} is not a positive integer")
     shards = data.get("shards")
-    if not isinstance(shards, list) or len(shards) != world:
+    if columnar:
+        if not checked and (why := table_problem(shards, world)):
+            raise bad(why)
+        shards = ShardTable(shards if isinstance(shards, dict) else {}, world)
+    elif not isinstance(shards, list) or len(shards) != world:
         raise bad(f"expected {world} shards")
-    if why := shard_problem(shards, v2):
+    elif not checked and (why := shard_problem(shards, v2)):
         raise bad(why)
     created = data.get("created")
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < MAX_TIME:
         raise bad(f"created time {created!r} is missing or not a plausible epoch time")
     try:
         if v2:
-            check_once(data)
+            if not checked:
+                check_once(data)
             return Manifest(step, world, float(created), shards, data.get("metrics"), data.get("meta"), data,
                             step_dir)
         tensors, sharded = check_v1(data, world)

@@ -50,7 +50,9 @@ def marker_bytes(step: int, manifest_raw: bytes, manifest: dict[str, Any] | None
     marker: dict[str, Any] = {"step": step, "format": FORMAT, "manifest_xxh3": xxhash.xxh3_64_hexdigest(manifest_raw)}
     if manifest is not None:
         marker["world_size"] = manifest["world_size"]
-        marker["total_bytes"] = sum(s["bytes"] for s in manifest["shards"])
+        from .shardtable import total
+
+        marker["total_bytes"] = total(manifest["shards"])
         raw = _sealed({**marker, "metrics": manifest.get("metrics")})
         if len(raw) <= MAX_MARKER:
             return raw

@@ -14,6 +14,7 @@ marker) covers every index file. A reader opens only the index files of the rank
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +82,13 @@ def check_pieces(entries: dict[str, dict[str, Any]], rank: int, world: int, spec
     pieces by arithmetic, one that the placements give. CorruptCheckpointError otherwise: a
     restore that reads this rank refuses before a byte of its data is used."""
     from .placement import arithmetic, local_box
-    from .sharding import check_piece
+    from .sharding import piece_of
 
+    coords: dict[tuple[int, ...], tuple[int, ...]] = {}
     for name, info in entries.items():
         if "global_offset" not in info and "global_shape" not in info:
             continue
-        piece = check_piece({"name": name, "rank": rank, **info}, world)
+        piece = piece_of(name, rank, info, world)
         spec = specs.get(name)
         if spec is None:
             continue
@@ -94,9 +96,13 @@ def check_pieces(entries: dict[str, dict[str, Any]], rank: int, world: int, spec
             raise CorruptCheckpointError(f"pieces of tensor {name!r} disagree: rank {rank}'s index says "
                                          f"{info.get('dtype')} {info.get('global_shape')}, the manifest "
                                          f"{spec.get('dtype')} {spec.get('shape')}")
-        if arithmetic(spec, world) and (piece.offset, piece.shape) != local_box(  # O(1): its own box
-                tuple(spec["shape"]), tuple(spec["mesh_shape"]), _coordinate(rank, spec["mesh_shape"]),
-                tuple(spec["placements"])):
+        if not arithmetic(spec, world):
+            continue
+        mesh = tuple(spec["mesh_shape"])
+        if mesh not in coords:
+            coords[mesh] = _coordinate(rank, spec["mesh_shape"])
+        if (piece.offset, piece.shape) != local_box(tuple(spec["shape"]), mesh, coords[mesh],  # O(1): its own box
+                                                    tuple(spec["placements"])):
             raise CorruptCheckpointError(f"tensor {name!r}: rank {rank}'s piece at {list(piece.offset)} of shape "
                                          f"{list(piece.shape)} disagrees with the placements {spec['placements']} "
                                          "in the manifest")
@@ -138,3 +144,27 @@ def check_shard_entry(s: dict[str, Any], rank: int) -> str | None:
     if not (isinstance(digest, str) and len(digest) == 16):
         return f"shard {rank}'s index has no valid checksum"
     return None
+
+
+class IndexDigests(Mapping[str, list[str]]):
+    """One shard's block digests by tensor name, from `entries()` (its index's entries, read and
+    checked: `Manifest.rank_tensors`) on the first lookup only: a read that checks every piece
+    by its header's finer digests never opens the index file."""
+
+    def __init__(self, entries: Callable[[], dict[str, dict[str, Any]]]) -> None:
+        self._entries = entries
+        self._blocks: dict[str, list[str]] | None = None
+
+    def _load(self) -> dict[str, list[str]]:
+        if self._blocks is None:
+            self._blocks = {n: t["xxh3"] for n, t in self._entries().items() if "xxh3" in t}
+        return self._blocks
+
+    def __getitem__(self, name: str) -> list[str]:
+        return self._load()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,22 +146,23 @@ def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[st
     return out
 
 
-def load_sharded(directory: Path, shards: list[dict[str, Any]], index: Mapping[str, Sharded],
+def load_sharded(directory: Path, shards: Sequence[dict[str, Any]], index: Mapping[str, Sharded],
                  where: Mapping[str, Target], expect: Callable[[int], Expected | None] | None = None,
-                 mode: str = "stage") -> dict[str, Any]:
+                 mode: str = "stage", opened: Any = None) -> dict[str, Any]:
     """Every rank: read each tensor in `where` for this rank. `mode` "stage": into fresh memory,
     never into the live tensors (the caller copies once every rank has verified); "verify":
     read and check, keeping one box at a time and returning nothing; "live": straight into the
     live local tensors (CPU, contiguous), else through one fresh box per tensor copied in (the
     second pass of a restore too large to stage). `expect(rank)` gives shard `rank`'s digests:
     then every byte range read is widened to whole checksum blocks and verified. Returns
-    {name: value} (a DTensor on the target's mesh, or a plain tensor)."""
-    files = ShardFiles(directory, shards, expect)
+    {name: value} (a DTensor on the target's mesh, or a plain tensor). `opened`: see ShardFiles."""
+    files = ShardFiles(directory, shards, expect, opened)
     out: dict[str, Any] = {}
+    boxes = boxes_of(index, where)
     try:
         for name, target in where.items():
             tensor = index[name]
-            shape, offset = box_of(tensor, target)
+            shape, offset = boxes[name]
             local = target.live.to_local() if is_dtensor(target.live) else target.live
             into = mode == "live" and local is not None
             dest = local if into and _fits(local, tuple(shape), tensor.dtype) else _empty(shape, tensor.dtype)
@@ -194,6 +195,33 @@ def box_of(tensor: Sharded, target: Target) -> tuple[tuple[int, ...], tuple[int,
         return tuple(shape), tuple(offset)
     offset, shape = local_box(tuple(tensor.shape), tuple(target.mesh.shape), tuple(coord), kinds)
     return shape, offset
+
+
+def boxes_of(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """`box_of` of every tensor in `where`, asking each mesh its shape and this rank's coordinate
+    once (DeviceMesh.shape costs ~100 us a call in torch 2.13: most of a restore plan, once per
+    DTensor) and each placements tuple its kinds once."""
+    from .placement import local_box
+
+    layouts: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]] | None] = {}
+    out = {}
+    for name, target in where.items():
+        tensor = index[name]
+        key = (id(target.mesh), id(target.placements))
+        if target.mesh is None or (lay := layouts.get(key, ())) is None:
+            out[name] = box_of(tensor, target)
+            continue
+        if lay == ():
+            kinds = _kinds(tuple(target.placements))
+            coord = target.mesh.get_coordinate() if kinds is not None else None
+            lay = layouts[key] = None if kinds is None or coord is None else (
+                tuple(target.mesh.shape), tuple(coord), kinds)
+            if lay is None:
+                out[name] = box_of(tensor, target)
+                continue
+        offset, shape = local_box(tuple(tensor.shape), *lay)
+        out[name] = (shape, offset)
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -260,11 +288,13 @@ def _wrap(local: Any, target: Target, global_shape: tuple[Any, ...]) -> Any:
 
 
 class ShardFiles:
-    """Open shards and their checked headers, opened on first use only."""
+    """Open shards and their checked headers, opened on first use only (through `opened`, an
+    opened.OpenShards, when given: a restore's files stay open from its plan to its last read,
+    and `close` leaves them to it)."""
 
-    def __init__(self, directory: Path, shards: list[dict[str, Any]],
-                 expect: Callable[[int], Expected | None] | None = None) -> None:
-        self.directory, self.shards = directory, shards
+    def __init__(self, directory: Path, shards: Sequence[dict[str, Any]],
+                 expect: Callable[[int], Expected | None] | None = None, opened: Any = None) -> None:
+        self.directory, self.shards, self.opened = directory, shards, opened
         self.open: dict[int, tuple[int, dict[str, Any], int]] = {}
         self.expect = expect
         self.expected: dict[int, Expected | None] = {}
@@ -292,9 +322,12 @@ class ShardFiles:
         if rank not in self.open:
             s = self.shards[rank]
             self.expected[rank] = self.expect(rank) if self.expect is not None else None
-            header, start = read_header(self.directory, s["file"], s["bytes"], self.expected[rank])
-            self.fine[rank] = _fine_blocks(header, self.directory / s["file"])
-            self.open[rank] = (open_checked(self.directory, s["file"], s["bytes"]), header, start)
+            if self.opened is not None:
+                self.open[rank] = self.opened.get(s["file"], s["bytes"], self.expected[rank])
+            else:
+                header, start = read_header(self.directory, s["file"], s["bytes"], self.expected[rank])
+                self.open[rank] = (open_checked(self.directory, s["file"], s["bytes"]), header, start)
+            self.fine[rank] = _fine_blocks(self.open[rank][1], self.directory / s["file"])
         fd, header, start = self.open[rank]
         path = self.directory / self.shards[rank]["file"]
         info = header.get(tensor.name)
@@ -304,8 +337,9 @@ class ShardFiles:
         return fd, start + int(info["data_offsets"][0]), path
 
     def close(self) -> None:
-        for fd, _, _ in self.open.values():
-            os.close(fd)
+        if self.opened is None:
+            for fd, _, _ in self.open.values():
+                os.close(fd)
         self.open.clear()
 
 

@@ -23,7 +23,7 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -88,7 +88,7 @@ class Expected:
     JSON) and, per tensor name, the digests of its bytes in VERIFY_BLOCK blocks."""
 
     header: str
-    blocks: dict[str, list[str]]
+    blocks: Mapping[str, list[str]]  # (Manifest.expected: read from the index file when first asked)
     block: int = VERIFY_BLOCK
 
     def of(self, name: str, path: Path) -> list[str]:
@@ -390,11 +390,14 @@ def hash_file(directory: Path, file: str, expected_bytes: int) -> str:
     return hasher.hexdigest()
 
 
-def read_header(directory: Path, file: str, expected_bytes: int, expect: Expected | None = None) -> tuple[dict[str, Any], int]:
+def read_header(directory: Path, file: str, expected_bytes: int, expect: Expected | None = None,
+                fd: int | None = None) -> tuple[dict[str, Any], int]:
     """Parse and bound-check a shard's header (checked against `expect.header` when given).
-    Returns (header, data_start)."""
+    Returns (header, data_start). `fd`: the file, already opened by `open_checked` (left open)."""
     path = directory / file
-    fd = open_checked(directory, file, expected_bytes)  # refuses a name that is not ours first
+    own = fd is None
+    if fd is None:
+        fd = open_checked(directory, file, expected_bytes)  # refuses a name that is not ours first
     base = shard_base(file)
     try:
         try:
@@ -408,7 +411,8 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
         except OSError as exc:
             raise CorruptCheckpointError(f"cannot read shard {path}: {exc} (after retries)") from exc
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
     if expect is not None and xxhash.xxh3_64_hexdigest(head + raw) != expect.header:
         raise CorruptCheckpointError(f"shard {path}: its header fails its checksum (flipped bits?)")
     header = loads(raw, f"header of {path}")
@@ -446,8 +450,8 @@ def _offsets(path: Path, kv: tuple[str, Any]) -> tuple[int, int]:
 
 
 def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[str, Any] | None = None,
-                 names: set[str] | None = None,
-                 expect: Expected | None = None) -> tuple[dict[str, Any], dict[str, str], bool]:
+                 names: set[str] | None = None, expect: Expected | None = None,
+                 opened: Any = None) -> tuple[dict[str, Any], dict[str, str], bool]:
     """All tensors of a shard, its metadata, and whether any target was written.
 
     A tensor whose name is in `targets` with the same dtype and shape (a contiguous CPU tensor,
@@ -456,10 +460,14 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
     code may need that: `Generator.set_state` reads a view's storage from offset 0). `names`
     limits the read to those tensors (only their byte ranges). With `expect`, the header and
     every tensor's bytes are checked against their digests as they are read (a mismatch in a
-    live tensor sets `partial_write` on the error)."""
+    live tensor sets `partial_write` on the error). `opened` (restore.OpenShards): the file and
+    its header as the restore's plan opened and checked them, read through that fd."""
     import torch
 
-    header, data_start = read_header(directory, file, expected_bytes, expect)
+    if opened is not None:
+        fd, header, data_start = opened.get(file, expected_bytes, expect)
+    else:
+        header, data_start = read_header(directory, file, expected_bytes, expect)
     path = directory / file
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
@@ -473,7 +481,8 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
             direct[name] = t
     rest = [(n, i) for n, i in items if n not in direct]
     out: dict[str, Any] = {}
-    fd = open_checked(directory, file, expected_bytes)  # re-checked: a link swapped in since fails
+    if opened is None:
+        fd = open_checked(directory, file, expected_bytes)  # re-checked: a link swapped in since fails
     try:
         for name, info in rest:
             begin, end = info["data_offsets"]
@@ -488,20 +497,25 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
             exc.partial_write = True  # type: ignore[attr-defined]  # live tensors were touched
             raise
     finally:
-        os.close(fd)
+        if opened is None:
+            os.close(fd)
     return out, meta, bool(direct)
 
 
-def verify_tensors(directory: Path, file: str, expected_bytes: int, names: set[str], expect: Expected | None) -> int:
+def verify_tensors(directory: Path, file: str, expected_bytes: int, names: set[str], expect: Expected | None,
+                   opened: Any = None) -> int:
     """Read the named tensors of a shard and check every block against `expect`, through one
     VERIFY_BLOCK scratch buffer: nothing is kept (the first pass of a restore too large to stage).
     Without `expect` (a checkpoint older than block digests, whose shards were checked whole
-    already) nothing is read. Returns the bytes read."""
+    already) nothing is read. Returns the bytes read. `opened`: as for `load_tensors`."""
     if expect is None:
         return 0
-    header, data_start = read_header(directory, file, expected_bytes, expect)
+    if opened is not None:
+        fd, header, data_start = opened.get(file, expected_bytes, expect)
+    else:
+        header, data_start = read_header(directory, file, expected_bytes, expect)
+        fd = open_checked(directory, file, expected_bytes)
     path, scratch, done = directory / file, memoryview(bytearray(VERIFY_BLOCK)), 0
-    fd = open_checked(directory, file, expected_bytes)
     try:
         for name in sorted(names):
             begin, end = header[name]["data_offsets"]
@@ -515,7 +529,8 @@ def verify_tensors(directory: Path, file: str, expected_bytes: int, names: set[s
                 check_blocks(piece, i // VERIFY_BLOCK, digests, path, name)
             done += end - begin
     finally:
-        os.close(fd)
+        if opened is None:
+            os.close(fd)
     return done
 
 
@@ -594,3 +609,17 @@ def meta_tensors(infos: dict[str, Any]) -> dict[str, Any]:
                 for n, i in infos.items()}
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CorruptCheckpointError(f"a safetensors header entry is malformed ({type(exc).__name__}: {exc})") from None
+
+
+class MetaOnDemand(dict[str, Any]):
+    """`meta_tensors` of `infos` ({name: {"dtype", "shape"}}), each made when first looked up: a
+    plan that decodes only some entries (those of modules and optimizers, to check they fit)
+    makes no meta tensor for the others. A name not in `infos` raises KeyError, as a dict would."""
+
+    def __init__(self, infos: dict[str, Any]) -> None:
+        super().__init__()
+        self.infos = infos
+
+    def __missing__(self, name: str) -> Any:
+        t = self[name] = meta_tensors({name: self.infos[name]})[name]
+        return t

@@ -76,11 +76,15 @@ class Sharded:
 
 def check_piece(entry: dict[str, Any], world_size: int) -> Piece:
     """Validate one manifest tensor entry that carries `global_shape` / `global_offset`."""
-    name = entry.get("name")
-    what = f"tensor {name!r} of rank {entry.get('rank')!r}"
-    rank = entry.get("rank")
+    return piece_of(entry.get("name"), entry.get("rank"), entry, world_size)
+
+
+def piece_of(name: Any, rank: Any, entry: dict[str, Any], world_size: int) -> Piece:
+    """`check_piece` of entry `entry` of tensor `name` in rank `rank`'s index (no copy of it)."""
     if not (isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank < world_size):
-        raise CorruptCheckpointError(f"{what}: rank is not one of the {world_size} saving ranks")
+        raise CorruptCheckpointError(f"tensor {name!r} of rank {rank!r}: rank is not one of the {world_size} "
+                                     "saving ranks")
+    what = f"tensor {name!r} of rank {rank!r}"
     local = check_shape(entry.get("shape"), what)
     glob = check_shape(entry.get("global_shape"), f"{what} (global shape)")
     offset = entry.get("global_offset")

@@ -205,11 +205,12 @@ def _tensor_refs(data: Any) -> Iterator[Any]:
 
 
 def decode_entries(keys: Iterable[str], skeleton: Any, tensors: Mapping[str, Any],
-                   strict: bool = True) -> tuple[dict[str, tuple[str, Any]], Any]:
+                   strict: bool = True, checked: bool = False) -> tuple[dict[str, tuple[str, Any]], Any]:
     """Phase 1 of a load, touching no user object: validate the skeleton and decode the entries
     for `keys`. Returns ({key: (kind, value)}, library entries). Raises CorruptCheckpointError for
     a malformed skeleton or a missing tensor (a caller may fall back to an older checkpoint), and
-    ConfigError (from `validate_skeleton`) for a state key the checkpoint lacks when `strict`."""
+    ConfigError (from `validate_skeleton`) for a state key the checkpoint lacks when `strict`.
+    `checked`: the caller validated this skeleton for these keys already (not again)."""
 
     def lookup(name: str) -> Any:
         try:
@@ -218,7 +219,8 @@ def decode_entries(keys: Iterable[str], skeleton: Any, tensors: Mapping[str, Any
             raise CorruptCheckpointError(f"checkpoint references tensor {name!r} that its shard lacks") from None
 
     wanted = list(keys)
-    validate_skeleton(wanted, skeleton, None, strict)
+    if not checked:
+        validate_skeleton(wanted, skeleton, None, strict)
     entries = skeleton["entries"]
     devices = skeleton.get("devices") or {}
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -223,7 +223,7 @@ def _tensor_refs(value: Any, out: set[str]) -> set[str]:
     return out
 
 
-def _state_keys(path: Path, shards: list[dict[str, Any]], headers: list[dict[str, Any]],
+def _state_keys(path: Path, shards: Sequence[dict[str, Any]], headers: list[dict[str, Any]],
                 rows: list[TensorInfo]) -> tuple[list[StateKey], list[str]]:
     """Top-level state keys (union over ranks) with their tensors, from each shard's skeleton."""
     nbytes = {(r.rank, r.name): r.bytes for r in rows}

@@ -45,11 +45,12 @@ from ..checkpoint.collective import Group
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_pinned
+from ..checkpoint.opened import OpenShards
 from ..checkpoint.reshard import STATS as RESHARD_STATS
-from ..checkpoint.reshard import box_of, is_dtensor, load_sharded, source_ranks, staging_bytes
+from ..checkpoint.reshard import boxes_of, is_dtensor, load_sharded, source_ranks, staging_bytes
 from ..checkpoint.reshard import targets as reshard_targets
 from ..checkpoint.residency import all_cached
-from ..checkpoint.shard import SKELETON_KEY, load_tensors, meta_tensors, read_header, verify_tensors
+from ..checkpoint.shard import SKELETON_KEY, MetaOnDemand, load_tensors, verify_tensors
 from ..checkpoint.sharding import from_json
 from ..checkpoint.sharding import to_json as sharding_json
 from ..checkpoint.state import (
@@ -57,6 +58,7 @@ from ..checkpoint.state import (
     check_fits,
     decode_entries,
     flatten_live,
+    is_stateful,
     referenced,
     validate_skeleton,
 )
@@ -205,6 +207,8 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
         apply_loaded(group, state, got, choice, req.restore_rng)
         if req.ddp_buckets is not None and isinstance(got.library, dict):
             req.ddp_buckets.restore(got.library.get("ddp"))
+    if isinstance(part, Part):
+        part.opened.close()  # (an exception above: closed when the plan is dropped)
     return failures, io, part.manifest if isinstance(part, Part) else None
 
 
@@ -319,7 +323,8 @@ class Loaded:
 class Part:
     """What one rank reads of a checkpoint, planned from the headers and the skeleton (no tensor
     bytes read): whole tensors of its own shard (`names`) and of shard 0 (`shared`, replicated),
-    boxes of DTensors (`wanted` -> `where`), and the fresh memory a staged read takes."""
+    boxes of DTensors (`wanted` -> `where`), and the fresh memory a staged read takes. `opened`:
+    the shard files the plan opened, read through the same fds (closed by `load_choice`)."""
 
     directory: Path
     shard: dict[str, Any]
@@ -332,6 +337,7 @@ class Part:
     wanted: dict[str, Any]
     where: dict[str, Any]
     staging: int
+    opened: OpenShards
 
 
 def plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
@@ -358,6 +364,7 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
     src = rank if rank < choice.world_size else rank % choice.world_size
     keys = list(state)
     directory = Path(choice.path)
+    opened = OpenShards(directory)
     try:
         # Every byte read is checked against the digests the manifest recorded at save time
         # (hashing while reading). Rank 0 parsed the manifest when it chose; every other rank
@@ -365,7 +372,7 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         manifest = choice.manifest or read_pinned(directory, choice.step, choice.manifest_xxh3)
         shard, first = manifest.shards[src], manifest.shards[0]
         sharded = manifest.sharded if manifest.placed_by_arithmetic else from_json(choice.sharded)
-        header, _ = read_header(directory, shard["file"], shard["bytes"], manifest.expected(src))
+        header = opened.header(shard["file"], shard["bytes"], manifest.expected(src))
         meta = header.get("__metadata__")
         raw = meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else ""
         skeleton = loads(raw, f"skeleton of {shard['file']}")
@@ -376,22 +383,25 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         shared = set(listed) - names - set(sharded)
         infos = {n: header[n] for n in names}
         if shared:
-            header0 = read_header(directory, first["file"], first["bytes"], manifest.expected(0))[0]
+            header0 = opened.header(first["file"], first["bytes"], manifest.expected(0))
             infos.update({n: header0[n] for n in header0 if n in shared})
-        validate_skeleton(keys, skeleton, set(infos) | set(sharded), strict)
+        validate_skeleton(keys, skeleton, set(infos) | set(sharded), strict)  # once: not again to decode
         # Shapes from the headers (a DTensor: its global shape), as meta tensors: a checkpoint
-        # that does not fit the live objects is refused before any byte is loaded.
+        # that does not fit the live modules and optimizers is refused before any byte is loaded
+        # (the other entries are decoded, and checked, by the read, before anything is applied).
         shapes = {**infos, **{n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in sharded.items()}}
-        check_fits(state, decode_entries(keys, skeleton, meta_tensors(shapes), strict)[0])
+        fits = [k for k in keys if is_stateful(state[k])]
+        check_fits(state, decode_entries(fits, skeleton, MetaOnDemand(shapes), strict, checked=True)[0])
         wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
         where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
-        boxes = {n: box_of(wanted[n], t) for n, t in where.items()}
-        for r in sorted(source_ranks(wanted, where, boxes)):  # their indexes, checked before any data is read
+        boxes = boxes_of(wanted, where)
+        for r in sorted({src} | source_ranks(wanted, where, boxes)):  # their indexes, checked before any data is read
             manifest.rank_tensors(r)
         staging = sum(int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for i in infos.values())
         return Part(directory, shard, first, manifest, src, skeleton, names, shared & set(infos), wanted, where,
-                    staging + staging_bytes(wanted, where, boxes))
+                    staging + staging_bytes(wanted, where, boxes), opened)
     except CheckpointError as exc:
+        opened.close()
         return Failure.of(exc)
 
 
@@ -407,21 +417,23 @@ def read_part(rank: int, choice: RestoreChoice, part: Part | Failure, keys: list
     try:
         before = dict(RESHARD_STATS)
         if mode == "verify":
-            whole = verify_tensors(d, shard["file"], shard["bytes"], part.names - part.shared, m.expected(part.src))
-            whole += verify_tensors(d, first["file"], first["bytes"], part.shared, m.expected(0)) if part.shared else 0
+            whole = verify_tensors(d, shard["file"], shard["bytes"], part.names - part.shared, m.expected(part.src),
+                                   part.opened)
+            whole += verify_tensors(d, first["file"], first["bytes"], part.shared, m.expected(0),
+                                    part.opened) if part.shared else 0
             if part.wanted:
-                load_sharded(d, m.shards, part.wanted, part.where, m.expected, mode)
+                load_sharded(d, m.shards, part.wanted, part.where, m.expected, mode, part.opened)
             return Loaded(read=whole + RESHARD_STATS["bytes"] - before["bytes"], needed=0)
         plain = {n: t for n, t in live.items() if n not in part.wanted and not is_dtensor(t)} if mode == "live" else None
         tensors, _, _ = load_tensors(d, shard["file"], shard["bytes"], plain, names=part.names - part.shared,
-                                     expect=m.expected(part.src))
+                                     expect=m.expected(part.src), opened=part.opened)
         if part.shared:
             more, _, _ = load_tensors(d, first["file"], first["bytes"], plain, names=part.shared,
-                                      expect=m.expected(0))
+                                      expect=m.expected(0), opened=part.opened)
             tensors.update(more)
         whole = sum(t.numel() * t.element_size() for t in tensors.values())  # read whole: read == needed
         if part.wanted:
-            tensors.update(load_sharded(d, m.shards, part.wanted, part.where, m.expected, mode))
+            tensors.update(load_sharded(d, m.shards, part.wanted, part.where, m.expected, mode, part.opened))
         read = whole + RESHARD_STATS["bytes"] - before["bytes"]
         needed = whole + RESHARD_STATS["needed"] - before["needed"]
         decoded, library = decode_entries(keys, part.skeleton, tensors, strict)

@@ -80,7 +80,7 @@ def _restore(root: Path, verify: bool) -> tuple[int | None, dict[str, Any], Base
 def _damage(rng: random.Random, d: Path, kind: str) -> tuple[str, str, bool]:
     """Damage step directory `d`. Returns (file name, description, data_changed): data_changed
     is False only for edits that leave every tensor and value as saved."""
-    from helpers.core import rewrite_manifest
+    from helpers.core import edit_rows, rewrite_manifest
 
     from slurmresume.checkpoint.layout import MANIFEST, MARKER, shard_name
 
@@ -146,7 +146,7 @@ def _damage(rng: random.Random, d: Path, kind: str) -> tuple[str, str, bool]:
         rewrite_manifest(d, edit)
         return MANIFEST, f"{field} edited, marker re-written", changed
     m = json.loads((d / MANIFEST).read_bytes())
-    edit(m)
+    edit_rows(m, edit)
     (d / MANIFEST).write_text(json.dumps(m, separators=(",", ":")))
     return MANIFEST, f"{field} edited", True
 

@@ -70,11 +70,33 @@ def rewrite_manifest_raw(d: Path, raw: bytes) -> None:
     (d / MARKER).write_bytes(marker_bytes(step, raw))
 
 
-def rewrite_manifest(d: Path, edit: Callable[[dict], Any]) -> dict:
-    """Load manifest.json, let `edit` change the dict in place, write it back with a marker that
-    matches. Returns the edited manifest."""
-    data = json.loads((d / MANIFEST).read_bytes())
+def shard_rows(manifest: dict) -> list[dict]:
+    """The shard table of a parsed manifest.json as one dict per rank, whatever its format (format 3
+    stores columns: checkpoint/shardtable.py)."""
+    from slurmresume.checkpoint.shardtable import rows
+
+    shards = manifest["shards"]
+    return rows(shards, manifest["world_size"]) if isinstance(shards, dict) else shards
+
+
+def edit_rows(data: dict, edit: Callable[[dict], Any]) -> None:
+    """Let `edit` change a parsed manifest in place with its shard table as rows (format 2's
+    shape, a list of dicts), then store the table back as columns while the manifest still says
+    format 3 (an edit that makes it format 2 keeps the rows)."""
+    from slurmresume.checkpoint.shardtable import columns
+
+    if isinstance(data.get("shards"), dict):
+        data["shards"] = shard_rows(data)
     edit(data)
+    if data.get("format") == "slurmresume/3" and isinstance(data.get("shards"), list):
+        data["shards"] = columns(data["shards"])
+
+
+def rewrite_manifest(d: Path, edit: Callable[[dict], Any]) -> dict:
+    """Load manifest.json, let `edit` change the dict in place (its shard table as rows, whatever
+    the format: `edit_rows`), write it back with a marker that matches. Returns the edited manifest."""
+    data = json.loads((d / MANIFEST).read_bytes())
+    edit_rows(data, edit)
     rewrite_manifest_raw(d, json.dumps(data, separators=(",", ":")).encode())
     return data
 

@@ -6,7 +6,9 @@ same-world restore opens.
 Saves step 1 of a mixed state (a Shard(0) DTensor, a Replicate() DTensor, a plain tensor equal on
 every rank, a plain tensor of this rank's own) while recording every torch.distributed call
 made during the save; then restores it into a zeroed state on the same ranks while recording
-the files of the step each rank opens (audit hook on `open`). Rank r writes OUT/r.json.
+the files of the step each rank opens (audit hook on `open`) and which rows of the manifest's
+shard table its parse built (format 3: `ShardTable.built`; None for a list of rows). Rank r
+writes OUT/r.json.
 """
 
 from __future__ import annotations
@@ -72,7 +74,10 @@ def main(argv: list[str]) -> int:
     RECORDING["opens"] = False
     exact = all(torch.equal(fresh[k].full_tensor() if hasattr(fresh[k], "full_tensor") else fresh[k],
                             saved[k].full_tensor() if hasattr(saved[k], "full_tensor") else saved[k]) for k in saved)
-    (out / f"{rank}.json").write_text(json.dumps({"calls": CALLS, "opens": OPENS, "step": step, "exact": exact}))
+    shards = ck.restored.manifest.shards if ck.restored and ck.restored.manifest else None
+    built = sorted(shards.built) if hasattr(shards, "built") else None
+    (out / f"{rank}.json").write_text(json.dumps({"calls": CALLS, "opens": OPENS, "step": step, "exact": exact,
+                                                  "rows_built": built}))
     ck.close()
     dist.destroy_process_group()
     return 0

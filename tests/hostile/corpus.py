@@ -79,8 +79,10 @@ def _write_manifest(d: Path, raw: bytes, step: int = 2) -> None:
 
 def _edit_manifest(edit: Callable[[dict], Any]) -> Callable[[Case], None]:
     def craft(c: Case) -> None:
+        from helpers.core import edit_rows
+
         m = _manifest(c.step2)
-        edit(m)
+        edit_rows(m, edit)
         _write_manifest(c.step2, json.dumps(m, separators=(",", ":")).encode())
     return craft
 

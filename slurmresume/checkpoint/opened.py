@@ -1,0 +1,59 @@
+"""The shard files of one restore on one rank, each opened and its header checked once.
+
+A restore's plan opens this rank's shard (and shard 0 for the replicated tensors) to read and
+check the header; its read then reads tensor bytes from the same files. Opening each again cost
+one metadata operation per file per pass against the shared file system's metadata server, and a
+header parse each time. `OpenShards` keeps each file's fd (opened by `shard.open_checked`, so
+never a symbolic link and of the size the manifest records) with its checked header from the
+plan to the last read: the bytes read are those of the very file whose header was checked.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+from .shard import Expected, open_checked, read_header
+
+
+class OpenShards:
+    """Every rank, for one restore: `get(file, ...)` opens a shard file (a locator: a node file's
+    range is its own entry) and reads its header on first use, then hands back the same
+    (fd, header, data start). `close()` when the restore is done with the files (idempotent);
+    a dropped object closes its fds too."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._files: dict[str, tuple[int, dict[str, Any], int]] = {}
+        self._closer = weakref.finalize(self, _close_all, self._files)
+
+    def get(self, file: str, expected_bytes: int, expect: Expected | None = None) -> tuple[int, dict[str, Any], int]:
+        """(fd, header, data start) of `file`; its header checked against `expect` when it is
+        first opened (CorruptCheckpointError / UnsafeCheckpointError as `read_header`)."""
+        got = self._files.get(file)
+        if got is None:
+            fd = open_checked(self.directory, file, expected_bytes)
+            try:
+                header, start = read_header(self.directory, file, expected_bytes, expect, fd=fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            got = self._files[file] = (fd, header, start)
+        return got
+
+    def header(self, file: str, expected_bytes: int, expect: Expected | None = None) -> dict[str, Any]:
+        return self.get(file, expected_bytes, expect)[1]
+
+    def close(self) -> None:
+        _close_all(self._files)  # the finalizer stays armed: it closes whatever is opened after
+
+
+def _close_all(files: dict[str, tuple[int, dict[str, Any], int]]) -> None:
+    for fd, _, _ in files.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    files.clear()
