@@ -3,6 +3,7 @@
     python scripts/bench_scale.py [--ranks 8,64,512,4096,16384] [--models 7B,70B,405B]
                                   [--reshard 64:48,16384:12288] [--read] [--json-out scale.json]
                                   [--peer dcp]   (DCP measured the same way: scripts/bench_scale_dcp.py)
+                                  [--exact-emulation] [--drop-stamped] [--step-digest]
 
 One process plays rank 0 of a W-rank job: torch.distributed's "fake" backend with FakeStore and
 `init_device_mesh` give it a real DeviceMesh and real DTensors (FSDP2 `Shard(0)` placements of the
@@ -13,6 +14,10 @@ shard is "synthetic and sparse" (`SparseShards`): the real safetensors header fo
 files a measured restore reads, and for every rank a file of the right size made by ftruncate, its
 tensor bytes never written (zeros on read), their block digests those of zeros. So W files exist
 and every restore check that opens them runs for real, without 80 GB ... 4.9 TB of tensors.
+The ranks whose local shapes repeat are "stamped" from a template that the real write_rank made
+(scripts/bench_stamp.py: the same bytes and the same calls, checked against the real write_rank on
+every run for rank 0, ranks 1-3 and the first and last rank of each group); `--exact-emulation`
+runs write_rank for every rank (70B at 16,384 ranks: hours on a loaded machine).
 
 Per (model, W) it prints:
 - manifest bytes (what the code's format writes; a step the save refuses is reported as refused);
@@ -49,6 +54,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -62,6 +68,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_nodefile  # noqa: E402
+import bench_stamp  # noqa: E402
+import numpy  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import xxhash  # noqa: E402
@@ -241,7 +249,10 @@ class SparseShards:
     """Stands in for checkpoint.shard.write_shard (the module attribute commit.write_rank calls):
     the same header (real for every file, so any rank's restore can read its own), the file
     ftruncated to its full size (tensor bytes are zeros, never written), block digests of zeros,
-    and the same create / fsync / rename sequence as the real writer."""
+    and the same create / fsync / rename sequence as the real writer. `last`: the last call's
+    (header, bytes of tensor data, [(offset in the data, bytes) of the tensors written])."""
+
+    last: tuple[bytes, int, list[tuple[int, bytes]]] = (b"", 0, [])
 
     def __call__(self, directory: Path, file: str, tensors: list[tuple[str, Any]],
                  metadata: dict[str, str], beside: Any = None) -> Any:
@@ -252,7 +263,7 @@ class SparseShards:
             n = _nbytes(t)
             if _owns_memory(t):  # the library's own state (RNG) and any small plain tensor: its bytes
                 raw = bytes(shard_mod.byte_view(t.detach().contiguous()))
-                real.append((len(header) + data, raw))
+                real.append((data, raw))
                 block = shard_mod.VERIFY_BLOCK
                 index[name]["xxh3"] = [xxhash.xxh3_64_hexdigest(raw[i:i + block]) for i in range(0, n, block)]
             else:
@@ -264,10 +275,11 @@ class SparseShards:
             os.write(fd, header)
             os.ftruncate(fd, len(header) + data)
             for offset, raw in real:
-                os.pwrite(fd, raw, offset)
+                os.pwrite(fd, raw, len(header) + offset)
             fsio.fsync_fd(fd, "shard", tmp)
         finally:
             os.close(fd)
+        self.last = (header, data, real)
         if beside is not None:  # the rank's index file, which the real writer writes during that fsync
             beside(index)
         fsio.rename(tmp, directory / file, "shard")
@@ -305,9 +317,11 @@ def rank_state(model: str, mesh: Any, world: int, rank: int, zeros: bool = False
     return state
 
 
-def peer_payload(template: Any, model: str, world: int, rank: int) -> tuple[dict[str, Any], list[Any]]:
+def peer_payload(template: Any, model: str, world: int, rank: int,
+                 offsets: dict[int, int] | None = None) -> tuple[dict[str, Any], list[Any]]:
     """Rank `rank`'s (skeleton, tensors) from rank 0's payload: the same names, this rank's piece
-    offsets and local shapes (what `flatten` gives on that rank), meta tensors of those shapes."""
+    offsets and local shapes (what `flatten` gives on that rank), meta tensors of those shapes.
+    `offsets` (dim-0 length -> global offset) replaces the offsets (bench_stamp's sentinels)."""
     shapes = {f"{m}/{p}": s for p, s in parameters(model) for m in MOMENTS}
     specs = dict(template.skeleton.get("dtensors") or {})
     tensors = []
@@ -317,6 +331,7 @@ def peer_payload(template: Any, model: str, world: int, rank: int) -> tuple[dict
             tensors.append((name, t))
             continue
         off, rows = chunk0(shape[0], world, rank)
+        off = off if offsets is None else offsets[shape[0]]
         specs[name] = {**specs[name], "offset": [off, *[0] * (len(shape) - 1)], "local_shape": [rows, *shape[1:]]}
         tensors.append((name, torch.empty((rows, *shape[1:]), device="meta")))
     return {**template.skeleton, "dtensors": specs}, tensors
@@ -324,22 +339,34 @@ def peer_payload(template: Any, model: str, world: int, rank: int) -> tuple[dict
 
 # -- the save (rank 0's view) ---------------------------------------------------------------------
 
-def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0) -> dict[str, Any]:
+def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0, exact: bool = False,
+               drop: bool = False) -> dict[str, Any]:
     """One W-rank save of `model` into `root` (see the module docstring). Returns the figures.
-    `per_node` > 0: the per-node layout with that many ranks per node (bench_nodefile)."""
+    `per_node` > 0: the per-node layout with that many ranks per node (bench_nodefile). The
+    ranks are stamped (bench_stamp) unless `exact` or per-node: then each runs write_rank.
+    `drop`: the stamped ranks' files are removed once written (bench_stamp.Stamper)."""
     mesh = fake_world(world)
     group = Group(dist.group.WORLD, 0, world)
     template = payload_of(STEP, rank_state(model, mesh, world, 0), {"loss": 1.0}, None)
     fabric = Fabric(world)
-    out: dict[str, Any] = {"model": model, "ranks": world, "layout": f"per-node/{per_node}" if per_node else "per-rank"}
+    out: dict[str, Any] = {"model": model, "ranks": world, "layout": f"per-node/{per_node}" if per_node else "per-rank",
+                           "emulation": "exact" if exact or per_node else "stamped"}
     sparse_node = bench_nodefile.SparseNode(_nbytes, _owns_memory, zero_blocks)
     layout = sparse_node.installed() if per_node else contextlib.nullcontext()
-    with fabric.installed(), SparseShards().installed(), layout, ops.counting() as counts:
+    sparse = SparseShards()
+    stamper = None
+    if out["emulation"] == "stamped":
+        t0 = time.perf_counter()
+        stamper = bench_stamp.Stamper(template, world, STEP, lambda rank, offsets: peer_payload(
+            template, model, world, rank, offsets), sparse, root.with_name(root.name + ".stamps"), drop)
+        out["stamp_groups"] = len(stamper.groups)
+        out["stamp_build_s"] = time.perf_counter() - t0
+    with fabric.installed(), sparse.installed(), layout, ops.counting() as counts:
         decision = group.broadcast_json(commit.prepare(root, STEP))
         t0 = time.perf_counter()
-        reports = []
+        reports = stamper.save(root, decision["dir"]) if stamper else []
         node = max(per_node, 1)
-        for first in range(0, world, node):  # every rank writes its shard (synthetic): what it then sends
+        for first in range(0, world if stamper is None else 0, node):  # every rank writes its shard: what it then sends
             payloads = [(template.skeleton, template.tensors) if rank == 0 else peer_payload(template, model, world, rank)
                         for rank in range(first, min(first + node, world))]
             sizes = [sparse_node.size(first + i, *p) for i, p in enumerate(payloads)] if per_node else []
@@ -349,10 +376,14 @@ def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0) 
                 reports.append(commit.write_rank(root, STEP, Group(None, first + i, world), skeleton, tensors,
                                                  into=decision["dir"]))
         out["emulate_ranks_s"] = time.perf_counter() - t0  # no collective ran meanwhile: the bytes count on
-        wall, cpu = time.perf_counter(), time.process_time()
-        # What each rank sends rank 0: its fixed-size record (train/saving.py), by Group.gather_json
+        # What each rank sends rank 0: its fixed-size record (train/saving.py), by Group.gather_json.
+        # Each rank encodes its own: not rank 0's time (at 16,384 ranks ~0.3 s of CPU, which earlier
+        # figures counted in rank 0's commit; kept apart as peer_records_cpu_s)
+        cpu = time.process_time()
         fabric.peers = [json.dumps(WriteReport.from_json(r).record(), separators=(",", ":")).encode()
                         for r in reports]
+        out["peer_records_cpu_s"] = time.process_time() - cpu
+        wall, cpu = time.perf_counter(), time.process_time()
         mine = WriteReport.from_json(reports[0])
         records = group.gather_json(mine.record()) or []
         gathered = [mine, *(WriteReport.from_json(r) for r in records[1:])]  # rank 0's own: in full
@@ -446,11 +477,24 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
 # -- the driver -----------------------------------------------------------------------------------
 
 def measure(model: str, world: int, reshard_to: int | None, workdir: Path, memory: bool = True,
-            read: bool = False, per_node: int = 0) -> dict[str, Any]:
+            read: bool = False, per_node: int = 0, exact: bool = False, digest: bool = False,
+            drop: bool = False) -> dict[str, Any]:
+    """One (model, W) point: the save, then the same-W restore plan and the reshard's. `digest`:
+    the save runs with time.time frozen (the manifest's and marker's times) and the row gets the
+    step's `step_digest` (bench_stamp), to compare the stamped emulation with `exact`."""
+    from unittest import mock
+
     root = Path(tempfile.mkdtemp(prefix=f"scale-{model}-{world}-", dir=workdir))
     ops = Ops()
+    if digest:  # rank 0's RNG state is saved (the library's own): the same in every run
+        torch.manual_seed(0)
+        random.seed(0)
+        numpy.random.seed(0)
     try:
-        row = save_rank0(model, world, root, ops, per_node)
+        with mock.patch("time.time", return_value=1.0e9) if digest else contextlib.nullcontext():
+            row = save_rank0(model, world, root, ops, per_node, exact, drop)
+        if digest and row["saved"]:
+            row["step_digest"] = bench_stamp.step_digest(root / step_dir_name(STEP))
         if row["saved"]:
             row["same"] = plan(model, world, world, root, ops, memory, read)
             if reshard_to:
@@ -475,7 +519,9 @@ def line(r: dict[str, Any]) -> str:
          f"{'' if r['saved'] else ' REFUSED: ' + str(r['error'])[:90]}; commit (rank 0) "
          f"{r['commit_wall_s']:.3f} s wall {r['commit_cpu_s']:.3f} s cpu; save recv rank0 "
          f"{_mib(r['received']['rank0'])} other {_mib(r['received']['other'])}, sent other "
-         f"{r['sent']['other']} B; save ops {r['save_ops_total']:,} ({r['save_ops'].get('fsyncdir', 0):,} dir fsyncs)")
+         f"{r['sent']['other']} B; save ops {r['save_ops_total']:,} ({r['save_ops'].get('fsyncdir', 0):,} dir fsyncs); "
+         f"{r.get('emulation', 'exact')} emulation of the ranks {r.get('emulate_ranks_s', 0):.1f} s"
+         f"{' digest ' + r['step_digest'] if 'step_digest' in r else ''}")
     for key in ("same", "reshard"):
         p = r.get(key)
         if p is None:
@@ -515,6 +561,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", default="per-rank",
                     help="per-rank, or per-node:N (one file per node of N ranks, checkpoint/nodefile.py), "
                          "or both: per-rank,per-node:8 (each (model, W) saved once per layout)")
+    ap.add_argument("--exact-emulation", action="store_true",
+                    help="run the real write_rank for every rank (slow) instead of stamping the ranks whose "
+                         "local shapes repeat (scripts/bench_stamp.py; same files, checked on every run)")
+    ap.add_argument("--drop-stamped", action="store_true",
+                    help="remove each stamped rank's shard and index once written (uncounted): ~2 MB a rank "
+                         "at 405B, 32 GB at 16,384 ranks; no measured restore reads them")
+    ap.add_argument("--step-digest", action="store_true",
+                    help="freeze time.time during each save and print a digest of the step's files "
+                         "(to compare the stamped emulation with --exact-emulation)")
     ap.add_argument("--peer", choices=("", "dcp"), default="",
                     help="also measure torch.distributed.checkpoint the same way at each point (bench_scale_dcp.py)")
     args = ap.parse_args(argv)
@@ -549,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
                 for per_node in layouts:
                     to = reshard.get(world)
                     row = measure(model, world, to, Path(args.dir), memory=not args.no_memory, read=args.read,
-                                  per_node=per_node)
+                                  per_node=per_node, exact=args.exact_emulation, digest=args.step_digest,
+                                  drop=args.drop_stamped)
                     if row.get("manifest_bytes"):
                         last = (world, row["manifest_bytes"])
                     rows.append(row)

@@ -60,6 +60,63 @@ def test_metadata_operations_per_restore_stay_within_4_per_rank(tmp_path: Path) 
     assert p["choice_bytes"] < 512, p
 
 
+def test_a_template_is_cut_at_its_sentinels_and_rank_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from bench_stamp import RANK, SENTINEL, cut, fill
+
+    s = str(SENTINEL)
+    text = f'{{"rank":5,"file":"r5","o":[{s},0],"long":1{s},"digits":"{s}7","g":[{s}]}}'
+    parts = cut(text, {s: "o0", '"rank":5,"file":"r5"': RANK})
+    assert parts[1::2] == [RANK, "o0", "o0"]  # a digit run that only contains the sentinel is left alone
+    got = fill(parts, {"o0": "123", RANK: '"rank":7,"file":"r7"'})
+    assert got == f'{{"rank":7,"file":"r7","o":[123,0],"long":1{s},"digits":"{s}7","g":[123]}}'
+
+
+def test_a_stamp_that_differs_from_the_real_write_rank_stops_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check every run makes on its checked ranks (bench_stamp.Stamper._compare)."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from bench_stamp import RANK, Stamp, Stamper
+
+    stamp = Stamp(['{"o":', "o0", "}"], ["{", RANK, ',"g":', "o0", "}"], 0, [], {"error": None, "writer": "sparse"})
+    stamper = Stamper.__new__(Stamper)  # the check alone: no template to build
+    stamper.world, stamper.dims = 4, [8]
+    stamper.stamps = {stamper.signature(1): stamp}
+    header, _, report = stamp.render(1, 4, stamper.offsets(1))
+    assert report["index_bytes"] == len('{"rank":1,"file":"rank-00001-of-00004.safetensors","g":2}')
+    stamper.sparse = SimpleNamespace(last=(header, 0, []))
+    stamper._compare(1, report)
+    with pytest.raises(SystemExit, match="index_xxh3"):
+        stamper._compare(1, {**report, "index_xxh3": "0" * 16})
+    stamper.sparse = SimpleNamespace(last=(header + b" " * 8, 0, []))
+    with pytest.raises(SystemExit, match="the shard header"):
+        stamper._compare(1, report)
+
+
+_COUNTED = ("saved", "manifest_bytes", "save_ops", "save_ops_total", "sent", "received", "collectives", "step_digest")
+_PLANNED = ("pick_ops", "plan_ops", "other_plan_ops", "restore_ops_total", "choice_bytes", "read_bytes", "needed_bytes")
+
+
+@pytest.mark.parametrize("world", [48, 64])
+def test_the_stamped_ranks_write_what_the_exact_emulation_writes(tmp_path: Path, world: int) -> None:
+    """bench_stamp's templates against the rank-by-rank path: the same files byte for byte (every
+    shard's header and written bytes, every index, manifest and marker, time frozen), the same
+    bytes sent and received, the same metadata operations per save and per restore. At 48 ranks
+    ranks 1-47 of the tiny model fall into 5 groups (rank 42 holds 4 rows of the 256-row tensors,
+    ranks 43-47 none; rank 46 part of the 512-row ones, 47 part of the 8,192-row ones), at 64 into one."""
+    args = ("--models", "tiny", "--ranks", str(world), "--reshard", f"{world}:{world * 3 // 4}", "--read",
+            "--no-memory", "--step-digest")
+    (fast,) = _run(tmp_path, *args)
+    (exact,) = _run(tmp_path, *args, "--exact-emulation")
+    assert (fast["emulation"], exact["emulation"]) == ("stamped", "exact")
+    assert fast["stamp_groups"] == (5 if world == 48 else 1)
+    assert fast["saved"] and fast["step_digest"]
+    assert {k: fast[k] for k in _COUNTED} == {k: exact[k] for k in _COUNTED}
+    for key in ("same", "reshard"):
+        assert {k: fast[key][k] for k in _PLANNED} == {k: exact[key][k] for k in _PLANNED}, key
+
+
 @pytest.mark.slow
 def test_4096_ranks_within_generous_bounds(tmp_path: Path) -> None:
     """Today's format at 4,096 ranks (a small model: 63 tensors per rank). Bounds are generous
