@@ -587,6 +587,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--layout {args.layout!r}: expected per-rank and/or per-node:N (N ranks per node)")
     if any(w < 2 for w in worlds) or any(m not in MODELS for m in models) or any(v < 1 for v in reshard.values()):
         ap.error(f"--ranks must be at least 2 and --models among {', '.join(MODELS)}")
+    try:  # a --dir that does not exist yet is made (as --json-out's file is)
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--dir {args.dir}: {exc.strerror}")
     import logging
 
     logging.getLogger("slurmresume").setLevel(logging.ERROR)
