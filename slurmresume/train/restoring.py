@@ -179,7 +179,8 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
                 budget: int | None) -> tuple[list[Failure], list[list[int]], Any]:
     """Collective: load `choice` into `state`, all or nothing. Returns every rank's load errors
     (none: `state` holds the step; some: `state` is untouched), [bytes read, needed] per rank,
-    and this rank's parse of the manifest (None when its plan failed)."""
+    and this rank's parse of the manifest (None when its plan failed). Raises, on every rank, a
+    ConfigError or an unexpected exception of any rank (RankFailedError), `state` untouched."""
     # Into staging memory, verified as read: the live state is written only once every rank's
     # part of this step has verified (the all_gather is the verdict). A part larger than the
     # staging budget on any rank: every rank verifies without keeping (pass 1), and reads into
