@@ -12,6 +12,7 @@ __all__ = [
     "SaveError",
     "NoCheckpointError",
     "SlurmError",
+    "RankFailedError",
 ]
 
 
@@ -51,3 +52,10 @@ class NoCheckpointError(CheckpointError):
 
 class SlurmError(SlurmResumeError):
     """A Slurm command failed or is missing."""
+
+
+class RankFailedError(SlurmResumeError):
+    """An unexpected exception (a bug: slurmresume's, or in a state object's methods) on one rank
+    during a collective call, raised on every rank so that none is left waiting in a collective.
+    The message names the rank, the exception's type and its message; that rank logs the
+    traceback (and chains the original exception)."""

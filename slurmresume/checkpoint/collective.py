@@ -13,6 +13,28 @@ from typing import Any
 LAZY = "TORCH_GLOO_LAZY_INIT"  # read by ProcessGroupGloo when a group is created
 
 
+def new_side_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
+    """Collective (`dist.new_group` over `ranks`, default all): a gloo group made eagerly, every
+    pair connected at creation, whatever TORCH_GLOO_LAZY_INIT says (the caller's value is back
+    afterwards). Never lazily: a lazy gloo group's teardown stops its event loop before it frees
+    its pairs, so a peer's close read in the loop's last ticks closes the pair without taking its
+    socket out of epoll; when a forked child (a DataLoader's persistent worker) still holds a copy
+    of that socket, epoll reports it again and gloo aborts the process (`pair.cc:676 state_ <=
+    CONNECTED. 5 vs 4`, SIGABRT), after the run's final save. An eager group takes each socket
+    out of epoll before it closes it. The cost: 2 (W - 1) sockets per rank and group at creation."""
+    import torch.distributed as dist
+
+    before = os.environ.get(LAZY)
+    os.environ[LAZY] = "0"
+    try:
+        return dist.new_group(ranks, backend="gloo", **kwargs)
+    finally:
+        if before is None:
+            os.environ.pop(LAZY, None)
+        else:
+            os.environ[LAZY] = before
+
+
 class Group:
     """A process group (or a single process) with the few collectives the protocol needs."""
 
@@ -29,18 +51,7 @@ class Group:
 
         if not (dist.is_available() and dist.is_initialized()):
             return cls()
-        # Lazy gloo init: a pair of ranks connects on its first message, not at creation. A full
-        # mesh opens 2 (W - 1) sockets per rank (past a default 1,024 open files from ~512
-        # ranks); gather/broadcast/MAX touch far fewer pairs (measured at 4 ranks: 1 socket per
-        # rank at creation instead of 4). A value the user set is kept.
-        mine = LAZY not in os.environ
-        if mine:
-            os.environ[LAZY] = "1"
-        try:
-            pg = dist.new_group(backend="gloo")
-        finally:
-            if mine:
-                os.environ.pop(LAZY, None)
+        pg = new_side_group()  # eager: see new_side_group
         return cls(pg, dist.get_rank(), dist.get_world_size())
 
     @property

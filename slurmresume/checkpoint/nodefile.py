@@ -121,17 +121,9 @@ class GlooLink:
         self.index, self.first, self.size = group.rank - ranks.start, ranks.start, len(ranks)
         self.pg = getattr(group, "node_pg", None)
         if self.pg is None and self.size > 1:
-            import torch.distributed as dist
+            from .collective import new_side_group
 
-            from .collective import LAZY
-
-            mine = LAZY not in os.environ
-            os.environ.setdefault(LAZY, "1")
-            try:
-                self.pg = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-            finally:
-                if mine:
-                    os.environ.pop(LAZY, None)
+            self.pg = new_side_group(list(ranks), use_local_synchronization=True)
             group.node_pg = self.pg
 
     def exchange(self, values: list[int]) -> list[list[int]]:

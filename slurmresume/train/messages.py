@@ -17,6 +17,8 @@ from ..errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpointError,
+    RankFailedError,
+    SlurmResumeError,
     UnreadableCheckpointError,
     UnsafeCheckpointError,
 )
@@ -28,7 +30,12 @@ KINDS: dict[str, type[Exception]] = {
     "unreadable": UnreadableCheckpointError,
     "config": ConfigError,
     "checkpoint": CheckpointError,
+    "bug": RankFailedError,
 }
+# kinds that end a restore on every rank at once: the live state does not fit the checkpoint (an
+# older step would not fit either), or an unexpected exception; the others fall back to an older step
+DECISIVE = ("config", "bug")
+MAX_MESSAGE = 1000  # characters of an unexpected exception's message that cross ranks (one line)
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class Failure:
 
     kind: str
     message: str
+    cause: BaseException | None = field(default=None, compare=False, repr=False)  # never crosses ranks
 
     @classmethod
     def of(cls, exc: BaseException) -> Failure:
@@ -44,8 +52,29 @@ class Failure:
         kind = next((k for k, c in KINDS.items() if isinstance(exc, c)), "checkpoint")
         return cls(kind, str(exc))
 
-    def error(self) -> Exception:
-        return KINDS.get(self.kind, CheckpointError)(self.message)
+    @classmethod
+    def on_rank(cls, exc: Exception, rank: int, world_size: int, doing: str) -> Failure:
+        """Pure. What every rank learns of `exc`, raised on `rank` while `doing` ("planning its
+        read of step 5"), keeping `exc` as the cause on this rank: a checkpoint problem
+        (CheckpointError, OSError) as `of` says; a ConfigError prefixed with the rank when there
+        are several; anything else a "bug" naming the rank, the exception's type and message."""
+        if isinstance(exc, ConfigError):
+            return cls("config", f"rank {rank}: {exc}" if world_size > 1 else str(exc), exc)
+        if isinstance(exc, (SlurmResumeError, OSError)):
+            return cls(cls.of(exc).kind, str(exc), exc)
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + "..."
+        return cls("bug", f"rank {rank} failed while {doing}: {type(exc).__name__}: {text} (unexpected: a bug in "
+                          f"slurmresume or in a state object's methods; the traceback is in rank {rank}'s log)", exc)
+
+    @property
+    def decisive(self) -> bool:
+        """Every rank raises it now: no older step is tried."""
+        return self.kind in DECISIVE
+
+    def error(self, message: str | None = None) -> Exception:
+        """The exception of this kind (with `message` instead of this one's, when given)."""
+        return KINDS.get(self.kind, CheckpointError)(self.message if message is None else message)
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "message": self.message}

@@ -8,13 +8,17 @@ Call order (`restore_collective`, every rank; "0" = rank 0 only; each arrow one 
           -> broadcast RestoreChoice | Failure | None
   2. all: a Failure raises its exception on every rank; None is a fresh start (or, for an
           explicit `step`, an error); a world size the checkpoint cannot be loaded on raises.
-  3. all: read this rank's part (`load_own_shard`) into staging memory, every byte checked
-          against its recorded digest as it is read; nothing in `state` is touched
-          -> all_gather the load errors (Failure | None): the collective verdict
+  3. all: plan and read this rank's part (`plan_part`, `read_part`) into staging memory, every
+          byte checked against its recorded digest as it is read; nothing in `state` is touched
+          -> gather the load errors (Failure | None), broadcast the first: the collective verdict.
+          Whatever a rank's plan or read raises is its error here, never raised on it alone.
   4. all: no error anywhere: apply (`apply_loaded`: copy into the live tensors, load_state_dict)
-          and return the choice; else (rank 0 logs) fall back to the next older step from 1,
-          unless `step` was explicit. A refused step leaves `state` bitwise as it was on every
-          rank, so a fallback (or a caller that catches the error) starts from untouched objects.
+          and return the choice; a ConfigError (the state does not fit) or an unexpected
+          exception (a bug) on any rank: every rank raises it (ConfigError, RankFailedError),
+          naming the rank, and no older step is tried; else (a checkpoint problem: rank 0 logs)
+          fall back to the next older step from 1, unless `step` was explicit. A refused step
+          leaves `state` bitwise as it was on every rank, so a fallback (or a caller that catches
+          the error) starts from untouched objects.
 
 Warm (every rank's shards in the page cache, same world size, no staging budget set): step 3
 verifies without keeping and the copy into the live state is a second verified read, both from
@@ -68,7 +72,7 @@ from ..errors import CheckpointError, ConfigError, CorruptCheckpointError, Unrea
 from ..events import process_started_at, try_append_event
 from . import rng
 from .heartbeat import expect_io
-from .messages import Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
+from .messages import DECISIVE, Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
 
 log = logging.getLogger("slurmresume")
 MAX_FAILURES = 4  # load errors every rank receives (the first is the one reported)
@@ -148,8 +152,8 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
         choice = pick_from_json(group.broadcast_json(pick_to_json(mine)))
         if isinstance(mine, RestoreChoice) and isinstance(choice, RestoreChoice):
             choice = mine  # rank 0 keeps its parse of the manifest (it never crosses ranks)
-        if isinstance(choice, Failure):  # raised on every rank, same kind
-            raise choice.error()
+        if isinstance(choice, Failure):  # raised on every rank, same kind (rank 0: from its cause)
+            raise choice.error() from (mine.cause if isinstance(mine, Failure) else None)
         if choice is None:
             if req.step is not None:
                 raise CheckpointError(f"step {req.step} is not a complete checkpoint under {root}: "
@@ -175,7 +179,8 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
                 budget: int | None) -> tuple[list[Failure], list[list[int]], Any]:
     """Collective: load `choice` into `state`, all or nothing. Returns every rank's load errors
     (none: `state` holds the step; some: `state` is untouched), [bytes read, needed] per rank,
-    and this rank's parse of the manifest (None when its plan failed)."""
+    and this rank's parse of the manifest (None when its plan failed). Raises, on every rank, a
+    ConfigError or an unexpected exception of any rank (RankFailedError), `state` untouched."""
     # Into staging memory, verified as read: the live state is written only once every rank's
     # part of this step has verified (the all_gather is the verdict). A part larger than the
     # staging budget on any rank: every rank verifies without keeping (pass 1), and reads into
@@ -184,25 +189,38 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
     # SLURMRESUME_RESTORE_WARM=1 and no staging budget set: two passes too, both from memory,
     # ~3x faster than faulting in staging memory and copying from it (residency.py), at the cost
     # written in contract.ENV_RESTORE_WARM. A budget set explicitly is obeyed as it says.
-    live = flatten_live(state)
-    part = plan_part(group.rank, choice, state, live, req.strict)
-    over = isinstance(part, Part) and budget is not None and part.staging > budget
-    warm = (os.environ.get(ENV_RESTORE_WARM, "").strip() == "1" and not os.environ.get(ENV_RESTORE_STAGING, "").strip()
-            and cached(part, choice.world_size == group.world_size))
+    # Whatever one rank's plan or read raises becomes its part of the verdict, never an exception
+    # raised on that rank alone (its peers would wait in the next collective until gloo fails).
+    live: dict[str, Any] = {}
+    keys: list[str] = []
+    part: Part | Failure
+    over = warm = False
+    try:
+        live, keys = flatten_live(state), list(state)
+        part = plan_part(group.rank, choice, state, live, req.strict)
+        over = isinstance(part, Part) and budget is not None and part.staging > budget
+        warm = (os.environ.get(ENV_RESTORE_WARM, "").strip() == "1"
+                and not os.environ.get(ENV_RESTORE_STAGING, "").strip()
+                and cached(part, choice.world_size == group.world_size))
+    except Exception as exc:  # noqa: BLE001 - crosses ranks as data (Failure.on_rank)
+        part = caught(group, exc, f"planning its read of step {choice.step}")
     two_pass = group.max_int(2 if over else 0 if warm else 1) != 1
     if isinstance(part, Part):  # the hang watch scales this rank's budget with the bytes it reads
         expect_io("restore", part.staging * (2 if two_pass else 1))
-    got = read_part(group.rank, choice, part, list(state), live, req.strict, "verify" if two_pass else "stage")
+    got = _read(group, choice, part, keys, live, req.strict, "verify" if two_pass else "stage")
     failures, io = _verdict(group, got)
+    if failures and failures[0].decisive:  # every rank, the same error: no older step is tried
+        raise failures[0].error() from _cause(failures[0], got)
     if not failures and two_pass:
         first_read = got.read
-        got = read_part(group.rank, choice, part, list(state), live, req.strict, "live")
+        got = _read(group, choice, part, keys, live, req.strict, "live")
         failures, io = _verdict(group, replace(got, read=first_read + got.read))
         if failures:  # the files changed between the passes, or a read failed the second time
-            raise CheckpointError(f"restoring step {choice.step} under {root} failed while it read into the "
-                                  f"live state, after every rank had verified it ({failures[0].message}): the "
-                                  f"in-memory state is undefined; run `slurmresume verify --all --ckpt-dir {root}` "
-                                  f"and restart")
+            first = failures[0]
+            message = (f"restoring step {choice.step} under {root} failed while it read into the live state, after "
+                       f"every rank had verified it ({first.message}): the in-memory state is undefined; run "
+                       f"`slurmresume verify --all --ckpt-dir {root}` and restart")
+            raise (first.error(message) if first.decisive else CheckpointError(message)) from _cause(first, got)
     if not failures:
         apply_loaded(group, state, got, choice, req.restore_rng)
         if req.ddp_buckets is not None and isinstance(got.library, dict):
@@ -223,11 +241,42 @@ def cached(part: Part | Failure, same_world: bool) -> bool:
 
 def _verdict(group: Group, got: Loaded) -> tuple[list[Failure], list[list[int]]]:
     """Collective: the load errors (the verdict: rank 0 gathers each rank's fixed-size record and
-    broadcasts the first few errors) and, on rank 0 only, [bytes read, bytes needed] per rank."""
+    broadcasts the first few errors, decisive ones first, else in rank order) and, on rank 0
+    only, [bytes read, bytes needed] per rank."""
     records = group.gather_json({"failure": got.failure and got.failure.to_json(), "io": [got.read, got.needed]})
-    mine = [r["failure"] for r in records if r["failure"]][:MAX_FAILURES] if records is not None else None
+    mine = first_failures([r["failure"] for r in records if r["failure"]]) if records is not None else None
     failures = group.broadcast_json(mine)
     return [Failure.from_json(f) for f in failures], [r["io"] for r in records] if records is not None else []
+
+
+def first_failures(failures: list[dict[str, Any]], most: int = MAX_FAILURES) -> list[dict[str, Any]]:
+    """Pure, rank 0: the failures every rank receives (in rank order): the decisive ones (a
+    ConfigError, a bug: they end the restore) first, so that the one every rank raises is never
+    cut off by a checkpoint problem of a lower rank."""
+    return sorted(failures, key=lambda f: f["kind"] not in DECISIVE)[:most]
+
+
+def caught(group: Group, exc: Exception, doing: str) -> Failure:
+    """This rank's `exc`, raised while `doing`, as its part of the verdict; an unexpected one (a
+    bug) is logged here with its traceback, the only rank that has it."""
+    failure = Failure.on_rank(exc, group.rank, group.world_size, doing)
+    if failure.kind == "bug":
+        log.error("%s", failure.message, exc_info=exc)
+    return failure
+
+
+def _cause(failure: Failure, got: Loaded) -> BaseException | None:
+    """The original exception behind the verdict's `failure`, on the rank that raised it."""
+    return got.failure.cause if got.failure is not None and got.failure == failure else None
+
+
+def _read(group: Group, choice: RestoreChoice, part: Part | Failure, keys: list[str], live: dict[str, Any],
+          strict: bool, mode: str) -> Loaded:
+    """`read_part`, with whatever it raises as this rank's failure (see `load_choice`)."""
+    try:
+        return read_part(group.rank, choice, part, keys, live, strict, mode)
+    except Exception as exc:  # noqa: BLE001 - crosses ranks as data (Failure.on_rank)
+        return Loaded(failure=caught(group, exc, f"reading its part of step {choice.step}"))
 
 
 def pick(root: Path, step: int | None, verify: bool, tried: set[int], allow_fresh: bool, mirror: Any) -> Pick:
@@ -243,6 +292,9 @@ def pick(root: Path, step: int | None, verify: bool, tried: set[int], allow_fres
         return choice
     except (CheckpointError, ConfigError, OSError) as exc:
         return Failure.of(exc)
+    except Exception as exc:  # noqa: BLE001 - a bug: raised on every rank, none left in the broadcast
+        log.error("rank 0 failed while choosing the step to restore", exc_info=exc)
+        return Failure.on_rank(exc, 0, 1, "choosing the step to restore")
 
 
 def fresh_start_refusal(root: Path, tried: set[int]) -> str | None:
