@@ -24,3 +24,17 @@ def test_side_groups_are_torn_down_safely_while_a_forked_child_holds_their_socke
     res = run_ranks(2, HELPERS / "side_group_teardown.py", "36", env=env, timeout=180)
     assert res.returncode == 0 and "EnforceNotMet" not in res.stderr, res.stderr[-3000:]
     assert f"survived 36 TORCH_GLOO_LAZY_INIT={user_value}" in res.stdout, res.stdout[-2000:]
+
+
+@pytest.mark.parametrize(("size", "user_value", "want"), [
+    (2, None, "0"), (2, "1", "0"), (128, None, "0"), (128, "1", "0"),
+    (129, None, "1"), (16_384, None, "1"), (16_384, "0", "0"), (16_384, "1", "1"),
+])
+def test_side_groups_are_eager_up_to_128_ranks_and_lazy_beyond(size: int, user_value: str | None, want: str) -> None:
+    """Eager where the full mesh is affordable (~2 W sockets per rank for our two groups: 256 at
+    128 ranks); beyond, lazy unless the job asked for eager groups: at 16,384 ranks a full mesh
+    would open 16,384 sockets per rank and group (#29). The same answer on every rank, from W."""
+    from slurmresume.checkpoint.collective import EAGER_MAX_RANKS, lazy_init_value
+
+    assert EAGER_MAX_RANKS == 128
+    assert lazy_init_value(size, user_value) == want

@@ -13,19 +13,39 @@ from typing import Any
 LAZY = "TORCH_GLOO_LAZY_INIT"  # read by ProcessGroupGloo when a group is created
 
 
+# Side groups of up to this many ranks are made eagerly (see `new_side_group`); larger ones
+# lazily. Measured (2026-12-05, 4 ranks): an eager group holds W sockets per rank (W - 1 pairs
+# and a listener), so our two groups hold ~2 W: 264 at 128 ranks, a quarter of a default limit
+# of 1,024 open files. The same number on every rank (a group is lazy on all its ranks or none).
+EAGER_MAX_RANKS = 128
+
+
+def lazy_init_value(size: int, user_value: str | None) -> str:
+    """TORCH_GLOO_LAZY_INIT for making a side group of `size` ranks. Up to EAGER_MAX_RANKS: "0",
+    whatever the user set (see `new_side_group`). Beyond: the user's value if set, else "1": a
+    full mesh would open W sockets per rank and group at creation (past a default 1,024 open
+    files from ~500 ranks, W^2 / 2 connections per group at 16,384), while gather, broadcast and
+    MAX connect a few pairs per rank."""
+    if size <= EAGER_MAX_RANKS:
+        return "0"
+    return user_value if user_value is not None else "1"
+
+
 def new_side_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
-    """Collective (`dist.new_group` over `ranks`, default all): a gloo group made eagerly, every
-    pair connected at creation, whatever TORCH_GLOO_LAZY_INIT says (the caller's value is back
-    afterwards). Never lazily: a lazy gloo group's teardown stops its event loop before it frees
-    its pairs, so a peer's close read in the loop's last ticks closes the pair without taking its
-    socket out of epoll; when a forked child (a DataLoader's persistent worker) still holds a copy
-    of that socket, epoll reports it again and gloo aborts the process (`pair.cc:676 state_ <=
-    CONNECTED. 5 vs 4`, SIGABRT), after the run's final save. An eager group takes each socket
-    out of epoll before it closes it. The cost: 2 (W - 1) sockets per rank and group at creation."""
+    """Collective (`dist.new_group` over `ranks`, default all): a gloo group, made eagerly (every
+    pair connected at creation) up to EAGER_MAX_RANKS ranks, lazily beyond (`lazy_init_value`);
+    the caller's TORCH_GLOO_LAZY_INIT is back afterwards. Eagerly where it is affordable: a lazy
+    gloo group's teardown stops its event loop before it frees its pairs, so a peer's close read
+    in the loop's last ticks closes the pair without taking its socket out of epoll; when a forked
+    child (a DataLoader's persistent worker) still holds a copy of that socket, epoll reports it
+    again and gloo aborts the process (`pair.cc:676 state_ <= CONNECTED. 5 vs 4`, SIGABRT), after
+    the run's final save. An eager group takes each socket out of epoll before it closes it.
+    Beyond EAGER_MAX_RANKS that abort can still happen (docs/troubleshooting.md)."""
     import torch.distributed as dist
 
+    size = len(ranks) if ranks is not None else dist.get_world_size()
     before = os.environ.get(LAZY)
-    os.environ[LAZY] = "0"
+    os.environ[LAZY] = lazy_init_value(size, before)
     try:
         return dist.new_group(ranks, backend="gloo", **kwargs)
     finally:
