@@ -19,6 +19,7 @@ block digests existed carry none; their restore runs the whole-shard checksum pa
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import struct
@@ -52,6 +53,7 @@ FINE_PER_PIECE = 64  # a piece is cut into about this many row-aligned blocks (a
 # many bytes per shard, a piece beyond it is copied again while streaming (host memory stays bounded).
 HOST_COPY_KEEP = 1 << 30
 MAX_HEADER = MAX_JSON_BYTES
+_INT = {int}  # exact ints from JSON (not bools, not floats that equal them)
 
 _DTYPES: dict[str, str] = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -419,19 +421,14 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
     if not isinstance(header, dict):
         raise UnsafeCheckpointError(f"header of {path} is not an object")
     data_len = expected_bytes - 8 - n
+    spans = sorted((*_offsets(path, name, info), name, info) for name, info in header.items() if name != "__metadata__")
     end = 0
-    for name, info in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
-                             key=lambda kv: _offsets(path, kv)[0]):
-        begin, stop = _offsets(path, (name, info))
+    for begin, stop, name, info in spans:  # one pass per entry: 405B's 3,411 tensors are a restore plan's share
         dtype, shape = info.get("dtype"), info.get("shape")
-        if not isinstance(dtype, str) or dtype not in ITEMSIZE or not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
+        if not (type(dtype) is str and dtype in ITEMSIZE and type(shape) is list and set(map(type, shape)) <= _INT
+                and (not shape or min(shape) >= 0)):
             raise UnsafeCheckpointError(f"tensor {name!r} in {path} has a bad dtype or shape")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if begin != end or stop - begin != numel * ITEMSIZE[dtype] or stop > data_len:
+        if begin != end or stop - begin != math.prod(shape) * ITEMSIZE[dtype] or stop > data_len:
             raise UnsafeCheckpointError(f"tensor {name!r} in {path} has offsets outside the file")
         end = stop
     if end != data_len:
@@ -439,13 +436,11 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
     return header, base + 8 + n  # where the data starts in the file (a node file: in its range)
 
 
-def _offsets(path: Path, kv: tuple[str, Any]) -> tuple[int, int]:
-    info = kv[1]
-    offs = info.get("data_offsets") if isinstance(info, dict) else None
-    if not (isinstance(offs, list) and len(offs) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)
-            and offs[0] <= offs[1]):
-        raise UnsafeCheckpointError(f"tensor {kv[0]!r} in {path} has malformed data_offsets")
+def _offsets(path: Path, name: str, info: Any) -> tuple[int, int]:
+    offs = info.get("data_offsets") if type(info) is dict else None
+    if not (type(offs) is list and len(offs) == 2 and type(offs[0]) is int and type(offs[1]) is int
+            and 0 <= offs[0] <= offs[1]):
+        raise UnsafeCheckpointError(f"tensor {name!r} in {path} has malformed data_offsets")
     return offs[0], offs[1]
 
 
