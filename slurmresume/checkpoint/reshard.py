@@ -215,7 +215,7 @@ def boxes_of(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> dict[
         if facts is None:
             out[name] = box_of(tensor, target)
             continue
-        offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)  # type: ignore[arg-type]
+        offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)
         out[name] = (shape, offset)
     return out
 
@@ -296,7 +296,9 @@ def plan_reads(index: Mapping[str, Sharded], where: Mapping[str, Target]
     a few: 405B, 3,411 DTensors per rank) share one box and one set of holders, worked out once."""
     meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
     memo: dict[tuple[Any, ...], tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, ...]]] = {}
-    boxes, sources, staging = {}, set(), 0
+    boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    sources: set[int] = set()
+    staging = 0
     for name, target in where.items():
         tensor = index[name]
         kinds = _kinds(tuple(target.placements)) if target.mesh is not None else None
@@ -307,7 +309,7 @@ def plan_reads(index: Mapping[str, Sharded], where: Mapping[str, Target]
             if facts is None:
                 box = box_of(tensor, target)
             else:
-                offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)  # type: ignore[arg-type]
+                offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)
                 box = (shape, offset)
             hit = (box, _holders(tensor, target, box, meshes))
             if key is not None:
