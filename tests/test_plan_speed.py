@@ -4,6 +4,7 @@ their error; the skeleton's DTensor placements are checked where the restore rea
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -77,3 +78,40 @@ def test_the_plan_checks_only_the_dtensor_section_s_type() -> None:
     validate_skeleton([], skeleton, specs=False)  # the restore plan: its placements, where read
     with pytest.raises(CorruptCheckpointError, match="not an object"):
         validate_skeleton([], {"entries": {}, "dtensors": []}, specs=False)
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Metadata operations at the os seam (as scripts/bench_scale.py counts them): (kind, name)."""
+    import os
+
+    seen: list[tuple[str, str]] = []
+    for name in ("stat", "lstat", "open", "scandir", "listdir"):
+        real = getattr(os, name)
+
+        def counted(*a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+            seen.append((_name, os.path.basename(str(a[0])) if a else ""))
+            return _real(*a, **k)
+        monkeypatch.setattr(os, name, counted)
+    return seen
+
+
+def test_rank_0s_pick_of_a_committed_step_costs_7_metadata_operations(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """#29: rank 0's choice is the one part of a restore's operations that is not per rank (the
+    reshard 16,384 -> 12,288 was 8 over 4 W with it). List the root, lstat the step, look up the
+    marker and `.inprogress` (retention's question), read the marker, read the manifest, list the
+    step for a killed writer's leftovers: 7. The old code took 9 (the step's lstat twice, the
+    marker looked up twice)."""
+    from helpers.core import save_steps, step_dir
+
+    from slurmresume.train.restoring import RestoreChoice, pick
+
+    save_steps(tmp_path, [1, 2]).close()
+    (step_dir(tmp_path, 2) / ".rank-00000-of-00001.safetensors.tmp.99").write_bytes(b"x")  # a killed writer's
+    seen = _counting(monkeypatch)
+    choice = pick(tmp_path, None, False, set(), False, None)
+    monkeypatch.undo()
+    assert isinstance(choice, RestoreChoice) and choice.step == 2
+    assert len(seen) <= 7, seen
+    assert not (step_dir(tmp_path, 2) / ".rank-00000-of-00001.safetensors.tmp.99").exists()  # still cleaned
+

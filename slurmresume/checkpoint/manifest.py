@@ -197,12 +197,12 @@ class Manifest:
         return Expected(self.shards[rank]["header_xxh3"], IndexDigests(lambda: self.rank_tensors(rank)))
 
 
-def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
+def read_manifest(step_dir: Path, expected_step: int | None = None, real_dir: bool = False) -> Manifest:
     """Read and validate manifest + marker of a step directory. Raises CorruptCheckpointError
     (or UnsafeCheckpointError) naming the file; UnreadableCheckpointError for a step written by
     a newer slurmresume or over this version's read caps (not corrupt); never reads outside
-    `step_dir`."""
-    if step_dir.is_symlink():  # its files would be read from wherever the link points
+    `step_dir`. `real_dir`: the caller's lstat of `step_dir` found a directory (not asked again)."""
+    if not real_dir and step_dir.is_symlink():  # its files would be read from wherever the link points
         raise UnsafeCheckpointError(f"refusing checkpoint {step_dir}: not a real directory (a symbolic link)")
     marker_raw = read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
     marker = loads(marker_raw, f"commit marker {step_dir / MARKER}")

@@ -239,7 +239,7 @@ def pick(root: Path, step: int | None, verify: bool, tried: set[int], allow_fres
             if refusal:
                 return Failure("checkpoint", refusal)
         if choice is not None:
-            clean_temp_files(Path(choice.path))
+            clean_temp_files(Path(choice.path), committed=True)  # its marker was just read
         return choice
     except (CheckpointError, ConfigError, OSError) as exc:
         return Failure.of(exc)
