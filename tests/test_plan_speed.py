@@ -115,3 +115,33 @@ def test_rank_0s_pick_of_a_committed_step_costs_7_metadata_operations(tmp_path: 
     assert len(seen) <= 7, seen
     assert not (step_dir(tmp_path, 2) / ".rank-00000-of-00001.safetensors.tmp.99").exists()  # still cleaned
 
+
+
+def test_a_reader_without_a_restores_fds_opens_each_shard_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """shard.open_read, the one place the readers choose between a restore's kept fds and their
+    own open: `load_tensors`, `verify_tensors` and reshard.ShardFiles (the tools: compare,
+    export, drill checks) read the header and the data through one fd. The old code opened
+    each shard twice (the header's open, then the data's)."""
+    from helpers.core import save_steps, step_dir
+
+    from slurmresume.checkpoint.manifest import read_manifest
+    from slurmresume.checkpoint.reshard import ShardFiles
+    from slurmresume.checkpoint.shard import load_tensors, st_dtype, verify_tensors
+    from slurmresume.checkpoint.sharding import Sharded
+
+    save_steps(tmp_path, [1]).close()
+    d = step_dir(tmp_path, 1)
+    m = read_manifest(d, 1)
+    s = m.shards[0]
+    seen = _counting(monkeypatch)
+    tensors, _, _ = load_tensors(d, s["file"], s["bytes"], expect=m.expected(0))
+    assert tensors and [k for k, n in seen if k == "open" and n == s["file"]] == ["open"]
+    seen.clear()
+    assert verify_tensors(d, s["file"], s["bytes"], set(tensors), m.expected(0)) > 0
+    assert [k for k, n in seen if k == "open" and n == s["file"]] == ["open"]
+    seen.clear()
+    name, t = next(iter(tensors.items()))
+    files = ShardFiles(d, m.shards, m.expected)
+    files.piece(0, Sharded(name, st_dtype(t), tuple(t.shape), ()), tuple(t.shape))
+    files.close()
+    assert [k for k, n in seen if k == "open" and n == s["file"]] == ["open"]

@@ -39,9 +39,8 @@ from .shard import (
     Expected,
     byte_view,
     check_blocks,
-    open_checked,
+    open_read,
     pread_exact,
-    read_header,
 )
 from .sharding import Sharded, check_placements, cover, runs
 
@@ -351,6 +350,7 @@ class ShardFiles:
                  expect: Callable[[int], Expected | None] | None = None, opened: Any = None) -> None:
         self.directory, self.shards, self.opened = directory, shards, opened
         self.open: dict[int, tuple[int, dict[str, Any], int]] = {}
+        self.owned: list[int] = []  # fds opened here (not through `opened`): closed by `close`
         self.expect = expect
         self.expected: dict[int, Expected | None] = {}
         self.fine: dict[int, dict[str, tuple[list[str], int, int]]] = {}
@@ -377,11 +377,11 @@ class ShardFiles:
         if rank not in self.open:
             s = self.shards[rank]
             self.expected[rank] = self.expect(rank) if self.expect is not None else None
-            if self.opened is not None:
-                self.open[rank] = self.opened.get(s["file"], s["bytes"], self.expected[rank])
-            else:
-                header, start = read_header(self.directory, s["file"], s["bytes"], self.expected[rank])
-                self.open[rank] = (open_checked(self.directory, s["file"], s["bytes"]), header, start)
+            fd, header, start, owned = open_read(self.directory, s["file"], s["bytes"], self.expected[rank],
+                                                 self.opened)
+            self.open[rank] = (fd, header, start)
+            if owned:
+                self.owned.append(fd)
             self.fine[rank] = _fine_blocks(self.open[rank][1], self.directory / s["file"])
         fd, header, start = self.open[rank]
         path = self.directory / self.shards[rank]["file"]
@@ -392,9 +392,9 @@ class ShardFiles:
         return fd, start + int(info["data_offsets"][0]), path
 
     def close(self) -> None:
-        if self.opened is None:
-            for fd, _, _ in self.open.values():
-                os.close(fd)
+        for fd in self.owned:
+            os.close(fd)
+        self.owned.clear()
         self.open.clear()
 
 

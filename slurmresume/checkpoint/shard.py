@@ -444,6 +444,24 @@ def _offsets(path: Path, name: str, info: Any) -> tuple[int, int]:
     return offs[0], offs[1]
 
 
+def open_read(directory: Path, file: str, expected_bytes: int, expect: Expected | None = None,
+              opened: Any = None) -> tuple[int, dict[str, Any], int, bool]:
+    """(fd, checked header, data start, whether the caller closes the fd) of one shard: through
+    `opened` (an opened.OpenShards: a restore's fds, kept from its plan to its last read) when
+    given, else one `open_checked` whose fd the header is read through and the data after it
+    (one open per file, and the bytes read are those of the file whose header was checked). The
+    one place the readers (`load_tensors`, `verify_tensors`, reshard.ShardFiles) choose."""
+    if opened is not None:
+        return (*opened.get(file, expected_bytes, expect), False)
+    fd = open_checked(directory, file, expected_bytes)
+    try:
+        header, start = read_header(directory, file, expected_bytes, expect, fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, header, start, True
+
+
 def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[str, Any] | None = None,
                  names: set[str] | None = None, expect: Expected | None = None,
                  opened: Any = None) -> tuple[dict[str, Any], dict[str, str], bool]:
@@ -459,26 +477,21 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
     its header as the restore's plan opened and checked them, read through that fd."""
     import torch
 
-    if opened is not None:
-        fd, header, data_start = opened.get(file, expected_bytes, expect)
-    else:
-        header, data_start = read_header(directory, file, expected_bytes, expect)
+    fd, header, data_start, owned = open_read(directory, file, expected_bytes, expect, opened)
     path = directory / file
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise UnsafeCheckpointError(f"metadata of {directory / file} is malformed")
-    items = [(n, i) for n, i in header.items() if n != "__metadata__" and (names is None or n in names)]
-    direct: dict[str, Any] = {}
-    for name, info in items:
-        t = (targets or {}).get(name)
-        if (t is not None and t.device.type == "cpu" and t.is_contiguous() and list(t.shape) == info["shape"]
-                and TORCH_DTYPES[info["dtype"]] == t.dtype and t.numel() > 0):
-            direct[name] = t
-    rest = [(n, i) for n, i in items if n not in direct]
     out: dict[str, Any] = {}
-    if opened is None:
-        fd = open_checked(directory, file, expected_bytes)  # re-checked: a link swapped in since fails
     try:
+        meta = header.get("__metadata__") or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise UnsafeCheckpointError(f"metadata of {directory / file} is malformed")
+        items = [(n, i) for n, i in header.items() if n != "__metadata__" and (names is None or n in names)]
+        direct: dict[str, Any] = {}
+        for name, info in items:
+            t = (targets or {}).get(name)
+            if (t is not None and t.device.type == "cpu" and t.is_contiguous() and list(t.shape) == info["shape"]
+                    and TORCH_DTYPES[info["dtype"]] == t.dtype and t.numel() > 0):
+                direct[name] = t
+        rest = [(n, i) for n, i in items if n not in direct]
         for name, info in rest:
             begin, end = info["data_offsets"]
             part = torch.empty(end - begin, dtype=torch.uint8)  # one per tensor, not views of one buffer
@@ -492,7 +505,7 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
             exc.partial_write = True  # type: ignore[attr-defined]  # live tensors were touched
             raise
     finally:
-        if opened is None:
+        if owned:
             os.close(fd)
     return out, meta, bool(direct)
 
@@ -505,11 +518,7 @@ def verify_tensors(directory: Path, file: str, expected_bytes: int, names: set[s
     already) nothing is read. Returns the bytes read. `opened`: as for `load_tensors`."""
     if expect is None:
         return 0
-    if opened is not None:
-        fd, header, data_start = opened.get(file, expected_bytes, expect)
-    else:
-        header, data_start = read_header(directory, file, expected_bytes, expect)
-        fd = open_checked(directory, file, expected_bytes)
+    fd, header, data_start, owned = open_read(directory, file, expected_bytes, expect, opened)
     path, scratch, done = directory / file, memoryview(bytearray(VERIFY_BLOCK)), 0
     try:
         for name in sorted(names):
@@ -524,7 +533,7 @@ def verify_tensors(directory: Path, file: str, expected_bytes: int, names: set[s
                 check_blocks(piece, i // VERIFY_BLOCK, digests, path, name)
             done += end - begin
     finally:
-        if opened is None:
+        if owned:
             os.close(fd)
     return done
 
