@@ -200,13 +200,13 @@ def _tensor_refs(data: Any) -> Iterator[Any]:
     stack = [data]
     while stack:
         item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
+        if isinstance(item, dict):  # first: most items are the references themselves
             if len(item) == 1 and "__tensor__" in item:
                 yield item["__tensor__"]
             else:
                 stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def decode_entries(keys: Iterable[str], skeleton: Any, tensors: Mapping[str, Any],
