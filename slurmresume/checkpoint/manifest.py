@@ -82,6 +82,7 @@ class Manifest:
     _indexes: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
     digest: str = ""  # xxh3 of the manifest's bytes as read (what the commit marker pins)
     _arithmetic: bool | None = field(default=None, repr=False)
+    _layouts: dict[str, Any] = field(default_factory=dict, repr=False)  # name -> (mesh shape, placements)
 
     @property
     def total_bytes(self) -> int:
@@ -135,8 +136,21 @@ class Manifest:
 
         if self._arithmetic is None:  # "pieces_listed": some rank holds a DTensor the specs do not place
             specs = self.raw.get("sharded") or {}
-            self._arithmetic = (self.listed is None and self.raw.get("pieces_listed") is not True
-                                and all(arithmetic(sp, self.world_size) for sp in specs.values()))
+            placed = self.listed is None and self.raw.get("pieces_listed") is not True
+            layouts: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+            prev: tuple[Any, Any, Any] = (None, None, None)  # (mesh, placements, layout) of the last spec asked
+            for name, sp in specs.items() if placed else ():
+                mesh, placements = sp.get("mesh_shape"), sp.get("placements")
+                # thousands of specs, a few layouts, mostly in runs: the same lists as the last
+                # spec (exact ints, a full-mesh arange) are placed as it was, without asking again
+                if not (mesh == prev[0] and placements == prev[1] and type(mesh) is list and sp.get("mesh_arange") is True
+                        and set(map(type, mesh)) <= {int}):
+                    if not arithmetic(sp, self.world_size):
+                        placed = False
+                        break
+                    prev = (mesh, placements, (tuple(mesh), tuple(placements)))
+                layouts[name] = prev[2]
+            self._arithmetic, self._layouts = placed, layouts if placed else {}
         return self._arithmetic
 
     @property
@@ -148,8 +162,8 @@ class Manifest:
             specs = self.raw.get("sharded") or {}
             if self.placed_by_arithmetic:
                 # format 2 from one full mesh: pieces by rank arithmetic, no index file read
-                self._sharded = {n: Sharded(n, sp["dtype"], tuple(sp["shape"]), (),
-                                            (tuple(sp["mesh_shape"]), tuple(sp["placements"])))
+                layouts = self._layouts
+                self._sharded = {n: Sharded(n, sp["dtype"], tuple(sp["shape"]), (), layouts[n])
                                  for n, sp in specs.items()}
             else:
                 self._sharded = index_pieces(self.tensors, self.world_size)
@@ -183,12 +197,12 @@ class Manifest:
         return Expected(self.shards[rank]["header_xxh3"], IndexDigests(lambda: self.rank_tensors(rank)))
 
 
-def read_manifest(step_dir: Path, expected_step: int | None = None) -> Manifest:
+def read_manifest(step_dir: Path, expected_step: int | None = None, real_dir: bool = False) -> Manifest:
     """Read and validate manifest + marker of a step directory. Raises CorruptCheckpointError
     (or UnsafeCheckpointError) naming the file; UnreadableCheckpointError for a step written by
     a newer slurmresume or over this version's read caps (not corrupt); never reads outside
-    `step_dir`."""
-    if step_dir.is_symlink():  # its files would be read from wherever the link points
+    `step_dir`. `real_dir`: the caller's lstat of `step_dir` found a directory (not asked again)."""
+    if not real_dir and step_dir.is_symlink():  # its files would be read from wherever the link points
         raise UnsafeCheckpointError(f"refusing checkpoint {step_dir}: not a real directory (a symbolic link)")
     marker_raw = read_bounded(step_dir / MARKER, MAX_MARKER, "commit marker")
     marker = loads(marker_raw, f"commit marker {step_dir / MARKER}")

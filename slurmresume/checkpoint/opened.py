@@ -15,7 +15,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from .shard import Expected, open_checked, read_header
+from .shard import Expected, open_read
 
 
 class OpenShards:
@@ -34,12 +34,7 @@ class OpenShards:
         first opened (CorruptCheckpointError / UnsafeCheckpointError as `read_header`)."""
         got = self._files.get(file)
         if got is None:
-            fd = open_checked(self.directory, file, expected_bytes)
-            try:
-                header, start = read_header(self.directory, file, expected_bytes, expect, fd=fd)
-            except BaseException:
-                os.close(fd)
-                raise
+            fd, header, start, _ = open_read(self.directory, file, expected_bytes, expect)
             got = self._files[file] = (fd, header, start)
         return got
 

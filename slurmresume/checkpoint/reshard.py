@@ -30,6 +30,7 @@ import xxhash
 
 from ..errors import ConfigError, CorruptCheckpointError
 from .jsonenc import loads
+from .placement import local_box
 from .shard import (
     FINE_KEY,
     ITEMSIZE,
@@ -38,11 +39,10 @@ from .shard import (
     Expected,
     byte_view,
     check_blocks,
-    open_checked,
+    open_read,
     pread_exact,
-    read_header,
 )
-from .sharding import Sharded, cover, runs
+from .sharding import Sharded, check_placements, cover, runs
 
 STATS = {"bytes": 0, "reads": 0, "needed": 0}
 SMALL_RUN = 1024  # runs shorter than this (bytes) are read as whole rows when that wastes little
@@ -91,7 +91,7 @@ def _is_arange(mesh: Any) -> bool:
     return hit[1]
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a restore plan makes one per DTensor (405B: 3,411 a rank)
 class Target:
     """Where one sharded tensor goes on this rank: a DTensor (mesh + placements), or a plain
     tensor holding the whole global tensor. `live` is the user's tensor when there is one."""
@@ -122,23 +122,29 @@ def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[st
     DTensors, the saved placements on their mesh; else a plain tensor with the global value."""
     from torch.distributed.tensor import Replicate, Shard
 
-    by_param = _optimizer_params(state) if any(n not in live for n in index) else {}
+    by_param = _optimizer_params(state) if not live.keys() >= index.keys() else {}
     mesh = next((t.device_mesh for t in live.values() if is_dtensor(t)), None)
     out: dict[str, Target] = {}
+    kinds: dict[type, bool] = {}  # is_dtensor by type: asked once per type, not per tensor
     for name, tensor in index.items():
         t: Any = live.get(name)
-        if t is not None and list(t.shape) != list(tensor.shape):
-            raise ConfigError(f"tensor {name!r} is {list(tensor.shape)} in the checkpoint and {list(t.shape)} "
-                              "in this run's state: the model changed shape")
+        if t is not None:
+            if t.shape != tensor.shape:  # torch.Size is a tuple
+                raise ConfigError(f"tensor {name!r} is {list(tensor.shape)} in the checkpoint and {list(t.shape)} "
+                                  "in this run's state: the model changed shape")
+            dt = kinds.get(type(t))
+            if dt is None:
+                dt = kinds[type(t)] = is_dtensor(t)
+            out[name] = Target(t.device_mesh, t.placements, t) if dt else Target(None, None, t)
+            continue
         param: Any = by_param.get(name.rsplit("/", 1)[0] + "/")
-        placements = (specs.get(name) or {}).get("placements")
-        if is_dtensor(t):
-            out[name] = Target(t.device_mesh, t.placements, t)
-        elif t is not None:
-            out[name] = Target(None, None, t)
-        elif is_dtensor(param) and list(param.shape) == list(tensor.shape):
+        spec = specs.get(name)
+        placements = spec.get("placements") if isinstance(spec, dict) else None
+        if is_dtensor(param) and list(param.shape) == list(tensor.shape):
             out[name] = Target(param.device_mesh, param.placements, None)
         elif mesh is not None and placements and len(placements) == mesh.ndim:
+            # the skeleton's spec, read here only (validate_skeleton(specs=False) left it to this)
+            check_placements(placements, len(tensor.shape), f"checkpoint skeleton, DTensor {name!r}")
             parsed = [Replicate() if p == "replicate" else Shard(int(p[6:])) for p in placements]
             out[name] = Target(mesh, parsed, None)
         else:
@@ -182,8 +188,6 @@ def box_of(tensor: Sharded, target: Target) -> tuple[tuple[int, ...], tuple[int,
     """(shape, global offset) of this rank's box of `tensor` under `target`: by placement
     arithmetic for Shard/Replicate placements (torch's rule, `placement.local_box`; torch's own
     function costs ~30 us a call, most of a restore plan at 2,619 DTensors), else torch's."""
-    from .placement import local_box
-
     if target.mesh is None:
         return tuple(tensor.shape), (0,) * len(tensor.shape)
     kinds = _kinds(tuple(target.placements))
@@ -201,8 +205,6 @@ def boxes_of(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> dict[
     """`box_of` of every tensor in `where`, asking each mesh its shape and this rank's coordinate
     once (DeviceMesh.shape costs ~100 us a call in torch 2.13: most of a restore plan, once per
     DTensor) and each placements tuple its kinds once."""
-    from .placement import local_box
-
     meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
     out = {}
     for name, target in where.items():
@@ -212,7 +214,7 @@ def boxes_of(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> dict[
         if facts is None:
             out[name] = box_of(tensor, target)
             continue
-        offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)  # type: ignore[arg-type]
+        offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)
         out[name] = (shape, offset)
     return out
 
@@ -253,21 +255,26 @@ def source_ranks(index: Mapping[str, Sharded], where: Mapping[str, Target],
     out: set[int] = set()
     meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
     for name, target in where.items():
-        tensor = index[name]
-        shape, offset = boxes[name] if boxes is not None else box_of(tensor, target)
-        if not math.prod(shape):
-            continue
-        if tensor.layout is not None and target.mesh is not None and "replicate" not in tensor.layout[1]:
-            facts = _mesh_facts(target.mesh, meshes)
-            if (facts is not None and facts[0] == tuple(tensor.layout[0])
-                    and _kinds(tuple(target.placements)) == tuple(tensor.layout[1])):
-                rank = 0
-                for c, n in zip(facts[1], facts[0]):  # row-major, as placement.holders numbers them
-                    rank = rank * n + c
-                out.add(rank)
-                continue
-        out.update(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
+        box = boxes[name] if boxes is not None else box_of(index[name], target)
+        out.update(_holders(index[name], target, box, meshes))
     return out
+
+
+def _holders(tensor: Sharded, target: Target, box: tuple[tuple[int, ...], tuple[int, ...]],
+             meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None]) -> tuple[int, ...]:
+    """The saved ranks holding `box` (shape, offset) of `tensor` (`source_ranks` of one tensor)."""
+    shape, offset = box
+    if not math.prod(shape):
+        return ()
+    if tensor.layout is not None and target.mesh is not None and "replicate" not in tensor.layout[1]:
+        facts = _mesh_facts(target.mesh, meshes)
+        if (facts is not None and facts[0] == tuple(tensor.layout[0])
+                and _kinds(tuple(target.placements)) == tuple(tensor.layout[1])):
+            rank = 0
+            for c, n in zip(facts[1], facts[0]):  # row-major, as placement.holders numbers them
+                rank = rank * n + c
+            return (rank,)
+    return tuple(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
 
 
 def staging_bytes(index: Mapping[str, Sharded], where: Mapping[str, Target],
@@ -279,6 +286,37 @@ def staging_bytes(index: Mapping[str, Sharded], where: Mapping[str, Target],
         shape = (boxes[name] if boxes is not None else box_of(tensor, target))[0]
         total += math.prod(shape) * ITEMSIZE[tensor.dtype]
     return total
+
+
+def plan_reads(index: Mapping[str, Sharded], where: Mapping[str, Target]
+               ) -> tuple[dict[str, tuple[tuple[int, ...], tuple[int, ...]]], set[int], int]:
+    """(`boxes_of`, `source_ranks`, `staging_bytes`) of `where`, in one pass: the tensors placed by
+    arithmetic with one global shape, layout, mesh and target placements (a model's layers repeat
+    a few: 405B, 3,411 DTensors per rank) share one box and one set of holders, worked out once."""
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
+    memo: dict[tuple[Any, ...], tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, ...]]] = {}
+    boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    sources: set[int] = set()
+    staging = 0
+    for name, target in where.items():
+        tensor = index[name]
+        kinds = _kinds(tuple(target.placements)) if target.mesh is not None else None
+        key = (tensor.shape, tensor.layout, id(target.mesh), kinds) if tensor.layout and kinds else None
+        hit = memo.get(key) if key is not None else None
+        if hit is None:
+            facts = _mesh_facts(target.mesh, meshes) if kinds is not None else None
+            if facts is None:
+                box = box_of(tensor, target)
+            else:
+                offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)
+                box = (shape, offset)
+            hit = (box, _holders(tensor, target, box, meshes))
+            if key is not None:
+                memo[key] = hit
+        boxes[name] = hit[0]
+        sources.update(hit[1])
+        staging += math.prod(hit[0][0]) * ITEMSIZE[tensor.dtype]
+    return boxes, sources, staging
 
 
 def _fits(t: Any, shape: tuple[Any, ...], dtype: str) -> bool:
@@ -312,6 +350,7 @@ class ShardFiles:
                  expect: Callable[[int], Expected | None] | None = None, opened: Any = None) -> None:
         self.directory, self.shards, self.opened = directory, shards, opened
         self.open: dict[int, tuple[int, dict[str, Any], int]] = {}
+        self.owned: list[int] = []  # fds opened here (not through `opened`): closed by `close`
         self.expect = expect
         self.expected: dict[int, Expected | None] = {}
         self.fine: dict[int, dict[str, tuple[list[str], int, int]]] = {}
@@ -338,11 +377,11 @@ class ShardFiles:
         if rank not in self.open:
             s = self.shards[rank]
             self.expected[rank] = self.expect(rank) if self.expect is not None else None
-            if self.opened is not None:
-                self.open[rank] = self.opened.get(s["file"], s["bytes"], self.expected[rank])
-            else:
-                header, start = read_header(self.directory, s["file"], s["bytes"], self.expected[rank])
-                self.open[rank] = (open_checked(self.directory, s["file"], s["bytes"]), header, start)
+            fd, header, start, owned = open_read(self.directory, s["file"], s["bytes"], self.expected[rank],
+                                                 self.opened)
+            self.open[rank] = (fd, header, start)
+            if owned:
+                self.owned.append(fd)
             self.fine[rank] = _fine_blocks(self.open[rank][1], self.directory / s["file"])
         fd, header, start = self.open[rank]
         path = self.directory / self.shards[rank]["file"]
@@ -353,9 +392,9 @@ class ShardFiles:
         return fd, start + int(info["data_offsets"][0]), path
 
     def close(self) -> None:
-        if self.opened is None:
-            for fd, _, _ in self.open.values():
-                os.close(fd)
+        for fd in self.owned:
+            os.close(fd)
+        self.owned.clear()
         self.open.clear()
 
 

@@ -19,6 +19,7 @@ block digests existed carry none; their restore runs the whole-shard checksum pa
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import struct
@@ -52,6 +53,7 @@ FINE_PER_PIECE = 64  # a piece is cut into about this many row-aligned blocks (a
 # many bytes per shard, a piece beyond it is copied again while streaming (host memory stays bounded).
 HOST_COPY_KEEP = 1 << 30
 MAX_HEADER = MAX_JSON_BYTES
+_INT = {int}  # exact ints from JSON (not bools, not floats that equal them)
 
 _DTYPES: dict[str, str] = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -419,19 +421,14 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
     if not isinstance(header, dict):
         raise UnsafeCheckpointError(f"header of {path} is not an object")
     data_len = expected_bytes - 8 - n
+    spans = sorted((*_offsets(path, name, info), name, info) for name, info in header.items() if name != "__metadata__")
     end = 0
-    for name, info in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
-                             key=lambda kv: _offsets(path, kv)[0]):
-        begin, stop = _offsets(path, (name, info))
+    for begin, stop, name, info in spans:  # one pass per entry: 405B's 3,411 tensors are a restore plan's share
         dtype, shape = info.get("dtype"), info.get("shape")
-        if not isinstance(dtype, str) or dtype not in ITEMSIZE or not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
+        if not (type(dtype) is str and dtype in ITEMSIZE and type(shape) is list and set(map(type, shape)) <= _INT
+                and (not shape or min(shape) >= 0)):
             raise UnsafeCheckpointError(f"tensor {name!r} in {path} has a bad dtype or shape")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if begin != end or stop - begin != numel * ITEMSIZE[dtype] or stop > data_len:
+        if begin != end or stop - begin != math.prod(shape) * ITEMSIZE[dtype] or stop > data_len:
             raise UnsafeCheckpointError(f"tensor {name!r} in {path} has offsets outside the file")
         end = stop
     if end != data_len:
@@ -439,14 +436,30 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
     return header, base + 8 + n  # where the data starts in the file (a node file: in its range)
 
 
-def _offsets(path: Path, kv: tuple[str, Any]) -> tuple[int, int]:
-    info = kv[1]
-    offs = info.get("data_offsets") if isinstance(info, dict) else None
-    if not (isinstance(offs, list) and len(offs) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)
-            and offs[0] <= offs[1]):
-        raise UnsafeCheckpointError(f"tensor {kv[0]!r} in {path} has malformed data_offsets")
+def _offsets(path: Path, name: str, info: Any) -> tuple[int, int]:
+    offs = info.get("data_offsets") if type(info) is dict else None
+    if not (type(offs) is list and len(offs) == 2 and type(offs[0]) is int and type(offs[1]) is int
+            and 0 <= offs[0] <= offs[1]):
+        raise UnsafeCheckpointError(f"tensor {name!r} in {path} has malformed data_offsets")
     return offs[0], offs[1]
+
+
+def open_read(directory: Path, file: str, expected_bytes: int, expect: Expected | None = None,
+              opened: Any = None) -> tuple[int, dict[str, Any], int, bool]:
+    """(fd, checked header, data start, whether the caller closes the fd) of one shard: through
+    `opened` (an opened.OpenShards: a restore's fds, kept from its plan to its last read) when
+    given, else one `open_checked` whose fd the header is read through and the data after it
+    (one open per file, and the bytes read are those of the file whose header was checked). The
+    one place the readers (`load_tensors`, `verify_tensors`, reshard.ShardFiles) choose."""
+    if opened is not None:
+        return (*opened.get(file, expected_bytes, expect), False)
+    fd = open_checked(directory, file, expected_bytes)
+    try:
+        header, start = read_header(directory, file, expected_bytes, expect, fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, header, start, True
 
 
 def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[str, Any] | None = None,
@@ -464,26 +477,21 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
     its header as the restore's plan opened and checked them, read through that fd."""
     import torch
 
-    if opened is not None:
-        fd, header, data_start = opened.get(file, expected_bytes, expect)
-    else:
-        header, data_start = read_header(directory, file, expected_bytes, expect)
+    fd, header, data_start, owned = open_read(directory, file, expected_bytes, expect, opened)
     path = directory / file
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise UnsafeCheckpointError(f"metadata of {directory / file} is malformed")
-    items = [(n, i) for n, i in header.items() if n != "__metadata__" and (names is None or n in names)]
-    direct: dict[str, Any] = {}
-    for name, info in items:
-        t = (targets or {}).get(name)
-        if (t is not None and t.device.type == "cpu" and t.is_contiguous() and list(t.shape) == info["shape"]
-                and TORCH_DTYPES[info["dtype"]] == t.dtype and t.numel() > 0):
-            direct[name] = t
-    rest = [(n, i) for n, i in items if n not in direct]
     out: dict[str, Any] = {}
-    if opened is None:
-        fd = open_checked(directory, file, expected_bytes)  # re-checked: a link swapped in since fails
     try:
+        meta = header.get("__metadata__") or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise UnsafeCheckpointError(f"metadata of {directory / file} is malformed")
+        items = [(n, i) for n, i in header.items() if n != "__metadata__" and (names is None or n in names)]
+        direct: dict[str, Any] = {}
+        for name, info in items:
+            t = (targets or {}).get(name)
+            if (t is not None and t.device.type == "cpu" and t.is_contiguous() and list(t.shape) == info["shape"]
+                    and TORCH_DTYPES[info["dtype"]] == t.dtype and t.numel() > 0):
+                direct[name] = t
+        rest = [(n, i) for n, i in items if n not in direct]
         for name, info in rest:
             begin, end = info["data_offsets"]
             part = torch.empty(end - begin, dtype=torch.uint8)  # one per tensor, not views of one buffer
@@ -497,7 +505,7 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
             exc.partial_write = True  # type: ignore[attr-defined]  # live tensors were touched
             raise
     finally:
-        if opened is None:
+        if owned:
             os.close(fd)
     return out, meta, bool(direct)
 
@@ -510,11 +518,7 @@ def verify_tensors(directory: Path, file: str, expected_bytes: int, names: set[s
     already) nothing is read. Returns the bytes read. `opened`: as for `load_tensors`."""
     if expect is None:
         return 0
-    if opened is not None:
-        fd, header, data_start = opened.get(file, expected_bytes, expect)
-    else:
-        header, data_start = read_header(directory, file, expected_bytes, expect)
-        fd = open_checked(directory, file, expected_bytes)
+    fd, header, data_start, owned = open_read(directory, file, expected_bytes, expect, opened)
     path, scratch, done = directory / file, memoryview(bytearray(VERIFY_BLOCK)), 0
     try:
         for name in sorted(names):
@@ -529,7 +533,7 @@ def verify_tensors(directory: Path, file: str, expected_bytes: int, names: set[s
                 check_blocks(piece, i // VERIFY_BLOCK, digests, path, name)
             done += end - begin
     finally:
-        if opened is None:
+        if owned:
             os.close(fd)
     return done
 

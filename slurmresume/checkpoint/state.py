@@ -154,12 +154,14 @@ def unflatten_into(state: MutableMapping[str, Any], skeleton: Any, tensors: Mapp
 
 
 def validate_skeleton(keys: Iterable[str], skeleton: Any, tensor_names: Container[str] | None = None,
-                      strict: bool = True) -> None:
+                      strict: bool = True, specs: bool = True) -> None:
     """Check a skeleton before anything is read into user objects: its structure, that every
     state key in `keys` has an entry (when `strict`), and, given the shard's tensor names (from
     its header), that every tensor it references exists. CorruptCheckpointError for a bad
     checkpoint; ConfigError for a key the checkpoint lacks (a mismatch between the training
-    script and the checkpoint: an older checkpoint would not have it either)."""
+    script and the checkpoint: an older checkpoint would not have it either). `specs` False:
+    the "dtensors" section is only checked to be an object (a restore reads its placements
+    alone, for the tensors without a live DTensor, and checks those: reshard.targets)."""
     if not isinstance(skeleton, dict) or not isinstance(skeleton.get("entries"), dict):
         raise CorruptCheckpointError("checkpoint skeleton is malformed (no 'entries')")
     entries = skeleton["entries"]
@@ -172,7 +174,10 @@ def validate_skeleton(keys: Iterable[str], skeleton: Any, tensor_names: Containe
     if "dtensors" in skeleton:
         from .sharding import check_specs
 
-        check_specs(skeleton["dtensors"])
+        if specs:
+            check_specs(skeleton["dtensors"])
+        elif not isinstance(skeleton["dtensors"], dict):
+            raise CorruptCheckpointError("checkpoint skeleton: 'dtensors' is not an object")
     missing = [k for k in keys if k not in entries]
     if missing and strict:
         raise ConfigError(f"checkpoint has no entry for state key(s) {missing}; saved keys: "
@@ -195,13 +200,13 @@ def _tensor_refs(data: Any) -> Iterator[Any]:
     stack = [data]
     while stack:
         item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, dict):
+        if isinstance(item, dict):  # first: most items are the references themselves
             if len(item) == 1 and "__tensor__" in item:
                 yield item["__tensor__"]
             else:
                 stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def decode_entries(keys: Iterable[str], skeleton: Any, tensors: Mapping[str, Any],

@@ -166,7 +166,7 @@ def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False,
     if not os.access(path, os.R_OK | os.X_OK):  # one unreadable directory must not break every command
         return CheckpointInfo(step, path, False, mtime=st.st_mtime, problem=UNREADABLE)
     info = CheckpointInfo(step, path, (path / MARKER).exists(), mtime=st.st_mtime)
-    info.in_progress = (path / INPROGRESS).exists()
+    info.in_progress = (path / INPROGRESS).exists()  # retention asks it of a complete `.saving.*` too
     if not info.has_marker:
         info.problem = "no commit marker (incomplete or being written)"
         return info
@@ -174,7 +174,7 @@ def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False,
         if scan and not verify and (facts := scan_marker(path, step)) is not None:
             info.facts = facts
             return info
-        info.manifest = read_manifest(path, expected_step=step)
+        info.manifest = read_manifest(path, expected_step=step, real_dir=True)  # lstat'ed above
         if sizes or verify:
             check_sizes(path, info.manifest)
     except UnreadableCheckpointError as exc:
@@ -271,13 +271,14 @@ def newest_committed(root: Path) -> int | None:
     return None
 
 
-def clean_temp_files(step_dir: Path) -> list[str]:
+def clean_temp_files(step_dir: Path, committed: bool = False) -> list[str]:
     """Remove what a killed writer left inside a *committed* step directory: temp files
     (`.<name>.tmp.<pid>`) and a stale `.inprogress` note. A committed directory is never written
     again, and no reader opens these names, so removing them cannot break a reader. Best effort;
-    returns the names removed. Called by restore (rank 0) on the directory it is about to load."""
+    returns the names removed. Called by restore (rank 0) on the directory it is about to load
+    (`committed`: its marker was just read, not looked up again)."""
     removed: list[str] = []
-    if not (step_dir / MARKER).exists():
+    if not committed and not (step_dir / MARKER).exists():
         return removed
     try:
         names = [e.name for e in os.scandir(step_dir)

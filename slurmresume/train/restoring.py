@@ -51,7 +51,7 @@ from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_pinned
 from ..checkpoint.opened import OpenShards
 from ..checkpoint.reshard import STATS as RESHARD_STATS
-from ..checkpoint.reshard import boxes_of, is_dtensor, load_sharded, source_ranks, staging_bytes
+from ..checkpoint.reshard import is_dtensor, load_sharded, plan_reads
 from ..checkpoint.reshard import targets as reshard_targets
 from ..checkpoint.residency import all_cached
 from ..checkpoint.shard import SKELETON_KEY, MetaOnDemand, load_tensors, verify_tensors
@@ -288,7 +288,7 @@ def pick(root: Path, step: int | None, verify: bool, tried: set[int], allow_fres
             if refusal:
                 return Failure("checkpoint", refusal)
         if choice is not None:
-            clean_temp_files(Path(choice.path))
+            clean_temp_files(Path(choice.path), committed=True)  # its marker was just read
         return choice
     except (CheckpointError, ConfigError, OSError) as exc:
         return Failure.of(exc)
@@ -437,7 +437,8 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         if shared:
             header0 = opened.header(first["file"], first["bytes"], manifest.expected(0))
             infos.update({n: header0[n] for n in header0 if n in shared})
-        validate_skeleton(keys, skeleton, set(infos) | set(sharded), strict)  # once: not again to decode
+        # once (not again to decode); of the DTensor specs only what the restore reads (reshard.targets)
+        validate_skeleton(keys, skeleton, set(infos) | set(sharded), strict, specs=False)
         # Shapes from the headers (a DTensor: its global shape), as meta tensors: a checkpoint
         # that does not fit the live modules and optimizers is refused before any byte is loaded
         # (the other entries are decoded, and checked, by the read, before anything is applied).
@@ -445,12 +446,12 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         check_fits(state, decode_entries(fits, skeleton, MetaOnDemand(infos, sharded), strict, checked=True)[0])
         wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
         where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
-        boxes = boxes_of(wanted, where)
-        for r in sorted({src} | source_ranks(wanted, where, boxes)):  # their indexes, checked before any data is read
+        _, sources, boxed = plan_reads(wanted, where)
+        for r in sorted({src} | sources):  # their indexes, checked before any data is read
             manifest.rank_tensors(r)
         staging = sum(int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for i in infos.values())
         return Part(directory, shard, first, manifest, src, skeleton, names, shared & set(infos), wanted, where,
-                    staging + staging_bytes(wanted, where, boxes), opened)
+                    staging + boxed, opened)
     except CheckpointError as exc:
         opened.close()
         return Failure.of(exc)

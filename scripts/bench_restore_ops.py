@@ -1,0 +1,60 @@
+"""The metadata operations of one whole restore, every rank counted at its own coordinate.
+
+    python scripts/bench_restore_ops.py MODEL FROM TO DIR     e.g. 7B 64 48 /dev/shm/ops
+
+scripts/bench_scale.py counts rank 0's pick + rank 0's plan + (W - 1) x one other rank's plan,
+that rank played with rank 0's box (at a reshard, its own shard is among its sources) and the
+read's opens left out. Here each of the TO ranks plans its own box (`restoring.plan_part` as
+rank r, counted at the same os seam), and the source shards its read opens are added (the read
+keeps the plan's fds: it opens only the sources the plan did not). The FROM-rank step is saved
+under DIR/MODEL-FROM by bench_scale's harness (stamped, every rank's files kept) unless there.
+Each rank costs one plan: keep TO to a few hundred.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_scale as bs  # noqa: E402
+
+from slurmresume.checkpoint.reshard import plan_reads  # noqa: E402
+from slurmresume.checkpoint.state import flatten_live  # noqa: E402
+from slurmresume.train import restoring  # noqa: E402
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 4 or not argv[1].isdigit() or not argv[2].isdigit() or argv[0] not in bs.MODELS:
+        print(f"usage: bench_restore_ops.py MODEL FROM TO DIR (MODEL among {', '.join(bs.MODELS)})", file=sys.stderr)
+        return 2
+    model, frm, to, root = argv[0], int(argv[1]), int(argv[2]), Path(argv[3]) / f"{argv[0]}-{argv[1]}"
+    if not (root / bs.step_dir_name(bs.STEP) / "COMMITTED").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        bs.save_rank0(model, frm, root, bs.Ops())
+    ops, per, choice, wire = bs.Ops(), [], None, None
+    for rank in range(to):
+        state = bs.rank_state(model, bs.fake_world(to, rank), to, rank)
+        live = flatten_live(state)
+        with bs.Fabric(to).installed(), ops.counting() as counts:
+            if choice is None:  # rank 0 picks; the others get the choice as it crosses the wire
+                choice = restoring.pick(root, None, False, set(), False, None)
+                wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
+            part = restoring.plan_part(rank, choice if rank == 0 else wire, state, live, True)
+            n = bs.Ops.total(counts)
+        if isinstance(part, restoring.Failure):
+            print(f"rank {rank}: {part.message}", file=sys.stderr)
+            return 1
+        opened = {int(f[5:10]) for f in part.opened._files}  # rank-NNNNN-of-...: the plan's fds
+        per.append(n + len(plan_reads(part.wanted, part.where)[1] - opened))
+        part.opened.close()
+    total = sum(per)
+    print(f"{model} {frm} -> {to}: {total:,} metadata operations = {total / to:.3f} x W (rank 0 {per[0]}, "
+          f"per rank {min(per)}-{max(per)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,147 @@
+"""The restore plan's shortcuts (#29: a non-zero rank's plan at 70B/405B shapes) keep every check
+they replace: an index entry that is not exactly its expected piece gets the full checks and
+their error; the skeleton's DTensor placements are checked where the restore reads them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from slurmresume.checkpoint.rankindex import check_pieces
+from slurmresume.errors import CorruptCheckpointError
+
+W = 4
+SPEC = {"dtype": "F32", "shape": [10, 3], "mesh_shape": [W], "placements": ["shard:0"], "mesh_arange": True}
+
+
+def _entry(rank: int, **edit: Any) -> dict[str, Any]:
+    rows = [3, 3, 3, 1][rank]  # torch's rule: ceil(10 / 4) = 3 rows a rank, the last gets 1
+    return {"dtype": "F32", "shape": [rows, 3], "xxh3": ["0" * 16], "global_shape": [10, 3],
+            "global_offset": [3 * rank, 0], **edit}
+
+
+@pytest.mark.parametrize("placed", [True, False])
+def test_exact_pieces_pass_on_every_rank(placed: bool) -> None:
+    specs = {f"t{i}": SPEC for i in range(5)}  # five tensors of one shape: one box worked out
+    for rank in range(W):
+        check_pieces({f"t{i}": _entry(rank) for i in range(5)}, rank, W, specs, placed)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"global_offset": [3.0, 0]}, "global offset"),  # equal to the right int, not an int
+    ({"global_offset": [True, 0]}, "global offset"),
+    ({"shape": [3.0, 3]}, "shape"),
+    ({"global_shape": [10, 3.0]}, "global shape"),
+    ({"global_offset": [6, 0]}, "disagrees with the placements"),
+    ({"shape": [2, 3]}, "disagrees with the placements"),
+    ({"dtype": "BF16"}, "disagree"),
+    ({"global_shape": [11, 3]}, "disagree"),
+])
+def test_an_entry_that_is_not_exactly_its_piece_is_refused_with_the_full_checks_message(
+        edit: dict[str, Any], message: str) -> None:
+    entries = {"a": _entry(1), "b": _entry(1, **edit)}  # "a" makes the box known first
+    with pytest.raises(CorruptCheckpointError, match=message):
+        check_pieces(entries, 1, W, {"a": SPEC, "b": SPEC}, True)
+
+
+class _FakeDTensor:
+    """What reshard.targets asks of a live DTensor: its mesh, placements, shape."""
+
+    def __init__(self) -> None:
+        self.device_mesh, self.placements, self.shape = SimpleNamespace(ndim=1), (), (10, 3)
+
+    def to_local(self) -> None:  # pragma: no cover - never called here
+        return None
+
+
+@pytest.mark.parametrize("placements", [["bogus"], ["shard:7"], [3]])
+def test_the_skeletons_placements_are_checked_where_the_restore_reads_them(placements: list[Any]) -> None:
+    """validate_skeleton(specs=False) leaves the skeleton's DTensor specs to their one reader: a
+    tensor with no live DTensor and no parameter takes its saved placements on the live mesh."""
+    from slurmresume.checkpoint.reshard import targets
+    from slurmresume.checkpoint.sharding import Sharded
+
+    index = {"opt/state/0/m": Sharded("opt/state/0/m", "F32", (10, 3), (), ((W,), ("shard:0",)))}
+    with pytest.raises(CorruptCheckpointError, match="placements"):
+        targets({}, {"w": _FakeDTensor()}, index, {"opt/state/0/m": {"placements": placements}})
+
+
+def test_the_plan_checks_only_the_dtensor_section_s_type() -> None:
+    from slurmresume.checkpoint.state import validate_skeleton
+
+    skeleton = {"entries": {}, "dtensors": {"x": {"shape": "not a shape"}}}
+    with pytest.raises(CorruptCheckpointError):
+        validate_skeleton([], skeleton)  # every other reader: the whole section
+    validate_skeleton([], skeleton, specs=False)  # the restore plan: its placements, where read
+    with pytest.raises(CorruptCheckpointError, match="not an object"):
+        validate_skeleton([], {"entries": {}, "dtensors": []}, specs=False)
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Metadata operations at the os seam (as scripts/bench_scale.py counts them): (kind, name)."""
+    import os
+
+    seen: list[tuple[str, str]] = []
+    for name in ("stat", "lstat", "open", "scandir", "listdir"):
+        real = getattr(os, name)
+
+        def counted(*a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+            seen.append((_name, os.path.basename(str(a[0])) if a else ""))
+            return _real(*a, **k)
+        monkeypatch.setattr(os, name, counted)
+    return seen
+
+
+def test_rank_0s_pick_of_a_committed_step_costs_7_metadata_operations(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """#29: rank 0's choice is the one part of a restore's operations that is not per rank (the
+    reshard 16,384 -> 12,288 was 8 over 4 W with it). List the root, lstat the step, look up the
+    marker and `.inprogress` (retention's question), read the marker, read the manifest, list the
+    step for a killed writer's leftovers: 7. The old code took 9 (the step's lstat twice, the
+    marker looked up twice)."""
+    from helpers.core import save_steps, step_dir
+
+    from slurmresume.train.restoring import RestoreChoice, pick
+
+    save_steps(tmp_path, [1, 2]).close()
+    (step_dir(tmp_path, 2) / ".rank-00000-of-00001.safetensors.tmp.99").write_bytes(b"x")  # a killed writer's
+    seen = _counting(monkeypatch)
+    choice = pick(tmp_path, None, False, set(), False, None)
+    monkeypatch.undo()
+    assert isinstance(choice, RestoreChoice) and choice.step == 2
+    assert len(seen) <= 7, seen
+    assert not (step_dir(tmp_path, 2) / ".rank-00000-of-00001.safetensors.tmp.99").exists()  # still cleaned
+
+
+
+def test_a_reader_without_a_restores_fds_opens_each_shard_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """shard.open_read, the one place the readers choose between a restore's kept fds and their
+    own open: `load_tensors`, `verify_tensors` and reshard.ShardFiles (the tools: compare,
+    export, drill checks) read the header and the data through one fd. The old code opened
+    each shard twice (the header's open, then the data's)."""
+    from helpers.core import save_steps, step_dir
+
+    from slurmresume.checkpoint.manifest import read_manifest
+    from slurmresume.checkpoint.reshard import ShardFiles
+    from slurmresume.checkpoint.shard import load_tensors, st_dtype, verify_tensors
+    from slurmresume.checkpoint.sharding import Sharded
+
+    save_steps(tmp_path, [1]).close()
+    d = step_dir(tmp_path, 1)
+    m = read_manifest(d, 1)
+    s = m.shards[0]
+    seen = _counting(monkeypatch)
+    tensors, _, _ = load_tensors(d, s["file"], s["bytes"], expect=m.expected(0))
+    assert tensors and [k for k, n in seen if k == "open" and n == s["file"]] == ["open"]
+    seen.clear()
+    assert verify_tensors(d, s["file"], s["bytes"], set(tensors), m.expected(0)) > 0
+    assert [k for k, n in seen if k == "open" and n == s["file"]] == ["open"]
+    seen.clear()
+    name, t = next(iter(tensors.items()))
+    files = ShardFiles(d, m.shards, m.expected)
+    files.piece(0, Sharded(name, st_dtype(t), tuple(t.shape), ()), tuple(t.shape))
+    files.close()
+    assert [k for k, n in seen if k == "open" and n == s["file"]] == ["open"]
