@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.core import shard, step_dir
-from helpers.procs import HELPERS, clean_env
+from helpers.procs import HELPERS, clean_env, run_ranks
 from test_verified_restore import flip_byte
 
 from slurmresume import Checkpointer, CheckpointError, ConfigError
@@ -106,28 +104,28 @@ def test_plain_tensors_and_containers_are_loaded_in_place(tmp_path: Path) -> Non
     assert state["t"] is not t and state["t"].dtype == torch.int32  # another dtype: replaced
 
 
-def _torchrun(nproc: int, *args: str | Path, env: dict[str, str] | None = None) -> None:
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                          "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "atomic_restore.py"),
-                          *map(str, args)], env={**clean_env(), **(env or {})}, capture_output=True, text=True,
-                         timeout=300)
+def _ranks(nproc: int, *args: str | Path, env: dict[str, str] | None = None) -> None:
+    """atomic_restore.py as `nproc` gloo ranks forked from one warmed process (helpers/forkranks.py):
+    the launch is not under test; torch._dynamo (the optimizer imports it) is imported once."""
+    res = run_ranks(nproc, HELPERS / "atomic_restore.py", *args, env={**clean_env(), **(env or {})}, timeout=300,
+                    preload=("torch._dynamo",))
     assert res.returncode == 0, res.stderr[-4000:]
 
 
-@pytest.mark.slow  # three torchrun starts (~45 s here), like its sibling in test_verified_restore
+@pytest.mark.slow  # three 2-3-rank runs, like its sibling in test_verified_restore
 def test_fsdp2_three_to_two_with_a_flipped_byte_changes_nothing_on_any_rank(tmp_path: Path) -> None:
     """The issue's case: FSDP2 state saved on 3 ranks, restored on 2, one data byte flipped in a
     piece only one new rank reads, no older step: every rank raises, and every tensor, module and
     optimizer entry is bitwise what it was before the call, on every rank. Staged (the default)
     and in two passes (a part over the staging budget)."""
     root = tmp_path / "ck"
-    _torchrun(3, "save", root, tmp_path)
+    _ranks(3, "save", root, tmp_path)
     # a Shard(0) piece only new rank 1 reads (fine blocks of rows), then a Shard(1) piece both
     # new ranks read columns of (fine stripes)
     for staging, rank, tensor in (("", 2, "extra/d"), ("0", 1, "extra/e")):
         shard = step_dir(root, 1) / f"rank-0000{rank}-of-00003.safetensors"
         flip_byte(shard, tensor, at=0.9)
-        _torchrun(2, "refuse", root, tmp_path, env={ENV_RESTORE_STAGING: staging})
+        _ranks(2, "refuse", root, tmp_path, env={ENV_RESTORE_STAGING: staging})
         flip_byte(shard, tensor, at=0.9)  # flipped back
         for rank in (0, 1):
             got = json.loads((tmp_path / f"refuse-{rank}.json").read_text())
@@ -141,7 +139,7 @@ def saved_on(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, 
     out: dict[int, tuple[Path, Path]] = {}
     for world in (2, 3):
         d = tmp_path_factory.mktemp(f"saved{world}")
-        _torchrun(world, "save", d / "ck", d)
+        _ranks(world, "save", d / "ck", d)
         out[world] = (d, d / "ck")
     return out
 
@@ -156,7 +154,7 @@ def test_a_resharded_restore_reads_only_what_it_needs(saved_on: dict[int, tuple[
     root2 = tmp_path / "ck"
     shutil.copytree(root, root2)
     shutil.copy(out / "full.safetensors", tmp_path / "full.safetensors")
-    _torchrun(restored, "bytes", root2, tmp_path)
+    _ranks(restored, "bytes", root2, tmp_path)
     event = [e for e in read_events(root2) if e.get("event") == "restored"][-1]
     for rank in range(restored):
         got = json.loads((tmp_path / f"bytes-{restored}-{rank}.json").read_text())

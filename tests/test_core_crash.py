@@ -21,6 +21,7 @@ from helpers.procs import HELPERS, check, clean_env, run_python
 
 from slurmresume.checkpoint.layout import INPROGRESS, MANIFEST, MARKER, saving_dirs, shard_name
 from slurmresume.checkpoint.store import find_latest, inspect_dir, list_checkpoints
+from slurmresume.contract import ENV_LEASE_HEARTBEAT
 from slurmresume.retention import RetentionPolicy, execute
 
 # One worker runs this module, so that its module-scoped fixture (a multi-process run) is
@@ -95,8 +96,11 @@ def killed_roots(tmp_path_factory: pytest.TempPathFactory, traced_save: list[lis
     jobs = []
     for label, k in CASES:
         name = f"{label}-{k}"
+        # A killed child's lease beats every 0.1 s (the floor): the first case's restore waits
+        # 0.5 s for its fresh heartbeat to age, not up to 90 s at the default 30 s interval.
         jobs.append({"root": str(tmp / name), "steps": [1, 2], "stdout": str(tmp / f"{name}.out"),
-                     "env": {"SLURMRESUME_TEST_KILL_AT": f"{label}:{_nth(traced_save[0], label, k)}"}})
+                     "env": {"SLURMRESUME_TEST_KILL_AT": f"{label}:{_nth(traced_save[0], label, k)}",
+                             ENV_LEASE_HEARTBEAT: "0.1"}})
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     proc = check(run_python([HELPERS / "kill_matrix.py", tmp / "jobs.json"], timeout=300))
     results = json.loads(proc.stdout)

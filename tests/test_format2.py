@@ -72,17 +72,11 @@ def test_an_index_of_another_rank_is_refused(tmp_path: Path) -> None:
 
 
 def _collectives_run(tmp_path: Path, world: int = 3) -> list[dict]:
-    import subprocess
-    import sys
-
-    from helpers.procs import HELPERS, clean_env
+    from helpers.procs import HELPERS, run_ranks
 
     out = tmp_path / "out"
     out.mkdir()
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                          "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "scale_collectives.py"),
-                          str(out), str(tmp_path / "ck")], env=clean_env(), capture_output=True, text=True,
-                         timeout=240)
+    res = run_ranks(world, HELPERS / "scale_collectives.py", out, tmp_path / "ck")  # forked ranks: the launch is not under test
     assert res.returncode == 0, res.stderr[-4000:]
     return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
 
@@ -209,18 +203,12 @@ def test_a_dtensor_rank_0_does_not_hold_is_restored_by_its_listed_pieces(tmp_pat
     of each rank's own shard and loaded wrong values on ranks 1 and 2 without an error; now a
     rank's record says it holds such a piece, the manifest says "pieces_listed", and the pieces
     come from the index files."""
-    import subprocess
-    import sys
-
-    from helpers.procs import HELPERS, clean_env
+    from helpers.procs import HELPERS, run_ranks
 
     out = tmp_path / "out"
     out.mkdir()
-    for mode in ("save", "restore"):
-        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-                              "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "submesh_restore.py"),
-                              str(out), str(tmp_path / "ck"), mode], env=clean_env(), capture_output=True, text=True,
-                             timeout=240)
+    for mode in ("save", "restore"):  # forked ranks: the launch is not under test
+        res = run_ranks(3, HELPERS / "submesh_restore.py", out, tmp_path / "ck", mode)
         assert res.returncode == 0, res.stderr[-4000:]
     for rank in range(3):
         r = json.loads((out / f"{rank}.json").read_text())

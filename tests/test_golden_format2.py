@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.core import model_equal, tiny_model, tiny_state
-from helpers.procs import HELPERS, clean_env
+from helpers.procs import HELPERS, run_ranks
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -75,10 +73,8 @@ def test_format_2_fsdp2_resumes_on_3_and_2_ranks(tmp_path: Path, world: int) -> 
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(GOLDEN / "fsdp3" / "full.safetensors", out)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                          "--max-restarts=0", "--monitor-interval=0.2", str(HELPERS / "reshard_train.py"), "resume",
-                          str(out), str(root), "--dim", "0"], env=clean_env(), capture_output=True, text=True,
-                         timeout=240)
+    res = run_ranks(world, HELPERS / "reshard_train.py", "resume", out, root, "--dim", "0",  # forked ranks
+                    preload=("torch._dynamo",))  # the launch is not under test; AdamW imports torch._dynamo
     assert res.returncode == 0, res.stderr[-4000:]
     for rank in range(world):
         result = json.loads((out / f"resume-{world}-0-{rank}.json").read_text())

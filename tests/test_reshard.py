@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +14,7 @@ import pytest
 import torch
 import xxhash
 from helpers.core import edit_rows
-from helpers.procs import HELPERS, clean_env
+from helpers.procs import HELPERS, run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -36,10 +34,10 @@ WORKER = HELPERS / "reshard_train.py"
 STEP = "step_000000003"
 
 
-def _torchrun(nproc: int, *args: str | Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                          "--max-restarts=0", "--monitor-interval=0.2", str(WORKER), *map(str, args)],
-                         env=clean_env(), capture_output=True, text=True, timeout=240)
+def _ranks(nproc: int, *args: str | Path) -> None:
+    """reshard_train.py as `nproc` gloo ranks forked from one warmed process (helpers/forkranks.py):
+    the launch is not under test; torch._dynamo (AdamW imports it) is imported once."""
+    res = run_ranks(nproc, WORKER, *args, timeout=240, preload=("torch._dynamo",))
     assert res.returncode == 0, res.stderr[-4000:]
 
 
@@ -47,12 +45,12 @@ def _torchrun(nproc: int, *args: str | Path) -> None:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(out dir with full.safetensors, checkpoint root): FSDP2 (Shard(0)) + AdamW on 2 ranks."""
     out = tmp_path_factory.mktemp("reshard")
-    _torchrun(2, "save", out, out / "ck")
+    _ranks(2, "save", out, out / "ck")
     return out, out / "ck"
 
 
 def _resume(out: Path, root: Path, world: int, dim: int, *extra: str | Path) -> list[dict]:
-    _torchrun(world, "resume", out, root, "--dim", str(dim), *extra)
+    _ranks(world, "resume", out, root, "--dim", str(dim), *extra)
     return [json.loads((out / f"resume-{world}-{dim}-{r}.json").read_text()) for r in range(world)]
 
 
@@ -119,8 +117,8 @@ def test_export_consolidates_dtensor_checkpoint(saved: tuple[Path, Path]) -> Non
 
 @pytest.mark.slow
 def test_reshard_4_to_2_reads_only_its_share(tmp_path: Path) -> None:
-    _torchrun(4, "bytes", tmp_path, tmp_path / "ck")
-    _torchrun(2, "bytes", tmp_path, tmp_path / "ck")
+    _ranks(4, "bytes", tmp_path, tmp_path / "ck")
+    _ranks(2, "bytes", tmp_path, tmp_path / "ck")
     for rank in (0, 1):
         info = json.loads((tmp_path / f"bytes-2-0-{rank}.json").read_text())
         assert info["ok"]

@@ -1,5 +1,5 @@
-"""Test helper (run under torch.distributed.run, gloo): FSDP2 state with uneven shapes and mixed
-dtypes, saved on W ranks and restored on W' ranks, for the all-or-nothing restore tests (#33).
+"""Test helper (gloo ranks, forked by procs.run_ranks; torchrun works too): FSDP2 state with uneven
+shapes and mixed dtypes, saved on W ranks and restored on W' ranks, for the all-or-nothing restore tests (#33).
 
     atomic_restore.py save    ROOT OUT    save step 1 (model, AdamW after one step, extra DTensors);
                                           rank 0 writes OUT/full.safetensors (every tensor, whole)

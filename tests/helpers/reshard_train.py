@@ -1,4 +1,5 @@
-"""A tiny FSDP2 training run on CPU/gloo for the resharding tests (run under torch.distributed.run).
+"""A tiny FSDP2 training run on CPU/gloo for the resharding tests (gloo ranks, forked by
+procs.run_ranks; torchrun works too).
 
     reshard_train.py save   OUT ROOT            train 3 steps on W ranks (Shard(0)), save step 3,
                                                 write OUT/full.safetensors (the full state)

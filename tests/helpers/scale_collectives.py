@@ -1,5 +1,5 @@
-"""Test helper (run under torch.distributed.run, gloo, 3+ ranks): what a save exchanges and what a
-same-world restore opens.
+"""Test helper (3+ gloo ranks, forked by procs.run_ranks; torchrun works too): what a save
+exchanges and what a same-world restore opens.
 
     scale_collectives.py OUT ROOT
 

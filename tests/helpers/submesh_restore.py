@@ -1,4 +1,5 @@
-"""Test helper (torch.distributed.run, gloo): a DTensor that rank 0 does not hold.
+"""Test helper (gloo ranks, forked by procs.run_ranks; torchrun works too): a DTensor that rank 0
+does not hold.
 
     submesh_restore.py OUT ROOT save|restore
 
