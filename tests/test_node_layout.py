@@ -72,6 +72,74 @@ def test_a_per_node_step_reshards_4_to_3(saved: Path, tmp_path: Path) -> None:
         assert r == {"step": 2, "value": 2, "emb": [2], "bias": [2]}, r
 
 
+def test_checkpointer_after_checkpointer_in_one_process_saves_per_node_and_restores(tmp_path: Path) -> None:
+    """3 ranks as one node of 3, one process each: a Checkpointer saves steps 1 and 2, closes; four
+    more, one after another, save steps 3..6 (beside the one of step 3 a second Checkpointer is
+    open, saving asynchronously to another root); another restores step 6 bit for bit. The old code
+    made a new node subgroup for each Checkpointer, which torch named as the last one (a hash of
+    the ranks and the number of live groups), so its gloo rendezvous read the destroyed group's
+    addresses from the store: "Connection refused" on some ranks, the others waiting in the group's
+    creation or the next collective until the job's time ran out (within the first three
+    Checkpointers in each of 4 runs)."""
+    root, out = tmp_path / "ck", tmp_path / "out"
+    out.mkdir()
+    res = run_ranks(3, SCRIPT, "cycle", str(root), str(out), env=clean_env(SLURMRESUME_LAYOUT="per-node", NODE_SIZE="3"),
+                    timeout=60)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == [f"step_{s:09d}" for s in
+                                                                                     range(1, 7)]
+    for step in range(1, 7):
+        assert sorted(p.name for p in (root / f"step_{step:09d}").iterdir()) == [MARKER, MANIFEST, "node-00000.bin"]
+    for r in range(3):
+        assert json.loads((out / f"{r}.json").read_text()) == {"step": 6, "value": 6, "emb": [6], "bias": [6]}
+    twin = tmp_path / "ck-twin" / "step_000000003"
+    assert sorted(p.name for p in twin.iterdir()) == [MARKER, MANIFEST, "node-00000.bin"]
+
+
+_NODE_GROUPS_SCRIPT = """
+import torch, torch.distributed as dist
+from slurmresume.checkpoint.collective import NODE_GROUPS, NodeGroups, _ranks_of
+
+def works(pg):
+    t = torch.ones(1)
+    dist.all_reduce(t, group=pg)
+    return t.item() == 2
+
+def alive(pg):
+    return pg in dist.distributed_c10d._world.pg_map
+
+dist.init_process_group("gloo")
+a = NODE_GROUPS.take([0, 1])
+b = NODE_GROUPS.take([0, 1])  # a is in use: a second group
+assert a is not b and works(a) and works(b)
+NODE_GROUPS.give_back(a)
+assert NODE_GROUPS.take([0, 1]) is a and works(a)  # handed on, not made again
+other, rank = NodeGroups(), dist.get_rank()
+c = other.take([0, 1])  # made while a and b live (made after they were destroyed, torch would
+other.give_back(c)      # name it as one of them: the bug NodeGroups avoids)
+NODE_GROUPS.give_back(b)
+NODE_GROUPS.drain()  # at exit: the idle ones destroyed, any given back later too
+assert NODE_GROUPS.idle == {} and not alive(b) and alive(a)
+NODE_GROUPS.give_back(a)
+assert NODE_GROUPS.idle == {} and not alive(a)
+dist.destroy_process_group()  # c goes with it: no longer a group that could be handed out
+assert _ranks_of(c) is None
+other.give_back(c)
+other.drain()
+print(f"ok-{rank}", flush=True)
+"""
+
+
+def test_node_groups_are_handed_on_and_destroyed_at_exit(tmp_path: Path) -> None:
+    """`collective.NodeGroups` on 2 real gloo ranks: a group given back is the next one taken (and
+    still works); one in use is never handed out twice; at exit the idle ones are destroyed and
+    any given back later; one gone with its default group is never handed out."""
+    script = tmp_path / "node_groups.py"
+    script.write_text(_NODE_GROUPS_SCRIPT)
+    res = run_ranks(2, script, timeout=60)
+    assert res.returncode == 0 and "ok-0" in res.stdout and "ok-1" in res.stdout, res.stderr[-3000:]
+
+
 def test_verify_inspect_and_export_read_each_ranks_range(saved: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

@@ -6,8 +6,10 @@ All methods are collective: every rank calls them in the same order.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import threading
 from typing import Any
 
 LAZY = "TORCH_GLOO_LAZY_INIT"  # read by ProcessGroupGloo when a group is created
@@ -145,21 +147,85 @@ class Group:
         at interpreter exit). Idempotent; a no-op for a world of one."""
         if self.pg is None:
             return
-        import torch.distributed as dist
-
         pg, self.pg = self.pg, None
         node, self.node_pg = self.node_pg, None  # the per-node layout's subgroup (nodefile), if any
         self.world_size, self.rank = 1, 0  # any later collective is a local no-op
-        for one in (node, pg):
-            try:
-                if one is not None and dist.is_initialized():
-                    dist.destroy_process_group(one)
-            except (RuntimeError, ValueError):  # already gone with the default group
-                pass
+        if node is not None:
+            NODE_GROUPS.give_back(node)  # kept for the next Group: see NodeGroups
+        _destroy(pg)
 
     def barrier(self) -> None:
         if self.world_size > 1:
             self.max_int(0)
+
+
+def _destroy(pg: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group(pg)
+    except (RuntimeError, ValueError):  # already gone with the default group
+        pass
+
+
+class NodeGroups:
+    """The per-node layout's node subgroups (`nodefile.GlooLink`), one process's: a Group's
+    subgroup outlives it, idle, and the next Group of this process takes it instead of making a
+    new one; the idle ones are destroyed at exit (or go with the default group). Never destroyed
+    and made again because torch names a `use_local_synchronization` group by a hash of its ranks
+    and the number of live groups: a new group of the same ranks got the destroyed one's name, its
+    gloo rendezvous read the destroyed group's addresses from the store under that name, and some
+    ranks failed with "Connection refused" while the node's others waited for them until the job
+    ended. Every rank of a node takes and gives back in the same order (when a Checkpointer is
+    made, in the main thread; when it closes), so they take the same group; Groups open at once
+    hold distinct ones."""
+
+    def __init__(self) -> None:
+        self.idle: dict[tuple[int, ...], list[Any]] = {}
+        self.lock = threading.Lock()
+        self.exiting = False
+
+    def take(self, ranks: list[int]) -> Any:
+        """An idle subgroup of exactly `ranks`, or a new one (collective among `ranks` only)."""
+        with self.lock:
+            idle = self.idle.get(tuple(ranks), [])
+            while idle:
+                pg = idle.pop()
+                if _ranks_of(pg) is not None:  # not gone with an earlier default group
+                    return pg
+        return new_side_group(ranks, use_local_synchronization=True)
+
+    def give_back(self, pg: Any) -> None:
+        ranks = _ranks_of(pg)
+        with self.lock:
+            if ranks is not None and not self.exiting:
+                self.idle.setdefault(tuple(ranks), []).append(pg)
+                return
+        if ranks is not None:
+            _destroy(pg)
+
+    def drain(self) -> None:
+        """At exit (local): the idle groups destroyed, and any given back later."""
+        with self.lock:
+            self.exiting = True
+            idle, self.idle = [pg for pgs in self.idle.values() for pg in pgs], {}
+        for pg in idle:
+            _destroy(pg)
+
+
+def _ranks_of(pg: Any) -> list[int] | None:
+    """A live group's global ranks; None once it is destroyed (with its default group)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.get_process_group_ranks(pg) if dist.is_initialized() else None
+    except (KeyError, RuntimeError, ValueError):
+        return None
+
+
+NODE_GROUPS = NodeGroups()
+atexit.register(NODE_GROUPS.drain)
 
 
 def _encode(obj: Any) -> bytes:

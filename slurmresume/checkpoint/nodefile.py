@@ -20,9 +20,10 @@ contiguously: [RANK - LOCAL_RANK, + L)); no rank outside the node takes part:
   1. every rank plans its shard (header and size are known before a byte is written) and its
      index (each block digest is 16 hex digits: its length is known too; the offset in its
      "file" field is reserved at 19 digits and the JSON padded);
-  2. one node-local all-gather of [size, host] (a gloo subgroup of the node's ranks, created
-     once, `use_local_synchronization`): each rank's range is the sum of the sizes before it,
-     each range starting on a 4 KiB boundary (O_DIRECT writes aligned blocks);
+  2. one node-local all-gather of [size, host] (a gloo subgroup of the node's ranks, made once
+     per process, `use_local_synchronization`, and reused by later Checkpointers): each rank's
+     range is the sum of the sizes before it, each range starting on a 4 KiB boundary (O_DIRECT
+     writes aligned blocks);
   3. the node's first rank creates the file (O_EXCL: the save's private directory) and sizes it;
      node barrier;
   4. every rank writes its range (the write path `calibrate` picks for the file system): its
@@ -114,16 +115,17 @@ class NodeLink(Protocol):
 
 
 class GlooLink:
-    """The node's ranks over a gloo subgroup of just them (created on the first save, kept on the
-    save's side `Group` and destroyed with it). Collective among the node's ranks only."""
+    """The node's ranks over a gloo subgroup of just them, kept on the save side `Group` (taken when
+    the Checkpointer is made, `train/wiring.py`, else at its first save) and given back when the
+    Group is destroyed: `collective.NodeGroups` reuses it. Collective among the node's ranks only."""
 
     def __init__(self, group: Any, ranks: range) -> None:
         self.index, self.first, self.size = group.rank - ranks.start, ranks.start, len(ranks)
         self.pg = getattr(group, "node_pg", None)
         if self.pg is None and self.size > 1:
-            from .collective import new_side_group
+            from .collective import NODE_GROUPS
 
-            self.pg = new_side_group(list(ranks), use_local_synchronization=True)
+            self.pg = NODE_GROUPS.take(list(ranks))
             group.node_pg = self.pg
 
     def exchange(self, values: list[int]) -> list[list[int]]:

@@ -7,6 +7,8 @@ initialised; without it, a world of one and no collective):
   1. all: the mirror URL checked (a bad one is a ConfigError on every rank, before any setup);
           the save scheduler built (its clock starts here; "auto" reads the root's event log);
   2. all: the side group for saves and restores (`Group.create`)           -> new_group
+          and with SLURMRESUME_LAYOUT=per-node the node's own gloo group (`nodefile.link_for`:
+          this process's idle one, else a new one among the node's ranks only)
   3. 0:   the root's lease (`roots.claim_root`)                            -> broadcast; a refusal
           raises on every rank, once the side group is destroyed again;
   4. all: the side group of the step-boundary agreement                    -> new_group
@@ -74,16 +76,18 @@ def wire(root: Path, explicit_root: str | os.PathLike[str] | None, *, save_every
     """Every rank, in the order of the module docstring. `root` is the resolved root,
     `explicit_root` what the script passed (compared with the launcher's). Raises ConfigError
     for a bad mirror and RootOwnedError for a root another run owns, on every rank."""
-    from ..checkpoint.nodefile import check_layout
+    from ..checkpoint.nodefile import check_layout, link_for
     from ..contract import ENV_MIRROR
     from ..mirror.hook import mirror_for
     from .policy import scheduler_for
 
     mirror_for(mirror, rank=-1)  # validates the URL (ConfigError) before any setup
-    check_layout(mirror is not None or bool(os.environ.get(ENV_MIRROR)))  # per-node: a ConfigError with a mirror
+    layout = check_layout(mirror is not None or bool(os.environ.get(ENV_MIRROR)))  # per-node: no mirror
     sched = scheduler_for(save_policy, save_every, root)
     group = Group.create()
     try:  # one owner per root: refused here, before anything is written
+        if layout == "per-node":  # its node subgroup, taken here: in the main thread, in every rank's order
+            link_for(group)
         lease_key = claim_root(group, root)
     except BaseException:
         group.destroy()

@@ -6,6 +6,11 @@ nodes of 2).
     node_layout.py save    ROOT STEPS       save the given steps (comma separated), per-node layout
     node_layout.py restore ROOT OUT         restore; rank r writes OUT/r.json: the restored step and
                                             which saved step each tensor equals, bit for bit
+    node_layout.py cycle   ROOT OUT         one process, Checkpointer after Checkpointer: the first
+                                            saves steps 1 and 2, each of the next four one more step
+                                            (3..6), closing in between (with the one of step 3 a
+                                            second one is open, saving step 3 asynchronously to
+                                            ROOT-twin); then another restores as above
 A rank named by KILL_RANK gets SLURMRESUME_TEST_KILL_AT=KILL_AT (it dies there, mid-write), one
 named by FAIL_RANK SLURMRESUME_TEST_FAIL_AT=FAIL_AT (an injected I/O error there);
 BIG_MIB adds a per-rank float tensor of that many MiB to the saved state.
@@ -47,6 +52,24 @@ def bias(step: int) -> torch.Tensor:
     return (torch.arange(1000, dtype=torch.float32) * (step + 0.5)).to(torch.bfloat16)
 
 
+def save(ckpt: slurmresume.Checkpointer, mesh: object, step: int) -> None:
+    state = {"emb": distribute_tensor(emb(step), mesh, [Shard(0)]), "bias": bias(step), "step": step}
+    if os.environ.get("BIG_MIB"):  # a per-rank tensor: several writes per rank (the kill test)
+        state["big"] = torch.full((int(os.environ["BIG_MIB"]) << 18,), float(dist.get_rank()))
+    ckpt.save(step, state)
+
+
+def restore(ckpt: slurmresume.Checkpointer, mesh: object, out: Path) -> None:
+    state = {"emb": distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(0)]),
+             "bias": torch.zeros(1000, dtype=torch.bfloat16), "step": -1}
+    step = ckpt.restore(state)
+    full = state["emb"].full_tensor()
+    (out / f"{dist.get_rank()}.json").write_text(json.dumps({
+        "step": step, "value": state["step"],
+        "emb": [s for s in range(8) if torch.equal(full, emb(s))],
+        "bias": [s for s in range(8) if torch.equal(state["bias"], bias(s))]}))
+
+
 def main(argv: list[str]) -> int:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -54,19 +77,24 @@ def main(argv: list[str]) -> int:
     ckpt = slurmresume.Checkpointer(root, handle_signals=False)
     if mode == "save":
         for step in (int(s) for s in argv[2].split(",")):
-            state = {"emb": distribute_tensor(emb(step), mesh, [Shard(0)]), "bias": bias(step), "step": step}
-            if os.environ.get("BIG_MIB"):  # a per-rank tensor: several writes per rank (the kill test)
-                state["big"] = torch.full((int(os.environ["BIG_MIB"]) << 18,), float(dist.get_rank()))
-            ckpt.save(step, state)
+            save(ckpt, mesh, step)
+    elif mode == "cycle":
+        save(ckpt, mesh, 1)
+        save(ckpt, mesh, 2)
+        for step in range(3, 7):
+            ckpt.close()
+            ckpt = slurmresume.Checkpointer(root, handle_signals=False)
+            if step == 3:  # a second Checkpointer open beside it, saving asynchronously to ROOT-twin
+                twin = slurmresume.Checkpointer(f"{root}-twin", handle_signals=False, async_save=True)
+                save(twin, mesh, step)
+            save(ckpt, mesh, step)
+            if step == 3:
+                twin.close()
+        ckpt.close()
+        ckpt = slurmresume.Checkpointer(root, handle_signals=False)
+        restore(ckpt, mesh, Path(argv[2]))
     else:
-        state = {"emb": distribute_tensor(torch.zeros(SHAPE), mesh, [Shard(0)]),
-                 "bias": torch.zeros(1000, dtype=torch.bfloat16), "step": -1}
-        step = ckpt.restore(state)
-        full = state["emb"].full_tensor()
-        (Path(argv[2]) / f"{dist.get_rank()}.json").write_text(json.dumps({
-            "step": step, "value": state["step"],
-            "emb": [s for s in range(5) if torch.equal(full, emb(s))],
-            "bias": [s for s in range(5) if torch.equal(state["bias"], bias(s))]}))
+        restore(ckpt, mesh, Path(argv[2]))
     ckpt.close()
     dist.destroy_process_group()
     return 0
