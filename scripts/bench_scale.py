@@ -75,7 +75,11 @@ import torch.distributed as dist  # noqa: E402
 import xxhash  # noqa: E402
 from model_shapes import MODELS, MOMENTS, chunk0, parameters  # noqa: E402
 
-from slurmresume.checkpoint import commit, fsio  # noqa: E402
+from slurmresume.checkpoint import (  # noqa: E402
+    commit,
+    fsio,
+    shardread,  # noqa: E402
+)
 from slurmresume.checkpoint import shard as shard_mod  # noqa: E402
 from slurmresume.checkpoint.collective import Group  # noqa: E402
 from slurmresume.checkpoint.layout import MANIFEST, step_dir_name  # noqa: E402
@@ -262,7 +266,7 @@ class SparseShards:
         for name, t in tensors:
             n = _nbytes(t)
             if _owns_memory(t):  # the library's own state (RNG) and any small plain tensor: its bytes
-                raw = bytes(shard_mod.byte_view(t.detach().contiguous()))
+                raw = bytes(shardread.byte_view(t.detach().contiguous()))
                 real.append((data, raw))
                 block = shard_mod.VERIFY_BLOCK
                 index[name]["xxh3"] = [xxhash.xxh3_64_hexdigest(raw[i:i + block]) for i in range(0, n, block)]

@@ -54,9 +54,10 @@ from ..checkpoint.reshard import STATS as RESHARD_STATS
 from ..checkpoint.reshard import is_dtensor, load_sharded, plan_reads
 from ..checkpoint.reshard import targets as reshard_targets
 from ..checkpoint.residency import all_cached
-from ..checkpoint.shard import SKELETON_KEY, MetaOnDemand, load_tensors, verify_tensors
+from ..checkpoint.shard import SKELETON_KEY
 from ..checkpoint.sharding import from_json
 from ..checkpoint.sharding import to_json as sharding_json
+from ..checkpoint.shardread import MetaOnDemand, load_tensors, verify_tensors
 from ..checkpoint.state import (
     apply_entries,
     check_fits,
