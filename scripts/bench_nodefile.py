@@ -23,7 +23,7 @@ from typing import Any
 
 import xxhash
 
-from slurmresume.checkpoint import fsio, nodefile
+from slurmresume.checkpoint import fsio, nodefile, shardread
 from slurmresume.checkpoint import shard as shard_mod
 from slurmresume.checkpoint.jsonenc import dumps
 
@@ -79,7 +79,7 @@ class SparseNode:
             for name, t in plan.tensors:
                 n = self.nbytes(t)
                 if self.owns_memory(t):
-                    raw = bytes(shard_mod.byte_view(t.detach().contiguous()))
+                    raw = bytes(shardread.byte_view(t.detach().contiguous()))
                     os.pwrite(sink.fd, raw, sink.base + at)
                     block = shard_mod.VERIFY_BLOCK
                     plan.index[name]["xxh3"] = [xxhash.xxh3_64_hexdigest(raw[i:i + block]) for i in range(0, n, block)]

@@ -4,7 +4,7 @@
 
 scripts/bench_scale.py counts rank 0's pick + rank 0's plan + (W - 1) x one other rank's plan,
 that rank played with rank 0's box (at a reshard, its own shard is among its sources) and the
-read's opens left out. Here each of the TO ranks plans its own box (`restoring.plan_part` as
+read's opens left out. Here each of the TO ranks plans its own box (`restoreplan.plan_part` as
 rank r, counted at the same os seam), and the source shards its read opens are added (the read
 keeps the plan's fds: it opens only the sources the plan did not). The FROM-rank step is saved
 under DIR/MODEL-FROM by bench_scale's harness (stamped, every rank's files kept) unless there.
@@ -23,7 +23,7 @@ import bench_scale as bs  # noqa: E402
 
 from slurmresume.checkpoint.reshard import plan_reads  # noqa: E402
 from slurmresume.checkpoint.state import flatten_live  # noqa: E402
-from slurmresume.train import restoring  # noqa: E402
+from slurmresume.train import restoreplan, restoring  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
             if choice is None:  # rank 0 picks; the others get the choice as it crosses the wire
                 choice = restoring.pick(root, None, False, set(), False, None)
                 wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
-            part = restoring.plan_part(rank, choice if rank == 0 else wire, state, live, True)
+            part = restoreplan.plan_part(rank, choice if rank == 0 else wire, state, live, True)
             n = bs.Ops.total(counts)
         if isinstance(part, restoring.Failure):
             print(f"rank {rank}: {part.message}", file=sys.stderr)

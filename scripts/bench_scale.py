@@ -75,13 +75,17 @@ import torch.distributed as dist  # noqa: E402
 import xxhash  # noqa: E402
 from model_shapes import MODELS, MOMENTS, chunk0, parameters  # noqa: E402
 
-from slurmresume.checkpoint import commit, fsio  # noqa: E402
+from slurmresume.checkpoint import (  # noqa: E402
+    commit,
+    fsio,
+    shardread,  # noqa: E402
+)
 from slurmresume.checkpoint import shard as shard_mod  # noqa: E402
 from slurmresume.checkpoint.collective import Group  # noqa: E402
 from slurmresume.checkpoint.layout import MANIFEST, step_dir_name  # noqa: E402
 from slurmresume.checkpoint.manifest import MAX_MANIFEST  # noqa: E402
 from slurmresume.checkpoint.state import flatten_live  # noqa: E402
-from slurmresume.train import restoring  # noqa: E402
+from slurmresume.train import restoreplan, restoring  # noqa: E402
 from slurmresume.train.messages import WriteReport  # noqa: E402
 from slurmresume.train.saving import payload_of  # noqa: E402
 
@@ -262,7 +266,7 @@ class SparseShards:
         for name, t in tensors:
             n = _nbytes(t)
             if _owns_memory(t):  # the library's own state (RNG) and any small plain tensor: its bytes
-                raw = bytes(shard_mod.byte_view(t.detach().contiguous()))
+                raw = bytes(shardread.byte_view(t.detach().contiguous()))
                 real.append((data, raw))
                 block = shard_mod.VERIFY_BLOCK
                 index[name]["xxh3"] = [xxhash.xxh3_64_hexdigest(raw[i:i + block]) for i in range(0, n, block)]
@@ -435,7 +439,7 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
         def timed_plan(key: str, chosen: restoring.RestoreChoice) -> Any:  # `key`_s, _cpu_s, _ops into out
             with ops.counting() as counts:
                 t, c = time.perf_counter(), time.process_time()
-                result = restoring.plan_part(0, chosen, state, live, True)
+                result = restoreplan.plan_part(0, chosen, state, live, True)
                 out[f"{key}_s"], out[f"{key}_cpu_s"] = time.perf_counter() - t, time.process_time() - c
                 out[f"{key}_ops"] = Ops.total(counts)
             return result
@@ -453,7 +457,7 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
         if read:
             with ops.counting() as counts:
                 t = time.perf_counter()
-                got = restoring.read_part(0, choice, part, list(state), live, True)
+                got = restoreplan.read_part(0, choice, part, list(state), live, True)
                 out["read_s"] = time.perf_counter() - t
                 out["read_ops"] = Ops.total(counts)
             out["read_bytes"], out["needed_bytes"] = got.read, got.needed
@@ -465,10 +469,10 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
             choice = restoring.pick(root, None, False, set(), False, None)
             out["pick_peak_bytes"] = tracemalloc.get_traced_memory()[1]
             tracemalloc.reset_peak()
-            restoring.plan_part(0, choice, state, live, True)
+            restoreplan.plan_part(0, choice, state, live, True)
             out["plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
             tracemalloc.reset_peak()
-            restoring.plan_part(0, wire, state, live, True)
+            restoreplan.plan_part(0, wire, state, live, True)
             out["other_plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
     return out

@@ -22,7 +22,7 @@ from slurmresume.checkpoint.shard import FINE_KEY, fine_width
 from slurmresume.contract import ENV_RESTORE_STAGING
 from slurmresume.events import read_events
 from slurmresume.train import restoring
-from slurmresume.train.restoring import staging_budget
+from slurmresume.train.restoreplan import staging_budget
 
 
 def _values(step: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from helpers.core import (
 from slurmresume import Checkpointer, CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from slurmresume.checkpoint.layout import MANIFEST, MARKER
 from slurmresume.checkpoint.manifest import MAX_MANIFEST, read_manifest
-from slurmresume.checkpoint.shard import load_tensors, read_header
+from slurmresume.checkpoint.shardread import load_tensors, read_header
 from slurmresume.checkpoint.store import inspect_dir
 from slurmresume.errors import UnreadableCheckpointError
 

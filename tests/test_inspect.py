@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 import slurmresume.cli.commands_inspect  # noqa: F401  (registers `inspect` until cli.py imports it)
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import step_dir_name
-from slurmresume.checkpoint.shard import read_header
+from slurmresume.checkpoint.shardread import read_header
 from slurmresume.cli import app
 from slurmresume.errors import ConfigError, CorruptCheckpointError, NoCheckpointError
 from slurmresume.tools.inspect import _Accumulator, inspect_checkpoint, locate, tensor_stats

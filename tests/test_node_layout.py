@@ -321,7 +321,7 @@ def test_a_range_is_opened_only_inside_a_plain_node_file(tmp_path: Path) -> None
     the file; a node file replaced by a link is refused like a shard."""
     import os
 
-    from slurmresume.checkpoint.shard import hash_file, open_checked
+    from slurmresume.checkpoint.shardread import hash_file, open_checked
     from slurmresume.errors import CorruptCheckpointError, UnsafeCheckpointError
 
     (tmp_path / "node-00000.bin").write_bytes(bytes(range(256)) * 32)  # 8 KiB

@@ -118,7 +118,7 @@ def test_rank_0s_pick_of_a_committed_step_costs_7_metadata_operations(tmp_path: 
 
 
 def test_a_reader_without_a_restores_fds_opens_each_shard_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """shard.open_read, the one place the readers choose between a restore's kept fds and their
+    """shardread.open_read, the one place the readers choose between a restore's kept fds and their
     own open: `load_tensors`, `verify_tensors` and reshard.ShardFiles (the tools: compare,
     export, drill checks) read the header and the data through one fd. The old code opened
     each shard twice (the header's open, then the data's)."""
@@ -126,8 +126,9 @@ def test_a_reader_without_a_restores_fds_opens_each_shard_once(tmp_path: Path, m
 
     from slurmresume.checkpoint.manifest import read_manifest
     from slurmresume.checkpoint.reshard import ShardFiles
-    from slurmresume.checkpoint.shard import load_tensors, st_dtype, verify_tensors
+    from slurmresume.checkpoint.shard import st_dtype
     from slurmresume.checkpoint.sharding import Sharded
+    from slurmresume.checkpoint.shardread import load_tensors, verify_tensors
 
     save_steps(tmp_path, [1]).close()
     d = step_dir(tmp_path, 1)

@@ -32,7 +32,7 @@ import torch
 from slurmresume import Checkpointer, ConfigError
 from slurmresume.contract import ENV_RESTORE_STAGING
 from slurmresume.errors import CorruptCheckpointError
-from slurmresume.train import restoring
+from slurmresume.train import restoreplan, restoring
 
 WORLD = 3
 DEADLINE_S = 40.0  # a whole round of forked ranks; a rank left in a collective is still there then
@@ -190,7 +190,7 @@ def _plan_raises(on: int, exc: Exception) -> Callable[[int], None]:
         if rank == on:
             def broken(*args: Any, **kwargs: Any) -> Any:
                 raise exc
-            restoring._plan_part = broken  # forked rank: this process only
+            restoreplan._plan_part = broken  # forked rank: this process only (plan_part looks it up there)
     return inject
 
 
@@ -255,7 +255,7 @@ def _read_raises(on: int, exc: Exception, mode: str | None = None) -> Callable[[
     def inject(rank: int) -> None:
         if rank != on:
             return
-        real = restoring.read_part
+        real = restoring.read_part  # restoring._read looks it up in restoring (imported from restoreplan)
 
         def broken(*args: Any, **kwargs: Any) -> Any:
             if mode is None or (args[6] if len(args) > 6 else kwargs.get("mode", "stage")) == mode:

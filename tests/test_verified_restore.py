@@ -25,7 +25,7 @@ from helpers.core import (
 from helpers.procs import HELPERS, run_ranks
 
 from slurmresume import Checkpointer, CheckpointError, ConfigError
-from slurmresume.checkpoint.shard import read_header
+from slurmresume.checkpoint.shardread import read_header
 
 
 def flip_byte(path: Path, tensor: str, at: float = 0.5) -> None:

@@ -15,13 +15,8 @@ from helpers.procs import HELPERS, run_ranks
 
 from slurmresume.checkpoint import shard
 from slurmresume.checkpoint.reshard import _fine_blocks
-from slurmresume.checkpoint.shard import (
-    HOST_COPY_KEEP,
-    SKELETON_KEY,
-    fine_width,
-    read_header,
-    write_shard,
-)
+from slurmresume.checkpoint.shard import HOST_COPY_KEEP, SKELETON_KEY, fine_width, write_shard
+from slurmresume.checkpoint.shardread import read_header
 from slurmresume.events import read_events
 
 

@@ -33,7 +33,8 @@ from .marker import newer_format as newer_format
 from .marker import pinned_manifest as pinned_manifest
 from .marker import refuse_newer as refuse_newer
 from .rankindex import IndexDigests
-from .shard import VERIFY_BLOCK, Expected
+from .shard import VERIFY_BLOCK
+from .shardread import Expected
 from .shardtable import ShardTable
 from .shardtable import problem as table_problem
 

@@ -10,7 +10,7 @@ step holds one data file per node instead of two files per rank:
 
 A rank's manifest entry names its shard as "node-00000.bin@OFFSET" (the shard's bytes and xxh3
 as before) and its index as "node-00000.bin@OFFSET2": every reader (restore at the same W or
-resharded, verify, inspect, export) reads a rank's bytes from its range (`shard.split_locator`,
+resharded, verify, inspect, export) reads a rank's bytes from its range (`shardread.split_locator`,
 `rankindex.read_index`). Format 1 and per-rank format-2 steps are read as before. Creates per
 save: W / L + 5 instead of 2 W + 5; file fsyncs W / L + 3 instead of 2 W + 3 (the rest are the
 save's own note, manifest, marker and root lock: docs/scaling.md, "One file per node").

@@ -3,7 +3,7 @@
 A restore's plan opens this rank's shard (and shard 0 for the replicated tensors) to read and
 check the header; its read then reads tensor bytes from the same files. Opening each again cost
 one metadata operation per file per pass against the shared file system's metadata server, and a
-header parse each time. `OpenShards` keeps each file's fd (opened by `shard.open_checked`, so
+header parse each time. `OpenShards` keeps each file's fd (opened by `shardread.open_checked`, so
 never a symbolic link and of the size the manifest records) with its checked header from the
 plan to the last read: the bytes read are those of the very file whose header was checked.
 """
@@ -15,7 +15,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from .shard import Expected, open_read
+from .shardread import Expected, open_read
 
 
 class OpenShards:

@@ -139,7 +139,7 @@ def _check_piece(name: str, info: dict[str, Any], rank: int, world: int, spec: A
 
 
 def _read_range(step_dir: Path, locator: str, size: int) -> bytes:
-    from .shard import open_checked, pread_exact
+    from .shardread import open_checked, pread_exact
 
     if size > MAX_INDEX:
         raise CorruptCheckpointError(f"tensor index {step_dir / locator} claims {size} bytes, over the "

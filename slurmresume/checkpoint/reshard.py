@@ -31,18 +31,9 @@ import xxhash
 from ..errors import ConfigError, CorruptCheckpointError
 from .jsonenc import loads
 from .placement import local_box
-from .shard import (
-    FINE_KEY,
-    ITEMSIZE,
-    TORCH_DTYPES,
-    VERIFY_BLOCK,
-    Expected,
-    byte_view,
-    check_blocks,
-    open_read,
-    pread_exact,
-)
+from .shard import FINE_KEY, ITEMSIZE, TORCH_DTYPES, VERIFY_BLOCK
 from .sharding import Sharded, check_placements, cover, runs
+from .shardread import Expected, byte_view, check_blocks, open_read, pread_exact
 
 STATS = {"bytes": 0, "reads": 0, "needed": 0}
 SMALL_RUN = 1024  # runs shorter than this (bytes) are read as whole rows when that wastes little

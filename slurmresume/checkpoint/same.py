@@ -16,7 +16,8 @@ from ..errors import CheckpointError
 from .jsonenc import dumps, loads
 from .layout import shard_name
 from .manifest import read_manifest
-from .shard import SKELETON_KEY, block_digests, read_header
+from .shard import SKELETON_KEY, block_digests
+from .shardread import read_header
 from .writer import tensor_bytes
 
 

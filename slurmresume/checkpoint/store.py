@@ -34,7 +34,7 @@ from .manifest import (
     read_manifest,
     refuse_newer,
 )
-from .shard import hash_file, open_checked
+from .shardread import hash_file, open_checked
 
 log = logging.getLogger("slurmresume")
 
@@ -115,7 +115,8 @@ def check_structure(path: Path, manifest: Manifest) -> list[str]:
     """What a loader would refuse in the shards' headers and skeletons (bounds, dtypes, offsets,
     tags, tensor references), found without reading tensor bytes. Empty list: none."""
     from .jsonenc import decode, loads
-    from .shard import SKELETON_KEY, read_header
+    from .shard import SKELETON_KEY
+    from .shardread import read_header
     from .state import validate_skeleton
 
     problems: list[str] = []

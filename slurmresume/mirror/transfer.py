@@ -42,7 +42,7 @@ from ..checkpoint.manifest import (
     read_manifest,
 )
 from ..checkpoint.nodefile import refuse_mirror
-from ..checkpoint.shard import open_checked
+from ..checkpoint.shardread import open_checked
 from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, CorruptCheckpointError
 from .commit import (

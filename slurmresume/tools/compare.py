@@ -17,7 +17,8 @@ from typing import Any
 
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.manifest import read_manifest
-from ..checkpoint.shard import SKELETON_KEY, load_tensors
+from ..checkpoint.shard import SKELETON_KEY
+from ..checkpoint.shardread import load_tensors
 from ..checkpoint.state import RESERVED as LIBRARY  # key of library-owned entries (RNG)
 
 ADAPT = "see README §Adapt your script"

@@ -157,7 +157,8 @@ def unadvanced_samplers(step_dir: Path, step: int) -> list[str]:
     """State keys of rank 0's ResumableSampler entries saved at position 0 after `step` > 0 steps."""
     from ..checkpoint.jsonenc import loads
     from ..checkpoint.manifest import read_manifest
-    from ..checkpoint.shard import SKELETON_KEY, load_tensors
+    from ..checkpoint.shard import SKELETON_KEY
+    from ..checkpoint.shardread import load_tensors
 
     if step <= 0:
         return []

@@ -20,8 +20,9 @@ from ..checkpoint.calibrate import open_sink
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.reshard import ShardFiles, read_box
-from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY, byte_view, open_checked, read_header
+from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY
 from ..checkpoint.sharding import Sharded, cover
+from ..checkpoint.shardread import byte_view, open_checked, read_header
 from ..checkpoint.state import validate_skeleton
 from ..checkpoint.writer import ShardSink
 from ..errors import ConfigError, CorruptCheckpointError

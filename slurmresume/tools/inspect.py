@@ -38,7 +38,8 @@ import numpy as np
 
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import parse_step_dir, step_dir_name
-from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY, open_checked, read_header
+from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY
+from ..checkpoint.shardread import open_checked, read_header
 from ..checkpoint.state import RESERVED
 from ..checkpoint.store import UNREADABLE, find_latest, inspect_dir
 from ..errors import (
@@ -307,7 +308,7 @@ def _decode(buf: memoryview, dtype: str, scratch: np.ndarray) -> np.ndarray:
 
 def tensor_stats(path: Path, file: str, expected_bytes: int, header: dict[str, Any], data_start: int,
                  chunk: int = STATS_CHUNK) -> list[tuple[str, TensorStats]]:
-    """Stats of every tensor of one shard (header as `shard.read_header` validated it), read
+    """Stats of every tensor of one shard (header as `shardread.read_header` validated it), read
     in `chunk`-byte pieces through one reused buffer: memory is O(chunk), not O(shard)."""
     fd = open_checked(path, file, expected_bytes)
     if hasattr(os, "posix_fadvise"):  # one sequential pass: ask for a larger read-ahead

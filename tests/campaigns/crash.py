@@ -202,7 +202,7 @@ def _data_ok(root: Path, step: int, world: int, verify: bool = False) -> str | N
             return f"restored step {step} has different plain values {state['step']!r} {state['extra']!r}"
         return None
     from slurmresume.checkpoint import layout
-    from slurmresume.checkpoint.shard import load_tensors
+    from slurmresume.checkpoint.shardread import load_tensors
     from slurmresume.checkpoint.state import flatten
     from slurmresume.checkpoint.store import find_latest
 

@@ -111,7 +111,7 @@ SEAM_VARS = ("SLURMRESUME_TEST_KILL_AT", "SLURMRESUME_TEST_FAIL_AT", "SLURMRESUM
 
 def arm(env: dict[str, str] | None) -> None:
     """Set (or, with None, clear) the seam variables and re-read them, as a fresh process would
-    at import (the module object stays the same, so commit.py / shard.py see the new values)."""
+    at import (the module object stays the same, so commit.py / shard.py / shardread.py see the new values)."""
     import slurmresume.checkpoint.fsio as fsio
 
     for var in SEAM_VARS:

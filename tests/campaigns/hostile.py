@@ -111,7 +111,8 @@ def _battery(root: Path, step2: Path, scratch: Path) -> dict[str, Any]:
     from slurmresume import Checkpointer
     from slurmresume.checkpoint.jsonenc import loads
     from slurmresume.checkpoint.manifest import read_manifest
-    from slurmresume.checkpoint.shard import SKELETON_KEY, load_tensors, read_header
+    from slurmresume.checkpoint.shard import SKELETON_KEY
+    from slurmresume.checkpoint.shardread import load_tensors, read_header
     from slurmresume.checkpoint.state import unflatten_into
     from slurmresume.checkpoint.store import find_latest, inspect_dir, list_checkpoints
     from slurmresume.errors import ConfigError, CorruptCheckpointError, UnreadableCheckpointError

@@ -26,7 +26,7 @@ import slurmresume.checkpoint.fsio as fsio  # noqa: E402
 
 def run_child(job: dict) -> None:
     os.environ.update(job.get("env", {}))
-    importlib.reload(fsio)  # same module object: commit.py / shard.py see the armed seam
+    importlib.reload(fsio)  # same module object: commit.py / shard.py / shardread.py see the armed seam
     out = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)

@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from slurmresume.checkpoint.shard import hash_file
+from slurmresume.checkpoint.shardread import hash_file
 from slurmresume.checkpoint.store import find_latest, list_checkpoints
 from slurmresume.errors import CorruptCheckpointError
 
