@@ -3,29 +3,42 @@ and special files; what every reader of those files goes through."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from ..errors import CorruptCheckpointError, UnreadableCheckpointError, UnsafeCheckpointError
 from . import fsio
 
 
-def read_bounded(path: Path, limit: int, what: str) -> bytes:
-    import os
-    import stat
-
-    label = f"read.{what.replace(' ', '_')}"
+def open_regular(path: Path, what: str, label: str, verb: str = "read", hint: str = "") -> tuple[int, os.stat_result]:
+    """An fd (O_NOFOLLOW: a link fails) and its fstat for a plain regular file of a step, opened
+    with `fsio.retry_transient` under `label`. CorruptCheckpointError when it is missing or still
+    failing after retries ("cannot {verb} {what} ..."); UnsafeCheckpointError for a link or a
+    special file (`hint` appended to the open's refusal). The one opener of `read_bounded` and
+    `shardread.open_checked`."""
     try:
         fd = fsio.retry_transient(label, path, lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{what} {path} is missing") from None
     except OSError as exc:
         if exc.errno in fsio.TRANSIENT_ERRNOS:
-            raise CorruptCheckpointError(f"cannot read {what} {path}: {exc.strerror} (after retries)") from None
-        raise UnsafeCheckpointError(f"refusing {what} {path}: {exc.strerror}") from None
+            raise CorruptCheckpointError(f"cannot {verb} {what} {path}: {exc.strerror} (after retries)") from None
+        raise UnsafeCheckpointError(f"refusing {what} {path}: {exc.strerror}{hint}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeCheckpointError(f"refusing {what} {path}: not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_bounded(path: Path, limit: int, what: str) -> bytes:
+    label = f"read.{what.replace(' ', '_')}"
+    fd, st = open_regular(path, what, label)
+    try:
         if st.st_size > limit:  # not corrupt: a bigger file may be a valid step this version cannot read
             raise UnreadableCheckpointError(f"{what} {path} is {st.st_size} bytes, over this version's read cap "
                                             f"of {limit} bytes: unreadable by this version (kept, never deleted)")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from . import fsio
+from .bounded import open_regular
 from .jsonenc import loads
 from .shard import ITEMSIZE, MAX_HEADER, TORCH_DTYPES, VERIFY_BLOCK
 
@@ -80,19 +80,7 @@ def open_checked(directory: Path, file: str, expected_bytes: int) -> int:
         raise UnsafeCheckpointError(f"refusing shard name {file!r} in {directory}: not a plain shard file name")
     name, base = split_locator(file)
     path = directory / name
-    try:
-        fd = fsio.retry_transient("read.shard.open", path,
-                                  lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"shard {path} is missing") from None
-    except OSError as exc:
-        if exc.errno in fsio.TRANSIENT_ERRNOS:
-            raise CorruptCheckpointError(f"cannot open shard {path}: {exc.strerror} (after retries)") from None
-        raise UnsafeCheckpointError(f"refusing shard {path}: {exc.strerror} (symlink or special file?)") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise UnsafeCheckpointError(f"refusing shard {path}: not a regular file")
+    fd, st = open_regular(path, "shard", "read.shard.open", verb="open", hint=" (symlink or special file?)")
     if st.st_size != expected_bytes if base is None else st.st_size < base + expected_bytes:
         os.close(fd)
         raise CorruptCheckpointError(
