@@ -92,13 +92,14 @@ class _Mesh:
 ])
 def test_a_box_on_its_saved_layout_has_its_own_coordinate_as_its_one_holder(shape: tuple, mesh: tuple,
                                                                               placements: tuple) -> None:
-    """source_ranks' shortcut for a same-W restore (the live layout is the saved one) gives the
-    holders `placement.holders` gives, for every coordinate (empty pieces hold nothing)."""
+    """The restore plan's shortcut (`plan_reads`) for a same-W restore (the live layout is the
+    saved one) gives the holders `placement.holders` gives, for every coordinate (empty pieces
+    hold nothing), and the boxes `boxes_of` gives."""
     import itertools
 
     from torch.distributed.tensor import Shard
 
-    from slurmresume.checkpoint.reshard import Target, boxes_of, source_ranks
+    from slurmresume.checkpoint.reshard import Target, boxes_of, plan_reads
     from slurmresume.checkpoint.sharding import Sharded
 
     tensor = Sharded("w", "F32", shape, (), (mesh, placements))
@@ -107,4 +108,5 @@ def test_a_box_on_its_saved_layout_has_its_own_coordinate_as_its_one_holder(shap
         where = {"w": Target(_Mesh(mesh, coord), live, None)}
         (box_shape, offset), = boxes_of({"w": tensor}, where).values()
         expected = {p.rank for p in tensor.pieces_in(offset, box_shape)} if 0 not in box_shape else set()
-        assert source_ranks({"w": tensor}, where, {"w": (box_shape, offset)}) == expected, coord
+        boxes, sources, _ = plan_reads({"w": tensor}, where)
+        assert boxes == {"w": (box_shape, offset)} and sources == expected, coord

@@ -145,17 +145,19 @@ def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[st
 
 def load_sharded(directory: Path, shards: Sequence[dict[str, Any]], index: Mapping[str, Sharded],
                  where: Mapping[str, Target], expect: Callable[[int], Expected | None] | None = None,
-                 mode: str = "stage", opened: Any = None) -> dict[str, Any]:
+                 mode: str = "stage", opened: Any = None,
+                 boxes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None) -> dict[str, Any]:
     """Every rank: read each tensor in `where` for this rank. `mode` "stage": into fresh memory,
     never into the live tensors (the caller copies once every rank has verified); "verify":
     read and check, keeping one box at a time and returning nothing; "live": straight into the
     live local tensors (CPU, contiguous), else through one fresh box per tensor copied in (the
     second pass of a restore too large to stage). `expect(rank)` gives shard `rank`'s digests:
     then every byte range read is widened to whole checksum blocks and verified. Returns
-    {name: value} (a DTensor on the target's mesh, or a plain tensor). `opened`: see ShardFiles."""
+    {name: value} (a DTensor on the target's mesh, or a plain tensor). `opened`: see ShardFiles.
+    `boxes`: `boxes_of(index, where)` as the caller's plan worked them out (`plan_reads`)."""
     files = ShardFiles(directory, shards, expect, opened)
     out: dict[str, Any] = {}
-    boxes = boxes_of(index, where)
+    boxes = boxes if boxes is not None else boxes_of(index, where)
     try:
         for name, target in where.items():
             tensor = index[name]
@@ -197,17 +199,18 @@ def boxes_of(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> dict[
     once (DeviceMesh.shape costs ~100 us a call in torch 2.13: most of a restore plan, once per
     DTensor) and each placements tuple its kinds once."""
     meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-    out = {}
-    for name, target in where.items():
-        tensor = index[name]
-        kinds = _kinds(tuple(target.placements)) if target.mesh is not None else None
-        facts = _mesh_facts(target.mesh, meshes) if kinds is not None else None
-        if facts is None:
-            out[name] = box_of(tensor, target)
-            continue
-        offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)
-        out[name] = (shape, offset)
-    return out
+    return {name: _box(index[name], target, meshes) for name, target in where.items()}
+
+
+def _box(tensor: Sharded, target: Target, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None]
+         ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`box_of` of one tensor, the mesh's facts asked once per mesh (`meshes`, shared by the calls)."""
+    kinds = _kinds(tuple(target.placements)) if target.mesh is not None else None
+    facts = _mesh_facts(target.mesh, meshes) if kinds is not None else None
+    if facts is None:
+        return box_of(tensor, target)
+    offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)
+    return shape, offset
 
 
 def _mesh_facts(mesh: Any, cache: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None]
@@ -236,21 +239,6 @@ def _kinds(placements: tuple[Any, ...]) -> tuple[str, ...] | None:
     return tuple(out)
 
 
-def source_ranks(index: Mapping[str, Sharded], where: Mapping[str, Target],
-                 boxes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None) -> set[int]:
-    """The saved ranks whose shards hold this rank's boxes of `where` (their index files are read,
-    and checked, before any data). `boxes`: `box_of` of each, when the caller has them. A box on
-    the very layout it was saved on (same mesh shape, the same Shard placements, no Replicate: a
-    same-W restore) is the saved piece of this rank's coordinate: its one holder, found once per
-    layout instead of by `placement.holders` per tensor."""
-    out: set[int] = set()
-    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-    for name, target in where.items():
-        box = boxes[name] if boxes is not None else box_of(index[name], target)
-        out.update(_holders(index[name], target, box, meshes))
-    return out
-
-
 def _holders(tensor: Sharded, target: Target, box: tuple[tuple[int, ...], tuple[int, ...]],
              meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None]) -> tuple[int, ...]:
     """The saved ranks holding `box` (shape, offset) of `tensor` (`source_ranks` of one tensor)."""
@@ -268,20 +256,10 @@ def _holders(tensor: Sharded, target: Target, box: tuple[tuple[int, ...], tuple[
     return tuple(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
 
 
-def staging_bytes(index: Mapping[str, Sharded], where: Mapping[str, Target],
-                  boxes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None) -> int:
-    """Bytes of fresh memory a staged `load_sharded` of `where` takes (this rank's boxes)."""
-    total = 0
-    for name, target in where.items():
-        tensor = index[name]
-        shape = (boxes[name] if boxes is not None else box_of(tensor, target))[0]
-        total += math.prod(shape) * ITEMSIZE[tensor.dtype]
-    return total
-
-
 def plan_reads(index: Mapping[str, Sharded], where: Mapping[str, Target]
                ) -> tuple[dict[str, tuple[tuple[int, ...], tuple[int, ...]]], set[int], int]:
-    """(`boxes_of`, `source_ranks`, `staging_bytes`) of `where`, in one pass: the tensors placed by
+    """(`boxes_of`, the saved ranks holding those boxes, the bytes of fresh memory a staged
+    `load_sharded` of them takes) of `where`, in one pass: the tensors placed by
     arithmetic with one global shape, layout, mesh and target placements (a model's layers repeat
     a few: 405B, 3,411 DTensors per rank) share one box and one set of holders, worked out once."""
     meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
@@ -295,12 +273,7 @@ def plan_reads(index: Mapping[str, Sharded], where: Mapping[str, Target]
         key = (tensor.shape, tensor.layout, id(target.mesh), kinds) if tensor.layout and kinds else None
         hit = memo.get(key) if key is not None else None
         if hit is None:
-            facts = _mesh_facts(target.mesh, meshes) if kinds is not None else None
-            if facts is None:
-                box = box_of(tensor, target)
-            else:
-                offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)
-                box = (shape, offset)
+            box = _box(tensor, target, meshes)
             hit = (box, _holders(tensor, target, box, meshes))
             if key is not None:
                 memo[key] = hit

@@ -69,6 +69,7 @@ class Part:
     shared: set[str]
     wanted: dict[str, Any]
     where: dict[str, Any]
+    boxes: dict[str, Any]  # where -> (shape, global offset) of this rank's box (reshard.plan_reads)
     staging: int
     opened: OpenShards
 
@@ -127,12 +128,12 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         check_fits(state, decode_entries(fits, skeleton, MetaOnDemand(infos, sharded), strict, checked=True)[0])
         wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
         where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
-        _, sources, boxed = plan_reads(wanted, where)
+        boxes, sources, boxed = plan_reads(wanted, where)
         for r in sorted({src} | sources):  # their indexes, checked before any data is read
             manifest.rank_tensors(r)
         staging = sum(int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for i in infos.values())
         return Part(directory, shard, first, manifest, src, skeleton, names, shared & set(infos), wanted, where,
-                    staging + boxed, opened)
+                    boxes, staging + boxed, opened)
     except CheckpointError as exc:
         opened.close()
         return Failure.of(exc)
@@ -155,7 +156,7 @@ def read_part(rank: int, choice: RestoreChoice, part: Part | Failure, keys: list
             whole += verify_tensors(d, first["file"], first["bytes"], part.shared, m.expected(0),
                                     part.opened) if part.shared else 0
             if part.wanted:
-                load_sharded(d, m.shards, part.wanted, part.where, m.expected, mode, part.opened)
+                load_sharded(d, m.shards, part.wanted, part.where, m.expected, mode, part.opened, part.boxes)
             return Loaded(read=whole + RESHARD_STATS["bytes"] - before["bytes"], needed=0)
         plain = {n: t for n, t in live.items() if n not in part.wanted and not is_dtensor(t)} if mode == "live" else None
         tensors, _, _ = load_tensors(d, shard["file"], shard["bytes"], plain, names=part.names - part.shared,
@@ -166,7 +167,7 @@ def read_part(rank: int, choice: RestoreChoice, part: Part | Failure, keys: list
             tensors.update(more)
         whole = sum(t.numel() * t.element_size() for t in tensors.values())  # read whole: read == needed
         if part.wanted:
-            tensors.update(load_sharded(d, m.shards, part.wanted, part.where, m.expected, mode, part.opened))
+            tensors.update(load_sharded(d, m.shards, part.wanted, part.where, m.expected, mode, part.opened, part.boxes))
         read = whole + RESHARD_STATS["bytes"] - before["bytes"]
         needed = whole + RESHARD_STATS["needed"] - before["needed"]
         decoded, library = decode_entries(keys, part.skeleton, tensors, strict)
