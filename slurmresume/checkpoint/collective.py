@@ -73,7 +73,7 @@ class Group:
 
         if not (dist.is_available() and dist.is_initialized()):
             return cls()
-        pg = new_side_group()  # eager: see new_side_group
+        pg = new_side_group()  # eager up to EAGER_MAX_RANKS, lazy beyond: see new_side_group
         return cls(pg, dist.get_rank(), dist.get_world_size())
 
     @property
