@@ -31,6 +31,7 @@ from typing import Any
 from ..contract import RUNS_DIR
 from ..train.heartbeat import RESTORE, SAVE, SIZE, STEP, Record, scan, stacks_path
 from .hang import UNKNOWN, UNWATCHED, Hang, HangBudgets, budget, judge, percentile, restoring_io_s
+from .hbsweep import PREFIX, owner_tag, sweep
 
 log = logging.getLogger("slurmresume")
 
@@ -48,7 +49,9 @@ def heartbeat_dir(run_id: str, procs: int = 1, root: Path | None = None) -> Path
     /dev/shm (RAM, no disk I/O), $TMPDIR, and `<root>/.runs/heartbeats/<host>/` where a probe
     can really write what `procs` ranks need (a full tmpfs passes os.access, and then every
     pwrite fails with ENOSPC). None, with one warning line, when none can: the run goes
-    unwatched."""
+    unwatched. Its name carries this launcher's `hbsweep.owner_tag`; directories in the same base
+    whose launcher is gone (SIGKILLed: it could not remove its own) are removed first."""
+    tag = owner_tag()
     bases = [Path("/dev/shm"), Path(tempfile.gettempdir())]
     if root is not None:
         bases.append(Path(root) / RUNS_DIR / "heartbeats" / os.uname().nodename)
@@ -56,7 +59,10 @@ def heartbeat_dir(run_id: str, procs: int = 1, root: Path | None = None) -> Path
     for base in bases:
         try:
             base.mkdir(parents=True, exist_ok=True)
-            directory = Path(tempfile.mkdtemp(prefix=f"slurmresume-hb-{run_id}-", dir=base))
+            gone = sweep(base)
+            if gone:
+                log.info("removed %d heartbeat directories of launchers that are gone, under %s", len(gone), base)
+            directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{run_id}-{tag + '-' if tag else ''}", dir=base))
         except OSError as exc:
             failures.append(f"{base}: {exc.strerror or exc}")
             continue

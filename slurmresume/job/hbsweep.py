@@ -1,0 +1,101 @@
+"""Heartbeat directories whose launcher is gone: named after their owner, swept by the next one.
+
+A launcher removes its heartbeat directory when it ends (HangWatch.close), but one that is
+SIGKILLed (Slurm's KillWait after a preemption's grace period, the OOM killer, `scancel -s
+KILL`) cannot: on a long-lived node /dev/shm (RAM) then keeps one directory, with its ranks'
+record and stacks files, per such run. So the directory's name says who owns it
+(`owner_tag`: pid, that process's start time and its pid namespace), and every launcher, before
+it makes its own, removes the directories of owners that are provably gone (`sweep`).
+
+Provably gone, and nothing else (do no harm: a live run's directory is never touched):
+- the name carries this module's tag (a directory of an older version, or any other name, is
+  left alone: nothing says whose it is);
+- it was made in this pid namespace (another container sharing the directory sees other pids);
+- no process has that pid now, or the one that has it started at another time (pid reused);
+- it is a real directory (not a link) owned by this user.
+Decisions are `stale` (pure); `sweep` reads /proc and removes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+PREFIX = "slurmresume-hb-"
+_TAG = re.compile(r"-o(\d+)\.(\d+)\.(\d+)-[^-]*\Z")  # -o<pid>.<start ticks>.<pid ns inode>-<mkdtemp's random>
+
+
+def owner_tag(pid: int | None = None) -> str | None:
+    """"o<pid>.<start time in clock ticks>.<pid namespace inode>" of `pid` (default this process),
+    None where /proc cannot say (then the directory is made untagged and never swept)."""
+    pid = os.getpid() if pid is None else pid
+    start, ns = start_ticks(pid), pid_namespace()
+    return None if start is None or ns is None else f"o{pid}.{start}.{ns}"
+
+
+def start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (the process's start, in clock ticks since boot), or None
+    when no such process exists (or /proc cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()  # after "(comm)", which may hold spaces
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def pid_namespace() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def stale(name: str, my_namespace: int | None, start_of: Callable[[int], int | None]) -> bool:
+    """Pure: whether directory `name` belongs to a launcher that is gone. `start_of(pid)`: that
+    pid's current start time, None when no process has it."""
+    if not name.startswith(PREFIX) or my_namespace is None:
+        return False
+    tag = _TAG.search(name)
+    if tag is None:
+        return False
+    pid, start, namespace = (int(g) for g in tag.groups())
+    if namespace != my_namespace:
+        return False
+    return start_of(pid) != start
+
+
+def sweep(base: Path) -> list[str]:
+    """Remove the heartbeat directories in `base` whose owner is gone; returns their names.
+    Never raises: a directory that cannot be listed or removed is left as it is."""
+    namespace = pid_namespace()
+    if namespace is None:
+        return []
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(PREFIX)]
+    except OSError:
+        return []
+    removed = []
+    uid = os.getuid()
+    for name in names:
+        if not stale(name, namespace, start_ticks):
+            continue
+        path = Path(base) / name
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not (stat.S_ISDIR(st.st_mode) and st.st_uid == uid):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            removed.append(name)
+    return removed
