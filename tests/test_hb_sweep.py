@@ -73,16 +73,18 @@ def test_the_name_carries_this_process_as_owner(tmp_path: Path) -> None:
 
 
 def test_stale_is_only_a_provably_gone_owner() -> None:
-    ns = 4026531836
-    name = f"{PREFIX}job-7.0.0-o4242.1000.{ns}-k2j_x9a1"
+    ns = (4026531836, "0123456789ab")
+    tag = f"o4242.1000.{ns[0]}.{ns[1]}"
+    name = f"{PREFIX}job-7.0.0-{tag}-k2j_x9a1"
     assert stale(name, ns, lambda pid: None)  # no such process
     assert stale(name, ns, lambda pid: 999)  # the pid was reused by a later process
     assert not stale(name, ns, lambda pid: 1000)  # its owner is alive
-    assert not stale(name, ns + 1, lambda pid: None)  # made in another pid namespace
+    assert not stale(name, (ns[0] + 1, ns[1]), lambda pid: None)  # made in another pid namespace
+    assert not stale(name, (ns[0], "0123456789ac"), lambda pid: None)  # on another host (or boot)
     assert not stale(name, None, lambda pid: None)  # this namespace unknown
     assert not stale(f"{PREFIX}job-7.0.0-k2j_x9a1", ns, lambda pid: None)  # untagged (an older version)
-    assert not stale(f"other-job-o4242.1000.{ns}-k2j_x9a1", ns, lambda pid: None)  # not ours
-    assert not stale(f"{PREFIX}job-o4242.1000.{ns}-k2j-x9a1", ns, lambda pid: None)  # the tag is not last
+    assert not stale(f"other-job-{tag}-k2j_x9a1", ns, lambda pid: None)  # not ours
+    assert not stale(f"{PREFIX}job-{tag}-k2j-x9a1", ns, lambda pid: None)  # the tag is not last
 
 
 def test_sweep_leaves_links_and_other_users_alone(tmp_path: Path) -> None:
@@ -90,13 +92,13 @@ def test_sweep_leaves_links_and_other_users_alone(tmp_path: Path) -> None:
     start = start_ticks(gone.pid)
     gone.wait(timeout=30)
     time.sleep(0.05)
-    ns = pid_namespace()
+    ns, boot = pid_namespace()
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "keep").write_text("x")
-    link = tmp_path / f"{PREFIX}l-o{gone.pid}.{start}.{ns}-aaaa"
+    link = tmp_path / f"{PREFIX}l-o{gone.pid}.{start}.{ns}.{boot}-aaaa"
     link.symlink_to(target)
-    plain = tmp_path / f"{PREFIX}d-o{gone.pid}.{start}.{ns}-bbbb"
+    plain = tmp_path / f"{PREFIX}d-o{gone.pid}.{start}.{ns}.{boot}-bbbb"
     plain.mkdir()
     removed = sweep(tmp_path)
     assert removed == [plain.name] and not plain.exists()

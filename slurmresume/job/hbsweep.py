@@ -4,13 +4,14 @@ A launcher removes its heartbeat directory when it ends (HangWatch.close), but o
 SIGKILLed (Slurm's KillWait after a preemption's grace period, the OOM killer, `scancel -s
 KILL`) cannot: on a long-lived node /dev/shm (RAM) then keeps one directory, with its ranks'
 record and stacks files, per such run. So the directory's name says who owns it
-(`owner_tag`: pid, that process's start time and its pid namespace), and every launcher, before
+(`owner_tag`: pid, that process's start time, its pid namespace and this boot of this host), and every launcher, before
 it makes its own, removes the directories of owners that are provably gone (`sweep`).
 
 Provably gone, and nothing else (do no harm: a live run's directory is never touched):
 - the name carries this module's tag (a directory of an older version, or any other name, is
   left alone: nothing says whose it is);
-- it was made in this pid namespace (another container sharing the directory sees other pids);
+- it was made during this boot of this host (a $TMPDIR shared between nodes holds other hosts'
+  pids) and in this pid namespace (another container sharing the directory sees other pids);
 - no process has that pid now, or the one that has it started at another time (pid reused);
 - it is a real directory (not a link) owned by this user.
 Decisions are `stale` (pure); `sweep` reads /proc and removes.
@@ -26,15 +27,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 PREFIX = "slurmresume-hb-"
-_TAG = re.compile(r"-o(\d+)\.(\d+)\.(\d+)-[^-]*\Z")  # -o<pid>.<start ticks>.<pid ns inode>-<mkdtemp's random>
+_TAG = re.compile(r"-o(\d+)\.(\d+)\.(\d+)\.([0-9a-f]{12})-[^-]*\Z")  # -o<pid>.<start>.<pid ns>.<boot>-<random>
 
 
 def owner_tag(pid: int | None = None) -> str | None:
-    """"o<pid>.<start time in clock ticks>.<pid namespace inode>" of `pid` (default this process),
-    None where /proc cannot say (then the directory is made untagged and never swept)."""
+    """"o<pid>.<start time in clock ticks>.<pid namespace inode>.<boot>" of `pid` (default this
+    process), None where /proc cannot say (then the directory is made untagged and never swept)."""
     pid = os.getpid() if pid is None else pid
     start, ns = start_ticks(pid), pid_namespace()
-    return None if start is None or ns is None else f"o{pid}.{start}.{ns}"
+    return None if start is None or ns is None else f"o{pid}.{start}.{ns[0]}.{ns[1]}"
 
 
 def start_ticks(pid: int) -> int | None:
@@ -52,14 +53,18 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
-def pid_namespace() -> int | None:
+def pid_namespace() -> tuple[int, str] | None:
+    """(this process's pid namespace inode, the first 12 hex digits of this boot's id): the init
+    namespace has the same inode on every host, the boot id tells hosts (and boots) apart."""
     try:
-        return os.stat("/proc/self/ns/pid").st_ino
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip().replace("-", "")[:12]
+        return os.stat("/proc/self/ns/pid").st_ino, boot
     except OSError:
         return None
 
 
-def stale(name: str, my_namespace: int | None, start_of: Callable[[int], int | None]) -> bool:
+def stale(name: str, my_namespace: tuple[int, str] | None, start_of: Callable[[int], int | None]) -> bool:
     """Pure: whether directory `name` belongs to a launcher that is gone. `start_of(pid)`: that
     pid's current start time, None when no process has it."""
     if not name.startswith(PREFIX) or my_namespace is None:
@@ -67,8 +72,8 @@ def stale(name: str, my_namespace: int | None, start_of: Callable[[int], int | N
     tag = _TAG.search(name)
     if tag is None:
         return False
-    pid, start, namespace = (int(g) for g in tag.groups())
-    if namespace != my_namespace:
+    pid, start, namespace, boot = int(tag[1]), int(tag[2]), int(tag[3]), tag[4]
+    if (namespace, boot) != my_namespace:
         return False
     return start_of(pid) != start
 
