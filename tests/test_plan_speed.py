@@ -146,3 +146,37 @@ def test_a_reader_without_a_restores_fds_opens_each_shard_once(tmp_path: Path, m
     files.piece(0, Sharded(name, st_dtype(t), tuple(t.shape), ()), tuple(t.shape))
     files.close()
     assert [k for k, n in seen if k == "open" and n == s["file"]] == ["open"]
+
+
+@pytest.mark.parametrize("edit", [
+    lambda raw: raw.replace(b"{", b'{"world_size":1,', 1),  # a duplicate key: equal data to a plain parse
+    lambda raw: raw.replace(b"{", b"{ ", 1),  # one byte of whitespace
+    lambda raw: raw[:-1] + b',"step":NaN}',  # a NaN literal
+])
+def test_a_manifest_whose_bytes_differ_from_the_pinned_digest_is_refused_by_the_other_ranks(
+        tmp_path: Path, edit: Any) -> None:
+    """A non-zero rank parses the manifest with plain json.loads (manifest.read_pinned): only the
+    bytes rank 0 parsed strictly and chose, pinned by their digest, get that far. Bytes that
+    differ, even where a plain parse reads the same data (a duplicate key), are refused before
+    any is parsed, and nothing of the step is read."""
+    import json
+
+    from helpers.core import save_steps, step_dir, tiny_state
+
+    from slurmresume.checkpoint.layout import MANIFEST
+    from slurmresume.checkpoint.state import flatten_live
+    from slurmresume.train import restoreplan, restoring
+
+    save_steps(tmp_path, [1]).close()
+    choice = restoring.pick(tmp_path, None, False, set(), False, None)
+    assert isinstance(choice, restoring.RestoreChoice)
+    wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
+    state = tiny_state(7)
+    live = flatten_live(state)
+    good = restoreplan.plan_part(0, wire, state, live, True)  # the pinned bytes: planned
+    assert isinstance(good, restoreplan.Part)
+    good.opened.close()
+    path = step_dir(tmp_path, 1) / MANIFEST
+    path.write_bytes(edit(path.read_bytes()))
+    bad = restoreplan.plan_part(0, wire, state, live, True)
+    assert isinstance(bad, restoring.Failure) and "changed since rank 0 chose" in bad.message
