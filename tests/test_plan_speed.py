@@ -180,3 +180,60 @@ def test_a_manifest_whose_bytes_differ_from_the_pinned_digest_is_refused_by_the_
     path.write_bytes(edit(path.read_bytes()))
     bad = restoreplan.plan_part(0, wire, state, live, True)
     assert isinstance(bad, restoring.Failure) and "changed since rank 0 chose" in bad.message
+
+
+def _shard_with(tmp_path: Path, entries: dict[str, Any], data: int) -> tuple[Path, str, int]:
+    """A shard file of `data` zero bytes whose header is `entries` (a safetensors layout)."""
+    import json
+    import struct
+
+    from slurmresume.checkpoint.layout import shard_name
+
+    raw = json.dumps(entries).encode()
+    name = shard_name(0, 1)
+    (tmp_path / name).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data))
+    return tmp_path, name, 8 + len(raw) + data
+
+
+def _t(begin: Any, stop: Any, shape: Any = None, dtype: Any = "F32") -> dict[str, Any]:
+    return {"dtype": dtype, "shape": [(stop - begin) // 4] if shape is None else shape, "data_offsets": [begin, stop]}
+
+
+@pytest.mark.parametrize("entries, message", [
+    ({"a": _t(0, 8), "b": _t(8.0, 16, [2])}, "malformed data_offsets"),  # equal to the right int, a float
+    ({"a": _t(0, 8), "b": _t(8, 16, [True, 2])}, "bad dtype or shape"),  # True == 1: same size as [1, 2]
+    ({"a": _t(0, 8, [1, 2]), "b": _t(8, 16, [True, 2])}, "bad dtype or shape"),  # ... after [1, 2] was sized
+    ({"a": _t(0, 8, [2.0])}, "bad dtype or shape"),
+    ({"a": _t(0, 8), "b": _t(8, 16, [-2, -1])}, "bad dtype or shape"),
+    ({"a": _t(0, 8), "b": _t(8, 16, dtype="F33")}, "bad dtype or shape"),
+    ({"a": _t(0, 8), "b": _t(8, 16, dtype=["F32"])}, "bad dtype or shape"),  # unhashable
+    ({"a": _t(0, 8), "b": _t(12, 16)}, "offsets outside the file"),  # a gap
+    ({"a": _t(0, 8), "b": _t(4, 12, [2])}, "offsets outside the file"),  # overlap
+    ({"a": _t(0, 8), "b": _t(8, 16, [3])}, "offsets outside the file"),  # size disagrees with shape
+    ({"a": _t(0, 8)}, "does not fill the file"),
+    ({"a": _t(0, 8), "__metadata__": _t(8, 16)}, "does not fill the file"),  # metadata is no tensor
+    ({"a": _t(0, 8), "b": "x"}, "malformed data_offsets"),
+])
+def test_a_header_the_in_order_pass_does_not_show_good_gets_read_headers_own_checks(
+        tmp_path: Path, entries: dict[str, Any], message: str) -> None:
+    """shardread.read_header checks the entries in the order written, in one pass with each
+    distinct (dtype, shape) sized once (#29: 405B's 3,411 entries per plan); whatever that pass
+    does not show good gets the sorted checks and their error, never a pass."""
+    from slurmresume.checkpoint.shardread import read_header
+    from slurmresume.errors import UnsafeCheckpointError
+
+    with pytest.raises((CorruptCheckpointError, UnsafeCheckpointError), match=message):
+        read_header(*_shard_with(tmp_path, entries, 16))
+
+
+@pytest.mark.parametrize("entries", [
+    {"a": _t(0, 8), "b": _t(8, 16)},
+    {"b": _t(8, 16), "a": _t(0, 8)},  # out of order: the sorted checks accept it
+    {"a": _t(0, 8), "e": _t(8, 8, [0]), "b": _t(8, 16)},
+    {"__metadata__": {"format": "pt"}, "a": _t(0, 16, [2, 2])},
+])
+def test_a_good_header_is_accepted_in_any_order(tmp_path: Path, entries: dict[str, Any]) -> None:
+    from slurmresume.checkpoint.shardread import read_header
+
+    header, start = read_header(*_shard_with(tmp_path, entries, 16))
+    assert header == entries and start == 8 + len(__import__("json").dumps(entries).encode())
