@@ -237,3 +237,47 @@ def test_a_good_header_is_accepted_in_any_order(tmp_path: Path, entries: dict[st
 
     header, start = read_header(*_shard_with(tmp_path, entries, 16))
     assert header == entries and start == 8 + len(__import__("json").dumps(entries).encode())
+
+
+def test_placement_kinds_worked_out_once_per_type_agree_with_asking_each_dtensor() -> None:
+    """reshard.plan_reads asks each distinct sequence of placement types once (#29: torch's
+    placements hash and compare in Python, ~2 ms of a 405B plan): a Shard subclass (FSDP2+TP's
+    _StridedShard, refused by the kinds) or a Partial after a Shard of the same dim is not taken
+    for it, and every answer is `_kinds`' own."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from slurmresume.checkpoint.reshard import _kinds, _kinds_by_type
+
+    seqs = [(Shard(0),), (Shard(1),), (_StridedShard(0, split_factor=2),), (Shard(0),), (Replicate(),), (Partial(),),
+            (Shard(0), Replicate()), (Replicate(), Shard(0)), (Shard(0), _StridedShard(0, split_factor=2)),
+            (Shard(0), Shard(0)), (), (Shard(1),)]
+    cache: dict[Any, Any] = {}
+    for placements in seqs:
+        assert _kinds_by_type(placements, cache, Shard) == _kinds(placements), placements
+    assert _kinds_by_type((_StridedShard(0, split_factor=2),), cache, Shard) is None
+
+
+@pytest.mark.parametrize("digests", [None, "0" * 16, ["0" * 15], ["0" * 17], [16 * "0", 7], [[16 * "0"]], [None]])
+def test_an_index_entry_with_malformed_digests_is_refused_and_named(tmp_path: Path, digests: Any) -> None:
+    """rankindex.read_index checks every entry's block digests at once (#29: 405B, 3,411 entries a
+    plan); one malformed entry among good ones is still refused, by name."""
+    import xxhash
+
+    from slurmresume.checkpoint.layout import index_name, shard_name
+    from slurmresume.checkpoint.rankindex import index_bytes, read_index
+
+    good = {"dtype": "F32", "shape": [3], "xxh3": ["0123456789abcdef"]}
+    tensors = {"a": good, "b": {**good, "xxh3": digests}, "c": good}
+    if digests is None:
+        del tensors["b"]["xxh3"]
+    raw = index_bytes(1, shard_name(1, 4), tensors)
+    (tmp_path / index_name(1)).write_bytes(raw)
+    shard = {"rank": 1, "file": shard_name(1, 4), "index": index_name(1), "index_bytes": len(raw),
+             "index_xxh3": xxhash.xxh3_64_hexdigest(raw)}
+    with pytest.raises(CorruptCheckpointError, match="tensor 'b' has a malformed entry"):
+        read_index(tmp_path, shard)
+    del tensors["b"]
+    raw = index_bytes(1, shard_name(1, 4), tensors)
+    (tmp_path / index_name(1)).write_bytes(raw)
+    assert read_index(tmp_path, {**shard, "index_bytes": len(raw), "index_xxh3": xxhash.xxh3_64_hexdigest(raw)}) == tensors
