@@ -142,7 +142,7 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
     finally:
         if own:
             os.close(fd)
-    if expect is not None and xxhash.xxh3_64_hexdigest(head + raw) != expect.header:
+    if expect is not None and _header_digest(head, raw) != expect.header:
         raise CorruptCheckpointError(f"shard {path}: its header fails its checksum (flipped bits?)")
     header = loads(raw, f"header of {path}")
     if not isinstance(header, dict):
@@ -163,6 +163,13 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
     if end != data_len:
         raise CorruptCheckpointError(f"shard {path}: tensor data does not fill the file")
     return header, base + 8 + n  # where the data starts in the file (a node file: in its range)
+
+
+def _header_digest(head: bytes, raw: bytes) -> str:
+    """xxh3 of the 8 length bytes and the header, without joining them (405B: a 1.3 MB copy)."""
+    hasher = xxhash.xxh3_64(head)
+    hasher.update(raw)
+    return hasher.hexdigest()
 
 
 def _tiles_in_order(header: dict[str, Any], data_len: int) -> bool:
