@@ -70,7 +70,7 @@ def read_index(step_dir: Path, shard: dict[str, Any]) -> dict[str, dict[str, Any
             and isinstance(data.get("tensors"), dict)):
         raise CorruptCheckpointError(f"tensor index {path} is not rank {shard['rank']}'s index")
     tensors: dict[str, dict[str, Any]] = data["tensors"]
-    lists = [info.get("xxh3") if type(info) is dict else None for info in tensors.values()]
+    lists: list[Any] = [info.get("xxh3") if type(info) is dict else None for info in tensors.values()]
     if set(map(type, lists)) <= _LIST:  # every entry's digests at once (405B: 3,411 entries a plan) ...
         flat = list(chain.from_iterable(lists))
         if set(map(type, flat)) <= _STR and set(map(len, flat)) <= _SIXTEEN:

@@ -222,7 +222,7 @@ def _mesh_facts(mesh: Any, cache: dict[int, tuple[tuple[int, ...], tuple[int, ..
     return cache[id(mesh)]
 
 
-def _shard_class() -> type:
+def _shard_class() -> Any:
     from torch.distributed.tensor import Shard
 
     return Shard
@@ -245,7 +245,7 @@ def _kinds(placements: tuple[Any, ...]) -> tuple[str, ...] | None:
     return tuple(out)
 
 
-def _kinds_by_type(placements: Sequence[Any], cache: dict[Any, tuple[str, ...] | None], shard: type
+def _kinds_by_type(placements: Sequence[Any], cache: dict[Any, tuple[str, ...] | None], shard: Any
                    ) -> tuple[str, ...] | None:
     """`_kinds` of `placements`, worked out once per distinct sequence of placement types (and a
     Shard's dim: all that `_kinds` reads of them) in `cache`: each DTensor has its own placement
@@ -287,7 +287,8 @@ def plan_reads(index: Mapping[str, Sharded], where: Mapping[str, Target]
     arithmetic with one global shape, layout, mesh and target placements (a model's layers repeat
     a few: 405B, 3,411 DTensors per rank) share one box and one set of holders, worked out once."""
     meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-    memo: dict[tuple[Any, ...], tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, ...]]] = {}
+    Hit = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, ...], int]  # box, holders, staging bytes
+    memo: dict[tuple[Any, ...], Hit] = {}
     boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     sources: set[int] = set()
     staging = 0

@@ -178,7 +178,7 @@ def _tiles_in_order(header: dict[str, Any], data_len: int) -> bool:
     [0, data_len) without gap or overlap: the per-entry checks of `read_header`, in one pass with
     no sort and the size worked out once per distinct (dtype, shape). False: not shown so (an
     entry out of order, or anything wrong), for `read_header`'s own checks to accept or refuse."""
-    end, sizes = 0, {}
+    end, sizes = 0, dict[tuple[Any, ...], int]()
     try:
         for name, info in header.items():
             if name == "__metadata__":
