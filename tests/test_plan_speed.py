@@ -146,3 +146,138 @@ def test_a_reader_without_a_restores_fds_opens_each_shard_once(tmp_path: Path, m
     files.piece(0, Sharded(name, st_dtype(t), tuple(t.shape), ()), tuple(t.shape))
     files.close()
     assert [k for k, n in seen if k == "open" and n == s["file"]] == ["open"]
+
+
+@pytest.mark.parametrize("edit", [
+    lambda raw: raw.replace(b"{", b'{"world_size":1,', 1),  # a duplicate key: equal data to a plain parse
+    lambda raw: raw.replace(b"{", b"{ ", 1),  # one byte of whitespace
+    lambda raw: raw[:-1] + b',"step":NaN}',  # a NaN literal
+])
+def test_a_manifest_whose_bytes_differ_from_the_pinned_digest_is_refused_by_the_other_ranks(
+        tmp_path: Path, edit: Any) -> None:
+    """A non-zero rank parses the manifest with plain json.loads (manifest.read_pinned): only the
+    bytes rank 0 parsed strictly and chose, pinned by their digest, get that far. Bytes that
+    differ, even where a plain parse reads the same data (a duplicate key), are refused before
+    any is parsed, and nothing of the step is read."""
+    import json
+
+    from helpers.core import save_steps, step_dir, tiny_state
+
+    from slurmresume.checkpoint.layout import MANIFEST
+    from slurmresume.checkpoint.state import flatten_live
+    from slurmresume.train import restoreplan, restoring
+
+    save_steps(tmp_path, [1]).close()
+    choice = restoring.pick(tmp_path, None, False, set(), False, None)
+    assert isinstance(choice, restoring.RestoreChoice)
+    wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
+    state = tiny_state(7)
+    live = flatten_live(state)
+    good = restoreplan.plan_part(0, wire, state, live, True)  # the pinned bytes: planned
+    assert isinstance(good, restoreplan.Part)
+    good.opened.close()
+    path = step_dir(tmp_path, 1) / MANIFEST
+    path.write_bytes(edit(path.read_bytes()))
+    bad = restoreplan.plan_part(0, wire, state, live, True)
+    assert isinstance(bad, restoring.Failure) and "changed since rank 0 chose" in bad.message
+
+
+def _shard_with(tmp_path: Path, entries: dict[str, Any], data: int) -> tuple[Path, str, int]:
+    """A shard file of `data` zero bytes whose header is `entries` (a safetensors layout)."""
+    import json
+    import struct
+
+    from slurmresume.checkpoint.layout import shard_name
+
+    raw = json.dumps(entries).encode()
+    name = shard_name(0, 1)
+    (tmp_path / name).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data))
+    return tmp_path, name, 8 + len(raw) + data
+
+
+def _t(begin: Any, stop: Any, shape: Any = None, dtype: Any = "F32") -> dict[str, Any]:
+    return {"dtype": dtype, "shape": [(stop - begin) // 4] if shape is None else shape, "data_offsets": [begin, stop]}
+
+
+@pytest.mark.parametrize("entries, message", [
+    ({"a": _t(0, 8), "b": _t(8.0, 16, [2])}, "malformed data_offsets"),  # equal to the right int, a float
+    ({"a": _t(0, 8), "b": _t(8, 16, [True, 2])}, "bad dtype or shape"),  # True == 1: same size as [1, 2]
+    ({"a": _t(0, 8, [1, 2]), "b": _t(8, 16, [True, 2])}, "bad dtype or shape"),  # ... after [1, 2] was sized
+    ({"a": _t(0, 8, [2.0])}, "bad dtype or shape"),
+    ({"a": _t(0, 8), "b": _t(8, 16, [-2, -1])}, "bad dtype or shape"),
+    ({"a": _t(0, 8), "b": _t(8, 16, dtype="F33")}, "bad dtype or shape"),
+    ({"a": _t(0, 8), "b": _t(8, 16, dtype=["F32"])}, "bad dtype or shape"),  # unhashable
+    ({"a": _t(0, 8), "b": _t(12, 16)}, "offsets outside the file"),  # a gap
+    ({"a": _t(0, 8), "b": _t(4, 12, [2])}, "offsets outside the file"),  # overlap
+    ({"a": _t(0, 8), "b": _t(8, 16, [3])}, "offsets outside the file"),  # size disagrees with shape
+    ({"a": _t(0, 8)}, "does not fill the file"),
+    ({"a": _t(0, 8), "__metadata__": _t(8, 16)}, "does not fill the file"),  # metadata is no tensor
+    ({"a": _t(0, 8), "b": "x"}, "malformed data_offsets"),
+])
+def test_a_header_the_in_order_pass_does_not_show_good_gets_read_headers_own_checks(
+        tmp_path: Path, entries: dict[str, Any], message: str) -> None:
+    """shardread.read_header checks the entries in the order written, in one pass with each
+    distinct (dtype, shape) sized once (#29: 405B's 3,411 entries per plan); whatever that pass
+    does not show good gets the sorted checks and their error, never a pass."""
+    from slurmresume.checkpoint.shardread import read_header
+    from slurmresume.errors import UnsafeCheckpointError
+
+    with pytest.raises((CorruptCheckpointError, UnsafeCheckpointError), match=message):
+        read_header(*_shard_with(tmp_path, entries, 16))
+
+
+@pytest.mark.parametrize("entries", [
+    {"a": _t(0, 8), "b": _t(8, 16)},
+    {"b": _t(8, 16), "a": _t(0, 8)},  # out of order: the sorted checks accept it
+    {"a": _t(0, 8), "e": _t(8, 8, [0]), "b": _t(8, 16)},
+    {"__metadata__": {"format": "pt"}, "a": _t(0, 16, [2, 2])},
+])
+def test_a_good_header_is_accepted_in_any_order(tmp_path: Path, entries: dict[str, Any]) -> None:
+    from slurmresume.checkpoint.shardread import read_header
+
+    header, start = read_header(*_shard_with(tmp_path, entries, 16))
+    assert header == entries and start == 8 + len(__import__("json").dumps(entries).encode())
+
+
+def test_placement_kinds_worked_out_once_per_type_agree_with_asking_each_dtensor() -> None:
+    """reshard.plan_reads asks each distinct sequence of placement types once (#29: torch's
+    placements hash and compare in Python, ~2 ms of a 405B plan): a Shard subclass (FSDP2+TP's
+    _StridedShard, refused by the kinds) or a Partial after a Shard of the same dim is not taken
+    for it, and every answer is `_kinds`' own."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from slurmresume.checkpoint.reshard import _kinds, _kinds_by_type
+
+    seqs = [(Shard(0),), (Shard(1),), (_StridedShard(0, split_factor=2),), (Shard(0),), (Replicate(),), (Partial(),),
+            (Shard(0), Replicate()), (Replicate(), Shard(0)), (Shard(0), _StridedShard(0, split_factor=2)),
+            (Shard(0), Shard(0)), (), (Shard(1),)]
+    cache: dict[Any, Any] = {}
+    for placements in seqs:
+        assert _kinds_by_type(placements, cache, Shard) == _kinds(placements), placements
+    assert _kinds_by_type((_StridedShard(0, split_factor=2),), cache, Shard) is None
+
+
+@pytest.mark.parametrize("digests", [None, "0" * 16, ["0" * 15], ["0" * 17], [16 * "0", 7], [[16 * "0"]], [None]])
+def test_an_index_entry_with_malformed_digests_is_refused_and_named(tmp_path: Path, digests: Any) -> None:
+    """rankindex.read_index checks every entry's block digests at once (#29: 405B, 3,411 entries a
+    plan); one malformed entry among good ones is still refused, by name."""
+    import xxhash
+
+    from slurmresume.checkpoint.layout import index_name, shard_name
+    from slurmresume.checkpoint.rankindex import index_bytes, read_index
+
+    good = {"dtype": "F32", "shape": [3], "xxh3": ["0123456789abcdef"]}
+    tensors = {"a": good, "b": {**good, "xxh3": digests}, "c": good}
+    if digests is None:
+        del tensors["b"]["xxh3"]
+    raw = index_bytes(1, shard_name(1, 4), tensors)
+    (tmp_path / index_name(1)).write_bytes(raw)
+    shard = {"rank": 1, "file": shard_name(1, 4), "index": index_name(1), "index_bytes": len(raw),
+             "index_xxh3": xxhash.xxh3_64_hexdigest(raw)}
+    with pytest.raises(CorruptCheckpointError, match="tensor 'b' has a malformed entry"):
+        read_index(tmp_path, shard)
+    del tensors["b"]
+    raw = index_bytes(1, shard_name(1, 4), tensors)
+    (tmp_path / index_name(1)).write_bytes(raw)
+    assert read_index(tmp_path, {**shard, "index_bytes": len(raw), "index_xxh3": xxhash.xxh3_64_hexdigest(raw)}) == tensors

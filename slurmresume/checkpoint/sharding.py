@@ -56,7 +56,10 @@ class Piece:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
+# A restore plan makes one per DTensor (405B: 3,411 a rank): slots, and not frozen, whose __init__
+# sets each field through object.__setattr__ (0.64 against 0.17 us: 1.6 ms of a plan); never
+# changed after it is made, and hashed by its fields as a frozen one would be.
+@dataclass(slots=True, unsafe_hash=True)
 class Sharded:
     """Every saved piece of one DTensor, from the manifest (format 1) or the ranks' index files;
     or (format 2, `layout` = (mesh shape, placements)) none listed: `pieces_in` computes those
