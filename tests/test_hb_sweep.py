@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from slurmresume.job import hangwatch
-from slurmresume.job.hbsweep import PREFIX, owner_tag, pid_namespace, stale, start_ticks, sweep
+from slurmresume.job.hbsweep import PREFIX, namespace_and_boot, owner_tag, stale, start_ticks, sweep
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/ns/pid"), reason="needs Linux /proc")
 
@@ -66,7 +66,7 @@ def test_the_name_carries_this_process_as_owner(tmp_path: Path) -> None:
     d = hangwatch.heartbeat_dir("tagged", 1)
     try:
         assert d is not None and f"-{owner_tag()}-" in d.name
-        assert not stale(d.name, pid_namespace(), start_ticks)
+        assert not stale(d.name, namespace_and_boot(), start_ticks)
     finally:
         if d is not None:
             shutil.rmtree(d, ignore_errors=True)
@@ -92,7 +92,7 @@ def test_sweep_leaves_links_and_other_users_alone(tmp_path: Path) -> None:
     start = start_ticks(gone.pid)
     gone.wait(timeout=30)
     time.sleep(0.05)
-    ns, boot = pid_namespace()
+    ns, boot = namespace_and_boot()
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "keep").write_text("x")

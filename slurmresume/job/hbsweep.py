@@ -30,12 +30,12 @@ PREFIX = "slurmresume-hb-"
 _TAG = re.compile(r"-o(\d+)\.(\d+)\.(\d+)\.([0-9a-f]{12})-[^-]*\Z")  # -o<pid>.<start>.<pid ns>.<boot>-<random>
 
 
-def owner_tag(pid: int | None = None) -> str | None:
-    """"o<pid>.<start time in clock ticks>.<pid namespace inode>.<boot>" of `pid` (default this
-    process), None where /proc cannot say (then the directory is made untagged and never swept)."""
-    pid = os.getpid() if pid is None else pid
-    start, ns = start_ticks(pid), pid_namespace()
-    return None if start is None or ns is None else f"o{pid}.{start}.{ns[0]}.{ns[1]}"
+def owner_tag() -> str | None:
+    """"o<pid>.<start time in clock ticks>.<pid namespace inode>.<boot>" of this process, None
+    where /proc cannot say (then the directory is made untagged and never swept)."""
+    pid = os.getpid()
+    start, where = start_ticks(pid), namespace_and_boot()
+    return None if start is None or where is None else f"o{pid}.{start}.{where[0]}.{where[1]}"
 
 
 def start_ticks(pid: int) -> int | None:
@@ -53,7 +53,7 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
-def pid_namespace() -> tuple[int, str] | None:
+def namespace_and_boot() -> tuple[int, str] | None:
     """(this process's pid namespace inode, the first 12 hex digits of this boot's id): the init
     namespace has the same inode on every host, the boot id tells hosts (and boots) apart."""
     try:
@@ -64,16 +64,16 @@ def pid_namespace() -> tuple[int, str] | None:
         return None
 
 
-def stale(name: str, my_namespace: tuple[int, str] | None, start_of: Callable[[int], int | None]) -> bool:
-    """Pure: whether directory `name` belongs to a launcher that is gone. `start_of(pid)`: that
-    pid's current start time, None when no process has it."""
-    if not name.startswith(PREFIX) or my_namespace is None:
+def stale(name: str, here: tuple[int, str] | None, start_of: Callable[[int], int | None]) -> bool:
+    """Pure: whether directory `name` belongs to a launcher that is gone. `here`: this process's
+    `namespace_and_boot`; `start_of(pid)`: that pid's current start time, None when no process has it."""
+    if not name.startswith(PREFIX) or here is None:
         return False
     tag = _TAG.search(name)
     if tag is None:
         return False
     pid, start, namespace, boot = int(tag[1]), int(tag[2]), int(tag[3]), tag[4]
-    if (namespace, boot) != my_namespace:
+    if (namespace, boot) != here:
         return False
     return start_of(pid) != start
 
@@ -81,8 +81,8 @@ def stale(name: str, my_namespace: tuple[int, str] | None, start_of: Callable[[i
 def sweep(base: Path) -> list[str]:
     """Remove the heartbeat directories in `base` whose owner is gone; returns their names.
     Never raises: a directory that cannot be listed or removed is left as it is."""
-    namespace = pid_namespace()
-    if namespace is None:
+    here = namespace_and_boot()
+    if here is None:
         return []
     try:
         names = [n for n in os.listdir(base) if n.startswith(PREFIX)]
@@ -91,7 +91,7 @@ def sweep(base: Path) -> list[str]:
     removed = []
     uid = os.getuid()
     for name in names:
-        if not stale(name, namespace, start_ticks):
+        if not stale(name, here, start_ticks):
             continue
         path = Path(base) / name
         try:
