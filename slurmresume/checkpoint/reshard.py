@@ -10,8 +10,8 @@ decides the box this rank now owns (`Target`), `sharding.cover` finds the saved 
 intersect it, and `read_box` preads only their intersecting runs from the old shards (one run
 per piece for dim-0 sharding) into fresh memory; the caller copies into the live tensors once
 every rank has verified its part. Verified reads widen to the piece's fine stripes (its
-shard header's `shard.FINE_KEY` digests) or, without them, to the manifest's VERIFY_BLOCK
-blocks of whole rows (`_read_verified`, `_read_striped`). Data bytes read, and the bytes of the boxes they were read
+shard header's `shard.FINE_KEY` digests) or, without them, to the VERIFY_BLOCK
+blocks of whole rows (the header's `shard.BLOCKS_KEY` digests, else the rank's index file's) (`_read_verified`, `_read_striped`). Data bytes read, and the bytes of the boxes they were read
 for (`needed`), are counted in `STATS` (the restore's `restored` event, the benchmark and tests
 read it).
 """
@@ -33,7 +33,7 @@ from .jsonenc import loads
 from .placement import local_box
 from .shard import FINE_KEY, ITEMSIZE, TORCH_DTYPES, VERIFY_BLOCK
 from .sharding import Sharded, check_placements, cover, runs
-from .shardread import Expected, byte_view, check_blocks, open_read, pread_exact
+from .shardread import Expected, byte_view, check_blocks, digests_of, open_read, pread_exact
 
 STATS = {"bytes": 0, "reads": 0, "needed": 0}
 SMALL_RUN = 1024  # runs shorter than this (bytes) are read as whole rows when that wastes little
@@ -356,12 +356,14 @@ class ShardFiles:
         fine = self.fine.get(rank, {}).get(name)
         if fine is not None:
             return fine
-        return exp.of(name, self.directory / self.shards[rank]["file"]), 0, 0
+        return self.manifest_digests(rank, name), 0, 0
 
     def manifest_digests(self, rank: int, name: str) -> list[str]:
+        """Tensor `name`'s VERIFY_BLOCK digests in shard `rank`: its verified header's when it
+        carries them, else its index's (opened when first asked)."""
         exp = self.expected[rank]
         assert exp is not None  # only asked while verifying
-        return exp.of(name, self.directory / self.shards[rank]["file"])
+        return digests_of(exp, self.open[rank][1], name, self.directory / self.shards[rank]["file"])
 
     def piece(self, rank: int, tensor: Sharded, shape: tuple[Any, ...]) -> tuple[int, int, Path]:
         """(fd, file offset of the piece's data, path), after checking its header entry."""
