@@ -253,10 +253,7 @@ def zero_digests(tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> tu
     """What shard.plan_shard puts in a header (its fine digests, `fine_digests`, and its block
     digests, `whole_digests`) for these tensors, whose bytes are zeros unless they own their
     memory (`_owns_memory`: hashed as they are): the real writer's choices, computed from shapes."""
-    try:
-        specs = (json.loads(metadata.get(shard_mod.SKELETON_KEY, "")) or {}).get("dtensors") or {}
-    except ValueError:
-        specs = {}
+    specs = shard_mod.dtensor_specs(metadata.get(shard_mod.SKELETON_KEY, ""))
     fine: dict[str, Any] = {}
     for name, t in tensors:
         dim = shard_mod.sharded_dim(specs, name)
@@ -273,12 +270,12 @@ def zero_digests(tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> tu
     blocks: dict[str, str] = {}
     used = 0
     for name, t in tensors:
-        n = _nbytes(t)
-        if name in fine or used + n > shard_mod.BLOCKS_MAX:
+        n, piece = _nbytes(t), shard_mod.sharded_dim(specs, name) is not None
+        if name in fine or (not piece and used + n > shard_mod.BLOCKS_MAX):
             continue
         raw = bytes(shardread.byte_view(t.detach().contiguous())) if _owns_memory(t) else None
         blocks[name] = "".join(shard_mod.block_digests(memoryview(raw)) if raw is not None else zero_blocks(n))
-        used += n
+        used += 0 if piece else n
     return fine, blocks
 
 

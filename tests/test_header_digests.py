@@ -91,3 +91,40 @@ def test_a_tensor_changed_after_its_digests_fails_the_save(tmp_path: Path, monke
         ck.save(1, tiny_state(1))
     ck.close()
     assert not list(tmp_path.glob("step_*/COMMITTED")) and not list(tmp_path.glob("step_*"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_resharding_restore_opens_no_index_file(tmp_path: Path, world: int) -> None:
+    """3 gloo ranks save one-row pieces (no fine digests: the header's block digests), multi-row
+    and Shard(1) pieces and plain tensors; 2 and 4 ranks restore them exactly, each opening only
+    shard files (its own, and those its box spans) and the manifest: no index file. The old code
+    opened the index of every shard it read."""
+    for nproc, mode in ((3, "save"), (world, "restore")):
+        _run(nproc, mode, tmp_path)
+    for rank in range(world):
+        got = json.loads((tmp_path / f"restore-{world}-{rank}.json").read_text())
+        assert got["step"] == 1 and got["exact"], got
+        assert got["opens"] and not [f for f in got["opens"] if f.endswith(".index.json")], (rank, got["opens"])
+
+
+def _run(nproc: int, mode: str, tmp_path: Path) -> None:
+    from helpers.procs import HELPERS, run_ranks
+
+    res = run_ranks(nproc, HELPERS / "reshard_opens.py", mode, tmp_path, tmp_path / "ck", preload=("torch._dynamo",))
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
+def test_a_flipped_byte_of_a_whole_shard1_piece_is_caught_by_its_stripes(tmp_path: Path) -> None:
+    """Restoring 3 -> 2 ranks reads rank 0's whole Shard(1) piece of "col": checked by its fine
+    stripes (the only digests outside the index); a flipped byte there fails the restore."""
+    _run(3, "save", tmp_path)
+    d = step_dir(tmp_path / "ck", 1)
+    f = "rank-00000-of-00003.safetensors"
+    header, start = read_header(d, f, (d / f).stat().st_size)
+    raw = bytearray((d / f).read_bytes())
+    raw[start + header["col"]["data_offsets"][0] + 5] ^= 0x01
+    (d / f).write_bytes(bytes(raw))
+    _run(2, "restore", tmp_path)
+    for rank in range(2):
+        got = json.loads((tmp_path / f"restore-2-{rank}.json").read_text())
+        assert "fails its checksum" in got.get("error", ""), got

@@ -42,7 +42,7 @@ FINE_KEY = "slurmresume.fine_blocks"
 # the header too: a restore then reads a shard's digests from the header it already reads, and opens
 # no index file (`whole_digests`; the index keeps them for verify, inspect and older readers).
 BLOCKS_KEY = "slurmresume.blocks"
-BLOCKS_MAX = 64 << 20  # tensor bytes per shard hashed before the header for it; beyond, the index alone
+BLOCKS_MAX = 16 << 20  # plain tensor bytes per shard hashed before the header for it; beyond, the index alone
 FINE_PER_PIECE = 64  # a piece is cut into about this many row-aligned blocks (at most VERIFY_BLOCK each)
 # Stripes across the rows (a Shard(1) piece) are hashed from strided copies into one reused buffer,
 # slower than runs of rows (0.2-1 vs 4+ GiB/s on the loaded 2-core VM): every size gets them, since
@@ -174,18 +174,25 @@ def sharded_dim(specs: Any, name: str) -> int | None:
     return dims[0] if dims else None
 
 
-def fine_digests(tensors: list[tuple[str, Any]], skeleton: str,
+def dtensor_specs(skeleton: str) -> dict[str, Any]:
+    """The skeleton's "dtensors" specs (JSON text; {} when it has none or is not ours)."""
+    try:
+        specs = (json.loads(skeleton) or {}).get("dtensors") or {}
+    except (ValueError, AttributeError, TypeError):
+        return {}
+    return specs if isinstance(specs, dict) else {}
+
+
+def fine_digests(tensors: list[tuple[str, Any]], skeleton: str | dict[str, Any],
                  keep: int = HOST_COPY_KEEP) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Any]]]:
     """({name: {"dim", "width", "xxh3": [...]}}, tensors to stream) for the DTensor pieces (named
     in the skeleton's "dtensors", cut along their first sharded dimension): a rank resharding
     reads a range of such a piece and needs digests that end near it. Hashing happens here,
     before the header is written, in one extra pass over these pieces' memory. A piece on a
     device is copied to the host first and hashed there; the copy replaces it in the returned
-    list (streamed without a second copy) while the copies kept stay within `keep` bytes."""
-    try:
-        specs = (json.loads(skeleton) or {}).get("dtensors") or {}
-    except (ValueError, AttributeError, TypeError):
-        return {}, tensors
+    list (streamed without a second copy) while the copies kept stay within `keep` bytes.
+    `skeleton`: its JSON text, or its specs already parsed (`dtensor_specs`)."""
+    specs = dtensor_specs(skeleton) if isinstance(skeleton, str) else skeleton
     out: dict[str, dict[str, Any]] = {}
     stream, kept = list(tensors), 0
     for i, (name, t) in enumerate(tensors):
@@ -199,22 +206,24 @@ def fine_digests(tensors: list[tuple[str, Any]], skeleton: str,
     return out, stream
 
 
-def whole_digests(tensors: list[tuple[str, Any]], fine: dict[str, Any],
+def whole_digests(tensors: list[tuple[str, Any]], fine: dict[str, Any], pieces: frozenset[str] = frozenset(),
                   budget: int | None = None) -> tuple[dict[str, str], list[tuple[str, Any]]]:
     """({name: its VERIFY_BLOCK digests concatenated}, tensors to stream) for the tensors without
-    fine digests, in order while their bytes stay within `budget` (a DDP shard of large plain
-    tensors keeps the rest in its index: hashing them before the first byte is written would
-    delay the write). The same digests the streaming computes for the index (`_feed` checks that
-    they agree). A tensor on a device is copied to the host first and the copy is streamed."""
+    fine digests: every DTensor piece among them (`pieces`: a one-row piece, hashed before the
+    header like the pieces that have fine digests), and the plain tensors in order while their
+    bytes stay within `budget` (a DDP shard of large plain tensors keeps the rest in its index
+    alone: hashing them before the first byte is written would delay the write). The same digests
+    the streaming computes for the index (`_agree` checks that they are). A tensor on a device is
+    copied to the host first and the copy is streamed."""
     out: dict[str, str] = {}
     stream, used, budget = list(tensors), 0, BLOCKS_MAX if budget is None else budget
     for i, (name, t) in enumerate(tensors):
         n = t.numel() * t.element_size()
-        if name in fine or used + n > budget:
+        if name in fine or (name not in pieces and used + n > budget):
             continue
         host = to_host(t) if on_device(t) else t.detach().contiguous()
         out[name] = "".join(block_digests(tensor_bytes(host)))
-        used += n
+        used += 0 if name in pieces else n
         if host is not t:
             stream[i] = (name, host)
     return out, stream
@@ -250,8 +259,10 @@ def header_with_digests(tensors: list[tuple[str, Any]], metadata: dict[str, str]
 
 def plan_shard(final: Path, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> ShardPlan:
     tensors = order_for_alignment(tensors)
-    fine, stream = fine_digests(tensors, metadata.get(SKELETON_KEY, ""))
-    blocks, stream = whole_digests(stream, fine)
+    specs = dtensor_specs(metadata.get(SKELETON_KEY, ""))
+    fine, stream = fine_digests(tensors, specs)
+    pieces = frozenset(name for name, _ in tensors if sharded_dim(specs, name) is not None)
+    blocks, stream = whole_digests(stream, fine, pieces)
     hosted = {id(b) for (_, a), (_, b) in zip(tensors, stream) if a is not b}  # copied already: stream as is
     tensors = stream
     header, index, blocks = header_with_digests(tensors, metadata, fine, blocks)
