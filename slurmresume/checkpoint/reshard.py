@@ -33,7 +33,7 @@ from .jsonenc import loads
 from .placement import local_box
 from .shard import BLOCKS_KEY, FINE_KEY, ITEMSIZE, TORCH_DTYPES, VERIFY_BLOCK
 from .sharding import Sharded, check_placements, cover, runs
-from .shardread import Expected, byte_view, check_blocks, digests_of, open_read, pread_exact
+from .shardread import Expected, Header, byte_view, check_blocks, digests_of, open_read, pread_exact
 
 STATS = {"bytes": 0, "reads": 0, "needed": 0}
 SMALL_RUN = 1024  # runs shorter than this (bytes) are read as whole rows when that wastes little
@@ -371,7 +371,8 @@ class ShardFiles:
         striped across its rows is read by them too (no index file opened)."""
         header = self.open[rank][1]
         meta = header.get("__metadata__")
-        return isinstance(meta, dict) and BLOCKS_KEY in meta and name not in header.blocks(self.directory)
+        return (isinstance(meta, dict) and BLOCKS_KEY in meta and isinstance(header, Header)
+                and name not in header.blocks(self.directory))
 
     def piece(self, rank: int, tensor: Sharded, shape: tuple[Any, ...]) -> tuple[int, int, Path]:
         """(fd, file offset of the piece's data, path), after checking its header entry."""
@@ -508,7 +509,8 @@ def _read_striped(fd: int, start: int, path: Path, name: str, check: tuple[list[
             raise CorruptCheckpointError(f"shard {path}: tensor {name!r} has {len(digests)} stripe digests")
         whole = torch.empty(tuple(shape), dtype=dst.dtype)
         _pread(fd, byte_view(whole), start, path)
-        for k, (digest, part) in enumerate(zip(digests, whole.split(width, dim))):
+        for k, digest in enumerate(digests):
+            part = whole.narrow(dim, k * width, min(width, shape[dim] - k * width))
             if xxhash.xxh3_64_hexdigest(byte_view(part.contiguous())) != digest:
                 raise CorruptCheckpointError(f"shard {path}: tensor {name!r} fails its checksum in stripe {k} "
                                              f"(indices {k * width}.. of dimension {dim}; flipped bits?)")
