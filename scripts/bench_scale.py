@@ -249,6 +249,36 @@ def _owns_memory(t: Any) -> bool:
     return t.device.type == "cpu" and 0 not in t.stride() and _nbytes(t) <= 1 << 20
 
 
+def zero_digests(tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """What shard.plan_shard puts in a header (its fine digests, `fine_digests`, and its block
+    digests, `whole_digests`) for these tensors, whose bytes are zeros unless they own their
+    memory (`_owns_memory`: hashed as they are): the real writer's choices, computed from shapes."""
+    specs = shard_mod.dtensor_specs(metadata.get(shard_mod.SKELETON_KEY, ""))
+    fine: dict[str, Any] = {}
+    for name, t in tensors:
+        dim = shard_mod.sharded_dim(specs, name)
+        width = shard_mod.fine_width(list(t.shape), t.element_size(), dim) if dim is not None else 0
+        if not width:
+            continue
+        if _owns_memory(t):
+            digests = shard_mod.stripe_digests(t.detach(), dim, width)
+        else:
+            unit = _nbytes(t) // t.shape[dim]
+            full, rest = divmod(t.shape[dim], width)
+            digests = [zero_digest(width * unit)] * full + ([zero_digest(rest * unit)] if rest else [])
+        fine[name] = {"dim": dim, "width": width, "xxh3": digests}
+    blocks: dict[str, str] = {}
+    used = 0
+    for name, t in tensors:
+        n, piece = _nbytes(t), shard_mod.sharded_dim(specs, name) is not None
+        if name in fine or (not piece and used + n > shard_mod.BLOCKS_MAX):
+            continue
+        raw = bytes(shardread.byte_view(t.detach().contiguous())) if _owns_memory(t) else None
+        blocks[name] = "".join(shard_mod.block_digests(memoryview(raw)) if raw is not None else zero_blocks(n))
+        used += 0 if piece else n
+    return fine, blocks
+
+
 class SparseShards:
     """Stands in for checkpoint.shard.write_shard (the module attribute commit.write_rank calls):
     the same header (real for every file, so any rank's restore can read its own), the file
@@ -261,7 +291,8 @@ class SparseShards:
     def __call__(self, directory: Path, file: str, tensors: list[tuple[str, Any]],
                  metadata: dict[str, str], beside: Any = None) -> Any:
         tensors = shard_mod.order_for_alignment(tensors)
-        header, index = shard_mod.build_header(tensors, metadata)
+        fine, blocks = zero_digests(tensors, metadata)
+        header, index, _ = shard_mod.header_with_digests(tensors, metadata, fine, blocks)
         data, real = 0, []
         for name, t in tensors:
             n = _nbytes(t)

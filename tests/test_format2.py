@@ -43,8 +43,20 @@ def test_a_flipped_index_byte_fails_verify_and_restore_falls_back(tmp_path: Path
     assert not info.complete and "tensor index" in (info.problem or "") and "fails its checksum" in info.problem
     res = CliRunner().invoke(app, ["verify", "--ckpt-dir", str(tmp_path), "--all"], terminal_width=200)
     assert res.exit_code != 0
+    _restores_without_the_index(tmp_path)
+
+
+def _restores_without_the_index(root: Path) -> None:
+    """Step 2's index is damaged or gone, its shard intact: a restore, which reads every digest it
+    checks from the shard header (verified against the manifest) and opens no index, loads step 2
+    exactly; a verifying restore (rank 0 checks every file first) falls back to step 1. The old
+    code fell back to step 1 either way."""
     state = tiny_state(987654)
-    with Checkpointer(tmp_path, handle_signals=False) as ck:
+    with Checkpointer(root, handle_signals=False) as ck:
+        assert ck.restore(state) == 2
+    assert model_equal(state["model"], tiny_model(2))
+    state = tiny_state(987654)
+    with Checkpointer(root, handle_signals=False, verify_on_restore=True) as ck:
         assert ck.restore(state) == 1
     assert model_equal(state["model"], tiny_model(1))
 
@@ -54,9 +66,7 @@ def test_a_missing_index_makes_the_step_incomplete(tmp_path: Path) -> None:
     (step_dir(tmp_path, 2) / INDEX).unlink()
     info = inspect_dir(2, step_dir(tmp_path, 2))
     assert not info.complete and info.has_marker and not info.unreadable and INDEX in (info.problem or "")
-    state = tiny_state(987654)
-    with Checkpointer(tmp_path, handle_signals=False) as ck:
-        assert ck.restore(state) == 1
+    _restores_without_the_index(tmp_path)
 
 
 def test_an_index_of_another_rank_is_refused(tmp_path: Path) -> None:
@@ -97,15 +107,17 @@ def test_the_save_gathers_fixed_records_and_never_all_gathers(collectives: list[
 
 
 def test_a_same_world_restore_opens_only_its_own_files_and_rank_0s(collectives: list[dict]) -> None:
-    """Placement-aware restore: rank r reads its own shard and index (and rank 0's, where the
-    replicated tensors are stored); only rank 0 checks every file's size. The old code had every
-    rank open every shard after the restore (inspect_dir), and rank 0 read every index."""
-    own = {1: {"rank-00001-of-00003.safetensors", "rank-00001.index.json"},
-           2: {"rank-00002-of-00003.safetensors", "rank-00002.index.json"}}
-    first = {"rank-00000-of-00003.safetensors", "rank-00000.index.json", "manifest.json", "COMMITTED"}
+    """Placement-aware restore: rank r reads its own shard (and rank 0's, where the replicated
+    tensors are stored), and no index file: every digest it checks is in the shard headers it
+    reads (shard.BLOCKS_KEY, FINE_KEY); only rank 0 checks every file's size. The old code had
+    every rank open every shard after the restore (inspect_dir), and rank 0 read every index;
+    then each rank opened its own index and rank 0's."""
+    own = {1: {"rank-00001-of-00003.safetensors"}, 2: {"rank-00002-of-00003.safetensors"}}
+    first = {"rank-00000-of-00003.safetensors", "manifest.json", "COMMITTED"}
     for rank in (1, 2):
         opened = set(collectives[rank]["opens"])
         assert own[rank] <= opened and opened <= own[rank] | first, (rank, sorted(opened))
+    assert not [f for r in collectives for f in r["opens"] if f.endswith(".index.json")], collectives[0]["opens"]
 
 
 def test_every_rank_parses_the_manifest_once_per_restore(collectives: list[dict]) -> None:

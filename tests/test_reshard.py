@@ -171,9 +171,25 @@ def test_hostile_manifest_offsets_refused_before_reading(saved: tuple[Path, Path
     shutil.copytree(saved[1], root)
     _edit(root, "extra/ones", {rank: changes})
     reshard.STATS.update(bytes=0, reads=0)
-    with pytest.raises(CorruptCheckpointError, match=message):
-        slurmresume.Checkpointer(root, handle_signals=False).restore({"extra": None}, step=3, strict=False)
+    with pytest.raises(CorruptCheckpointError, match=message):  # verifying: rank 0 checks every index first
+        slurmresume.Checkpointer(root, handle_signals=False, verify_on_restore=True).restore(
+            {"extra": None}, step=3, strict=False)
     assert reshard.STATS["bytes"] == 0
+    _index_not_needed(saved, root)
+
+
+def _index_not_needed(saved: tuple[Path, Path], root: Path) -> None:
+    """A restore by default opens no index file: the pieces' boxes come from the manifest's
+    placements and every digest it checks from the shard headers (verified against the
+    manifest), so a hostile index leaves it untouched (the restore is exact); `verify` and a
+    verifying restore refuse the step."""
+    state: dict = {"extra": None}
+    assert slurmresume.Checkpointer(root, handle_signals=False).restore(state, step=3, strict=False,
+                                                                         restore_rng=False) == 3
+    full = load_file(str(saved[0] / "full.safetensors"))
+    assert torch.equal(state["extra"]["ones"], full["extra/ones"])
+    res = CliRunner().invoke(app, ["verify", "--ckpt-dir", str(root), "--all"], terminal_width=200)
+    assert res.exit_code != 0, res.output
 
 
 @pytest.mark.parametrize("edits,message", [  # format 2: each index is checked against the manifest's placements
@@ -187,7 +203,9 @@ def test_inconsistent_pieces_refused_at_read(saved: tuple[Path, Path], tmp_path:
     shutil.copytree(saved[1], root)
     _edit(root, "extra/ones", edits)
     with pytest.raises(CorruptCheckpointError, match=message):
-        slurmresume.Checkpointer(root, handle_signals=False).restore({"extra": None}, step=3, strict=False)
+        slurmresume.Checkpointer(root, handle_signals=False, verify_on_restore=True).restore(
+            {"extra": None}, step=3, strict=False)
+    _index_not_needed(saved, root)
 
 
 @settings(max_examples=200, deadline=None)

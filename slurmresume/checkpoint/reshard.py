@@ -10,8 +10,8 @@ decides the box this rank now owns (`Target`), `sharding.cover` finds the saved 
 intersect it, and `read_box` preads only their intersecting runs from the old shards (one run
 per piece for dim-0 sharding) into fresh memory; the caller copies into the live tensors once
 every rank has verified its part. Verified reads widen to the piece's fine stripes (its
-shard header's `shard.FINE_KEY` digests) or, without them, to the manifest's VERIFY_BLOCK
-blocks of whole rows (`_read_verified`, `_read_striped`). Data bytes read, and the bytes of the boxes they were read
+shard header's `shard.FINE_KEY` digests) or, without them, to the VERIFY_BLOCK
+blocks of whole rows (the header's `shard.BLOCKS_KEY` digests, else the rank's index file's) (`_read_verified`, `_read_striped`). Data bytes read, and the bytes of the boxes they were read
 for (`needed`), are counted in `STATS` (the restore's `restored` event, the benchmark and tests
 read it).
 """
@@ -31,9 +31,9 @@ import xxhash
 from ..errors import ConfigError, CorruptCheckpointError
 from .jsonenc import loads
 from .placement import local_box
-from .shard import FINE_KEY, ITEMSIZE, TORCH_DTYPES, VERIFY_BLOCK
+from .shard import BLOCKS_KEY, FINE_KEY, ITEMSIZE, TORCH_DTYPES, VERIFY_BLOCK
 from .sharding import Sharded, check_placements, cover, runs
-from .shardread import Expected, byte_view, check_blocks, open_read, pread_exact
+from .shardread import Expected, Header, byte_view, check_blocks, digests_of, open_read, pread_exact
 
 STATS = {"bytes": 0, "reads": 0, "needed": 0}
 SMALL_RUN = 1024  # runs shorter than this (bytes) are read as whole rows when that wastes little
@@ -356,12 +356,23 @@ class ShardFiles:
         fine = self.fine.get(rank, {}).get(name)
         if fine is not None:
             return fine
-        return exp.of(name, self.directory / self.shards[rank]["file"]), 0, 0
+        return self.manifest_digests(rank, name), 0, 0
 
     def manifest_digests(self, rank: int, name: str) -> list[str]:
+        """Tensor `name`'s VERIFY_BLOCK digests in shard `rank`: its verified header's when it
+        carries them, else its index's (opened when first asked)."""
         exp = self.expected[rank]
         assert exp is not None  # only asked while verifying
-        return exp.of(name, self.directory / self.shards[rank]["file"])
+        return digests_of(exp, self.open[rank][1], name, self.directory / self.shards[rank]["file"])
+
+    def stripes_only(self, rank: int, name: str) -> bool:
+        """Whether shard `rank`'s header carries block digests (shard.BLOCKS_KEY) but not for
+        `name`: its fine stripes are then its only digests outside the index, and a whole piece
+        striped across its rows is read by them too (no index file opened)."""
+        header = self.open[rank][1]
+        meta = header.get("__metadata__")
+        return (isinstance(meta, dict) and BLOCKS_KEY in meta and isinstance(header, Header)
+                and name not in header.blocks(self.directory))
 
     def piece(self, rank: int, tensor: Sharded, shape: tuple[Any, ...]) -> tuple[int, int, Path]:
         """(fd, file offset of the piece's data, path), after checking its header entry."""
@@ -426,7 +437,8 @@ def read_box(files: ShardFiles, tensor: Sharded, offset: tuple[Any, ...], shape:
         dst = dest[tuple(slice(a - r, a - r + n) for a, r, n in zip(lo, offset, box))]
         row = math.prod(piece.shape[1:])
         check = files.digests(piece.rank, tensor.name)
-        if check is not None and check[1] > 0 and box[check[1]] < piece.shape[check[1]]:
+        if check is not None and check[1] > 0 and (box[check[1]] < piece.shape[check[1]]
+                                                   or files.stripes_only(piece.rank, tensor.name)):
             _read_striped(fd, start, path, tensor.name, check, piece.shape, rel, box, dst, size)  # across rows
             continue
         if check is not None:  # byte blocks: fine runs of rows, else the manifest's VERIFY_BLOCK
@@ -492,6 +504,18 @@ def _read_striped(fd: int, start: int, path: Path, name: str, check: tuple[list[
     import torch
 
     digests, dim, width = check
+    if tuple(box) == tuple(shape):  # the whole piece: one read, each stripe hashed from a copy of it
+        if len(digests) != -(-shape[dim] // width):
+            raise CorruptCheckpointError(f"shard {path}: tensor {name!r} has {len(digests)} stripe digests")
+        whole = torch.empty(tuple(shape), dtype=dst.dtype)
+        _pread(fd, byte_view(whole), start, path)
+        for k, digest in enumerate(digests):
+            part = whole.narrow(dim, k * width, min(width, shape[dim] - k * width))
+            if xxhash.xxh3_64_hexdigest(byte_view(part.contiguous())) != digest:
+                raise CorruptCheckpointError(f"shard {path}: tensor {name!r} fails its checksum in stripe {k} "
+                                             f"(indices {k * width}.. of dimension {dim}; flipped bits?)")
+        dst.copy_(whole)
+        return
     lo, hi = rel[dim], rel[dim] + box[dim]
     for k in range(lo // width, -(-hi // width)):
         c0, c1 = k * width, min((k + 1) * width, shape[dim])

@@ -21,7 +21,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,11 @@ SKELETON_KEY = "slurmresume.skeleton"
 # Finer digests of the DTensor pieces, for byte-range reads when resharding (`fine_digests`): in the
 # header, which the manifest's header digest covers, so the manifest does not grow with them.
 FINE_KEY = "slurmresume.fine_blocks"
+# The VERIFY_BLOCK digests of every tensor without fine digests (plain tensors, one-row pieces), in
+# the header too: a restore then reads a shard's digests from the header it already reads, and opens
+# no index file (`whole_digests`; the index keeps them for verify, inspect and older readers).
+BLOCKS_KEY = "slurmresume.blocks"
+BLOCKS_MAX = 16 << 20  # plain tensor bytes per shard hashed before the header for it; beyond, the index alone
 FINE_PER_PIECE = 64  # a piece is cut into about this many row-aligned blocks (at most VERIFY_BLOCK each)
 # Stripes across the rows (a Shard(1) piece) are hashed from strided copies into one reused buffer,
 # slower than runs of rows (0.2-1 vs 4+ GiB/s on the loaded 2-core VM): every size gets them, since
@@ -169,18 +174,25 @@ def sharded_dim(specs: Any, name: str) -> int | None:
     return dims[0] if dims else None
 
 
-def fine_digests(tensors: list[tuple[str, Any]], skeleton: str,
+def dtensor_specs(skeleton: str) -> dict[str, Any]:
+    """The skeleton's "dtensors" specs (JSON text; {} when it has none or is not ours)."""
+    try:
+        specs = (json.loads(skeleton) or {}).get("dtensors") or {}
+    except (ValueError, AttributeError, TypeError):
+        return {}
+    return specs if isinstance(specs, dict) else {}
+
+
+def fine_digests(tensors: list[tuple[str, Any]], skeleton: str | dict[str, Any],
                  keep: int = HOST_COPY_KEEP) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Any]]]:
     """({name: {"dim", "width", "xxh3": [...]}}, tensors to stream) for the DTensor pieces (named
     in the skeleton's "dtensors", cut along their first sharded dimension): a rank resharding
     reads a range of such a piece and needs digests that end near it. Hashing happens here,
     before the header is written, in one extra pass over these pieces' memory. A piece on a
     device is copied to the host first and hashed there; the copy replaces it in the returned
-    list (streamed without a second copy) while the copies kept stay within `keep` bytes."""
-    try:
-        specs = (json.loads(skeleton) or {}).get("dtensors") or {}
-    except (ValueError, AttributeError, TypeError):
-        return {}, tensors
+    list (streamed without a second copy) while the copies kept stay within `keep` bytes.
+    `skeleton`: its JSON text, or its specs already parsed (`dtensor_specs`)."""
+    specs = dtensor_specs(skeleton) if isinstance(skeleton, str) else skeleton
     out: dict[str, dict[str, Any]] = {}
     stream, kept = list(tensors), 0
     for i, (name, t) in enumerate(tensors):
@@ -194,6 +206,29 @@ def fine_digests(tensors: list[tuple[str, Any]], skeleton: str,
     return out, stream
 
 
+def whole_digests(tensors: list[tuple[str, Any]], fine: dict[str, Any], pieces: frozenset[str] = frozenset(),
+                  budget: int | None = None) -> tuple[dict[str, str], list[tuple[str, Any]]]:
+    """({name: its VERIFY_BLOCK digests concatenated}, tensors to stream) for the tensors without
+    fine digests: every DTensor piece among them (`pieces`: a one-row piece, hashed before the
+    header like the pieces that have fine digests), and the plain tensors in order while their
+    bytes stay within `budget` (a DDP shard of large plain tensors keeps the rest in its index
+    alone: hashing them before the first byte is written would delay the write). The same digests
+    the streaming computes for the index (`_agree` checks that they are). A tensor on a device is
+    copied to the host first and the copy is streamed."""
+    out: dict[str, str] = {}
+    stream, used, budget = list(tensors), 0, BLOCKS_MAX if budget is None else budget
+    for i, (name, t) in enumerate(tensors):
+        n = t.numel() * t.element_size()
+        if name in fine or (name not in pieces and used + n > budget):
+            continue
+        host = to_host(t) if on_device(t) else t.detach().contiguous()
+        out[name] = "".join(block_digests(tensor_bytes(host)))
+        used += 0 if name in pieces else n
+        if host is not t:
+            stream[i] = (name, host)
+    return out, stream
+
+
 @dataclass
 class ShardPlan:
     """What a shard will hold, decided before a byte is written: its header and its size
@@ -204,22 +239,39 @@ class ShardPlan:
     tensors: list[tuple[str, Any]]
     hosted: set[int]
     bytes: int
+    blocks: dict[str, str] = field(default_factory=dict)  # the header's BLOCKS_KEY digests
+
+
+def header_with_digests(tensors: list[tuple[str, Any]], metadata: dict[str, str], fine: dict[str, Any],
+                        blocks: dict[str, str]) -> tuple[bytes, dict[str, Any], dict[str, str]]:
+    """`build_header` with the fine digests and the block digests in its metadata (the blocks left
+    out when the header would pass the read cap with them: the index alone carries those).
+    Returns (header, index, the blocks the header holds)."""
+    if fine:
+        metadata = {**metadata, FINE_KEY: json.dumps(fine, separators=(",", ":"))}
+    if blocks:
+        header, index = build_header(tensors, {**metadata, BLOCKS_KEY: json.dumps(blocks, separators=(",", ":"))})
+        if len(header) - 8 <= MAX_HEADER:
+            return header, index, blocks
+    header, index = build_header(tensors, metadata)
+    return header, index, {}
 
 
 def plan_shard(final: Path, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> ShardPlan:
     tensors = order_for_alignment(tensors)
-    fine, stream = fine_digests(tensors, metadata.get(SKELETON_KEY, ""))
+    specs = dtensor_specs(metadata.get(SKELETON_KEY, ""))
+    fine, stream = fine_digests(tensors, specs)
+    pieces = frozenset(name for name, _ in tensors if sharded_dim(specs, name) is not None)
+    blocks, stream = whole_digests(stream, fine, pieces)
     hosted = {id(b) for (_, a), (_, b) in zip(tensors, stream) if a is not b}  # copied already: stream as is
     tensors = stream
-    if fine:
-        metadata = {**metadata, FINE_KEY: json.dumps(fine, separators=(",", ":"))}
-    header, index = build_header(tensors, metadata)
+    header, index, blocks = header_with_digests(tensors, metadata, fine, blocks)
     if len(header) - 8 > MAX_HEADER:  # the reader refuses it: never write (and commit) what cannot load
         raise SaveError(f"the safetensors header of {final} would be {len(header) - 8} bytes ({len(tensors)} "
                         f"tensors), over the {MAX_HEADER}-byte header read cap of this version; save fewer, "
                         "larger tensors or less non-tensor state per rank")
     needed = len(header) + sum(t.numel() * t.element_size() for _, t in tensors)
-    return ShardPlan(header, index, tensors, hosted, needed)
+    return ShardPlan(header, index, tensors, hosted, needed, blocks)
 
 
 def stream_shard(sink: Any, plan: ShardPlan, label: Path) -> str:
@@ -227,6 +279,7 @@ def stream_shard(sink: Any, plan: ShardPlan, label: Path) -> str:
     leaves that to a node file's owner). Returns the xxh3 of the bytes; fills the block digests."""
     _feed(sink, plan, label)
     digest: str = sink.finish()
+    _agree(plan, label)
     return digest
 
 
@@ -236,6 +289,15 @@ def _feed(sink: Any, plan: ShardPlan, label: Path) -> None:
     for name, t in plan.tensors:  # each block is queued (or staged), the hasher digests it meanwhile
         data = tensor_bytes(t if id(t) in plan.hosted else _contiguous_cpu(t))
         plan.index[name]["xxh3"] = sink.feed_blocks(data, VERIFY_BLOCK)
+
+
+def _agree(plan: ShardPlan, label: Path) -> None:
+    """Once the hasher has drained: the digests hashed before the header (BLOCKS_KEY) are those of
+    the bytes written. Never commit a header that lies (a tensor changed during the save)."""
+    for name, digests in plan.blocks.items():
+        if "".join(plan.index[name]["xxh3"]) != digests:
+            raise SaveError(f"tensor {name!r} changed while {label} was being written (its bytes no longer "
+                            "match the digests in the shard's header); nothing of this save is committed")
 
 
 def written(file: str, plan: ShardPlan, sink: Any, digest: str) -> WrittenShard:
@@ -263,6 +325,7 @@ def write_shard(directory: Path, file: str, tensors: list[tuple[str, Any]], meta
     try:
         _feed(sink, plan, tmp)
         digest = sink.drain()
+        _agree(plan, tmp)
         fsio.fault_point("fsync.shard", tmp)  # crossed here, on the caller's thread: labels keep their order
         _overlapped(lambda: sink.sync(crossed=True), lambda: beside(plan.index) if beside else None)
         sink.report()  # here: the caller's thread knows whether this save is an emergency

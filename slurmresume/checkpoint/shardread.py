@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,9 +29,10 @@ from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 from . import fsio
 from .bounded import open_regular
 from .jsonenc import loads
-from .shard import ITEMSIZE, MAX_HEADER, TORCH_DTYPES, VERIFY_BLOCK
+from .shard import BLOCKS_KEY, ITEMSIZE, MAX_HEADER, TORCH_DTYPES, VERIFY_BLOCK
 
 CHUNK = 64 << 20
+_HEX = re.compile(r"[0-9a-f]*")
 _INT = {int}  # exact ints from JSON (not bools, not floats that equal them)
 
 
@@ -48,6 +50,36 @@ class Expected:
             return self.blocks[name]
         except KeyError:
             raise CorruptCheckpointError(f"shard {path}: the manifest records no checksum for tensor {name!r}") from None
+
+
+class Header(dict[str, Any]):
+    """A shard's parsed header (`read_header`), with the block digests it carries for its tensors
+    (`shard.BLOCKS_KEY`), parsed when first asked. Only a reader that checked the header against
+    the manifest's digest (`Expected.header`) trusts them: see `digests_of`."""
+
+    _blocks: dict[str, str] | None = None
+
+    def blocks(self, path: Path) -> dict[str, str]:
+        """{name: its VERIFY_BLOCK digests concatenated}; an entry this version does not
+        understand is left out (that tensor's digests come from the index instead)."""
+        if self._blocks is None:
+            meta = self.get("__metadata__")
+            raw = meta.get(BLOCKS_KEY) if isinstance(meta, dict) else None
+            data = loads(raw, f"block digests of {path}") if isinstance(raw, str) else None
+            self._blocks = {n: d for n, d in data.items() if type(d) is str and len(d) % 16 == 0
+                            and _HEX.fullmatch(d)} if isinstance(data, dict) else {}
+        return self._blocks
+
+
+def digests_of(expect: Expected, header: Mapping[str, Any], name: str, path: Path) -> list[str]:
+    """The VERIFY_BLOCK digests a verified read of tensor `name` checks: those in the shard's own
+    header when it has them (`expect` checked the header against the manifest, so they are the
+    manifest's word), else the index's (`Expected.of`, which opens the index file when first
+    asked): a restore of a shard whose header carries every digest it reads opens no index."""
+    got = header.blocks(path).get(name) if isinstance(header, Header) else None
+    if got is None:
+        return expect.of(name, path)
+    return [got[i : i + 16] for i in range(0, len(got), 16)]
 
 
 def check_blocks(view: memoryview, first_block: int, digests: list[str], path: Path, name: str,
@@ -144,9 +176,10 @@ def read_header(directory: Path, file: str, expected_bytes: int, expect: Expecte
             os.close(fd)
     if expect is not None and _header_digest(head, raw) != expect.header:
         raise CorruptCheckpointError(f"shard {path}: its header fails its checksum (flipped bits?)")
-    header = loads(raw, f"header of {path}")
-    if not isinstance(header, dict):
+    parsed = loads(raw, f"header of {path}")
+    if not isinstance(parsed, dict):
         raise UnsafeCheckpointError(f"header of {path} is not an object")
+    header = Header(parsed)
     data_len = expected_bytes - 8 - n
     if _tiles_in_order(header, data_len):
         return header, base + 8 + n
@@ -262,11 +295,11 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
         for name, info in rest:
             begin, end = info["data_offsets"]
             part = torch.empty(end - begin, dtype=torch.uint8)  # one per tensor, not views of one buffer
-            _pread_into(fd, part, data_start + begin, path, _check(expect, name, path))
+            _pread_into(fd, part, data_start + begin, path, _check(expect, header, name, path))
             out[name] = _typed(part, info)
         try:
             for name, t in direct.items():
-                _pread_into(fd, t, data_start + info_offsets(header, name), path, _check(expect, name, path))
+                _pread_into(fd, t, data_start + info_offsets(header, name), path, _check(expect, header, name, path))
                 out[name] = t
         except CorruptCheckpointError as exc:
             exc.partial_write = True  # type: ignore[attr-defined]  # live tensors were touched
@@ -290,7 +323,7 @@ def verify_tensors(directory: Path, file: str, expected_bytes: int, names: set[s
     try:
         for name in sorted(names):
             begin, end = header[name]["data_offsets"]
-            digests = expect.of(name, path)
+            digests = digests_of(expect, header, name, path)
             if len(digests) != -(-(end - begin) // VERIFY_BLOCK):
                 raise CorruptCheckpointError(f"shard {path}: the manifest records {len(digests)} checksum blocks "
                                              f"for tensor {name!r} of {end - begin} bytes")
@@ -309,8 +342,8 @@ def info_offsets(header: dict[str, Any], name: str) -> int:
     return int(header[name]["data_offsets"][0])
 
 
-def _check(expect: Expected | None, name: str, path: Path) -> tuple[str, list[str]] | None:
-    return None if expect is None else (name, expect.of(name, path))
+def _check(expect: Expected | None, header: Mapping[str, Any], name: str, path: Path) -> tuple[str, list[str]] | None:
+    return None if expect is None else (name, digests_of(expect, header, name, path))
 
 
 def _pread_into(fd: int, t: Any, offset: int, path: Path, check: tuple[str, list[str]] | None = None) -> None:

@@ -139,11 +139,26 @@ def check_structure(path: Path, manifest: Manifest) -> list[str]:
             for entry in skeleton["entries"].values():
                 decode(entry["value"], lambda name: None)
             decode(skeleton.get("library", {}), lambda name: None)
+            _agrees_with_index(manifest, s, header, where)
         except CorruptCheckpointError as exc:
             problems.append(str(exc))
         except RecursionError:
             problems.append(f"skeleton of {where} is nested too deeply")
     return problems
+
+
+def _agrees_with_index(manifest: Manifest, shard: dict[str, Any], header: Any, where: Path) -> None:
+    """Format 2+: the rank's index is what a restore may read (its pieces against the placements:
+    `Manifest.rank_tensors`), and the block digests its header carries (shard.BLOCKS_KEY), which
+    a restore checks instead of the index's, are the index's. CorruptCheckpointError otherwise."""
+    if manifest.listed is not None or "rank" not in shard:
+        return
+    entries = manifest.rank_tensors(shard["rank"])
+    for name, digests in header.blocks(where).items():
+        info = entries.get(name)
+        if info is None or "".join(info.get("xxh3") or ()) != digests:
+            raise CorruptCheckpointError(f"shard {where}: the block digests in its header for tensor {name!r} "
+                                         "disagree with its tensor index")
 
 
 UNREADABLE = "unreadable by this user (permission denied): fix with chmod/chown, or ask its owner"

@@ -129,8 +129,14 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
         where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
         boxes, sources, boxed = plan_reads(wanted, where)
-        for r in sorted({src} | sources):  # their indexes, checked before any data is read
-            manifest.rank_tensors(r)
+        if not manifest.placed_by_arithmetic:  # pieces the specs do not place: their indexes, checked first
+            for r in sorted({src} | sources):
+                manifest.rank_tensors(r)
+        # Placed by arithmetic, each piece's box is the specs' (reshard.plan_reads), each shard's
+        # header is checked against the manifest's digest when first opened, and carries the block
+        # digests of the tensors it holds (shard.FINE_KEY, BLOCKS_KEY): no index file is opened,
+        # unless a tensor's digests are only there (an older checkpoint, a shard of large plain
+        # tensors), and then by the read that needs them (Expected.of), before anything is applied.
         staging = sum(int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for i in infos.values())
         return Part(directory, shard, first, manifest, src, skeleton, names, shared & set(infos), wanted, where,
                     boxes, staging + boxed, opened)
