@@ -75,23 +75,27 @@ class Part:
 
 
 def plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
-              strict: bool) -> Part | Failure:
+              strict: bool, sent: bytes = b"") -> Part | Failure:
     """Every rank: validate this rank's part of `choice` against the live state and plan its read,
-    touching no object in `state` (shapes and placements come from `live`)."""
+    touching no object in `state` (shapes and placements come from `live`). The manifest is
+    `choice.manifest` (rank 0's parse), else built from `sent`, the bytes rank 0 sent
+    (`restoring.share_manifest`), else (none sent) read from the step directory; checked either
+    way against the digest rank 0 pinned (`manifest.read_pinned`): a mismatch is this plan's
+    Failure."""
     # The plan makes ~10^5 small objects (the JSON of manifest, index, header and skeleton), none
     # in a reference cycle: with the cyclic GC on, every few plans a full collection walked the
     # training process's whole heap (7B at 1,024 ranks: ~55 ms of CPU, every third plan ~210 ms).
     paused = gc.isenabled()
     gc.disable()
     try:
-        return _plan_part(rank, choice, state, live, strict)
+        return _plan_part(rank, choice, state, live, strict, sent)
     finally:
         if paused:
             gc.enable()
 
 
 def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
-               strict: bool) -> Part | Failure:
+               strict: bool, sent: bytes = b"") -> Part | Failure:
     # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (restoring.apply_loaded:
     # its RNG). Replicated tensors live in shard 0 only and are read from there. DTensor pieces
     # are read by box from whichever shards hold this rank's new region (reshard).
@@ -102,8 +106,9 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
     try:
         # Every byte read is checked against the digests the manifest recorded at save time
         # (hashing while reading). Rank 0 parsed the manifest when it chose; every other rank
-        # reads it here, once, checked against the digest rank 0 read (pinned by the marker).
-        manifest = choice.manifest or read_pinned(directory, choice.step, choice.manifest_xxh3)
+        # parses the bytes rank 0 sent (or, none sent, the file's) here, once, checked against
+        # the digest rank 0 read (pinned by the marker).
+        manifest = choice.manifest or read_pinned(directory, choice.step, choice.manifest_xxh3, sent or None)
         shard, first = manifest.shards[src], manifest.shards[0]
         sharded = manifest.sharded if manifest.placed_by_arithmetic else from_json(choice.sharded)
         header = opened.header(shard["file"], shard["bytes"], manifest.expected(src))
