@@ -1,6 +1,7 @@
 """Rank coordination for saves and restores, over CPU/gloo side groups (never the training group).
 
-Works without torch.distributed: a world of one. JSON travels as uint8 tensors, never pickles.
+Works without torch.distributed: a world of one. JSON (and a chosen manifest's own bytes) travels as
+uint8 tensors, never pickles.
 All methods are collective: every rank calls them in the same order.
 """
 
