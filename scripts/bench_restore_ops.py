@@ -43,7 +43,8 @@ def main(argv: list[str]) -> int:
                 choice = restoring.pick(root, None, False, set(), False, None)  # the manifest's bytes
                 wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
                 sent = choice.manifest.raw_bytes or b""  # (restoring.share_manifest sends them unchanged)
-            part = restoreplan.plan_part(rank, choice if rank == 0 else wire, state, live, True, sent)
+            part = restoreplan.plan_part(rank, choice if rank == 0 else restoreplan.with_manifest(wire, sent), state,
+                                         live, True)
             n = bs.Ops.total(counts)
         if isinstance(part, restoring.Failure):
             print(f"rank {rank}: {part.message}", file=sys.stderr)

@@ -440,9 +440,10 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
             return {**out, "error": str(getattr(choice, "message", choice))}
 
         def timed_plan(key: str, chosen: restoring.RestoreChoice, sent: bytes = b"") -> Any:  # `key`_s, _cpu_s, _ops
-            with ops.counting() as counts:
+            with ops.counting() as counts:  # a rank but 0: parse the bytes rank 0 sent (with_manifest), then plan
                 t, c = time.perf_counter(), time.process_time()
-                result = restoreplan.plan_part(0, chosen, state, live, True, sent)
+                with restoreplan.gc_paused():  # as restoring.load_choice
+                    result = restoreplan.plan_part(0, restoreplan.with_manifest(chosen, sent), state, live, True)
                 out[f"{key}_s"], out[f"{key}_cpu_s"] = time.perf_counter() - t, time.process_time() - c
                 out[f"{key}_ops"] = Ops.total(counts)
             return result
@@ -473,12 +474,18 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
             tracemalloc.start()
             choice = restoring.pick(root, None, False, set(), False, None)
             out["pick_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+            choice.manifest.raw_bytes = None  # restoring.share_manifest: sent, and dropped before rank 0 plans
             tracemalloc.reset_peak()
             restoreplan.plan_part(0, choice, state, live, True)
             out["plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
             tracemalloc.reset_peak()
-            restoreplan.plan_part(0, wire, state, live, True, sent)
+            received = bytes(memoryview(sent))  # what the broadcast hands that rank: dropped once parsed
+            with restoreplan.gc_paused():
+                planned = restoreplan.with_manifest(wire, received)
+                del received
+                restoreplan.plan_part(0, planned, state, live, True)
             out["other_plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+            del planned
             tracemalloc.stop()
     return out
 

@@ -18,11 +18,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.collective import Group
 from slurmresume.checkpoint.layout import MANIFEST
+from slurmresume.errors import CorruptCheckpointError
 from tests.test_restore_errors import WORLD, run_ranks, save_two_steps, values
 
 
@@ -124,8 +126,8 @@ def test_bytes_damaged_on_the_way_to_one_rank_make_every_rank_fall_back(tmp_path
 
 def test_a_plan_builds_its_manifest_from_the_bytes_sent_and_refuses_other_bytes(tmp_path: Path) -> None:
     """One process, rank 1's plan of rank 0's choice as it crosses the wire: from the bytes rank 0
-    read it plans with manifest.json gone from the directory; from bytes that differ (one byte of
-    whitespace) it is refused, naming what rank 0 sent."""
+    read it plans with manifest.json gone from the directory; bytes that differ (one byte of
+    whitespace) are refused, naming what rank 0 sent (in a restore: that rank's plan Failure)."""
     from helpers.core import save_steps, step_dir, tiny_state
 
     from slurmresume.checkpoint.state import flatten_live
@@ -141,13 +143,15 @@ def test_a_plan_builds_its_manifest_from_the_bytes_sent_and_refuses_other_bytes(
     (step_dir(tmp_path, 1) / MANIFEST).unlink()  # what a rank may not open
     state = tiny_state(7)
     live = flatten_live(state)
-    good = restoreplan.plan_part(1, wire, state, live, True, raw)
+    planned = restoreplan.with_manifest(wire, raw)
+    assert planned.manifest is not None and planned.manifest.digest == choice.manifest_xxh3
+    assert planned.manifest.raw_bytes is None  # nothing of the bytes kept
+    good = restoreplan.plan_part(1, planned, state, live, True)
     assert isinstance(good, restoreplan.Part), good
-    assert good.manifest.digest == choice.manifest_xxh3 and good.manifest.raw_bytes is None
     good.opened.close()
-    bad = restoreplan.plan_part(1, wire, state, live, True, raw.replace(b"{", b"{ ", 1))
-    assert isinstance(bad, restoring.Failure) and bad.kind == "corrupt"
-    assert "the bytes rank 0 sent for step 1 do not match the checksum it pinned" in bad.message
+    with pytest.raises(CorruptCheckpointError, match="the bytes rank 0 sent for step 1 do not match the checksum"):
+        restoreplan.with_manifest(wire, raw.replace(b"{", b"{ ", 1))
+    assert restoreplan.with_manifest(choice, b"") is choice  # rank 0: its own parse
 
 
 def test_a_world_of_one_sends_nothing_and_opens_the_manifest_once(tmp_path: Path) -> None:

@@ -61,7 +61,15 @@ from ..events import process_started_at, try_append_event
 from . import rng
 from .heartbeat import expect_io
 from .messages import DECISIVE, Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
-from .restoreplan import Loaded, Part, plan_part, read_part, staging_budget
+from .restoreplan import (
+    Loaded,
+    Part,
+    gc_paused,
+    plan_part,
+    read_part,
+    staging_budget,
+    with_manifest,
+)
 
 log = logging.getLogger("slurmresume")
 MAX_FAILURES = 4  # load errors every rank receives (the first is the one reported)
@@ -187,14 +195,17 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
     sent = share_manifest(group, choice)  # collective: before anything one rank may fail alone
     try:
         live, keys = flatten_live(state), list(state)
-        part = plan_part(group.rank, choice, state, live, req.strict, sent)
+        with gc_paused():  # no collection between the manifest's parse and the plan (see plan_part)
+            planned = with_manifest(choice, sent)  # a rank but 0: its manifest from rank 0's bytes
+            sent = b""  # parsed: not held by the plan or the read
+            part = plan_part(group.rank, planned, state, live, req.strict)
         over = isinstance(part, Part) and budget is not None and part.staging > budget
         warm = (os.environ.get(ENV_RESTORE_WARM, "").strip() == "1"
                 and not os.environ.get(ENV_RESTORE_STAGING, "").strip()
                 and cached(part, choice.world_size == group.world_size))
     except Exception as exc:  # noqa: BLE001 - crosses ranks as data (Failure.on_rank)
         part = caught(group, exc, f"planning its read of step {choice.step}")
-    sent = b""  # parsed into the plan's manifest (or refused): not kept while the step is read
+    sent = b""  # (refused before the plan: not kept either)
     two_pass = group.max_int(2 if over else 0 if warm else 1) != 1
     if isinstance(part, Part):  # the hang watch scales this rank's budget with the bytes it reads
         expect_io("restore", part.staging * (2 if two_pass else 1))
