@@ -34,15 +34,17 @@ def main(argv: list[str]) -> int:
     if not (root / bs.step_dir_name(bs.STEP) / "COMMITTED").exists():
         root.mkdir(parents=True, exist_ok=True)
         bs.save_rank0(model, frm, root, bs.Ops())
-    ops, per, choice, wire = bs.Ops(), [], None, None
+    ops, per, choice, wire, sent = bs.Ops(), [], None, None, b""
     for rank in range(to):
         state = bs.rank_state(model, bs.fake_world(to, rank), to, rank)
         live = flatten_live(state)
         with bs.Fabric(to).installed(), ops.counting() as counts:
-            if choice is None:  # rank 0 picks; the others get the choice as it crosses the wire
-                choice = restoring.pick(root, None, False, set(), False, None)
+            if choice is None:  # rank 0 picks; the others get the choice as it crosses the wire and
+                choice = restoring.pick(root, None, False, set(), False, None)  # the manifest's bytes
                 wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
-            part = restoreplan.plan_part(rank, choice if rank == 0 else wire, state, live, True)
+                sent = choice.manifest.raw_bytes or b""  # (restoring.share_manifest sends them unchanged)
+            part = restoreplan.plan_part(rank, choice if rank == 0 else restoreplan.with_manifest(wire, sent), state,
+                                         live, True)
             n = bs.Ops.total(counts)
         if isinstance(part, restoring.Failure):
             print(f"rank {rank}: {part.message}", file=sys.stderr)

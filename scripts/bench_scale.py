@@ -26,9 +26,11 @@ Per (model, W) it prints:
 - rank 0's commit metadata time, wall and CPU: gather of the reports -> manifest -> marker ->
   publish (the part of a save between the last shard's fsync and "saved");
 - the restore plan: rank 0's `pick` (it chooses the step for everyone, and keeps its parse of
-  the manifest) and its `plan_part`, and the `plan_part` of a rank that is not 0 (the choice as
-  it arrives by broadcast: that rank reads the manifest itself), seconds and peak Python heap
-  (tracemalloc, a second pass); the same for --reshard's target world (e.g. 16,384 -> 12,288);
+  the manifest) and its `plan_part`, and the `plan_part` of a rank that is not 0 (the choice and
+  the manifest's bytes as they arrive by broadcast: that rank parses those bytes and never opens
+  manifest.json), seconds and peak Python heap (tracemalloc, a second pass); the bytes of both
+  broadcasts (what every rank but 0 receives); the same for --reshard's target world (e.g.
+  16,384 -> 12,288);
 - metadata operations per save (all ranks: the job's total) and per restore (pick + rank 0's
   plan + (W - 1) x another rank's plan), counted at the os seam (open/create, stat, mkdir,
   rename, unlink, listdir, scandir) and through checkpoint.fsio's labels (fsync, directory
@@ -449,9 +451,10 @@ def _refused_size(error: str | None) -> int | None:
 def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory: bool = True,
          read: bool = False) -> dict[str, Any]:
     """Rank 0 of a `world`-rank job restoring the `saved_world`-rank step under `root`: rank 0's
-    `pick` and its `plan_part`, and the `plan_part` of a rank that receives the choice by
-    broadcast (`other_*`: it parses the manifest itself; played here by the same box with the
-    choice as it crosses the wire), timed, counted and, in a second pass, their peak Python
+    `pick` and its `plan_part`, and the `plan_part` of a rank that receives the choice and the
+    manifest's bytes by broadcast (`other_*`: it parses those bytes; played here by the same box
+    with the choice as it crosses the wire and the bytes rank 0 read, which
+    `restoring.share_manifest` sends unchanged), timed, counted and, in a second pass, their peak Python
     heap. With `read`, then rank 0's `read_part` too: the bytes of its box (zeros from the
     sparse files) read and checked against their digests, into real zero tensors."""
     mesh = fake_world(world)
@@ -467,10 +470,11 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
         if not isinstance(choice, restoring.RestoreChoice):
             return {**out, "error": str(getattr(choice, "message", choice))}
 
-        def timed_plan(key: str, chosen: restoring.RestoreChoice) -> Any:  # `key`_s, _cpu_s, _ops into out
-            with ops.counting() as counts:
+        def timed_plan(key: str, chosen: restoring.RestoreChoice, sent: bytes = b"") -> Any:  # `key`_s, _cpu_s, _ops
+            with ops.counting() as counts:  # a rank but 0: parse the bytes rank 0 sent (with_manifest), then plan
                 t, c = time.perf_counter(), time.process_time()
-                result = restoreplan.plan_part(0, chosen, state, live, True)
+                with restoreplan.gc_paused():  # as restoring.load_choice
+                    result = restoreplan.plan_part(0, restoreplan.with_manifest(chosen, sent), state, live, True)
                 out[f"{key}_s"], out[f"{key}_cpu_s"] = time.perf_counter() - t, time.process_time() - c
                 out[f"{key}_ops"] = Ops.total(counts)
             return result
@@ -479,8 +483,10 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
         if isinstance(part, restoring.Failure):
             return {**out, "error": part.message}
         wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
+        sent = choice.manifest.raw_bytes or b""  # what share_manifest broadcasts
         out["choice_bytes"] = len(json.dumps(restoring.pick_to_json(choice), separators=(",", ":")))
-        other = timed_plan("other_plan", wire)
+        out["manifest_sent_bytes"] = len(sent)
+        other = timed_plan("other_plan", wire, sent)
         if isinstance(other, restoring.Failure):
             return {**out, "error": other.message}
         # + W x read_ops with --read
@@ -499,12 +505,18 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
             tracemalloc.start()
             choice = restoring.pick(root, None, False, set(), False, None)
             out["pick_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+            choice.manifest.raw_bytes = None  # restoring.share_manifest: sent, and dropped before rank 0 plans
             tracemalloc.reset_peak()
             restoreplan.plan_part(0, choice, state, live, True)
             out["plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
             tracemalloc.reset_peak()
-            restoreplan.plan_part(0, wire, state, live, True)
+            received = bytes(memoryview(sent))  # what the broadcast hands that rank: dropped once parsed
+            with restoreplan.gc_paused():
+                planned = restoreplan.with_manifest(wire, received)
+                del received
+                restoreplan.plan_part(0, planned, state, live, True)
             out["other_plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+            del planned
             tracemalloc.stop()
     return out
 
@@ -569,7 +581,7 @@ def line(r: dict[str, Any]) -> str:
               f"({p['plan_cpu_s'] * 1e3:.1f} cpu), plan other rank {p['other_plan_s'] * 1e3:.1f} ms "
               f"({p['other_plan_cpu_s'] * 1e3:.1f} cpu), peak heap pick {_mib(p.get('pick_peak_bytes'))} plan "
               f"{_mib(p.get('plan_peak_bytes'))} other {_mib(p.get('other_plan_peak_bytes'))}; choice broadcast "
-              f"{p['choice_bytes']} B; ops pick {p['pick_ops']:,} + plan {p['plan_ops']} + (W-1) x "
+              f"{p['choice_bytes']} B, manifest broadcast {_mib(p.get('manifest_sent_bytes'))}; ops pick {p['pick_ops']:,} + plan {p['plan_ops']} + (W-1) x "
               f"{p['other_plan_ops']} = {p['restore_ops_total']:,} ({p['restore_ops_total'] / p['to']:.2f} per rank)")
         if "read_s" in p:
             s += f"; read {_mib(p['read_bytes'])} in {p['read_s']:.2f} s, {p['read_ops']} ops"

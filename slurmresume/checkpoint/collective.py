@@ -1,6 +1,7 @@
 """Rank coordination for saves and restores, over CPU/gloo side groups (never the training group).
 
-Works without torch.distributed: a world of one. JSON travels as uint8 tensors, never pickles.
+Works without torch.distributed: a world of one. JSON (and a chosen manifest's own bytes) travels as
+uint8 tensors, never pickles.
 All methods are collective: every rank calls them in the same order.
 """
 
@@ -102,15 +103,25 @@ class Group:
         bytes, by broadcast. Each rank receives the one payload, never W of them."""
         if self.world_size == 1:
             return obj
+        return json.loads(self.broadcast_bytes(_encode(obj) if self.rank == 0 else b""))
+
+    def broadcast_bytes(self, raw: bytes) -> bytes:
+        """Rank 0's `raw` on every rank (other ranks' argument is ignored; a world of one gets its
+        own back): its length, then, unless empty, its bytes, by broadcast. Each rank receives the
+        one payload, never W of them; rank 0 gets its own object back (no copy)."""
+        if self.world_size == 1:
+            return raw
         import torch
         import torch.distributed as dist
 
-        raw = _encode(obj) if self.rank == 0 else b""
-        size = torch.tensor([len(raw)], dtype=torch.int64)
+        size = torch.tensor([len(raw) if self.rank == 0 else 0], dtype=torch.int64)
         dist.broadcast(size, group=self.pg, group_src=0)
-        buf = _buffer(raw, int(size.item()))
+        n = int(size.item())
+        if n == 0:  # every rank knows it is empty: no second broadcast on any
+            return raw if self.rank == 0 else b""
+        buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if self.rank == 0 else torch.empty(n, dtype=torch.uint8)
         dist.broadcast(buf, group=self.pg, group_src=0)
-        return json.loads(bytes(buf.numpy()))
+        return raw if self.rank == 0 else bytes(buf.numpy())
 
     def gather_json(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj` on rank 0 (in rank order); None on the others. The longest record's

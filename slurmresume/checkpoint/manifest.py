@@ -83,6 +83,9 @@ class Manifest:
     _sharded: dict[str, Any] | None = field(default=None, repr=False)  # name -> sharding.Sharded (DTensors)
     _indexes: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
     digest: str = ""  # xxh3 of the manifest's bytes as read (what the commit marker pins)
+    # those bytes (read_manifest), kept for a restore: rank 0 sends them to the other ranks
+    # (restoring.share_manifest), which then never open the file, and drops them once sent
+    raw_bytes: bytes | None = field(default=None, repr=False, compare=False)
     _arithmetic: bool | None = field(default=None, repr=False)
     _layouts: dict[str, Any] = field(default_factory=dict, repr=False)  # name -> (mesh shape, placements)
 
@@ -213,7 +216,7 @@ def read_manifest(step_dir: Path, expected_step: int | None = None, real_dir: bo
         raw = read_bounded(step_dir / MANIFEST, manifest_cap(), "manifest")
     data = pinned_manifest(marker, raw, step_dir)
     manifest = validate_manifest(data, step_dir, expected_step)
-    manifest.digest = xxhash.xxh3_64_hexdigest(raw or b"")
+    manifest.digest, manifest.raw_bytes = xxhash.xxh3_64_hexdigest(raw or b""), raw
     if marker.get("step") != manifest.step:
         raise CorruptCheckpointError(f"commit marker {step_dir / MARKER} is for step {marker.get('step')!r}, "
                                      f"the manifest for step {manifest.step}")
@@ -225,17 +228,22 @@ def read_manifest(step_dir: Path, expected_step: int | None = None, real_dir: bo
     return manifest
 
 
-def read_pinned(step_dir: Path, step: int, digest: str) -> Manifest:
-    """The manifest of `step_dir` that rank 0 chose to restore, read by another rank: its bytes
-    must hash to `digest` (what rank 0 read, pinned by the commit marker it checked), so the marker
-    is not read again; CorruptCheckpointError when the file changed since. Those are the bytes
+def read_pinned(step_dir: Path, step: int, digest: str, sent: bytes | None = None) -> Manifest:
+    """The manifest of `step_dir` that rank 0 chose to restore, on another rank: the bytes rank 0
+    `sent` (by broadcast: no open of the file, one per rank against one metadata server), or,
+    when it sent none, the file's. They must hash to `digest` (what rank 0 read, pinned by the
+    commit marker it checked), so the marker is not read again; CorruptCheckpointError when they
+    do not (the file changed since, or the bytes were damaged on the way). Those are the bytes
     rank 0 validated (`read_manifest`) before it chose them: their per-shard and per-tensor
     sections are not checked again here (O(W + T) on every rank), the rest as `validate_manifest`.
     They are parsed with plain `json.loads`: rank 0's strict parse (`jsonenc.loads`: no duplicate
     keys, no NaN literals) of these very bytes already passed, so the strict parse's per-object
     hook is not paid again on every rank (16,384 ranks, 405B: 1.55 MB, ~1.7 ms of each plan)."""
-    raw = read_bounded(step_dir / MANIFEST, manifest_cap(), "manifest")
+    raw = sent if sent is not None else read_bounded(step_dir / MANIFEST, manifest_cap(), "manifest")
     if xxhash.xxh3_64_hexdigest(raw) != digest:
+        if sent is not None:
+            raise CorruptCheckpointError(f"manifest {step_dir / MANIFEST}: the bytes rank 0 sent for step {step} "
+                                         "do not match the checksum it pinned (damaged on the way?)")
         raise CorruptCheckpointError(f"manifest {step_dir / MANIFEST} changed since rank 0 chose step {step} "
                                      "(its checksum no longer matches what the commit marker pinned)")
     try:

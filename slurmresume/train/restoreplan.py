@@ -13,8 +13,9 @@ collective flow around these, every rank calling them for its own part).
 from __future__ import annotations
 
 import gc
-from collections.abc import MutableMapping
-from dataclasses import dataclass
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,19 @@ class Part:
     opened: OpenShards
 
 
+def with_manifest(choice: RestoreChoice, sent: bytes) -> RestoreChoice:
+    """A rank other than 0, before its plan: `choice` with its manifest, built from `sent`, the
+    bytes rank 0 read and sent (`restoring.share_manifest`), or, none sent (b""), read from the
+    step directory; either way checked against the digest rank 0 pinned (`manifest.read_pinned`:
+    CorruptCheckpointError / UnsafeCheckpointError). Rank 0's choice, which holds its own parse,
+    is returned as it is. The caller drops `sent` then: the plan never holds the bytes."""
+    if choice.manifest is not None:
+        return choice
+    with gc_paused():  # ~10^5 objects, as in the plan (see plan_part)
+        return replace(choice, manifest=read_pinned(Path(choice.path), choice.step, choice.manifest_xxh3,
+                                                    sent or None))
+
+
 def plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
               strict: bool) -> Part | Failure:
     """Every rank: validate this rank's part of `choice` against the live state and plan its read,
@@ -81,10 +95,17 @@ def plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any],
     # The plan makes ~10^5 small objects (the JSON of manifest, index, header and skeleton), none
     # in a reference cycle: with the cyclic GC on, every few plans a full collection walked the
     # training process's whole heap (7B at 1,024 ranks: ~55 ms of CPU, every third plan ~210 ms).
+    with gc_paused():
+        return _plan_part(rank, choice, state, live, strict)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic GC off for the block (back on after it, if it was on)."""
     paused = gc.isenabled()
     gc.disable()
     try:
-        return _plan_part(rank, choice, state, live, strict)
+        yield
     finally:
         if paused:
             gc.enable()
@@ -102,7 +123,8 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
     try:
         # Every byte read is checked against the digests the manifest recorded at save time
         # (hashing while reading). Rank 0 parsed the manifest when it chose; every other rank
-        # reads it here, once, checked against the digest rank 0 read (pinned by the marker).
+        # parsed the bytes rank 0 sent (`with_manifest`), or, given a choice without them, reads
+        # the file here, once, checked against the digest rank 0 read (pinned by the marker).
         manifest = choice.manifest or read_pinned(directory, choice.step, choice.manifest_xxh3)
         shard, first = manifest.shards[src], manifest.shards[0]
         sharded = manifest.sharded if manifest.placed_by_arithmetic else from_json(choice.sharded)

@@ -8,7 +8,9 @@ Call order (`restore_collective`, every rank; "0" = rank 0 only; each arrow one 
           -> broadcast RestoreChoice | Failure | None
   2. all: a Failure raises its exception on every rank; None is a fresh start (or, for an
           explicit `step`, an error); a world size the checkpoint cannot be loaded on raises.
-  3. all: plan and read this rank's part (`restoreplan.plan_part`, `restoreplan.read_part`) into
+  3. 0:   the bytes of the chosen manifest that it read and validated (`share_manifest`)
+          -> broadcast (length, then payload): no rank but 0 opens manifest.json
+     all: plan and read this rank's part (`restoreplan.plan_part`, `restoreplan.read_part`) into
           staging memory, every byte checked against its recorded digest as it is read; nothing
           in `state` is touched
           -> gather the load errors (Failure | None), broadcast the first: the collective verdict.
@@ -29,6 +31,8 @@ the state half-loaded, with an error on every rank saying so.
 Memory: the staging costs, on each rank, the bytes of the tensors that rank loads (its own
 shard's tensors, the replicated ones, its box of each DTensor), in CPU memory, for the duration
 of the restore; it is freed once copied into the live state. No rank holds a second rank's part.
+Every rank but 0 receives the manifest's bytes (O(W + T): ~1.5 MiB at 16,384 ranks) once per step
+tried and drops them once its plan has parsed them.
 
 `restore_and_record` is what `Checkpointer.restore` calls: the above, then what was loaded
 (`CheckpointInfo`) and its record (rank 0: the log line and the `restored` event).
@@ -57,7 +61,15 @@ from ..events import process_started_at, try_append_event
 from . import rng
 from .heartbeat import expect_io
 from .messages import DECISIVE, Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
-from .restoreplan import Loaded, Part, plan_part, read_part, staging_budget
+from .restoreplan import (
+    Loaded,
+    Part,
+    gc_paused,
+    plan_part,
+    read_part,
+    staging_budget,
+    with_manifest,
+)
 
 log = logging.getLogger("slurmresume")
 MAX_FAILURES = 4  # load errors every rank receives (the first is the one reported)
@@ -180,15 +192,20 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
     keys: list[str] = []
     part: Part | Failure
     over = warm = False
+    sent = share_manifest(group, choice)  # collective: before anything one rank may fail alone
     try:
         live, keys = flatten_live(state), list(state)
-        part = plan_part(group.rank, choice, state, live, req.strict)
+        with gc_paused():  # no collection between the manifest's parse and the plan (see plan_part)
+            planned = with_manifest(choice, sent)  # a rank but 0: its manifest from rank 0's bytes
+            sent = b""  # parsed: not held by the plan or the read
+            part = plan_part(group.rank, planned, state, live, req.strict)
         over = isinstance(part, Part) and budget is not None and part.staging > budget
         warm = (os.environ.get(ENV_RESTORE_WARM, "").strip() == "1"
                 and not os.environ.get(ENV_RESTORE_STAGING, "").strip()
                 and cached(part, choice.world_size == group.world_size))
     except Exception as exc:  # noqa: BLE001 - crosses ranks as data (Failure.on_rank)
         part = caught(group, exc, f"planning its read of step {choice.step}")
+    sent = b""  # (refused before the plan: not kept either)
     two_pass = group.max_int(2 if over else 0 if warm else 1) != 1
     if isinstance(part, Part):  # the hang watch scales this rank's budget with the bytes it reads
         expect_io("restore", part.staging * (2 if two_pass else 1))
@@ -213,6 +230,21 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
     if isinstance(part, Part):
         part.opened.close()  # (an exception above: closed when the plan is dropped)
     return failures, io, part.manifest if isinstance(part, Part) else None
+
+
+def share_manifest(group: Group, choice: RestoreChoice) -> bytes:
+    """Collective (every rank, once per step tried, right after the choice's broadcast): the bytes
+    of the chosen manifest that rank 0 read and validated, sent by one broadcast (length, then
+    payload), so that no rank but 0 opens manifest.json (W opens of one file against one metadata
+    server). Returns them on every rank but 0; rank 0 (it has its parse) gets b"" and drops its
+    copy. When rank 0 has none to send (a manifest `read_manifest` did not read), every rank gets
+    b"" and the others read the file (`manifest.read_pinned`). A world of one sends nothing."""
+    mine = choice.manifest if group.rank == 0 else None
+    raw = (mine.raw_bytes or b"") if mine is not None else b""
+    if mine is not None:
+        mine.raw_bytes = None  # sent (or no one to send to): not kept for the run
+    got = group.broadcast_bytes(raw)
+    return b"" if group.rank == 0 else got
 
 
 def cached(part: Part | Failure, same_world: bool) -> bool:
