@@ -4,8 +4,9 @@ other in this process.
 
 `checkpoint.nodefile.write_node_shard` runs for real (its create, its node barriers, its one
 fsync per node); what is replaced, at the module attributes it calls:
-- `plan_shard`: the real header (`shard.build_header`) without the fine digests of DTensor pieces
-  (the pieces here are meta tensors or one float expanded: no bytes to hash);
+- `plan_shard`: the real header (`shard.header_with_digests`: its fine and block digests those
+  bench_scale.zero_digests works out from the shapes, the pieces here being meta tensors or one
+  float expanded, with no bytes to hash);
 - `open_sink` + `stream_shard`: the header and the bytes of tensors that own memory (the library's
   RNG) are pwritten into the rank's range, the rest stays a hole (zeros), its block digests those
   of zeros; the same open (no create) and, where the protocol says so, fsync;
@@ -58,12 +59,13 @@ class SparseNode:
     """Installs the replacements above; `sizes(...)` plans a node's ranks beforehand."""
 
     def __init__(self, nbytes: Callable[[Any], int], owns_memory: Callable[[Any], bool],
-                 zero_blocks: Callable[[int], list[str]]) -> None:
-        self.nbytes, self.owns_memory, self.zero_blocks = nbytes, owns_memory, zero_blocks
+                 zero_blocks: Callable[[int], list[str]], digests: Callable[..., Any] | None = None) -> None:
+        self.nbytes, self.owns_memory, self.zero_blocks, self.digests = nbytes, owns_memory, zero_blocks, digests
 
     def plan(self, final: Path, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> Any:
         tensors = shard_mod.order_for_alignment(tensors)
-        header, index = shard_mod.build_header(tensors, metadata)
+        fine, blocks = self.digests(tensors, metadata) if self.digests is not None else ({}, {})
+        header, index, _ = shard_mod.header_with_digests(tensors, metadata, fine, blocks)
         return shard_mod.ShardPlan(header, index, tensors, set(), len(header) + sum(self.nbytes(t) for _, t in tensors))
 
     def size(self, rank: int, skeleton: dict[str, Any], tensors: list[tuple[str, Any]]) -> int:

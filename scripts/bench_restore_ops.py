@@ -2,6 +2,8 @@
 
     python scripts/bench_restore_ops.py MODEL FROM TO DIR [--every N]    e.g. 7B 64 48 /dev/shm/ops
 
+`--per-node L`: the step is saved in the per-node layout, L ranks a node (rank by rank: slow), and
+a node file counts once however many of its ranks' ranges a rank reads.
 `--every N`: only rank 0 and every N-th rank plan (a systematic sample: 16,384 -> 12,288 ranks in
 minutes); the total is rank 0's count plus the sample's mean times the other W - 1 ranks.
 
@@ -25,22 +27,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scale as bs  # noqa: E402
 
 from slurmresume.checkpoint.reshard import plan_reads  # noqa: E402
+from slurmresume.checkpoint.shardread import split_locator  # noqa: E402
 from slurmresume.checkpoint.state import flatten_live  # noqa: E402
 from slurmresume.train import restoreplan, restoring  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    every = 1
-    if len(argv) == 6 and argv[4] == "--every" and argv[5].isdigit() and int(argv[5]) >= 1:
-        every, argv = int(argv[5]), argv[:4]
+    flags = {"--every": 1, "--per-node": 0}
+    while len(argv) > 4 and argv[-2] in flags and argv[-1].isdigit():
+        flags[argv[-2]], argv = int(argv[-1]), argv[:-2]
+    every, per_node = max(flags["--every"], 1), flags["--per-node"]
     if len(argv) != 4 or not argv[1].isdigit() or not argv[2].isdigit() or argv[0] not in bs.MODELS:
-        print(f"usage: bench_restore_ops.py MODEL FROM TO DIR [--every N] (MODEL among {', '.join(bs.MODELS)})",
-              file=sys.stderr)
+        print("usage: bench_restore_ops.py MODEL FROM TO DIR [--every N] [--per-node L] "
+              f"(MODEL among {', '.join(bs.MODELS)})", file=sys.stderr)
         return 2
-    model, frm, to, root = argv[0], int(argv[1]), int(argv[2]), Path(argv[3]) / f"{argv[0]}-{argv[1]}"
+    layout = f"-node{per_node}" if per_node else ""
+    model, frm, to, root = argv[0], int(argv[1]), int(argv[2]), Path(argv[3]) / f"{argv[0]}-{argv[1]}{layout}"
     if not (root / bs.step_dir_name(bs.STEP) / "COMMITTED").exists():
         root.mkdir(parents=True, exist_ok=True)
-        bs.save_rank0(model, frm, root, bs.Ops())
+        bs.save_rank0(model, frm, root, bs.Ops(), per_node=per_node)
     ops, per, choice, wire, sent = bs.Ops(), [], None, None, b""
     ranks = range(0, to, every)
     for rank in ranks:
@@ -57,8 +62,9 @@ def main(argv: list[str]) -> int:
         if isinstance(part, restoring.Failure):
             print(f"rank {rank}: {part.message}", file=sys.stderr)
             return 1
-        opened = {int(f[5:10]) for f in part.opened._files}  # rank-NNNNN-of-...: the plan's fds
-        per.append(n + len(plan_reads(part.wanted, part.where)[1] - opened))
+        opened = {split_locator(f)[0] for f in part.opened._files}  # the files the plan has open, kept for the read
+        files = {split_locator(part.manifest.shards[r]["file"])[0] for r in plan_reads(part.wanted, part.where)[1]}
+        per.append(n + len(files - opened))
         part.opened.close()
     if every > 1:  # a systematic sample: rank 0, then every N-th rank, standing for the ranks between
         rest = per[1:] or [0]

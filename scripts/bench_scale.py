@@ -388,7 +388,7 @@ def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0, 
     fabric = Fabric(world)
     out: dict[str, Any] = {"model": model, "ranks": world, "layout": f"per-node/{per_node}" if per_node else "per-rank",
                            "emulation": "exact" if exact or per_node else "stamped"}
-    sparse_node = bench_nodefile.SparseNode(_nbytes, _owns_memory, zero_blocks)
+    sparse_node = bench_nodefile.SparseNode(_nbytes, _owns_memory, zero_blocks, zero_digests)
     layout = sparse_node.installed() if per_node else contextlib.nullcontext()
     sparse = SparseShards()
     stamper = None

@@ -336,3 +336,27 @@ def test_a_range_is_opened_only_inside_a_plain_node_file(tmp_path: Path) -> None
     os.symlink(tmp_path / "node-00000.bin", tmp_path / "node-00008.bin")
     with pytest.raises(UnsafeCheckpointError):
         open_checked(tmp_path, "node-00008.bin@0", 1)
+
+
+def test_a_restore_opens_a_node_file_once_for_all_the_ranges_it_reads(saved: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resharding rank reads the ranges of several saved ranks, often of one node file: it is
+    opened once (one metadata operation), each range's header read and checked through that fd,
+    and closed once. The old code opened it once per range."""
+    import os
+
+    from slurmresume.checkpoint.manifest import read_manifest
+    from slurmresume.checkpoint.opened import OpenShards
+
+    d = saved / "step_000000002"
+    m = read_manifest(d)
+    opened: list[str] = []
+    real = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: (opened.append(os.path.basename(p)), real(p, *a, **k))[1])
+    files = OpenShards(d)
+    got = [files.get(m.shards[r]["file"], m.shards[r]["bytes"], m.expected(r)) for r in (0, 1)]
+    assert opened == ["node-00000.bin"] and got[0][0] == got[1][0] and got[0][2] < got[1][2]
+    assert {n for g in got for n in g[1]} - {"__metadata__"}  # both ranges' headers, checked
+    files.close()
+    with pytest.raises(OSError):
+        os.fstat(got[0][0])

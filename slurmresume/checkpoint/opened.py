@@ -15,26 +15,41 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from .shardread import Expected, open_read
+from ..errors import UnsafeCheckpointError
+from .layout import is_plain_step_file
+from .shardread import Expected, check_span, open_read, read_header, split_locator
 
 
 class OpenShards:
     """Every rank, for one restore: `get(file, ...)` opens a shard file (a locator: a node file's
-    range is its own entry) and reads its header on first use, then hands back the same
+    range is its own entry, and the node file is opened once for all its ranges) and reads its
+    header on first use, then hands back the same
     (fd, header, data start). `close()` when the restore is done with the files (idempotent);
     a dropped object closes its fds too."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._files: dict[str, tuple[int, dict[str, Any], int]] = {}
-        self._closer = weakref.finalize(self, _close_all, self._files)
+        self._node_files: dict[str, int] = {}  # a node file's name -> its one fd, shared by its ranges
+        self._closer = weakref.finalize(self, _close_all, self._files, self._node_files)
 
     def get(self, file: str, expected_bytes: int, expect: Expected | None = None) -> tuple[int, dict[str, Any], int]:
         """(fd, header, data start) of `file`; its header checked against `expect` when it is
         first opened (CorruptCheckpointError / UnsafeCheckpointError as `read_header`)."""
         got = self._files.get(file)
         if got is None:
-            fd, header, start, _ = open_read(self.directory, file, expected_bytes, expect)
+            name, base = split_locator(file)
+            fd = self._node_files.get(name) if base is not None else None
+            if fd is None:
+                fd, header, start, _ = open_read(self.directory, file, expected_bytes, expect)
+                if base is not None:
+                    self._node_files[name] = fd
+            else:  # another rank's range of a node file this restore has open: no second open
+                if not is_plain_step_file(file):
+                    raise UnsafeCheckpointError(f"refusing shard name {file!r} in {self.directory}: not a plain "
+                                                "shard file name")
+                check_span(self.directory, file, expected_bytes, os.fstat(fd).st_size)
+                header, start = read_header(self.directory, file, expected_bytes, expect, fd=fd)
             got = self._files[file] = (fd, header, start)
         return got
 
@@ -42,13 +57,14 @@ class OpenShards:
         return self.get(file, expected_bytes, expect)[1]
 
     def close(self) -> None:
-        _close_all(self._files)  # the finalizer stays armed: it closes whatever is opened after
+        _close_all(self._files, self._node_files)  # the finalizer stays armed: it closes whatever is opened after
 
 
-def _close_all(files: dict[str, tuple[int, dict[str, Any], int]]) -> None:
-    for fd, _, _ in files.values():
+def _close_all(files: dict[str, tuple[int, dict[str, Any], int]], node_files: dict[str, int]) -> None:
+    for fd in {fd for fd, _, _ in files.values()} | set(node_files.values()):  # a node file's fd once
         try:
             os.close(fd)
         except OSError:
             pass
     files.clear()
+    node_files.clear()

@@ -113,13 +113,23 @@ def open_checked(directory: Path, file: str, expected_bytes: int) -> int:
     name, base = split_locator(file)
     path = directory / name
     fd, st = open_regular(path, "shard", "read.shard.open", verb="open", hint=" (symlink or special file?)")
-    if st.st_size != expected_bytes if base is None else st.st_size < base + expected_bytes:
+    try:
+        check_span(directory, file, expected_bytes, st.st_size)
+    except CorruptCheckpointError:
         os.close(fd)
+        raise
+    return fd
+
+
+def check_span(directory: Path, file: str, expected_bytes: int, size: int) -> None:
+    """A shard file of `size` bytes holds `file`'s `expected_bytes` (all of it; a node file's
+    range: from its offset). CorruptCheckpointError naming it otherwise."""
+    base = split_locator(file)[1]
+    if size != expected_bytes if base is None else size < base + expected_bytes:
         raise CorruptCheckpointError(
-            f"shard {directory / file} is {st.st_size} bytes, the manifest says {expected_bytes}"
+            f"shard {directory / file} is {size} bytes, the manifest says {expected_bytes}"
             f"{'' if base is None else f' from byte {base}'}: truncated or replaced"
         )
-    return fd
 
 
 def split_locator(file: str) -> tuple[str, int | None]:
