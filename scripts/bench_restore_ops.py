@@ -4,6 +4,9 @@
 
 `--per-node L`: the step is saved in the per-node layout, L ranks a node (rank by rank: slow), and
 a node file counts once however many of its ranks' ranges a rank reads.
+`--fold L` (per-rank steps): also the count were the same files one per node of L ranks (the
+per-node layout's opens, worked out from the same plans: no per-node save needed, which runs rank
+by rank).
 `--every N`: only rank 0 and every N-th rank plan (a systematic sample: 16,384 -> 12,288 ranks in
 minutes); the total is rank 0's count plus the sample's mean times the other W - 1 ranks.
 
@@ -33,12 +36,12 @@ from slurmresume.train import restoreplan, restoring  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    flags = {"--every": 1, "--per-node": 0}
+    flags = {"--every": 1, "--per-node": 0, "--fold": 0}
     while len(argv) > 4 and argv[-2] in flags and argv[-1].isdigit():
         flags[argv[-2]], argv = int(argv[-1]), argv[:-2]
-    every, per_node = max(flags["--every"], 1), flags["--per-node"]
+    every, per_node, fold = max(flags["--every"], 1), flags["--per-node"], flags["--fold"]
     if len(argv) != 4 or not argv[1].isdigit() or not argv[2].isdigit() or argv[0] not in bs.MODELS:
-        print("usage: bench_restore_ops.py MODEL FROM TO DIR [--every N] [--per-node L] "
+        print("usage: bench_restore_ops.py MODEL FROM TO DIR [--every N] [--per-node L] [--fold L] "
               f"(MODEL among {', '.join(bs.MODELS)})", file=sys.stderr)
         return 2
     layout = f"-node{per_node}" if per_node else ""
@@ -46,7 +49,7 @@ def main(argv: list[str]) -> int:
     if not (root / bs.step_dir_name(bs.STEP) / "COMMITTED").exists():
         root.mkdir(parents=True, exist_ok=True)
         bs.save_rank0(model, frm, root, bs.Ops(), per_node=per_node)
-    ops, per, choice, wire, sent = bs.Ops(), [], None, None, b""
+    ops, per, folded, choice, wire, sent = bs.Ops(), [], [], None, None, b""
     ranks = range(0, to, every)
     for rank in ranks:
         state = bs.rank_state(model, bs.fake_world(to, rank), to, rank)
@@ -65,18 +68,27 @@ def main(argv: list[str]) -> int:
         opened = {split_locator(f)[0] for f in part.opened._files}  # the files the plan has open, kept for the read
         files = {split_locator(part.manifest.shards[r]["file"])[0] for r in plan_reads(part.wanted, part.where)[1]}
         per.append(n + len(files - opened))
+        if fold:  # the same plan, its shard files folded into the node files of L ranks each
+            mine = {int(f[5:10]) for f in opened} | plan_reads(part.wanted, part.where)[1]
+            folded.append(n - len(opened) + len({r // fold for r in mine}))
         part.opened.close()
+    if fold:
+        report(f"{model} {frm} -> {to}, folded into node files of {fold} ranks", folded, to, every)
+    report(f"{model} {frm} -> {to}", per, to, every)
+    return 0
+
+
+def report(what: str, per: list[int], to: int, every: int) -> None:
     if every > 1:  # a systematic sample: rank 0, then every N-th rank, standing for the ranks between
         rest = per[1:] or [0]
         total = per[0] + round(sum(rest) / len(rest) * (to - 1))
-        print(f"{model} {frm} -> {to}: ~{total:,} metadata operations = {total / to:.3f} x W, sampled: rank 0 "
+        print(f"{what}: ~{total:,} metadata operations = {total / to:.3f} x W, sampled: rank 0 "
               f"{per[0]}, {len(rest)} of the other ranks (every {every}-th) {min(rest)}-{max(rest)}, mean "
               f"{sum(rest) / len(rest):.3f}")
-        return 0
+        return
     total = sum(per)
-    print(f"{model} {frm} -> {to}: {total:,} metadata operations = {total / to:.3f} x W (rank 0 {per[0]}, "
+    print(f"{what}: {total:,} metadata operations = {total / to:.3f} x W (rank 0 {per[0]}, "
           f"per rank {min(per)}-{max(per)})")
-    return 0
 
 
 if __name__ == "__main__":
