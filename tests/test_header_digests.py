@@ -128,3 +128,24 @@ def test_a_flipped_byte_of_a_whole_shard1_piece_is_caught_by_its_stripes(tmp_pat
     for rank in range(2):
         got = json.loads((tmp_path / f"restore-2-{rank}.json").read_text())
         assert "fails its checksum" in got.get("error", ""), got
+
+
+@pytest.mark.parametrize("keep", [shard_mod.HOST_COPY_KEEP, 0])
+def test_a_plain_tensor_whose_bytes_reach_the_host_by_a_copy(tmp_path: Path, keep: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path a GPU tensor takes (`on_device`), on CPU: copied and hashed before the header is
+    built, then streamed (kept) or copied again while streaming (`keep` 0): the same file as the
+    host path writes, header digests included."""
+    t = {"a": torch.randn(33, 7), "b": torch.arange(5.0)}
+    shard_mod.write_shard(tmp_path, "host.safetensors", list(t.items()), {"format": "pt"})
+    copies: list[int] = []
+
+    def to_host(x: torch.Tensor) -> torch.Tensor:
+        copies.append(x.numel())
+        return x.detach().clone()
+    monkeypatch.setattr(shard_mod, "on_device", lambda x: True)
+    monkeypatch.setattr(shard_mod, "to_host", to_host)
+    monkeypatch.setattr(shard_mod.whole_digests, "__defaults__", (frozenset(), None, keep))
+    shard_mod.write_shard(tmp_path, "device.safetensors", list(t.items()), {"format": "pt"})
+    assert (tmp_path / "host.safetensors").read_bytes() == (tmp_path / "device.safetensors").read_bytes()
+    assert sorted(copies) == sorted([231, 5] * (1 if keep else 2))

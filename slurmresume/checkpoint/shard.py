@@ -207,16 +207,16 @@ def fine_digests(tensors: list[tuple[str, Any]], skeleton: str | dict[str, Any],
 
 
 def whole_digests(tensors: list[tuple[str, Any]], fine: dict[str, Any], pieces: frozenset[str] = frozenset(),
-                  budget: int | None = None) -> tuple[dict[str, str], list[tuple[str, Any]]]:
+                  budget: int | None = None, keep: int = HOST_COPY_KEEP) -> tuple[dict[str, str], list[tuple[str, Any]]]:
     """({name: its VERIFY_BLOCK digests concatenated}, tensors to stream) for the tensors without
     fine digests: every DTensor piece among them (`pieces`: a one-row piece, hashed before the
     header like the pieces that have fine digests), and the plain tensors in order while their
     bytes stay within `budget` (a DDP shard of large plain tensors keeps the rest in its index
     alone: hashing them before the first byte is written would delay the write). The same digests
     the streaming computes for the index (`_agree` checks that they are). A tensor on a device is
-    copied to the host first and the copy is streamed."""
+    copied to the host first and the copy is streamed, while the copies kept stay within `keep`."""
     out: dict[str, str] = {}
-    stream, used, budget = list(tensors), 0, BLOCKS_MAX if budget is None else budget
+    stream, used, kept, budget = list(tensors), 0, 0, BLOCKS_MAX if budget is None else budget
     for i, (name, t) in enumerate(tensors):
         n = t.numel() * t.element_size()
         if name in fine or (name not in pieces and used + n > budget):
@@ -224,8 +224,8 @@ def whole_digests(tensors: list[tuple[str, Any]], fine: dict[str, Any], pieces: 
         host = to_host(t) if on_device(t) else t.detach().contiguous()
         out[name] = "".join(block_digests(tensor_bytes(host)))
         used += 0 if name in pieces else n
-        if host is not t:
-            stream[i] = (name, host)
+        if on_device(t) and kept + n <= keep:  # the copy is streamed; beyond `keep`, copied again then
+            stream[i], kept = (name, host), kept + n
     return out, stream
 
 
