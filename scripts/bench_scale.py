@@ -252,32 +252,26 @@ def _owns_memory(t: Any) -> bool:
 
 
 def zero_digests(tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """What shard.plan_shard puts in a header (its fine digests, `fine_digests`, and its block
-    digests, `whole_digests`) for these tensors, whose bytes are zeros unless they own their
-    memory (`_owns_memory`: hashed as they are): the real writer's choices, computed from shapes."""
-    specs = shard_mod.dtensor_specs(metadata.get(shard_mod.SKELETON_KEY, ""))
+    """What shard.plan_shard puts in a header (its fine digests and its block digests, for the
+    tensors `shard.digest_layout` names) for these tensors, whose bytes are zeros unless they own
+    their memory (`_owns_memory`: hashed as they are): the real writer's choices, from shapes."""
+    stripes, blocked = shard_mod.digest_layout(tensors, shard_mod.dtensor_specs(metadata.get(shard_mod.SKELETON_KEY, "")))
+    wanted = set(blocked)
     fine: dict[str, Any] = {}
-    for name, t in tensors:
-        dim = shard_mod.sharded_dim(specs, name)
-        width = shard_mod.fine_width(list(t.shape), t.element_size(), dim) if dim is not None else 0
-        if not width:
-            continue
-        if _owns_memory(t):
-            digests = shard_mod.stripe_digests(t.detach(), dim, width)
-        else:
-            unit = _nbytes(t) // t.shape[dim]
-            full, rest = divmod(t.shape[dim], width)
-            digests = [zero_digest(width * unit)] * full + ([zero_digest(rest * unit)] if rest else [])
-        fine[name] = {"dim": dim, "width": width, "xxh3": digests}
     blocks: dict[str, str] = {}
-    used = 0
     for name, t in tensors:
-        n, piece = _nbytes(t), shard_mod.sharded_dim(specs, name) is not None
-        if name in fine or (not piece and used + n > shard_mod.BLOCKS_MAX):
-            continue
-        raw = bytes(shardread.byte_view(t.detach().contiguous())) if _owns_memory(t) else None
-        blocks[name] = "".join(shard_mod.block_digests(memoryview(raw)) if raw is not None else zero_blocks(n))
-        used += 0 if piece else n
+        if name in stripes:
+            dim, width = stripes[name]
+            if _owns_memory(t):
+                digests = shard_mod.stripe_digests(t.detach(), dim, width)
+            else:
+                unit = _nbytes(t) // t.shape[dim]
+                full, rest = divmod(t.shape[dim], width)
+                digests = [zero_digest(width * unit)] * full + ([zero_digest(rest * unit)] if rest else [])
+            fine[name] = {"dim": dim, "width": width, "xxh3": digests}
+        elif name in wanted:
+            raw = bytes(shardread.byte_view(t.detach().contiguous())) if _owns_memory(t) else None
+            blocks[name] = "".join(shard_mod.block_digests(memoryview(raw)) if raw is not None else zero_blocks(_nbytes(t)))
     return fine, blocks
 
 

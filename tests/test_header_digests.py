@@ -80,8 +80,8 @@ def test_a_tensor_changed_after_its_digests_fails_the_save(tmp_path: Path, monke
     lies: the save fails and no step is committed."""
     real = shard_mod.whole_digests
 
-    def then_changed(tensors: list, fine: dict, budget: int | None = None) -> tuple:
-        out = real(tensors, fine, budget)
+    def then_changed(tensors: list, names: list) -> tuple:
+        out = real(tensors, names)
         with torch.no_grad():
             next(t for _, t in tensors if t.is_floating_point() and t.numel()).add_(1.0)
         return out
@@ -145,7 +145,7 @@ def test_a_plain_tensor_whose_bytes_reach_the_host_by_a_copy(tmp_path: Path, kee
         return x.detach().clone()
     monkeypatch.setattr(shard_mod, "on_device", lambda x: True)
     monkeypatch.setattr(shard_mod, "to_host", to_host)
-    monkeypatch.setattr(shard_mod.whole_digests, "__defaults__", (frozenset(), None, keep))
+    monkeypatch.setattr(shard_mod.whole_digests, "__defaults__", (keep,))
     shard_mod.write_shard(tmp_path, "device.safetensors", list(t.items()), {"format": "pt"})
     assert (tmp_path / "host.safetensors").read_bytes() == (tmp_path / "device.safetensors").read_bytes()
     assert sorted(copies) == sorted([231, 5] * (1 if keep else 2))

@@ -183,22 +183,44 @@ def dtensor_specs(skeleton: str) -> dict[str, Any]:
     return specs if isinstance(specs, dict) else {}
 
 
-def fine_digests(tensors: list[tuple[str, Any]], skeleton: str | dict[str, Any],
+def digest_layout(tensors: list[tuple[str, Any]], specs: dict[str, Any],
+                  budget: int | None = None) -> tuple[dict[str, tuple[int, int]], list[str]]:
+    """Which digests a shard's header carries, decided from shapes alone (the writer and the scale
+    harness, which has no bytes to hash, both follow it): ({name: (dim, width)} of the DTensor
+    pieces cut into fine stripes along their first sharded dimension (`fine_width`), [names] of
+    the tensors given whole block digests: every other DTensor piece (a one-row piece) and the
+    plain tensors in order while their bytes stay within `budget` (BLOCKS_MAX: a DDP shard of
+    large plain tensors keeps the rest in its index alone, since hashing them before the first
+    byte is written would delay the write)). `specs`: the skeleton's (`dtensor_specs`)."""
+    stripes: dict[str, tuple[int, int]] = {}
+    blocked: list[str] = []
+    used, budget = 0, BLOCKS_MAX if budget is None else budget
+    for name, t in tensors:
+        dim = sharded_dim(specs, name)
+        if dim is not None and (width := fine_width(list(t.shape), t.element_size(), dim)):
+            stripes[name] = (dim, width)
+        elif dim is not None:
+            blocked.append(name)
+        elif used + (n := t.numel() * t.element_size()) <= budget:
+            blocked.append(name)
+            used += n
+    return stripes, blocked
+
+
+def fine_digests(tensors: list[tuple[str, Any]], stripes: dict[str, tuple[int, int]],
                  keep: int = HOST_COPY_KEEP) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Any]]]:
-    """({name: {"dim", "width", "xxh3": [...]}}, tensors to stream) for the DTensor pieces (named
-    in the skeleton's "dtensors", cut along their first sharded dimension): a rank resharding
-    reads a range of such a piece and needs digests that end near it. Hashing happens here,
-    before the header is written, in one extra pass over these pieces' memory. A piece on a
-    device is copied to the host first and hashed there; the copy replaces it in the returned
-    list (streamed without a second copy) while the copies kept stay within `keep` bytes.
-    `skeleton`: its JSON text, or its specs already parsed (`dtensor_specs`)."""
-    specs = dtensor_specs(skeleton) if isinstance(skeleton, str) else skeleton
+    """({name: {"dim", "width", "xxh3": [...]}}, tensors to stream) for the DTensor pieces that
+    `stripes` cuts (`digest_layout`): a rank resharding reads a range of such a piece and needs
+    digests that end near it. Hashing happens here, before the header is written, in one extra
+    pass over these pieces' memory. A piece on a device is copied to the host first and hashed
+    there; the copy replaces it in the returned list (streamed without a second copy) while the
+    copies kept stay within `keep` bytes."""
     out: dict[str, dict[str, Any]] = {}
     stream, kept = list(tensors), 0
     for i, (name, t) in enumerate(tensors):
-        dim = sharded_dim(specs, name)
-        if dim is None or not (width := fine_width(list(t.shape), t.element_size(), dim)):
+        if name not in stripes:
             continue
+        dim, width = stripes[name]
         host = to_host(t) if on_device(t) else t.detach()
         out[name] = {"dim": dim, "width": width, "xxh3": stripe_digests(host, dim, width)}
         if host is not t and kept + (n := host.numel() * host.element_size()) <= keep:
@@ -206,25 +228,20 @@ def fine_digests(tensors: list[tuple[str, Any]], skeleton: str | dict[str, Any],
     return out, stream
 
 
-def whole_digests(tensors: list[tuple[str, Any]], fine: dict[str, Any], pieces: frozenset[str] = frozenset(),
-                  budget: int | None = None, keep: int = HOST_COPY_KEEP) -> tuple[dict[str, str], list[tuple[str, Any]]]:
-    """({name: its VERIFY_BLOCK digests concatenated}, tensors to stream) for the tensors without
-    fine digests: every DTensor piece among them (`pieces`: a one-row piece, hashed before the
-    header like the pieces that have fine digests), and the plain tensors in order while their
-    bytes stay within `budget` (a DDP shard of large plain tensors keeps the rest in its index
-    alone: hashing them before the first byte is written would delay the write). The same digests
-    the streaming computes for the index (`_agree` checks that they are). A tensor on a device is
-    copied to the host first and the copy is streamed, while the copies kept stay within `keep`."""
+def whole_digests(tensors: list[tuple[str, Any]], names: list[str],
+                  keep: int = HOST_COPY_KEEP) -> tuple[dict[str, str], list[tuple[str, Any]]]:
+    """({name: its VERIFY_BLOCK digests concatenated}, tensors to stream) for the tensors `names`
+    (`digest_layout`): the same digests the streaming computes for the index (`_agree` checks
+    that they are), hashed before the header is written. A tensor on a device is copied to the
+    host first and the copy is streamed, while the copies kept stay within `keep`."""
     out: dict[str, str] = {}
-    stream, used, kept, budget = list(tensors), 0, 0, BLOCKS_MAX if budget is None else budget
+    stream, kept, wanted = list(tensors), 0, set(names)
     for i, (name, t) in enumerate(tensors):
-        n = t.numel() * t.element_size()
-        if name in fine or (name not in pieces and used + n > budget):
+        if name not in wanted:
             continue
         host = to_host(t) if on_device(t) else t.detach().contiguous()
         out[name] = "".join(block_digests(tensor_bytes(host)))
-        used += 0 if name in pieces else n
-        if on_device(t) and kept + n <= keep:  # the copy is streamed; beyond `keep`, copied again then
+        if on_device(t) and kept + (n := t.numel() * t.element_size()) <= keep:  # else copied again then
             stream[i], kept = (name, host), kept + n
     return out, stream
 
@@ -259,10 +276,9 @@ def header_with_digests(tensors: list[tuple[str, Any]], metadata: dict[str, str]
 
 def plan_shard(final: Path, tensors: list[tuple[str, Any]], metadata: dict[str, str]) -> ShardPlan:
     tensors = order_for_alignment(tensors)
-    specs = dtensor_specs(metadata.get(SKELETON_KEY, ""))
-    fine, stream = fine_digests(tensors, specs)
-    pieces = frozenset(name for name, _ in tensors if sharded_dim(specs, name) is not None)
-    blocks, stream = whole_digests(stream, fine, pieces)
+    stripes, blocked = digest_layout(tensors, dtensor_specs(metadata.get(SKELETON_KEY, "")))
+    fine, stream = fine_digests(tensors, stripes)
+    blocks, stream = whole_digests(stream, blocked)
     hosted = {id(b) for (_, a), (_, b) in zip(tensors, stream) if a is not b}  # copied already: stream as is
     tensors = stream
     header, index, blocks = header_with_digests(tensors, metadata, fine, blocks)
