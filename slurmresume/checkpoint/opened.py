@@ -15,9 +15,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from ..errors import UnsafeCheckpointError
-from .layout import is_plain_step_file
-from .shardread import Expected, check_span, open_read, read_header, split_locator
+from .shardread import Expected, check_name, check_span, open_read, read_header, split_locator
 
 
 class OpenShards:
@@ -45,9 +43,7 @@ class OpenShards:
                 if base is not None:
                     self._node_files[name] = fd
             else:  # another rank's range of a node file this restore has open: no second open
-                if not is_plain_step_file(file):
-                    raise UnsafeCheckpointError(f"refusing shard name {file!r} in {self.directory}: not a plain "
-                                                "shard file name")
+                check_name(self.directory, file)
                 check_span(self.directory, file, expected_bytes, os.fstat(fd).st_size)
                 header, start = read_header(self.directory, file, expected_bytes, expect, fd=fd)
             got = self._files[file] = (fd, header, start)

@@ -106,10 +106,7 @@ def byte_view(tensor: Any) -> memoryview:
 def open_checked(directory: Path, file: str, expected_bytes: int) -> int:
     """Open a shard for reading after refusing anything that is not a plain regular file of the
     expected size inside `directory`. Returns an fd (O_NOFOLLOW, so a swapped-in link fails)."""
-    from .layout import is_plain_step_file
-
-    if not is_plain_step_file(file):
-        raise UnsafeCheckpointError(f"refusing shard name {file!r} in {directory}: not a plain shard file name")
+    check_name(directory, file)
     name, base = split_locator(file)
     path = directory / name
     fd, st = open_regular(path, "shard", "read.shard.open", verb="open", hint=" (symlink or special file?)")
@@ -119,6 +116,14 @@ def open_checked(directory: Path, file: str, expected_bytes: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def check_name(directory: Path, file: str) -> None:
+    """UnsafeCheckpointError unless `file` (a manifest's entry) names a plain shard file or range."""
+    from .layout import is_plain_step_file
+
+    if not is_plain_step_file(file):
+        raise UnsafeCheckpointError(f"refusing shard name {file!r} in {directory}: not a plain shard file name")
 
 
 def check_span(directory: Path, file: str, expected_bytes: int, size: int) -> None:
