@@ -66,10 +66,10 @@ def main(argv: list[str]) -> int:
             print(f"rank {rank}: {part.message}", file=sys.stderr)
             return 1
         opened = {split_locator(f)[0] for f in part.opened._files}  # the files the plan has open, kept for the read
-        files = {split_locator(part.manifest.shards[r]["file"])[0] for r in plan_reads(part.wanted, part.where)[1]}
-        per.append(n + len(files - opened))
+        sources = plan_reads(part.wanted, part.where)[1]  # the saved ranks the read takes boxes from
+        per.append(n + len({split_locator(part.manifest.shards[r]["file"])[0] for r in sources} - opened))
         if fold:  # the same plan, its shard files folded into the node files of L ranks each
-            mine = {int(f[5:10]) for f in opened} | plan_reads(part.wanted, part.where)[1]
+            mine = {int(f[5:10]) for f in opened} | sources
             folded.append(n - len(opened) + len({r // fold for r in mine}))
         part.opened.close()
     if fold:
