@@ -7,6 +7,9 @@ a node file counts once however many of its ranks' ranges a rank reads.
 `--fold L` (per-rank steps): also the count were the same files one per node of L ranks (the
 per-node layout's opens, worked out from the same plans: no per-node save needed, which runs rank
 by rank).
+`--exchange 1` (per-rank steps): also the count with the reshard exchange (checkpoint/exchange.py:
+each saved shard opened by its owner alone, the bytes sent to the ranks that need them), and the
+time of each sampled rank's exchange plan.
 `--every N`: only rank 0 and every N-th rank plan (a systematic sample: 16,384 -> 12,288 ranks in
 minutes); the total is rank 0's count plus the sample's mean times the other W - 1 ranks.
 
@@ -22,13 +25,16 @@ Each rank costs one plan: keep TO to a few hundred.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scale as bs  # noqa: E402
 
+from slurmresume.checkpoint import exchange  # noqa: E402
 from slurmresume.checkpoint.reshard import plan_reads  # noqa: E402
 from slurmresume.checkpoint.shardread import split_locator  # noqa: E402
 from slurmresume.checkpoint.state import flatten_live  # noqa: E402
@@ -36,12 +42,12 @@ from slurmresume.train import restoreplan, restoring  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    flags = {"--every": 1, "--per-node": 0, "--fold": 0}
+    flags = {"--every": 1, "--per-node": 0, "--fold": 0, "--exchange": 0}
     while len(argv) > 4 and argv[-2] in flags and argv[-1].isdigit():
         flags[argv[-2]], argv = int(argv[-1]), argv[:-2]
-    every, per_node, fold = max(flags["--every"], 1), flags["--per-node"], flags["--fold"]
+    every, per_node, fold, swap = max(flags["--every"], 1), flags["--per-node"], flags["--fold"], flags["--exchange"]
     if len(argv) != 4 or not argv[1].isdigit() or not argv[2].isdigit() or argv[0] not in bs.MODELS:
-        print("usage: bench_restore_ops.py MODEL FROM TO DIR [--every N] [--per-node L] [--fold L] "
+        print("usage: bench_restore_ops.py MODEL FROM TO DIR [--every N] [--per-node L] [--fold L] [--exchange 1] "
               f"(MODEL among {', '.join(bs.MODELS)})", file=sys.stderr)
         return 2
     layout = f"-node{per_node}" if per_node else ""
@@ -49,7 +55,7 @@ def main(argv: list[str]) -> int:
     if not (root / bs.step_dir_name(bs.STEP) / "COMMITTED").exists():
         root.mkdir(parents=True, exist_ok=True)
         bs.save_rank0(model, frm, root, bs.Ops(), per_node=per_node)
-    ops, per, folded, choice, wire, sent = bs.Ops(), [], [], None, None, b""
+    ops, per, folded, swapped, took, choice, wire, sent = bs.Ops(), [], [], [], [], None, None, b""
     ranks = range(0, to, every)
     for rank in ranks:
         state = bs.rank_state(model, bs.fake_world(to, rank), to, rank)
@@ -68,10 +74,22 @@ def main(argv: list[str]) -> int:
         opened = {split_locator(f)[0] for f in part.opened._files}  # the files the plan has open, kept for the read
         sources = plan_reads(part.wanted, part.where)[1]  # the saved ranks the read takes boxes from
         per.append(n + len({split_locator(part.manifest.shards[r]["file"])[0] for r in sources} - opened))
+        if swap:  # the same plan, each saved shard opened by its owner alone (exchange.owner)
+            began = time.perf_counter()
+            xplan = exchange.plan(rank, to, frm, part.wanted, part.where, part.boxes)
+            took.append(time.perf_counter() - began)
+            if xplan is None:
+                print(f"rank {rank}: no exchange plan for these specs", file=sys.stderr)
+                return 1
+            swapped.append(n + len(set(xplan.owned) - {int(f[5:10]) for f in opened}))
         if fold:  # the same plan, its shard files folded into the node files of L ranks each
             mine = {int(f[5:10]) for f in opened} | sources
             folded.append(n - len(opened) + len({r // fold for r in mine}))
         part.opened.close()
+    if swap:
+        report(f"{model} {frm} -> {to}, with the exchange", swapped, to, every)
+        print(f"  exchange plan per rank: median {statistics.median(took) * 1e3:.1f} ms, max {max(took) * 1e3:.1f} ms "
+              f"({len(took)} ranks)")
     if fold:
         report(f"{model} {frm} -> {to}, folded into node files of {fold} ranks", folded, to, every)
     report(f"{model} {frm} -> {to}", per, to, every)

@@ -30,12 +30,28 @@ def holders(shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple[str
             box: tuple[int, ...]) -> tuple[Box, ...]:
     """Pure: the saved pieces (rank, global offset, shape) that intersect the box (offset, box),
     each held by the lowest rank that holds it. Work grows with the pieces found, not with W."""
+    out = []
+    for coords, lo, ext in pieces_at(shape, mesh, placements, offset, box):
+        rank = 0
+        for c, n in zip(coords, mesh):
+            rank = rank * n + c
+        out.append((rank, lo, ext))
+    return tuple(out)
+
+
+def pieces_at(shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple[str, ...], offset: tuple[int, ...],
+              box: tuple[int, ...], every_replica: bool = False
+              ) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """Pure: (mesh coordinate, global offset, shape) of each non-empty piece that intersects the
+    box (offset, box), by torch's rule. Along a Replicate mesh dimension: coordinate 0 only (the
+    piece a reader takes), or, `every_replica`, every coordinate (the ranks that need the box:
+    `exchange` finds a saved piece's readers so). Work grows with the pieces found, not with W."""
     states: list[tuple[tuple[int, ...], list[int], list[int]]] = [((), [0] * len(shape), list(shape))]
     for p, n in zip(placements, mesh):
-        nxt = []
+        nxt: list[tuple[tuple[int, ...], list[int], list[int]]] = []
         for coords, lo, ext in states:
             if p == "replicate" or n == 1:
-                nxt.append(((*coords, 0), lo, ext))
+                nxt.extend(((*coords, c), lo, ext) for c in (range(n) if every_replica else (0,)))
                 continue
             d = int(p[6:])
             chunk = -(-ext[d] // n)
@@ -50,14 +66,8 @@ def holders(shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple[str
                     nlo[d], next_ext[d] = lo[d] + c * chunk, size
                     nxt.append(((*coords, c), nlo, next_ext))
         states = nxt
-    out = []
-    for coords, lo, ext in states:
-        if all(max(a, b) < min(a + n, b + m) for a, n, b, m in zip(lo, ext, offset, box)):
-            rank = 0
-            for c, n in zip(coords, mesh):
-                rank = rank * n + c
-            out.append((rank, tuple(lo), tuple(ext)))
-    return tuple(out)
+    return [(coords, tuple(lo), tuple(ext)) for coords, lo, ext in states
+            if all(max(a, b) < min(a + n, b + m) for a, n, b, m in zip(lo, ext, offset, box))]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import exchange
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.manifest import read_pinned
 from ..checkpoint.opened import OpenShards
@@ -168,22 +169,26 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
 
 
 def read_part(rank: int, choice: RestoreChoice, part: Part | Failure, keys: list[str], live: dict[str, Any],
-              strict: bool, mode: str = "stage") -> Loaded:
+              strict: bool, mode: str = "stage", exchanged: Any = None) -> Loaded:
     """Every rank: read, verify and decode its planned part. `mode` "stage": into fresh memory,
     touching nothing in `state`; "verify": check every byte, keep nothing, decode nothing;
     "live": straight into the live tensors where they fit (a restore too large to stage, after
-    every rank's "verify" pass succeeded)."""
+    every rank's "verify" pass succeeded). `exchanged` (group, exchange.Plan), when every rank
+    agreed on one: the DTensor boxes come from `exchange.load` (collective), run first, before
+    anything that could fail on this rank alone."""
     if isinstance(part, Failure):
         return Loaded(failure=part)
     d, shard, first, m = part.directory, part.shard, part.first, part.manifest
     try:
         before = dict(RESHARD_STATS)
+        boxes = exchange.load(exchanged[0], exchanged[1], d, m.shards, part.wanted, part.where, m.expected, mode,
+                              part.opened, part.boxes) if exchanged is not None and part.wanted else None
         if mode == "verify":
             whole = verify_tensors(d, shard["file"], shard["bytes"], part.names - part.shared, m.expected(part.src),
                                    part.opened)
             whole += verify_tensors(d, first["file"], first["bytes"], part.shared, m.expected(0),
                                     part.opened) if part.shared else 0
-            if part.wanted:
+            if part.wanted and boxes is None:
                 load_sharded(d, m.shards, part.wanted, part.where, m.expected, mode, part.opened, part.boxes)
             return Loaded(read=whole + RESHARD_STATS["bytes"] - before["bytes"], needed=0)
         plain = {n: t for n, t in live.items() if n not in part.wanted and not is_dtensor(t)} if mode == "live" else None
@@ -194,7 +199,9 @@ def read_part(rank: int, choice: RestoreChoice, part: Part | Failure, keys: list
                                       expect=m.expected(0), opened=part.opened)
             tensors.update(more)
         whole = sum(t.numel() * t.element_size() for t in tensors.values())  # read whole: read == needed
-        if part.wanted:
+        if boxes is not None:
+            tensors.update(boxes)
+        elif part.wanted:
             tensors.update(load_sharded(d, m.shards, part.wanted, part.where, m.expected, mode, part.opened, part.boxes))
         read = whole + RESHARD_STATS["bytes"] - before["bytes"]
         needed = whole + RESHARD_STATS["needed"] - before["needed"]

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import IMPORTED_AT
+from ..checkpoint import exchange
 from ..checkpoint.collective import Group
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.residency import all_cached
@@ -192,6 +193,7 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
     keys: list[str] = []
     part: Part | Failure
     over = warm = False
+    xplan: exchange.Plan | None = None
     sent = share_manifest(group, choice)  # collective: before anything one rank may fail alone
     try:
         live, keys = flatten_live(state), list(state)
@@ -199,23 +201,29 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
             planned = with_manifest(choice, sent)  # a rank but 0: its manifest from rank 0's bytes
             sent = b""  # parsed: not held by the plan or the read
             part = plan_part(group.rank, planned, state, live, req.strict)
-        over = isinstance(part, Part) and budget is not None and part.staging > budget
+            xplan = exchange_plan(group, choice, part)
+        extra = xplan.peak_bytes if xplan is not None else 0
+        over = isinstance(part, Part) and budget is not None and part.staging + extra > budget
         warm = (os.environ.get(ENV_RESTORE_WARM, "").strip() == "1"
                 and not os.environ.get(ENV_RESTORE_STAGING, "").strip()
                 and cached(part, choice.world_size == group.world_size))
     except Exception as exc:  # noqa: BLE001 - crosses ranks as data (Failure.on_rank)
-        part = caught(group, exc, f"planning its read of step {choice.step}")
+        part, xplan = caught(group, exc, f"planning its read of step {choice.step}"), None
     sent = b""  # (refused before the plan: not kept either)
-    two_pass = group.max_int(2 if over else 0 if warm else 1) != 1
+    digest = xplan.digest if xplan is not None else 0
+    agreed = group.max_ints([2 if over else 0 if warm else 1, 0 if xplan is not None else 1, digest, -digest])
+    two_pass = agreed[0] != 1
+    # the exchange only where every rank planned one from the same inputs (else each reads its own boxes)
+    swap = (group, xplan) if xplan is not None and agreed[1] == 0 and agreed[2] == -agreed[3] else None
     if isinstance(part, Part):  # the hang watch scales this rank's budget with the bytes it reads
         expect_io("restore", part.staging * (2 if two_pass else 1))
-    got = _read(group, choice, part, keys, live, req.strict, "verify" if two_pass else "stage")
+    got = _read(group, choice, part, keys, live, req.strict, "verify" if two_pass else "stage", swap)
     failures, io = _verdict(group, got)
     if failures and failures[0].decisive:  # every rank, the same error: no older step is tried
         raise failures[0].error() from _cause(failures[0], got)
     if not failures and two_pass:
         first_read = got.read
-        got = _read(group, choice, part, keys, live, req.strict, "live")
+        got = _read(group, choice, part, keys, live, req.strict, "live", swap)
         failures, io = _verdict(group, replace(got, read=first_read + got.read))
         if failures:  # the files changed between the passes, or a read failed the second time
             first = failures[0]
@@ -230,6 +238,17 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
     if isinstance(part, Part):
         part.opened.close()  # (an exception above: closed when the plan is dropped)
     return failures, io, part.manifest if isinstance(part, Part) else None
+
+
+def exchange_plan(group: Group, choice: RestoreChoice, part: Part | Failure) -> exchange.Plan | None:
+    """This rank's plan for reading a reshard's saved shards once each (`checkpoint.exchange`), or
+    None: the same world size, a plan that failed, a step whose pieces are listed rather than
+    placed by arithmetic, specs the exchange does not serve, or not wanted
+    (SLURMRESUME_RESHARD_EXCHANGE, EXCHANGE_MIN_RANKS)."""
+    if (not isinstance(part, Part) or not part.wanted or choice.world_size == group.world_size
+            or not part.manifest.placed_by_arithmetic or not exchange.wanted(exchange.setting(), group.world_size)):
+        return None
+    return exchange.plan(group.rank, group.world_size, choice.world_size, part.wanted, part.where, part.boxes)
 
 
 def share_manifest(group: Group, choice: RestoreChoice) -> bytes:
@@ -288,10 +307,10 @@ def _cause(failure: Failure, got: Loaded) -> BaseException | None:
 
 
 def _read(group: Group, choice: RestoreChoice, part: Part | Failure, keys: list[str], live: dict[str, Any],
-          strict: bool, mode: str) -> Loaded:
+          strict: bool, mode: str, swap: Any = None) -> Loaded:
     """`read_part`, with whatever it raises as this rank's failure (see `load_choice`)."""
     try:
-        return read_part(group.rank, choice, part, keys, live, strict, mode)
+        return read_part(group.rank, choice, part, keys, live, strict, mode, swap)
     except Exception as exc:  # noqa: BLE001 - crosses ranks as data (Failure.on_rank)
         return Loaded(failure=caught(group, exc, f"reading its part of step {choice.step}"))
 

@@ -1,0 +1,286 @@
+"""A resharding restore that opens each saved shard once: its owner reads it and sends every
+other rank the pieces it needs, instead of every rank opening every shard its boxes span.
+
+Why: torch chunks each tensor by ceil(rows / W), so at a reshard different tensors give a rank's
+boxes different saved ranks (16,384 -> 12,288 ranks: a 405B rank's boxes span ~5 saved shards,
+~6 opens a rank against one metadata server, 6 x W a restore). Here saved shard s is opened by one
+rank, its owner, s % W' (the new world): new rank s already opens shard s for its own header and
+skeleton, so a restore opens ~max(W, W') shard files in all.
+
+The price: the bytes cross the side group (gloo, CPU) instead of the file system, and an owner
+holds one requester's message at a time besides its own boxes. Chosen (`wanted`): from
+EXCHANGE_MIN_RANKS ranks on, where metadata operations are what a shared file system runs out of,
+or forced either way by SLURMRESUME_RESHARD_EXCHANGE; every rank must agree (`restoring`), else
+every rank reads its boxes itself (`reshard.load_sharded`).
+
+Protocol (every rank, once every rank planned and agreed on the same inputs, `Plan.digest`):
+1. `plan` (pure arithmetic on the placements, no file opened): for each owner, the chunks
+   (tensor, global offset, shape) this rank receives from it; for each requester of a shard this
+   rank owns, the chunks it sends; both sides use `sharding.cover` on the requester's box, ordered
+   by tensor name then saved rank, so a message's layout is known to both without being sent.
+2. `load`: every rank posts its receives first (sizes known), then, requester by requester, reads
+   and verifies the chunks (`reshard.read_box`: every byte checked against the header digests, as
+   a direct read would) and sends one message [chunks, 16-byte aligned][status byte]. A read that
+   fails sends status 1 and the message's size of zeros (the receive is posted for that size) and
+   the error is raised after every message went: no rank ever waits for a message never sent.
+   "verify" mode (the first pass of a restore too large to stage) sends nothing: each owner
+   verifies what it would send.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from ..errors import ConfigError, CorruptCheckpointError
+from .placement import local_box, pieces_at
+from .reshard import ShardFiles, Target, _empty, _fits, _kinds, _wrap, is_dtensor, read_box
+from .shard import ITEMSIZE, TORCH_DTYPES
+from .sharding import Sharded, cover
+
+ENV_RESHARD_EXCHANGE = "SLURMRESUME_RESHARD_EXCHANGE"  # "1" / "0" force / forbid; unset or "auto"
+EXCHANGE_MIN_RANKS = 64  # auto: from this many restoring ranks on (resharding)
+ALIGN = 16
+Chunk = tuple[str, tuple[int, ...], tuple[int, ...]]  # tensor name, global offset, shape
+
+
+def wanted(setting: str | None, world: int) -> bool:
+    """Pure: whether this rank wants the exchange for a resharding restore onto `world` ranks:
+    SLURMRESUME_RESHARD_EXCHANGE "1" / "0" forces it, unset or "auto" from EXCHANGE_MIN_RANKS."""
+    value = (setting or "auto").strip().lower()
+    if value not in ("auto", "0", "1"):
+        raise ConfigError(f"{ENV_RESHARD_EXCHANGE}={setting!r}: give 1 (each saved shard read by one rank and sent), "
+                          f"0 (every rank reads its own boxes) or auto (from {EXCHANGE_MIN_RANKS} ranks on)")
+    return value == "1" or (value == "auto" and world >= EXCHANGE_MIN_RANKS)
+
+
+def owner(saved_rank: int, world: int) -> int:
+    """The restoring rank that opens saved shard `saved_rank` (of a `world`-rank restore)."""
+    return saved_rank % world
+
+
+@dataclass
+class Plan:
+    """One rank's part of the exchange (see the module docstring). `digest`: of every input the
+    plans of all ranks must share (tensors, saved layouts, target meshes and placements)."""
+
+    rank: int
+    world: int
+    digest: int
+    recv: dict[int, list[Chunk]] = field(default_factory=dict)  # owner -> chunks, in message order
+    send: dict[int, list[Chunk]] = field(default_factory=dict)  # requester -> chunks, in message order
+    local: list[Chunk] = field(default_factory=list)  # chunks of shards this rank owns, for itself
+    owned: list[int] = field(default_factory=list)  # the saved shards this rank opens for the others
+    dtypes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Memory the exchange holds beyond the boxes: every message received, the largest sent."""
+        return sum(message_bytes(c, self.dtypes) for c in self.recv.values()) + max(
+            (message_bytes(c, self.dtypes) for c in self.send.values()), default=0)
+
+
+def message_bytes(chunks: Sequence[Chunk], dtypes: Mapping[str, str]) -> int:
+    return _offsets(chunks, dtypes)[-1] + 1
+
+
+def _offsets(chunks: Sequence[Chunk], dtypes: Mapping[str, str]) -> list[int]:
+    """Byte offset of each chunk in its message, then of the status byte."""
+    out, pos = [], 0
+    for name, _, shape in chunks:
+        out.append(pos)
+        pos += -(-math.prod(shape) * ITEMSIZE[dtypes[name]] // ALIGN) * ALIGN
+    out.append(pos)
+    return out
+
+
+def plan(rank: int, world: int, saved_world: int, index: Mapping[str, Sharded], where: Mapping[str, Target],
+         boxes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> Plan | None:
+    """Pure (every rank, after its restore plan): this rank's exchange, or None when the specs do
+    not allow one (a tensor whose saved pieces are listed, not placed by arithmetic; a target that
+    is not a Shard/Replicate DTensor on a mesh over every rank). Raises CorruptCheckpointError
+    where the saved pieces do not cover a box (as a direct read would)."""
+    meshes: dict[int, tuple[Any, ...]] = {}
+    ranks_of: dict[str, Any] = {}  # a mesh's digest -> its ranks (nested lists, indexed by coordinate)
+    facts = []
+    for name in sorted(where):
+        tensor, target = index[name], where[name]
+        if tensor.layout is None or target.mesh is None:
+            return None
+        kinds = _kinds(tuple(target.placements))
+        mesh = meshes.get(id(target.mesh))
+        if mesh is None:
+            ranks = target.mesh.mesh.tolist()
+            flat = target.mesh.mesh.flatten().tolist()
+            if sorted(flat) != list(range(world)):
+                return None
+            mesh = meshes[id(target.mesh)] = (tuple(target.mesh.shape), xxhash.xxh3_64_hexdigest(repr(flat).encode()))
+            ranks_of[mesh[1]] = ranks
+        if kinds is None:
+            return None
+        facts.append((name, tensor.shape, tensor.dtype, tensor.layout, mesh[0], kinds, mesh[1]))
+    out = Plan(rank, world, xxhash.xxh3_64_intdigest(repr(facts).encode()) >> 2, dtypes={f[0]: f[2] for f in facts})
+    out.owned = [s for s in range(rank, saved_world, world)]
+    mine: dict[tuple[Any, ...], list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+    theirs: dict[tuple[Any, ...], list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+    for name, shape, dtype, layout, mesh_shape, kinds, mesh_key in facts:
+        tensor = index[name]
+        box_shape, box_offset = boxes[name]
+        key = (shape, dtype, layout, tuple(box_offset), tuple(box_shape))
+        hits = mine.get(key)
+        if hits is None:
+            hits = mine[key] = sorted((p.rank, tuple(lo), tuple(b)) for p, lo, b in
+                                      cover(tensor, tuple(box_offset), tuple(box_shape)))
+        for saved, lo, b in hits:
+            held_by = owner(saved, world)
+            (out.local if held_by == rank else out.recv.setdefault(held_by, [])).append((name, lo, b))
+        for saved in out.owned:
+            needs = theirs.get((shape, dtype, layout, mesh_key, kinds, saved))
+            if needs is None:
+                needs = theirs[(shape, dtype, layout, mesh_key, kinds, saved)] = _requesters(tensor, saved, mesh_shape, ranks_of[mesh_key], kinds, rank)
+            for q, lo, b in needs:
+                out.send.setdefault(q, []).append((name, lo, b))
+    return out
+
+
+def _requesters(tensor: Sharded, saved: int, mesh_shape: tuple[int, ...], ranks: Any, kinds: tuple[str, ...],
+                rank: int) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """The restoring ranks (but this one) whose boxes of `tensor` take bytes of saved shard
+    `saved`, each with the chunk: the new ranks whose boxes meet the saved piece, checked by the
+    same `cover` the requester runs (the piece's lowest holder reads it)."""
+    assert tensor.layout is not None
+    old_mesh, old_kinds = tuple(tensor.layout[0]), tuple(tensor.layout[1])
+    coord, rest = [], saved
+    for n in reversed(old_mesh):
+        coord.append(rest % n)
+        rest //= n
+    offset, shape = local_box(tuple(tensor.shape), old_mesh, tuple(reversed(coord)), old_kinds)
+    if not math.prod(shape):
+        return []
+    out = []
+    for coords, lo, ext in pieces_at(tuple(tensor.shape), mesh_shape, kinds, offset, shape, every_replica=True):
+        q = ranks
+        for c in coords:
+            q = q[c]
+        if q == rank:
+            continue
+        for piece, a, b in cover(tensor, lo, ext):
+            if piece.rank == saved:
+                out.append((int(q), tuple(a), tuple(b)))
+    return out
+
+
+def load(group: Any, plan_: Plan, directory: Path, shards: Sequence[dict[str, Any]], index: Mapping[str, Sharded],
+         where: Mapping[str, Target], expect: Callable[[int], Any] | None, mode: str, opened: Any,
+         boxes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, Any]:
+    """Collective (every rank of `group` whose plans agreed): `reshard.load_sharded`'s result, each
+    saved shard read by its owner only. Raises (CheckpointError) only once every message of this
+    rank went and every message to it arrived."""
+    import torch
+    import torch.distributed as dist
+
+    dests: dict[str, Any] = {}
+    errors: list[BaseException] = []  # this rank's own reads
+    peers: list[BaseException] = []  # a message whose owner could not read it
+    try:
+        for name in where if mode != "verify" else ():
+            shape, _ = boxes[name]
+            target = where[name]
+            local = target.live.to_local() if is_dtensor(target.live) else target.live
+            fits = mode == "live" and local is not None and _fits(local, tuple(shape), index[name].dtype)
+            dests[name] = local if fits else _empty(shape, index[name].dtype)
+    except Exception as exc:  # noqa: BLE001 - (out of memory) this rank still serves and receives
+        errors.append(exc)
+        dests = {}
+    comm = mode != "verify" and group.world_size > 1  # verify: each owner checks what it would send
+    inbox = {o: torch.empty(message_bytes(c, plan_.dtypes), dtype=torch.uint8)
+             for o, c in sorted(plan_.recv.items())} if comm else {}
+    waits: list[Any] = [dist.irecv(buf, group=group.pg, group_src=o) for o, buf in inbox.items()]
+    files = ShardFiles(directory, shards, expect, opened)
+    try:
+        try:
+            for name, lo, shape in plan_.local:
+                _read_chunk(files, index[name], boxes[name], lo, shape, dests.get(name))
+        except Exception as exc:  # noqa: BLE001 - raised once every message went
+            errors.append(exc)
+        sending: Any = None  # the message in flight (one at a time: an owner holds one)
+        for q, chunks in sorted(plan_.send.items()):
+            msg = _message(files, index, chunks, plan_.dtypes, errors)
+            if comm:
+                if sending is not None:
+                    sending.wait()
+                sending = dist.isend(msg, group=group.pg, group_dst=q)
+        if sending is not None:
+            sending.wait()
+    finally:
+        files.close()
+    for w in waits:
+        w.wait()
+    for o, buf in inbox.items() if not errors else ():  # (this rank's own error is raised)
+        chunks = plan_.recv[o]
+        offsets = _offsets(chunks, plan_.dtypes)
+        if int(buf[offsets[-1]]) != 0:
+            peers.append(CorruptCheckpointError(
+                f"rank {o} could not read the saved pieces this rank needs from shard(s) "
+                f"{sorted({s for s in range(o, len(shards), plan_.world)})} (its own error says why)"))
+            continue
+        for (name, lo, shape), at in zip(chunks, offsets):
+            nbytes = math.prod(shape) * ITEMSIZE[plan_.dtypes[name]]
+            src = buf[at:at + nbytes].view(TORCH_DTYPES[plan_.dtypes[name]]).view(shape)
+            _region(dests[name], boxes[name], lo, shape).copy_(src)
+    if errors or peers:
+        raise (errors or peers)[0]
+    out: dict[str, Any] = {}
+    for name, dest in dests.items():
+        target = where[name]
+        local = target.live.to_local() if is_dtensor(target.live) else target.live
+        if mode == "live" and local is not None:
+            if dest is not local:
+                local.copy_(dest)
+            out[name] = target.live
+        else:
+            out[name] = _wrap(dest, target, index[name].shape)
+    return out
+
+
+def _region(dest: Any, box: tuple[tuple[int, ...], tuple[int, ...]], lo: tuple[int, ...], shape: tuple[int, ...]) -> Any:
+    """The part of this rank's box `dest` (box = (shape, global offset)) at global `lo`, `shape`."""
+    return dest[tuple(slice(a - o, a - o + n) for a, o, n in zip(lo, box[1], shape))]
+
+
+def _read_chunk(files: ShardFiles, tensor: Sharded, box: tuple[tuple[int, ...], tuple[int, ...]],
+                lo: tuple[int, ...], shape: tuple[int, ...], dest: Any) -> None:
+    """One chunk of this rank's own box, read and verified into `dest` (None: verify only)."""
+    region = _region(dest, box, lo, shape) if dest is not None else _empty(shape, tensor.dtype)
+    read_box(files, tensor, lo, shape, region)
+
+
+def _message(files: ShardFiles, index: Mapping[str, Sharded], chunks: Sequence[Chunk], dtypes: Mapping[str, str],
+             errors: list[BaseException]) -> Any:
+    """One requester's message: its chunks read and verified, status 0; status 1 (and zeros) when
+    a read failed (the error appended to `errors`)."""
+    import torch
+
+    offsets = _offsets(chunks, dtypes)
+    msg = torch.zeros(offsets[-1] + 1, dtype=torch.uint8)
+    try:
+        for (name, lo, shape), at in zip(chunks, offsets):
+            nbytes = math.prod(shape) * ITEMSIZE[dtypes[name]]
+            view = msg[at:at + nbytes].view(TORCH_DTYPES[dtypes[name]]).view(shape)
+            read_box(files, index[name], lo, shape, view)
+    except Exception as exc:  # noqa: BLE001 - sent as status 1, raised once every message went
+        errors.append(exc)
+        msg.zero_()
+        msg[offsets[-1]] = 1
+    return msg
+
+
+def setting() -> str | None:
+    """The environment's SLURMRESUME_RESHARD_EXCHANGE (None: unset)."""
+    return os.environ.get(ENV_RESHARD_EXCHANGE)

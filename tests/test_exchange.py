@@ -1,0 +1,182 @@
+"""A resharding restore that opens each saved shard once (checkpoint/exchange.py): the plans of
+every rank, worked out without a process group, tile each rank's box exactly and agree pair by
+pair; real gloo ranks restore exactly with it, open fewer shards, and fail together."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.procs import HELPERS, clean_env, run_ranks
+from torch.distributed.tensor import Replicate, Shard
+
+from slurmresume.checkpoint import exchange
+from slurmresume.checkpoint.placement import local_box
+from slurmresume.checkpoint.reshard import Target, _kinds
+from slurmresume.checkpoint.sharding import Sharded, cover
+from slurmresume.errors import ConfigError
+
+
+class Mesh:
+    """What exchange.plan asks of a DeviceMesh: its ranks by coordinate and its shape."""
+
+    def __init__(self, shape: tuple[int, ...], order: list[int] | None = None) -> None:
+        n = math.prod(shape)
+        self.mesh = torch.tensor(order if order is not None else list(range(n))).reshape(shape)
+        self.shape = shape
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        return tuple(int(c) for c in (self.mesh == rank).nonzero()[0])
+
+
+def _world(saved: tuple[tuple[int, ...], tuple[str, ...]], mesh: Mesh, placements: list,
+           shapes: dict[str, tuple[int, ...]], world: int) -> dict[int, exchange.Plan]:
+    """Every restoring rank's exchange plan (boxes by torch's rule, as reshard.plan_reads makes them)."""
+    index = {n: Sharded(n, "F32", s, (), layout=saved) for n, s in shapes.items()}
+    where = {n: Target(mesh, placements, None) for n in shapes}
+    kinds = _kinds(tuple(placements))
+    plans = {}
+    for rank in range(world):
+        coord = mesh.coordinate(rank)
+        boxes = {}
+        for n, s in shapes.items():
+            offset, shape = local_box(s, mesh.shape, coord, kinds)
+            boxes[n] = (shape, offset)
+        got = exchange.plan(rank, world, math.prod(saved[0]), index, where, boxes)
+        assert got is not None
+        plans[rank] = got
+    return plans
+
+
+CASES = {
+    # saved 1-D Shard(0) (FSDP2), restored on fewer / more ranks; uneven rows (torch's ceil chunks)
+    "16->12": (((16,), ("shard:0",)), Mesh((12,)), [Shard(0)], 12),
+    "12->16": (((12,), ("shard:0",)), Mesh((16,)), [Shard(0)], 16),
+    "7->3": (((7,), ("shard:0",)), Mesh((3,)), [Shard(0)], 3),
+    # onto a 2-D mesh (HSDP-like: replicate x shard), and one whose ranks are not in row-major order
+    "6->2x3 replicate": (((6,), ("shard:0",)), Mesh((2, 3)), [Replicate(), Shard(0)], 6),
+    "4->2x2 shard(0),shard(1) permuted": (((4,), ("shard:0",)), Mesh((2, 2), [3, 1, 2, 0]), [Shard(0), Shard(1)], 4),
+    # saved on a 2-D mesh with a replicated dimension (the lowest holder's shard is read)
+    "2x3 replicate -> 4": (((2, 3), ("replicate", "shard:0")), Mesh((4,)), [Shard(0)], 4),
+}
+SHAPES = {"a": (37, 5), "b": (12, 8), "c": (5, 3), "d": (1, 4), "e": (64,)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_ranks_chunks_tile_its_box_and_each_message_is_planned_the_same_on_both_ends(case: str) -> None:
+    saved, mesh, placements, world = CASES[case]
+    shapes = {n: s for n, s in SHAPES.items() if len(s) >= sum(1 for p in placements if p == Shard(1)) + 1}
+    plans = _world(saved, mesh, placements, shapes, world)
+    kinds = _kinds(tuple(placements))
+    saved_world = math.prod(saved[0])
+    for rank, p in plans.items():
+        assert p.owned == [s for s in range(saved_world) if exchange.owner(s, world) == rank]
+        for q, chunks in p.send.items():  # what rank sends q is what q expects from rank, in order
+            assert plans[q].recv.get(rank) == chunks, (case, rank, q)
+        for o, chunks in p.recv.items():
+            assert plans[o].send.get(rank) == chunks, (case, o, rank)
+        coord = mesh.coordinate(rank)
+        for name, shape in shapes.items():
+            offset, box = local_box(shape, mesh.shape, coord, kinds)
+            mine = [c for c in p.local + [c for cs in p.recv.values() for c in cs] if c[0] == name]
+            assert sum(math.prod(c[2]) for c in mine) == math.prod(box), (case, rank, name)
+            marks = torch.zeros(box, dtype=torch.int32)
+            for _, lo, sh in mine:
+                marks[tuple(slice(a - o, a - o + n) for a, o, n in zip(lo, offset, sh))] += 1
+            assert bool((marks == 1).all()), (case, rank, name)  # every element once: no gap, no overlap
+    assert len({p.digest for p in plans.values()}) == 1
+
+
+def test_each_saved_shard_has_one_reader_and_a_rank_reads_only_the_shards_it_owns() -> None:
+    saved, mesh, placements, world = CASES["16->12"]
+    plans = _world(saved, mesh, placements, SHAPES, world)
+    index = {n: Sharded(n, "F32", s, (), layout=saved) for n, s in SHAPES.items()}
+    for rank, p in plans.items():  # chunks sent or kept come from the owner's shards only
+        for name, lo, shape in p.local + [c for cs in p.send.values() for c in cs]:
+            assert {piece.rank for piece, _, _ in cover(index[name], lo, shape)} <= set(p.owned), (rank, name)
+    owners = list(itertools.chain.from_iterable(p.owned for p in plans.values()))
+    assert sorted(owners) == list(range(16))
+
+
+def test_the_inputs_every_rank_must_share_change_the_digest() -> None:
+    saved, mesh, placements, world = CASES["16->12"]
+    a = _world(saved, mesh, placements, SHAPES, world)[0].digest
+    b = _world(saved, mesh, placements, {**SHAPES, "e": (65,)}, world)[0].digest
+    c = _world(saved, Mesh((12,), list(range(11, -1, -1))), placements, SHAPES, world)[0].digest
+    assert len({a, b, c}) == 3 and all(0 <= d < 2 ** 62 for d in (a, b, c))
+
+
+def test_specs_the_exchange_does_not_serve_give_no_plan() -> None:
+    shapes = {"a": (8, 2)}
+    mesh = Mesh((4,))
+    boxes = {"a": ((2, 2), (0, 0))}
+    listed = {"a": Sharded("a", "F32", (8, 2), ())}  # pieces listed, not placed by arithmetic
+    assert exchange.plan(0, 4, 2, listed, {"a": Target(mesh, [Shard(0)], None)}, boxes) is None
+    placed = {"a": Sharded("a", "F32", (8, 2), (), layout=((2,), ("shard:0",)))}
+    assert exchange.plan(0, 4, 2, placed, {"a": Target(None, None, None)}, boxes) is None  # a plain target
+    assert exchange.plan(0, 4, 2, placed, {"a": Target(Mesh((2,)), [Shard(0)], None)}, boxes) is None  # a sub-mesh
+    assert shapes
+
+
+@pytest.mark.parametrize(("value", "world", "want"), [(None, 63, False), (None, 64, True), ("auto", 4096, True),
+                                                      ("1", 2, True), (" 0 ", 16384, False)])
+def test_wanted(value: str | None, world: int, want: bool) -> None:
+    assert exchange.wanted(value, world) is want
+
+
+def test_a_bad_setting_is_one_clear_line() -> None:
+    with pytest.raises(ConfigError, match="SLURMRESUME_RESHARD_EXCHANGE='yes'"):
+        exchange.wanted("yes", 8)
+
+
+# -- real gloo ranks (tests/helpers/reshard_opens.py: 3 ranks save, 2 or 4 restore) -------------------
+
+
+def _run(nproc: int, mode: str, tmp_path: Path, **env: str) -> None:
+    res = run_ranks(nproc, HELPERS / "reshard_opens.py", mode, tmp_path, tmp_path / "ck",
+                    env={**clean_env(), **env}, preload=("torch._dynamo",))
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
+def _shards(opens: list[str]) -> set[int]:
+    return {int(f[5:10]) for f in opens if f.endswith(".safetensors")}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("staging", ["", "0"])
+def test_gloo_ranks_restore_exactly_each_opening_only_its_own_shard_shard_0_and_those_it_owns(
+        tmp_path: Path, world: int, staging: str) -> None:
+    """3 gloo ranks save DTensors split by rows (one row and several a rank) and by columns; 2 and
+    4 ranks restore them with the exchange forced on, staged and (a staging budget of 0) in two
+    passes, verify then live: every tensor exact, and rank r opens only shard r % 3 (its header),
+    shard 0 (the replicated plain tensor) and the shards it owns (s % W == r). Without the
+    exchange, rank 1 of 2 opens shard 2 as well, and rank 3 of 4 shard 2."""
+    _run(3, "save", tmp_path)
+    _run(world, "restore", tmp_path, SLURMRESUME_RESHARD_EXCHANGE="1", SLURMRESUME_RESTORE_STAGING_BYTES=staging)
+    for rank in range(world):
+        got = json.loads((tmp_path / f"restore-{world}-{rank}.json").read_text())
+        assert got["step"] == 1 and got["exact"], (rank, got)
+        allowed = {rank % 3, 0} | {s for s in range(3) if s % world == rank}
+        assert _shards(got["opens"]) <= allowed, (rank, got["opens"])
+
+
+def test_a_damaged_shard_fails_the_restore_on_every_rank_including_those_it_was_read_for(tmp_path: Path) -> None:
+    """A flipped byte in the rows of shard 2 that rank 1 of 2 needs: rank 0 owns shard 2, reads it,
+    finds the digest wrong and sends rank 1 a failed message. Every rank raises the same error
+    (the step asked for explicitly: no fallback), none waits forever, and nothing is applied."""
+    _run(3, "save", tmp_path)
+    path = next((tmp_path / "ck").glob("step_000000001/rank-00002-of-00003.safetensors"))
+    raw = bytearray(path.read_bytes())
+    header = int.from_bytes(raw[:8], "little")
+    meta = json.loads(raw[8:8 + header])
+    start = 8 + header + meta["w"]["data_offsets"][0]
+    raw[start + 5] ^= 0x40
+    path.write_bytes(bytes(raw))
+    _run(2, "restore", tmp_path, SLURMRESUME_RESHARD_EXCHANGE="1")
+    errors = [json.loads((tmp_path / f"restore-2-{r}.json").read_text()).get("error") for r in range(2)]
+    assert errors[0] and errors[0] == errors[1], errors
+    assert "rank-00002-of-00003" in errors[0], errors[0]
