@@ -88,8 +88,9 @@ def main(argv: list[str]) -> int:
         part.opened.close()
     if swap:
         report(f"{model} {frm} -> {to}, with the exchange", swapped, to, every)
-        print(f"  exchange plan per rank: median {statistics.median(took) * 1e3:.1f} ms, max {max(took) * 1e3:.1f} ms "
-              f"({len(took)} ranks)")
+        worst = max(range(len(took)), key=took.__getitem__)
+        print(f"  exchange plan per rank: median {statistics.median(took) * 1e3:.1f} ms, max {took[worst] * 1e3:.1f} ms "
+              f"(rank {list(ranks)[worst]}; {len(took)} ranks)")
     if fold:
         report(f"{model} {frm} -> {to}, folded into node files of {fold} ranks", folded, to, every)
     report(f"{model} {frm} -> {to}", per, to, every)

@@ -91,6 +91,27 @@ def test_every_ranks_chunks_tile_its_box_and_each_message_is_planned_the_same_on
     assert len({p.digest for p in plans.values()}) == 1
 
 
+def test_1024_saved_ranks_onto_768_with_the_row_counts_of_405b() -> None:
+    """The row counts whose ceil chunks give one rank's boxes ~5 saved shards at 16,384 -> 12,288
+    (405B: 16,384, 1,024, 53,248 and 128,256 rows), at 1,024 -> 768 ranks, every rank's plan made
+    as it would be (no process group): the chunks tile every box, each message is planned the
+    same on both ends, and each saved shard is read by one rank."""
+    saved, mesh, world = ((1024,), ("shard:0",)), Mesh((768,)), 768
+    shapes = {"wq": (16384, 2), "wk": (1024, 2), "w1": (53248, 2), "emb": (128256, 2)}
+    plans = _world(saved, mesh, [Shard(0)], shapes, world)
+    for rank, p in plans.items():
+        for q, chunks in p.send.items():
+            assert plans[q].recv.get(rank) == chunks, (rank, q)
+        for name, shape in shapes.items():
+            offset, box = local_box(shape, (world,), (rank,), ("shard:0",))
+            mine = sorted((lo, sh) for n, lo, sh in p.local + [c for cs in p.recv.values() for c in cs] if n == name)
+            rows = [(lo[0], lo[0] + sh[0]) for lo, sh in mine]
+            assert all(a[1] == b[0] for a, b in zip(rows, rows[1:])), (rank, name, rows)  # contiguous, no overlap
+            assert (rows[0][0], rows[-1][1]) == (offset[0], offset[0] + box[0]) if box[0] else not rows
+    assert sorted(s for p in plans.values() for s in p.owned) == list(range(1024))
+    assert max(len(p.recv) for p in plans.values()) >= 3  # the boxes do span several owners
+
+
 def test_each_saved_shard_has_one_reader_and_a_rank_reads_only_the_shards_it_owns() -> None:
     saved, mesh, placements, world = CASES["16->12"]
     plans = _world(saved, mesh, placements, SHAPES, world)
@@ -136,10 +157,11 @@ def test_a_bad_setting_is_one_clear_line() -> None:
 # -- real gloo ranks (tests/helpers/reshard_opens.py: 3 ranks save, 2 or 4 restore) -------------------
 
 
-def _run(nproc: int, mode: str, tmp_path: Path, **env: str) -> None:
+def _run(nproc: int, mode: str, tmp_path: Path, **env: str) -> str:
     res = run_ranks(nproc, HELPERS / "reshard_opens.py", mode, tmp_path, tmp_path / "ck",
                     env={**clean_env(), **env}, preload=("torch._dynamo",))
     assert res.returncode == 0, res.stderr[-4000:]
+    return res.stderr
 
 
 def _shards(opens: list[str]) -> set[int]:
@@ -156,7 +178,8 @@ def test_gloo_ranks_restore_exactly_each_opening_only_its_own_shard_shard_0_and_
     shard 0 (the replicated plain tensor) and the shards it owns (s % W == r). Without the
     exchange, rank 1 of 2 opens shard 2 as well, and rank 3 of 4 shard 2."""
     _run(3, "save", tmp_path)
-    _run(world, "restore", tmp_path, SLURMRESUME_RESHARD_EXCHANGE="1", SLURMRESUME_RESTORE_STAGING_BYTES=staging)
+    log = _run(world, "restore", tmp_path, SLURMRESUME_RESHARD_EXCHANGE="1", SLURMRESUME_RESTORE_STAGING_BYTES=staging)
+    assert "each saved shard opened by one rank and sent" in log, log[-3000:]
     for rank in range(world):
         got = json.loads((tmp_path / f"restore-{world}-{rank}.json").read_text())
         assert got["step"] == 1 and got["exact"], (rank, got)
@@ -180,3 +203,17 @@ def test_a_damaged_shard_fails_the_restore_on_every_rank_including_those_it_was_
     errors = [json.loads((tmp_path / f"restore-2-{r}.json").read_text()).get("error") for r in range(2)]
     assert errors[0] and errors[0] == errors[1], errors
     assert "rank-00002-of-00003" in errors[0], errors[0]
+
+
+@pytest.mark.slow
+def test_64_gloo_ranks_take_the_exchange_by_default_and_restore_exactly(tmp_path: Path) -> None:
+    """64 real gloo ranks (EXCHANGE_MIN_RANKS: the exchange's default from here on) restore the
+    3-rank step: every rank's tensors exact, rank 0 says the exchange ran, and ranks 3-63 (which
+    own no saved shard) open only shard r % 3 (their header) and shard 0 (the replicated tensor)."""
+    _run(3, "save", tmp_path)
+    log = _run(exchange.EXCHANGE_MIN_RANKS, "restore", tmp_path)
+    assert "each saved shard opened by one rank and sent" in log, log[-3000:]
+    for rank in range(exchange.EXCHANGE_MIN_RANKS):
+        got = json.loads((tmp_path / f"restore-64-{rank}.json").read_text())
+        assert got["step"] == 1 and got["exact"], (rank, got)
+        assert _shards(got["opens"]) <= {rank % 3, 0} | ({rank} if rank < 3 else set()), (rank, got["opens"])

@@ -32,9 +32,9 @@ def _save(root: Path, steps: str, **env: str) -> subprocess.CompletedProcess[str
     return _ranks(4, "save", str(root), steps, SLURMRESUME_LAYOUT="per-node", NODE_SIZE="2", **env)
 
 
-def _restore(root: Path, world: int, out: Path) -> list[dict]:
+def _restore(root: Path, world: int, out: Path, **env: str) -> list[dict]:
     out.mkdir()
-    res = _ranks(world, "restore", str(root), str(out))
+    res = _ranks(world, "restore", str(root), str(out), **env)
     assert res.returncode == 0, res.stderr[-4000:]
     return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
 
@@ -67,8 +67,16 @@ def test_a_per_node_step_holds_one_data_file_per_node_and_restores_bitwise(saved
         assert r == {"step": 2, "value": 2, "emb": [2], "bias": [2]}, r
 
 
-def test_a_per_node_step_reshards_4_to_3(saved: Path, tmp_path: Path) -> None:
-    for r in _restore(saved, 3, tmp_path / "out"):
+@pytest.mark.parametrize("exchange", ["0", "1"])
+def test_a_per_node_step_reshards_4_to_3(saved: Path, tmp_path: Path, exchange: str) -> None:
+    """Each rank reading its boxes, and (checkpoint/exchange.py) each saved rank's range read by its
+    owner alone and sent."""
+    out = tmp_path / "out"
+    out.mkdir()
+    res = _ranks(3, "restore", str(saved), str(out), SLURMRESUME_RESHARD_EXCHANGE=exchange)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert ("each saved shard opened by one rank and sent" in res.stderr) is (exchange == "1"), res.stderr[-4000:]
+    for r in [json.loads((out / f"{r}.json").read_text()) for r in range(3)]:
         assert r == {"step": 2, "value": 2, "emb": [2], "bias": [2]}, r
 
 

@@ -86,4 +86,4 @@ def test_the_suite_groups_the_tests_of_test_node_layouts_saved_step(tmp_path: Pa
     assert res.returncode == 0 and groups, res.stdout + res.stderr
     saved = {nodeid for nodeid, group in groups.items() if group != "-"}
     assert {group for group in groups.values() if group != "-"} == {"fixture-test_node_layout"}
-    assert len(saved) == 9 and all("test_a_nodes_ranks" not in nodeid for nodeid in saved), groups  # 9 read it
+    assert len(saved) == 10 and all("test_a_nodes_ranks" not in nodeid for nodeid in saved), groups  # 10 read it

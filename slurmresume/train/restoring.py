@@ -232,7 +232,7 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
                        f"`slurmresume verify --all --ckpt-dir {root}` and restart")
             raise (first.error(message) if first.decisive else CheckpointError(message)) from _cause(first, got)
     if not failures:
-        apply_loaded(group, state, got, choice, req.restore_rng)
+        apply_loaded(group, state, got, choice, req.restore_rng, swap is not None)
         if req.ddp_buckets is not None and isinstance(got.library, dict):
             req.ddp_buckets.restore(got.library.get("ddp"))
     if isinstance(part, Part):
@@ -407,7 +407,7 @@ def _mem_available() -> int | None:
 
 
 def apply_loaded(group: Group, state: MutableMapping[str, Any], got: Loaded, choice: RestoreChoice,
-                 restore_rng: bool) -> None:
+                 restore_rng: bool, exchanged: bool = False) -> None:
     """Every rank, once every rank has loaded and verified its part: the values into `state`
     (plain tensors copied in place where shape and dtype match), the RNG states."""
     assert got.decoded is not None  # only called when no rank failed
@@ -423,5 +423,6 @@ def apply_loaded(group: Group, state: MutableMapping[str, Any], got: Loaded, cho
         rng.restore(got.library["rng"])
     if saved_world != group.world_size and rank == 0:
         log.warning("resharded: checkpoint %s was written by %d ranks, restored on %d (replicated tensors "
-                    "from rank 0's shard, %d DTensor(s) read by box)", choice.path, saved_world,
-                    group.world_size, len(choice.manifest.sharded if choice.manifest else choice.sharded))
+                    "from rank 0's shard, %d DTensor(s) read by box%s)", choice.path, saved_world,
+                    group.world_size, len(choice.manifest.sharded if choice.manifest else choice.sharded),
+                    ", each saved shard opened by one rank and sent" if exchanged else "")
