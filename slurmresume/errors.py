@@ -7,6 +7,7 @@ __all__ = [
     "ConfigError",
     "CheckpointError",
     "CorruptCheckpointError",
+    "PeerReadError",
     "UnsafeCheckpointError",
     "UnreadableCheckpointError",
     "SaveError",
@@ -34,6 +35,11 @@ class CorruptCheckpointError(CheckpointError):
 
 class UnsafeCheckpointError(CorruptCheckpointError):
     """A checkpoint tries to make us read outside its directory or allocate without bound."""
+
+
+class PeerReadError(CorruptCheckpointError):
+    """A resharding restore's exchange: the rank that reads a saved shard for this one could not
+    read it (that rank's own error says why, and is the one reported)."""
 
 
 class UnreadableCheckpointError(CheckpointError):

@@ -154,11 +154,11 @@ def test_a_whole_resharding_restore_opens_only_the_shards_it_reads(tmp_path: Pat
     never an index file or (rank 0 aside) the manifest: 5.54 W for the tiny model, whose odd
     shapes spread a box over many saved ranks (before the header digests and the manifest's
     broadcast: 11.92 W), and with node files of 8 ranks, each opened once, 2.33 W. With the
-    exchange (checkpoint/exchange.py: each saved shard opened by its owner alone), 1.48 W: the
-    64 saved shards and rank 0's pick (manifest, marker, listings)."""
+    exchange (checkpoint/exchange.py: each saved shard opened by one rank, the one that needs most
+    of it), 2.44 W: each rank its own shard's header (48), the 64 saved shards once, rank 0's pick."""
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_restore_ops.py"), "tiny", "64", "48",
                            str(tmp_path), "--fold", "8", "--exchange", "1"], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     per_w = [float(line.split(" = ")[1].split(" x W")[0]) for line in proc.stdout.splitlines() if " x W" in line]
-    assert len(per_w) == 3 and per_w[0] <= 1.5 and per_w[1] <= 2.5 and per_w[2] <= 6.0, proc.stdout
+    assert len(per_w) == 3 and per_w[0] <= 2.5 and per_w[1] <= 2.5 and per_w[2] <= 6.0, proc.stdout

@@ -73,8 +73,9 @@ def test_every_ranks_chunks_tile_its_box_and_each_message_is_planned_the_same_on
     plans = _world(saved, mesh, placements, shapes, world)
     kinds = _kinds(tuple(placements))
     saved_world = math.prod(saved[0])
+    owned = sorted(s for p in plans.values() for s in p.owned)
+    assert owned == sorted(set(owned)) and set(owned) <= set(range(saved_world))  # one reader a saved shard at most
     for rank, p in plans.items():
-        assert p.owned == [s for s in range(saved_world) if exchange.owner(s, world) == rank]
         for q, chunks in p.send.items():  # what rank sends q is what q expects from rank, in order
             assert plans[q].recv.get(rank) == chunks, (case, rank, q)
         for o, chunks in p.recv.items():
@@ -112,15 +113,23 @@ def test_1024_saved_ranks_onto_768_with_the_row_counts_of_405b() -> None:
     assert max(len(p.recv) for p in plans.values()) >= 3  # the boxes do span several owners
 
 
-def test_each_saved_shard_has_one_reader_and_a_rank_reads_only_the_shards_it_owns() -> None:
+def test_each_saved_shard_has_one_reader_the_rank_that_needs_most_of_it() -> None:
+    """Each saved shard is read by one rank, the one that takes the most of its bytes (ties: the
+    lowest rank), and a rank reads only the shards it owns: 16 -> 12 ranks, shapes whose chunks
+    move by different ratios."""
     saved, mesh, placements, world = CASES["16->12"]
     plans = _world(saved, mesh, placements, SHAPES, world)
     index = {n: Sharded(n, "F32", s, (), layout=saved) for n, s in SHAPES.items()}
     for rank, p in plans.items():  # chunks sent or kept come from the owner's shards only
         for name, lo, shape in p.local + [c for cs in p.send.values() for c in cs]:
             assert {piece.rank for piece, _, _ in cover(index[name], lo, shape)} <= set(p.owned), (rank, name)
-    owners = list(itertools.chain.from_iterable(p.owned for p in plans.values()))
-    assert sorted(owners) == list(range(16))
+    owners = {s: r for r, p in plans.items() for s in p.owned}
+    assert sorted(itertools.chain.from_iterable(p.owned for p in plans.values())) == list(range(16))
+    for s, o in owners.items():  # bytes of shard s each rank takes, from its own plan
+        took = {r: sum(math.prod(c[2]) for c in p.local + [c for cs in p.recv.values() for c in cs]
+                       if {pc.rank for pc, _, _ in cover(index[c[0]], c[1], c[2])} == {s})
+                for r, p in plans.items()}
+        assert took[o] == max(took.values()) and o == min(r for r, n in took.items() if n == took[o]), (s, o, took)
 
 
 def test_the_inputs_every_rank_must_share_change_the_digest() -> None:
@@ -175,45 +184,55 @@ def test_gloo_ranks_restore_exactly_each_opening_only_its_own_shard_shard_0_and_
     """3 gloo ranks save DTensors split by rows (one row and several a rank) and by columns; 2 and
     4 ranks restore them with the exchange forced on, staged and (a staging budget of 0) in two
     passes, verify then live: every tensor exact, and rank r opens only shard r % 3 (its header),
-    shard 0 (the replicated plain tensor) and the shards it owns (s % W == r). Without the
-    exchange, rank 1 of 2 opens shard 2 as well, and rank 3 of 4 shard 2."""
+    shard 0 (the replicated plain tensor) and the shards it owns, each owned by one rank. Without
+    the exchange, rank 1 of 2 and rank 2 of 4 open shard 2 besides another rank."""
     _run(3, "save", tmp_path)
     log = _run(world, "restore", tmp_path, SLURMRESUME_RESHARD_EXCHANGE="1", SLURMRESUME_RESTORE_STAGING_BYTES=staging)
     assert "each saved shard opened by one rank and sent" in log, log[-3000:]
     for rank in range(world):
         got = json.loads((tmp_path / f"restore-{world}-{rank}.json").read_text())
         assert got["step"] == 1 and got["exact"], (rank, got)
-        allowed = {rank % 3, 0} | {s for s in range(3) if s % world == rank}
-        assert _shards(got["opens"]) <= allowed, (rank, got["opens"])
+    _one_reader_a_shard(tmp_path, world)
 
 
-def test_a_damaged_shard_fails_the_restore_on_every_rank_including_those_it_was_read_for(tmp_path: Path) -> None:
-    """A flipped byte in the rows of shard 2 that rank 1 of 2 needs: rank 0 owns shard 2, reads it,
-    finds the digest wrong and sends rank 1 a failed message. Every rank raises the same error
-    (the step asked for explicitly: no fallback), none waits forever, and nothing is applied."""
+def _one_reader_a_shard(tmp_path: Path, world: int) -> None:
+    """Beyond its own shard's header (shard r % 3) and shard 0's replicated tensor, each saved
+    shard is opened by one restoring rank at most."""
+    extra = [_shards(json.loads((tmp_path / f"restore-{world}-{r}.json").read_text())["opens"]) - {r % 3, 0}
+             for r in range(world)]
+    assert sum(len(e) for e in extra) == len(set().union(*extra)), extra
+
+
+def test_a_damaged_shard_fails_the_restore_on_every_rank_with_the_readers_own_error(tmp_path: Path) -> None:
+    """4 ranks restore the 3-rank step; a flipped byte in row 8 of `w` in shard 2. Shard 2's reader
+    is rank 3 (it takes 21 of its elements, rank 2 13), which reads row 8 for rank 2, finds the
+    digest wrong and sends rank 2 a failed message. Every rank raises the same error, the reader's
+    own (rank 2's report that its reader failed comes after it, though rank 2 is lower), none
+    waits forever (the step asked for explicitly: no fallback), nothing is applied."""
     _run(3, "save", tmp_path)
     path = next((tmp_path / "ck").glob("step_000000001/rank-00002-of-00003.safetensors"))
     raw = bytearray(path.read_bytes())
     header = int.from_bytes(raw[:8], "little")
     meta = json.loads(raw[8:8 + header])
-    start = 8 + header + meta["w"]["data_offsets"][0]
-    raw[start + 5] ^= 0x40
+    assert meta["w"]["shape"] == [4, 4]  # rows 8-11 of w
+    raw[8 + header + meta["w"]["data_offsets"][0] + 5] ^= 0x40  # row 8
     path.write_bytes(bytes(raw))
-    _run(2, "restore", tmp_path, SLURMRESUME_RESHARD_EXCHANGE="1")
-    errors = [json.loads((tmp_path / f"restore-2-{r}.json").read_text()).get("error") for r in range(2)]
-    assert errors[0] and errors[0] == errors[1], errors
-    assert "rank-00002-of-00003" in errors[0], errors[0]
+    _run(4, "restore", tmp_path, SLURMRESUME_RESHARD_EXCHANGE="1")
+    errors = [json.loads((tmp_path / f"restore-4-{r}.json").read_text()).get("error") for r in range(4)]
+    assert errors[0] and len(set(errors)) == 1, errors
+    assert "rank-00002-of-00003" in errors[0] and "checksum" in errors[0], errors[0]
+    assert "could not read the saved pieces" not in errors[0], errors[0]
 
 
 @pytest.mark.slow
 def test_64_gloo_ranks_take_the_exchange_by_default_and_restore_exactly(tmp_path: Path) -> None:
     """64 real gloo ranks (EXCHANGE_MIN_RANKS: the exchange's default from here on) restore the
-    3-rank step: every rank's tensors exact, rank 0 says the exchange ran, and ranks 3-63 (which
-    own no saved shard) open only shard r % 3 (their header) and shard 0 (the replicated tensor)."""
+    3-rank step: every rank's tensors exact, rank 0 says the exchange ran, and beyond its own
+    header (shard r % 3) and shard 0 (the replicated tensor) each saved shard is opened by one rank."""
     _run(3, "save", tmp_path)
     log = _run(exchange.EXCHANGE_MIN_RANKS, "restore", tmp_path)
     assert "each saved shard opened by one rank and sent" in log, log[-3000:]
     for rank in range(exchange.EXCHANGE_MIN_RANKS):
         got = json.loads((tmp_path / f"restore-64-{rank}.json").read_text())
         assert got["step"] == 1 and got["exact"], (rank, got)
-        assert _shards(got["opens"]) <= {rank % 3, 0} | ({rank} if rank < 3 else set()), (rank, got["opens"])
+    _one_reader_a_shard(tmp_path, exchange.EXCHANGE_MIN_RANKS)

@@ -17,6 +17,7 @@ from ..errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpointError,
+    PeerReadError,
     RankFailedError,
     SlurmResumeError,
     UnreadableCheckpointError,
@@ -26,6 +27,7 @@ from ..errors import (
 # kind -> the exception every rank raises; most specific class first (classify picks the first match)
 KINDS: dict[str, type[Exception]] = {
     "unsafe": UnsafeCheckpointError,
+    "peer": PeerReadError,  # reported after every other failure: the reader's own error says why
     "corrupt": CorruptCheckpointError,
     "unreadable": UnreadableCheckpointError,
     "config": ConfigError,

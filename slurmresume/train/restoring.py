@@ -288,8 +288,9 @@ def _verdict(group: Group, got: Loaded) -> tuple[list[Failure], list[list[int]]]
 def first_failures(failures: list[dict[str, Any]], most: int = MAX_FAILURES) -> list[dict[str, Any]]:
     """Pure, rank 0: the failures every rank receives (in rank order): the decisive ones (a
     ConfigError, a bug: they end the restore) first, so that the one every rank raises is never
-    cut off by a checkpoint problem of a lower rank."""
-    return sorted(failures, key=lambda f: f["kind"] not in DECISIVE)[:most]
+    cut off by a checkpoint problem of a lower rank; a rank's report that the rank reading a shard
+    for it failed ("peer") last, after that rank's own error."""
+    return sorted(failures, key=lambda f: (f["kind"] not in DECISIVE, f["kind"] == "peer"))[:most]
 
 
 def caught(group: Group, exc: Exception, doing: str) -> Failure:
