@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     if not (root / bs.step_dir_name(bs.STEP) / "COMMITTED").exists():
         root.mkdir(parents=True, exist_ok=True)
         bs.save_rank0(model, frm, root, bs.Ops(), per_node=per_node)
-    ops, per, folded, swapped, took, choice, wire, sent = bs.Ops(), [], [], [], [], None, None, b""
+    ops, per, folded, swapped, took, fanout, choice, wire, sent = bs.Ops(), [], [], [], [], [], None, None, b""
     ranks = range(0, to, every)
     for rank in ranks:
         state = bs.rank_state(model, bs.fake_world(to, rank), to, rank)
@@ -82,12 +82,17 @@ def main(argv: list[str]) -> int:
                 print(f"rank {rank}: no exchange plan for these specs", file=sys.stderr)
                 return 1
             swapped.append(n + len(set(xplan.owned) - {int(f[5:10]) for f in opened}))
+            fanout.append(len(part.sources | {part.src}))  # what "auto" sums (exchange.worth_it)
         if fold:  # the same plan, its shard files folded into the node files of L ranks each
             mine = {int(f[5:10]) for f in opened} | sources
             folded.append(n - len(opened) + len({r // fold for r in mine}))
         part.opened.close()
     if swap:
         report(f"{model} {frm} -> {to}, with the exchange", swapped, to, every)
+        mean = sum(fanout) / len(fanout)
+        print(f"  reading their own boxes the ranks would open ~{mean:.2f} shard files each: SLURMRESUME_RESHARD_EXCHANGE="
+              f"auto {'takes' if exchange.wanted(None, to) == 'auto' and exchange.worth_it(round(mean * to), to) else 'does not take'} the exchange "
+              f"(over {exchange.FANOUT} a rank, from {exchange.EXCHANGE_MIN_RANKS} ranks on)")
         worst = max(range(len(took)), key=took.__getitem__)
         print(f"  exchange plan per rank: median {statistics.median(took) * 1e3:.1f} ms, max {took[worst] * 1e3:.1f} ms "
               f"(rank {list(ranks)[worst]}; {len(took)} ranks)")

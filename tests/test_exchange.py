@@ -152,10 +152,18 @@ def test_specs_the_exchange_does_not_serve_give_no_plan() -> None:
     assert shapes
 
 
-@pytest.mark.parametrize(("value", "world", "want"), [(None, 63, False), (None, 64, True), ("auto", 4096, True),
-                                                      ("1", 2, True), (" 0 ", 16384, False)])
-def test_wanted(value: str | None, world: int, want: bool) -> None:
-    assert exchange.wanted(value, world) is want
+@pytest.mark.parametrize(("value", "world", "want"), [(None, 63, "off"), (None, 64, "auto"), ("auto", 4096, "auto"),
+                                                      ("1", 2, "on"), (" 0 ", 16384, "off")])
+def test_wanted(value: str | None, world: int, want: str) -> None:
+    assert exchange.wanted(value, world) == want
+
+
+@pytest.mark.parametrize(("opens", "world", "worth"), [(3 * 12288, 12288, False), (3 * 12288 + 1, 12288, True),
+                                                       (73409, 12288, True), (33654, 12288, False), (64, 64, False)])
+def test_auto_takes_the_exchange_only_where_ranks_would_open_over_3_shards_each(opens: int, world: int,
+                                                                                 worth: bool) -> None:
+    """405B / 7B at 16,384 -> 12,288 (reading their own boxes: 5.97 / 2.74 files a rank)."""
+    assert exchange.worth_it(opens, world) is worth
 
 
 def test_a_bad_setting_is_one_clear_line() -> None:
@@ -225,14 +233,16 @@ def test_a_damaged_shard_fails_the_restore_on_every_rank_with_the_readers_own_er
 
 
 @pytest.mark.slow
-def test_64_gloo_ranks_take_the_exchange_by_default_and_restore_exactly(tmp_path: Path) -> None:
-    """64 real gloo ranks (EXCHANGE_MIN_RANKS: the exchange's default from here on) restore the
-    3-rank step: every rank's tensors exact, rank 0 says the exchange ran, and beyond its own
-    header (shard r % 3) and shard 0 (the replicated tensor) each saved shard is opened by one rank."""
+def test_64_gloo_ranks_restore_exactly_with_and_without_the_exchange(tmp_path: Path) -> None:
+    """64 real gloo ranks (EXCHANGE_MIN_RANKS) restore the 3-rank step. By default ("auto") they
+    read their own boxes: they would open ~1 shard a rank, not worth a network hop. Forced, each
+    saved shard is opened by one rank beyond the headers; every rank's tensors exact both ways."""
     _run(3, "save", tmp_path)
-    log = _run(exchange.EXCHANGE_MIN_RANKS, "restore", tmp_path)
-    assert "each saved shard opened by one rank and sent" in log, log[-3000:]
-    for rank in range(exchange.EXCHANGE_MIN_RANKS):
-        got = json.loads((tmp_path / f"restore-64-{rank}.json").read_text())
-        assert got["step"] == 1 and got["exact"], (rank, got)
+    for forced in (False, True):
+        log = _run(exchange.EXCHANGE_MIN_RANKS, "restore", tmp_path,
+                   **({"SLURMRESUME_RESHARD_EXCHANGE": "1"} if forced else {}))
+        assert ("each saved shard opened by one rank and sent" in log) is forced, log[-3000:]
+        for rank in range(exchange.EXCHANGE_MIN_RANKS):
+            got = json.loads((tmp_path / f"restore-64-{rank}.json").read_text())
+            assert got["step"] == 1 and got["exact"], (forced, rank, got)
     _one_reader_a_shard(tmp_path, exchange.EXCHANGE_MIN_RANKS)

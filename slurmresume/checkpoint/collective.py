@@ -153,6 +153,17 @@ class Group:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
         return [int(v) for v in t.tolist()]
 
+    def sum_int(self, value: int) -> int:
+        """SUM over ranks (collective)."""
+        if self.world_size == 1:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg)
+        return int(t.item())
+
     def destroy(self) -> None:
         """Release this side group's gloo resources (threads that would otherwise be torn down
         at interpreter exit). Idempotent; a no-op for a world of one."""

@@ -74,6 +74,7 @@ class Part:
     boxes: dict[str, Any]  # where -> (shape, global offset) of this rank's box (reshard.plan_reads)
     staging: int
     opened: OpenShards
+    sources: frozenset[int] = frozenset()  # the saved ranks whose shards this rank's boxes span
 
 
 def with_manifest(choice: RestoreChoice, sent: bytes) -> RestoreChoice:
@@ -162,7 +163,7 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         # tensors), and then by the read that needs them (Expected.of), before anything is applied.
         staging = sum(int(i["data_offsets"][1]) - int(i["data_offsets"][0]) for i in infos.values())
         return Part(directory, shard, first, manifest, src, skeleton, names, shared & set(infos), wanted, where,
-                    boxes, staging + boxed, opened)
+                    boxes, staging + boxed, opened, frozenset(sources))
     except CheckpointError as exc:
         opened.close()
         return Failure.of(exc)

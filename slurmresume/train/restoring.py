@@ -211,10 +211,16 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
         part, xplan = caught(group, exc, f"planning its read of step {choice.step}"), None
     sent = b""  # (refused before the plan: not kept either)
     digest = xplan.digest if xplan is not None else 0
-    agreed = group.max_ints([2 if over else 0 if warm else 1, 0 if xplan is not None else 1, digest, -digest])
+    forced = xplan is not None and exchange.wanted(exchange.setting(), group.world_size) == "on"
+    agreed = group.max_ints([2 if over else 0 if warm else 1, 0 if xplan is not None else 1, digest, -digest,
+                             0 if forced else 1])
     two_pass = agreed[0] != 1
-    # the exchange only where every rank planned one from the same inputs (else each reads its own boxes)
+    # the exchange only where every rank planned one from the same inputs (else each reads its own
+    # boxes), and, unless every rank forces it, where reading their own boxes would open too many files
     swap = (group, xplan) if xplan is not None and agreed[1] == 0 and agreed[2] == -agreed[3] else None
+    if agreed[1] == 0 and agreed[2] == -agreed[3] and agreed[4] == 1:  # every rank the same: collective
+        direct = len(part.sources | {part.src}) if isinstance(part, Part) else 0
+        swap = swap if exchange.worth_it(group.sum_int(direct), group.world_size) else None
     if isinstance(part, Part):  # the hang watch scales this rank's budget with the bytes it reads
         expect_io("restore", part.staging * (2 if two_pass else 1))
     got = _read(group, choice, part, keys, live, req.strict, "verify" if two_pass else "stage", swap)
@@ -246,7 +252,8 @@ def exchange_plan(group: Group, choice: RestoreChoice, part: Part | Failure) -> 
     placed by arithmetic, specs the exchange does not serve, or not wanted
     (SLURMRESUME_RESHARD_EXCHANGE, EXCHANGE_MIN_RANKS)."""
     if (not isinstance(part, Part) or not part.wanted or choice.world_size == group.world_size
-            or not part.manifest.placed_by_arithmetic or not exchange.wanted(exchange.setting(), group.world_size)):
+            or not part.manifest.placed_by_arithmetic
+            or exchange.wanted(exchange.setting(), group.world_size) == "off"):
         return None
     return exchange.plan(group.rank, group.world_size, choice.world_size, part.wanted, part.where, part.boxes)
 
