@@ -75,9 +75,10 @@ def main(argv: list[str]) -> int:
         sources = plan_reads(part.wanted, part.where)[1]  # the saved ranks the read takes boxes from
         per.append(n + len({split_locator(part.manifest.shards[r]["file"])[0] for r in sources} - opened))
         if swap:  # the same plan, each saved shard opened by its owner alone (exchange.owner)
-            began = time.perf_counter()
-            xplan = exchange.plan(rank, to, frm, part.wanted, part.where, part.boxes)
-            took.append(time.perf_counter() - began)
+            with restoreplan.gc_paused():  # as restoring.load_choice runs it
+                began = time.perf_counter()
+                xplan = exchange.plan(rank, to, frm, part.wanted, part.where, part.boxes)
+                took.append(time.perf_counter() - began)
             if xplan is None:
                 print(f"rank {rank}: no exchange plan for these specs", file=sys.stderr)
                 return 1
