@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from slurmresume.checkpoint import exchange
 from slurmresume.checkpoint.placement import local_box
-from slurmresume.checkpoint.reshard import Target, _kinds
+from slurmresume.checkpoint.reshard import Target, placement_kinds
 from slurmresume.checkpoint.sharding import Sharded, cover
 from slurmresume.errors import ConfigError
 
@@ -38,7 +38,7 @@ def _world(saved: tuple[tuple[int, ...], tuple[str, ...]], mesh: Mesh, placement
     """Every restoring rank's exchange plan (boxes by torch's rule, as reshard.plan_reads makes them)."""
     index = {n: Sharded(n, "F32", s, (), layout=saved) for n, s in shapes.items()}
     where = {n: Target(mesh, placements, None) for n in shapes}
-    kinds = _kinds(tuple(placements))
+    kinds = placement_kinds(tuple(placements))
     plans = {}
     for rank in range(world):
         coord = mesh.coordinate(rank)
@@ -71,7 +71,7 @@ def test_every_ranks_chunks_tile_its_box_and_each_message_is_planned_the_same_on
     saved, mesh, placements, world = CASES[case]
     shapes = {n: s for n, s in SHAPES.items() if len(s) >= sum(1 for p in placements if p == Shard(1)) + 1}
     plans = _world(saved, mesh, placements, shapes, world)
-    kinds = _kinds(tuple(placements))
+    kinds = placement_kinds(tuple(placements))
     saved_world = math.prod(saved[0])
     owned = sorted(s for p in plans.values() for s in p.owned)
     assert owned == sorted(set(owned)) and set(owned) <= set(range(saved_world))  # one reader a saved shard at most

@@ -243,18 +243,18 @@ def test_placement_kinds_worked_out_once_per_type_agree_with_asking_each_dtensor
     """reshard.plan_reads asks each distinct sequence of placement types once (#29: torch's
     placements hash and compare in Python, ~2 ms of a 405B plan): a Shard subclass (FSDP2+TP's
     _StridedShard, refused by the kinds) or a Partial after a Shard of the same dim is not taken
-    for it, and every answer is `_kinds`' own."""
+    for it, and every answer is `placement_kinds`' own."""
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from slurmresume.checkpoint.reshard import _kinds, _kinds_by_type
+    from slurmresume.checkpoint.reshard import _kinds_by_type, placement_kinds
 
     seqs = [(Shard(0),), (Shard(1),), (_StridedShard(0, split_factor=2),), (Shard(0),), (Replicate(),), (Partial(),),
             (Shard(0), Replicate()), (Replicate(), Shard(0)), (Shard(0), _StridedShard(0, split_factor=2)),
             (Shard(0), Shard(0)), (), (Shard(1),)]
     cache: dict[Any, Any] = {}
     for placements in seqs:
-        assert _kinds_by_type(placements, cache, Shard) == _kinds(placements), placements
+        assert _kinds_by_type(placements, cache, Shard) == placement_kinds(placements), placements
     assert _kinds_by_type((_StridedShard(0, split_factor=2),), cache, Shard) is None
 
 

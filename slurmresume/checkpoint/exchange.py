@@ -41,7 +41,16 @@ import xxhash
 
 from ..errors import ConfigError, PeerReadError
 from .placement import local_box, pieces_at
-from .reshard import ShardFiles, Target, _empty, _fits, _kinds, _wrap, is_dtensor, read_box
+from .reshard import (
+    ShardFiles,
+    Target,
+    empty_box,
+    fits_box,
+    is_dtensor,
+    placement_kinds,
+    read_box,
+    wrap_box,
+)
 from .shard import ITEMSIZE, TORCH_DTYPES
 from .sharding import Sharded, cover
 
@@ -123,7 +132,7 @@ def plan(rank: int, world: int, saved_world: int, index: Mapping[str, Sharded], 
         tensor, target = index[name], where[name]
         if tensor.layout is None or target.mesh is None:
             return None
-        kinds = _kinds(tuple(target.placements))
+        kinds = placement_kinds(tuple(target.placements))
         mesh = meshes.get(id(target.mesh))
         if mesh is None:
             ranks = target.mesh.mesh.tolist()
@@ -209,8 +218,8 @@ def load(group: Any, plan_: Plan, directory: Path, shards: Sequence[dict[str, An
             shape, _ = boxes[name]
             target = where[name]
             local = target.live.to_local() if is_dtensor(target.live) else target.live
-            fits = mode == "live" and local is not None and _fits(local, tuple(shape), index[name].dtype)
-            dests[name] = local if fits else _empty(shape, index[name].dtype)
+            fits = mode == "live" and local is not None and fits_box(local, tuple(shape), index[name].dtype)
+            dests[name] = local if fits else empty_box(shape, index[name].dtype)
     except Exception as exc:  # noqa: BLE001 - (out of memory) this rank still serves and receives
         errors.append(exc)
         dests = {}
@@ -260,7 +269,7 @@ def load(group: Any, plan_: Plan, directory: Path, shards: Sequence[dict[str, An
                 local.copy_(dest)
             out[name] = target.live
         else:
-            out[name] = _wrap(dest, target, index[name].shape)
+            out[name] = wrap_box(dest, target, index[name].shape)
     return out
 
 
@@ -272,7 +281,7 @@ def _region(dest: Any, box: tuple[tuple[int, ...], tuple[int, ...]], lo: tuple[i
 def _read_chunk(files: ShardFiles, tensor: Sharded, box: tuple[tuple[int, ...], tuple[int, ...]],
                 lo: tuple[int, ...], shape: tuple[int, ...], dest: Any) -> None:
     """One chunk of this rank's own box, read and verified into `dest` (None: verify only)."""
-    region = _region(dest, box, lo, shape) if dest is not None else _empty(shape, tensor.dtype)
+    region = _region(dest, box, lo, shape) if dest is not None else empty_box(shape, tensor.dtype)
     read_box(files, tensor, lo, shape, region)
 
 

@@ -164,14 +164,14 @@ def load_sharded(directory: Path, shards: Sequence[dict[str, Any]], index: Mappi
             shape, offset = boxes[name]
             local = target.live.to_local() if is_dtensor(target.live) else target.live
             into = mode == "live" and local is not None
-            dest = local if into and _fits(local, tuple(shape), tensor.dtype) else _empty(shape, tensor.dtype)
+            dest = local if into and fits_box(local, tuple(shape), tensor.dtype) else empty_box(shape, tensor.dtype)
             read_box(files, tensor, tuple(offset), tuple(shape), dest)
             if into:
                 if dest is not local:
                     local.copy_(dest)
                 out[name] = target.live
             elif mode != "verify":
-                out[name] = _wrap(dest, target, tensor.shape)
+                out[name] = wrap_box(dest, target, tensor.shape)
     finally:
         files.close()
     return out
@@ -183,7 +183,7 @@ def box_of(tensor: Sharded, target: Target) -> tuple[tuple[int, ...], tuple[int,
     function costs ~30 us a call, most of a restore plan at 2,619 DTensors), else torch's."""
     if target.mesh is None:
         return tuple(tensor.shape), (0,) * len(tensor.shape)
-    kinds = _kinds(tuple(target.placements))
+    kinds = placement_kinds(tuple(target.placements))
     coord = target.mesh.get_coordinate() if kinds is not None else None
     if kinds is None or coord is None:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -205,7 +205,7 @@ def boxes_of(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> dict[
 def _box(tensor: Sharded, target: Target, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None]
          ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """`box_of` of one tensor, the mesh's facts asked once per mesh (`meshes`, shared by the calls)."""
-    kinds = _kinds(tuple(target.placements)) if target.mesh is not None else None
+    kinds = placement_kinds(tuple(target.placements)) if target.mesh is not None else None
     facts = _mesh_facts(target.mesh, meshes) if kinds is not None else None
     if facts is None:
         return box_of(tensor, target)
@@ -229,7 +229,7 @@ def _shard_class() -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _kinds(placements: tuple[Any, ...]) -> tuple[str, ...] | None:
+def placement_kinds(placements: tuple[Any, ...]) -> tuple[str, ...] | None:
     """Shard(d) / Replicate() placements as the manifest writes them; None for any other kind
     (a _StridedShard, a Partial: torch's function handles those)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -247,8 +247,8 @@ def _kinds(placements: tuple[Any, ...]) -> tuple[str, ...] | None:
 
 def _kinds_by_type(placements: Sequence[Any], cache: dict[Any, tuple[str, ...] | None], shard: Any
                    ) -> tuple[str, ...] | None:
-    """`_kinds` of `placements`, worked out once per distinct sequence of placement types (and a
-    Shard's dim: all that `_kinds` reads of them) in `cache`: each DTensor has its own placement
+    """`placement_kinds` of `placements`, worked out once per distinct sequence of placement types (and a
+    Shard's dim: all that `placement_kinds` reads of them) in `cache`: each DTensor has its own placement
     objects, and hashing or comparing them runs torch's Python __hash__ / __eq__ (~0.6 us a
     DTensor: 405B, 3,411 a rank, 2 ms of a restore plan). `shard`: torch's Shard class. One
     placement (FSDP's one mesh dimension): its dim or type is the key, no tuple built."""
@@ -259,7 +259,7 @@ def _kinds_by_type(placements: Sequence[Any], cache: dict[Any, tuple[str, ...] |
         key = tuple([p.dim if type(p) is shard else type(p) for p in placements])
     kinds = cache.get(key, ())
     if kinds == ():
-        kinds = cache[key] = _kinds(tuple(placements))
+        kinds = cache[key] = placement_kinds(tuple(placements))
     return kinds
 
 
@@ -272,7 +272,7 @@ def _holders(tensor: Sharded, target: Target, box: tuple[tuple[int, ...], tuple[
     if tensor.layout is not None and target.mesh is not None and "replicate" not in tensor.layout[1]:
         facts = _mesh_facts(target.mesh, meshes)
         if (facts is not None and facts[0] == tuple(tensor.layout[0])
-                and _kinds(tuple(target.placements)) == tuple(tensor.layout[1])):
+                and placement_kinds(tuple(target.placements)) == tuple(tensor.layout[1])):
             rank = 0
             for c, n in zip(facts[1], facts[0]):  # row-major, as placement.holders numbers them
                 rank = rank * n + c
@@ -310,18 +310,22 @@ def plan_reads(index: Mapping[str, Sharded], where: Mapping[str, Target]
     return boxes, sources, staging
 
 
-def _fits(t: Any, shape: tuple[Any, ...], dtype: str) -> bool:
+def fits_box(t: Any, shape: tuple[Any, ...], dtype: str) -> bool:
+    """Whether a box of `shape` and `dtype` can be read straight into the live local tensor `t`."""
     return (t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
             and t.dtype == TORCH_DTYPES[dtype])
 
 
-def _empty(shape: Any, dtype: str) -> Any:
+def empty_box(shape: Any, dtype: str) -> Any:
+    """Fresh CPU memory for a box (staging)."""
     import torch
 
     return torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype])
 
 
-def _wrap(local: Any, target: Target, global_shape: tuple[Any, ...]) -> Any:
+def wrap_box(local: Any, target: Target, global_shape: tuple[Any, ...]) -> Any:
+    """A read box as what the live state holds there: a DTensor on the target's mesh (its device),
+    or the plain tensor itself."""
     if target.mesh is None:
         return local
     import torch
