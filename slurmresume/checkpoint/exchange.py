@@ -9,10 +9,12 @@ largest share of every shard never crosses the network. A restore opens at most 
 files (each rank its own shard's header, W' of them, and each saved shard once).
 
 The price: the bytes cross the side group (gloo, CPU) instead of the file system, and an owner
-holds one requester's message at a time besides its own boxes. Chosen (`wanted`): from
-EXCHANGE_MIN_RANKS ranks on, where metadata operations are what a shared file system runs out of,
-or forced either way by SLURMRESUME_RESHARD_EXCHANGE; every rank must agree (`restoring`), else
-every rank reads its boxes itself (`reshard.load_sharded`).
+holds one requester's message at a time besides its own boxes (1 GiB, 4 -> 3 ranks on one 2-core
+host: 1.5x the direct restore's time). So it is chosen (`wanted`, `worth_it`) only where it pays:
+onto EXCHANGE_MIN_RANKS ranks or more, when the ranks reading their own boxes would open over
+FANOUT shard files each (one SUM over the ranks), or forced either way by
+SLURMRESUME_RESHARD_EXCHANGE; every rank must agree (`restoring.load_choice`), else every rank
+reads its own boxes (`reshard.load_sharded`).
 
 Protocol (every rank, once every rank planned and agreed on the same inputs, `Plan.digest`):
 1. `plan` (pure arithmetic on the placements, no file opened): for each owner, the chunks
