@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import drop_caches  # noqa: E402 - scripts/ is this script's own directory
+
 ROWS = (4096, 11008, 4096, 32000, 1024, 11008)  # 7B-like row counts (uneven chunks at a reshard)
 
 
@@ -79,15 +81,6 @@ def _torchrun(n: int, args: list[str], env: dict[str, str]) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024, help="state size (MiB, fp32) (default: 1024)")
@@ -109,7 +102,7 @@ def main() -> None:
     dropped = True
     for r in range(args.rounds):
         for mode in (("0", "1") if r % 2 == 0 else ("1", "0")):
-            dropped = _drop_caches() and dropped
+            dropped = drop_caches() and dropped
             _torchrun(args.restore, ["restore", *common], {"SLURMRESUME_RESHARD_EXCHANGE": mode})
             got = [json.loads((out / f"{k}.json").read_text()) for k in range(args.restore)]
             if not all(g["ok"] for g in got):
