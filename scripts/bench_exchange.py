@@ -1,6 +1,7 @@
-"""The price of a resharding restore's exchange (checkpoint/exchange.py): the same step restored
-with each rank reading its own boxes (SLURMRESUME_RESHARD_EXCHANGE=0) and with each saved shard
-read by one rank and sent over gloo (=1), interleaved, the page cache dropped before each.
+"""The price of a resharding restore's exchange: one step restored both ways, interleaved.
+
+checkpoint/exchange.py: each rank reading its own boxes (SLURMRESUME_RESHARD_EXCHANGE=0) against
+each saved shard read by one rank and sent over gloo (=1), the page cache dropped before each.
 
     python scripts/bench_exchange.py --mib 1024 --save 4 --restore 3 --rounds 5 --dir /tmp/bench-exchange
 
