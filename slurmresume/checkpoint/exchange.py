@@ -43,16 +43,7 @@ import xxhash
 
 from ..errors import ConfigError, PeerReadError
 from .placement import local_box, pieces_at
-from .reshard import (
-    ShardFiles,
-    Target,
-    empty_box,
-    fits_box,
-    is_dtensor,
-    placement_kinds,
-    read_box,
-    wrap_box,
-)
+from .reshard import ShardFiles, Target, box_dest, box_value, empty_box, placement_kinds, read_box
 from .shard import ITEMSIZE, TORCH_DTYPES
 from .sharding import Sharded, cover
 
@@ -99,6 +90,7 @@ class Plan:
     local: list[Chunk] = field(default_factory=list)  # chunks of shards this rank owns, for itself
     owned: list[int] = field(default_factory=list)  # the saved shards this rank opens for the others
     dtypes: dict[str, str] = field(default_factory=dict)
+    forced: bool = False  # SLURMRESUME_RESHARD_EXCHANGE=1 on this rank (`wanted` "on"): no `worth_it`
 
     @property
     def peak_bytes(self) -> int:
@@ -212,16 +204,12 @@ def load(group: Any, plan_: Plan, directory: Path, shards: Sequence[dict[str, An
     import torch
     import torch.distributed as dist
 
-    dests: dict[str, Any] = {}
+    dests: dict[str, tuple[Any, Any]] = {}  # name -> reshard.box_dest: (box memory, live tensor or None)
     errors: list[BaseException] = []  # this rank's own reads
     peers: list[BaseException] = []  # a message whose owner could not read it
     try:
         for name in where if mode != "verify" else ():
-            shape, _ = boxes[name]
-            target = where[name]
-            local = target.live.to_local() if is_dtensor(target.live) else target.live
-            fits = mode == "live" and local is not None and fits_box(local, tuple(shape), index[name].dtype)
-            dests[name] = local if fits else empty_box(shape, index[name].dtype)
+            dests[name] = box_dest(where[name], index[name], tuple(boxes[name][0]), mode)
     except Exception as exc:  # noqa: BLE001 - (out of memory) this rank still serves and receives
         errors.append(exc)
         dests = {}
@@ -233,7 +221,7 @@ def load(group: Any, plan_: Plan, directory: Path, shards: Sequence[dict[str, An
     try:
         try:
             for name, lo, shape in plan_.local:
-                _read_chunk(files, index[name], boxes[name], lo, shape, dests.get(name))
+                _read_chunk(files, index[name], boxes[name], lo, shape, dests[name][0] if name in dests else None)
         except Exception as exc:  # noqa: BLE001 - raised once every message went
             errors.append(exc)
         sending: Any = None  # the message in flight (one at a time: an owner holds one)
@@ -259,20 +247,10 @@ def load(group: Any, plan_: Plan, directory: Path, shards: Sequence[dict[str, An
         for (name, lo, shape), at in zip(chunks, offsets):
             nbytes = math.prod(shape) * ITEMSIZE[plan_.dtypes[name]]
             src = buf[at:at + nbytes].view(TORCH_DTYPES[plan_.dtypes[name]]).view(shape)
-            _region(dests[name], boxes[name], lo, shape).copy_(src)
+            _region(dests[name][0], boxes[name], lo, shape).copy_(src)
     if errors or peers:
         raise (errors or peers)[0]
-    out: dict[str, Any] = {}
-    for name, dest in dests.items():
-        target = where[name]
-        local = target.live.to_local() if is_dtensor(target.live) else target.live
-        if mode == "live" and local is not None:
-            if dest is not local:
-                local.copy_(dest)
-            out[name] = target.live
-        else:
-            out[name] = wrap_box(dest, target, index[name].shape)
-    return out
+    return {name: box_value(dest, local, where[name], index[name]) for name, (dest, local) in dests.items()}
 
 
 def _region(dest: Any, box: tuple[tuple[int, ...], tuple[int, ...]], lo: tuple[int, ...], shape: tuple[int, ...]) -> Any:

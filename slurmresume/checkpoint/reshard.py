@@ -162,19 +162,33 @@ def load_sharded(directory: Path, shards: Sequence[dict[str, Any]], index: Mappi
         for name, target in where.items():
             tensor = index[name]
             shape, offset = boxes[name]
-            local = target.live.to_local() if is_dtensor(target.live) else target.live
-            into = mode == "live" and local is not None
-            dest = local if into and fits_box(local, tuple(shape), tensor.dtype) else empty_box(shape, tensor.dtype)
+            dest, local = box_dest(target, tensor, tuple(shape), mode)
             read_box(files, tensor, tuple(offset), tuple(shape), dest)
-            if into:
-                if dest is not local:
-                    local.copy_(dest)
-                out[name] = target.live
-            elif mode != "verify":
-                out[name] = wrap_box(dest, target, tensor.shape)
+            if mode != "verify":
+                out[name] = box_value(dest, local, target, tensor)
     finally:
         files.close()
     return out
+
+
+def box_dest(target: Target, tensor: Sharded, shape: tuple[int, ...], mode: str) -> tuple[Any, Any]:
+    """(where this rank's box of `tensor` is read, the live local tensor it goes into or None):
+    "live" mode with a live tensor: that tensor when it fits (`fits_box`), else fresh memory copied
+    in by `box_value`; otherwise fresh memory (`empty_box`)."""
+    local = target.live.to_local() if is_dtensor(target.live) else target.live
+    into = mode == "live" and local is not None
+    return (local if into and fits_box(local, shape, tensor.dtype) else empty_box(shape, tensor.dtype),
+            local if into else None)
+
+
+def box_value(dest: Any, local: Any, target: Target, tensor: Sharded) -> Any:
+    """The state's value of a box read into `dest` (`box_dest`): the live tensor, `dest` copied
+    into it unless read there; else `dest` as the target holds it (`wrap_box`)."""
+    if local is None:
+        return wrap_box(dest, target, tensor.shape)
+    if dest is not local:
+        local.copy_(dest)
+    return target.live
 
 
 def box_of(tensor: Sharded, target: Target) -> tuple[tuple[int, ...], tuple[int, ...]]:

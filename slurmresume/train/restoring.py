@@ -211,16 +211,16 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
         part, xplan = caught(group, exc, f"planning its read of step {choice.step}"), None
     sent = b""  # (refused before the plan: not kept either)
     digest = xplan.digest if xplan is not None else 0
-    forced = xplan is not None and exchange.wanted(exchange.setting(), group.world_size) == "on"
     agreed = group.max_ints([2 if over else 0 if warm else 1, 0 if xplan is not None else 1, digest, -digest,
-                             0 if forced else 1])
+                             0 if xplan is not None and xplan.forced else 1])
     two_pass = agreed[0] != 1
     # the exchange only where every rank planned one from the same inputs (else each reads its own
-    # boxes), and, unless every rank forces it, where reading their own boxes would open too many files
-    swap = (group, xplan) if xplan is not None and agreed[1] == 0 and agreed[2] == -agreed[3] else None
-    if agreed[1] == 0 and agreed[2] == -agreed[3] and agreed[4] == 1:  # every rank the same: collective
-        direct = len(part.sources | {part.src}) if isinstance(part, Part) else 0
-        swap = swap if exchange.worth_it(group.sum_int(direct), group.world_size) else None
+    # boxes), and, unless every rank forces it, where reading their own boxes would open too many
+    # files (agreed is the same on every rank: the SUM is made by all or none)
+    same = agreed[1] == 0 and agreed[2] == -agreed[3]
+    if same and agreed[4] == 1 and isinstance(part, Part):
+        same = exchange.worth_it(group.sum_int(len(part.sources | {part.src})), group.world_size)
+    swap = (group, xplan) if same and xplan is not None else None
     if isinstance(part, Part):  # the hang watch scales this rank's budget with the bytes it reads
         expect_io("restore", part.staging * (2 if two_pass else 1))
     got = _read(group, choice, part, keys, live, req.strict, "verify" if two_pass else "stage", swap)
@@ -252,10 +252,14 @@ def exchange_plan(group: Group, choice: RestoreChoice, part: Part | Failure) -> 
     placed by arithmetic, specs the exchange does not serve, or not wanted
     (SLURMRESUME_RESHARD_EXCHANGE, EXCHANGE_MIN_RANKS)."""
     if (not isinstance(part, Part) or not part.wanted or choice.world_size == group.world_size
-            or not part.manifest.placed_by_arithmetic
-            or exchange.wanted(exchange.setting(), group.world_size) == "off"):
+            or not part.manifest.placed_by_arithmetic):
         return None
-    return exchange.plan(group.rank, group.world_size, choice.world_size, part.wanted, part.where, part.boxes)
+    answer = exchange.wanted(exchange.setting(), group.world_size)
+    planned = None if answer == "off" else exchange.plan(group.rank, group.world_size, choice.world_size,
+                                                         part.wanted, part.where, part.boxes)
+    if planned is not None:
+        planned.forced = answer == "on"
+    return planned
 
 
 def share_manifest(group: Group, choice: RestoreChoice) -> bytes:
