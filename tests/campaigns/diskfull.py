@@ -7,7 +7,7 @@ the `.inprogress` note, the shard's first and middle pages, the manifest and the
 (both with O_DIRECT and with SLURMRESUME_NO_ODIRECT=1 buffered writes). The same sweep runs over
 free inodes (empty filler files), so file creation fails at each file. A file system that reports
 ENOSPC only at fsync (NFS, ext4 delalloc writeback) cannot be made with tmpfs: for that phase
-os.fsync is patched to fail once with ENOSPC at the n-th fsync of the save.
+os.fsync is patched to fail once with ENOSPC at the fsync of each file of the save in turn.
 
 The phase is the last seam label crossed before the failure (SLURMRESUME_TEST_TRACE).
 
@@ -90,19 +90,23 @@ def _unfill(mnt: Path) -> None:
     shutil.rmtree(mnt / "filler", ignore_errors=True)
 
 
+# The save's file fsyncs in commit order, by temp-file name. The shard's and its index's run on
+# two threads at once, so "the n-th fsync call" names either under load: the n-th file does not.
+FSYNCED = (".inprogress.tmp", ".safetensors.tmp", ".index.json.tmp", ".manifest.json.tmp", ".COMMITTED.tmp")
+
+
 class FsyncENOSPC:
-    """os.fsync that fails with ENOSPC at its n-th call (a file system that reports a full disk
-    at writeback, as NFS and ext4 with delayed allocation do)."""
+    """os.fsync that fails once with ENOSPC for the n-th file of FSYNCED (a file system that
+    reports a full disk at writeback, as NFS and ext4 with delayed allocation do)."""
 
     def __init__(self, n: int) -> None:
-        self.n, self.calls, self.real, self.raised = n, 0, os.fsync, False
+        self.target, self.real, self.raised = FSYNCED[n - 1], os.fsync, False
 
     def __enter__(self) -> FsyncENOSPC:
         def fsync(fd: Any) -> None:
             if stat.S_ISDIR(os.fstat(fd).st_mode):  # directory fsyncs need no data blocks
                 return self.real(fd)
-            self.calls += 1
-            if self.calls == self.n:
+            if not self.raised and self.target in os.readlink(f"/proc/self/fd/{fd}"):
                 self.raised = True
                 raise OSError(errno.ENOSPC, "No space left on device")
             self.real(fd)
@@ -263,12 +267,14 @@ def sweep(report: Report, mnt: Path, rng: random.Random, rep: int) -> None:
             else:
                 report.fail(f"{mode} {kind}", "the save never fitted")
         # ENOSPC reported by fsync (simulated): the n-th fsync of the save fails
-        for n in range(1, 6):  # the file fsyncs: .inprogress, shard, its index (format 2), manifest, marker
+        for n in range(1, len(FSYNCED) + 1):
             _reset(root, events)
             with FsyncENOSPC(n) as failing:
                 exc = _attempt(root, extra, trace, mode)
             phase = _phase(trace, exc, "fsync" if failing.raised else None)
             trial = f"rep {rep} {mode} fsync#{n} ENOSPC ({phase})"
+            if not failing.raised:
+                report.fail(trial, f"the save fsynced no {failing.target} file")
             report.trials += 1
             phases[f"fsync: {phase}"] = phases.get(f"fsync: {phase}", 0) + 1
             _guarantees(report, trial, root, exc, extra)
