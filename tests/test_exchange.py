@@ -141,7 +141,6 @@ def test_the_inputs_every_rank_must_share_change_the_digest() -> None:
 
 
 def test_specs_the_exchange_does_not_serve_give_no_plan() -> None:
-    shapes = {"a": (8, 2)}
     mesh = Mesh((4,))
     boxes = {"a": ((2, 2), (0, 0))}
     listed = {"a": Sharded("a", "F32", (8, 2), ())}  # pieces listed, not placed by arithmetic
@@ -149,7 +148,7 @@ def test_specs_the_exchange_does_not_serve_give_no_plan() -> None:
     placed = {"a": Sharded("a", "F32", (8, 2), (), layout=((2,), ("shard:0",)))}
     assert exchange.plan(0, 4, 2, placed, {"a": Target(None, None, None)}, boxes) is None  # a plain target
     assert exchange.plan(0, 4, 2, placed, {"a": Target(Mesh((2,)), [Shard(0)], None)}, boxes) is None  # a sub-mesh
-    assert shapes
+    assert exchange.plan(0, 4, 2, placed, {"a": Target(mesh, [Shard(0)], None)}, boxes) is not None  # the control
 
 
 @pytest.mark.parametrize(("value", "world", "want"), [(None, 63, "off"), (None, 64, "auto"), ("auto", 4096, "auto"),
