@@ -266,7 +266,7 @@ def sweep(report: Report, mnt: Path, rng: random.Random, rep: int) -> None:
                     _warn_mode(report, trial + " warn", root, mnt, extra, fill)
             else:
                 report.fail(f"{mode} {kind}", "the save never fitted")
-        # ENOSPC reported by fsync (simulated): the n-th fsync of the save fails
+        # ENOSPC reported by fsync (simulated): the fsync of each file of the save in turn fails
         for n in range(1, len(FSYNCED) + 1):
             _reset(root, events)
             with FsyncENOSPC(n) as failing:
