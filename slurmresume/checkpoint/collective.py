@@ -144,25 +144,21 @@ class Group:
 
     def max_ints(self, values: list[int]) -> list[int]:
         """Element-wise MAX over ranks (every rank passes as many values). MIN is -MAX(-x)."""
+        return self._all_reduce(values, "MAX")
+
+    def sum_int(self, value: int) -> int:
+        """SUM over ranks (collective)."""
+        return self._all_reduce([value], "SUM")[0]
+
+    def _all_reduce(self, values: list[int], op: str) -> list[int]:
         if self.world_size == 1:
             return list(values)
         import torch
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=self.pg)
         return [int(v) for v in t.tolist()]
-
-    def sum_int(self, value: int) -> int:
-        """SUM over ranks (collective)."""
-        if self.world_size == 1:
-            return value
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pg)
-        return int(t.item())
 
     def destroy(self) -> None:
         """Release this side group's gloo resources (threads that would otherwise be torn down
