@@ -309,14 +309,33 @@ def test_a_bare_holder_that_lost_its_lease_stops_at_the_next_step(tmp_path, monk
         ck.close()
 
 
+def _wipe(root: Path) -> None:
+    """`rm -rf root` while a Checkpointer's heartbeat (every 0.1 s here) may still be writing its
+    lease's temp file into it: a beat that read the lease just before the wipe writes once more,
+    and rmdir then meets "Directory not empty" (a user's `rm -rf` would too); the next beat finds
+    the lease gone and writes nothing, so the wipe is retried until the directory is gone."""
+    import errno
+    import shutil
+
+    for _ in range(100):
+        try:
+            shutil.rmtree(root)
+            return
+        except OSError as exc:  # (or a temp file renamed away under the walk)
+            if exc.errno not in (errno.ENOTEMPTY, errno.ENOENT):
+                raise
+            if not root.exists():
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"{root} kept being written into")
+
+
 def test_a_checkpointer_opened_on_a_wiped_root_leases_it_again_and_keeps_it(tmp_path, monkeypatch) -> None:
     """A process that wiped its root (a benchmark's fresh directory, `rm -rf` between experiments)
     while a Checkpointer on it was still open: the next Checkpointer on that root takes the lease
     again instead of sharing a claim whose heartbeat is about to find the lease gone (the old code
     refused its second save, "lost checkpoint root"), and the first one closing later does not free
     the lease the second one still counts on."""
-    import shutil
-
     import torch
 
     from slurmresume import Checkpointer
@@ -326,13 +345,13 @@ def test_a_checkpointer_opened_on_a_wiped_root_leases_it_again_and_keeps_it(tmp_
     root = tmp_path / "root"
     first = Checkpointer(root, handle_signals=False)
     first.save(1, {"w": torch.ones(2)})
-    shutil.rmtree(root)
+    _wipe(root)
     second = Checkpointer(root, handle_signals=False)
     try:
         second.save(2, {"w": torch.ones(2)})
         time.sleep(1.0)  # several heartbeats
         second.save(3, {"w": torch.ones(2)})
-        shutil.rmtree(root)
+        _wipe(root)
         deadline = time.time() + 10
         while not claims.lost(first._wiring.lease_key) and time.time() < deadline:
             time.sleep(0.05)  # this time the heartbeat finds the lease gone before the next open
