@@ -383,3 +383,31 @@ def test_warning_during_start_up_does_not_kill_the_launcher(tmp_path: Path) -> N
     ev = events(root)
     assert [e["event"] for e in ev].count("exit_after_save") == 1, out
     assert [e["event"] for e in ev].count("requeued") == 1
+
+
+@pytest.mark.slow
+def test_a_warning_after_the_run_finished_does_not_fail_the_job(tmp_path: Path) -> None:
+    """Slurm may send the `@lead` warning up to a minute early, so it can land after the run has
+    finished, while submitit is still writing its result and exiting (seen in CI: the task died of
+    SIGUSR1 after "Exiting after successful completion", and a COMPLETED job was recorded FAILED).
+    Once the launcher has returned, a late warning is ignored: there is nothing left to save."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text(FAKE_SCONTROL.replace("sleep 4", "true"))
+    (bindir / "scontrol").chmod(0o755)
+    root, piddir, fake_log = tmp_path / "ckpt", tmp_path / "pids", tmp_path / "scontrol.log"
+    code = ("import os, signal, sys, time; from pathlib import Path; from slurmresume.job.config import JobSpec; "
+            "from slurmresume.job.node import NodeLauncher; "
+            f"r = NodeLauncher(JobSpec(script=Path({str(LC_TRAIN)!r}), script_args=('4', '0.01'), "
+            f"ckpt_dir=Path({str(root)!r})))(); "
+            "print('launcher returned', flush=True); "
+            "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2); print('exiting after the late warning')")
+    env = clean_env(PIDDIR=str(piddir), PYTHONPATH=os.environ.get("PYTHONPATH", ""), FAKE_LOG=str(fake_log),
+                    PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="4243", SLURM_JOB_NODELIST="localhost",
+                    SLURM_NODEID="0", SLURM_NNODES="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "launcher returned" in out, out
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}"  # not -SIGUSR1
+    assert "exiting after the late warning" in out
+    assert [e["event"] for e in events(root)].count("exit_after_save") == 0  # nothing was saved for it

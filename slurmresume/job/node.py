@@ -136,7 +136,9 @@ class NodeLauncher:
             return _loop(self.spec, cmd, relay, job_key=f"slurm-{job_id}", nonce=self.nonce, restart=restart,
                          first_node=node_id == 0, clock=clock, extra={"node": node_id, "nodes": nnodes, "job": job_id})
         finally:
-            relay.uninstall()
+            # submitit still pickles the result and exits: a warning that lands now (Slurm may send
+            # it early) has nothing left to save and must not kill the task (sacct: FAILED)
+            relay.uninstall(ignore_warning=True)
 
 
 def run_local(spec: JobSpec, env: dict[str, str] | None = None, *, takeover: bool = False) -> dict[str, Any]:

@@ -59,9 +59,13 @@ class Relay:
         for s in {self.warn, signal.SIGTERM, signal.SIGINT}:
             self._previous[s] = signal.signal(s, self._handler)
 
-    def uninstall(self) -> None:
+    def uninstall(self, *, ignore_warning: bool = False) -> None:
+        """Restore the previous handlers. `ignore_warning`: the warning is ignored from now on
+        instead (its default action kills the process): for a launcher whose process lives on
+        only to exit, since Slurm may send the `@lead` warning up to a minute early, after the
+        run has finished, and a task killed by it turns a completed job into a failed one."""
         for s, prev in self._previous.items():
-            signal.signal(s, prev)
+            signal.signal(s, signal.SIG_IGN if ignore_warning and s == self.warn else prev)
         self._previous.clear()
         if self._wake is not None:
             for fd in self._wake:
