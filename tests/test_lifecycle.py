@@ -353,22 +353,29 @@ esac
 """
 
 
+def fake_slurm_node(tmp_path: Path, job_id: str, scontrol: str = FAKE_SCONTROL) -> tuple[Path, Path, dict[str, str]]:
+    """A one-node "Slurm job" on this host for a NodeLauncher run in a child process: a fake
+    `scontrol` on PATH, the job's SLURM_* variables. Returns (root, fake scontrol log, env)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text(scontrol)
+    (bindir / "scontrol").chmod(0o755)
+    root, piddir, fake_log = tmp_path / "ckpt", tmp_path / "pids", tmp_path / "scontrol.log"
+    env = clean_env(PIDDIR=str(piddir), PYTHONPATH=os.environ.get("PYTHONPATH", ""), FAKE_LOG=str(fake_log),
+                    PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="localhost",
+                    SLURM_NODEID="0", SLURM_NNODES="1")
+    return root, fake_log, env
+
+
 @pytest.mark.slow
 def test_warning_during_start_up_does_not_kill_the_launcher(tmp_path: Path) -> None:
     """The relay is installed before any scontrol call: a warning while slurmctld is slow to
     answer is kept, relayed, saved, and the job requeued."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "scontrol").write_text(FAKE_SCONTROL)
-    (bindir / "scontrol").chmod(0o755)
-    root, piddir, fake_log = tmp_path / "ckpt", tmp_path / "pids", tmp_path / "scontrol.log"
+    root, fake_log, env = fake_slurm_node(tmp_path, "4242")
     code = ("import sys; from pathlib import Path; from slurmresume.job.config import JobSpec; "
             "from slurmresume.job.node import NodeLauncher; "
             f"NodeLauncher(JobSpec(script=Path({str(LC_TRAIN)!r}), script_args=('200', '0.05'), "
             f"ckpt_dir=Path({str(root)!r})))()")
-    env = clean_env(PIDDIR=str(piddir), PYTHONPATH=os.environ.get("PYTHONPATH", ""), FAKE_LOG=str(fake_log),
-                    PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost",
-                    SLURM_NODEID="0", SLURM_NNODES="1")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -391,20 +398,13 @@ def test_a_warning_after_the_run_finished_does_not_fail_the_job(tmp_path: Path) 
     finished, while submitit is still writing its result and exiting (seen in CI: the task died of
     SIGUSR1 after "Exiting after successful completion", and a COMPLETED job was recorded FAILED).
     Once the launcher has returned, a late warning is ignored: there is nothing left to save."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "scontrol").write_text(FAKE_SCONTROL.replace("sleep 4", "true"))
-    (bindir / "scontrol").chmod(0o755)
-    root, piddir, fake_log = tmp_path / "ckpt", tmp_path / "pids", tmp_path / "scontrol.log"
+    root, _, env = fake_slurm_node(tmp_path, "4243", FAKE_SCONTROL.replace("sleep 4", "true"))
     code = ("import os, signal, sys, time; from pathlib import Path; from slurmresume.job.config import JobSpec; "
             "from slurmresume.job.node import NodeLauncher; "
             f"r = NodeLauncher(JobSpec(script=Path({str(LC_TRAIN)!r}), script_args=('4', '0.01'), "
             f"ckpt_dir=Path({str(root)!r})))(); "
             "print('launcher returned', flush=True); "
             "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2); print('exiting after the late warning')")
-    env = clean_env(PIDDIR=str(piddir), PYTHONPATH=os.environ.get("PYTHONPATH", ""), FAKE_LOG=str(fake_log),
-                    PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="4243", SLURM_JOB_NODELIST="localhost",
-                    SLURM_NODEID="0", SLURM_NNODES="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert "launcher returned" in out, out
