@@ -399,9 +399,9 @@ def test_a_warning_after_the_run_finished_does_not_fail_the_job(tmp_path: Path) 
     SIGUSR1 after "Exiting after successful completion", and a COMPLETED job was recorded FAILED).
     Once the launcher has returned, a late warning is ignored: there is nothing left to save."""
     root, _, env = fake_slurm_node(tmp_path, "4243", FAKE_SCONTROL.replace("sleep 4", "true"))
-    code = ("import os, signal, sys, time; from pathlib import Path; from slurmresume.job.config import JobSpec; "
+    code = ("import os, signal, time; from pathlib import Path; from slurmresume.job.config import JobSpec; "
             "from slurmresume.job.node import NodeLauncher; "
-            f"r = NodeLauncher(JobSpec(script=Path({str(LC_TRAIN)!r}), script_args=('4', '0.01'), "
+            f"NodeLauncher(JobSpec(script=Path({str(LC_TRAIN)!r}), script_args=('4', '0.01'), "
             f"ckpt_dir=Path({str(root)!r})))(); "
             "print('launcher returned', flush=True); "
             "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2); print('exiting after the late warning')")
