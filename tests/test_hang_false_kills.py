@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import HELPERS, clean_env, free_port, signal_tree
+from helpers.procs import HELPERS, clean_env, free_port, reversed_rendezvous_env, signal_tree
 
 HANG_TRAIN = HELPERS / "hang_train.py"
 
@@ -57,13 +57,13 @@ def _node_launcher(tmp_path: Path, node: int, port: int, args: list[str], spec_k
             f"{spec_kw}), nonce='submission-2626')())")  # one submission: submitit pickles one launcher for every node
     full = clean_env(PIDDIR=str(tmp_path / "pids"), PYTHONPATH=os.environ.get("PYTHONPATH", ""),
                      PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="2626", SLURM_NODEID=str(node),
-                     SLURM_NNODES="2", **env)
+                     SLURM_NNODES="2", **reversed_rendezvous_env(node), **env)
     return subprocess.Popen([sys.executable, "-c", code, *args], env=full, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _agent_started(launcher: int, timeout: float = 60.0) -> None:
-    """Until the launcher's torchrun agent exists (its pid then sorts before a later agent's)."""
+    """Until the launcher's torchrun agent exists (the other node then starts late)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -77,8 +77,8 @@ def _agent_started(launcher: int, timeout: float = 60.0) -> None:
 
 @pytest.mark.slow
 def test_two_nodes_in_reverse_rendezvous_order_no_kill_and_a_real_hang_on_node_1_is_caught(tmp_path: Path) -> None:
-    """SLURM_NODEID=1's agent starts first, so c10d gives it ranks 0-1 (same host: the lower
-    agent pid wins), the reverse of SLURM_NODEID x procs. Watching the ranks its own agent
+    """SLURM_NODEID=1's agent starts first, and c10d gives it ranks 0-1 (its address sorts first:
+    helpers.procs.reversed_rendezvous_env), the reverse of SLURM_NODEID x procs. Watching the ranks its own agent
     started, no launcher takes the other node's ranks for silent ones (the old watch killed the
     run once the start-up budget ran out); rank 1, on the node with SLURM_NODEID=1, then really
     hangs at step 200 and is caught within its budget + 1 s; the restarted run finishes."""
@@ -94,6 +94,10 @@ def test_two_nodes_in_reverse_rendezvous_order_no_kill_and_a_real_hang_on_node_1
         raise
     first = _node_launcher(tmp_path, 0, port, args, spec, env)
     outs = _finish([first, second], 240)
+    first_run = {int(p.name.rsplit("-", 1)[1]): p.read_text().split()
+                 for p in (tmp_path / "pids").glob("where-slurm-2626.0.0-*")}  # run 0's ranks
+    assert sorted(first_run) == [0, 1, 2, 3] and "SLURM_NODEID=1" in first_run[0], \
+        f"the rendezvous order was not reversed: {first_run}\n" + "\n".join(o[-3000:] for o in outs)
     ev = _events(tmp_path / "ckpt")
     hangs = [e for e in ev if e["event"] == "hang"]
     for h in hangs:  # every hang is the real one: the step before 200, never a start-up "silence"

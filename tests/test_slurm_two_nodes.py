@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.procs import reversed_rendezvous_env
 
 from slurmresume.checkpoint.store import find_latest
 from slurmresume.tools.compare import compare_checkpoints
@@ -80,13 +81,17 @@ def _submit_env(root: Path, script: Path, args: list[str], script_args: list[str
     return json.loads(out.stdout)["job_id"]
 
 
-def _late_node_0(tmp_path: Path, seconds: float) -> Path:
-    """A `--python` that starts node 0's launcher (submitit's process) `seconds` late: node 1's
-    torchrun agent then has the lower pid and, both emulated nodes having one address, c10d gives
-    it ranks 0-1: the rendezvous order is the reverse of the Slurm order."""
-    wrapper = tmp_path / "python-node0-late"
+def _reversed_nodes(tmp_path: Path, late_s: float) -> Path:
+    """A `--python` for submitit's process that makes the rendezvous order the reverse of the Slurm
+    order: each node's torchrun agent gets its own spelling of this host, node 1's sorting first
+    (helpers.procs.reversed_rendezvous_env), so c10d gives node 1 ranks 0-1 whatever the agents'
+    pids. Node 0's launcher also starts `late_s` late. (The late start alone, leaving the order to
+    the pids, failed in CI once pids had wrapped.)"""
+    n0, n1 = (reversed_rendezvous_env(n)["PET_LOCAL_ADDR"] for n in (0, 1))
+    wrapper = tmp_path / "python-nodes-reversed"
     wrapper.write_text("#!/bin/sh\ncase \"$*\" in *submitit.core._submit*)\n"
-                       f"  [ \"$SLURM_NODEID\" = 0 ] && sleep {seconds};;\nesac\nexec {sys.executable} \"$@\"\n")
+                       f"  if [ \"$SLURM_NODEID\" = 0 ]; then sleep {late_s}; export PET_LOCAL_ADDR={n0};\n"
+                       f"  else export PET_LOCAL_ADDR={n1}; fi;;\nesac\nexec {sys.executable} \"$@\"\n")
     wrapper.chmod(0o755)
     return wrapper
 
@@ -110,7 +115,7 @@ def test_two_nodes_a_hang_on_slurm_node_1_is_caught_and_restarted_in_the_allocat
     began = time.monotonic()
     root, piddir = tmp_path / "ckpt", tmp_path / "pids"
     job = _submit_env(root, HANG_TRAIN, ["--nodes", "2", "--shared-root", "--nproc-per-node", "2", "--time", "10",
-                                         "--python", str(_late_node_0(tmp_path, 4)), "--hang-timeout", "4",
+                                         "--python", str(_reversed_nodes(tmp_path, 4)), "--hang-timeout", "4",
                                          "--hang-startup", "60", "--max-hangs", "1"],
                       ["24", "0.05", "-1", "1", "0", "5"], HANG_ON="1:1:12", PIDDIR=str(piddir))
     assert final_state(job, timeout=300) == "COMPLETED", job_log(root, job)
@@ -157,7 +162,7 @@ def uninterrupted_2x2(two_nodes: None, tmp_path_factory: pytest.TempPathFactory)
     tmp = tmp_path_factory.mktemp("uninterrupted")
     root = tmp / "run"
     job = _submit_env(root, EXAMPLE, ["--nodes", "2", "--shared-root", "--nproc-per-node", "2", "--time", "10",
-                                      "--python", str(_late_node_0(tmp, 4)), "--hang-startup", "60"],
+                                      "--python", str(_reversed_nodes(tmp, 4)), "--hang-startup", "60"],
                       [*EXAMPLE_STEPS, "--step-sleep", "2"])
     assert final_state(job, timeout=400) == "COMPLETED", job_log(root, job)
     ev = events(root)

@@ -35,6 +35,17 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def reversed_rendezvous_env(node: int) -> dict[str, str]:
+    """The environment that makes emulated node `node` of two (both on this host) rendezvous in
+    the reverse of the Slurm order: SLURM_NODEID 1 gets ranks 0..procs-1. c10d ranks the nodes by
+    (address, agent pid); two agents on one host share an address (socket.getfqdn()), so the pids
+    alone decided, and pids wrap (pid_max is 32768 here): an agent started later can get the
+    lower pid, and the order was then the Slurm order (a CI run saw it). Two spellings of this
+    host, "127.0.0.1" < "localhost" (torchrun reads --local-addr from PET_LOCAL_ADDR), make the
+    order certain; node 1's address is the one every worker connects to as rank 0's."""
+    return {"PET_LOCAL_ADDR": "127.0.0.1" if node == 1 else "localhost"}
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
