@@ -13,7 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import HELPERS, clean_env, free_port, reversed_rendezvous_env, signal_tree
+from helpers.procs import (
+    HELPERS,
+    clean_env,
+    free_port,
+    rank_places,
+    reversed_rendezvous_env,
+    signal_tree,
+)
 
 HANG_TRAIN = HELPERS / "hang_train.py"
 
@@ -77,9 +84,9 @@ def _agent_started(launcher: int, timeout: float = 60.0) -> None:
 
 @pytest.mark.slow
 def test_two_nodes_in_reverse_rendezvous_order_no_kill_and_a_real_hang_on_node_1_is_caught(tmp_path: Path) -> None:
-    """SLURM_NODEID=1's agent starts first, and c10d gives it ranks 0-1 (its address sorts first:
-    helpers.procs.reversed_rendezvous_env), the reverse of SLURM_NODEID x procs. Watching the ranks its own agent
-    started, no launcher takes the other node's ranks for silent ones (the old watch killed the
+    """SLURM_NODEID=1's agent starts first, and c10d gives it ranks 0-1 (its address sorts
+    first: helpers.procs.reversed_rendezvous_env), the reverse of SLURM_NODEID x procs. Watching
+    the ranks its own agent started, no launcher takes the other node's ranks for silent ones (the old watch killed the
     run once the start-up budget ran out); rank 1, on the node with SLURM_NODEID=1, then really
     hangs at step 200 and is caught within its budget + 1 s; the restarted run finishes."""
     port = free_port()
@@ -94,10 +101,9 @@ def test_two_nodes_in_reverse_rendezvous_order_no_kill_and_a_real_hang_on_node_1
         raise
     first = _node_launcher(tmp_path, 0, port, args, spec, env)
     outs = _finish([first, second], 240)
-    first_run = {int(p.name.rsplit("-", 1)[1]): p.read_text().split()
-                 for p in (tmp_path / "pids").glob("where-slurm-2626.0.0-*")}  # run 0's ranks
-    assert sorted(first_run) == [0, 1, 2, 3] and "SLURM_NODEID=1" in first_run[0], \
-        f"the rendezvous order was not reversed: {first_run}\n" + "\n".join(o[-3000:] for o in outs)
+    where = rank_places(tmp_path / "pids", "slurm-2626.0.0")  # run 0: rank -> (SLURM_NODEID, LOCAL_RANK)
+    assert sorted(where) == [0, 1, 2, 3] and where[0][0] == 1, \
+        f"the rendezvous order was not reversed: {where}\n" + "\n".join(o[-3000:] for o in outs)
     ev = _events(tmp_path / "ckpt")
     hangs = [e for e in ev if e["event"] == "hang"]
     for h in hangs:  # every hang is the real one: the step before 200, never a start-up "silence"

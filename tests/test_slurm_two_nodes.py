@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import reversed_rendezvous_env
+from helpers.procs import rank_places, reversed_rendezvous_env
 
 from slurmresume.checkpoint.store import find_latest
 from slurmresume.tools.compare import compare_checkpoints
@@ -96,15 +96,6 @@ def _reversed_nodes(tmp_path: Path, late_s: float) -> Path:
     return wrapper
 
 
-def _where(piddir: Path, run_id: str) -> dict[int, tuple[int, int]]:
-    """Global rank -> (SLURM_NODEID, LOCAL_RANK), as each rank of that run wrote it."""
-    out = {}
-    for p in piddir.glob(f"where-{run_id}-*"):
-        f = dict(kv.split("=") for kv in p.read_text().split())
-        out[int(f["RANK"])] = (int(f["SLURM_NODEID"]), int(f["LOCAL_RANK"]))
-    return out
-
-
 @pytest.mark.slurm_exclusive
 def test_two_nodes_a_hang_on_slurm_node_1_is_caught_and_restarted_in_the_allocation(two_nodes: None,
                                                                                      tmp_path: Path) -> None:
@@ -119,9 +110,9 @@ def test_two_nodes_a_hang_on_slurm_node_1_is_caught_and_restarted_in_the_allocat
                                          "--hang-startup", "60", "--max-hangs", "1"],
                       ["24", "0.05", "-1", "1", "0", "5"], HANG_ON="1:1:12", PIDDIR=str(piddir))
     assert final_state(job, timeout=300) == "COMPLETED", job_log(root, job)
-    where = _where(piddir, f"slurm-{job}.0.0")
+    where = rank_places(piddir, f"slurm-{job}.0.0")
     print(f"\nrun 0: rank -> (SLURM_NODEID, LOCAL_RANK) {where}; "
-          f"the restart: {_where(piddir, f'slurm-{job}.0.1')}")
+          f"the restart: {rank_places(piddir, f'slurm-{job}.0.1')}")
     assert sorted(where) == [0, 1, 2, 3], where
     assert where[0][0] == 1, f"the rendezvous order was not reversed: {where}"
     ev = events(root)

@@ -46,6 +46,16 @@ def reversed_rendezvous_env(node: int) -> dict[str, str]:
     return {"PET_LOCAL_ADDR": "127.0.0.1" if node == 1 else "localhost"}
 
 
+def rank_places(piddir: Path, run_id: str) -> dict[int, tuple[int, int]]:
+    """Global rank -> (SLURM_NODEID, LOCAL_RANK), as each rank of run `run_id` wrote it
+    (helpers/hang_train.py's $PIDDIR/where-<run id>-<R>)."""
+    out = {}
+    for p in piddir.glob(f"where-{run_id}-*"):
+        f = dict(kv.split("=") for kv in p.read_text().split())
+        out[int(f["RANK"])] = (int(f["SLURM_NODEID"]), int(f["LOCAL_RANK"]))
+    return out
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
