@@ -57,6 +57,13 @@ log = logging.getLogger("slurmresume")
 DEFAULT_YOUNG_THRESHOLD = 600.0
 
 
+# A save directory with no `.inprogress` note that is younger than this is never deleted,
+# whatever `young_threshold` says: its writer makes it, then writes the note into it
+# (checkpoint/commit.py), without the root lock when that lock is stuck. A note naming a dead
+# writer is proof enough and needs no floor.
+SAVE_DIR_FLOOR_S = 60.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class RetentionPolicy:
     """What to keep. Validated here, so a bad policy fails before anything is deleted."""
@@ -103,6 +110,7 @@ class CheckpointRecord:
     mtime: float = 0.0  # last change of the directory or any entry in it (epoch seconds)
     metrics: Any = None  # decoded manifest metrics (complete checkpoints)
     unreadable: bool = False  # cannot be classified here (a newer format, over a read cap, no permission)
+    unnoted_save: bool = False  # a `.saving.*` directory with no `.inprogress` note (yet)
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,10 @@ def _incomplete_reasons(r: CheckpointRecord, policy: RetentionPolicy, now: float
     limit = policy.remove_incomplete_older_than
     if r.in_progress:
         return False, f"{label}: being written (its .inprogress writer may still be running)"
+    if r.unnoted_save and idle < SAVE_DIR_FLOOR_S:
+        # made by a save that has not written its note yet (a save that found the lock stuck
+        # goes on without it): no young_threshold, however small, may take it from its writer
+        return False, f"{label}: a save directory {format_duration(idle)} old, its note may not be written yet"
     if idle < policy.young_threshold:
         return False, f"{label}: changed {format_duration(idle)} ago, may be being written"
     if limit is None:
@@ -234,10 +246,13 @@ def scan(root: Path) -> list[CheckpointRecord]:
 
 def _record(root: Path, step: int, name: str) -> CheckpointRecord:
     """The record of one entry; a `.saving.*` directory is never complete (it is not a step)."""
-    record = record_from_info(inspect_dir(step, root / name, scan=True))
+    info = inspect_dir(step, root / name, scan=True)
+    record = record_from_info(info)
     if name.startswith(SAVING_PREFIX) and record.complete:
         # marker written, not yet published: its note (kept in the record) still protects it
         record = replace(record, complete=False, mtime=abandoned.last_activity(root / name))
+    if name.startswith(SAVING_PREFIX) and not info.in_progress:
+        record = replace(record, unnoted_save=True)  # SAVE_DIR_FLOOR_S protects it
     return record
 
 

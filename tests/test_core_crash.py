@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from helpers.procs import HELPERS, check, clean_env, run_python
 from slurmresume.checkpoint.layout import INPROGRESS, MANIFEST, MARKER, saving_dirs, shard_name
 from slurmresume.checkpoint.store import find_latest, inspect_dir, list_checkpoints
 from slurmresume.contract import ENV_LEASE_HEARTBEAT
-from slurmresume.retention import RetentionPolicy, execute
+from slurmresume.retention import SAVE_DIR_FLOOR_S, RetentionPolicy, execute
 
 # One worker runs this module, so that its module-scoped fixture (a multi-process run) is
 # computed once: under xdist each worker that got one of its tests computed it again.
@@ -144,7 +145,12 @@ def test_kill_mid_save_falls_back_then_resave_replaces(
     assert step == 2 and model_equal(state["model"], tiny_model(2))
     assert find_latest(root, verify=True).step == 2
     assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING]
-    # The killed writer is gone: a prune that asks removes its directory, and nothing else.
+    # The killed writer is gone: a prune that asks removes its directory, and nothing else (one
+    # killed before its note was written, or after it was removed, once past the floor).
+    if not (partial / INPROGRESS).exists():
+        old = time.time() - SAVE_DIR_FLOOR_S - 1
+        for p in [partial, *partial.iterdir()]:
+            os.utime(p, (old, old))
     done = execute(root, RetentionPolicy(keep=5, remove_incomplete_older_than=0, young_threshold=0))
     assert done.deleted == [partial.name] and saving_dirs(root) == []
     assert [i.step for i in list_checkpoints(root) if i.complete] == [2, 1]

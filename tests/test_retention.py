@@ -533,5 +533,28 @@ def test_a_marked_save_directory_not_yet_published_is_kept_while_its_writer_runs
     policy = RetentionPolicy(keep=1, remove_incomplete_older_than=0, young_threshold=0)
     assert execute(root, policy).deleted == []
     assert staged.is_dir() and (staged / MARKER).exists()
-    (staged / INPROGRESS).unlink()  # writer gone without publishing: now it is litter
+    (staged / INPROGRESS).unlink()  # writer gone without publishing: litter once past the floor
+    old = time.time() - retention.SAVE_DIR_FLOOR_S - 1
+    for p in [staged, *staged.iterdir()]:
+        os.utime(p, (old, old))
     assert execute(root, policy).deleted == [staged.name]
+
+
+def test_a_save_directory_without_its_note_yet_is_kept_whatever_the_young_threshold(tmp_path: Path) -> None:
+    """A save makes its private directory, then writes the `.inprogress` note into it. When the
+    root lock is stuck (a node-local flock, a symlinked lock file) the save goes on without it,
+    and a prune with young_threshold=0 that scanned between the two calls deleted the directory
+    under the writer (#48: test_concurrency_campaign). A note-less save directory is kept for
+    SAVE_DIR_FLOOR_S whatever the policy says; older, it is litter like before."""
+    from helpers.core import save_steps
+
+    root = tmp_path / "root"
+    save_steps(root, [1]).close()
+    fresh = root / ".saving.step_000000002.0123456789abcdef"
+    fresh.mkdir()  # the note is not written yet
+    policy = RetentionPolicy(keep=1, remove_incomplete_older_than=0, young_threshold=0)
+    assert execute(root, policy).deleted == []
+    assert fresh.is_dir()
+    old = time.time() - retention.SAVE_DIR_FLOOR_S - 1
+    os.utime(fresh, (old, old))
+    assert execute(root, policy).deleted == [fresh.name]
