@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from pathlib import Path
 
 from helpers.procs import REPO
 
