@@ -1,6 +1,6 @@
-"""The README's "Adapt your script" checklist, point by point, where no other test backs it:
-values carried between steps, `ckpt.step()` inside an eval loop, a NumPy Generator, the
-DataLoader's own generator."""
+"""The "Adapt your script" checklist (README; in full with its tests: docs/adapt-your-script.md),
+point by point, where no other test backs it: values carried between steps, `ckpt.step()`
+inside an eval loop, a NumPy Generator, the DataLoader's own generator."""
 
 from __future__ import annotations
 

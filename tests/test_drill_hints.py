@@ -1,8 +1,8 @@
-"""Issue #28, the drill's hint table (README §Adapt your script, point 9): for each row, a script
+"""Issue #28, the drill's hint table (README §Adapt your script; with each row's test in docs/adapt-your-script.md): for each row, a script
 that follows the recipe except for exactly that point, and the drill's first FAIL line names the
 fix (exit 1). One rank, 12 steps, one warning: each drill runs the script twice through the real
 launcher (slow lane, like the other drill tests: ~15-25 s each on a quiet machine, 2-4 min under
-load). The rows other files already prove are listed in the README's table with their tests."""
+load). The rows other files already prove are listed in docs/adapt-your-script.md with their tests."""
 
 from __future__ import annotations
 

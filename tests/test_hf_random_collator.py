@@ -1,6 +1,6 @@
 """Issue #28, HF Trainer: a data collator that draws random numbers (the stock
-`DataCollatorForLanguageModeling`, MLM masking) is NOT exact; README lists it under "Not
-exact". This test documents why, and fails once it becomes exact (then move the README line).
+`DataCollatorForLanguageModeling`, MLM masking) is NOT exact; docs/integrations.md lists it under
+"Not exact". This test documents why, and fails once it becomes exact (then move that line).
 
 The reason: Trainer's training loader (accelerate's DataLoaderShard) collates one batch ahead,
 so the batch after the saved step was collated - its masks drawn from the global RNG - before

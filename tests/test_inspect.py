@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import slurmresume.cli.commands_inspect  # noqa: F401  (registers `inspect` until cli.py imports it)
+import slurmresume.cli.commands_inspect  # noqa: F401  (registers `inspect`; cli/__init__.py imports it too)
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.checkpoint.shardread import read_header

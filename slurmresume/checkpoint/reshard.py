@@ -108,7 +108,7 @@ def _optimizer_params(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[str, Sharded],
             specs: Mapping[str, Any]) -> dict[str, Target]:
-    """The rule (README, elastic resume): a live DTensor at the same name gives its mesh and
+    """The rule (docs/design.md, "Another world size (elastic resume)"): a live DTensor at the same name gives its mesh and
     placements; else the optimizer's parameter for that state; else, when the live state holds
     DTensors, the saved placements on their mesh; else a plain tensor with the global value."""
     from torch.distributed.tensor import Replicate, Shard

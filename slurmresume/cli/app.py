@@ -1,6 +1,6 @@
 """The `slurmresume` Typer application and the one place where domain errors become a one-line
 message and a non-zero exit code (`handle_errors`). The command modules register themselves on
-`app`; `cli.py` imports them, so nothing here imports a command back (no import cycle)."""
+`app`; `cli/__init__.py` imports them, so nothing here imports a command back (no import cycle)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checkpoint commands (status, prune, verify, latest), registered on the app in cli.py.
+"""Checkpoint commands (status, prune, verify, latest), registered on the app when cli/__init__.py imports it.
 
 Each is a thin adapter: options -> one library call (status.py, retention.py, store.py) ->
 render (_render.py) or JSON. Errors are SlurmResumeError subclasses; `handle_errors` turns

@@ -1,4 +1,4 @@
-"""`slurmresume doctor`, registered on the app in cli.py: options -> doctor.run_doctor -> render."""
+"""`slurmresume doctor`, registered on the app when cli/__init__.py imports it: options -> doctor.run_doctor -> render."""
 
 from __future__ import annotations
 

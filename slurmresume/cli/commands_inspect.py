@@ -1,4 +1,4 @@
-"""`slurmresume inspect`, registered on the app in cli.py: options -> inspect.py -> render or JSON."""
+"""`slurmresume inspect`, registered on the app when cli/__init__.py imports it: options -> inspect.py -> render or JSON."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def split_signal(value: str, lead: int | None) -> tuple[str, int | None]:
 def requeue_cap_reached(requeues_done: int, max_requeues: int | None) -> bool:
     """Pure: whether a preempted run that committed new progress may NOT be requeued again.
 
-    The rule (README, "Hidden defaults"): by default (`max_requeues=None`) there is no cap; a
+    The rule: by default (`max_requeues=None`) there is no cap; a
     week-long job is requeued at every warning and every time limit for as long as each run
     commits a newer step. What stops a run that goes nowhere is the launcher's no-progress guard
     (two consecutive runs without a new committed step), not a count. A cap applies only when the

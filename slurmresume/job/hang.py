@@ -2,7 +2,7 @@
 whether a hang is the same as the last one, which rank straggles. Time is always passed in, and
 it is CLOCK_MONOTONIC (heartbeat.py): a wall-clock step never makes or hides a hang.
 
-The rules (README, "Hang detection"):
+The rules (docs/hang-detection.md):
 - Only a rank's own record can condemn it. A rank with no record ("unknown": it has not created
   its Checkpointer, or it cannot publish) and a rank whose record is empty ("not watched") are
   shown, never judged.
