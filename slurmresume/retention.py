@@ -44,7 +44,7 @@ from .checkpoint import leftovers as abandoned
 from .checkpoint.commit import hide, root_lock
 from .checkpoint.jsonenc import decode
 from .checkpoint.layout import DELETING_PREFIX, LOCK, SAVING_PREFIX, saving_dirs
-from .checkpoint.store import UNREADABLE, CheckpointInfo, inspect_dir, list_checkpoints
+from .checkpoint.store import CheckpointInfo, inspect_dir, list_checkpoints
 from .duration import format_duration
 from .errors import CheckpointError, ConfigError, SlurmResumeError, UnsafeCheckpointError
 
@@ -253,9 +253,8 @@ def record_from_info(info: CheckpointInfo) -> CheckpointRecord:
         except (SlurmResumeError, ValueError, TypeError, KeyError):  # odd metrics never block a prune
             metrics = None
         return CheckpointRecord(info.step, info.path.name, True, True, busy, info.mtime, metrics)
-    unreadable = info.unreadable or (info.problem or "").startswith(UNREADABLE)
     return CheckpointRecord(info.step, info.path.name, False, info.has_marker, busy, abandoned.last_activity(info.path),
-                            unreadable=unreadable)
+                            unreadable=info.unreadable)
 
 
 @contextmanager

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, UnreadableCheckpointError
+from ..errors import CorruptCheckpointError, NotPermittedError, UnreadableCheckpointError
+from .bounded import UNREADABLE as UNREADABLE
 from .layout import INPROGRESS, MANIFEST, MARKER, step_dirs
 from .manifest import (
     MAX_MARKER,
@@ -49,7 +50,7 @@ class CheckpointInfo:
     verified: bool | None = None  # None: checksums not computed
     mtime: float = 0.0
     in_progress: bool = False
-    unreadable: bool = False  # committed, but not by this version's rules (newer format, over a cap): not corrupt
+    unreadable: bool = False  # not by this version's rules (newer format, over a cap) or this user's: not corrupt
     facts: MarkerFacts | None = None  # a scan's answer from the marker alone (manifest left unread)
 
     @property
@@ -161,9 +162,6 @@ def _agrees_with_index(manifest: Manifest, shard: dict[str, Any], header: Any, w
                                          "disagree with its tensor index")
 
 
-UNREADABLE = "unreadable by this user (permission denied): fix with chmod/chown, or ask its owner"
-
-
 def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False, *,
                 sizes: bool = True) -> CheckpointInfo:
     """Everything knowable about one step directory; never raises for a bad checkpoint. With
@@ -180,7 +178,7 @@ def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False,
         info.problem = "not a real directory"
         return info
     if not os.access(path, os.R_OK | os.X_OK):  # one unreadable directory must not break every command
-        return CheckpointInfo(step, path, False, mtime=st.st_mtime, problem=UNREADABLE)
+        return CheckpointInfo(step, path, False, mtime=st.st_mtime, problem=UNREADABLE, unreadable=True)
     info = CheckpointInfo(step, path, (path / MARKER).exists(), mtime=st.st_mtime)
     info.in_progress = (path / INPROGRESS).exists()  # retention asks it of a complete `.saving.*` too
     if not info.has_marker:
@@ -193,21 +191,22 @@ def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False,
         info.manifest = read_manifest(path, expected_step=step, real_dir=True)  # lstat'ed above
         if sizes or verify:
             check_sizes(path, info.manifest)
+        if verify:
+            problems = check_checksums(path, info.manifest)
+            info.verified = not problems
+            if problems:
+                info.problem = "; ".join(problems)
+                return _unless_vanished(info)
+    except (NotPermittedError, PermissionError) as exc:  # another user's file: never "corrupt"
+        where = exc.path if isinstance(exc, NotPermittedError) else exc.filename
+        info.manifest, info.facts, info.problem, info.unreadable = None, None, f"{UNREADABLE} ({where})", True
+        return _unless_vanished(info)
     except UnreadableCheckpointError as exc:
         info.problem, info.unreadable = str(exc), True
         return _unless_vanished(info)
     except CorruptCheckpointError as exc:
         info.problem = str(exc)
         return _unless_vanished(info)
-    except PermissionError as exc:
-        info.manifest, info.problem = None, f"{UNREADABLE} ({exc.filename})"
-        return info
-    if verify:
-        problems = check_checksums(path, info.manifest)
-        info.verified = not problems
-        if problems:
-            info.problem = "; ".join(problems)
-            return _unless_vanished(info)
     return info
 
 
@@ -271,10 +270,19 @@ def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = Non
         if info.complete:
             return info
         if info.unreadable:
-            raise UnreadableCheckpointError(info.problem or f"checkpoint {path} is unreadable by this version")
+            raise unreadable_error(info)
         if warn:
             log.warning("skipping %s: %s", path, info.problem)
     return None
+
+
+def unreadable_error(info: CheckpointInfo) -> UnreadableCheckpointError:
+    """The one-line refusal of step `info` that this version or this user cannot read (a newer
+    format, over a cap, permission denied): naming it and why, never resuming an older step."""
+    why = info.problem or "unreadable by this version"
+    if why.startswith(UNREADABLE):
+        return NotPermittedError(f"checkpoint {info.path} is {why}: not resuming an older step past it", info.path)
+    return UnreadableCheckpointError(why)
 
 
 def newest_committed(root: Path) -> int | None:
