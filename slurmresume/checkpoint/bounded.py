@@ -7,7 +7,12 @@ import os
 import stat
 from pathlib import Path
 
-from ..errors import CorruptCheckpointError, NotPermittedError, UnreadableCheckpointError, UnsafeCheckpointError
+from ..errors import (
+    CorruptCheckpointError,
+    NotPermittedError,
+    UnreadableCheckpointError,
+    UnsafeCheckpointError,
+)
 from . import fsio
 
 # What a step (or a file of it) this user may not read is: never "corrupt" (see NotPermittedError)

@@ -33,7 +33,7 @@ from .manifest import (
     marker_facts,
     read_bounded,
     read_manifest,
-    refuse_newer,
+    refuse_newer_marker,
 )
 from .shardread import hash_file, open_checked
 
@@ -214,18 +214,14 @@ def scan_marker(path: Path, step: int) -> MarkerFacts | None:
     """What the commit marker of step directory `path` says, when it answers a scan (world size,
     total bytes, metrics); None for an older marker without them (read the manifest). Raises
     CorruptCheckpointError (own checksum fails, malformed, another step's) or
-    UnreadableCheckpointError (a newer format)."""
+    UnreadableCheckpointError (a newer format, in an intact marker)."""
     from .jsonenc import loads
 
     where = path / MARKER
     data = loads(read_bounded(where, MAX_MARKER, "commit marker"), f"commit marker {where}")
     facts = marker_facts(data, where)
-    try:
-        check_marker(data, path)
-    except CorruptCheckpointError:
-        refuse_newer(data, path)  # a newer release may seal its marker otherwise: unreadable, not corrupt
-        raise
-    refuse_newer(data, path)
+    refuse_newer_marker(data, path)  # a damaged marker is corrupt, never "newer"
+    check_marker(data, path)
     if facts.step != step:
         raise CorruptCheckpointError(f"commit marker {where} is for step {facts.step}, not {step}")
     if facts.world_size is None or facts.total_bytes is None or not facts.metrics_known:

@@ -55,7 +55,13 @@ from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.residency import all_cached
 from ..checkpoint.sharding import to_json as sharding_json
 from ..checkpoint.state import apply_entries, flatten_live
-from ..checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, inspect_dir, unreadable_error
+from ..checkpoint.store import (
+    CheckpointInfo,
+    clean_temp_files,
+    find_latest,
+    inspect_dir,
+    unreadable_error,
+)
 from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RESTORE_WARM, ENV_RUN_ID
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError
 from ..events import process_started_at, try_append_event
