@@ -1,6 +1,7 @@
-"""Scans answer from the commit marker: `latest`, `status` and `prune` open no manifest and no
-shard of a step whose marker carries the scan fields (world size, total bytes, metrics; sealed by
-the marker's own checksum), so their cost per step does not grow with the world size. A marker
+"""Scans answer from the commit marker: `latest`, `status` and `prune`'s scan open no manifest and
+no shard of a step whose marker carries the scan fields (world size, total bytes, metrics; sealed by
+the marker's own checksum), so their cost per step does not grow with the world size (a prune that
+deletes reads the manifests of the few steps it keeps, to check their sizes). A marker
 whose own checksum fails is corrupt; an older marker without those fields still works, through
 its manifest (read for that step only). Sizes are checked where bytes are read: restore, verify.
 """
@@ -44,9 +45,14 @@ def test_latest_status_and_prune_read_no_manifest(tmp_path: Path) -> None:
         rows = json.loads(r.stdout)["checkpoints"]
         assert [row["state"] for row in rows] == ["complete"] * len(STEPS)
         assert rows[0]["shards"] == 1 and rows[0]["bytes"] > 0
+    assert _manifest_and_shard_opens(opened) == []
+    with record_opens() as opened:
         r = _cli("prune", "--keep", 3, "--keep-best", "step", "--mode", "min", "--yes", "--ckpt-dir", root)
         assert r.exit_code == 0, r.output
-    assert _manifest_and_shard_opens(opened) == []
+    # what it deletes counts only after the sizes of what it keeps were checked (retention.plan_checked):
+    # their manifests are read (the plan shown, the plan executed), no shard opened
+    kept = {str(step_dir(root, s) / MANIFEST) for s in (12, 11, 10, 1)}
+    assert set(_manifest_and_shard_opens(opened)) == kept
     # prune kept the newest 3 and the best by the marker's metrics (step 1: the minimum)
     assert [i.step for i in list_checkpoints(root) if i.complete] == [12, 11, 10, 1]
 

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, NotPermittedError, UnreadableCheckpointError
+from ..errors import (
+    CorruptCheckpointError,
+    NotPermittedError,
+    UnreadableCheckpointError,
+    UnsafeCheckpointError,
+)
 from .bounded import UNREADABLE as UNREADABLE
 from .layout import INPROGRESS, MANIFEST, MARKER, step_dirs
 from .manifest import (
@@ -35,7 +40,7 @@ from .manifest import (
     read_manifest,
     refuse_newer_marker,
 )
-from .shardread import hash_file, open_checked
+from .shardread import check_name, check_span, hash_file, open_checked, split_locator
 
 log = logging.getLogger("slurmresume")
 
@@ -93,6 +98,25 @@ def _dir_bytes(path: Path) -> int:
 def check_sizes(info_path: Path, manifest: Manifest) -> None:
     for s in manifest.files:
         os.close(open_checked(info_path, s["file"], s["bytes"]))
+
+
+def stat_sizes(path: Path, manifest: Manifest) -> None:
+    """`check_sizes` by lstat, opening no file (retention's check of the steps it keeps): every
+    file the manifest lists is a plain regular file holding its recorded bytes. Raises
+    CorruptCheckpointError (missing, truncated or replaced) or UnsafeCheckpointError (not a plain
+    regular file, a name that is not ours), naming the file."""
+    seen: dict[str, os.stat_result] = {}
+    for s in manifest.files:
+        check_name(path, s["file"])
+        name = split_locator(s["file"])[0]
+        if name not in seen:  # a node file holds the ranges of several ranks: one lstat
+            try:
+                seen[name] = os.lstat(path / name)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"shard {path / name} is missing") from None
+        if not stat.S_ISREG(seen[name].st_mode):
+            raise UnsafeCheckpointError(f"refusing shard {path / name}: not a regular file")
+        check_span(path, s["file"], s["bytes"], seen[name].st_size)
 
 
 def check_checksums(path: Path, manifest: Manifest) -> list[str]:
