@@ -69,7 +69,8 @@ class Failure:
         if isinstance(exc, ConfigError):
             return cls("config", f"rank {rank}: {exc}" if world_size > 1 else str(exc), exc)
         if isinstance(exc, (SlurmResumeError, OSError)):
-            return cls(cls.of(exc).kind, str(exc), exc)
+            known = cls.of(exc)
+            return cls(known.kind, known.message, exc)
         text = " ".join(str(exc).split())
         text = text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + "..."
         return cls("bug", f"rank {rank} failed while {doing}: {type(exc).__name__}: {text} (unexpected: a bug in "
