@@ -42,7 +42,7 @@ def judge_health(status: Status, root: Path, events: list[dict[str, Any]]) -> No
         blocks = not any(r.state == "complete" and r.step > row.step for r in status.checkpoints)
         if (row.problem or "").startswith(UNREADABLE):
             (p if blocks else w).append(f"{row.name} is {row.problem}; "
-                                        + ("restore refuses it (no resume) until then" if blocks else "skipped"))
+                                        + ("restore refuses it (no resume) until it can be read" if blocks else "skipped"))
         else:
             (p if blocks else w).append(f"{row.name}: {row.problem}"
                                         + ("; restore refuses it (no resume) until then" if blocks else ""))
