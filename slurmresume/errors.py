@@ -10,6 +10,7 @@ __all__ = [
     "PeerReadError",
     "UnsafeCheckpointError",
     "UnreadableCheckpointError",
+    "NotPermittedError",
     "SaveError",
     "NoCheckpointError",
     "SlurmError",
@@ -44,8 +45,18 @@ class PeerReadError(CorruptCheckpointError):
 
 class UnreadableCheckpointError(CheckpointError):
     """A committed checkpoint this version cannot read: written by a newer slurmresume (a newer
-    manifest format) or over one of this version's read caps. Not corrupt (deliberately not a
-    CorruptCheckpointError): it is never deleted, replaced or skipped for an older step."""
+    manifest format) or over one of this version's read caps, or one this user may not read
+    (`NotPermittedError`). Not corrupt (deliberately not a CorruptCheckpointError): it is never
+    deleted, replaced or skipped for an older step."""
+
+
+class NotPermittedError(UnreadableCheckpointError):
+    """A step's directory or file that this user may not read (permission denied: another user's
+    run with a strict umask under a shared root). `path`: what could not be read."""
+
+    def __init__(self, message: str, path: object = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class SaveError(CheckpointError):

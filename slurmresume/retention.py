@@ -44,12 +44,18 @@ from .checkpoint import leftovers as abandoned
 from .checkpoint.commit import hide, root_lock
 from .checkpoint.jsonenc import decode
 from .checkpoint.layout import DELETING_PREFIX, LOCK, SAVING_PREFIX, saving_dirs
-from .checkpoint.store import UNREADABLE, CheckpointInfo, inspect_dir, list_checkpoints
+from .checkpoint.store import UNREADABLE, CheckpointInfo, inspect_dir, list_checkpoints, stat_sizes
 from .duration import format_duration
-from .errors import CheckpointError, ConfigError, SlurmResumeError, UnsafeCheckpointError
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    SlurmResumeError,
+    UnsafeCheckpointError,
+)
 
 __all__ = ["RetentionPolicy", "CheckpointRecord", "Decision", "PrunePlan", "PruneResult",
-           "plan_prune", "metric_value", "best_record", "metric_names", "scan", "execute",
+           "plan_prune", "plan_checked", "metric_value", "best_record", "metric_names", "scan", "execute",
            "apply_policy", "clean_leftovers", "leftovers", "DEFAULT_YOUNG_THRESHOLD"]
 
 log = logging.getLogger("slurmresume")
@@ -268,9 +274,41 @@ def record_from_info(info: CheckpointInfo) -> CheckpointRecord:
         except (SlurmResumeError, ValueError, TypeError, KeyError):  # odd metrics never block a prune
             metrics = None
         return CheckpointRecord(info.step, info.path.name, True, True, busy, info.mtime, metrics)
-    unreadable = info.unreadable or (info.problem or "").startswith(UNREADABLE)
     return CheckpointRecord(info.step, info.path.name, False, info.has_marker, busy, abandoned.last_activity(info.path),
-                            unreadable=unreadable)
+                            unreadable=info.unreadable)
+
+
+def plan_checked(root: Path, records: Sequence[CheckpointRecord], policy: RetentionPolicy,
+                 now: float) -> PrunePlan:
+    """`plan_prune`, counting toward `keep` only steps whose shard sizes match their manifest.
+    A scan judges a step by its marker alone, so a step whose shard was truncated since its commit
+    would count and cost an older intact step. Whenever the plan deletes a complete step, each
+    complete step it keeps is checked (its manifest read, each file lstat'ed: sizes, not
+    checksums), once; a damaged one becomes a corrupt record (the rules for corrupt steps apply
+    to it) or an unreadable one, and the plan is made again. Steps the plan only deletes are not
+    checked: the cost follows what is kept (keep + keep_every + best), not the size of the root."""
+    records = list(records)
+    checked: set[str] = set()
+    while True:
+        plan = plan_prune(records, policy, now)
+        todo = {r.name for r in plan.keep if r.complete} - checked if any(r.complete for r in plan.delete) else set()
+        if not todo:
+            return plan
+        checked |= todo
+        records = [_sized(root, r) if r.name in todo else r for r in records]
+
+
+def _sized(root: Path, r: CheckpointRecord) -> CheckpointRecord:
+    """The record of complete step `r` once its manifest is read and every file's size checked."""
+    info = inspect_dir(r.step, root / r.name, sizes=False)
+    if info.complete and info.manifest is not None:
+        try:
+            stat_sizes(info.path, info.manifest)
+        except CorruptCheckpointError as exc:
+            info.problem = str(exc)
+        except PermissionError as exc:  # a directory that stopped being ours to search
+            info.problem, info.unreadable = f"{UNREADABLE} ({exc.filename})", True
+    return record_from_info(info)
 
 
 @contextmanager
@@ -319,7 +357,7 @@ def execute(root: Path, policy: RetentionPolicy, approved: Collection[str] | Non
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"checkpoint root {root} does not exist or is not a directory")
-    plan = plan_prune(scan(root), policy, time.time() if now is None else now)
+    plan = plan_checked(root, scan(root), policy, time.time() if now is None else now)
     result = PruneResult(plan)
     chosen = {r.name for r in plan.delete}
     for name in sorted(set(approved or ()) - chosen):

@@ -19,7 +19,9 @@ from slurmresume.errors import (
     ConfigError,
     CorruptCheckpointError,
     NoCheckpointError,
+    NotPermittedError,
     SaveError,
+    UnreadableCheckpointError,
     UnsafeCheckpointError,
 )
 from slurmresume.train.messages import (
@@ -80,6 +82,19 @@ def test_an_error_crosses_ranks_as_kind_and_message(exc: BaseException, kind: st
     assert failure.kind == kind and failure.message == str(exc)
     err = failure.error()
     assert type(err) is raised and str(err) == str(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    NotPermittedError("shard /r/step_000000002/rank-00000-of-00001.safetensors is unreadable by this user", "/r"),
+    PermissionError(13, "Permission denied", "/r/step_000000002/rank-00000-of-00001.safetensors"),
+], ids=["ours", "raw"])
+def test_a_permission_error_on_any_rank_ends_the_restore_as_unreadable(exc: BaseException) -> None:
+    """Another user's file is never a reason to fall back to an older step (a later save would
+    overwrite the step from there): decisive, raised on every rank, naming the step."""
+    failure = Failure.on_rank(exc, 3, 4, "reading its part of step 2")
+    assert failure.kind == "unreadable" and failure.decisive, failure
+    assert "step_000000002" in failure.message and "unreadable by this user" in failure.message, failure
+    assert type(Failure.from_json(_wire(failure.to_json())).error()) is UnreadableCheckpointError
 
 
 def test_an_unknown_kind_from_a_peer_is_a_checkpoint_error() -> None:

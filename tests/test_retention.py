@@ -558,3 +558,28 @@ def test_a_save_directory_without_its_note_yet_is_kept_whatever_the_young_thresh
     old = time.time() - retention.SAVE_DIR_FLOOR_S - 1
     os.utime(fresh, (old, old))
     assert execute(root, policy).deleted == [fresh.name]
+
+
+@pytest.mark.parametrize("via", ["prune", "library"])
+def test_a_truncated_newest_step_never_costs_an_older_intact_one(tmp_path: Path, via: str) -> None:
+    """Only steps whose shard sizes match their manifest count toward --keep: with the newest
+    step's shard cut short, `prune --keep 1` (and the library's policy after a commit) keeps the
+    newest intact step, deletes what is older than it, and leaves the damaged one to the rules
+    for corrupt steps (kept: no --remove-incomplete-older-than)."""
+    from typer.testing import CliRunner
+
+    from slurmresume.cli import app
+
+    save(tmp_path, 1, 2, 3)
+    shard = tmp_path / step_dir_name(3) / "rank-00000-of-00001.safetensors"
+    os.truncate(shard, shard.stat().st_size - 1)
+    if via == "prune":
+        env = {"COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1", "SLURMRESUME_CKPT_DIR": ""}
+        r = CliRunner().invoke(app, ["prune", "--keep", "1", "--yes", "--ckpt-dir", str(tmp_path)], env=env)
+        assert r.exit_code == 0, r.output
+        assert "step_000000003 keep corrupt" in " ".join(r.output.split()), r.output  # not counted
+    else:
+        result = apply_policy(tmp_path, RetentionPolicy(keep=1))
+        assert result.deleted == [step_dir_name(1)]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [step_dir_name(2), step_dir_name(3)]
+    assert find_latest(tmp_path).step == 2  # type: ignore[union-attr]

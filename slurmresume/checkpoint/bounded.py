@@ -7,20 +7,31 @@ import os
 import stat
 from pathlib import Path
 
-from ..errors import CorruptCheckpointError, UnreadableCheckpointError, UnsafeCheckpointError
+from ..errors import (
+    CorruptCheckpointError,
+    NotPermittedError,
+    UnreadableCheckpointError,
+    UnsafeCheckpointError,
+)
 from . import fsio
+
+# What a step (or a file of it) this user may not read is: never "corrupt" (see NotPermittedError)
+UNREADABLE = "unreadable by this user (permission denied): fix with chmod/chown, or ask its owner"
 
 
 def open_regular(path: Path, what: str, label: str, verb: str = "read", hint: str = "") -> tuple[int, os.stat_result]:
     """An fd (O_NOFOLLOW: a link fails) and its fstat for a plain regular file of a step, opened
     with `fsio.retry_transient` under `label`. CorruptCheckpointError when it is missing or still
-    failing after retries ("cannot {verb} {what} ..."); UnsafeCheckpointError for a link or a
-    special file (`hint` appended to the open's refusal). The one opener of `read_bounded` and
-    `shardread.open_checked`."""
+    failing after retries ("cannot {verb} {what} ..."); NotPermittedError when this user may not
+    read it (another user's file: unreadable here, not corrupt); UnsafeCheckpointError for a link
+    or a special file (`hint` appended to the open's refusal). The one opener of `read_bounded`
+    and `shardread.open_checked`."""
     try:
         fd = fsio.retry_transient(label, path, lambda: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{what} {path} is missing") from None
+    except PermissionError:  # EACCES, EPERM: the file is there, its mode or owner is not ours
+        raise NotPermittedError(f"{what} {path} is {UNREADABLE}", path) from None
     except OSError as exc:
         if exc.errno in fsio.TRANSIENT_ERRNOS:
             raise CorruptCheckpointError(f"cannot {verb} {what} {path}: {exc.strerror} (after retries)") from None

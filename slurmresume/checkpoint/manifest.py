@@ -33,6 +33,7 @@ from .marker import marker_facts as marker_facts
 from .marker import newer_format as newer_format
 from .marker import pinned_manifest as pinned_manifest
 from .marker import refuse_newer as refuse_newer
+from .marker import refuse_newer_marker as refuse_newer_marker
 from .rankindex import IndexDigests
 from .shard import VERIFY_BLOCK
 from .shardread import Expected

@@ -105,10 +105,22 @@ def says_newer(data: Any) -> bool:
 
 
 def refuse_newer(data: Any, step_dir: Path | str) -> None:
-    """UnreadableCheckpointError when the parsed marker or manifest `data` says a newer format."""
+    """UnreadableCheckpointError when the parsed marker or manifest `data` says a newer format
+    (a marker: through `refuse_newer_marker`, which believes only an intact one)."""
     why = newer_format(data.get("format")) if isinstance(data, dict) else None
     if why is not None:
         raise UnreadableCheckpointError(f"checkpoint {step_dir} is unreadable by this version: {why}")
+
+
+def refuse_newer_marker(marker: Any, step_dir: Path | str) -> None:
+    """`refuse_newer` for a parsed commit marker, which is believed only where its own checksum
+    backs it: a marker that carries "marker_xxh3" and fails it is damaged (CorruptCheckpointError),
+    whatever its format says, so that a flipped bit is never "newer". "marker_xxh3" is frozen: a
+    release that seals its marker otherwise names its checksum otherwise, and a marker without
+    "marker_xxh3" that says a newer format is such a release's (UnreadableCheckpointError)."""
+    if isinstance(marker, dict) and "marker_xxh3" in marker:
+        check_marker(marker, step_dir)
+    refuse_newer(marker, step_dir)
 
 
 def is_int(v: Any) -> TypeGuard[int]:
@@ -120,9 +132,9 @@ def pinned_manifest(marker: Any, raw: bytes | None, where: Path | str) -> Any:
     The format is trusted only where a checksum backs it, so that a flipped bit is "corrupt",
     never "newer": a manifest its marker pins may say a newer format (UnreadableCheckpointError);
     a marker that does not pin its manifest is unreadable only when it says a newer format
-    itself (a newer release may pin differently), else corrupt."""
+    itself and does not fail its own checksum (a newer release may pin differently), else corrupt."""
     if raw is None or not (isinstance(marker, dict) and marker.get("manifest_xxh3") == xxhash.xxh3_64_hexdigest(raw)):
-        refuse_newer(marker, where)
+        refuse_newer_marker(marker, where)
         what = "is missing" if raw is None else "does not match its commit marker (edited?)"
         raise CorruptCheckpointError(f"manifest {where}/{MANIFEST} {what}")
     data = loads(raw, f"manifest {where}/{MANIFEST}")

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError, UnreadableCheckpointError
+from ..errors import (
+    CorruptCheckpointError,
+    NotPermittedError,
+    UnreadableCheckpointError,
+    UnsafeCheckpointError,
+)
+from .bounded import UNREADABLE as UNREADABLE
 from .layout import INPROGRESS, MANIFEST, MARKER, step_dirs
 from .manifest import (
     MAX_MARKER,
@@ -32,9 +38,9 @@ from .manifest import (
     marker_facts,
     read_bounded,
     read_manifest,
-    refuse_newer,
+    refuse_newer_marker,
 )
-from .shardread import hash_file, open_checked
+from .shardread import check_name, check_span, hash_file, open_checked, split_locator
 
 log = logging.getLogger("slurmresume")
 
@@ -49,7 +55,7 @@ class CheckpointInfo:
     verified: bool | None = None  # None: checksums not computed
     mtime: float = 0.0
     in_progress: bool = False
-    unreadable: bool = False  # committed, but not by this version's rules (newer format, over a cap): not corrupt
+    unreadable: bool = False  # not by this version's rules (newer format, over a cap) or this user's: not corrupt
     facts: MarkerFacts | None = None  # a scan's answer from the marker alone (manifest left unread)
 
     @property
@@ -92,6 +98,25 @@ def _dir_bytes(path: Path) -> int:
 def check_sizes(info_path: Path, manifest: Manifest) -> None:
     for s in manifest.files:
         os.close(open_checked(info_path, s["file"], s["bytes"]))
+
+
+def stat_sizes(path: Path, manifest: Manifest) -> None:
+    """`check_sizes` by lstat, opening no file (retention's check of the steps it keeps): every
+    file the manifest lists is a plain regular file holding its recorded bytes. Raises
+    CorruptCheckpointError (missing, truncated or replaced) or UnsafeCheckpointError (not a plain
+    regular file, a name that is not ours), naming the file."""
+    seen: dict[str, os.stat_result] = {}
+    for s in manifest.files:
+        check_name(path, s["file"])
+        name = split_locator(s["file"])[0]
+        if name not in seen:  # a node file holds the ranges of several ranks: one lstat
+            try:
+                seen[name] = os.lstat(path / name)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"shard {path / name} is missing") from None
+        if not stat.S_ISREG(seen[name].st_mode):
+            raise UnsafeCheckpointError(f"refusing shard {path / name}: not a regular file")
+        check_span(path, s["file"], s["bytes"], seen[name].st_size)
 
 
 def check_checksums(path: Path, manifest: Manifest) -> list[str]:
@@ -161,9 +186,6 @@ def _agrees_with_index(manifest: Manifest, shard: dict[str, Any], header: Any, w
                                          "disagree with its tensor index")
 
 
-UNREADABLE = "unreadable by this user (permission denied): fix with chmod/chown, or ask its owner"
-
-
 def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False, *,
                 sizes: bool = True) -> CheckpointInfo:
     """Everything knowable about one step directory; never raises for a bad checkpoint. With
@@ -180,7 +202,7 @@ def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False,
         info.problem = "not a real directory"
         return info
     if not os.access(path, os.R_OK | os.X_OK):  # one unreadable directory must not break every command
-        return CheckpointInfo(step, path, False, mtime=st.st_mtime, problem=UNREADABLE)
+        return CheckpointInfo(step, path, False, mtime=st.st_mtime, problem=UNREADABLE, unreadable=True)
     info = CheckpointInfo(step, path, (path / MARKER).exists(), mtime=st.st_mtime)
     info.in_progress = (path / INPROGRESS).exists()  # retention asks it of a complete `.saving.*` too
     if not info.has_marker:
@@ -193,21 +215,22 @@ def inspect_dir(step: int, path: Path, verify: bool = False, scan: bool = False,
         info.manifest = read_manifest(path, expected_step=step, real_dir=True)  # lstat'ed above
         if sizes or verify:
             check_sizes(path, info.manifest)
+        if verify:
+            problems = check_checksums(path, info.manifest)
+            info.verified = not problems
+            if problems:
+                info.problem = "; ".join(problems)
+                return _unless_vanished(info)
+    except (NotPermittedError, PermissionError) as exc:  # another user's file: never "corrupt"
+        where = exc.path if isinstance(exc, NotPermittedError) else exc.filename
+        info.manifest, info.facts, info.problem, info.unreadable = None, None, f"{UNREADABLE} ({where})", True
+        return _unless_vanished(info)
     except UnreadableCheckpointError as exc:
         info.problem, info.unreadable = str(exc), True
         return _unless_vanished(info)
     except CorruptCheckpointError as exc:
         info.problem = str(exc)
         return _unless_vanished(info)
-    except PermissionError as exc:
-        info.manifest, info.problem = None, f"{UNREADABLE} ({exc.filename})"
-        return info
-    if verify:
-        problems = check_checksums(path, info.manifest)
-        info.verified = not problems
-        if problems:
-            info.problem = "; ".join(problems)
-            return _unless_vanished(info)
     return info
 
 
@@ -215,18 +238,14 @@ def scan_marker(path: Path, step: int) -> MarkerFacts | None:
     """What the commit marker of step directory `path` says, when it answers a scan (world size,
     total bytes, metrics); None for an older marker without them (read the manifest). Raises
     CorruptCheckpointError (own checksum fails, malformed, another step's) or
-    UnreadableCheckpointError (a newer format)."""
+    UnreadableCheckpointError (a newer format, in an intact marker)."""
     from .jsonenc import loads
 
     where = path / MARKER
     data = loads(read_bounded(where, MAX_MARKER, "commit marker"), f"commit marker {where}")
     facts = marker_facts(data, where)
-    try:
-        check_marker(data, path)
-    except CorruptCheckpointError:
-        refuse_newer(data, path)  # a newer release may seal its marker otherwise: unreadable, not corrupt
-        raise
-    refuse_newer(data, path)
+    refuse_newer_marker(data, path)  # a damaged marker is corrupt, never "newer"
+    check_marker(data, path)
     if facts.step != step:
         raise CorruptCheckpointError(f"commit marker {where} is for step {facts.step}, not {step}")
     if facts.world_size is None or facts.total_bytes is None or not facts.metrics_known:
@@ -271,10 +290,19 @@ def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = Non
         if info.complete:
             return info
         if info.unreadable:
-            raise UnreadableCheckpointError(info.problem or f"checkpoint {path} is unreadable by this version")
+            raise unreadable_error(info)
         if warn:
             log.warning("skipping %s: %s", path, info.problem)
     return None
+
+
+def unreadable_error(info: CheckpointInfo) -> UnreadableCheckpointError:
+    """The one-line refusal of step `info` that this version or this user cannot read (a newer
+    format, over a cap, permission denied): naming it and why, never resuming an older step."""
+    why = info.problem or "unreadable by this version"
+    if why.startswith(UNREADABLE):
+        return NotPermittedError(f"checkpoint {info.path} is {why}: not resuming an older step past it", info.path)
+    return UnreadableCheckpointError(why)
 
 
 def newest_committed(root: Path) -> int | None:

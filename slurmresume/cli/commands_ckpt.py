@@ -161,7 +161,7 @@ def prune(
         return
     root = resolve_root(ckpt_dir)
     records = rt.scan(root)
-    plan = rt.plan_prune(records, policy, time.time())
+    plan = rt.plan_checked(root, records, policy, time.time())
     if plan.missing_metric:
         raise ConfigError(f"--keep-best {keep_best!r}: no complete checkpoint records that metric; "
                           f"metrics found: {', '.join(rt.metric_names(records)) or 'none'}")

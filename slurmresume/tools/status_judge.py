@@ -36,10 +36,14 @@ def judge_health(status: Status, root: Path, events: list[dict[str, Any]]) -> No
     if status.newest_complete is None:
         w.append(f"no complete checkpoint under {root} yet")
     for row in status.checkpoints:
-        if row.state == "unreadable" and (row.problem or "").startswith(UNREADABLE):
-            w.append(f"{row.name} is {row.problem}; skipped")
-        elif row.state == "unreadable":  # by this version: restore refuses it rather than resume an older step
-            blocks = not any(r.state == "complete" and r.step > row.step for r in status.checkpoints)
+        if row.state != "unreadable":
+            continue
+        # by this version or this user: restore refuses it rather than resume an older step
+        blocks = not any(r.state == "complete" and r.step > row.step for r in status.checkpoints)
+        if (row.problem or "").startswith(UNREADABLE):
+            (p if blocks else w).append(f"{row.name} is {row.problem}; "
+                                        + ("restore refuses it (no resume) until it can be read" if blocks else "skipped"))
+        else:
             (p if blocks else w).append(f"{row.name}: {row.problem}"
                                         + ("; restore refuses it (no resume) until then" if blocks else ""))
     leftovers = [r.name for r in status.checkpoints if r.state == "incomplete"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpoint.bounded import UNREADABLE
 from ..errors import (
     CheckpointError,
     ConfigError,
@@ -35,8 +36,10 @@ KINDS: dict[str, type[Exception]] = {
     "bug": RankFailedError,
 }
 # kinds that end a restore on every rank at once: the live state does not fit the checkpoint (an
-# older step would not fit either), or an unexpected exception; the others fall back to an older step
-DECISIVE = ("config", "bug")
+# older step would not fit either), an unexpected exception, or a step this version or this user
+# cannot read (never skipped for an older step: a later save would overwrite it from there); the
+# others fall back to an older step
+DECISIVE = ("config", "bug", "unreadable")
 MAX_MESSAGE = 1000  # characters of an unexpected exception's message that cross ranks (one line)
 
 
@@ -50,7 +53,10 @@ class Failure:
 
     @classmethod
     def of(cls, exc: BaseException) -> Failure:
-        """The kind of `exc` (anything else, e.g. an OSError, is a plain 'checkpoint' error)."""
+        """The kind of `exc` (a PermissionError: 'unreadable', by this user; anything else, e.g.
+        another OSError, is a plain 'checkpoint' error)."""
+        if isinstance(exc, PermissionError):
+            return cls("unreadable", f"{exc.filename or 'a file of the step'} is {UNREADABLE} ({exc.strerror})")
         kind = next((k for k, c in KINDS.items() if isinstance(exc, c)), "checkpoint")
         return cls(kind, str(exc))
 
@@ -63,7 +69,8 @@ class Failure:
         if isinstance(exc, ConfigError):
             return cls("config", f"rank {rank}: {exc}" if world_size > 1 else str(exc), exc)
         if isinstance(exc, (SlurmResumeError, OSError)):
-            return cls(cls.of(exc).kind, str(exc), exc)
+            known = cls.of(exc)
+            return cls(known.kind, known.message, exc)
         text = " ".join(str(exc).split())
         text = text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + "..."
         return cls("bug", f"rank {rank} failed while {doing}: {type(exc).__name__}: {text} (unexpected: a bug in "

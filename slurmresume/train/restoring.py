@@ -55,9 +55,15 @@ from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.residency import all_cached
 from ..checkpoint.sharding import to_json as sharding_json
 from ..checkpoint.state import apply_entries, flatten_live
-from ..checkpoint.store import CheckpointInfo, clean_temp_files, find_latest, inspect_dir
+from ..checkpoint.store import (
+    CheckpointInfo,
+    clean_temp_files,
+    find_latest,
+    inspect_dir,
+    unreadable_error,
+)
 from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RESTORE_WARM, ENV_RUN_ID
-from ..errors import CheckpointError, ConfigError, CorruptCheckpointError, UnreadableCheckpointError
+from ..errors import CheckpointError, ConfigError, CorruptCheckpointError
 from ..events import process_started_at, try_append_event
 from . import rng
 from .heartbeat import expect_io
@@ -373,8 +379,8 @@ def choose(root: Path, step: int | None, verify: bool, tried: set[int], mirror: 
     if step is not None:
         info = inspect_dir(step, root / step_dir_name(step), verify, sizes=False)
         if not info.complete:
-            if info.unreadable:  # a newer release's step: refused, never called corrupt
-                raise UnreadableCheckpointError(info.problem or f"checkpoint {info.path} is unreadable")
+            if info.unreadable:  # a newer release's step, another user's: refused, never called corrupt
+                raise unreadable_error(info)
             if info.has_marker:
                 raise CorruptCheckpointError(f"checkpoint {info.path}: {info.problem}")
             return None
