@@ -125,7 +125,7 @@ def test_close_removes_what_is_left_when_the_bucket_answered_the_last_job(monkey
     assert not bucket.uploads and not bucket.objects and mirror.own.pending() == []
 
 
-def test_close_does_not_wait_on_a_bucket_that_failed_the_last_job(monkeypatch, caplog) -> None:
+def test_close_after_a_failed_last_job_removes_them_when_the_bucket_answers_again(monkeypatch) -> None:
     from slurmresume.mirror import Mirror
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
@@ -133,8 +133,33 @@ def test_close_does_not_wait_on_a_bucket_that_failed_the_last_job(monkeypatch, c
     mirror.s3 = bucket = Bucket()
     attempt_left(bucket, 20, MINE)
     mirror.own.abandoned(20, MINE)
-    mirror._failed = (20, "the server does not answer")  # what the uploader records after its last try
-    bucket.down = True  # a request would fail: none is made
-    assert mirror.close() is False
-    assert len(bucket.uploads) == 1 and len(mirror.own.pending()) == 1
-    assert "1 upload attempt(s) of this run stay unfinished" in caplog.text
+    mirror._failed = (20, "the server did not answer")  # what the uploader records after its last try
+    assert mirror.close() is False  # step 20 is behind: the next run uploads it
+    assert not bucket.uploads and not bucket.objects and mirror.own.pending() == []
+
+
+def test_close_keeps_its_deadline_while_the_bucket_hangs(monkeypatch, caplog) -> None:
+    import threading
+
+    from slurmresume.mirror import Mirror
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("SLURMRESUME_MIRROR_CLOSE_DEADLINE", "0.5")
+    mirror = Mirror(LOC)
+    mirror.s3 = bucket = Bucket()
+    attempt_left(bucket, 20, MINE)
+    mirror.own.abandoned(20, MINE)
+    answer = threading.Event()
+    real_head = bucket.head_object
+
+    def head_object(**kwargs: Any) -> Any:
+        answer.wait()  # no answer until the test says so (after close() returned)
+        return real_head(**kwargs)
+
+    bucket.head_object = head_object  # type: ignore[method-assign]
+    try:
+        assert mirror.close() is True  # returns while the bucket still holds the request
+        assert len(bucket.uploads) == 1 and len(mirror.own.pending()) == 1
+        assert "1 upload attempt(s) of this run stay unfinished" in caplog.text
+    finally:
+        answer.set()

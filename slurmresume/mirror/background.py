@@ -112,14 +112,16 @@ class Mirror:
         """Wait for the uploader, at most `settings.close_deadline` seconds. True when the last
         upload reached the bucket; else one warning, a `mirror_behind` event (the next run's
         `start` finishes the upload) and False (`behind` says which step and why)."""
+        started = time.monotonic()
         finished = self.wait(self.settings.close_deadline)
+        if finished:  # at the latest now, within what is left of the deadline
+            self._clean_own_within(self.settings.close_deadline - (time.monotonic() - started))
+        if self.own.pending():
+            log.warning("mirror: %d upload attempt(s) of this run stay unfinished on %s (the bucket did not "
+                        "answer in time): removed by the next upload to it 6 h after they began",
+                        len(self.own.pending()), self.loc.url)
         if finished and self._failed is None:
-            self._clean_own()  # the bucket answered the last job: at the latest now
             return True
-        if self.own.pending():  # the bucket did not answer lately: not tried past the deadline
-            log.warning("mirror: %d upload attempt(s) of this run stay unfinished on %s (the bucket does not "
-                        "answer): removed by the next upload to it 6 h after they began", len(self.own.pending()),
-                        self.loc.url)
         if finished:
             assert self._failed is not None
             self.behind = self._failed
@@ -193,6 +195,15 @@ class Mirror:
             pruned = remote.prune(self.s3, self.loc, self.retention)
             for name in pruned.deleted:
                 log.info("mirror retention: deleted %s/%s", self.loc.url, name)
+
+    def _clean_own_within(self, seconds: float) -> None:
+        """`_clean_own` on a daemon thread, waited for at most `seconds` (close()'s deadline holds
+        even when the bucket stopped answering; what is not removed by then stays noted)."""
+        if not self.own.pending() or seconds <= 0:
+            return
+        cleaner = threading.Thread(target=self._clean_own, name="slurmresume-mirror-clean", daemon=True)
+        cleaner.start()
+        cleaner.join(seconds)
 
     def _clean_own(self) -> None:
         """Remove what this run's abandoned upload attempts left (own.py), when there is any."""
