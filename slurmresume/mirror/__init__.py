@@ -13,7 +13,8 @@ format's guarantees carry over and no other writer can touch what a marker commi
   part retried from its first missing byte (ranges.py), every shard's xxh3 checked against
   the manifest, then one rename into the local root.
 - deletion (`remote.delete_step`): marker first, so a half-deleted step is never complete.
-- timeouts, tries and deadlines: settings.py; what killed transfers leave: leftovers.py.
+- timeouts, tries and deadlines: settings.py; what killed transfers leave: leftovers.py (a
+  run's own failed attempts: own.py, removed by the run as soon as the bucket answers).
 
 `Mirror` (background.py) is what `Checkpointer(mirror=...)` uses: one background uploader on
 rank 0 and a pull on restore. boto3 is imported only here (the `[s3]` extra); the endpoint,

@@ -14,6 +14,10 @@
   emergency exit does not wait: its upload is finished by the next run's `start`.
 - A failed upload is tried again (`settings.attempts`, pauses doubling) unless a newer commit
   replaced it; every request and part is bounded by the settings' timeouts (settings.py).
+- What this run's own failed attempts left on the bucket (an unfinished multipart upload after
+  the server died mid-upload, the objects of the attempt's folder) is removed as soon as the
+  bucket answers again: after the next job that succeeds, and in `close()` (own.py). Strangers'
+  leftovers wait for the age rule (leftovers.py).
 Upload errors never reach the training thread: they are logged and recorded as events.
 """
 
@@ -32,6 +36,7 @@ from ..checkpoint.store import find_latest as find_latest_local
 from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, NoCheckpointError
 from . import remote
+from .own import OwnAttempts
 from .s3 import S3Location, client, parse_s3_url
 from .settings import MirrorSettings
 from .transfer import Transfer, download_step, upload_step
@@ -66,6 +71,7 @@ class Mirror:
         self.behind: tuple[int | None, str] | None = None  # (step, why) when close() left a step off the bucket
         self._failed: tuple[int | None, str] | None = None  # the last job's failure, until a job succeeds
         self._refetched: set[int] = set()
+        self.own = OwnAttempts()  # this run's upload attempts: the abandoned ones are removed here
 
     def __repr__(self) -> str:
         return f"Mirror({self.loc.url!r})"
@@ -106,7 +112,14 @@ class Mirror:
         """Wait for the uploader, at most `settings.close_deadline` seconds. True when the last
         upload reached the bucket; else one warning, a `mirror_behind` event (the next run's
         `start` finishes the upload) and False (`behind` says which step and why)."""
+        started = time.monotonic()
         finished = self.wait(self.settings.close_deadline)
+        if finished:  # at the latest now, within what is left of the deadline
+            self._clean_own_within(self.settings.close_deadline - (time.monotonic() - started))
+        if self.own.pending():
+            log.warning("mirror: %d upload attempt(s) of this run stay unfinished on %s (the bucket did not "
+                        "answer in time): removed by the next upload to it 6 h after they began",
+                        len(self.own.pending()), self.loc.url)
         if finished and self._failed is None:
             return True
         if finished:
@@ -136,6 +149,7 @@ class Mirror:
             try:
                 self._do(*job)
                 tries, self._failed = 0, None
+                self._clean_own()  # the bucket answers (again): what this run abandoned goes now
             except Exception as exc:  # never into training: recorded, retried below or by the next commit/run
                 tries += 1
                 self.errors.append(str(exc))
@@ -166,7 +180,7 @@ class Mirror:
             log.info("mirror: resuming the upload of step %d (the bucket's newest complete is %s)", step,
                      newest.step if newest else "none")
         result = upload_step(self.s3, self.loc, root / step_dir_name(step), step, chunk=self.chunk,
-                             concurrency=self.concurrency, settings=self.settings)
+                             concurrency=self.concurrency, settings=self.settings, own=self.own)
         self.done.append(result)
         if result.action == "uploaded":
             log.info("mirror: step %d uploaded to %s (%.1f MB in %.2f s)", step, self.loc.step_url(step),
@@ -181,6 +195,27 @@ class Mirror:
             pruned = remote.prune(self.s3, self.loc, self.retention)
             for name in pruned.deleted:
                 log.info("mirror retention: deleted %s/%s", self.loc.url, name)
+
+    def _clean_own_within(self, seconds: float) -> None:
+        """`_clean_own` on a daemon thread, waited for at most `seconds` (close()'s deadline holds
+        even when the bucket stopped answering; what is not removed by then stays noted)."""
+        if not self.own.pending() or seconds <= 0:
+            return
+        cleaner = threading.Thread(target=self._clean_own, name="slurmresume-mirror-clean", daemon=True)
+        cleaner.start()
+        cleaner.join(seconds)
+
+    def _clean_own(self) -> None:
+        """Remove what this run's abandoned upload attempts left (own.py), when there is any."""
+        if not self.own.pending():
+            return
+        try:
+            removed = self.own.clean(self.s3, self.loc)
+        except Exception as exc:  # garbage never fails an upload nor the run: kept for the next try
+            log.warning("mirror: the abandoned upload attempt(s) of this run on %s not removed yet: %s",
+                        self.loc.url, exc)
+            return
+        log.info("mirror: removed %d unfinished upload(s)/object(s) this run left on %s", removed, self.loc.url)
 
     def _remove_abandoned(self) -> None:
         from .leftovers import remove_abandoned

@@ -5,7 +5,8 @@ On the bucket: a writer killed mid-upload leaves an unfinished multipart upload 
 bucket cannot say whether that writer is alive, so age is the evidence: an upload initiated,
 or an attempt folder last written, more than `ABANDONED_AFTER_S` ago belongs to a writer that
 is gone (every request is bounded by the settings' timeouts, and one upload of one step does
-not take hours). A committed step's other folders are `commit.sweep`'s, at any age.
+not take hours). A committed step's other folders are `commit.sweep`'s, at any age; a live
+run's own failed attempts are its own to remove as soon as the bucket answers (own.py).
 
 Locally: a pull killed mid-download leaves a hidden `.mirror-download.*` directory. The next
 pull removes it by the rule every local leftover follows (`checkpoint.leftovers`): its

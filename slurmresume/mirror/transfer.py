@@ -58,9 +58,10 @@ from .commit import (
 
 __all__ = ["RemoteCommit", "Transfer", "download_step", "put_marker", "read_remote_commit", "upload_step"]
 from .download import fetch_shard, part_size
+from .own import OwnAttempts
 from .s3 import S3Location, get_bounded, point
 from .settings import MirrorSettings
-from .upload import MIB, Item, plan_upload, upload_files
+from .upload import MIB, Item, UploadPlan, plan_upload, upload_files
 
 log = logging.getLogger("slurmresume")
 
@@ -92,12 +93,14 @@ def read_committed(step_dir: Path, step: int) -> tuple[bytes, bytes, Manifest]:
 
 
 def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: int | None = None,
-                concurrency: int | None = None, settings: MirrorSettings | None = None) -> Transfer:
+                concurrency: int | None = None, settings: MirrorSettings | None = None,
+                own: OwnAttempts | None = None) -> Transfer:
     """Copy the committed local `step_dir` to the bucket. Idempotent: a step whose marker is
     already there is left alone ("present" when it is the same commit, "conflict" when another
     run committed different bytes for that step). Raises CheckpointError on I/O failures; the
     step then stays invisible on the bucket (no marker). `chunk`/`concurrency`: part size and
-    parts in flight (default: `upload.plan_upload` within `settings.upload_mib`)."""
+    parts in flight (default: `upload.plan_upload` within `settings.upload_mib`). `own`: told
+    this attempt's folder and how it ended (an abandoned attempt is its writer's to remove)."""
     started = time.perf_counter()
     settings = settings or MirrorSettings.from_env()
     marker_raw, manifest_raw, manifest = read_committed(step_dir, step)
@@ -109,6 +112,33 @@ def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: i
     attempt = new_attempt()  # this attempt's own keys: no other writer can overwrite or abort them
     plan = plan_upload(max((s["bytes"] for s in manifest.files), default=0), settings.upload_mib * MIB,
                        part=chunk, in_flight=concurrency)
+    if own is not None:
+        own.started(step, attempt)
+    try:
+        won, found = _attempt(s3, loc, step_dir, step, attempt, (marker_raw, manifest_raw), manifest, plan)
+    except BaseException:
+        if own is not None:
+            own.abandoned(step, attempt)  # no request of it is in flight any more: upload_files waited
+        raise
+    if own is not None:
+        (own.committed if won else own.abandoned)(step, attempt)
+    if not won:
+        _sweep(s3, loc, step)  # a loser removes its own folder
+        existing = get_bounded(s3, loc, loc.key(step, MARKER), MAX_MARKER)
+        return _already(step, existing or b"", marker_raw, loc)
+    if found is None:
+        _sweep(s3, loc, step)
+    elif found.keys or found.uploads:
+        _remove(s3, loc, step, found)
+    return Transfer(step, "uploaded", manifest.total_bytes, time.perf_counter() - started)
+
+
+def _attempt(s3: Any, loc: S3Location, step_dir: Path, step: int, attempt: str, raw: tuple[bytes, bytes],
+             manifest: Manifest, plan: UploadPlan) -> tuple[bool, Garbage | None]:
+    """Files and manifest into the folder `attempt`, then the marker naming it: (whether this
+    marker won, the listing of other attempts taken beside the upload or None). `raw`: the
+    marker's and the manifest's bytes."""
+    marker_raw, manifest_raw = raw
     fds = {s["file"]: open_checked(step_dir, s["file"], s["bytes"]) for s in manifest.files}
     try:
         items = [Item(loc.key(step, f"{attempt}/{s['file']}"), s["bytes"], fd=fds[s["file"]],
@@ -124,16 +154,7 @@ def upload_step(s3: Any, loc: S3Location, step_dir: Path, step: int, *, chunk: i
         for fd in fds.values():
             os.close(fd)
     point("marker", loc.key(step, MARKER))
-    won = put_marker(s3, loc, step, marker_raw, folder=attempt)
-    if not won:
-        _sweep(s3, loc, step)  # a loser removes its own folder
-        existing = get_bounded(s3, loc, loc.key(step, MARKER), MAX_MARKER)
-        return _already(step, existing or b"", marker_raw, loc)
-    if found is None:
-        _sweep(s3, loc, step)
-    elif found.keys or found.uploads:
-        _remove(s3, loc, step, found)
-    return Transfer(step, "uploaded", manifest.total_bytes, time.perf_counter() - started)
+    return put_marker(s3, loc, step, marker_raw, folder=attempt), found
 
 
 def _listed(seen: Future[Garbage], loc: S3Location, step: int) -> Garbage | None:
