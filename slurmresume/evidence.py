@@ -113,7 +113,7 @@ def weigh(lease: Owner, facts: Facts) -> Verdict:
     """Pure: the verdict on `lease` given `facts` (rules in the module docstring)."""
     if lease.kind == "local" and identity.same_process(holder(lease), facts.me):
         return Verdict(PROVEN, "held by this same process")
-    proof = None
+    proof, unjudged = None, ""
     if lease.kind == "slurm" and lease.job_id:
         if lease.cluster and facts.cluster == lease.cluster and facts.job_state:
             if facts.job_state not in TERMINAL:
@@ -125,6 +125,8 @@ def weigh(lease: Owner, facts: Facts) -> Verdict:
             return Verdict(ALIVE, f"pid {lease.pid} is running on {lease.host}")
         if seen == identity.GONE:
             proof = f"pid {lease.pid} is no longer running on {lease.host}"
+        elif lease.kind == "local":
+            unjudged = identity.why_unknown(holder(lease), facts.me)
     age = facts.now - lease.heartbeat
     window = FRESH_BEATS * max(lease.heartbeat_s, 0.1)
     if age < window:
@@ -133,8 +135,8 @@ def weigh(lease: Owner, facts: Facts) -> Verdict:
     if proof:
         return Verdict(PROVEN, proof)
     if age > STALE_AFTER_S:
-        return Verdict(STALE, f"its heartbeat is {age:.0f} s old (> {STALE_AFTER_S:.0f} s)")
-    return Verdict(ALIVE, f"its heartbeat is {age:.0f} s old")
+        return Verdict(STALE, f"its heartbeat is {age:.0f} s old (> {STALE_AFTER_S:.0f} s){unjudged}")
+    return Verdict(ALIVE, f"its heartbeat is {age:.0f} s old{unjudged}")
 
 
 # -- the seam: what this process can observe ---------------------------------------------------

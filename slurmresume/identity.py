@@ -59,6 +59,19 @@ def comparable(recorded: ProcessId, here: ProcessId) -> bool:
             and recorded.pid_ns != 0 and recorded.pid_ns == here.pid_ns)
 
 
+def why_unknown(recorded: ProcessId, here: ProcessId) -> str:
+    """Pure: why `recorded`'s pid says nothing from `here`, as a clause for a message ("" when it
+    can be judged, or when looking it up could not tell)."""
+    if comparable(recorded, here):
+        return ""
+    where = ("is another host's" if recorded.host and recorded.host != here.host else
+             "is of another boot" if recorded.boot_id and here.boot_id and recorded.boot_id != here.boot_id else
+             "is another pid namespace's (another container)" if recorded.pid_ns and here.pid_ns else
+             "was recorded without its pid namespace (an older version)" if not recorded.pid_ns else
+             "cannot be looked up here")
+    return f"; its pid {recorded.pid} {where}: no proof either way"
+
+
 def same_process(a: ProcessId, b: ProcessId) -> bool:
     """Pure: proof that `a` and `b` are one process (every part known and equal)."""
     return comparable(a, b) and a.pid == b.pid and bool(a.start) and a.start == b.start

@@ -130,7 +130,8 @@ def test_two_bare_checkpointers_in_two_containers_never_share_one_lease(tmp_path
 JUDGE = """
 import sys
 from slurmresume import ownership
-print(ownership.judge(ownership.read_lease(sys.argv[1])).state)
+verdict = ownership.judge(ownership.read_lease(sys.argv[1]))
+print(verdict.state, verdict.why)
 """
 
 
@@ -148,7 +149,8 @@ def test_a_pid_of_another_namespace_is_neither_dead_nor_alive_only_its_heartbeat
         for age, state in ((100, "alive"), (700, "stale")):
             with ownership._lock(root):
                 (root / ownership.OWNER).write_text(json.dumps(replace(lease, heartbeat=time.time() - age).__dict__))
-            assert _run_in_namespace(JUDGE, str(root)) == state, age
+            state_there, why = _run_in_namespace(JUDGE, str(root)).split(" ", 1)
+            assert state_there == state and "another pid namespace's (another container)" in why, (age, why)
             assert ownership.judge(ownership.read_lease(root)).state == "alive"  # here its pid runs
     finally:
         holder.kill()
