@@ -80,7 +80,7 @@ class Facts:
     """What this process observed. `job_state`: the lease's job per scontrol/sacct here (None: no
     answer, or not asked because the clusters differ); `pid_start`: the lease pid's start time
     here ("" no such process; None: not asked (another boot or pid namespace) or not seen).
-    `pid`, `boot_id`, `pid_ns`, `start`: this process (identity.ProcessId; 0 and "" unknown)."""
+    `host`, `boot_id`, `pid_ns`, `pid`, `start`: this process (`me`; 0 and "" unknown)."""
 
     now: float
     host: str
@@ -143,7 +143,6 @@ def weigh(lease: Owner, facts: Facts) -> Verdict:
 
 
 def observe(lease: Owner, now: float) -> Facts:
-
     me = identity.this_process()
     cluster = cluster_name() if lease.kind == "slurm" else None
     job_state = job_state_here(lease.job_id) if (lease.kind == "slurm" and lease.job_id and lease.cluster

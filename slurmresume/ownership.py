@@ -10,16 +10,18 @@ heartbeat notices a lost lease (the file names someone else) and says so.
 The record: owner id, kind ("slurm" | "local"), Slurm job id, pid, host, since (first taken),
 heartbeat (last refreshed), the holder's heartbeat interval, the holder's identity (identity.py:
 boot id, pid namespace, pid start time: a pid means something only in its own namespace and
-boot), and for a Slurm owner the ClusterName. Who is the same owner: every run of one Slurm job (requeues keep the
-job id: owner "slurm-<job id>") and every restart of one `submit --local` (one launcher
-process). Ranks under the launcher do not acquire: they check that the lease names their
-launcher's run ($SLURMRESUME_OWNER); a `Checkpointer`'s side is `train/claims.py`.
+boot), and for a Slurm owner the ClusterName. Who is the same owner: every run of one Slurm job
+(requeues keep the job id: owner "slurm-<job id>") and every restart of one `submit --local`
+(one launcher process; a bare `Checkpointer`: one process, its owner id drawn at random).
+Ranks under the launcher do not acquire: they check that the lease names their launcher's run
+($SLURMRESUME_OWNER); a `Checkpointer`'s side is `train/claims.py`.
 
 When an owner is gone: `evidence.py` (the rules, a pure function). With strong proof (the job
-terminal on the cluster the lease records; a local pid dead in this boot and pid namespace) the root is taken over
-without a flag, in one log line naming the previous owner; a fresh heartbeat always wins (the
-taker waits it out when the proof is strong); a stale heartbeat alone is weak evidence and needs
---takeover (a bare `Checkpointer`: $SLURMRESUME_TAKEOVER=1). A live owner is never taken over.
+terminal on the cluster the lease records; a local pid dead in its own boot and pid namespace)
+the root is taken over without a flag, in one log line naming the previous owner; a fresh
+heartbeat always wins (the taker waits it out when the proof is strong); a stale heartbeat alone
+is weak evidence and needs --takeover (a bare `Checkpointer`: $SLURMRESUME_TAKEOVER=1). A live
+owner is never taken over.
 """
 
 from __future__ import annotations

@@ -46,11 +46,10 @@ def plan(found: list[Leftover], now: float, young_s: float) -> list[str]:
 
 def note(pid: int | None = None) -> bytes:
     """The `.inprogress` note a writer leaves in its private directory: who (identity.py: host,
-    boot, pid namespace, pid and its start time), since when. `pid`: another
-    process of this pid namespace (default: the caller)."""
+    boot, pid namespace, pid and its start time), since when. `pid`: another process of this pid
+    namespace (default: the caller)."""
     who = identity.this_process() if pid is None else identity.of_pid(pid)
-    return json.dumps({**who.record(), "started": time.time()},
-                      separators=(",", ":")).encode()
+    return json.dumps({**who.record(), "started": time.time()}, separators=(",", ":")).encode()
 
 
 def writer_dead(directory: Path) -> bool:
@@ -66,9 +65,8 @@ def writer_dead(directory: Path) -> bool:
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return False
     here = identity.this_process()
-    if not identity.comparable(writer, here):
-        return False
-    return identity.judge(writer, here, identity.look(writer.pid)) == identity.GONE
+    seen = identity.look(writer.pid) if identity.comparable(writer, here) else None
+    return identity.judge(writer, here, seen) == identity.GONE
 
 
 def find(root: Path, prefixes: tuple[str, ...] = PREFIXES) -> list[Leftover]:
