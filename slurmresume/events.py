@@ -14,6 +14,7 @@ from typing import Any
 
 from .checkpoint.fsio import makedirs
 from .checkpoint.layout import EVENTS
+from .identity import start_ticks
 
 MAX_EVENT_LOG = 64 << 20  # read_events reads at most this much, from the end of the log
 log = logging.getLogger("slurmresume")
@@ -55,12 +56,12 @@ def process_started_at(pid: int | None = None) -> float | None:
     seconds: btime + ticks was early by the boot's fraction of a second, up to 1 s.) For the
     start-up breakdown in the event log (the interpreter and imports before any of our code
     runs); None where /proc cannot tell."""
+    ticks = start_ticks(pid or "self")
+    if ticks is None:
+        return None
     try:
-        with open(f"/proc/{pid or 'self'}/stat", "rb") as f:
-            stat_line = f.read()
-        ticks = int(stat_line[stat_line.rindex(b")") + 2:].split()[19])
         return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME
+    except (OSError, ValueError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME
         return None
 
 

@@ -1,19 +1,25 @@
 """Is the owner named in a root's lease gone? The evidence rules (DESIGN §8), as a pure function
 (`weigh`) over what this process observed (`observe`, the seam that asks /proc and Slurm).
 
+A local owner's pid is judged only where it means something (identity.py): from the same boot
+and the same pid namespace, with its start time. From another container, another boot, or from a
+lease that predates these fields, the pid is unknown: never "this same process", never "dead";
+only the heartbeat speaks.
+
 The rules, in order:
-  1. The lease is this very process's: it is ours (not a second writer).
+  1. The lease is this very process's (boot, pid namespace, pid and start time all equal): it is
+     ours (not a second writer).
   2. Proof of life: the Slurm job is pending/running per `scontrol`/`sacct` on the cluster the
-     lease records; or a local owner's pid runs on this host (same boot) with its start time.
+     lease records; or a local owner's pid runs in this boot and pid namespace with its start time.
   3. A fresh heartbeat (younger than FRESH_BEATS of the holder's own heartbeat intervals) always
      wins: nothing else is believed while the holder may still be refreshing its lease.
   4. Strong proof of death ("proven"): the job is in a terminal state per `scontrol`/`sacct` on
      the lease's cluster (this machine's ClusterName must equal it: another cluster's answers
-     about job N are about another job N); or, for a local owner on this host and boot, its pid
-     is dead or now names a process with another start time. A takeover needs no flag.
+     about job N are about another job N); or, for a local owner of this boot and pid namespace,
+     its pid is dead or now names a process with another start time. A takeover needs no flag.
   5. Weak evidence ("stale"): only the heartbeat is old (over STALE_AFTER_S), e.g. another host,
-     another cluster, Slurm not answering, or "Invalid job id" (MinJobAge purged it, or the id
-     belongs to another cluster): a takeover needs the user's --takeover.
+     another container, another cluster, Slurm not answering, or "Invalid job id" (MinJobAge
+     purged it, or the id belongs to another cluster): a takeover needs the user's --takeover.
   6. Otherwise alive.
 """
 
@@ -24,6 +30,9 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Protocol
+
+from . import identity
+from .identity import ProcessId
 
 STALE_AFTER_S = 600.0
 FRESH_BEATS = 3
@@ -62,12 +71,16 @@ class Owner(Protocol):
     @property
     def heartbeat_s(self) -> float: ...
 
+    @property
+    def pid_ns(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class Facts:
     """What this process observed. `job_state`: the lease's job per scontrol/sacct here (None: no
     answer, or not asked because the clusters differ); `pid_start`: the lease pid's start time
-    here ("" no such process; None: not asked, another host)."""
+    here ("" no such process; None: not asked (another boot or pid namespace) or not seen).
+    `host`, `boot_id`, `pid_ns`, `pid`, `start`: this process (`me`; 0 and "" unknown)."""
 
     now: float
     host: str
@@ -76,6 +89,12 @@ class Facts:
     cluster: str | None
     job_state: str | None
     pid_start: str | None
+    pid_ns: int = 0
+    start: str = ""
+
+    @property
+    def me(self) -> ProcessId:
+        return ProcessId(self.host, self.boot_id, self.pid_ns, self.pid, self.start)
 
 
 @dataclass(frozen=True)
@@ -85,24 +104,29 @@ class Verdict:
     fresh_for: float = 0.0  # seconds until the heartbeat stops being fresh
 
 
-def same_boot(lease: Owner, facts: Facts) -> bool:
-    return lease.host == facts.host and (not lease.boot_id or not facts.boot_id or lease.boot_id == facts.boot_id)
+def holder(lease: Owner) -> ProcessId:
+    """The process a lease names (its unknown parts: a lease written before they were recorded)."""
+    return ProcessId(lease.host, lease.boot_id, lease.pid_ns, lease.pid, lease.pid_start)
 
 
 def weigh(lease: Owner, facts: Facts) -> Verdict:
     """Pure: the verdict on `lease` given `facts` (rules in the module docstring)."""
-    if same_boot(lease, facts) and lease.pid == facts.pid and lease.kind == "local":
+    if lease.kind == "local" and identity.same_process(holder(lease), facts.me):
         return Verdict(PROVEN, "held by this same process")
-    proof = None
+    proof, unjudged = None, ""
     if lease.kind == "slurm" and lease.job_id:
         if lease.cluster and facts.cluster == lease.cluster and facts.job_state:
             if facts.job_state not in TERMINAL:
                 return Verdict(ALIVE, f"job {lease.job_id} is {facts.job_state} on cluster {lease.cluster}")
             proof = f"job {lease.job_id} has ended ({facts.job_state} on cluster {lease.cluster})"
-    elif same_boot(lease, facts) and facts.pid_start is not None:
-        if facts.pid_start and (not lease.pid_start or facts.pid_start == lease.pid_start):
+    else:
+        seen = identity.judge(holder(lease), facts.me, facts.pid_start)
+        if seen == identity.RUNS:
             return Verdict(ALIVE, f"pid {lease.pid} is running on {lease.host}")
-        proof = f"pid {lease.pid} is no longer running on {lease.host}"
+        if seen == identity.GONE:
+            proof = f"pid {lease.pid} is no longer running on {lease.host}"
+        elif lease.kind == "local":
+            unjudged = identity.why_unknown(holder(lease), facts.me)
     age = facts.now - lease.heartbeat
     window = FRESH_BEATS * max(lease.heartbeat_s, 0.1)
     if age < window:
@@ -111,40 +135,21 @@ def weigh(lease: Owner, facts: Facts) -> Verdict:
     if proof:
         return Verdict(PROVEN, proof)
     if age > STALE_AFTER_S:
-        return Verdict(STALE, f"its heartbeat is {age:.0f} s old (> {STALE_AFTER_S:.0f} s)")
-    return Verdict(ALIVE, f"its heartbeat is {age:.0f} s old")
+        return Verdict(STALE, f"its heartbeat is {age:.0f} s old (> {STALE_AFTER_S:.0f} s){unjudged}")
+    return Verdict(ALIVE, f"its heartbeat is {age:.0f} s old{unjudged}")
 
 
 # -- the seam: what this process can observe ---------------------------------------------------
 
 
 def observe(lease: Owner, now: float) -> Facts:
-    import socket
-
-    host = socket.gethostname()
+    me = identity.this_process()
     cluster = cluster_name() if lease.kind == "slurm" else None
     job_state = job_state_here(lease.job_id) if (lease.kind == "slurm" and lease.job_id and lease.cluster
                                                   and cluster == lease.cluster) else None
-    pid_start = start_time(lease.pid) if lease.kind == "local" and lease.host == host else None
-    return Facts(now, host, os.getpid(), boot_id(), cluster, job_state, pid_start)
-
-
-def start_time(pid: int) -> str:
-    """/proc/<pid>/stat's start time ("" when there is no such process)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-
-
-@functools.lru_cache(maxsize=1)
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read(64).strip()
-    except OSError:
-        return ""
+    asks = lease.kind == "local" and identity.comparable(holder(lease), me)
+    pid_start = identity.look(lease.pid) if asks else None
+    return Facts(now, me.host, me.pid, me.boot_id, cluster, job_state, pid_start, me.pid_ns, me.start)
 
 
 @functools.lru_cache(maxsize=1)

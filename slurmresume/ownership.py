@@ -8,17 +8,20 @@ rename, directory fsync) and refreshed by a heartbeat, is visible to every node.
 heartbeat notices a lost lease (the file names someone else) and says so.
 
 The record: owner id, kind ("slurm" | "local"), Slurm job id, pid, host, since (first taken),
-heartbeat (last refreshed), the holder's heartbeat interval, the host's boot id, and for a
-Slurm owner the ClusterName. Who is the same owner: every run of one Slurm job (requeues keep the
-job id: owner "slurm-<job id>") and every restart of one `submit --local` (one launcher
-process). Ranks under the launcher do not acquire: they check that the lease names their
-launcher's run ($SLURMRESUME_OWNER); a `Checkpointer`'s side is `train/claims.py`.
+heartbeat (last refreshed), the holder's heartbeat interval, the holder's identity (identity.py:
+boot id, pid namespace, pid start time: a pid means something only in its own namespace and
+boot), and for a Slurm owner the ClusterName. Who is the same owner: every run of one Slurm job
+(requeues keep the job id: owner "slurm-<job id>") and every restart of one `submit --local`
+(one launcher process; a bare `Checkpointer`: one process, its owner id drawn at random).
+Ranks under the launcher do not acquire: they check that the lease names their launcher's run
+($SLURMRESUME_OWNER); a `Checkpointer`'s side is `train/claims.py`.
 
 When an owner is gone: `evidence.py` (the rules, a pure function). With strong proof (the job
-terminal on the cluster the lease records; a local pid dead on this host) the root is taken over
-without a flag, in one log line naming the previous owner; a fresh heartbeat always wins (the
-taker waits it out when the proof is strong); a stale heartbeat alone is weak evidence and needs
---takeover (a bare `Checkpointer`: $SLURMRESUME_TAKEOVER=1). A live owner is never taken over.
+terminal on the cluster the lease records; a local pid dead in its own boot and pid namespace)
+the root is taken over without a flag, in one log line naming the previous owner; a fresh
+heartbeat always wins (the taker waits it out when the proof is strong); a stale heartbeat alone
+is weak evidence and needs --takeover (a bare `Checkpointer`: $SLURMRESUME_TAKEOVER=1). A live
+owner is never taken over.
 """
 
 from __future__ import annotations
@@ -26,14 +29,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import evidence
+from . import evidence, identity
 from .checkpoint.layout import OWNER, OWNER_LOCK
 from .errors import ConfigError
 
@@ -62,6 +64,7 @@ class Lease:
     cluster: str = ""  # a Slurm owner's ClusterName: only that cluster's answers about its job count
     boot_id: str = ""  # the host's boot: a pid on another boot (or a same-named host) says nothing
     heartbeat_s: float = HEARTBEAT_S  # the holder's refresh interval: fresh = under 3 of them
+    pid_ns: int = 0  # the pid's namespace (0: unknown, an older record): another container's pid says nothing
 
     def describe(self) -> str:
         who = f"Slurm job {self.job_id}" if self.kind == "slurm" else f"local run pid {self.pid}"
@@ -79,13 +82,12 @@ def slurm_owner(job_id: str) -> str:
 
 def new_lease(owner: str, *, pid: int | None = None) -> Lease:
     """A lease for `owner` held by this process (kind and job id follow from the owner id)."""
-    pid = os.getpid() if pid is None else pid
+    me = identity.this_process() if pid is None else identity.of_pid(pid)
     kind = "slurm" if owner.startswith("slurm-") else "local"
     now = time.time()
     cluster = (evidence.cluster_name() or "") if kind == "slurm" else ""
-    return Lease(owner, kind, owner.removeprefix("slurm-") if kind == "slurm" else None, pid,
-                 socket.gethostname(), now, now, evidence.start_time(pid), cluster, evidence.boot_id(),
-                 heartbeat_interval())
+    return Lease(owner, kind, owner.removeprefix("slurm-") if kind == "slurm" else None, me.pid,
+                 me.host, now, now, me.start, cluster, me.boot_id, heartbeat_interval(), me.pid_ns)
 
 
 def heartbeat_interval() -> float:
@@ -107,10 +109,11 @@ def read_lease(root: Path) -> Lease | None:
         return None
     try:
         raw: Any = json.loads(os.read(fd, MAX_LEASE_BYTES))
+        who = identity.ProcessId.from_record(raw)  # fields an older version did not write: unknown
         return Lease(str(raw["owner"]), str(raw["kind"]), None if raw.get("job_id") is None else str(raw["job_id"]),
-                     int(raw["pid"]), str(raw["host"]), float(raw["since"]), float(raw["heartbeat"]),
-                     str(raw.get("pid_start") or ""), str(raw.get("cluster") or ""), str(raw.get("boot_id") or ""),
-                     float(raw.get("heartbeat_s") or HEARTBEAT_S))
+                     who.pid, str(raw["host"]), float(raw["since"]), float(raw["heartbeat"]), who.start,
+                     str(raw.get("cluster") or ""), who.boot_id, float(raw.get("heartbeat_s") or HEARTBEAT_S),
+                     who.pid_ns)
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
     finally:

@@ -26,10 +26,15 @@ OLD = time.time() - 7200
 
 
 def _plant(root: Path, name: str, *, pid: int, host: str | None = None, mtime: float = OLD) -> Path:
+    """A killed or live writer's directory; its note names process `pid` of this pid namespace
+    (as `leftovers.note` writes it), or one on `host` (another boot id)."""
     d = root / name
     d.mkdir(parents=True)
     (d / "rank-00000-of-00001.safetensors").write_bytes(b"\0" * (1 << 20))
-    (d / INPROGRESS).write_text(json.dumps({"pid": pid, "host": host or socket.gethostname(), "started": mtime}))
+    note = json.loads(leftovers.note(pid))
+    if host is not None:
+        note.update(host=host, boot_id=f"boot-of-{host}")
+    (d / INPROGRESS).write_text(json.dumps(note))
     for p in (*d.iterdir(), d):
         os.utime(p, (mtime, mtime))
     return d
@@ -95,24 +100,28 @@ def test_retention_and_the_leftovers_judge_a_writer_note_by_one_rule(tmp_path: P
     writer is not provably dead (it may be a same-named host sharing the root), so neither the
     leftovers' clean-up nor retention may treat its directory as abandoned. A reused pid (alive
     now, another boot) and a live writer of this boot: alive both ways; a dead pid of this boot:
-    dead both ways. Retention once judged a note without the boot id."""
+    dead both ways. Retention once judged a note without the boot id. Another pid namespace, or a
+    note without one (an older version's): never dead."""
     from slurmresume.checkpoint.layout import step_dir_name
     from slurmresume.checkpoint.store import inspect_dir
-    from slurmresume.evidence import boot_id
+    from slurmresume.identity import boot_id, pid_namespace
     from slurmresume.retention import record_from_info
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    cases = {  # (pid, boot id) -> provably dead
-        (gone.pid, "another-boot"): False,
-        (os.getpid(), "another-boot"): False,  # a reused pid
-        (os.getpid(), boot_id()): False,
-        (gone.pid, boot_id()): True,
+    here = pid_namespace()
+    cases = {  # (pid, boot id, pid namespace) -> provably dead
+        (gone.pid, "another-boot", here): False,
+        (os.getpid(), "another-boot", here): False,  # a reused pid
+        (os.getpid(), boot_id(), here): False,
+        (gone.pid, boot_id(), here): True,
+        (gone.pid, boot_id(), here + 1): False,  # another container's pid: not dead from here (#45)
+        (gone.pid, boot_id(), None): False,  # a note written before the namespace was: unknown
     }
-    for i, ((pid, boot), dead) in enumerate(cases.items()):
+    for i, ((pid, boot, namespace), dead) in enumerate(cases.items()):
         d = tmp_path / step_dir_name(i + 1)
         d.mkdir()
-        (d / INPROGRESS).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "boot_id": boot,
-                                                "started": OLD}))
+        note = {"pid": pid, "host": socket.gethostname(), "boot_id": boot, "pid_ns": namespace, "started": OLD}
+        (d / INPROGRESS).write_text(json.dumps({k: v for k, v in note.items() if v is not None}))
         record = record_from_info(inspect_dir(i + 1, d))
-        assert (leftovers.writer_dead(d), not record.in_progress) == (dead, dead), (pid, boot)
+        assert (leftovers.writer_dead(d), not record.in_progress) == (dead, dead), (pid, boot, namespace)

@@ -34,11 +34,11 @@ def _lease(**kw) -> ownership.Lease:
 
 
 def _facts(**kw) -> Facts:
-    base = Facts(NOW, "login1", 1, "boot-9", "clusterA", None, None)
+    base = Facts(NOW, "login1", 1, "boot-9", "clusterA", None, None, pid_ns=7, start="55")
     return replace(base, **kw)
 
 
-LOCAL = {"owner": "local-x", "kind": "local", "job_id": None, "host": "login1", "boot_id": "boot-9"}
+LOCAL = {"owner": "local-x", "kind": "local", "job_id": None, "host": "login1", "boot_id": "boot-9", "pid_ns": 7}
 
 
 @pytest.mark.parametrize(("lease", "facts", "state"), [
@@ -54,7 +54,7 @@ LOCAL = {"owner": "local-x", "kind": "local", "job_id": None, "host": "login1", 
     ({"heartbeat": NOW - 100}, {"cluster": "clusterB", "job_state": "COMPLETED"}, ALIVE),  # another cluster's 777
     ({"heartbeat": NOW - 100, "cluster": ""}, {"job_state": "COMPLETED"}, ALIVE),  # no cluster recorded
     ({"heartbeat": NOW - 700}, {"cluster": None}, STALE),  # no Slurm here
-    # local: pid dead on this host and boot, or reused (start time differs)
+    # local: pid dead in this boot and pid namespace, or reused (start time differs)
     ({**LOCAL, "heartbeat": NOW - 100}, {"pid_start": ""}, PROVEN),
     ({**LOCAL, "heartbeat": NOW - 100}, {"pid_start": "12"}, PROVEN),  # reused pid
     ({**LOCAL, "heartbeat": NOW - 5}, {"pid_start": ""}, FRESH),
@@ -62,7 +62,19 @@ LOCAL = {"owner": "local-x", "kind": "local", "job_id": None, "host": "login1", 
     ({**LOCAL, "heartbeat": NOW - 5000}, {"pid_start": "99"}, ALIVE),
     ({**LOCAL, "heartbeat": NOW - 100, "boot_id": "boot-1"}, {"pid_start": ""}, ALIVE),  # rebooted or same-named
     ({**LOCAL, "heartbeat": NOW - 700, "host": "nodeZ"}, {}, STALE),  # another host: only the heartbeat
-    ({**LOCAL, "heartbeat": NOW - 100, "pid": 1}, {"pid_start": "99"}, PROVEN),  # this very process
+    ({**LOCAL, "heartbeat": NOW - 1, "pid": 1, "pid_start": "55"}, {"pid_start": "55"}, PROVEN),  # this very process
+    # issue 45: the same pid in another pid namespace (another container) or of an earlier process
+    ({**LOCAL, "heartbeat": NOW - 1, "pid": 1, "pid_ns": 8}, {}, ALIVE),  # not "this same process"
+    ({**LOCAL, "heartbeat": NOW - 100, "pid": 1, "pid_ns": 8}, {}, ALIVE),  # nor dead: unknown
+    ({**LOCAL, "heartbeat": NOW - 700, "pid": 1, "pid_ns": 8}, {}, STALE),  # only the heartbeat: --takeover
+    ({**LOCAL, "heartbeat": NOW - 1, "pid": 1}, {"pid_start": "55"}, FRESH),  # an earlier pid 1: proof, wait
+    ({**LOCAL, "heartbeat": NOW - 100, "pid": 1}, {"pid_start": "55"}, PROVEN),
+    ({**LOCAL, "heartbeat": NOW - 1, "pid": 1, "pid_start": "55", "pid_ns": 0}, {"pid_start": "55"}, ALIVE),
+    ({**LOCAL, "heartbeat": NOW - 100, "pid_ns": 0}, {"pid_start": ""}, ALIVE),  # an older lease: no namespace
+    ({**LOCAL, "heartbeat": NOW - 700, "pid_ns": 0}, {"pid_start": ""}, STALE),
+    ({**LOCAL, "heartbeat": NOW - 100, "host": "clone2"}, {"pid_start": ""}, ALIVE),  # a VM clone: same boot id
+    ({**LOCAL, "heartbeat": NOW - 100}, {"pid_start": "", "pid_ns": 0}, ALIVE),  # /proc cannot say here
+    ({**LOCAL, "heartbeat": NOW - 100}, {"pid_start": None}, ALIVE),  # hidden (hidepid) or not asked
 ])
 def test_the_evidence_rules(lease: dict, facts: dict, state: str) -> None:
     assert evidence.weigh(_lease(**lease), _facts(**facts)).state == state

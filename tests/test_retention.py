@@ -295,12 +295,12 @@ def test_execute_deletes_only_what_was_approved_and_still_planned(tmp_path):
 
 def test_inprogress_note_protects_while_its_writer_lives(tmp_path):
     save(tmp_path, 1)
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": 0}
+    me = {**json.loads(leftovers.note()), "started": 0}  # pid, start time, pid namespace, boot
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     make_partial(tmp_path, 10, age=86400, note=me)
     make_partial(tmp_path, 11, age=86400, note={**me, "pid": dead.pid})
-    make_partial(tmp_path, 12, age=86400, note={**me, "host": "some-other-node"})
+    make_partial(tmp_path, 12, age=86400, note={**me, "host": "some-other-node", "boot_id": "its-boot"})
     make_partial(tmp_path, 13, age=86400, note=None)
     recs = {r.step: r for r in scan(tmp_path)}
     assert (recs[10].in_progress, recs[11].in_progress, recs[12].in_progress, recs[13].in_progress) == (

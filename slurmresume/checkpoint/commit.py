@@ -7,7 +7,7 @@ non-empty target makes the rename fail). Two writers of the same step in one roo
 both fail or one lose, but neither can destroy a committed step.
 
 Durability order (DESIGN.md section 1):
-  1. rank 0: mkdir `.saving.step_N.<token>/` and its `.inprogress` note (pid, host, time);
+  1. rank 0: mkdir `.saving.step_N.<token>/` and its `.inprogress` note (leftovers.note);
      fsync the root. The directory's name is broadcast. No lock: nothing shared is touched.
   2. every rank: its shard, then its tensor index (format 2, `rankindex`), each to a temp name in
      that directory, fsync, rename (no directory fsync: rank 0's, in step 4 before the marker,
@@ -28,7 +28,6 @@ import errno
 import logging
 import os
 import shutil
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from ..errors import SaveError
-from . import fsio, nodefile
+from . import fsio, leftovers, nodefile
 from .collective import Group
 from .jsonenc import dumps
 from .layout import (
@@ -109,8 +108,7 @@ def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
         # the note that protects it. A lock that stays busy is not waited on for long.
         with _lock_briefly(root):
             mine.mkdir(mode=0o755)  # fails if it exists: the name is this save's alone
-            note = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-            fsio.write_durable(mine / INPROGRESS, dumps(note).encode(), "inprogress")
+            fsio.write_durable(mine / INPROGRESS, leftovers.note(), "inprogress")  # who: leftovers.py
         fsio.fsync_dir(root, "root")
         return {"action": "write", "dir": mine.name, "replace": replace}
     except Exception as exc:

@@ -4,8 +4,11 @@ disk, the next saves fail because of them) and nothing reads them.
 
 Removed (`clean`: by the run that owns the root before each save and before each pull from the
 mirror, and by `prune`) only when
-both hold: the writer is provably dead (its `.inprogress` note names a process on this host,
-this boot, that has exited) and nothing in it changed for `young_s` seconds. Everything else is
+both hold: the writer is provably dead (its `.inprogress` note names a process of this boot and
+this pid namespace that has exited, or whose pid now names a process started at another time:
+identity.py) and nothing in it changed for `young_s` seconds. A writer in another container
+(another pid namespace), on another host or boot, or named by a note without these fields (an
+older version's) is never provably dead from here. Everything else is
 kept and listed by `status` with its size (`listing`). `plan` decides; `clean` acts.
 """
 
@@ -15,12 +18,12 @@ import json
 import logging
 import os
 import shutil
-import socket
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import identity
 from .layout import INPROGRESS, SAVING_PREFIX
 
 log = logging.getLogger("slurmresume")
@@ -42,32 +45,28 @@ def plan(found: list[Leftover], now: float, young_s: float) -> list[str]:
 
 
 def note(pid: int | None = None) -> bytes:
-    """The `.inprogress` note a writer leaves in its private directory (who, since when)."""
-    return json.dumps({"pid": os.getpid() if pid is None else pid, "host": socket.gethostname(),
-                       "boot_id": _boot_id(), "started": time.time()}, separators=(",", ":")).encode()
+    """The `.inprogress` note a writer leaves in its private directory: who (identity.py: host,
+    boot, pid namespace, pid and its start time), since when. `pid`: another process of this pid
+    namespace (default: the caller)."""
+    who = identity.this_process() if pid is None else identity.of_pid(pid)
+    return json.dumps({**who.record(), "started": time.time()}, separators=(",", ":")).encode()
 
 
 def writer_dead(directory: Path) -> bool:
-    """True only when the note names a process on this host (and this boot, when recorded) that
-    no longer runs. No note, a hostile one, another host: False (it may still run)."""
+    """True only on proof: the note names a process of this boot and pid namespace that no longer
+    runs (or whose pid a later process has). No note, a hostile one, another host, boot or
+    container, a note without those fields: False (it may still run)."""
     try:
         fd = os.open(directory / INPROGRESS, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
-            data = json.loads(os.read(fd, 4096))
+            writer = identity.ProcessId.from_record(json.loads(os.read(fd, 4096)))
         finally:
             os.close(fd)
-        pid, host, boot = int(data["pid"]), str(data["host"]), str(data.get("boot_id") or "")
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return False
-    if host != socket.gethostname() or pid <= 0 or (boot and boot != _boot_id()):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
+    here = identity.this_process()
+    seen = identity.look(writer.pid) if identity.comparable(writer, here) else None
+    return identity.judge(writer, here, seen) == identity.GONE
 
 
 def find(root: Path, prefixes: tuple[str, ...] = PREFIXES) -> list[Leftover]:
@@ -119,9 +118,3 @@ def last_activity(path: Path) -> float:
     except OSError:
         return time.time()  # unreadable or vanished: fresh, never old
     return newest
-
-
-def _boot_id() -> str:
-    from ..evidence import boot_id
-
-    return boot_id()

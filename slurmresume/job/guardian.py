@@ -36,21 +36,10 @@ import sys
 from collections.abc import Callable
 from typing import IO, Any
 
+from ..identity import start_ticks as start_time
+
 POLL_S = 0.25
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
-
-
-def start_time(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (clock ticks since boot); None when the pid is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    try:  # the command name (field 2) may hold spaces and parentheses: split after the last ')'
-        return int(data[data.rindex(b")") + 2:].split()[19])
-    except (ValueError, IndexError):
-        return None
 
 
 def children(pid: int) -> list[int]:

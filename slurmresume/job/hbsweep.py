@@ -26,6 +26,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from ..identity import boot_id, pid_namespace, start_ticks
+
 PREFIX = "slurmresume-hb-"
 _TAG = re.compile(r"-o(\d+)\.(\d+)\.(\d+)\.([0-9a-f]{12})-[^-]*\Z")  # -o<pid>.<start>.<pid ns>.<boot>-<random>
 
@@ -38,30 +40,11 @@ def owner_tag() -> str | None:
     return None if start is None or where is None else f"o{pid}.{start}.{where[0]}.{where[1]}"
 
 
-def start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (the process's start, in clock ticks since boot), or None
-    when no such process exists (or /proc cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2 :].split()  # after "(comm)", which may hold spaces
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
 def namespace_and_boot() -> tuple[int, str] | None:
     """(this process's pid namespace inode, the first 12 hex digits of this boot's id): the init
     namespace has the same inode on every host, the boot id tells hosts (and boots) apart."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot = f.read().strip().replace("-", "")[:12]
-        return os.stat("/proc/self/ns/pid").st_ino, boot
-    except OSError:
-        return None
+    namespace, boot = pid_namespace(), boot_id().replace("-", "")[:12]
+    return (namespace, boot) if namespace and boot else None
 
 
 def stale(name: str, here: tuple[int, str] | None, start_of: Callable[[int], int | None]) -> bool:

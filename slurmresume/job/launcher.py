@@ -44,10 +44,11 @@ from ..contract import (
     write_hang,
 )
 from ..events import try_append_event
+from ..identity import start_ticks
 from ..train.signals import parse_signal
 from .decision import RunResult as RunResult
 from .decision import decide as decide
-from .guardian import Guardian, kill_tree, start_time
+from .guardian import Guardian, kill_tree
 from .hang import Hang
 from .jobclock import JobClock as JobClock
 from .relay import Relay as Relay
@@ -91,7 +92,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
     latest_before = _latest_step(root)
     setup = guardian.preexec(_child_setup(warn)) if guardian is not None else _child_setup(warn)  # guardian.py
     proc = subprocess.Popen(cmd, env=env, preexec_fn=setup, stdout=log_file, stderr=log_file, start_new_session=True)
-    tree = {proc.pid: start_time(proc.pid) or 0}
+    tree = {proc.pid: start_ticks(proc.pid) or 0}
     if guardian is not None:
         guardian.track(proc.pid)
     last_sent = 0.0

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ class _Claim:
 
 _HELD: dict[tuple[str, str], _Claim] = {}  # (root, owner) -> claim
 _HELD_LOCK = threading.Lock()
+_LOCAL_OWNER: str | None = None  # this process's owner id when bare (`_local_owner`)
 
 
 def for_checkpointer(root: Path, *, creating: bool = False) -> tuple[str, str] | None:
@@ -48,7 +50,7 @@ def for_checkpointer(root: Path, *, creating: bool = False) -> tuple[str, str] |
     if not creating and not Path(root).is_dir():
         return None
     job = os.environ.get("SLURM_JOB_ID")
-    owner = slurm_owner(job) if job else f"local-{socket.gethostname()}-{os.getpid()}"
+    owner = slurm_owner(job) if job else _local_owner()
     key = (str(Path(root).absolute()), owner)
     with _HELD_LOCK:
         held = _HELD.get(key)
@@ -67,6 +69,24 @@ def for_checkpointer(root: Path, *, creating: bool = False) -> tuple[str, str] |
             held.holder.stop()
             held.holder, held.users = Holder(root, owner), held.users + 1
         return key
+
+
+def _local_owner() -> str:
+    """This process's owner id: host name and pid for people, and a random part that makes it
+    this process's alone (two containers on one host share the host name and hand out the same
+    pids). Drawn once per process; a forked child draws its own."""
+    global _LOCAL_OWNER
+    if _LOCAL_OWNER is None:
+        _LOCAL_OWNER = f"local-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return _LOCAL_OWNER
+
+
+def _forget_owner() -> None:
+    global _LOCAL_OWNER
+    _LOCAL_OWNER = None
+
+
+os.register_at_fork(after_in_child=_forget_owner)
 
 
 def _names(root: Path, owner: str) -> bool:
