@@ -8,11 +8,12 @@ submitit until it needs them.
 from __future__ import annotations
 
 import importlib
-import time
+import time as _time
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-IMPORTED_AT = time.time()  # for the start-up breakdown of the `restored` event (after the script's imports)
+# for the start-up breakdown of the `restored` event (after the script's imports); not API
+IMPORTED_AT = _time.time()
 
 _EXPORTS = {
     "Checkpointer": "train.checkpointer",
@@ -38,6 +39,11 @@ _EXPORTS = {
     "SaveError": "errors",
     "NoCheckpointError": "errors",
     "SlurmError": "errors",
+    "PeerReadError": "errors",
+    "UnreadableCheckpointError": "errors",
+    "NotPermittedError": "errors",
+    "RankFailedError": "errors",
+    "RootOwnedError": "ownership",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -53,7 +59,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The API (`__all__`) and the module's dunders, not its own imports and bookkeeping."""
+    return sorted({n for n in globals() if n.startswith("__")} | set(__all__))
 
 
 if TYPE_CHECKING:  # static checkers see the real names, explicitly re-exported (`X as X`)
@@ -64,10 +71,15 @@ if TYPE_CHECKING:  # static checkers see the real names, explicitly re-exported 
     from .errors import ConfigError as ConfigError
     from .errors import CorruptCheckpointError as CorruptCheckpointError
     from .errors import NoCheckpointError as NoCheckpointError
+    from .errors import NotPermittedError as NotPermittedError
+    from .errors import PeerReadError as PeerReadError
+    from .errors import RankFailedError as RankFailedError
     from .errors import SaveError as SaveError
     from .errors import SlurmError as SlurmError
     from .errors import SlurmResumeError as SlurmResumeError
+    from .errors import UnreadableCheckpointError as UnreadableCheckpointError
     from .errors import UnsafeCheckpointError as UnsafeCheckpointError
+    from .ownership import RootOwnedError as RootOwnedError
     from .retention import RetentionPolicy as RetentionPolicy
     from .retention import apply_policy as apply_policy
     from .tools.compare import compare_checkpoints as compare_checkpoints

@@ -60,12 +60,27 @@ def test_a_mirror_module_importing_the_cli_is_a_violation() -> None:
 def test_public_names_are_pinned() -> None:
     assert slurmresume.__all__ == sorted([
         "CheckpointError", "CheckpointInfo", "Checkpointer", "ConfigError", "CorruptCheckpointError",
-        "DDPBuckets", "EXIT_PREEMPTED", "EXIT_TERMINATED", "NoCheckpointError", "RetentionPolicy",
-        "ResumableSampler", "SavePolicy", "SaveError", "SeededDataset", "SlurmError", "SlurmResumeError",
-        "UnsafeCheckpointError", "apply_policy", "compare_checkpoints", "find_latest", "ignore_in_worker",
-        "list_checkpoints", "sample_seed"])
+        "DDPBuckets", "EXIT_PREEMPTED", "EXIT_TERMINATED", "NoCheckpointError", "NotPermittedError",
+        "PeerReadError", "RankFailedError", "RetentionPolicy", "ResumableSampler", "RootOwnedError",
+        "SavePolicy", "SaveError", "SeededDataset", "SlurmError", "SlurmResumeError",
+        "UnreadableCheckpointError", "UnsafeCheckpointError", "apply_policy", "compare_checkpoints",
+        "find_latest", "ignore_in_worker", "list_checkpoints", "sample_seed"])
     for name in slurmresume.__all__:
         assert getattr(slurmresume, name) is not None
+
+
+def test_every_public_error_class_is_exported_and_dir_shows_only_the_api() -> None:
+    """A user catches what the library raises by its public name (#48.6): every class of the one
+    hierarchy (errors.__all__, and ownership's RootOwnedError) is exported; `dir(slurmresume)` is
+    the API, not the module's own imports and bookkeeping (Any, TYPE_CHECKING, time, IMPORTED_AT)."""
+    from slurmresume import errors, ownership
+
+    raised = set(errors.__all__) | {"RootOwnedError"}
+    assert raised <= set(slurmresume.__all__), sorted(raised - set(slurmresume.__all__))
+    assert slurmresume.RootOwnedError is ownership.RootOwnedError
+    assert issubclass(slurmresume.RootOwnedError, slurmresume.SlurmResumeError)
+    shown = [n for n in dir(slurmresume) if not n.startswith("__")]
+    assert shown == slurmresume.__all__, sorted(set(shown) ^ set(slurmresume.__all__))
 
 
 def test_import_slurmresume_loads_no_torch_typer_rich() -> None:
