@@ -19,13 +19,19 @@ import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError
 from .claims import lost
 from .ddptrack import DDPTracker
+
+if TYPE_CHECKING:  # the front door's types, for a reader and a type checker; imported where used
+    from ..mirror.background import Mirror
+    from ..mirror.s3 import S3Location
+    from ..retention import RetentionPolicy
+    from .policy import SavePolicy
 from .emergency import save_and_exit
 from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, expect_io, phase
 from .options import check_options
@@ -74,12 +80,12 @@ class Checkpointer:
         verify_on_restore: bool = False,
         handle_signals: bool = True,
         exit_on_signal: bool = True,
-        retention: Any = None,
+        retention: RetentionPolicy | None = None,
         on_save_error: str = "raise",
         async_save: bool = False,
         async_overlap: str = "wait",
-        save_policy: Any = None,
-        mirror: Any = None,
+        save_policy: SavePolicy | None = None,
+        mirror: str | os.PathLike[str] | S3Location | Mirror | None = None,
     ) -> None:
         self._created_at = time.time()  # the script's imports, process group and model are done
         check_options(save_every, async_overlap, retention, on_save_error, save_policy)
