@@ -93,7 +93,7 @@ def status(
     if is_s3_url(ckpt_dir):  # the bucket's steps only (no job, no event log there)
         s3_commands().status(ckpt_dir, verify=verify, limit=limit, as_json=as_json)
         return
-    root = resolve_root(ckpt_dir)
+    root = resolve_root(ckpt_dir, "status")
     _refuse_misplaced(root)
     if job is not None and not re.fullmatch(r"\d+(_\d+)?", job):
         raise ConfigError(f"--job {job!r} is not a Slurm job id: use digits, e.g. --job 12345")
@@ -159,7 +159,7 @@ def prune(
     if is_s3_url(ckpt_dir):  # a bucket: same plan, marker-first deletion (slurmresume/mirror/)
         s3_commands().prune(ckpt_dir, policy, dry_run=dry_run, yes=yes, as_json=as_json)
         return
-    root = resolve_root(ckpt_dir)
+    root = resolve_root(ckpt_dir, "prune")
     records = rt.scan(root)
     plan = rt.plan_prune(records, policy, time.time())
     if plan.missing_metric:
@@ -215,7 +215,7 @@ def verify(
     if is_s3_url(ckpt_dir):
         s3_commands().verify(ckpt_dir, step, every)
         return
-    root = resolve_root(ckpt_dir)
+    root = resolve_root(ckpt_dir, "verify")
     if step is not None and step < 0:
         raise ConfigError(f"STEP must be >= 0, got {step}")
     if step is not None and every:
@@ -255,7 +255,7 @@ def latest(
     if is_s3_url(ckpt_dir):
         s3_commands().latest(ckpt_dir)
         return
-    root = resolve_root(ckpt_dir)
+    root = resolve_root(ckpt_dir, "latest")
     info = find_latest(root, warn=False, scan=True)
     if info is None:
         raise NoCheckpointError(f"no complete checkpoint under {root}")
