@@ -314,7 +314,11 @@ def caught(group: Group, exc: Exception, doing: str) -> Failure:
 
 
 def _cause(failure: Failure, got: Loaded) -> BaseException | None:
-    """The original exception behind the verdict's `failure`, on the rank that raised it."""
+    """The original exception behind the verdict's `failure`, on the rank that raised it; none
+    behind a ConfigError (the state does not fit: its one line says what to change, and the
+    traceback inside slurmresume that chaining would print first only buries it)."""
+    if failure.kind == "config":
+        return None
     return got.failure.cause if got.failure is not None and got.failure == failure else None
 
 
