@@ -239,12 +239,18 @@ def latest(
         metavar="[ROOT|URL]", help="The checkpoint root or bucket (s3://bucket/run), as --ckpt-dir. "
         "Default: --ckpt-dir's default.")] = None,
     ckpt_dir: CkptDir = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Also recompute the checksums of each step it considers, newest first, and skip one that "
+        "fails (reads every byte of its shards). [default: off: no shard byte is read]")] = False,
 ) -> None:
     """Print the path of the newest complete checkpoint (for scripts).
 
-    Prints nothing on stdout and exits 1 when there is none. Incomplete or corrupt newer
-    directories are skipped; a newer step this version cannot read (written by a newer
-    slurmresume) is not: it exits 1 naming it. Example: cp -r "$(slurmresume latest)" /archive/
+    Prints nothing on stdout and exits 1 when there is none. Newer directories without a commit
+    marker, or whose manifest or file sizes are wrong, are skipped; without --verify it does not
+    read the shards, so a flipped bit inside one is not seen (restore and export check every byte
+    they read; `verify` finds it): pass --verify to skip such a step too. A newer step this version
+    cannot read (written by a newer slurmresume) is not skipped: it exits 1 naming it.
+    Example: cp -r "$(slurmresume latest --verify)" /archive/
     """
     from ..checkpoint.store import find_latest
 
@@ -253,10 +259,17 @@ def latest(
             raise ConfigError(f"give the root once: {root_arg} as the argument or --ckpt-dir, not both")
         ckpt_dir = Path(root_arg) if not is_s3_url(root_arg) else root_arg  # type: ignore[assignment]
     if is_s3_url(ckpt_dir):
+        if verify:  # not silently ignored: the bucket's steps are checked by `verify URL`
+            raise ConfigError(f"--verify reads a local root's shards; for a bucket run: slurmresume verify {ckpt_dir}")
         s3_commands().latest(ckpt_dir)
         return
     root = resolve_root(ckpt_dir, "latest")
-    info = find_latest(root, warn=False, scan=True)
+    info = find_latest(root, verify=verify, warn=False, scan=True, skipped=_say_skipped if verify else None)
     if info is None:
         raise NoCheckpointError(f"no complete checkpoint under {root}")
     typer.echo(os.fspath(info.path))
+
+
+def _say_skipped(info: Any) -> None:
+    """`latest --verify`: each newer step it passed over, and why, on stderr (stdout stays the path)."""
+    typer.echo(f"skipped {info.path}: {info.problem}", err=True)
