@@ -13,6 +13,7 @@ from typing import Any, cast
 
 from ..errors import ConfigError, CorruptCheckpointError
 from .jsonenc import decode, encode
+from .landed import meta_path
 from .reshard import describe, is_dtensor
 
 RESERVED = "__slurmresume__"
@@ -343,6 +344,12 @@ def check_fits(state: Mapping[str, Any], decoded: Mapping[str, tuple[str, Any]])
         if kind != "stateful" or obj is None or not is_stateful(obj):
             continue
         live = as_stateful(obj).state_dict()
+        on_meta = meta_path(live) or next((f"param_groups[{i}]" for i, g in enumerate(getattr(obj, "param_groups", ()))
+                                           if isinstance(obj, torch.optim.Optimizer) and meta_path(g.get("params"))), None)
+        if on_meta:  # torch's copy into a meta tensor does nothing but warn: refused before anything loads
+            raise ConfigError(f"state['{key}'] has tensors on the meta device ('{on_meta}'), which a restore cannot "
+                              f"write: materialise it first (e.g. model.to_empty(device='cuda'), then the optimizer "
+                              f"over its parameters) and restore into that")
         module = isinstance(obj, torch.nn.Module)
         compiled = compile_mismatch(live, value, f"state['{key}']") if module and isinstance(value, Mapping) else None
         if compiled:

@@ -51,6 +51,7 @@ from typing import Any
 from .. import IMPORTED_AT
 from ..checkpoint import exchange
 from ..checkpoint.collective import Group
+from ..checkpoint.landed import Landing
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.residency import all_cached
 from ..checkpoint.sharding import to_json as sharding_json
@@ -427,7 +428,17 @@ def apply_loaded(group: Group, state: MutableMapping[str, Any], got: Loaded, cho
     """Every rank, once every rank has loaded and verified its part: the values into `state`
     (plain tensors copied in place where shape and dtype match), the RNG states."""
     assert got.decoded is not None  # only called when no rank failed
+    landing = Landing.before(state, got.decoded)
     apply_entries(state, got.decoded)
+    # Collective: a load_state_dict that wrote nothing on any rank fails the restore on every rank
+    # (never "restored"); a few sampled elements per tensor (checkpoint/landed.py)
+    unchanged = landing.unchanged(state, got.decoded)
+    failed = ConfigError(f"restoring step {choice.step}: {unchanged} by load_state_dict, though the checkpoint "
+                         "holds other values: that object's load_state_dict did not load it, and the in-memory "
+                         "state is not the checkpoint's; fix that object's load_state_dict") if unchanged else None
+    failures, _ = _verdict(group, Loaded(failure=caught(group, failed, "loading") if failed else None))
+    if failures:
+        raise failures[0].error()
     rank, saved_world = group.rank, choice.world_size
     if rank >= saved_world:
         # No saved RNG for this rank: re-derive it from the step and rank (documented rule),
