@@ -101,6 +101,11 @@ def checked(obj: Any) -> bool:
     return isinstance(obj, torch.nn.Module)
 
 
+def _judged(state: Mapping[str, Any], decoded: Mapping[str, tuple[str, Any]]) -> list[str]:
+    """The state keys a restore loads through load_state_dict whose object is `checked`."""
+    return [key for key, (kind, _) in decoded.items() if kind == "stateful" and checked(state.get(key))]
+
+
 class Landing:
     """Samples of the live tensors of the stateful entries a restore is about to load (`before`),
     checked against the same elements after the load and in the checkpoint (`unchanged`)."""
@@ -110,25 +115,18 @@ class Landing:
 
     @classmethod
     def before(cls, state: Mapping[str, Any], decoded: Mapping[str, tuple[str, Any]]) -> Landing:
-        from .state import as_stateful, is_stateful
-
-        items = [((key, path), _views(t)) for key, (kind, _) in decoded.items()
-                 if kind == "stateful" and is_stateful(state.get(key)) and checked(state[key])
-                 for path, t in tensors(as_stateful(state[key]).state_dict()) if _readable(t)]
+        items = [((key, path), _views(t)) for key in _judged(state, decoded)
+                 for path, t in tensors(state[key].state_dict()) if _readable(t)]
         return cls(_fetch(items))
 
     def unchanged(self, state: Mapping[str, Any], decoded: Mapping[str, tuple[str, Any]]) -> str | None:
         """After the load: the first tensor (as "state['key']: 'path'") whose sampled elements are
         what they were before although the checkpoint's differ, or that is on the meta device;
         None when every sampled tensor holds the checkpoint's values (or already held them)."""
-        from .state import as_stateful, is_stateful
-
         after, source = [], []
-        for key, (kind, value) in decoded.items():
-            if kind != "stateful" or not is_stateful(state.get(key)) or not checked(state[key]):
-                continue
-            saved = dict(tensors(value))
-            for path, t in tensors(as_stateful(state[key]).state_dict()):
+        for key in _judged(state, decoded):
+            saved = dict(tensors(decoded[key][1]))
+            for path, t in tensors(state[key].state_dict()):
                 s = saved.get(path)
                 if (key, path) not in self.samples or s is None or _local(s).numel() != _local(t).numel() or not _readable(s):
                     continue

@@ -25,10 +25,16 @@ from ..checkpoint.calibrate import open_sink
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.reshard import ShardFiles, read_box
-from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY
+from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY, VERIFY_BLOCK
 from ..checkpoint.sharding import Sharded, cover
-from ..checkpoint.shard import VERIFY_BLOCK
-from ..checkpoint.shardread import Expected, byte_view, check_blocks, digests_of, open_read, pread_exact
+from ..checkpoint.shardread import (
+    Expected,
+    byte_view,
+    check_blocks,
+    digests_of,
+    open_read,
+    pread_exact,
+)
 from ..checkpoint.state import validate_skeleton
 from ..checkpoint.writer import ShardSink
 from ..errors import ConfigError, CorruptCheckpointError
