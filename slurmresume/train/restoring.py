@@ -423,16 +423,27 @@ def _mem_available() -> int | None:
     return None
 
 
+def _sampled(check: Any) -> Any:
+    """`check()`, or None when it raises (a tensor type the sampling does not know): the check is
+    skipped on this rank, with a warning, never a restore that fails or a rank that leaves the
+    collective after it."""
+    try:
+        return check()
+    except Exception as exc:  # noqa: BLE001 - an extra check must not take a restore down
+        log.warning("could not check that the restored tensors were written (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
 def apply_loaded(group: Group, state: MutableMapping[str, Any], got: Loaded, choice: RestoreChoice,
                  restore_rng: bool, exchanged: bool = False) -> None:
     """Every rank, once every rank has loaded and verified its part: the values into `state`
     (plain tensors copied in place where shape and dtype match), the RNG states."""
     assert got.decoded is not None  # only called when no rank failed
-    landing = Landing.before(state, got.decoded)
+    landing = _sampled(lambda: Landing.before(state, got.decoded))
     apply_entries(state, got.decoded)
     # Collective: a load_state_dict that wrote nothing on any rank fails the restore on every rank
     # (never "restored"); a few sampled elements per tensor (checkpoint/landed.py)
-    unchanged = landing.unchanged(state, got.decoded)
+    unchanged = _sampled(lambda: landing.unchanged(state, got.decoded)) if landing is not None else None
     failed = ConfigError(f"restoring step {choice.step}: {unchanged} by load_state_dict, though the checkpoint "
                          "holds other values: that object's load_state_dict did not load it, and the in-memory "
                          "state is not the checkpoint's; fix that object's load_state_dict") if unchanged else None
