@@ -158,6 +158,12 @@ def test_a_step_folder_as_the_root_is_refused_naming_its_root(tmp_path, monkeypa
         with pytest.raises(ConfigError):
             Checkpointer(given, handle_signals=False).save(11, tiny_state(11))
     assert tree(root) == before
+    # evidence, not names: a root of the user's that is merely called like a step folder is a root
+    named = saved(tmp_path / step_dir_name(1), 3)
+    ckpt = Checkpointer(named, handle_signals=False)
+    assert ckpt.restore(tiny_state(0)) == 3
+    ckpt.close()
+    assert cli("latest", "-d", named).stdout == f"{named / step_dir_name(3)}\n"
 
 
 @pytest.mark.parametrize("command", [["latest"], ["verify"], ["prune", "--keep", "1", "--yes"],
@@ -250,3 +256,12 @@ def test_an_uncompiled_model_on_a_root_saved_compiled_is_one_line(tmp_path):
     ckpt.close()
     line = one_line(err.value)
     assert "_orig_mod." in line and "saved from a torch.compile'd module" in line
+
+
+def test_compile_prefix_is_found_at_any_depth_and_only_there():
+    from slurmresume.checkpoint.state import compile_mismatch
+
+    ddp_of_compiled = {"module._orig_mod.0.weight": 1, "module._orig_mod.0.bias": 1}
+    assert "compiled._orig_mod" in compile_mismatch(ddp_of_compiled, {"module.0.weight": 1, "module.0.bias": 1}, "m")
+    assert compile_mismatch({"0.weight": 1}, {"1.weight": 1}, "m") is None  # another model: the usual message
+    assert compile_mismatch({"_orig_mod.w": 1}, {"_orig_mod.w": 1}, "m") is None
