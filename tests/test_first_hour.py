@@ -395,8 +395,9 @@ def test_torchruns_thread_count_banner_is_printed_once_per_job(tmp_path: Path) -
     nothing to announce); the ranks run with 1 thread both times."""
     marker = tmp_path / "crashed"
     threads = tmp_path / "threads"
-    body = ("import os, pathlib, sys\nimport slurmresume\n"
+    body = ("import os, pathlib, sys\nimport torch.distributed as dist\nimport slurmresume\n"
             f"pathlib.Path({str(threads)!r}).open('a').write(os.environ.get('OMP_NUM_THREADS', '-') + '\\n')\n"
+            "dist.init_process_group('gloo')\n"  # two ranks: without a process group they are refused (issue 46)
             "ckpt = slurmresume.Checkpointer()\nstep = ckpt.restore({})\n"
             f"m = pathlib.Path({str(marker)!r})\n"
             "if not m.exists() and os.environ['RANK'] == '0':\n    m.write_text('x')\n    sys.exit(3)\n"

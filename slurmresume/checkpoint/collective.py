@@ -11,6 +11,7 @@ import atexit
 import json
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 LAZY = "TORCH_GLOO_LAZY_INIT"  # read by ProcessGroupGloo when a group is created
@@ -58,6 +59,20 @@ def new_side_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
             os.environ[LAZY] = before
 
 
+def unjoined_world(env: Mapping[str, str]) -> str | None:
+    """Pure: why a process without a default process group must not act as a world of one, or
+    None. torchrun (and srun through it) starts WORLD_SIZE processes; a script that never calls
+    init_process_group makes each a world of one, and all of them save into one root, each
+    replacing the others' steps."""
+    size = env.get("WORLD_SIZE", "").strip()
+    if not size.isdigit() or int(size) <= 1:
+        return None
+    rank = env.get("RANK", "").strip() or "?"
+    return (f"WORLD_SIZE={size} (this is RANK={rank}) but torch.distributed has no process group: call "
+            f"torch.distributed.init_process_group() before creating the Checkpointer (else each of the {size} "
+            "processes saves alone into the same root, replacing the others' steps)")
+
+
 class Group:
     """A process group (or a single process) with the few collectives the protocol needs."""
 
@@ -69,10 +84,17 @@ class Group:
 
     @classmethod
     def create(cls) -> Group:
-        """Collective when torch.distributed is initialised: every rank must call it."""
+        """Collective when torch.distributed is initialised: every rank must call it. Without a
+        process group, a world of one, unless the environment says there are more processes
+        (`unjoined_world`): ConfigError, before anything is read or written."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
+            problem = unjoined_world(os.environ)
+            if problem:
+                from ..errors import ConfigError
+
+                raise ConfigError(problem)
             return cls()
         pg = new_side_group()  # eager up to EAGER_MAX_RANKS, lazy beyond: see new_side_group
         return cls(pg, dist.get_rank(), dist.get_world_size())

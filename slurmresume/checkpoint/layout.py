@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -64,6 +65,23 @@ def parse_step_dir(name: str) -> int | None:
         return None
     step = int(m.group(1))
     return step if step_dir_name(step) == name else None  # one name per step: no "step_0000000005"
+
+
+def enclosing_step_dir(path: Path) -> Path | None:
+    """The committed (or committing) step folder that `path` is, or lies under, else None: a
+    folder named like one that holds a manifest or a commit marker (names alone are no evidence:
+    a root may be called step_000000001). Its parent is the root the step belongs to. Reads only
+    the markers of `path` and its parents, as given and with links resolved (`latest` prints a
+    step folder; a script that uses it as its root must not write step folders inside it)."""
+    seen: set[Path] = set()
+    for start in (path.absolute(), path.resolve()):
+        for folder in (start, *start.parents):
+            if folder in seen or parse_step_dir(folder.name) is None:
+                continue
+            seen.add(folder)
+            if os.path.lexists(folder / MANIFEST) or os.path.lexists(folder / MARKER):
+                return folder
+    return None
 
 
 def saving_dir_name(step: int, token: str) -> str:

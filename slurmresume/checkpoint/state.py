@@ -13,6 +13,7 @@ from typing import Any, cast
 
 from ..errors import ConfigError, CorruptCheckpointError
 from .jsonenc import decode, encode
+from .landed import meta_path
 from .reshard import describe, is_dtensor
 
 RESERVED = "__slurmresume__"
@@ -343,12 +344,42 @@ def check_fits(state: Mapping[str, Any], decoded: Mapping[str, tuple[str, Any]])
         if kind != "stateful" or obj is None or not is_stateful(obj):
             continue
         live = as_stateful(obj).state_dict()
-        problem = _mismatch(live, value, isinstance(obj, torch.nn.Module), key)
+        on_meta = meta_path(live) or next((f"param_groups[{i}]" for i, g in enumerate(getattr(obj, "param_groups", ()))
+                                           if isinstance(obj, torch.optim.Optimizer) and meta_path(g.get("params"))), None)
+        if on_meta:  # torch's copy into a meta tensor does nothing but warn: refused before anything loads
+            raise ConfigError(f"state['{key}'] has tensors on the meta device ('{on_meta}'), which a restore cannot "
+                              f"write: materialise it first (e.g. model.to_empty(device='cuda'), then the optimizer "
+                              f"over its parameters) and restore into that")
+        module = isinstance(obj, torch.nn.Module)
+        compiled = compile_mismatch(live, value, f"state['{key}']") if module and isinstance(value, Mapping) else None
+        if compiled:
+            raise ConfigError(compiled)
+        problem = _mismatch(live, value, module, key)
         if problem is None and isinstance(obj, torch.optim.Optimizer):
             problem = _param_groups_mismatch(live, value, key)
         if problem:
             raise ConfigError(f"the checkpoint does not fit state['{key}']: {problem}; was it saved by "
                               "another model or optimizer configuration?")
+
+
+COMPILED = "_orig_mod"  # torch.compile's OptimizedModule holds the model as this submodule
+
+
+def compile_mismatch(live: Mapping[str, Any], saved: Mapping[str, Any], path: str) -> str | None:
+    """Pure: when the two modules' keys differ only by torch.compile's "_orig_mod." (at any depth,
+    e.g. "module._orig_mod." under DDP), what to put in `state` instead; else None."""
+    def plain(keys: Iterable[Any]) -> set[str]:
+        return {".".join(p for p in str(k).split(".") if p != COMPILED) for k in keys}
+
+    if set(live) == set(saved) or plain(live) != plain(saved):
+        return None
+    if any(COMPILED in str(k).split(".") for k in live):
+        return (f"every key of {path} differs from the checkpoint's by '{COMPILED}.': it is a torch.compile'd "
+                f"module and the checkpoint was saved from the module itself: put `compiled.{COMPILED}` in state "
+                f"(the same parameters, keys without the prefix), in this run and the next")
+    return (f"every key of the checkpoint of {path} carries '{COMPILED}.': it was saved from a torch.compile'd module "
+            f"and {path} is the module itself: put torch.compile(module) in state to load it (and from then on "
+            f"prefer `compiled.{COMPILED}`, which saves keys without the prefix)")
 
 
 def _param_groups_mismatch(live: Any, saved: Any, path: str) -> str | None:

@@ -17,6 +17,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -278,11 +279,12 @@ def list_checkpoints(root: Path, verify: bool = False, scan: bool = False) -> li
 
 def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = None,
                 max_step: int | None = None, warn: bool = True, scan: bool = False, *,
-                sizes: bool = True) -> CheckpointInfo | None:
+                sizes: bool = True, skipped: Callable[[CheckpointInfo], None] | None = None) -> CheckpointInfo | None:
     """The newest complete checkpoint (checked newest-first, stopping at the first good one).
-    Incomplete or corrupt newer directories are skipped, with a warning naming each. A newer
-    step this version cannot read (`CheckpointInfo.unreadable`) is not skipped: it raises
-    UnreadableCheckpointError, since resuming an older step would later overwrite it."""
+    Incomplete or corrupt newer directories are skipped, with a warning naming each (`warn`),
+    and handed to `skipped`. A newer step this version cannot read (`CheckpointInfo.unreadable`)
+    is not skipped: it raises UnreadableCheckpointError, since resuming an older step would
+    later overwrite it."""
     for step, path in step_dirs(Path(root)):
         if (exclude and step in exclude) or (max_step is not None and step > max_step):
             continue
@@ -293,6 +295,8 @@ def find_latest(root: Path, verify: bool = False, exclude: set[int] | None = Non
             raise unreadable_error(info)
         if warn:
             log.warning("skipping %s: %s", path, info.problem)
+        if skipped is not None:
+            skipped(info)
     return None
 
 

@@ -93,7 +93,7 @@ def status(
     if is_s3_url(ckpt_dir):  # the bucket's steps only (no job, no event log there)
         s3_commands().status(ckpt_dir, verify=verify, limit=limit, as_json=as_json)
         return
-    root = resolve_root(ckpt_dir)
+    root = resolve_root(ckpt_dir, "status")
     _refuse_misplaced(root)
     if job is not None and not re.fullmatch(r"\d+(_\d+)?", job):
         raise ConfigError(f"--job {job!r} is not a Slurm job id: use digits, e.g. --job 12345")
@@ -159,7 +159,7 @@ def prune(
     if is_s3_url(ckpt_dir):  # a bucket: same plan, marker-first deletion (slurmresume/mirror/)
         s3_commands().prune(ckpt_dir, policy, dry_run=dry_run, yes=yes, as_json=as_json)
         return
-    root = resolve_root(ckpt_dir)
+    root = resolve_root(ckpt_dir, "prune")
     records = rt.scan(root)
     plan = rt.plan_checked(root, records, policy, time.time())
     if plan.missing_metric:
@@ -215,7 +215,7 @@ def verify(
     if is_s3_url(ckpt_dir):
         s3_commands().verify(ckpt_dir, step, every)
         return
-    root = resolve_root(ckpt_dir)
+    root = resolve_root(ckpt_dir, "verify")
     if step is not None and step < 0:
         raise ConfigError(f"STEP must be >= 0, got {step}")
     if step is not None and every:
@@ -239,12 +239,18 @@ def latest(
         metavar="[ROOT|URL]", help="The checkpoint root or bucket (s3://bucket/run), as --ckpt-dir. "
         "Default: --ckpt-dir's default.")] = None,
     ckpt_dir: CkptDir = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Also recompute the checksums of each step it considers, newest first, and skip one that "
+        "fails (reads every byte of its shards). [default: off: no shard byte is read]")] = False,
 ) -> None:
     """Print the path of the newest complete checkpoint (for scripts).
 
-    Prints nothing on stdout and exits 1 when there is none. Incomplete or corrupt newer
-    directories are skipped; a newer step this version cannot read (written by a newer
-    slurmresume) is not: it exits 1 naming it. Example: cp -r "$(slurmresume latest)" /archive/
+    Prints nothing on stdout and exits 1 when there is none. Newer directories without a commit
+    marker, or whose manifest or file sizes are wrong, are skipped; without --verify it does not
+    read the shards, so a flipped bit inside one is not seen (restore and export check every byte
+    they read; `verify` finds it): pass --verify to skip such a step too. A newer step this version
+    cannot read (written by a newer slurmresume) is not skipped: it exits 1 naming it.
+    Example: cp -r "$(slurmresume latest --verify)" /archive/
     """
     from ..checkpoint.store import find_latest
 
@@ -253,10 +259,17 @@ def latest(
             raise ConfigError(f"give the root once: {root_arg} as the argument or --ckpt-dir, not both")
         ckpt_dir = Path(root_arg) if not is_s3_url(root_arg) else root_arg  # type: ignore[assignment]
     if is_s3_url(ckpt_dir):
+        if verify:  # not silently ignored: the bucket's steps are checked by `verify URL`
+            raise ConfigError(f"--verify reads a local root's shards; for a bucket run: slurmresume verify {ckpt_dir}")
         s3_commands().latest(ckpt_dir)
         return
-    root = resolve_root(ckpt_dir)
-    info = find_latest(root, warn=False, scan=True)
+    root = resolve_root(ckpt_dir, "latest")
+    info = find_latest(root, verify=verify, warn=False, scan=True, skipped=_say_skipped if verify else None)
     if info is None:
         raise NoCheckpointError(f"no complete checkpoint under {root}")
     typer.echo(os.fspath(info.path))
+
+
+def _say_skipped(info: Any) -> None:
+    """`latest --verify`: each newer step it passed over, and why, on stderr (stdout stays the path)."""
+    typer.echo(f"skipped {info.path}: {info.problem}", err=True)

@@ -21,7 +21,7 @@ def resolve_step_dir(which: str, ckpt_dir: Path | None) -> Path:
     path = Path(which).expanduser()
     if parse_step_dir(path.name) is not None and path.is_dir():
         return path
-    root = resolve_root(ckpt_dir)
+    root = resolve_root(ckpt_dir, "export")
     if which == "latest":
         info = find_latest(root, warn=False)
         if info is None:

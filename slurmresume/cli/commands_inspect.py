@@ -47,7 +47,7 @@ def inspect(
     if is_s3_url(target) or (needs_root(target) and is_s3_url(ckpt_dir or configured_root() or "")):
         report = _inspect_s3(target, ckpt_dir or configured_root(), tensors)
     else:
-        root = resolve_root(ckpt_dir) if needs_root(target) else None
+        root = resolve_root(ckpt_dir, "inspect") if needs_root(target) else None
         step, path = locate(target, root)
         with _render.progress("reading tensors") as bar:
             report = inspect_checkpoint(step, path, tensors=tensors, progress=bar)

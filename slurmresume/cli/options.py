@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -40,15 +41,17 @@ def configured_root() -> Path | None:
     return Path(value)
 
 
-def resolve_root(ckpt_dir: Path | None) -> Path:
+def resolve_root(ckpt_dir: Path | None, command: str | None = None) -> Path:
     """The checkpoint root from --ckpt-dir, else $SLURMRESUME_CKPT_DIR, else `ckpt-dir` in
-    [tool.slurmresume] / slurmresume.toml (what `submit` uses); it must be a directory."""
+    [tool.slurmresume] / slurmresume.toml (what `submit` uses); it must be a directory, and not
+    a step folder or inside one (`command` names the command in the hint)."""
     if ckpt_dir is None or str(ckpt_dir) == "":
         ckpt_dir = configured_root()
     if ckpt_dir is None:
         raise ConfigError(f"no checkpoint root: pass --ckpt-dir DIR, set {ENV_ROOT}, "
                           "or set ckpt-dir in [tool.slurmresume] of pyproject.toml")
     root = ckpt_dir.expanduser().absolute()
+    refuse_step_dir(root, command)
     if not root.exists():
         raise ConfigError(f"checkpoint root {root} does not exist: check --ckpt-dir / {ENV_ROOT}")
     if not root.is_dir():
@@ -56,3 +59,17 @@ def resolve_root(ckpt_dir: Path | None) -> Path:
     if not os.access(root, os.R_OK | os.X_OK):
         raise ConfigError(f"checkpoint root {root} is not readable by this user: check its permissions")
     return root
+
+
+def refuse_step_dir(root: Path, command: str | None = None) -> None:
+    """ConfigError naming the root when `root` is a step folder (what `latest` prints) or lies
+    under one: a command would otherwise find no checkpoint there, or write into a saved one."""
+    from ..checkpoint.layout import enclosing_step_dir
+
+    step = enclosing_step_dir(root)
+    if step is None:
+        return
+    run = f"slurmresume {command} " if command else ""
+    what = ("is a step folder, not a checkpoint root: use its parent" if step == root else
+            f"is inside the step folder {step}, not a checkpoint root: use the root that holds it")
+    raise ConfigError(f"{root} {what}: {run}-d {shlex.quote(str(step.parent))}")

@@ -4,6 +4,11 @@ checkpoint, loadable by `safetensors.torch.load_file` and `model.load_state_dict
 Streams tensor by tensor (read a tensor's bytes from its shard with pread, write them through the
 shard writer), so peak memory stays near the largest tensor, not the model. DTensor / FSDP2
 tensors are consolidated from every rank's piece by their global offsets.
+
+Every byte written is first checked, as it is read, against the digests the manifest vouches for
+(the headers against the manifest, each 4 MiB block against its digest, as a restore reads; a step
+older than block digests has its shards hashed whole first): a flipped bit fails the export with
+one line, and the temporary output is removed, so no corrupt weights are ever written.
 """
 
 from __future__ import annotations
@@ -20,9 +25,16 @@ from ..checkpoint.calibrate import open_sink
 from ..checkpoint.jsonenc import loads
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.reshard import ShardFiles, read_box
-from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY
+from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY, VERIFY_BLOCK
 from ..checkpoint.sharding import Sharded, cover
-from ..checkpoint.shardread import byte_view, open_checked, read_header
+from ..checkpoint.shardread import (
+    Expected,
+    byte_view,
+    check_blocks,
+    digests_of,
+    open_read,
+    pread_exact,
+)
 from ..checkpoint.state import validate_skeleton
 from ..checkpoint.writer import ShardSink
 from ..errors import ConfigError, CorruptCheckpointError
@@ -56,8 +68,36 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
     manifest = read_manifest(step_dir)
     if not 0 <= rank < manifest.world_size:
         raise ConfigError(f"--rank {rank} is not in this checkpoint (world size {manifest.world_size})")
+    expect = manifest.expected if manifest.has_block_digests else None
+    if expect is None:  # written before per-block digests: check the step's shards whole first
+        _verify_whole(step_dir, manifest.step, label)
+    fds: dict[str, int] = {}
+    try:
+        return _export(step_dir, out, manifest, only, rank, progress, label, expect, fds)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _export(step_dir: Path, out: Path, manifest: Any, only: str, rank: int,
+            progress: Callable[[int, int], None] | None, label: str, expect: Callable[[int], Expected | None] | None,
+            fds: dict[str, int]) -> dict[str, Any]:
+    """`export_model` past its checks: every shard opened is recorded in `fds` (the caller closes
+    them), its header checked against the manifest, and every byte written checked against its
+    recorded digest before it is written (`_feed_tensor`)."""
     shard = manifest.shards[rank]
-    header, data_start = read_header(step_dir, shard["file"], shard["bytes"])
+    sources: dict[str, tuple[Any, int, int, Expected | None]] = {}
+
+    def source(r: int) -> None:
+        s = manifest.shards[r]
+        if s["file"] not in sources:
+            exp = expect(r) if expect is not None else None
+            fd, hdr, start, _ = open_read(step_dir, s["file"], s["bytes"], exp)
+            fds[s["file"]] = fd
+            sources[s["file"]] = (hdr, start, s["bytes"], exp)
+
+    source(rank)
+    header = sources[shard["file"]][0]
     meta = header.get("__metadata__")
     skeleton = loads(meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else "", "skeleton")
     validate_skeleton((), skeleton, None, strict=False)  # entries: a dict of {kind, value} (untrusted)
@@ -75,11 +115,8 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
     if not refs:
         raise ConfigError(f"state key {only!r} in {label} holds no tensors")
     # Replicated tensors (data parallelism) are stored once, in rank 0's shard.
-    sources = {shard["file"]: (header, data_start, shard["bytes"])}
-    first = manifest.shards[0]
-    if first["file"] not in sources and skeleton.get("replicated"):
-        h0, d0 = read_header(step_dir, first["file"], first["bytes"])
-        sources[first["file"]] = (h0, d0, first["bytes"])
+    if skeleton.get("replicated"):
+        source(0)
     where: dict[str, str] = {}
     layout, offset = {}, 0
     for key, name in refs:
@@ -89,7 +126,7 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
             layout[key] = {"dtype": tensor.dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + n]}
             offset += n
             continue
-        where[name] = next((f for f, (h, _, _) in sources.items() if isinstance(h.get(name), dict)), "")
+        where[name] = next((f for f, (h, _, _, _) in sources.items() if isinstance(h.get(name), dict)), "")
         if not where[name]:
             raise CorruptCheckpointError(f"tensor {name!r} is referenced but missing from {shard['file']}")
         info = sources[where[name]][0][name]
@@ -101,8 +138,7 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
     raw += b" " * (-len(raw) % 8)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
-    fds = {f: open_checked(step_dir, f, size) for f, (_, _, size) in sources.items()}
-    pieces = ShardFiles(step_dir, manifest.shards)
+    pieces = ShardFiles(step_dir, manifest.shards, expect)
     sink = open_sink(tmp)
     try:
         sink.feed(len(raw).to_bytes(8, "little") + raw)
@@ -111,15 +147,10 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
             if progress is not None:
                 progress(done, len(refs))
             if name in manifest.sharded:
-                _feed_global(sink, pieces, manifest.sharded[name], buf)
+                _feed_global(sink, pieces, manifest.sharded[name])
                 continue
-            hdr, start, _ = sources[where[name]]
-            begin, end = hdr[name]["data_offsets"]
-            pos = start + begin
-            while pos < start + end:
-                n = os.preadv(fds[where[name]], [memoryview(buf)[: min(CHUNK, start + end - pos)]], pos)
-                sink.feed(memoryview(buf)[:n], reused=True)
-                pos += n
+            hdr, start, _, exp = sources[where[name]]
+            _feed_tensor(sink, fds[where[name]], step_dir / where[name], name, hdr, start, exp, buf)
         sink.finish()
         fsio.rename(tmp, out, "export")
     except BaseException:
@@ -128,32 +159,56 @@ def export_model(step_dir: Path, out: Path, only: str = "model", rank: int = 0,
         raise
     finally:
         pieces.close()
-        for fd in fds.values():
-            os.close(fd)
     return {"step": manifest.step, "out": str(out), "tensors": len(refs), "bytes": out.stat().st_size}
 
 
-def _feed_global(sink: ShardSink, files: ShardFiles, tensor: Sharded, buf: bytearray) -> None:
-    """Stream one DTensor's global bytes. Pieces that are whole rows (dim-0 sharding, the FSDP2
-    default) are copied in order in CHUNK slices, so memory stays at one CHUNK; any other
-    sharding is assembled in one tensor of the global size first (memory ~ that tensor)."""
-    shape = tuple(tensor.shape)
-    hits = cover(tensor, (0,) * len(shape), shape)
-    if all(p.shape[1:] == shape[1:] for p, _, _ in hits):
-        for piece, _, _ in sorted(hits, key=lambda h: h[1][:1]):
-            fd, pos, path = files.piece(piece.rank, tensor, piece.shape)
-            end = pos + piece.numel * ITEMSIZE[tensor.dtype]
-            while pos < end:
-                n = os.preadv(fd, [memoryview(buf)[: min(CHUNK, end - pos)]], pos)
-                if n <= 0:
-                    raise CorruptCheckpointError(f"shard {path} ended early while reading")
-                sink.feed(memoryview(buf)[:n], reused=True)
-                pos += n
-        return
+def _verify_whole(step_dir: Path, step: int, label: str) -> None:
+    """A step without per-block digests: every shard hashed whole against the manifest first."""
+    from ..checkpoint.store import inspect_dir
+
+    info = inspect_dir(step, step_dir, verify=True)
+    if not info.complete:
+        raise CorruptCheckpointError(f"checkpoint {label}: {info.problem}; nothing exported")
+
+
+def _feed_tensor(sink: ShardSink, fd: int, path: Path, name: str, header: Any, start: int, expect: Expected | None,
+                 buf: bytearray) -> None:
+    """Stream one tensor's bytes from its shard, each CHUNK (whole VERIFY_BLOCK blocks) checked
+    against the digests the manifest vouches for before it is fed to the writer."""
+    begin, end = header[name]["data_offsets"]
+    digests = digests_of(expect, header, name, path) if expect is not None else None
+    if digests is not None and len(digests) != -(-(end - begin) // VERIFY_BLOCK):
+        raise CorruptCheckpointError(f"shard {path}: the manifest records {len(digests)} checksum blocks for "
+                                     f"tensor {name!r} of {end - begin} bytes")
+    for pos in range(0, end - begin, CHUNK):
+        view = memoryview(buf)[: min(CHUNK, end - begin - pos)]
+        pread_exact(fd, view, start + begin + pos, path)
+        if digests is not None:
+            check_blocks(view, pos // VERIFY_BLOCK, digests, path, name)
+        sink.feed(view, reused=True)
+
+
+def _feed_global(sink: ShardSink, files: ShardFiles, tensor: Sharded) -> None:
+    """Stream one DTensor's global bytes, read (and, when `files` verifies, checked against the
+    manifest's digests) by `reshard.read_box`. Pieces that are whole rows (dim-0 sharding, the
+    FSDP2 default) go in slabs of rows of about CHUNK bytes, so memory stays near one CHUNK; any
+    other sharding is assembled in one tensor of the global size first (memory ~ that tensor)."""
     import torch
 
     from ..checkpoint.shard import TORCH_DTYPES
 
-    dest = torch.empty(shape, dtype=TORCH_DTYPES[tensor.dtype])
+    shape = tuple(tensor.shape)
+    hits = cover(tensor, (0,) * len(shape), shape)
+    dtype = TORCH_DTYPES[tensor.dtype]
+    if shape and all(p.shape[1:] == shape[1:] for p, _, _ in hits):
+        row = max(1, math.prod(shape[1:]) * ITEMSIZE[tensor.dtype])
+        rows = max(1, CHUNK // row)
+        for first in range(0, shape[0], rows):
+            box = (min(rows, shape[0] - first), *shape[1:])
+            dest = torch.empty(box, dtype=dtype)
+            read_box(files, tensor, (first,) + (0,) * (len(shape) - 1), box, dest)
+            sink.feed(byte_view(dest))
+        return
+    dest = torch.empty(shape, dtype=dtype)
     read_box(files, tensor, (0,) * len(shape), shape, dest)
     sink.feed(byte_view(dest))

@@ -51,6 +51,7 @@ from typing import Any
 from .. import IMPORTED_AT
 from ..checkpoint import exchange
 from ..checkpoint.collective import Group
+from ..checkpoint.landed import Landing
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.residency import all_cached
 from ..checkpoint.sharding import to_json as sharding_json
@@ -320,7 +321,11 @@ def caught(group: Group, exc: Exception, doing: str) -> Failure:
 
 
 def _cause(failure: Failure, got: Loaded) -> BaseException | None:
-    """The original exception behind the verdict's `failure`, on the rank that raised it."""
+    """The original exception behind the verdict's `failure`, on the rank that raised it; none
+    behind a ConfigError (the state does not fit: its one line says what to change, and the
+    traceback inside slurmresume that chaining would print first only buries it)."""
+    if failure.kind == "config":
+        return None
     return got.failure.cause if got.failure is not None and got.failure == failure else None
 
 
@@ -424,12 +429,33 @@ def _mem_available() -> int | None:
     return None
 
 
+def _sampled(check: Any) -> Any:
+    """`check()`, or None when it raises (a tensor type the sampling does not know): the check is
+    skipped on this rank, with a warning, never a restore that fails or a rank that leaves the
+    collective after it."""
+    try:
+        return check()
+    except Exception as exc:  # noqa: BLE001 - an extra check must not take a restore down
+        log.warning("could not check that the restored tensors were written (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
 def apply_loaded(group: Group, state: MutableMapping[str, Any], got: Loaded, choice: RestoreChoice,
                  restore_rng: bool, exchanged: bool = False) -> None:
     """Every rank, once every rank has loaded and verified its part: the values into `state`
     (plain tensors copied in place where shape and dtype match), the RNG states."""
     assert got.decoded is not None  # only called when no rank failed
+    landing = _sampled(lambda: Landing.before(state, got.decoded))
     apply_entries(state, got.decoded)
+    # Collective: a load_state_dict that wrote nothing on any rank fails the restore on every rank
+    # (never "restored"); a few sampled elements per tensor (checkpoint/landed.py)
+    unchanged = _sampled(lambda: landing.unchanged(state, got.decoded)) if landing is not None else None
+    failed = ConfigError(f"restoring step {choice.step}: {unchanged} by load_state_dict, though the checkpoint "
+                         "holds other values: that object's load_state_dict did not load it, and the in-memory "
+                         "state is not the checkpoint's; fix that object's load_state_dict") if unchanged else None
+    failures, _ = _verdict(group, Loaded(failure=caught(group, failed, "loading") if failed else None))
+    if failures:
+        raise failures[0].error()
     rank, saved_world = group.rank, choice.world_size
     if rank >= saved_world:
         # No saved RNG for this rank: re-derive it from the step and rank (documented rule),

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from ..checkpoint.collective import Group
+from ..checkpoint.layout import enclosing_step_dir
 from ..contract import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
 from ..errors import ConfigError
 from ..events import append_event
@@ -29,6 +30,12 @@ def resolve_root(root: str | os.PathLike[str] | None) -> Path:
     path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"checkpoint root {path} is a file, not a directory: choose a directory path")
+    step = enclosing_step_dir(path)
+    if step is not None:  # `latest` prints one; saving there would write step folders into a checkpoint
+        given = "Checkpointer(root=...)" if root is not None else ENV_ROOT
+        where = "" if step == path.absolute() else "inside "
+        raise ConfigError(f"{given} {path} is {where}the step folder {step}, a saved checkpoint of checkpoint root "
+                          f"{step.parent}: give that root instead ({ENV_ROOT}={step.parent})")
     return path
 
 
