@@ -52,6 +52,12 @@ log = logging.getLogger("slurmresume")
 
 STATE_KEY = "lightning"  # the one entry of the slurmresume state: Lightning's checkpoint dict
 _HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
+# Lightning's callback_metrics at the save (not in its own checkpoint): a save after an epoch's
+# last validation resumes past that validation, and the epoch-end hooks that follow (EarlyStopping
+# checking on train epoch end, its default) must read the values the uninterrupted run's read;
+# without them the resumed run stopped with "Early stopping conditioned on metric `val_loss`
+# which is not available"
+METRICS_KEY = "slurmresume_callback_metrics"
 
 
 class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
@@ -115,6 +121,12 @@ class _TrainerState:
                 checkpoint[key] = _jsonable_hparams(checkpoint[key])
         # omegaconf's container *type* (a class) is not data; hparams are kept as a plain dict.
         checkpoint.pop(getattr(pl.LightningModule, "CHECKPOINT_HYPER_PARAMS_TYPE", ""), None)
+        # not the training epoch aggregates: recomputed at each epoch end, and after a mid-epoch
+        # resume that epoch's differs (partial_epoch_metrics); the saved state must not
+        aggregates = set(epoch_aggregates(self.trainer, epoch_end=True))
+        checkpoint[METRICS_KEY] = {key: value.detach().cpu().clone() for key, value in
+                                   self.trainer.callback_metrics.items()
+                                   if isinstance(value, torch.Tensor) and key not in aggregates}
         return checkpoint
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -167,6 +179,7 @@ class SlurmResume(pl.Callback):
         self._partial_epoch: int | None = None  # the epoch this process restored into the middle of
         self._aggregated_epoch: int | None = None  # the last epoch whose end ran in this process
         self._epoch_end_since_batch = False  # callback_metrics' plain names hold epoch values
+        self._restored_metrics: dict[str, Any] = {}  # callback_metrics at the restored save (METRICS_KEY)
 
     # -- set-up: Lightning's handlers off, ours on, restore through Lightning's own path --------
 
@@ -193,11 +206,14 @@ class SlurmResume(pl.Callback):
             if connector._loaded_checkpoint:
                 raise ConfigError("Trainer.fit(ckpt_path=...) and SlurmResume both restore: drop ckpt_path, "
                                   "SlurmResume resumes from the newest complete checkpoint itself")
+            self._restored_metrics = holder.loaded.pop(METRICS_KEY, None) or {}
             connector._loaded_checkpoint = holder.loaded
             holder.loaded = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _finish_epoch_restart(trainer.fit_loop)
+        trainer._logger_connector._callback_metrics.update(self._restored_metrics)
+        self._restored_metrics = {}
         if self.restored_step and trainer.fit_loop.restarted_mid_epoch:
             self._partial_epoch = trainer.current_epoch
         wrapper = getattr(trainer.strategy, "model", None)  # strategy="ddp" wraps after setup's restore
