@@ -8,7 +8,9 @@ steps) on helpers/lightning_shapes.py:
   over 2 batches and train_loss logged on_step and on_epoch. Old code: "restored step 5 but its
   first ckpt.step() was step 5, not 6" (the first micro-batch after a resume, which steps no
   optimizer, was taken for a step boundary) and "metric 'train_loss' differs first at step 5";
-  then train_loss_epoch of the epoch a run resumed in the middle of.
+  then train_loss_epoch of the epoch a run resumed in the middle of. With an EarlyStopping
+  checking at the train epoch's end, a resume past an epoch's last validation (2 ranks, the save
+  at step 10) stopped: "Early stopping conditioned on metric `val_loss` which is not available".
 """
 
 from __future__ import annotations

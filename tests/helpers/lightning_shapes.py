@@ -9,7 +9,10 @@
                 batch after a resume steps no optimizer) and
                 self.log("train_loss", loss, on_step=True, on_epoch=True): an epoch aggregate
                 Lightning rebuilds from the batches a process ran, so after a mid-epoch resume it
-                differs from the uninterrupted run's until the next whole epoch
+                differs from the uninterrupted run's until the next whole epoch; and an
+                EarlyStopping on val_loss with its default check at the train epoch's end (never
+                stops: its wait_count grows at each validation), which a resume past an epoch's
+                last validation must feed the val_loss that validation computed
     --no-resume the same script with a callback that throws the restored checkpoint away (the
                 checkpoint is read, then ignored): every restart trains again from step 0 to the
                 same final state, which the drill must still FAIL
@@ -105,6 +108,8 @@ callbacks: list[pl.Callback] = [SlurmResume()]
 if args.no_resume:
     callbacks.append(IgnoreCheckpoint())
 datamodule = args.case == "datamodule"
+if datamodule:
+    callbacks.append(pl.callbacks.EarlyStopping(monitor="val_loss", min_delta=10.0, patience=1000))
 # manual optimization backpropagates each loss through part of the model
 ddp = "ddp" if datamodule else "ddp_find_unused_parameters_true"
 trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
