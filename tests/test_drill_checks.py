@@ -18,7 +18,12 @@ import pytest
 import torch
 from helpers.procs import HELPERS
 
-from slurmresume.tools.drillcheck import RunFacts, first_metric_difference, resumption_problems
+from slurmresume.tools.drillcheck import (
+    RunFacts,
+    first_metric_difference,
+    partial_epoch_note,
+    resumption_problems,
+)
 from slurmresume.train.steprecord import encode_metrics
 
 SCRIPT = HELPERS / "train_drill_cases.py"
@@ -39,6 +44,34 @@ def test_resumption_problems(runs: list[RunFacts], expect: list[str]) -> None:
         assert line.startswith(start), line
     if got and "never restored" in got[0]:
         assert "ckpt.restore(state)" in got[0]
+
+
+GAN = [2, 4, 6, 8, 10, 12]  # Lightning's global_step with two optimizers: 2 per batch
+
+
+@pytest.mark.parametrize(("runs", "framework", "expect"), [
+    # issue #46: old code "run 2 restored step 4 but its first ckpt.step() was step 6, not 5"
+    ([RunFacts("a", None, 2, 4), RunFacts("b", 4, 6, 8), RunFacts("c", 8, 10, None)], "lightning", []),
+    # the restore event is there, but the Trainer started over: still a FAIL, with a Lightning fix
+    ([RunFacts("a", None, 2, 4), RunFacts("b", 4, 2, None)], "lightning",
+     ["run 2 restored step 4 but its first ckpt.step() was step 2, not 6: the Trainer did not go on"]),
+    ([RunFacts("a", None, 2, 4), RunFacts("b", None, 2, None)], "lightning",
+     ["run 2 (after the save at step 4) never restored a checkpoint and started over at step 2: pass SlurmResume()"]),
+    ([RunFacts("a", None, 2, 4), RunFacts("b", 4, 6, None)], None,
+     []),  # a script's own loop that counts by 2 (the uninterrupted run did too)
+    ([RunFacts("a", None, 2, 8), RunFacts("b", 8, 9, None)], None,
+     ["run 2 restored step 8 but its first ckpt.step() was step 9, not 10: continue counting"]),
+    ([RunFacts("a", None, 1, 4), RunFacts("b", 4, 1, None)], "transformers",
+     ["run 2 restored step 4 but its first ckpt.step() was step 1, not 6: the Trainer did not go on from the "
+      "checkpoint: pass what resume.resume_from(trainer) returns"]),
+])
+def test_continuity_is_judged_in_the_steps_the_uninterrupted_run_counted(runs: list[RunFacts], framework: str | None,
+                                                                         expect: list[str]) -> None:
+    got = resumption_problems(runs, GAN, framework)
+    assert len(got) == len(expect), got
+    for line, start in zip(got, expect, strict=True):
+        assert line.startswith(start), line
+        assert "restore(" not in line or framework is None, line  # a Lightning/HF user calls no restore()
 
 
 def _recs(*steps: tuple[int, dict], call: str = "step") -> list[dict]:
@@ -105,6 +138,25 @@ def test_a_script_that_forgets_its_eval_generator_fails_naming_the_step(tmp_path
     first_resume = min(verdict["saved_steps"])
     diff = verdict["metric_difference"]
     assert diff["key"] == "val_loss" and diff["step"] == (first_resume // 3 + 1) * 3, verdict
+
+
+def test_a_partly_run_epochs_aggregate_is_left_out_where_marked_and_noted() -> None:
+    """Issue #46: Lightning's train_loss_epoch after a mid-epoch resume covers only the batches
+    the resumed process ran. Marked records leave it out (and the note says where); at every
+    other step, and every other key, it is compared as before."""
+    ref = {0: _recs((9, {"loss": 1.0, "loss_epoch": 0.5}), (10, {"loss": 2.0, "loss_epoch": 0.5}))}
+    marked = _recs((9, {"loss": 1.0, "loss_epoch": 0.7}), (10, {"loss": 2.0, "loss_epoch": 0.7}))
+    for rec in marked:
+        rec["partial_epoch"] = ["loss_epoch"]
+    assert first_metric_difference(ref, {0: marked}) is None
+    assert partial_epoch_note({0: marked}).startswith("metric(s) 'loss_epoch' not compared at 2 step record(s) of "
+                                                       "the preempted run (steps 9-10)")
+    unmarked = _recs((9, {"loss": 1.0, "loss_epoch": 0.7}))
+    d = first_metric_difference(ref, {0: unmarked})
+    assert d is not None and d.key == "loss_epoch" and partial_epoch_note({0: unmarked}) == ""
+    marked[0]["metrics"] = encode_metrics({"loss": 1.5, "loss_epoch": 0.7})  # a marked record still compares the rest
+    d = first_metric_difference(ref, {0: marked})
+    assert d is not None and (d.step, d.key) == (9, "loss")
 
 
 def test_a_key_only_one_run_passed_is_not_compared() -> None:

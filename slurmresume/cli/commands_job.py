@@ -325,6 +325,7 @@ def drill(
                     "mirror": report.mirror,
                     "hangs": report.hang_json(), "resume_problems": report.resume_problems,
                     "metric_difference": report.metric_difference and vars(report.metric_difference),
+                    "notes": report.notes,
                     "differences": [{"rank": d.rank, "key": d.key, "detail": d.detail, "hint": d.hint,
                                      "cause": d.cause, "culprit": d in culprits(report.differences)}
                                     for d in report.differences]})

@@ -51,10 +51,13 @@ def print_drill(report: Any, next_command: str = "") -> None:
     if getattr(report, "mirror", None):
         table.add_row("mirror (scratch)", report.mirror)
     console.print(table, markup=False)
+    notes = getattr(report, "notes", [])
     if report.ok:
         what = "restarted after every hang and " if report.hangs_planned else ""
+        where = " where compared (NOTE below)" if notes else ""
         console.print(f"[green]PASS[/green]: the run {what}ended bitwise equal to the uninterrupted one, "
-                      "every restart resumed the committed step, and the metrics agreed at every step")
+                      f"every restart resumed the committed step, and the metrics agreed at every step{where}")
+        _print_notes(notes)
         if report.workdir is not None:
             console.print(f"runs:  {report.workdir}/uninterrupted and {report.workdir}/preempted "
                           f"(slurmresume status --ckpt-dir {report.workdir}/preempted)", markup=False)
@@ -79,3 +82,9 @@ def print_drill(report: Any, next_command: str = "") -> None:
         console.print(f"{label}: {d}{more}", markup=True, highlight=False)
     if report.metric_difference is not None:  # after the state: a differing state explains it
         console.print(f"[red]FAIL[/red]: {escape(str(report.metric_difference))}", markup=True, highlight=False)
+    _print_notes(notes)
+
+
+def _print_notes(notes: list[str]) -> None:
+    for note in notes:
+        console.print(f"[yellow]NOTE[/yellow]: {escape(note)}", markup=True, highlight=False)

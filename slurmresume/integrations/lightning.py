@@ -22,6 +22,10 @@ What the callback does (every rank):
   `dump_checkpoint`, stored without pickle: tensors in safetensors, the rest in tagged JSON)
   and exits for the launcher to requeue. Periodic saves follow `save_every` / `save_policy`.
 - the last step of training is saved as the final checkpoint (`slurmresume drill` compares it).
+- the metrics of each step are Lightning's `callback_metrics`; after a mid-epoch restore, the
+  epoch aggregates (`self.log(..., on_epoch=True)` in training) of that epoch cover only the
+  batches this process ran: they are passed as `partial_epoch_metrics`, which the drill leaves
+  out of its comparison (and says so) until a whole epoch ran.
 
 Lightning itself is imported only by this module.
 """
@@ -48,6 +52,12 @@ log = logging.getLogger("slurmresume")
 
 STATE_KEY = "lightning"  # the one entry of the slurmresume state: Lightning's checkpoint dict
 _HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
+# Lightning's callback_metrics at the save (not in its own checkpoint): a save after an epoch's
+# last validation resumes past that validation, and the epoch-end hooks that follow (EarlyStopping
+# checking on train epoch end, its default) must read the values the uninterrupted run's read;
+# without them the resumed run stopped with "Early stopping conditioned on metric `val_loss`
+# which is not available"
+METRICS_KEY = "slurmresume_callback_metrics"
 
 
 class ResumableDataLoader(DataLoader):  # type: ignore[type-arg]
@@ -111,6 +121,12 @@ class _TrainerState:
                 checkpoint[key] = _jsonable_hparams(checkpoint[key])
         # omegaconf's container *type* (a class) is not data; hparams are kept as a plain dict.
         checkpoint.pop(getattr(pl.LightningModule, "CHECKPOINT_HYPER_PARAMS_TYPE", ""), None)
+        # not the training epoch aggregates: recomputed at each epoch end, and after a mid-epoch
+        # resume that epoch's differs (partial_epoch_metrics); the saved state must not
+        aggregates = set(epoch_aggregates(self.trainer, epoch_end=True))
+        checkpoint[METRICS_KEY] = {key: value.detach().cpu().clone() for key, value in
+                                   self.trainer.callback_metrics.items()
+                                   if isinstance(value, torch.Tensor) and key not in aggregates}
         return checkpoint
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -160,6 +176,10 @@ class SlurmResume(pl.Callback):
         self._last_step: int | None = None
         self._unhook: list[tuple[Any, str, Any]] | None = None  # (module, hook, its own) wrapped by ours
         self._deferred: int | None = None  # a step whose boundary waits for its validation
+        self._partial_epoch: int | None = None  # the epoch this process restored into the middle of
+        self._aggregated_epoch: int | None = None  # the last epoch whose end ran in this process
+        self._epoch_end_since_batch = False  # callback_metrics' plain names hold epoch values
+        self._restored_metrics: dict[str, Any] = {}  # callback_metrics at the restored save (METRICS_KEY)
 
     # -- set-up: Lightning's handlers off, ours on, restore through Lightning's own path --------
 
@@ -176,6 +196,9 @@ class SlurmResume(pl.Callback):
             self.restored_step = self.ckpt.restore(self._state)
         finally:
             holder.restoring = False
+        # the restored step's boundary ran before its save: a batch that steps no optimizer (the
+        # first micro-batch of an accumulation, a manual step that skips) is no boundary here either
+        self._last_step = self.restored_step
         if holder.loaded is not None:
             # Lightning's `_run` restores from `_loaded_checkpoint` right after this hook (model,
             # datamodule, callbacks), then loops, optimizers and schedulers; `resume_end` frees it.
@@ -183,11 +206,16 @@ class SlurmResume(pl.Callback):
             if connector._loaded_checkpoint:
                 raise ConfigError("Trainer.fit(ckpt_path=...) and SlurmResume both restore: drop ckpt_path, "
                                   "SlurmResume resumes from the newest complete checkpoint itself")
+            self._restored_metrics = holder.loaded.pop(METRICS_KEY, None) or {}
             connector._loaded_checkpoint = holder.loaded
             holder.loaded = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _finish_epoch_restart(trainer.fit_loop)
+        trainer._logger_connector._callback_metrics.update(self._restored_metrics)
+        self._restored_metrics = {}
+        if self.restored_step and trainer.fit_loop.restarted_mid_epoch:
+            self._partial_epoch = trainer.current_epoch
         wrapper = getattr(trainer.strategy, "model", None)  # strategy="ddp" wraps after setup's restore
         if self.ckpt is not None and isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
             self.ckpt.track_ddp(STATE_KEY, wrapper)  # its bucket layout saved, and restored before the first step
@@ -203,6 +231,7 @@ class SlurmResume(pl.Callback):
         run then goes on after that validation, as the uninterrupted one did."""
         def on_train_batch_end(outputs: Any, batch: Any, batch_idx: int) -> None:
             train_batch_end(outputs, batch, batch_idx)
+            self._epoch_end_since_batch = False
             self._step_boundary(trainer)
 
         def on_validation_end() -> None:
@@ -232,9 +261,25 @@ class SlurmResume(pl.Callback):
         step, self._deferred = self._deferred, None
         if self.ckpt is None or step is None:
             return
-        self.ckpt.step(step, self._state, metrics=_metrics(trainer))
+        metrics = _metrics(trainer)
+        self.ckpt.step(step, self._state, metrics=metrics, partial_epoch_metrics=self._partial(trainer, metrics))
         if self.final_save and _is_last_step(trainer):
-            self.ckpt.save(step, self._state, metrics=_metrics(trainer), reason="final")
+            self._save_final(trainer, step)
+
+    def _save_final(self, trainer: pl.Trainer, step: int) -> None:
+        assert self.ckpt is not None
+        metrics = _metrics(trainer)
+        self.ckpt.save(step, self._state, metrics=metrics, reason="final",
+                       partial_epoch_metrics=self._partial(trainer, metrics))
+
+    def _partial(self, trainer: pl.Trainer, metrics: dict[str, float]) -> list[str]:
+        """The keys of `metrics` that aggregate the epoch this process restored into the middle
+        of: Lightning rebuilds them from the batches it ran here, not the whole epoch (its
+        accumulators are not in the checkpoint), so they differ from an uninterrupted run's.
+        Exact again once a whole epoch ran here."""
+        if self._partial_epoch is None or self._aggregated_epoch != self._partial_epoch:
+            return []
+        return [key for key in epoch_aggregates(trainer, self._epoch_end_since_batch) if key in metrics]
 
     # a validation that was due but did not run (skipped): the boundary comes at the next hook
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -242,13 +287,14 @@ class SlurmResume(pl.Callback):
         self._commit(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._aggregated_epoch, self._epoch_end_since_batch = trainer.current_epoch, True
         self._commit(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._commit(trainer)
         # Stopped another way (early stopping, time limit): still leave the final state.
         if self.ckpt is not None and self.final_save and self.ckpt.last_saved_step != trainer.global_step:
-            self.ckpt.save(trainer.global_step, self._state, metrics=_metrics(trainer), reason="final")
+            self._save_final(trainer, trainer.global_step)
 
     # -- evaluation loops: under ckpt.busy(), judged by the busy budget (never less than a step's) ----
 
@@ -353,6 +399,22 @@ def _is_last_step(trainer: pl.Trainer) -> bool:
     max_epochs = trainer.max_epochs
     return (max_epochs is not None and max_epochs > 0 and trainer.current_epoch + 1 >= max_epochs
             and bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch))
+
+
+def epoch_aggregates(trainer: pl.Trainer, epoch_end: bool) -> list[str]:
+    """The callback_metrics keys that hold an epoch value of a metric logged in training with
+    on_epoch=True: its epoch name ("loss_epoch" when also logged on_step, else "loss"), and its
+    plain name too after an epoch end (until the next batch logs the step value there)."""
+    try:
+        results = trainer.fit_loop.epoch_loop._results
+        keys: set[str] = set()
+        for metric in results.values():
+            if metric.meta.on_epoch:
+                name, forked = results._forked_name(metric, on_step=False)
+                keys.update((name, forked) if epoch_end or not metric.meta.on_step else (forked,))
+        return sorted(keys)
+    except AttributeError:  # another Lightning's internals: compare them all, as before
+        return []
 
 
 def _metrics(trainer: pl.Trainer) -> dict[str, float]:

@@ -41,6 +41,8 @@ from .drillcheck import (
     first_metric_difference,
     metric_streams,
     name_unadvanced,
+    partial_epoch_note,
+    reference_steps,
     resumption_problems,
     run_facts,
     unadvanced_samplers,
@@ -75,6 +77,7 @@ class DrillReport:
     hang_problems: list[str] = field(default_factory=list)  # why a hang's proof is missing
     resume_problems: list[str] = field(default_factory=list)  # restarts that did not resume (drillcheck)
     metric_difference: MetricDifference | None = None  # the first step + key whose metrics= differ
+    notes: list[str] = field(default_factory=list)  # what was not compared, and why (not failures)
     workdir: Path | None = None  # where both runs are (PASS says so, with the next command)
     world: int = 1
     mirror: str | None = None  # drill --mirror: the scratch prefix both runs mirrored to
@@ -191,9 +194,11 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
         report.resume_problems += _mirror_problems(drill_mirror, final.step)
     if hang_plan:
         _check_hangs(report, drill_root, world)
-    report.resume_problems = resumption_problems(run_facts(drill_root, drill_rec))
-    report.metric_difference = first_metric_difference(metric_streams(ref_rec, world),
-                                                       metric_streams(drill_rec, world), ignore_keys)
+    report.resume_problems = resumption_problems(run_facts(drill_root, drill_rec), reference_steps(ref_rec),
+                                                 framework_of(spec.script))
+    resumed_streams = metric_streams(drill_rec, world)
+    report.metric_difference = first_metric_difference(metric_streams(ref_rec, world), resumed_streams, ignore_keys)
+    report.notes = [note for note in [partial_epoch_note(resumed_streams)] if note]
     if final.step != ref.step:
         report.differences = [Difference(0, "step", f"uninterrupted run ended at step {ref.step}, "
                                                     f"preempted run at {final.step}")]

@@ -18,12 +18,31 @@ from ..events import read_events
 from ..train.steprecord import read_records
 
 ADAPT = "see README §Adapt your script"
-NEVER_RESTORED = ("run {i} (after the save at step {saved}) never restored a checkpoint and started over at step "
-                  "{first}: call `step = ckpt.restore(state)` before the training loop and continue from the "
-                  "step it returns; " + ADAPT)
+NEVER_RESTORED = "run {i} (after the save at step {saved}) never restored a checkpoint and started over at step {first}: "
 WRONG_RESTORE = "run {i} restored step {restored}, but the run before it had committed step {saved}"
-WRONG_START = ("run {i} restored step {saved} but its first ckpt.step() was step {first}, not {next}: continue "
-               "counting from the step restore() returns; " + ADAPT)
+# {next}: the step the uninterrupted run passed to ckpt.step() after {saved}, in the script's own
+# units (Lightning's global_step counts every optimizer step: 2 per batch with two optimizers)
+WRONG_START = "run {i} restored step {saved} but its first ckpt.step() was step {first}, not {next}: "
+# the fix, by who calls restore() and counts the steps: the script, or its framework's callback
+NEVER_RESTORED_FIX = {
+    None: "call `step = ckpt.restore(state)` before the training loop and continue from the step it returns; " + ADAPT,
+    "lightning": "pass SlurmResume() in the Trainer's callbacks in every run (slurmresume.integrations.lightning): "
+                 "it restores in the Trainer's setup; " + ADAPT,
+    "transformers": "train with trainer.train(resume_from_checkpoint=resume.resume_from(trainer)), resume being "
+                    "the SlurmResumeCallback in the Trainer's callbacks; " + ADAPT,
+}
+WRONG_START_FIX = {
+    None: "continue counting from the step restore() returns; " + ADAPT,
+    "lightning": "the Trainer did not go on from the checkpoint SlurmResume restored: something in the script set "
+                 "it aside (a callback or hook that drops or replaces what was loaded, a second Trainer or fit(), "
+                 "a step count of its own); SlurmResume restores by itself: give it nothing else to resume from; "
+                 + ADAPT,
+    "transformers": "the Trainer did not go on from the checkpoint: pass what resume.resume_from(trainer) returns to "
+                    "trainer.train(resume_from_checkpoint=...), and nothing else; " + ADAPT,
+}
+PARTIAL_EPOCH = ("metric(s) {keys} not compared at {n} step record(s) of the preempted run (steps {first}-{last}): "
+                 "epoch aggregates of an epoch a resumed run ran only part of (the framework rebuilds them from "
+                 "the batches it ran); every other step and metric was compared")
 METRIC_HINT = ("a value the step computes from something outside the saved state: an evaluation generator or "
                "loader that is not in state (seed it per evaluation, or put it in state), a metric accumulated "
                "outside state; or pass --ignore KEY for a wall-clock value; " + ADAPT)
@@ -52,20 +71,51 @@ class MetricDifference:
                 f"{_short(self.reference)}, preempted {_short(self.resumed)}): {METRIC_HINT}")
 
 
-def resumption_problems(runs: list[RunFacts]) -> list[str]:
-    """One line per restarted run that did not resume what the run before it committed."""
+def resumption_problems(runs: list[RunFacts], reference_steps: list[int] | None = None,
+                        framework: str | None = None) -> list[str]:
+    """One line per restarted run that did not resume what the run before it committed.
+    `reference_steps`: the steps the uninterrupted run passed to ckpt.step(), in order: after
+    step s a resumed run must go on from the one that followed s there (s + 1 when s is not
+    among them). `framework` ('lightning', 'transformers' or None: the script's own loop)
+    picks the fix each line names."""
+    following = dict(zip(reference_steps or [], (reference_steps or [])[1:], strict=False))
+    never, wrong = NEVER_RESTORED_FIX.get(framework, NEVER_RESTORED_FIX[None]), \
+        WRONG_START_FIX.get(framework, WRONG_START_FIX[None])
     problems = []
     for i, (prev, run) in enumerate(zip(runs, runs[1:], strict=False), start=2):
         saved = prev.committed
         if saved is None:
             continue  # nothing committed (a hang, a failed save): the other checks judge it
+        expected = following.get(saved, saved + 1)
         if run.restored is None:
-            problems.append(NEVER_RESTORED.format(i=i, saved=saved, first=run.first_step))
+            problems.append(NEVER_RESTORED.format(i=i, saved=saved, first=run.first_step) + never)
         elif run.restored != saved:
             problems.append(WRONG_RESTORE.format(i=i, restored=run.restored, saved=saved))
-        elif run.first_step is not None and run.first_step != saved + 1:
-            problems.append(WRONG_START.format(i=i, saved=saved, first=run.first_step, next=saved + 1))
+        elif run.first_step is not None and run.first_step != expected:
+            problems.append(WRONG_START.format(i=i, saved=saved, first=run.first_step, next=expected) + wrong)
     return problems
+
+
+def reference_steps(records: Path) -> list[int]:
+    """The steps rank 0 of the uninterrupted run passed to ckpt.step(), in order, each once."""
+    return list(dict.fromkeys(r["step"] for r in read_records(records, 0) if r.get("call") == "step"))
+
+
+def partial_epoch_note(resumed: dict[int, list[dict[str, Any]]]) -> str:
+    """What the metric comparison left out: the keys the preempted run's records marked as
+    aggregates of a partly-run epoch (see Checkpointer.step's partial_epoch_metrics); "" if none."""
+    keys: set[str] = set()
+    steps: set[tuple[int, str]] = set()
+    for records in resumed.values():
+        for r in records:
+            marked = r.get("partial_epoch") or []
+            if marked:
+                keys.update(map(str, marked))
+                steps.add((r["step"], str(r.get("call"))))
+    if not keys:
+        return ""
+    quoted = ", ".join(f"'{k}'" for k in sorted(keys))
+    return PARTIAL_EPOCH.format(keys=quoted, n=len(steps), first=min(steps)[0], last=max(steps)[0])
 
 
 def first_metric_difference(reference: dict[int, list[dict[str, Any]]], resumed: dict[int, list[dict[str, Any]]],
@@ -77,28 +127,40 @@ def first_metric_difference(reference: dict[int, list[dict[str, Any]]], resumed:
     found: list[MetricDifference] = []
     for rank in sorted(set(reference) & set(resumed)):
         ref = _by_call(reference[rank])
-        for (step, call), values in sorted(_all_by_call(resumed[rank]).items()):
+        for (step, call), records in sorted(_all_by_call(resumed[rank]).items()):
             if (step, call) not in ref:
                 continue
-            for value in values:
-                diff = _differs(ref[(step, call)], value, ignore)
+            for record in records:
+                # a key either record marks as a partly-run epoch's aggregate is left out (and noted)
+                skip = (*ignore, *_partial(ref[(step, call)]), *_partial(record))
+                diff = _differs(ref[(step, call)].get("metrics"), record.get("metrics"), skip)
                 if diff is not None:
                     found.append(MetricDifference(step, diff[0], rank, diff[1], diff[2]))
                     break
     return min(found, key=lambda d: (d.step, d.rank, d.key), default=None)
 
 
-def _by_call(records: list[dict[str, Any]]) -> dict[tuple[int, str], Any]:
-    out: dict[tuple[int, str], Any] = {}
+def _partial(record: dict[str, Any]) -> tuple[str, ...]:
+    marked = record.get("partial_epoch")
+    # keys, not patterns: a marked name with [ or * in it must not leave out others
+    return tuple(_literal(str(k)) for k in marked) if isinstance(marked, list) else ()
+
+
+def _literal(key: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in key)
+
+
+def _by_call(records: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, Any]]:
+    out: dict[tuple[int, str], dict[str, Any]] = {}
     for r in records:
-        out.setdefault((r["step"], str(r.get("call"))), r.get("metrics"))
+        out.setdefault((r["step"], str(r.get("call"))), r)
     return out
 
 
-def _all_by_call(records: list[dict[str, Any]]) -> dict[tuple[int, str], list[Any]]:
-    out: dict[tuple[int, str], list[Any]] = {}
+def _all_by_call(records: list[dict[str, Any]]) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    out: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in records:
-        out.setdefault((r["step"], str(r.get("call"))), []).append(r.get("metrics"))
+        out.setdefault((r["step"], str(r.get("call"))), []).append(r)
     return out
 
 

@@ -16,7 +16,7 @@ import atexit
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Collection, Iterator, Mapping, MutableMapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,7 +121,7 @@ class Checkpointer:
     # -- saving ---------------------------------------------------------------------------
 
     def save(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
-             reason: str = "explicit") -> Path | None:
+             reason: str = "explicit", partial_epoch_metrics: Collection[str] = ()) -> Path | None:
         """Collective, synchronous. Save `state` as step `step` (after any in-flight async save);
         returns the committed directory, or None when the step was already committed with this
         very state. Raises SaveError on every rank if any rank failed; no marker is written then.
@@ -130,9 +130,10 @@ class Checkpointer:
         state differs from it on any rank (tensors, plain values, RNG states; not metrics), the
         step is saved again and the new checkpoint replaces the old one atomically, once it is
         itself committed: state changed after the loop (a final evaluation, `best_val_loss`) is
-        never lost. Saves from `step()` (periodic, emergency) never replace a committed step."""
+        never lost. Saves from `step()` (periodic, emergency) never replace a committed step.
+        `partial_epoch_metrics`: as for `step()`."""
         if self._record is not None and reason not in INTERNAL_SAVES:
-            self._record.record(step, "save", metrics)
+            self._record.record(step, "save", metrics, partial_epoch_metrics)
         with phase(self._beat, SAVE, measured_save=True):
             self.wait()
             started = time.perf_counter()
@@ -179,18 +180,23 @@ class Checkpointer:
     # -- the per-step hook ----------------------------------------------------------------
 
     def step(self, step: int, state: Mapping[str, Any], *, metrics: Any = None, meta: Any = None,
-             epoch_end: bool = False) -> bool:
+             epoch_end: bool = False, partial_epoch_metrics: Collection[str] = ()) -> bool:
         """Collective, call after each completed step (pass `epoch_end=True` after the last step
         of an epoch). Agrees across ranks whether a warning signal (or SIGTERM) arrived on any
         rank; if so all ranks save this same step and exit (or return True when
         `exit_on_signal=False`). Otherwise saves when the save policy says so.
         With several ranks the agreement is pipelined (see LaggedMax): a signal that arrives
         during step k is acted on at step k+1 by every rank, so no step pays a round trip. A
-        time-based save is decided by rank 0's clock and travels in the same agreement."""
+        time-based save is decided by rank 0's clock and travels in the same agreement.
+
+        `partial_epoch_metrics`: keys of `metrics` that aggregate an epoch this process ran only
+        part of (it restored in the middle of it, and the aggregate's accumulators are not in
+        `state`: a framework's epoch mean). `slurmresume drill` does not compare them at this
+        step and says so; they are saved like any other metric."""
         if self._drill_hang is not None and step >= self._drill_hang:
             drill_hang_here(step)  # as a hang in the training step would: before this step's heartbeat
         if self._record is not None:
-            self._record.record(step, "step", metrics)
+            self._record.record(step, "step", metrics, partial_epoch_metrics)
         self._ddp.step_boundary()
         if self._beat is not None:
             self._beat.beat_step(step)

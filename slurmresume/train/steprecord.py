@@ -4,7 +4,9 @@ both runs produced the same metric streams (not only the same final state).
 
 Only under the drill ($SLURMRESUME_DRILL_RECORD names a directory outside the checkpoint root):
 each rank appends one JSON line per `ckpt.step()` and per explicit `ckpt.save()` to
-`rank-<R>.jsonl`: {"run": run id, "step": N, "call": "step" | "save", "metrics": encoded}.
+`rank-<R>.jsonl`: {"run": run id, "step": N, "call": "step" | "save", "metrics": encoded}, and
+"partial_epoch": [keys] when the caller said some of them aggregate an epoch the process ran
+only part of (the drill does not compare those there).
 Metrics are encoded as in a manifest (`jsonenc.encode`), tensors as dtype + raw bytes (hex), so
 that equal lines mean bitwise-equal values. A process killed while appending leaves at most a
 partial last line, which the reader skips.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +51,11 @@ class StepRecorder:
         self._fd = os.open(directory / f"rank-{rank}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._run = run_id
 
-    def record(self, step: int, call: str, metrics: Any) -> None:
-        line = dumps({"run": self._run, "step": step, "call": call, "metrics": encode_metrics(metrics)})
+    def record(self, step: int, call: str, metrics: Any, partial_epoch: Collection[str] = ()) -> None:
+        entry = {"run": self._run, "step": step, "call": call, "metrics": encode_metrics(metrics)}
+        if partial_epoch:
+            entry["partial_epoch"] = sorted(map(str, partial_epoch))
+        line = dumps(entry)
         try:
             os.write(self._fd, (line + "\n").encode())
         except OSError:
