@@ -8,6 +8,8 @@ it is a no-op (one global lookup). Tests set, before the process starts:
                                          "fsync.shard", "fsync.manifest", ...)
   SLURMRESUME_TEST_FAIL_AT="label[:N]"   raise OSError(EIO) there instead
   SLURMRESUME_TEST_TRACE=path            append every label crossed to that file
+  SLURMRESUME_TEST_NO_RENAME_EXCHANGE=1  `exchange` answers "unsupported", as on NFS, Lustre
+                                         or GPFS (the two-rename replace of replace.py)
 
 This is a test-only hook: it is read once at import time and never from a checkpoint.
 """
@@ -37,6 +39,7 @@ _KILL = _parse(os.environ.get("SLURMRESUME_TEST_KILL_AT"))
 _FAIL = _parse(os.environ.get("SLURMRESUME_TEST_FAIL_AT"))
 _TRACE = os.environ.get("SLURMRESUME_TEST_TRACE")
 _ACTIVE = bool(_KILL or _FAIL or _TRACE)
+_NO_EXCHANGE = os.environ.get("SLURMRESUME_TEST_NO_RENAME_EXCHANGE") == "1"
 
 
 def fault_point(label: str, path: str | os.PathLike[str] = "") -> None:
@@ -110,7 +113,7 @@ def exchange(a: Path, b: Path, label: str) -> bool:
     import ctypes
 
     fault_point(f"rename.{label}", b)
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    fn = None if _NO_EXCHANGE else getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if fn is None:
         return False
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
