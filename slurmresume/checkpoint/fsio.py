@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
+import stat
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -264,6 +267,32 @@ def umask() -> int:
 def unlink(path: Path, label: str) -> None:
     fault_point(f"unlink.{label}", path)
     os.unlink(path)
+
+
+def remove_tree(path: Path) -> bool:
+    """Remove `path`: a directory with everything in it, or a file or link (never followed).
+    True only when this call removed it: it was there, every removal succeeded and it is gone.
+    False when it could not be removed (what is left stays), or vanished or was taken (renamed
+    away) by another process meanwhile: callers report only what they actually removed."""
+    failed: list[object] = []
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        try:  # (a replaced rmtree, the crash campaign's, may raise instead of calling back)
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(path, onexc=lambda *a: failed.append(a))
+            else:
+                shutil.rmtree(path, onerror=lambda *a: failed.append(a))
+        except OSError:
+            return False
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            return False
+    return not failed and not os.path.lexists(path)
 
 
 def _unlink_quiet(path: Path) -> None:
