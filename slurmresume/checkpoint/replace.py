@@ -25,8 +25,13 @@ and keeps what did, so the next run always finds step_N, complete, old or new co
   - a `.replaced.step_N.<T>` and no step_N: the parked copy takes its name back;
   - then every second copy of a step whose step_N is complete -- a parked `.replaced.step_N.*`, or
     a committed `.saving.step_N.*` whose note is gone (a replace killed before its commit point,
-    or the old copy after an exchange) -- is hidden and removed. A step_N that is not complete
-    keeps every copy beside it, untouched.
+    the old copy after an exchange, or any save killed between its note's removal and its
+    publishing rename, once the step was saved again) -- is hidden and removed. A step_N that
+    is not complete keeps every copy beside it, untouched.
+
+Why a note-less committed `.saving.*` may go: its writer removed the note (under the root lock when
+it could take it) right before publishing, so it was past its last step; `finish` runs in the root's owner before
+any save of its own, and the lease rules out another writer. Its step stays complete either way.
 
 Roll back, not forward: the commit point stays one rename in both modes (the exchange, or the
 rename of step 2, whose failure already puts the old copy back), so a replace either happened or
@@ -62,23 +67,25 @@ def finish(root: Path, lock_timeout: float = FINISH_LOCK_TIMEOUT) -> list[str]:
     parked, second = _candidates(root)
     if not parked and not second:
         return []
-    done: list[str] = []
+    done: list[str] = []  # a step back under its name: a warning
+    removed: list[str] = []  # a second copy gone: nothing changed for a reader
     hidden: list[Path] = []
     try:
         with root_lock(root, lock_timeout):
             for name in parked:
-                final = root / step_dir_name(parse_replaced_dir(name) or 0)
+                final = root / step_dir_name(_step_of(name))
                 if not os.path.lexists(final):
                     fsio.rename(root / name, final, "replace.restore")
                     fsio.fsync_dir(root, "root")
                     done.append(f"{final} is back: a kill interrupted its replacement before the new copy took "
                                 f"the name (the old copy was parked as {name})")
-            for name in _candidates(root)[0] + _candidates(root)[1]:  # again: what the renames left
-                step = parse_replaced_dir(name) or parse_saving_dir(name) or 0
+            parked, second = _candidates(root)  # again: what the renames left
+            for name in parked + second:
+                step = _step_of(name)
                 if _complete(root / step_dir_name(step), step):
                     hidden.append(hide(root / name, "replaced"))
-                    done.append(f"removed {root / name}: a second copy of the complete {step_dir_name(step)}, "
-                                "left by an interrupted replace")
+                    removed.append(f"removed {root / name}: a second copy of the complete {step_dir_name(step)} "
+                                   "that a killed save or replace left")
     except Timeout:
         log.warning("the root lock of %s is busy: an interrupted replace there is settled at the next start", root)
     except OSError as exc:
@@ -87,7 +94,9 @@ def finish(root: Path, lock_timeout: float = FINISH_LOCK_TIMEOUT) -> list[str]:
         shutil.rmtree(path, ignore_errors=True)
     for line in done:
         log.warning("%s", line)
-    return done
+    for line in removed:
+        log.info("%s", line)
+    return done + removed
 
 
 def _candidates(root: Path) -> tuple[list[str], list[str]]:
@@ -100,6 +109,14 @@ def _candidates(root: Path) -> tuple[list[str], list[str]]:
     second = sorted(n for n in names if parse_saving_dir(n) is not None and os.path.lexists(root / n / MARKER)
                     and not os.path.lexists(root / n / INPROGRESS))
     return parked, second
+
+
+def _step_of(name: str) -> int:
+    step = parse_replaced_dir(name)
+    step = parse_saving_dir(name) if step is None else step
+    if step is None:
+        raise ValueError(f"{name!r} is neither a parked copy nor a save directory")
+    return step
 
 
 def _complete(path: Path, step: int) -> bool:
