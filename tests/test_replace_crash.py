@@ -107,3 +107,27 @@ def test_a_kill_at_any_point_of_a_replace_without_rename_exchange_keeps_the_step
         if step != 2 or copy is None or not after.complete or extra:
             failures.append(row)
     assert not failures, "\n".join(failures)
+
+
+def test_status_names_a_parked_copy_and_the_next_start_puts_it_back(tmp_path: Path) -> None:
+    """The state a kill between the two renames leaves, made by hand: step 2 parked, its new
+    copy committed beside it. `status` says so; the owner's next start puts the old copy back
+    and drops the new one (the replace never reached its commit point)."""
+    from typer.testing import CliRunner
+
+    from slurmresume.cli import app
+
+    root = tmp_path / "root"
+    save_steps(root, [1, 2]).close()
+    token = "0123456789abcdef"
+    shutil.copytree(root / step_dir_name(2), root / f"{SAVING_PREFIX}{step_dir_name(2)}.{token}")
+    parked = root / f"{REPLACED_PREFIX}{step_dir_name(2)}.{token}"
+    (root / step_dir_name(2)).rename(parked)
+    res = CliRunner().invoke(app, ["status", "--ckpt-dir", str(root)], env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output
+    assert f"{parked.name} is the old copy of {step_dir_name(2)}" in res.output, res.output
+    state = tiny_state(987654)
+    with Checkpointer(root, handle_signals=False) as ck:
+        assert ck.restore(state) == 2 and _which(state) == "old"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(".") and (p / MARKER).exists()) == []
+    assert inspect_dir(2, root / step_dir_name(2), verify=True).complete

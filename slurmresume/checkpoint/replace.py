@@ -99,6 +99,17 @@ def finish(root: Path, lock_timeout: float = FINISH_LOCK_TIMEOUT) -> list[str]:
     return done + removed
 
 
+def pending(root: Path) -> list[str]:
+    """For `status` (read-only): one sentence per parked old copy still in `root`."""
+    out = []
+    for name in _candidates(Path(root))[0]:
+        final = step_dir_name(_step_of(name))
+        state = "holds the new copy" if os.path.lexists(Path(root) / final) else "is absent meanwhile"
+        out.append(f"{name} is the old copy of {final}, whose replacement a kill interrupted ({final} {state}): "
+                   f"the run that owns the root settles it when it starts (the old copy back, or dropped)")
+    return out
+
+
 def _candidates(root: Path) -> tuple[list[str], list[str]]:
     """(parked old copies, committed `.saving.*` copies whose note is gone) under root."""
     try:
