@@ -29,9 +29,10 @@ and keeps what did, so the next run always finds step_N, complete, old or new co
     publishing rename, once the step was saved again) -- is hidden and removed. A step_N that
     is not complete keeps every copy beside it, untouched.
 
-Why a note-less committed `.saving.*` may go: its writer removed the note (under the root lock when
-it could take it) right before publishing, so it was past its last step; `finish` runs in the root's owner before
-any save of its own, and the lease rules out another writer. Its step stays complete either way.
+Why a note-less committed `.saving.*` may go: its writer removed the note (under the root lock
+when it could take it) right before publishing, so it was past its last step; `finish` runs in
+the root's owner before any save of its own, and the lease rules out another writer. Its step
+stays complete either way.
 
 Roll back, not forward: the commit point stays one rename in both modes (the exchange, or the
 rename of step 2, whose failure already puts the old copy back), so a replace either happened or
