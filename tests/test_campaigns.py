@@ -39,6 +39,7 @@ def test_crash_campaign(tmp_path: Path) -> None:
     assert stats["wrong_resumes"] == 0 and stats["stranded_copies"] == 0
     assert stats["replace-nox_kills"] >= 6  # each point of the two-rename replace
     assert stats.get("replace-nox_resumed_old_copy", 0) > 0 and stats.get("replace-nox_resumed_new_copy", 0) > 0
+    assert stats.get("variant_final-nox", 0) > 0  # random kills of a run that replaces each step too
     assert stats.get("random_kills", 0) >= 40  # the rest end in an emergency exit first
     assert stats.get("kill_left_partial_dir", 0) > 0  # random kills do land inside saves
 
