@@ -21,11 +21,12 @@ and closed, which settles an interrupted replace: checkpoint/replace.py); step 2
 exactly the old or the new copy, and no second copy of it may be left behind.
 
 Part B, random kills (--count of them): a forked child trains a real model (MLP + Adam,
-deterministic batches) with Checkpointer.step saving every step, in one of four variants
+deterministic batches) with Checkpointer.step saving every step, in one of five variants
 (sync, async, emergency: SIGUSR1 then SIGKILL during the emergency save, retention keep=2;
 final-nox: after each periodic save a final save of the same step with a changed plain value
-replaces it, without RENAME_EXCHANGE), and is SIGKILLed after a seeded random delay. Trials chain on one root (each child resumes from what
-the previous kill left), so a resume after a kill is itself tested.
+replaces it, without RENAME_EXCHANGE), and is SIGKILLed after a seeded random delay. Trials
+chain on one root (each child resumes from what the previous kill left), so a resume after a
+kill is itself tested; after a final-nox kill the checks follow the next run's start.
 
 After every kill: no directory with a marker fails verification; no checkpoint committed before
 the kill is missing (committed = complete before the trial, or a `save_committed` event; with
