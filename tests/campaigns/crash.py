@@ -598,6 +598,8 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
         if partial:
             report.count_stat("kill_left_partial_dir")
         if variant.startswith("final"):  # a replace's guarantee is about what the next run finds
+            if any(p.name.startswith(".replaced.") for p in root.iterdir()):
+                report.count_stat("kill_between_the_two_renames")  # step_N absent until the next start
             next_run_starts(root)
             if any(p.name.startswith(".replaced.") for p in root.iterdir()):
                 report.fail(trial, "the next run's start left a parked copy")
