@@ -32,7 +32,7 @@ import shutil
 import stat
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from filelock import Timeout
 
 from .checkpoint import leftovers as abandoned
 from .checkpoint.commit import hide, root_lock
+from .checkpoint.fsio import remove_tree
 from .checkpoint.jsonenc import decode
 from .checkpoint.layout import DELETING_PREFIX, LOCK, SAVING_PREFIX, saving_dirs
 from .checkpoint.store import UNREADABLE, CheckpointInfo, inspect_dir, list_checkpoints, stat_sizes
@@ -410,17 +411,9 @@ def _still_deletable(root: Path, r: CheckpointRecord, plan: PrunePlan, policy: R
 
 def clean_leftovers(root: Path) -> list[str]:
     """Remove `.deleting.*` entries left by a killed deletion (already invisible to readers).
-    A link is unlinked, never followed."""
-    cleaned = []
-    for name in leftovers(root):
-        path = root / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with suppress(FileNotFoundError):
-                os.unlink(path)
-        cleaned.append(name)
-    return cleaned
+    A link is unlinked, never followed. Returns the names this call removed, entirely: not one
+    that could not be removed, nor one another process removed or took meanwhile."""
+    return [name for name in leftovers(root) if remove_tree(root / name)]
 
 
 def leftovers(root: Path) -> list[str]:

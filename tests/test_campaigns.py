@@ -25,15 +25,21 @@ def test_every_campaign_has_the_one_shape() -> None:
 @pytest.mark.slow
 def test_crash_campaign(tmp_path: Path) -> None:
     """Campaign 1 (tests/campaigns/crash.py): a SIGKILL at every file-system step of six
-    save/prune scenarios (~145 kills) plus 60 seeded random SIGKILLs of a training process while
-    it saves. After each: no partial restore, no committed checkpoint lost, the next save works."""
+    save/prune scenarios (~145 kills) and of a replace of a committed step, with and without
+    RENAME_EXCHANGE (~22), plus 60 seeded random SIGKILLs of a training process while it saves
+    (some replacing each step). After each: no partial restore, no committed checkpoint lost, no
+    wrong resume, no second copy stranded, the next save works."""
     report = run_in_subprocess("crash", 60, tmp_path)
     assert_clean(report)
     stats = report["stats"]
     assert report["trials"] >= 200
-    assert stats["boundary_kills"] >= 140 and set(stats["labels"]) == {
-        "save", "save-over-stale", "save+retention", "prune", "world2", "async"}
+    assert stats["boundary_kills"] >= 160 and set(stats["labels"]) == {
+        "save", "save-over-stale", "save+retention", "prune", "world2", "async", "replace", "replace-nox"}
     assert stats["partial_loads"] == 0 and stats["lost_committed"] == 0
+    assert stats["wrong_resumes"] == 0 and stats["stranded_copies"] == 0
+    assert stats["replace-nox_kills"] >= 6  # each point of the two-rename replace
+    assert stats.get("replace-nox_resumed_old_copy", 0) > 0 and stats.get("replace-nox_resumed_new_copy", 0) > 0
+    assert stats.get("variant_final-nox", 0) > 0  # random kills of a run that replaces each step too
     assert stats.get("random_kills", 0) >= 40  # the rest end in an emergency exit first
     assert stats.get("kill_left_partial_dir", 0) > 0  # random kills do land inside saves
 

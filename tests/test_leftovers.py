@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -125,3 +126,71 @@ def test_retention_and_the_leftovers_judge_a_writer_note_by_one_rule(tmp_path: P
         (d / INPROGRESS).write_text(json.dumps({k: v for k, v in note.items() if v is not None}))
         record = record_from_info(inspect_dir(i + 1, d))
         assert (leftovers.writer_dead(d), not record.in_progress) == (dead, dead), (pid, boot, namespace)
+
+
+# -- issue #45: a clean-up reports only what it actually removed --------------------------------
+
+def _undeletable(d: Path) -> Callable[[], None] | None:
+    """Make the file in `d` impossible to remove (a read-only directory; for root, which ignores
+    modes, the immutable attribute). Returns how to undo it, or None where neither works here."""
+    if os.geteuid() != 0:
+        d.chmod(0o500)
+        return lambda: d.chmod(0o700)
+    f = next(d.iterdir())
+    if subprocess.run(["chattr", "+i", str(f)], capture_output=True).returncode != 0:
+        return None
+    return lambda: subprocess.run(["chattr", "-i", str(f)], check=True)
+
+
+def test_clean_reports_neither_what_another_cleaner_took_nor_what_it_could_not_remove(tmp_path, monkeypatch) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    root = tmp_path / "root"
+    taken = _plant(root, ".saving.step_000000009.00000000000000aa", pid=dead.pid)
+    stuck = _plant(root, ".saving.step_000000010.00000000000000bb", pid=dead.pid)
+    gone = _plant(root, ".saving.step_000000011.00000000000000cc", pid=dead.pid)
+    (stuck / "sub").mkdir()
+    (stuck / "sub" / "part").write_bytes(b"x")
+    undo = _undeletable(stuck / "sub")
+    real_find = leftovers.find
+
+    def find_then_lose_one(*args, **kwargs):  # another prune hides `taken` right after this listing
+        found = real_find(*args, **kwargs)
+        taken.rename(root / f".deleting.{taken.name}.0f0f0f0f")
+        return found
+
+    monkeypatch.setattr(leftovers, "find", find_then_lose_one)
+    try:
+        removed = leftovers.clean(root, young_s=600)
+    finally:
+        if undo is not None:
+            undo()
+    assert not gone.exists() and (root / f".deleting.{taken.name}.0f0f0f0f").exists()
+    assert sorted(removed) == sorted([gone.name] + ([stuck.name] if undo is None else []))
+    assert stuck.exists() == (undo is not None)
+
+
+def test_prune_reports_only_the_partial_deletions_it_removed(tmp_path, monkeypatch) -> None:
+    from slurmresume import retention
+
+    root = tmp_path / "root"
+    names = [".deleting.step_000000001.aaaaaaaa", ".deleting.step_000000002.bbbbbbbb", ".deleting.step_000000003.cc"]
+    for name in names:
+        (root / name / "sub").mkdir(parents=True)
+        (root / name / "sub" / "part").write_bytes(b"x")
+    undo = _undeletable(root / names[1] / "sub")
+    real_list = retention.leftovers
+
+    def list_then_lose_one(r):  # another prune removes the first one right after this listing
+        found = real_list(r)
+        subprocess.run(["rm", "-rf", str(r / names[0])], check=True)
+        return found
+
+    monkeypatch.setattr(retention, "leftovers", list_then_lose_one)
+    try:
+        cleaned = retention.clean_leftovers(root)
+    finally:
+        if undo is not None:
+            undo()
+    assert sorted(cleaned) == sorted([names[2]] + ([names[1]] if undo is None else []))
+    assert (root / names[1]).exists() == (undo is not None) and not (root / names[2]).exists()

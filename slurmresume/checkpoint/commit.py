@@ -48,6 +48,7 @@ from .layout import (
     MANIFEST,
     MARKER,
     parse_saving_dir,
+    replaced_dir_name,
     saving_dir_name,
     shard_name,
     step_dir_name,
@@ -268,7 +269,7 @@ def _publish(root: Path, mine: Path, target: Path, replace: bool = False, held: 
     """Rename `mine` to `target`. A rename onto a non-empty directory fails (ENOTEMPTY/EEXIST),
     so another writer's published step is never replaced. Only a target that is not a complete
     checkpoint is moved aside, re-checked under the root lock (short timeout) right before.
-    Returns "published", or "swapped" when a complete step was replaced (see `_swap_in`)."""
+    Returns "published", or "swapped" when a complete step was replaced (`_swap_in`)."""
     if not os.path.lexists(target):
         try:
             fsio.rename(mine, target, "publish")
@@ -354,18 +355,20 @@ def raise_if_failed(outcome: dict[str, Any]) -> None:
 
 
 def _swap_in(staged: Path, final: Path, root: Path) -> None:
-    """Under the root lock: the committed staging directory takes the step directory's name.
-    With renameat2(RENAME_EXCHANGE) the step name always points at a complete checkpoint; where
-    the file system lacks it, the old directory is renamed aside first, leaving the name absent
-    for one rename (a reader then falls back to an older step, never to a partial one)."""
-    if not fsio.exchange(staged, final, "replace"):
-        hidden = final.with_name(f"{DELETING_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}")
-        fsio.rename(final, hidden, "replace.aside")
-        try:
-            fsio.rename(staged, final, "replace")
-        except BaseException:
-            fsio.rename(hidden, final, "replace.back")  # the old checkpoint goes back in place
-            raise
-        staged = hidden
+    """Rank 0, under the root lock: the committed `staged` directory takes the name of the
+    complete step directory `final`; crash-safe without RENAME_EXCHANGE too (replace.py says how,
+    and how `replace.finish` settles a replace that a kill interrupted). A failure before the commit
+    point leaves `final` the old copy; raises OSError."""
+    if fsio.exchange(staged, final, "replace"):
+        fsio.fsync_dir(root, "root")
+        move_aside(staged, "replaced")  # now holds the old checkpoint
+        return
+    parked = root / replaced_dir_name(staged.name)
+    fsio.rename(final, parked, "replace.park")
+    try:
+        fsio.rename(staged, final, "replace.publish")
+    except BaseException:
+        fsio.rename(parked, final, "replace.back")  # the old checkpoint goes back in place
+        raise
     fsio.fsync_dir(root, "root")
-    move_aside(staged, "replaced")  # now holds the old checkpoint
+    move_aside(parked, "replaced")

@@ -8,6 +8,8 @@ it is a no-op (one global lookup). Tests set, before the process starts:
                                          "fsync.shard", "fsync.manifest", ...)
   SLURMRESUME_TEST_FAIL_AT="label[:N]"   raise OSError(EIO) there instead
   SLURMRESUME_TEST_TRACE=path            append every label crossed to that file
+  SLURMRESUME_TEST_NO_RENAME_EXCHANGE=1  `exchange` answers "unsupported", as on NFS, Lustre
+                                         or GPFS (the two-rename replace of replace.py)
 
 This is a test-only hook: it is read once at import time and never from a checkpoint.
 """
@@ -16,7 +18,10 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
+import stat
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -37,6 +42,7 @@ _KILL = _parse(os.environ.get("SLURMRESUME_TEST_KILL_AT"))
 _FAIL = _parse(os.environ.get("SLURMRESUME_TEST_FAIL_AT"))
 _TRACE = os.environ.get("SLURMRESUME_TEST_TRACE")
 _ACTIVE = bool(_KILL or _FAIL or _TRACE)
+_NO_EXCHANGE = os.environ.get("SLURMRESUME_TEST_NO_RENAME_EXCHANGE") == "1"
 
 
 def fault_point(label: str, path: str | os.PathLike[str] = "") -> None:
@@ -110,7 +116,7 @@ def exchange(a: Path, b: Path, label: str) -> bool:
     import ctypes
 
     fault_point(f"rename.{label}", b)
-    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    fn = None if _NO_EXCHANGE else getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if fn is None:
         return False
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
@@ -261,6 +267,32 @@ def umask() -> int:
 def unlink(path: Path, label: str) -> None:
     fault_point(f"unlink.{label}", path)
     os.unlink(path)
+
+
+def remove_tree(path: Path) -> bool:
+    """Remove `path`: a directory with everything in it, or a file or link (never followed).
+    True only when this call removed it: it was there, every removal succeeded and it is gone.
+    False when it could not be removed (what is left stays), or vanished or was taken (renamed
+    away) by another process meanwhile: callers report only what they actually removed."""
+    failed: list[object] = []
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        try:  # (a replaced rmtree, the crash campaign's, may raise instead of calling back)
+            if sys.version_info >= (3, 12):
+                shutil.rmtree(path, onexc=lambda *a: failed.append(a))
+            else:
+                shutil.rmtree(path, onerror=lambda *a: failed.append(a))
+        except OSError:
+            return False
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            return False
+    return not failed and not os.path.lexists(path)
 
 
 def _unlink_quiet(path: Path) -> None:

@@ -9,6 +9,8 @@
     COMMITTED          written last; its presence is what makes the step usable
   .saving.step_000001400.<hex>/   a save in progress: private to the one save that created it;
                        its commit renames it to step_000001400 (never seen half-written)
+  .replaced.step_000001400.<hex>/ the old copy of a committed step while a final save replaces
+                       it without RENAME_EXCHANGE (checkpoint/replace.py); no clean-up touches it
   events.jsonl         append-only event log
   .slurmresume.lock    filelock guarding the replacement of a corrupt step and retention renames
   .owner.json          the lease of the run that owns this root (ownership.py)
@@ -36,14 +38,18 @@ SAVING_PREFIX = ".saving."
 OWNER = ".owner.json"
 OWNER_LOCK = ".owner.json.lock"
 # A committed step being replaced (a final save whose state changed since a periodic save of the
-# same step) is written and committed as "<REPLACING_PREFIX><step dir>.<id>", then swapped in.
-REPLACING_PREFIX = ".replacing."
+# same step) is written and committed in its own `.saving.` directory, then swapped in; where the
+# file system has no RENAME_EXCHANGE the old copy waits under "<REPLACED_PREFIX><step dir>.<hex>"
+# (the hex of the save that replaces it) until the new one holds the step's name (replace.py).
+# Deliberately not a prefix that leftovers.py or retention's `.deleting.` clean-up knows.
+REPLACED_PREFIX = ".replaced."
 STEP_DIGITS = 9
 
 # ASCII digits and fullmatch: `\d` also matches other scripts' digits (which int() accepts) and
 # `$` matches before a trailing newline, so "step_000000005\n" would pass as step 5.
 _STEP_RE = re.compile(rf"step_([0-9]{{{STEP_DIGITS},}})")
 _SAVING_RE = re.compile(rf"\.saving\.step_([0-9]{{{STEP_DIGITS},}})\.([0-9a-f]{{16}})")
+_REPLACED_RE = re.compile(rf"\.replaced\.step_([0-9]{{{STEP_DIGITS},}})\.([0-9a-f]{{16}})")
 _SHARD_RE = re.compile(r"rank-([0-9]{5})-of-([0-9]{5})\.safetensors")
 _INDEX_RE = re.compile(r"rank-([0-9]{5,})\.index\.json")
 # per-node layout (`nodefile`): one file per node, named by the node's first rank; a rank's shard
@@ -92,6 +98,27 @@ def saving_dir_name(step: int, token: str) -> str:
 def parse_saving_dir(name: object) -> int | None:
     """The step of an in-progress save directory name, or None (also for anything with a path part)."""
     m = _SAVING_RE.fullmatch(name) if isinstance(name, str) else None
+    return parse_step_dir(f"step_{m.group(1)}") if m else None
+
+
+def saving_token(name: str) -> str | None:
+    """The token of a save directory's name (what `saving_dir_name` was given), or None."""
+    m = _SAVING_RE.fullmatch(name)
+    return m.group(2) if m and parse_saving_dir(name) is not None else None
+
+
+def replaced_dir_name(saving: str) -> str:
+    """Where the old copy of a step waits while the save in `saving` (a `saving_dir_name`)
+    replaces it: same step, same token."""
+    step, token = parse_saving_dir(saving), saving_token(saving)
+    if step is None or token is None:
+        raise ValueError(f"{saving!r} is not a save directory name")
+    return f"{REPLACED_PREFIX}{step_dir_name(step)}.{token}"
+
+
+def parse_replaced_dir(name: str) -> int | None:
+    """The step of a parked old copy's name (`replaced_dir_name`), or None."""
+    m = _REPLACED_RE.fullmatch(name)
     return parse_step_dir(f"step_{m.group(1)}") if m else None
 
 

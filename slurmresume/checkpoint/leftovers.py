@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import identity
+from .fsio import remove_tree
 from .layout import INPROGRESS, SAVING_PREFIX
 
 log = logging.getLogger("slurmresume")
@@ -80,11 +80,10 @@ def find(root: Path, prefixes: tuple[str, ...] = PREFIXES) -> list[Leftover]:
 
 def clean(root: Path, young_s: float, now: float | None = None, prefixes: tuple[str, ...] = PREFIXES) -> list[str]:
     """Remove what `plan` names (of the directories named `prefixes`*); best effort (never
-    raises). Returns the names removed."""
+    raises). Returns the names this call removed, entirely (`fsio.remove_tree`)."""
     removed = []
     for name in plan(find(Path(root), prefixes), time.time() if now is None else now, young_s):
-        shutil.rmtree(Path(root) / name, ignore_errors=True)
-        if not (Path(root) / name).exists():
+        if remove_tree(Path(root) / name):  # not one that failed, vanished or another cleaner took
             removed.append(name)
             log.info("removed %s: left by a killed writer", Path(root) / name)
     return removed

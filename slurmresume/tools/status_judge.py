@@ -80,9 +80,11 @@ def root_warnings(root: Path) -> list[str]:
 
 def leftover_warnings(root: Path) -> list[str]:
     """Save and mirror-download directories still in the root (running, or left by a killed
-    writer that cannot be proven dead from here), with their size."""
+    writer that cannot be proven dead from here), with their size; old copies a killed replace
+    parked."""
     from ..checkpoint.leftovers import listing
+    from ..checkpoint.replace import pending
 
-    return [f"{name} holds {size / 2**20:.1f} MiB: a save or mirror download that is running or was killed; "
+    return pending(root) + [f"{name} holds {size / 2**20:.1f} MiB: a save or mirror download that is running or was killed; "
             "the root's owner removes it at its next save (or `prune`) once its writer is provably dead and "
             "it is idle for 10 min" for name, size in listing(root)]

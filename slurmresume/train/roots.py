@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..checkpoint.collective import Group
 from ..checkpoint.layout import enclosing_step_dir
+from ..contract import ENV_OWNER
 from ..contract import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
 from ..errors import ConfigError
 from ..events import append_event
@@ -56,6 +57,8 @@ def claim_root(group: Group, root: Path, held: tuple[str, str] | None = None, *,
             error = str(exc)
         if saving and error is None:  # the owner, before it writes: free what killed writers left
             _clean_leftovers(root)
+        if not saving and error is None and (key is not None or os.environ.get(ENV_OWNER)):
+            _finish_replaces(root)  # the owner (a lease held), before its restore: a replace a kill cut
     error = group.broadcast_json(error)
     if error:
         raise RootOwnedError(error)
@@ -70,6 +73,15 @@ def _clean_leftovers(root: Path) -> None:
         clean(root, DEFAULT_YOUNG_THRESHOLD)
     except Exception as exc:  # noqa: BLE001 - never fails a save
         log.warning("could not clean leftover directories under %s: %s", root, exc)
+
+
+def _finish_replaces(root: Path) -> None:
+    from ..checkpoint.replace import finish
+
+    try:
+        finish(root)
+    except Exception as exc:  # noqa: BLE001 - never fails the start (finish logs its own failures)
+        log.warning("could not settle an interrupted replace under %s: %s", root, exc)
 
 
 def warn_if_not_launchers_root(explicit: str | os.PathLike[str] | None, root: Path, rank: int) -> None:

@@ -11,12 +11,22 @@ Deletions inside shutil.rmtree are extra kill points ("rmtree.file", one per fil
   prune             steps 1-4, an old incomplete dir, a leftover .deleting.*; prune --keep 1
   world2            step 1 committed by 2 ranks; save step 2 as 2 ranks (rank 1's shard too)
   async             steps 1, 2 committed; Checkpointer(async_save=True).step(3) (background thread)
+  replace           steps 1, 2 committed; a final save of step 2 with other weights replaces it
+                    (kills from the moment its new copy is committed: the save before is `save`'s)
+  replace-nox       the same without renameat2(RENAME_EXCHANGE), as on NFS/Lustre/GPFS
+                    (SLURMRESUME_TEST_NO_RENAME_EXCHANGE=1): the replace takes two renames
+
+For the two replace scenarios the checks run after the next run's start (a Checkpointer opened
+and closed, which settles an interrupted replace: checkpoint/replace.py); step 2 must then be
+exactly the old or the new copy, and no second copy of it may be left behind.
 
 Part B, random kills (--count of them): a forked child trains a real model (MLP + Adam,
-deterministic batches) with Checkpointer.step saving every step, in one of four variants
-(sync, async, emergency: SIGUSR1 then SIGKILL during the emergency save, retention keep=2), and
-is SIGKILLed after a seeded random delay. Trials chain on one root (each child resumes from what
-the previous kill left), so a resume after a kill is itself tested.
+deterministic batches) with Checkpointer.step saving every step, in one of five variants
+(sync, async, emergency: SIGUSR1 then SIGKILL during the emergency save, retention keep=2;
+final-nox: after each periodic save a final save of the same step with a changed plain value
+replaces it, without RENAME_EXCHANGE), and is SIGKILLed after a seeded random delay. Trials
+chain on one root (each child resumes from what the previous kill left), so a resume after a
+kill is itself tested; after a final-nox kill the checks follow the next run's start.
 
 After every kill: no directory with a marker fails verification; no checkpoint committed before
 the kill is missing (committed = complete before the trial, or a `save_committed` event; with
@@ -28,13 +38,14 @@ prune) succeeds and verifies.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import select
 import shutil
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +152,9 @@ class Scenario:
     keep: int | None = None  # retention keep N (None: nothing may be deleted)
     world: int = 1
     final: list[int] = field(default_factory=list)  # prune: what must remain after the next prune
+    replaced: bool = False  # the action replaces step `new` (committed before) with _final_state
+    exchange: bool = True  # False: renameat2(RENAME_EXCHANGE) unavailable (NO_EXCHANGE)
+    from_label: str | None = None  # kill only from the first crossing of this label on
 
 
 def _scenarios() -> list[Scenario]:
@@ -187,19 +201,70 @@ def _scenarios() -> list[Scenario]:
     ]
 
 
-def _data_ok(root: Path, step: int, world: int, verify: bool = False) -> str | None:
-    """None when restoring `step` gives exactly tiny_state(step); else what differs."""
+NO_EXCHANGE = "SLURMRESUME_TEST_NO_RENAME_EXCHANGE"  # fsio.exchange then says "unsupported"
+
+
+def _final_state(step: int) -> dict[str, Any]:
+    """What a replace scenario's final save of `step` holds: other weights, other plain values."""
+    from helpers.core import tiny_model
+
+    return {"model": tiny_model(50_000 + step), "step": step, "extra": {"tag": f"final{step}", "ints": (1, 2, step)}}
+
+
+def _replace_scenarios() -> list[Scenario]:
+    """Kept out of `_scenarios` (which the ioerror campaign shares)."""
+    from slurmresume import Checkpointer
+
+    def replace(root: Path) -> None:
+        ck = Checkpointer(root, handle_signals=False)
+        if ck.save(2, _final_state(2)) is None:
+            raise AssertionError("the final save of step 2 did not replace it")
+        ck.close()
+
+    return [Scenario(name, lambda r: _save(r, [1, 2]), replace, [1, 2], 2, replaced=True, exchange=exchange,
+                     from_label="unlink.inprogress")
+            for name, exchange in (("replace", True), ("replace-nox", False))]
+
+
+@contextlib.contextmanager
+def exchange_mode(available: bool) -> Iterator[None]:
+    """Forked children (which re-read fsio when they arm the seam) see RENAME_EXCHANGE as
+    `available` or not; the parent's own fsio is left as it is."""
+    if available:
+        yield
+        return
+    os.environ[NO_EXCHANGE] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(NO_EXCHANGE, None)
+
+
+def _which_copy(state: dict[str, Any], step: int, replaced: bool) -> str | None:
+    """"old" (tiny_state) or "new" (_final_state, replace scenarios only) when `state` is exactly
+    that copy of `step`, else None."""
+    from helpers.core import model_equal, tiny_state
+
+    copies = [("old", tiny_state(step))] + ([("new", _final_state(step))] if replaced else [])
+    for name, want in copies:
+        if model_equal(state["model"], want["model"]) and state["step"] == step and state["extra"] == want["extra"]:
+            return name
+    return None
+
+
+def _data_ok(root: Path, step: int, world: int, verify: bool = False, replaced: bool = False) -> str | None:
+    """None when restoring `step` gives exactly tiny_state(step) (or, `replaced`, exactly
+    _final_state(step)); else what differs."""
     import torch
-    from helpers.core import model_equal, restore_fresh, tiny_model, tiny_state
+    from helpers.core import restore_fresh, tiny_state
 
     if world == 1:
         got, state = restore_fresh(root, verify=verify)
         if got != step:
             return f"restore returned step {got}, expected {step}"
-        if not model_equal(state["model"], tiny_model(step)):
-            return f"restored step {step} has different model weights (partial load)"
-        if state["step"] != step or state["extra"] != tiny_state(step)["extra"]:
-            return f"restored step {step} has different plain values {state['step']!r} {state['extra']!r}"
+        if _which_copy(state, step, replaced) is None:
+            return (f"restored step {step} is neither copy of it (partial or mixed load): "
+                    f"{state['step']!r} {state['extra']!r}")
         return None
     from slurmresume.checkpoint import layout
     from slurmresume.checkpoint.shardread import load_tensors
@@ -220,11 +285,30 @@ def _data_ok(root: Path, step: int, world: int, verify: bool = False) -> str | N
     return None
 
 
+def stranded_copies(root: Path) -> list[str]:
+    """Second copies of a step that nothing would ever remove: a parked `.replaced.*`, or a
+    committed `.saving.*` without the note by which the leftovers rule judges its writer."""
+    from slurmresume.checkpoint.layout import INPROGRESS, MARKER, REPLACED_PREFIX, SAVING_PREFIX
+
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(REPLACED_PREFIX) or (
+        p.name.startswith(SAVING_PREFIX) and (p / MARKER).exists() and not (p / INPROGRESS).exists()))
+
+
+def next_run_starts(root: Path) -> None:
+    """What the next run does before its restore: open a Checkpointer on the root (its owner
+    settles an interrupted replace), here closed again."""
+    from slurmresume import Checkpointer
+
+    Checkpointer(root, handle_signals=False).close()
+
+
 def _check_after_kill(report: Report, trial: str, root: Path, sc: Scenario) -> None:
     from slurmresume.checkpoint.layout import INPROGRESS, step_dir_name
     from slurmresume.checkpoint.store import list_checkpoints
     from slurmresume.retention import RetentionPolicy, execute, leftovers, record_from_info
 
+    if sc.replaced:  # its guarantee is about what the next run finds
+        next_run_starts(root)
     done = check_survivors(report, trial, root, sc.committed, sc.keep)
     newest = max(done) if done else None
     allowed = {max(sc.committed)} | ({sc.new} if sc.new else set())
@@ -235,11 +319,21 @@ def _check_after_kill(report: Report, trial: str, root: Path, sc: Scenario) -> N
         if not info.complete and (info.path / INPROGRESS).exists() and record_from_info(info).in_progress:
             report.fail(trial, f"{info.path.name}: the killed writer is still taken as running")
     for verify in (False, True):
-        bad = _data_ok(root, newest, sc.world, verify)  # type: ignore[arg-type]
+        bad = _data_ok(root, newest, sc.world, verify, sc.replaced)  # type: ignore[arg-type]
         if bad:
             report.count_stat("partial_loads")
         report.check(bad is None, trial, f"verify={verify}: {bad}")
-    report.count_stat("restored_new" if newest == sc.new else "restored_previous")
+    if sc.replaced:
+        from helpers.core import restore_fresh
+
+        report.count_stat(f"{sc.name}_kills")
+        report.count_stat(f"{sc.name}_resumed_{_which_copy(restore_fresh(root)[1], 2, True)}_copy")
+        stranded = stranded_copies(root)
+        if stranded:
+            report.count_stat("stranded_copies", len(stranded))
+        report.check(not stranded, trial, f"second copies left behind for good: {stranded}")
+    else:
+        report.count_stat("restored_new" if newest == sc.new else "restored_previous")
     # the next save (or prune) succeeds
     try:
         if sc.new is None:
@@ -274,41 +368,46 @@ def _heartbeat_crossing(spec: str) -> bool:
 
 
 def boundary_matrix(report: Report, work: Path) -> None:
-    for sc in _scenarios():
-        template = work / f"tpl-{sc.name}"
-        sc.setup(template)
-        assert complete_steps(template) == sc.committed, (sc.name, complete_steps(template))
+    for sc in _scenarios() + _replace_scenarios():
+        with exchange_mode(sc.exchange):
+            _boundary_scenario(report, work, sc)
 
-        probe = work / f"trace-{sc.name}"
-        shutil.copytree(template, probe, symlinks=True)
 
-        def traced(sc: Scenario = sc, probe: Path = probe) -> None:
+def _boundary_scenario(report: Report, work: Path, sc: Scenario) -> None:
+    template = work / f"tpl-{sc.name}"
+    sc.setup(template)
+    assert complete_steps(template) == sc.committed, (sc.name, complete_steps(template))
+
+    probe = work / f"trace-{sc.name}"
+    shutil.copytree(template, probe, symlinks=True)
+
+    def traced(sc: Scenario = sc, probe: Path = probe) -> None:
+        _install_dying_rmtree()
+        sc.action(probe)
+
+    trace = trace_of(traced, work / f"trace-{sc.name}.txt")
+    report.stats.setdefault("labels", {})[sc.name] = len(trace)
+    for i in range(trace.index(sc.from_label) if sc.from_label else 0, len(trace)):
+        spec = seam_spec(trace, i)
+        if _heartbeat_crossing(spec):  # the lease's heartbeat thread: whether a run crosses it is timing
+            report.count_stat("heartbeat_labels_skipped")
+            continue
+        trial = f"{sc.name}@{i}:{spec}"
+        root = work / f"kill-{sc.name}-{i}"
+        shutil.copytree(template, root, symlinks=True)
+
+        def act(root: Path = root, sc: Scenario = sc) -> None:
             _install_dying_rmtree()
-            sc.action(probe)
+            sc.action(root)
 
-        trace = trace_of(traced, work / f"trace-{sc.name}.txt")
-        report.stats.setdefault("labels", {})[sc.name] = len(trace)
-        for i in range(len(trace)):
-            spec = seam_spec(trace, i)
-            if _heartbeat_crossing(spec):  # the lease's heartbeat thread: whether a run crosses it is timing
-                report.count_stat("heartbeat_labels_skipped")
-                continue
-            trial = f"{sc.name}@{i}:{spec}"
-            root = work / f"kill-{sc.name}-{i}"
-            shutil.copytree(template, root, symlinks=True)
-
-            def act(root: Path = root, sc: Scenario = sc) -> None:
-                _install_dying_rmtree()
-                sc.action(root)
-
-            code, sig = fork_call(act, env={"SLURMRESUME_TEST_KILL_AT": spec}, out=work / "child.out")
-            report.trials += 1
-            report.count_stat("boundary_kills")
-            if sig != signal.SIGKILL:
-                report.fail(trial, f"child was not killed (exit {code}): {tail(work / 'child.out')}")
-                continue
-            _check_after_kill(report, trial, root, sc)
-            shutil.rmtree(root, ignore_errors=True)
+        code, sig = fork_call(act, env={"SLURMRESUME_TEST_KILL_AT": spec}, out=work / "child.out")
+        report.trials += 1
+        report.count_stat("boundary_kills")
+        if sig != signal.SIGKILL:
+            report.fail(trial, f"child was not killed (exit {code}): {tail(work / 'child.out')}")
+            continue
+        _check_after_kill(report, trial, root, sc)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # -- part B: random kills of a training process -------------------------------------------------
@@ -316,7 +415,8 @@ def boundary_matrix(report: Report, work: Path) -> None:
 K_STEPS = 8  # the random delay before the kill spans about this many steps
 UNTIL = 200  # a child trains this many steps at most (it is killed long before)
 RESET_AT = 60  # start a fresh root past this step
-VARIANTS = ("sync", "async", "emergency", "retention")
+# final-nox: the replace without RENAME_EXCHANGE (with it, the boundary matrix's `replace` covers it)
+VARIANTS = ("sync", "async", "emergency", "retention", "final-nox")
 
 
 def _net() -> Any:
@@ -364,6 +464,10 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _variant_env(variant: str) -> dict[str, str] | None:
+    return {NO_EXCHANGE: "1"} if variant.endswith("-nox") else None
+
+
 def _reference(max_step: int) -> list[Any]:
     state = _fresh_state()
     ref = [_snapshot(state)]
@@ -392,6 +496,9 @@ def _train_child(root: Path, variant: str, ready_fd: int, until: int) -> None:
         step += 1
         state["progress"] = {"step": step}
         ck.step(step, state)
+        if variant.startswith("final"):  # a final evaluation changed the state: the save replaces the step
+            state["progress"] = {"step": step, "final": True}
+            ck.save(step, state)
     ck.close()
 
 
@@ -402,7 +509,10 @@ def _restore_matches(root: Path, ref: list[Any], verify: bool) -> tuple[int, str
         step = ck.restore(state, verify=verify)
     if step >= len(ref):
         return step, f"restored step {step} is past the reference"
-    if not _same(_snapshot(state), ref[step]):
+    model, opt, progress = _snapshot(state)
+    if progress.pop("final", True) is not True:  # the final variants' replacing copy says final=True
+        return step, f"restored step {step} has a bad final flag {state['progress']!r}"
+    if not _same((model, opt, progress), ref[step]):
         return step, f"restored step {step} differs from what was saved (partial load)"
     return step, None
 
@@ -430,7 +540,7 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
         def calibrate(cal: Path = cal, variant: str = variant, w: int = w) -> None:
             _train_child(cal, variant, w, K_STEPS)
 
-        fork_call(calibrate, on_started=timer)
+        fork_call(calibrate, on_started=timer, env=_variant_env(variant))
         spans[variant] = time.perf_counter() - ready_at[0]  # from "restored" to the end
         os.close(r)
         os.close(w)
@@ -468,7 +578,7 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
         def train(root: Path = root, variant: str = variant, w: int = w, start: int = start) -> None:
             _train_child(root, variant, w, start + UNTIL)
 
-        code, sig = fork_call(train, on_started=killer, out=work / "train-child.out")
+        code, sig = fork_call(train, on_started=killer, out=work / "train-child.out", env=_variant_env(variant))
         os.close(r)
         os.close(w)
         report.trials += 1
@@ -487,6 +597,12 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
             p.name for _, p in saving_dirs(root)]  # a killed save leaves its private .saving.* directory
         if partial:
             report.count_stat("kill_left_partial_dir")
+        if variant.startswith("final"):  # a replace's guarantee is about what the next run finds
+            if any(p.name.startswith(".replaced.") for p in root.iterdir()):
+                report.count_stat("kill_between_the_two_renames")  # step_N absent until the next start
+            next_run_starts(root)
+            if any(p.name.startswith(".replaced.") for p in root.iterdir()):
+                report.fail(trial, "the next run's start left a parked copy")
         half = half_checkpoints(root)
         report.check(not half, trial, f"marked but not whole: {half}")
         done = set(complete_steps(root))
@@ -505,6 +621,8 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
                 if bad:
                     report.count_stat("partial_loads")
                 report.check(bad is None, trial, f"verify={verify}: {bad}")
+                if got != newest:
+                    report.count_stat("wrong_resumes")
                 report.check(got == newest, trial, f"verify={verify}: restored {got}, newest complete is {newest}")
             # the next save succeeds: one more step from the restored state
             state = _fresh_state()
@@ -520,6 +638,12 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
                          f"after the next save of step {got + 1}: restored {again}, {bad}")
             tmp = temp_leftovers(root / step_dir_name(got + 1))
             report.check(not tmp, trial, f"temp files in the re-saved step: {tmp}")
+            if variant.startswith("final"):
+                next_run_starts(root)  # settles second copies whose step is complete now
+                stranded = stranded_copies(root)
+                if stranded:
+                    report.count_stat("stranded_copies", len(stranded))
+                report.check(not stranded, trial, f"second copies left behind for good: {stranded}")
         except Exception as exc:  # noqa: BLE001
             report.fail(trial, f"restore / next save raised {type(exc).__name__}: {exc}")
 
@@ -537,4 +661,6 @@ def run(report: Report, work: Path) -> None:
     random_kills(report, work, report.seed, report.count)
     report.stats.setdefault("partial_loads", 0)
     report.stats.setdefault("lost_committed", 0)
+    report.stats.setdefault("wrong_resumes", 0)
+    report.stats.setdefault("stranded_copies", 0)
 
