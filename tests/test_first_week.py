@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from helpers.core import tiny_state
+from helpers.core import save_steps, tiny_state
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -39,10 +39,7 @@ def tree(root: Path) -> dict[str, str]:
 
 
 def saved(root: Path, *steps: int) -> Path:
-    ckpt = Checkpointer(root, handle_signals=False)
-    for s in steps:
-        ckpt.save(s, tiny_state(s))
-    ckpt.close()
+    save_steps(root, list(steps)).close()
     return root
 
 
