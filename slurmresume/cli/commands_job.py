@@ -153,7 +153,7 @@ def submit(
     script_args: ArgsArg = None,
     ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root, a directory every rank can write (an s3:// bucket goes in --mirror); exported to the script as SLURMRESUME_CKPT_DIR. (default: ckpt-dir from slurmresume.toml or pyproject.toml; required)")] = None,
     nodes: Annotated[int | None, Opt("--nodes", "-N", help="Number of nodes (one launcher + torchrun per node). (default: 1)")] = None,
-    nproc_per_node: Annotated[int | None, Opt(help="Processes per node. (default: --gpus-per-node, else 1)")] = None,
+    nproc_per_node: Annotated[int | None, Opt(help="Processes (ranks) per node. (default: --gpus-per-node, else the N of --gres gpu[:type]:N, else 1)")] = None,
     gpus_per_node: Annotated[int | None, Opt(help="GPUs per node to request. (default: none)")] = None,
     cpus_per_task: Annotated[int | None, Opt(help="CPUs for each node's task. (default: the partition's)")] = None,
     mem: Annotated[str | None, Opt(help="Memory per node, e.g. 64G. (default: the partition's)")] = None,
@@ -173,7 +173,7 @@ def submit(
     hang_save: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_SAVE_HELP)] = None,
     hang_io_rate: Annotated[float | None, Opt(metavar="MB/S", help=_HANG_IO_RATE_HELP)] = None,
     max_hangs: Annotated[int | None, Opt(help="In-allocation restarts after a hang; the same hang twice in a row without a new checkpoint stops (and under Slurm holds) the job. (default: 3)")] = None,
-    gres: Annotated[str | None, Opt(help="Generic resources per node, as sbatch's --gres, e.g. gpu:a100:4. (default: none)")] = None,
+    gres: Annotated[str | None, Opt(help="Generic resources per node, as sbatch's --gres, e.g. gpu:a100:4; its GPUs also set the ranks per node when --nproc-per-node and --gpus-per-node are not given. (default: none)")] = None,
     setup: Annotated[list[str] | None, Opt(metavar="LINE", help="A shell line the batch script runs before the launcher (repeatable, in order), e.g. --setup 'module load cuda/12.4' --setup 'source ~/venv/bin/activate'. (default: none)")] = None,
     sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive; arrays and heterogeneous jobs are refused. (default: none)")] = None,
     rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. (default: derived from the job id)")] = None,
@@ -192,7 +192,7 @@ def submit(
     no_script_check: Annotated[bool, Opt("--no-script-check", help="Submit even when the script never calls restore() or ckpt.step() itself (a module it imports does), or when its own imports fail with --python here (the nodes provide them). (default: refuse such a script)")] = False,
     shared_root: Annotated[bool, Opt("--shared-root", help="With --nodes > 1: every node mounts --ckpt-dir although it is on a local or memory file system. (default: refuse such a root, except under --dry-run)")] = False,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
-    dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
+    dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command (with --local: the torchrun command); run, submit and write nothing.")] = False,
     json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Submit TRAIN_SCRIPT to Slurm so that preemptions and time limits cost no work.

@@ -41,7 +41,8 @@ def refuse_local_ignored(spec: JobSpec, cli: dict[str, Any]) -> None:
                           "to try it here (more ranks: --nproc-per-node), or drop --local to submit to Slurm")
     given = [f"--{k.replace('_', '-')}" for k in _SLURM_ONLY if cli.get(k) not in (None, [], ())]
     if given:
-        typer.echo(f"warning: --local runs here without Slurm: {', '.join(given)} apply only when submitted "
+        verb = "applies" if len(given) == 1 else "apply"
+        typer.echo(f"warning: --local runs here without Slurm: {', '.join(given)} {verb} only when submitted "
                    "(ignored here)", err=True)
 
 

@@ -3,7 +3,7 @@ on the node a missing module only shows after the queue wait.
 
 The nodes run `--python`: the launcher needs `slurmresume` and `submitit`, torchrun and the ranks
 `torch`, and the script its own top-level imports. `script_imports` reads those from the source
-(pure, `ast`: the script itself is never run); `import_problem` imports every module in a child
+(pure, `ast`: the script itself is never run; only its leading imports); `import_problem` imports every module in a child
 `--python` with a timeout, from the script's folder as torchrun would, and returns one line.
 """
 
@@ -18,37 +18,49 @@ NEEDED = ("torch", "submitit", "slurmresume")
 IMPORT_TIMEOUT_S = 120.0
 _MARK = "slurmresume-import-check "
 
-# Run by `--python -c`: each module found (find_spec), then imported; the first failure is one
-# JSON line after _MARK on stdout. sys.path[0] is the script's folder, as for `python script.py`.
+# Run by `--python -c`: first every module looked up (find_spec: a missing one fails fast), then
+# each imported; the first failure is one JSON line after _MARK on stdout. sys.path[0] is the
+# script's folder, as for `python script.py`.
 _CHILD = f"""
 import importlib, importlib.util, json, sys
 sys.path[0] = sys.argv[1]
+def fail(name, error, code):
+    print({_MARK!r} + json.dumps({{"module": name, "error": error}}), flush=True)
+    sys.exit(code)
 for name in sys.argv[2:]:
     try:
         found = importlib.util.find_spec(name) is not None
-        if found:
-            importlib.import_module(name)
     except BaseException as exc:
-        print({_MARK!r} + json.dumps({{"module": name, "error": type(exc).__name__ + ": " + str(exc)}}), flush=True)
-        sys.exit(4)
+        fail(name, type(exc).__name__ + ": " + str(exc), 4)
     if not found:
-        print({_MARK!r} + json.dumps({{"module": name, "error": None}}), flush=True)
-        sys.exit(3)
+        fail(name, None, 3)
+for name in sys.argv[2:]:
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:
+        fail(name, type(exc).__name__ + ": " + str(exc), 4)
 """
 
 
 def script_imports(source: str) -> list[str]:
-    """Pure: the absolute modules the script's top level imports, in order. Imports under
-    `if`/`try` (optional or version-dependent ones), in functions and relative imports are left
-    out: only what every run of the script imports first."""
+    """Pure: the absolute modules of the script's leading imports, in order: those before its
+    first other statement (a `sys.path.insert` or an `os.environ[...] =` may change what a later
+    import finds, so later ones are not judged). Imports under `if`/`try` (optional or
+    version-dependent), in functions and relative ones are left out too."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []
     out: list[str] = []
-    for node in tree.body:
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                 else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+    for i, node in enumerate(tree.body):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module] if node.level == 0 and node.module else []
+        elif i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        else:
+            break
         out += [n for n in names if n != "__future__" and n not in out]
     return out
 

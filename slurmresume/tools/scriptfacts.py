@@ -82,7 +82,7 @@ class _Binding:
         return False
 
     def _bind(self, value: ast.AST | None, targets: set[str]) -> None:
-        if self.holds(value):
+        if targets and self.holds(value):  # `d["ckpt"] = Checkpointer()`: no name to follow
             self.names |= targets
             self.followed.add(id(value))
 
