@@ -8,7 +8,6 @@ refusal that did not happen shows as exit 0.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -20,27 +19,12 @@ from pathlib import Path
 import pytest
 from helpers.core import tiny_state
 from helpers.procs import REPO, clean_env
+from helpers.slurm_fakes import fake_slurm
 
 from slurmresume import Checkpointer
 
 SCRIPT = REPO / "examples" / "train.py"
 GOOD = "import slurmresume\nckpt = slurmresume.Checkpointer()\nstep = ckpt.restore({})\nfor i in range(3):\n    ckpt.step(i, {})\n"
-
-
-def fake_slurm(tmp: Path, *, srun: bool = True) -> Path:
-    """bash, env and python, a `sbatch` that accepts every job (and `srun` unless told not)."""
-    d = tmp / "bin"
-    d.mkdir()
-    for name in ("bash", "env", "sh", "cat", "uname"):
-        found = shutil.which(name)
-        if found:
-            os.symlink(found, d / name)
-    (d / "sbatch").write_text("#!/bin/sh\necho 'Submitted batch job 4242'\n")
-    (d / "sbatch").chmod(0o755)
-    if srun:
-        (d / "srun").write_text("#!/bin/sh\nexit 0\n")
-        (d / "srun").chmod(0o755)
-    return d
 
 
 def cli(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

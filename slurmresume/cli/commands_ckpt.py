@@ -23,7 +23,7 @@ from ..errors import (
     UnreadableCheckpointError,
 )
 from .app import app, handle_errors
-from .options import CkptDir, JsonOut, Mode, ModeOpt, resolve_root
+from .options import CkptDir, JsonOut, Mode, ModeOpt, resolve_root, root_hint
 from .shared import confirm_delete, emit_json, prune_json
 
 
@@ -47,9 +47,10 @@ def _refuse_misplaced(root: Path) -> None:
         raise ConfigError(line)
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True})
 @handle_errors
 def status(
+    ctx: typer.Context,
     ckpt_dir: CkptDir = None,
     job: Annotated[str | None, typer.Option(
         "--job", "-j", metavar="ID", help="Slurm job id to show. Default: the newest job id in the event log.")] = None,
@@ -65,8 +66,8 @@ def status(
     watch: Annotated[str | None, typer.Option(
         "--watch", metavar="SECONDS", help="Redraw every SECONDS (e.g. 10, 30s, 1m) until Ctrl-C. [default: print once]")] = None,
     plot: Annotated[Path | None, typer.Option(
-        "--plot", metavar="PNG", help="Also draw the run's timeline (step over time, saves, warnings, requeues, "
-        "failures) into this PNG file; needs matplotlib: pip install 'slurmresume[plot]'. [default: no picture]")] = None,
+        "--plot", metavar="FILE", help="Also draw the run's timeline (step over time, saves, warnings, requeues, "
+        "failures) into this picture: .png, .pdf, .svg, .jpg, .webp, .tif, .eps or .ps (no extension: FILE.png); needs matplotlib: pip install 'slurmresume[plot]'. [default: no picture]")] = None,
     mirror_check: Annotated[bool, typer.Option(
         "--mirror-check/--no-mirror-check", help="Ask the run's mirror (the s3:// URL in the event log) for its "
         "newest committed step and uploads in flight; a bucket behind the newest local step is AT RISK. Bounded "
@@ -88,6 +89,8 @@ def status(
     from ..tools.status import compute_status
     from . import render as _render
 
+    if ctx.args:  # `status DIR`: collected, not an argument, so usage and --help do not show one
+        raise ConfigError(root_hint("status", ctx.args[0]))
     if limit < 0:
         raise ConfigError(f"--limit must be >= 0 (0 shows all), got {limit}")
     if is_s3_url(ckpt_dir):  # the bucket's steps only (no job, no event log there)
@@ -102,6 +105,11 @@ def status(
         raise ConfigError(f"--watch {watch!r} must be more than 0 seconds")
     if interval is not None and as_json:
         raise ConfigError("--watch and --json cannot be combined: poll `status --json` instead")
+
+    if plot is not None:  # a name it cannot write is refused before anything is read
+        from ..tools.plot import plot_path
+
+        plot_path(plot.expanduser().absolute())
 
     def compute() -> Any:
         return compute_status(root, job_id=job, best_metric=best, mode=mode.value, verify=verify,
@@ -209,6 +217,8 @@ def verify(
         return
     if target == "latest":  # as inspect and export spell the newest complete checkpoint
         target = None
+    if target is not None and not re.fullmatch(r"-?\d+", target) and Path(target).expanduser().is_dir():
+        raise ConfigError(root_hint("verify", target, "a step"))
     if target is not None and not re.fullmatch(r"-?\d+", target):
         raise ConfigError(f"{target!r} is not a step number, latest, or an s3:// URL")
     step = int(target) if target is not None else None

@@ -10,7 +10,7 @@ import typer
 
 from ..errors import ConfigError
 from .app import app, handle_errors
-from .options import JsonOut, configured_root
+from .options import JsonOut, configured_root, root_hint
 
 
 @app.command()
@@ -44,6 +44,8 @@ def doctor(
 
     root = ckpt_dir if ckpt_dir is not None and str(ckpt_dir) else configured_root()
     root = root.expanduser().absolute() if root is not None else None
+    if script is not None and script.is_dir():
+        raise ConfigError(root_hint("doctor", str(script), "a training script"))
     if script is not None and not script.is_file():
         raise ConfigError(f"training script {script} not found: pass the path of a .py file")
     checks = run_doctor(root, script, signal_lead, partition)

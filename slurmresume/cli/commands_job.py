@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..job.config import JobSpec, check_text, load_defaults, parse_sbatch_extras, split_signal
 from ..job.hang import HangBudgets
 from .app import app, handle_errors
+from .job_inputs import find_python, next_command, refuse_local_ignored
 
 # Shown in --help as "(default: ...)": rich would swallow "[default: ...]" as markup. No default for
 # --time (the partition's DefaultTime applies) nor --max-requeues (no cap while runs progress).
@@ -68,6 +69,8 @@ def _spec(script: Path, script_args: list[str] | None, cli: dict[str, Any]) -> J
         merged["log_dir"] = Path(merged["log_dir"]).expanduser().absolute()
     if merged.get("time") is not None:
         merged["time"] = str(merged["time"])
+    if merged.get("python"):
+        merged["python"] = find_python(str(merged["python"]))
     return JobSpec(script=script.expanduser().absolute(), script_args=tuple(script_args or ()), **merged)
 
 
@@ -150,7 +153,7 @@ def submit(
     script_args: ArgsArg = None,
     ckpt_dir: Annotated[Path | None, Opt(help="Checkpoint root, a directory every rank can write (an s3:// bucket goes in --mirror); exported to the script as SLURMRESUME_CKPT_DIR. (default: ckpt-dir from slurmresume.toml or pyproject.toml; required)")] = None,
     nodes: Annotated[int | None, Opt("--nodes", "-N", help="Number of nodes (one launcher + torchrun per node). (default: 1)")] = None,
-    nproc_per_node: Annotated[int | None, Opt(help="Processes per node. (default: --gpus-per-node, else 1)")] = None,
+    nproc_per_node: Annotated[int | None, Opt(help="Processes (ranks) per node. (default: --gpus-per-node, else the N of --gres gpu[:type]:N, else 1)")] = None,
     gpus_per_node: Annotated[int | None, Opt(help="GPUs per node to request. (default: none)")] = None,
     cpus_per_task: Annotated[int | None, Opt(help="CPUs for each node's task. (default: the partition's)")] = None,
     mem: Annotated[str | None, Opt(help="Memory per node, e.g. 64G. (default: the partition's)")] = None,
@@ -170,7 +173,7 @@ def submit(
     hang_save: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_SAVE_HELP)] = None,
     hang_io_rate: Annotated[float | None, Opt(metavar="MB/S", help=_HANG_IO_RATE_HELP)] = None,
     max_hangs: Annotated[int | None, Opt(help="In-allocation restarts after a hang; the same hang twice in a row without a new checkpoint stops (and under Slurm holds) the job. (default: 3)")] = None,
-    gres: Annotated[str | None, Opt(help="Generic resources per node, as sbatch's --gres, e.g. gpu:a100:4. (default: none)")] = None,
+    gres: Annotated[str | None, Opt(help="Generic resources per node, as sbatch's --gres, e.g. gpu:a100:4; its GPUs also set the ranks per node when --nproc-per-node and --gpus-per-node are not given. (default: none)")] = None,
     setup: Annotated[list[str] | None, Opt(metavar="LINE", help="A shell line the batch script runs before the launcher (repeatable, in order), e.g. --setup 'module load cuda/12.4' --setup 'source ~/venv/bin/activate'. (default: none)")] = None,
     sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive; arrays and heterogeneous jobs are refused. (default: none)")] = None,
     rdzv_port: Annotated[int | None, Opt(help="Rendezvous port. (default: derived from the job id)")] = None,
@@ -186,10 +189,10 @@ def submit(
                                       "_CLOSE_DEADLINE for the last upload (240 s; then exit 78), _PULL_DEADLINE for a "
                                       "pull in restore (240 s); _UPLOAD_MIB, the memory of an upload's parts in flight (128 MiB: "
                                       "10 parts of 8 MiB). [default: none]")] = None,
-    no_script_check: Annotated[bool, Opt("--no-script-check", help="Submit even when the script never calls restore() or ckpt.step() itself (a module it imports does). (default: refuse such a script)")] = False,
+    no_script_check: Annotated[bool, Opt("--no-script-check", help="Submit even when the script never calls restore() or ckpt.step() itself (a module it imports does), or when its own imports fail with --python here (the nodes provide them). (default: refuse such a script)")] = False,
     shared_root: Annotated[bool, Opt("--shared-root", help="With --nodes > 1: every node mounts --ckpt-dir although it is on a local or memory file system. (default: refuse such a root, except under --dry-run)")] = False,
     local: Annotated[bool, Opt("--local", help="Run here without Slurm; a warning signal to this process saves and restarts.")] = False,
-    dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command; submit nothing.")] = False,
+    dry_run: Annotated[bool, Opt("--dry-run", help="Print the sbatch script and torchrun command (with --local: the torchrun command); run, submit and write nothing.")] = False,
     json_out: Annotated[bool, Opt("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Submit TRAIN_SCRIPT to Slurm so that preemptions and time limits cost no work.
@@ -208,6 +211,8 @@ def submit(
     from .render_job import print_json, print_submitted
 
     spec = _spec(script, script_args, cli)
+    if local:
+        refuse_local_ignored(spec, cli)
     if not dry_run:  # one owner per root: refused before anything is created, moved or submitted
         ownership.check_free(spec.ckpt_dir, takeover=takeover)
     # The same checks as every other value, before prepare_resume creates or deletes anything.
@@ -215,7 +220,7 @@ def submit(
     check_text("--branch", str(branch or ""))
     # --dry-run previews on any machine: the nodes' file system is judged when it is submitted
     _preflight(spec, strict_script=not local and not no_script_check, shared_root=shared_root or dry_run,
-               resume_from=resume_from, branch=branch)
+               resume_from=resume_from, branch=branch, slurm=not local, script_imports=not no_script_check)
     if resume_from is not None and not dry_run:
         from dataclasses import replace
 
@@ -230,6 +235,16 @@ def submit(
         from ..tools.doctor import last_checkpoint_bytes, preflight_root
 
         preflight_root(spec.ckpt_dir, last_checkpoint_bytes(spec.ckpt_dir))  # before any training
+    if local and dry_run:
+        from ..job.node import torchrun_command
+        from .render_job import print_local_preview
+
+        cmd = torchrun_command(spec, nnodes=1, endpoint=None, rdzv_id="local")
+        if json_out:
+            print_json({"job_id": None, "local": True, "torchrun": cmd, "ckpt_dir": str(spec.ckpt_dir), "dry_run": True})
+        else:
+            print_local_preview(cmd, spec.ckpt_dir)
+        return
     if local:
         from ..job.node import run_local
 
@@ -257,14 +272,6 @@ def submit(
                     "torchrun": sub.torchrun, "ckpt_dir": str(spec.ckpt_dir), "dry_run": dry_run})
     else:
         print_submitted(sub.job_id, sub.log_dir, sub.sbatch_script if dry_run else None, sub.torchrun, spec.ckpt_dir)
-
-
-def _next_command(spec: JobSpec) -> str:
-    """What to type after a PASS: the same script and arguments, submitted to Slurm."""
-    import shlex
-
-    args = f" -- {shlex.join(spec.script_args)}" if spec.script_args else ""
-    return f"slurmresume submit {shlex.quote(str(spec.script))} --nproc-per-node {spec.procs}{args}"
 
 
 @app.command()
@@ -330,6 +337,6 @@ def drill(
                                      "cause": d.cause, "culprit": d in culprits(report.differences)}
                                     for d in report.differences]})
     else:
-        print_drill(report, next_command=_next_command(spec))
+        print_drill(report, next_command=next_command(spec))
     if not report.ok:
         raise typer.Exit(1)

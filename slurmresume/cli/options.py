@@ -29,6 +29,16 @@ ModeOpt = Annotated[Mode, typer.Option("--mode", help="Whether the lowest (min, 
                                        "(max, e.g. accuracy) metric value is best.")]
 
 
+def root_hint(command: str, given: str, instead: str = "") -> str:
+    """The one line for a checkpoint root given as an argument (`status DIR`): every command but
+    `latest` names the root with -d / --ckpt-dir. `instead`: what the argument is for, if anything."""
+    import shlex
+
+    what = "a directory" if Path(given).expanduser().is_dir() else "an argument `" + command + "` does not take"
+    return (f"{given} is {what}{', not ' + instead if instead else ''}: give the checkpoint root as -d DIR: "
+            f"slurmresume {command} -d {shlex.quote(given)}")
+
+
 def configured_root() -> Path | None:
     """`ckpt-dir` of [tool.slurmresume] (nearest pyproject.toml) or slurmresume.toml, if set."""
     from ..job.config import load_defaults

@@ -18,6 +18,14 @@ def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
+def print_local_preview(torchrun: list[str], ckpt_dir: Path) -> None:
+    """`submit --local --dry-run`: what a local run would start, as plain lines to copy."""
+    print("# local run (dry run: nothing was run, nothing written)")
+    print(f"# checkpoint root: {shlex.quote(str(ckpt_dir))}")
+    print("# torchrun command, restarted from the newest checkpoint after each warning signal:")
+    print(shlex.join(torchrun))
+
+
 def print_submitted(job_id: str, log_dir: Path, script: str | None, torchrun: list[str], ckpt_dir: Path) -> None:
     if script is not None:
         # Plain prints: the script must be copyable exactly, never wrapped to the terminal.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import unicodedata
@@ -22,7 +23,10 @@ _MEM = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
 _SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
 # Options we set ourselves: an --sbatch extra must not silently override them.
 _RESERVED_SBATCH = {"signal", "requeue", "no-requeue", "open-mode", "output", "error", "nodes",
-                    "ntasks-per-node", "wrap"}
+                    "ntasks-per-node", "wrap", "time", "t"}
+# The option of ours that sets what a reserved key would: `--sbatch time=60` under `--time 120`
+# would end the job at 60 minutes while the lead was checked against 120.
+_OWN_OPTION = {"time": "--time", "t": "--time", "signal": "--signal and --signal-lead", "nodes": "--nodes"}
 
 
 def check_text(what: str, value: str) -> str:
@@ -131,10 +135,14 @@ class JobSpec:
                 check_text(f"--{f.name.replace('_', '-')}", str(v))
         for a in self.script_args:
             check_text("a script argument", a)
+        if self.script.is_dir():
+            raise ConfigError(f"training script {self.script} is a directory: pass the path of a .py file in it")
         if not self.script.is_file():
             raise ConfigError(f"training script {self.script} not found: pass the path of a .py file")
-        if not Path(self.python).is_file():
-            raise ConfigError(f"python interpreter {self.python} not found or not executable")
+        python = Path(self.python)
+        if not python.is_file() or not os.access(python, os.X_OK):
+            raise ConfigError(f"python interpreter {self.python} " + ("is not executable" if python.is_file() else
+                              "not found") + ": give the path of the nodes' python, e.g. ~/venv/bin/python")
         for name in ("nodes", "signal_lead"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -174,13 +182,22 @@ class JobSpec:
             if not _SBATCH_KEY.match(key):
                 raise ConfigError(f"--sbatch key {key!r} is not an sbatch option name (e.g. exclusive, gres)")
             if key in _RESERVED_SBATCH:
-                raise ConfigError(f"--sbatch {key}=... is set by slurmresume itself: use its own option")
+                raise ConfigError(f"--sbatch {key}=... is set by slurmresume itself: use "
+                                  f"{_OWN_OPTION.get(key, 'its own option')} instead")
         if self.mirror is not None:
             from ..mirror.s3 import parse_s3_url
 
             parse_s3_url(self.mirror)  # ConfigError naming the bad part
         for line in self.setup:  # one shell line each: a newline would smuggle in another
             check_text("--setup", line)
+        gres = self.gres_gpus
+        if gres is not None and self.gpus_per_node is not None and gres != self.gpus_per_node:
+            raise ConfigError(f"--gpus-per-node {self.gpus_per_node} and --gres {self._gres_text} ask for different GPUs "
+                              "per node: give the GPUs once")
+        gpus = self.gpus_per_node or gres
+        if gpus is not None and self.nproc_per_node is not None and self.nproc_per_node > gpus:
+            raise ConfigError(f"--nproc-per-node {self.nproc_per_node} is more than the {gpus} GPUs per node asked for: "
+                              "one rank per GPU (NCCL refuses two ranks on one GPU): ask for more GPUs or fewer ranks")
         if self.rdzv_port is not None and not 1024 <= self.rdzv_port <= 65535:
             raise ConfigError(f"--rdzv-port must be in 1024..65535, got {self.rdzv_port}")
 
@@ -198,8 +215,20 @@ class JobSpec:
                        io_rate_mbs=b.io_rate_mbs if self.hang_io_rate is None else float(self.hang_io_rate))
 
     @property
+    def _gres_text(self) -> str:
+        return ",".join(v for k, v in self.sbatch if k == "gres")
+
+    @property
+    def gres_gpus(self) -> int | None:
+        """GPUs per node that `--gres` (or `--sbatch gres=`) asks for, None when it asks for none."""
+        counts = [gres_gpu_count(v) for k, v in self.sbatch if k == "gres"]
+        found = [c for c in counts if c is not None]
+        return sum(found) if found else None
+
+    @property
     def procs(self) -> int:
-        return self.nproc_per_node or self.gpus_per_node or 1
+        """Ranks per node: --nproc-per-node, else one per GPU asked for (--gpus-per-node, --gres gpu:N), else 1."""
+        return self.nproc_per_node or self.gpus_per_node or self.gres_gpus or 1
 
     @property
     def warning_signal(self) -> str:
@@ -228,6 +257,20 @@ def refuse_unsupported_sbatch(key: str) -> None:
     if key in _HET_KEYS or key.startswith("het") or key.startswith("pack"):
         raise ConfigError(f"--sbatch {key!r}: heterogeneous jobs are not supported: slurmresume runs one torchrun "
                           "per node of a single homogeneous allocation")
+
+
+def gres_gpu_count(gres: str) -> int | None:
+    """Pure: the GPUs per node in an sbatch `--gres` value ("gpu:4", "gpu:a100:2,nvme:1",
+    "gres/gpu", "gpu:a100"), None when it names no GPU. sbatch(1): name[[:type]:count], the count
+    defaults to 1."""
+    total = None
+    for item in gres.split(","):
+        parts = item.strip().removeprefix("gres/").split(":")
+        if parts[0] != "gpu":
+            continue
+        count = parts[-1].split("(")[0] if len(parts) > 1 else "1"
+        total = (total or 0) + (int(count) if count.isdigit() else 1)
+    return total
 
 
 def parse_sbatch_extras(items: list[str]) -> tuple[tuple[str, str], ...]:

@@ -150,7 +150,7 @@ def check_partitions(parts: list[dict[str, str]], partition: str | None, lead: i
             out.append(Check(f"GraceTime ({name})", OK, f"GraceTime={grace} s"
                              + ("" if preemptable else " (not preempted by a higher tier)")))
         max_time = p.get("MaxTime", "UNLIMITED")
-        limit = _slurm_minutes(max_time)
+        limit = slurm_limit_minutes(max_time)
         if limit is not None and limit * 60 <= lead:
             out.append(Check(f"MaxTime ({name})", FAIL, f"MaxTime={max_time} is not longer than --signal-lead {lead} s: "
                              "the warning would come before the job starts", "use a smaller --signal-lead"))
@@ -163,7 +163,8 @@ def check_partitions(parts: list[dict[str, str]], partition: str | None, lead: i
     return out
 
 
-def _slurm_minutes(value: str) -> int | None:
+def slurm_limit_minutes(value: str) -> int | None:
+    """A partition's MaxTime in minutes; None when unlimited or not understood."""
     if value.upper() in ("UNLIMITED", "INFINITE", ""):
         return None
     from ..job.config import slurm_time_minutes
@@ -210,42 +211,37 @@ def check_lead(lead: int, saves: list[float], step_s: float | None) -> Check:
 
 
 def check_script(source: str, name: str) -> list[Check]:
-    """Static: a Checkpointer is made, restore() and step() are called, step() inside a loop."""
+    """Static: a Checkpointer is made, and its own restore() and step() are called, step() inside a
+    loop (scriptfacts.py: `opt.step()` is not `ckpt.step()`); or an integration callback does it."""
+    from .scriptfacts import CALLBACKS, script_facts
+
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
         return [Check("script", FAIL, f"{name} does not parse: line {exc.lineno}: {exc.msg}", "fix the syntax")]
-    calls: dict[str, list[bool]] = {}
-    _walk(tree, False, calls)
+    facts = script_facts(tree, source)
+    if facts.callback is not None:
+        return [Check("script", OK, f"{name} uses slurmresume's {CALLBACKS[facts.callback]} callback "
+                                    f"({facts.callback}), which restores and calls ckpt.step() every step")]
     out = []
-    if "Checkpointer" not in calls:
+    if not facts.creates:
         out.append(Check("script", FAIL, f"{name} never creates slurmresume.Checkpointer",
                          "add ckpt = slurmresume.Checkpointer(save_every=...) (see README: Adapt your script)"))
-    if "restore" not in calls:
-        out.append(Check("script: restore", FAIL, f"{name} never calls .restore(state): a requeued run starts "
-                                                 "from scratch", "step = ckpt.restore(state) before the loop"))
-    steps = calls.get("step", [])
-    if not steps:
-        out.append(Check("script: step", FAIL, f"{name} never calls ckpt.step(...): the warning signal is never "
-                                              "acted on and nothing is saved", "call ckpt.step(step, state) at the "
-                                                                                "end of every training step"))
-    elif not any(steps):
-        out.append(Check("script: step", WARN, f"{name} calls .step(...) only outside loops",
+    if not facts.restores:
+        out.append(Check("script: restore", FAIL, f"{name} never calls .restore(state) on its Checkpointer: a "
+                                                 "requeued run starts from scratch", "step = ckpt.restore(state) before "
+                                                                                     "the loop"))
+    if not facts.steps:
+        out.append(Check("script: step", FAIL, f"{name} never calls ckpt.step(...) (other objects' .step(), such as "
+                                              "the optimizer's, do not count): the warning signal is never acted on "
+                                              "and nothing is saved", "call ckpt.step(step, state) at the end of "
+                                                                      "every training step"))
+    elif not any(facts.steps):
+        out.append(Check("script: step", WARN, f"{name} calls ckpt.step(...) only outside loops",
                          "call ckpt.step(step, state) inside the training loop, every step"))
     if not out:
-        out.append(Check("script", OK, f"{name} creates a Checkpointer, restores, and calls step() in a loop"))
+        out.append(Check("script", OK, f"{name} creates a Checkpointer, restores, and calls its step() in a loop"))
     return out
-
-
-def _walk(node: ast.AST, in_loop: bool, calls: dict[str, list[bool]]) -> None:
-    loop = in_loop or isinstance(node, (ast.For, ast.While, ast.AsyncFor))
-    if isinstance(node, ast.Call):
-        f = node.func
-        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-        if name in ("Checkpointer", "restore", "step"):
-            calls.setdefault(name, []).append(loop)
-    for child in ast.iter_child_nodes(node):
-        _walk(child, loop, calls)
 
 
 def check_filesystem(path: Path, mounts: str) -> Check:

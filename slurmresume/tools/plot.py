@@ -32,18 +32,38 @@ from .timeline import (
     secs,
 )
 
+# What --plot writes, by the file's extension (matplotlib's Agg and its vector backends).
+PLOT_FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp", "tif", "tiff", "eps", "ps")
 
-def plot_timeline(root: Path, out: Path, now: float | None = None) -> Path:
-    """Draw the timeline of `root`'s event log into the PNG `out`. ConfigError without
-    matplotlib or without any event to draw."""
+
+def plot_path(out: Path) -> Path:
+    """Pure: the file `--plot out` writes: `out` itself when its extension is one of
+    PLOT_FORMATS, `out` + ".png" when it has none. ConfigError naming the formats otherwise."""
     if out.is_dir():
         raise ConfigError(f"--plot {out} is a directory: give a file name, e.g. {out / 'run.png'}")
+    ext = out.suffix.lower().lstrip(".")
+    if not ext:
+        return out.with_name(out.name + ".png")
+    if ext not in PLOT_FORMATS:
+        raise ConfigError(f"--plot {out}: .{ext} is not a picture format --plot writes: end the name with "
+                          f"{', '.join('.' + f for f in PLOT_FORMATS)}")
+    return out
+
+
+def plot_timeline(root: Path, out: Path, now: float | None = None) -> Path:
+    """Draw the timeline of `root`'s event log into `plot_path(out)` and return that path.
+    ConfigError for a format it cannot write, without matplotlib or without any event to draw."""
+    path = plot_path(out)
     fig = render_timeline(read_events(root), now, source=root / "events.jsonl")
     import matplotlib.pyplot as plt
 
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    try:
+        fig.savefig(path, format=path.suffix.lstrip(".").lower())
+    except ValueError as exc:  # a format this matplotlib lacks (its message names the ones it has)
+        raise ConfigError(f"--plot {path}: {exc}") from None
+    finally:
+        plt.close(fig)
+    return path
 
 
 def render_timeline(events: list[dict[str, Any]], now: float | None = None, source: Path | None = None) -> Any:

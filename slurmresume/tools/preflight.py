@@ -15,9 +15,9 @@ from pathlib import Path
 
 from ..checkpoint.fsio import fs_type
 from ..errors import ConfigError
-from ..job.config import JobSpec
+from ..job.config import JobSpec, slurm_time_seconds
 from ..train.signals import parse_signal
-from .doctor import FAIL, check_script
+from .doctor import FAIL, check_script, slurm_limit_minutes
 
 # Memory and single-host block file systems: another node never sees what is written there.
 MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
@@ -94,6 +94,35 @@ def root_problem(root: Path, nodes: int, mounts: str, *, shared_root: bool) -> s
     return None
 
 
+def max_time_problem(time: str | None, partition: str | None, parts: list[dict[str, str]]) -> str | None:
+    """Pure: --time over the MaxTime of the partition (or of every one in a comma list; the
+    cluster's default one when none is named), read from `scontrol show partition`: such a job
+    pends forever (or sbatch refuses it). Partitions the text does not show are not judged."""
+    if time is None:
+        return None
+    names = partition.split(",") if partition else None
+    chosen = [p for p in parts if (p.get("PartitionName") in names if names else p.get("Default") == "YES")]
+    limits = [(p.get("PartitionName", "?"), p.get("MaxTime", ""), slurm_limit_minutes(p.get("MaxTime", "")))
+              for p in chosen]
+    if not limits or any(m is None or slurm_time_seconds(time) <= m * 60 for _, _, m in limits):
+        return None
+    name, text, _ = limits[0]
+    return (f"--time {time} is over the MaxTime of partition {name} ({text}): the job would wait in the queue "
+            f"forever: give --time {text} or less, or a partition with a longer MaxTime (slurmresume doctor -p NAME "
+            "shows it)")
+
+
+def lead_share_warning(time: str | None, lead: int) -> str | None:
+    """Pure: a --signal-lead over a third of --time leaves each allocation little training."""
+    if time is None:
+        return None
+    secs = slurm_time_seconds(time)
+    if 3 * lead <= secs:
+        return None
+    return (f"--signal-lead {lead} s is over a third of --time {time} ({secs} s): each allocation trains at most "
+            f"{secs - lead} s before the warning: give a longer --time (or a shorter --signal-lead if saves are quick)")
+
+
 def mirror_problem(mirror: str | None, importable: bool) -> str | None:
     """Pure: --mirror without the client that uploads to it."""
     if mirror is not None and not importable:
@@ -142,6 +171,22 @@ def _importable(module: str) -> bool:
     return True
 
 
+def _partitions() -> list[dict[str, str]]:
+    """`scontrol show partition`, parsed; empty where Slurm is not here or does not answer."""
+    import shutil
+
+    from .. import slurm
+    from ..errors import SlurmError
+    from .doctor import parse_partitions
+
+    if shutil.which("scontrol") is None:
+        return []
+    try:
+        return parse_partitions(slurm.run(["scontrol", "show", "partition"], timeout=15.0).stdout)
+    except SlurmError:
+        return []
+
+
 def _read_script(script: Path) -> str:
     try:
         return script.read_text()
@@ -150,10 +195,12 @@ def _read_script(script: Path) -> str:
 
 
 def preflight(spec: JobSpec, *, strict_script: bool, shared_root: bool = False, resume_from: str | None = None,
-              branch: Path | None = None) -> list[str]:
+              branch: Path | None = None, slurm: bool = False, script_imports: bool = True) -> list[str]:
     """Raise ConfigError for the first refusal; return warnings (one line each) to print.
     `strict_script`: a Slurm submission (or its --dry-run), where a script that never
-    restores or steps is refused rather than warned about."""
+    restores or steps is refused rather than warned about. `slurm`: a Slurm submission (or its
+    --dry-run): also --time against the partition's MaxTime and the lead, and what the nodes'
+    python imports (the script's own imports too unless not `script_imports`), last: the slowest."""
     source = _read_script(spec.script)
     problems = [
         script_problem(source, spec.script.name, strict=strict_script),
@@ -162,8 +209,20 @@ def preflight(spec: JobSpec, *, strict_script: bool, shared_root: bool = False, 
         root_problem(spec.ckpt_dir, spec.nodes, _mounts(), shared_root=shared_root),
         resume_problem(spec.ckpt_dir, resume_from, branch),
     ]
+    if slurm and spec.time is not None:
+        problems.append(max_time_problem(spec.time, spec.partition, _partitions()))
     first = next((p for p in problems if p), None)
     if first:
         raise ConfigError(first)
-    warning = None if strict_script else script_warning(source, spec.script.name)
-    return [warning] if warning else []
+    warnings = [None if strict_script else script_warning(source, spec.script.name)]
+    if slurm:
+        from .nodeimports import import_problem
+        from .nodeimports import script_imports as imports_of
+
+        warnings.append(lead_share_warning(spec.time, spec.signal_lead))
+        refusal, warning = import_problem(spec.python, spec.script, imports_of(source) if script_imports else [],
+                                          setup=bool(spec.setup))
+        if refusal:
+            raise ConfigError(refusal)
+        warnings.append(warning)
+    return [w for w in warnings if w]
