@@ -386,3 +386,24 @@ def test_the_drills_next_command_submits_as_printed(tmp_path: Path, monkeypatch:
     submitted = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
     assert [(e["event"], e["procs"], e["job_id"]) for e in submitted] == [("submitted", 2, "4242")]
     assert not (tmp_path / "runs" / "drill").exists()
+
+
+# -- row 4 at the queue: a step folder as submit's --ckpt-dir is refused before sbatch ------------
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "submit"])
+def test_submit_refuses_a_step_folder_as_its_root_before_the_queue(tmp_path: Path, dry_run: bool) -> None:
+    """What `latest` prints, pasted as --ckpt-dir, used to be queued and refused only on the node
+    when the script started (after the queue wait): refused here, naming the root to use."""
+    root = tmp_path / "ck"
+    ckpt = Checkpointer(root, handle_signals=False)
+    ckpt.save(3, {"w": 1})
+    ckpt.close()
+    step = root / "step_000000003"
+    bindir, train = fake_slurm(tmp_path), script(tmp_path, GOOD)
+    before = files(tmp_path)
+    proc = cli(["submit", train, "--ckpt-dir", str(step), *(["--dry-run"] if dry_run else [])],
+               tmp_path, {"PATH": str(bindir)})
+    line = one_error(proc, "is a step folder, not a checkpoint root")
+    assert f"--ckpt-dir {root}" in line
+    assert files(tmp_path) == before

@@ -17,6 +17,7 @@ from ..job.config import JobSpec, check_text, load_defaults, parse_sbatch_extras
 from ..job.hang import HangBudgets
 from .app import app, handle_errors
 from .job_inputs import find_python, next_command, refuse_local_ignored
+from .options import refuse_step_dir
 
 # Shown in --help as "(default: ...)": rich would swallow "[default: ...]" as markup. No default for
 # --time (the partition's DefaultTime applies) nor --max-requeues (no cap while runs progress).
@@ -231,6 +232,7 @@ def submit(
     elif branch is not None or discard_newer:
         raise ConfigError("--branch and --discard-newer only make sense with --resume-from STEP")
     _warn_lead(spec.ckpt_dir, spec.signal_lead)
+    refuse_step_dir(Path(spec.ckpt_dir).expanduser().absolute(), "submit", "--ckpt-dir")  # not only on the node
     if not dry_run:
         from ..tools.doctor import last_checkpoint_bytes, preflight_root
 

@@ -71,9 +71,10 @@ def resolve_root(ckpt_dir: Path | None, command: str | None = None) -> Path:
     return root
 
 
-def refuse_step_dir(root: Path, command: str | None = None) -> None:
+def refuse_step_dir(root: Path, command: str | None = None, flag: str = "-d") -> None:
     """ConfigError naming the root when `root` is a step folder (what `latest` prints) or lies
-    under one: a command would otherwise find no checkpoint there, or write into a saved one."""
+    under one: a command would otherwise find no checkpoint there, or write into a saved one.
+    `flag`: how `command` spells the root (`submit`: --ckpt-dir)."""
     from ..checkpoint.layout import enclosing_step_dir
 
     step = enclosing_step_dir(root)
@@ -82,4 +83,4 @@ def refuse_step_dir(root: Path, command: str | None = None) -> None:
     run = f"slurmresume {command} " if command else ""
     what = ("is a step folder, not a checkpoint root: use its parent" if step == root else
             f"is inside the step folder {step}, not a checkpoint root: use the root that holds it")
-    raise ConfigError(f"{root} {what}: {run}-d {shlex.quote(str(step.parent))}")
+    raise ConfigError(f"{root} {what}: {run}{flag} {shlex.quote(str(step.parent))}")

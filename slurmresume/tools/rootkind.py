@@ -19,7 +19,7 @@ from ..checkpoint.layout import (
     LOCK,
     OWNER,
     OWNER_LOCK,
-    REPLACING_PREFIX,
+    REPLACED_PREFIX,
     SAVING_PREFIX,
     parse_step_dir,
 )
@@ -45,7 +45,7 @@ def _looks_like_root(path: Path) -> bool:
 # `submit` creates logs/ and the lease; the launcher its run records; a save its lock and
 # temporary folders.
 _OURS = {"logs", OWNER, OWNER_LOCK, LOCK, RUNS_DIR}
-_OUR_PREFIXES = (SAVING_PREFIX, DELETING_PREFIX, REPLACING_PREFIX)
+_OUR_PREFIXES = (SAVING_PREFIX, DELETING_PREFIX, REPLACED_PREFIX)
 
 
 def _only_ours(path: Path) -> bool:
