@@ -1,6 +1,7 @@
 """The append-only event log next to the checkpoints (JSON lines), written by rank 0 / launchers,
 and its vocabulary: every event name (`EV_*`, the strings on disk) is declared here and nowhere
-else, and the log's readings that decide something go through the readers below.
+else (scripts/import_graph.py checks it); each estimate read back from the log is made by a
+reader below or in the module that owns it, with the names from here.
 
 The log is the human history. It is read back for estimates only, never for what to do with a
 run: the hang watch's save budget and the auto save interval (`save_seconds`), a mirror pull's
@@ -129,9 +130,9 @@ def try_append_event(root: Path, name: str, /, **fields: Any) -> bool:
 
 def read_events(root: Path) -> list[dict[str, Any]]:
     """The well-formed events of the log's last MAX_EVENT_LOG bytes, oldest first; a torn or
-    foreign line is skipped. The log is the human history: no decision of the launcher reads it
-    but the estimates in the module docstring, and a huge log costs a bounded read (its newest
-    events, not its first 64 MiB)."""
+    foreign line is skipped. The log is the human history, read back for estimates only (see the
+    module docstring), and a huge log costs a bounded read (its newest events, not its first
+    64 MiB)."""
     path = root / EVENTS
     try:  # never follow a link, never block on a FIFO, never read a device
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)

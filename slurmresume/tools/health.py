@@ -41,6 +41,7 @@ from ..events import (
     EV_STARTED,
     EV_STOPPED,
     EV_SUBMITTED,
+    MIRROR_PREFIX,
 )
 
 EXIT_HEALTHY = 0
@@ -214,7 +215,7 @@ def mirror_url(events: list[dict[str, Any]]) -> str | None:
     """Pure: the mirror's s3:// location, from the newest mirror event in the log (None: no mirror)."""
     for e in reversed(events):
         url = e.get("url")
-        if not (isinstance(url, str) and url.startswith("s3://") and str(e.get("event", "")).startswith("mirror_")):
+        if not (isinstance(url, str) and url.startswith("s3://") and str(e.get("event", "")).startswith(MIRROR_PREFIX)):
             continue
         head, _, last = url.rpartition("/")
         return head if last.startswith("step_") and head.count("/") >= 2 else url
