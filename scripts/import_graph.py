@@ -8,6 +8,7 @@
   and the roles listed after it, never one listed before it;
 - private names crossing modules: `from .x import _name` of a non-module name (each private name
   stays in the module that defines it);
+- event names spelled as strings outside events.py (`event_name_literals`: events.py owns them);
 - modules over 300 lines and the 10 longest functions.
 
 Roles, from the top (may import downwards only); the package a module lives in is its role:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import sys
 from pathlib import Path
 
@@ -139,6 +141,166 @@ def private_imports() -> list[str]:
     return bad
 
 
+# -- the event vocabulary (events.py owns every name) -----------------------------------------
+EVENT_WRITERS = {"append_event": 1, "try_append_event": 1, "_event": 0, "on_event": 0}  # the name's position
+_WORDLIKE = re.compile(r"[a-z][a-z0-9]*(?:_[a-z0-9]+)*")
+
+
+def declared_events() -> dict[str, str]:
+    """{on-disk name: constant} of events.py's `EV_* = "..."` (read from the source)."""
+    tree = ast.parse((PKG / "events.py").read_text())
+    return {n.value.value: n.targets[0].id for n in tree.body
+            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+            and n.targets[0].id.startswith("EV_") and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
+
+
+def _is_event(node: ast.AST, evars: set[str]) -> bool:
+    """An event's name: `e["event"]`, `e.get("event")`, a variable holding one, `str(...)` of one,
+    or a method's result on one (`kinds.keys()`)."""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == "event":
+        return True
+    if isinstance(node, ast.Name):
+        return node.id in evars
+    if isinstance(node, ast.Call):
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr == "get" and node.args and isinstance(node.args[0], ast.Constant) \
+                and node.args[0].value == "event":
+            return True
+        if isinstance(f, ast.Name) and f.id == "str" and node.args:
+            return _is_event(node.args[0], evars)
+        return isinstance(f, ast.Attribute) and _is_event(f.value, evars)
+    return False
+
+
+def _walk_scope(scope: ast.AST) -> list[ast.AST]:
+    """The nodes of a function, or of a module outside its functions (each function is its own scope)."""
+    out: list[ast.AST] = []
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or isinstance(scope, ast.FunctionDef):
+            todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _event_vars(scope: ast.AST) -> set[str]:
+    """Names assigned an event's name (or a dict keyed by them) in a function or module."""
+    evars: set[str] = set()
+    while True:
+        before = len(evars)
+        for node in _walk_scope(scope):
+            if not isinstance(node, ast.Assign):
+                continue
+            pairs = [(t, node.value) for t in node.targets]
+            for t, v in list(pairs):
+                if isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple) and len(t.elts) == len(v.elts):
+                    pairs.extend(zip(t.elts, v.elts))
+            for t, v in pairs:
+                if isinstance(v, ast.IfExp):
+                    v = v.body
+                if isinstance(v, ast.DictComp):
+                    v = v.key
+                if isinstance(t, ast.Name) and _is_event(v, evars):
+                    evars.add(t.id)
+        if len(evars) == before:
+            return evars
+
+
+def event_name_literals(files: dict[str, tuple[bool, ast.Module, int]] | None = None) -> list[str]:
+    """Event names spelled as strings outside events.py: a name-like string constant (declared in
+    events.py or not) given to an event writer (`append_event`, `try_append_event`, the mirror's
+    `_event`/`on_event`), compared with an event's name (`==`, `in`; through a variable or a
+    module's collection, also one imported from another module), looked up in a dict keyed by
+    event names, or given to a method of an event's name (`startswith`). Docstrings and other
+    strings (a run's outcome kind, a verdict) are not event names and pass. `files`: as
+    `sources()` returns them (the default)."""
+    files = files or sources()
+    known = set(files)
+    assigns: dict[str, dict[str, list[ast.expr]]] = {}
+    imported: dict[str, dict[str, tuple[str, str]]] = {}
+    for mod, (is_pkg, tree, _) in files.items():
+        assigns[mod], imported[mod] = {}, {}
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    if isinstance(t, ast.Name):
+                        assigns[mod].setdefault(t.id, []).append(node.value)
+            elif isinstance(node, ast.ImportFrom):
+                targets = resolve(mod, is_pkg, node, known)
+                for alias in node.names:
+                    if targets and targets[0] in files:
+                        imported[mod][alias.asname or alias.name] = (targets[0], alias.name)
+    bad: list[str] = []
+
+    def flag(mod: str, expr: ast.AST, local: dict[str, list[ast.expr]], evars: set[str], seen: set[int]) -> None:
+        if mod == "events" or id(expr) in seen or _is_event(expr, evars):
+            return
+        seen.add(id(expr))
+        if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+            if _WORDLIKE.fullmatch(expr.value):
+                bad.append(f"{mod}:{expr.lineno}:{expr.col_offset}: {expr.value!r}")
+        elif isinstance(expr, ast.Name):
+            for value in local.get(expr.id, []) or assigns[mod].get(expr.id, []):
+                flag(mod, value, local, evars, seen)
+            if expr.id in imported[mod] and expr.id not in local and expr.id not in assigns[mod]:
+                src, name = imported[mod][expr.id]
+                for value in assigns[src].get(name, []):
+                    flag(src, value, {}, set(), seen)
+        elif isinstance(expr, ast.Dict):  # a mapping to event names: its values
+            for v in expr.values:
+                flag(mod, v, local, evars, seen)
+        elif isinstance(expr, ast.Call):  # {...}.get(key): the mapping, not the key
+            f = expr.func
+            if isinstance(f, ast.Attribute) and f.attr == "get":
+                flag(mod, f.value, local, evars, seen)
+                for a in expr.args[1:]:
+                    flag(mod, a, local, evars, seen)
+            else:
+                for a in expr.args:
+                    flag(mod, a, local, evars, seen)
+        elif isinstance(expr, (ast.Tuple, ast.List, ast.Set, ast.BinOp, ast.IfExp, ast.BoolOp, ast.Starred)):
+            for child in ast.iter_child_nodes(expr):
+                flag(mod, child, local, evars, seen)
+
+    for mod, (_, tree, _) in sorted(files.items()):
+        if mod == "events":
+            continue
+        scopes: list[ast.AST] = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for scope in scopes:
+            local: dict[str, list[ast.expr]] = {}
+            if scope is not tree:
+                for n in _walk_scope(scope):
+                    if isinstance(n, ast.Assign):
+                        for t in n.targets:
+                            for name in ast.walk(t):
+                                if isinstance(name, ast.Name):
+                                    local.setdefault(name.id, []).append(n.value)
+            evars = _event_vars(scope) | (set() if scope is tree else _event_vars(tree))
+            for node in _walk_scope(scope):
+                positions: list[ast.AST] = []
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                    at = EVENT_WRITERS.get(name or "")
+                    if at is not None and len(node.args) > at:
+                        positions.append(node.args[at])
+                    if isinstance(f, ast.Attribute) and _is_event(f.value, evars):
+                        positions.extend(node.args)
+                elif isinstance(node, ast.Compare):
+                    sides = [node.left, *node.comparators]
+                    if any(_is_event(s, evars) for s in sides):
+                        positions.extend(s for s in sides if not _is_event(s, evars))
+                elif isinstance(node, ast.BinOp):
+                    if _is_event(node.left, evars) or _is_event(node.right, evars):
+                        positions.extend(s for s in (node.left, node.right) if not _is_event(s, evars))
+                elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in evars:
+                    positions.append(node.slice)
+                for p in positions:
+                    flag(mod, p, local, evars, set())
+    return sorted(set(bad))
+
+
 def _under_type_checking(node: ast.stmt) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
@@ -206,6 +368,10 @@ def main() -> int:
     print(f"private names used outside their module: {len(private)}")
     for b in private:
         print("  " + b)
+    spelled = event_name_literals()
+    print(f"event names spelled outside events.py: {len(spelled)}")
+    for b in spelled:
+        print("  " + b)
     by_role: dict[str, list[str]] = {}
     for m in sorted(top):
         by_role.setdefault(role(m), []).append(m)
@@ -213,7 +379,7 @@ def main() -> int:
         print(f"{r:8} {len(by_role.get(r, []))} modules, {sum(lines[m] for m in by_role.get(r, []))} lines")
     print("modules over 300 lines: " + ", ".join(f"{m} ({n})" for m, n in sorted(lines.items(), key=lambda x: -x[1]) if n > 300))
     print("longest functions: " + ", ".join(f"{name} ({n})" for n, name in funcs[:10]))
-    return 1 if cyc or bad or private else 0
+    return 1 if cyc or bad or private or spelled else 0
 
 
 if __name__ == "__main__":

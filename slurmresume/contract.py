@@ -75,18 +75,7 @@ EXIT_MIRROR_BEHIND = 78  # rank 0 at close(): the last committed step did not re
 # already REQUEUED in Slurm's record, and a non-zero code can never read as COMPLETED.
 LAUNCHER_EXIT_REQUEUED = EXIT_PREEMPTED
 
-# -- events the launcher adds to the human history (never read back for a decision) ----------
-EV_REQUEUE_FAILED = "requeue_failed"  # every `scontrol requeue` attempt failed before the deadline
-EV_NO_CHECKPOINT = "no_checkpoint"  # the run finished and no complete checkpoint exists
-EV_WARNED_WITHOUT_SAVE = "warned_without_save"  # the warning came, the run ended, nothing saved
-EV_INTERRUPTED = "interrupted"  # SIGINT (Ctrl-C) reached the launcher: best-effort save, no requeue
-EV_EMERGENCY_SAVE_FAILED = "emergency_save_failed"  # rank 0: the save after a signal failed
-EV_HANG = "hang"  # a rank made no progress within its phase's budget: stacks dumped, run killed
-# the first step after an in-allocation restart (seconds since the death/kill), or after a requeue
-# (cause "requeue": seconds since the requeued launcher's process started; locally, since the
-# previous run ended)
-EV_RESUMED = "resumed"
-EV_HELD = "held"  # the same hang twice without progress: the job is held (scontrol requeuehold)
+# The event names (EV_*) the launcher adds to the human history are declared in events.py.
 
 RUNS_DIR = ".runs"
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}")

@@ -1,10 +1,19 @@
-"""The append-only event log next to the checkpoints (JSON lines), written by rank 0 / launchers."""
+"""The append-only event log next to the checkpoints (JSON lines), written by rank 0 / launchers,
+and its vocabulary: every event name (`EV_*`, the strings on disk) is declared here and nowhere
+else (scripts/import_graph.py checks it); each estimate read back from the log is made by a
+reader below or in the module that owns it, with the names from here.
+
+The log is the human history. It is read back for estimates only, never for what to do with a
+run: the hang watch's save budget and the auto save interval (`save_seconds`), a mirror pull's
+expected rate (`train.heartbeat.logged_pull_rate`), and `submit`'s `--signal-lead` warning
+(`job.leadtime`)."""
 
 from __future__ import annotations
 
 import errno
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -15,6 +24,49 @@ from typing import Any
 from .checkpoint.fsio import makedirs
 from .checkpoint.layout import EVENTS
 from .identity import start_ticks
+
+# -- the vocabulary: one name per kind of event, as written on disk ---------------------------
+# the node launcher (job/node.py, job/launcher.py)
+EV_STARTED = "started"  # a run began (every node's launcher logs it; node 0's is the run's)
+EV_RUN_ENDED = "run_ended"  # a run ended: its outcome, the launcher's action and why
+EV_REQUEUED = "requeued"  # the job was requeued (scontrol requeue worked), or a local rerun
+EV_REQUEUE_FAILED = "requeue_failed"  # every `scontrol requeue` attempt failed before the deadline
+EV_FINISHED = "finished"  # the job ended: the run finished (or the mirror stayed behind)
+EV_GAVE_UP = "gave_up"  # the job ended: too many restarts without progress
+EV_STOPPED = "stopped"  # the job ended: a stop the launcher was told or decided
+EV_FAILED = "failed"  # a run failed (a non-zero exit that was no preemption)
+EV_NO_CHECKPOINT = "no_checkpoint"  # the run finished and no complete checkpoint exists
+EV_WARNED_WITHOUT_SAVE = "warned_without_save"  # the warning came, the run ended, nothing saved
+EV_INTERRUPTED = "interrupted"  # SIGINT (Ctrl-C) reached the launcher: best-effort save, no requeue
+EV_SIGTERM = "sigterm"  # SIGTERM reached the launcher (its meaning: preempt or terminate)
+EV_SIGNAL_FORWARDED = "signal_forwarded"  # the warning signal relayed to the workers
+EV_HANG = "hang"  # a rank made no progress within its phase's budget: stacks dumped, run killed
+# the first step after an in-allocation restart (seconds since the death/kill), or after a requeue
+# (cause "requeue": seconds since the requeued launcher's process started; locally, since the
+# previous run ended)
+EV_RESUMED = "resumed"
+EV_HELD = "held"  # the same hang twice without progress: the job is held (scontrol requeuehold)
+# rank 0 (train/)
+EV_SAVE_COMMITTED = "save_committed"  # a checkpoint committed: step, seconds, bytes, reason, ...
+EV_SAVE_FAILED = "save_failed"  # a save failed: nothing new committed
+EV_SIGNAL_AGREED = "signal_agreed"  # the ranks agreed on the step to save at after a warning
+EV_EXIT_AFTER_SAVE = "exit_after_save"  # the emergency save committed: the ranks exit
+EV_EMERGENCY_SAVE_FAILED = "emergency_save_failed"  # rank 0: the save after a signal failed
+EV_RESTORED = "restored"  # a checkpoint was restored (step, seconds, the start-up breakdown)
+EV_ROOT_CONFLICT = "root_conflict"  # the script's root is not the launcher's (logged under the launcher's)
+# the mirror (mirror/background.py)
+EV_MIRROR_UPLOADED = "mirror_uploaded"
+EV_MIRROR_DOWNLOADED = "mirror_downloaded"  # a pull: bytes and seconds (the pull rate's source)
+EV_MIRROR_FAILED = "mirror_failed"
+EV_MIRROR_CONFLICT = "mirror_conflict"
+EV_MIRROR_BEHIND = "mirror_behind"  # the last committed step did not reach the mirror
+MIRROR_PREFIX = "mirror_"  # every mirror event's name starts so
+# the command line (cli/, tools/)
+EV_SUBMITTED = "submitted"  # `slurmresume submit`: a new job on this root (its signal lead)
+EV_DISCARDED_NEWER = "discarded_newer"  # `branch --discard-newer`: the steps after the one kept
+EV_BRANCHED = "branched"  # a new root started from another root's step
+
+NAMES = frozenset(v for k, v in list(globals().items()) if k.startswith("EV_") and isinstance(v, str))
 
 MAX_EVENT_LOG = 64 << 20  # read_events reads at most this much, from the end of the log
 log = logging.getLogger("slurmresume")
@@ -78,8 +130,9 @@ def try_append_event(root: Path, name: str, /, **fields: Any) -> bool:
 
 def read_events(root: Path) -> list[dict[str, Any]]:
     """The well-formed events of the log's last MAX_EVENT_LOG bytes, oldest first; a torn or
-    foreign line is skipped. The log is the human history: no decision of the launcher reads it,
-    and a huge log costs a bounded read (its newest events, not its first 64 MiB)."""
+    foreign line is skipped. The log is the human history, read back for estimates only (see the
+    module docstring), and a huge log costs a bounded read (its newest events, not its first
+    64 MiB)."""
     path = root / EVENTS
     try:  # never follow a link, never block on a FIFO, never read a device
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -108,3 +161,16 @@ def read_events(root: Path) -> list[dict[str, Any]]:
         if isinstance(rec, dict) and isinstance(rec.get("event"), str):
             out.append(rec)
     return out
+
+
+# -- typed readers: what a decision takes from the log ----------------------------------------
+
+def save_seconds(events: list[dict[str, Any]]) -> list[float]:
+    """The logged seconds of each committed save, oldest first (a save whose seconds are not a
+    finite non-negative number is skipped). Pure. The hang watch's save budget
+    (`job.node._watch`) and the auto save interval (`train.policy.estimate_from_events`)."""
+    return [float(e["seconds"]) for e in events if e.get("event") == EV_SAVE_COMMITTED and _seconds(e.get("seconds"))]
+
+
+def _seconds(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0

@@ -97,3 +97,57 @@ def test_checkpoint_package_has_no_circle_even_through_deferred_imports() -> Non
     top, lazy, _, _ = ig.graph()
     both = {m: top[m] | lazy[m] for m in top}
     assert [c for c in ig.cycles(both) if any(m.startswith("checkpoint.") for m in c)] == []
+
+
+def test_event_names_are_spelled_only_in_events_py() -> None:
+    """The event log is read back for decisions (the hang watch's save budget, the auto save
+    interval, a pull's rate, the lead warning): its names are one vocabulary, declared in
+    events.py (#48.2). No string passed to an event writer or compared with an event's name
+    outside events.py, through a variable or a module's collection."""
+    assert _import_graph().event_name_literals() == []
+
+
+def test_the_event_name_scan_finds_each_way_of_spelling_a_name() -> None:
+    """Each way a name was spelled in place before #48.2 is found; other strings pass."""
+    import ast
+
+    ig = _import_graph()
+    declared = ig.declared_events()
+    assert declared["save_committed"] == "EV_SAVE_COMMITTED" and len(declared) == len(set(declared.values()))
+    from slurmresume import events
+
+    assert set(declared) == events.NAMES and all(getattr(events, c) == n for n, c in declared.items())
+    code = {
+        "job.a": """
+from ..events import try_append_event
+ENDS = {"gave_up", "stopped"}
+def write(root, action, kind):
+    try_append_event(root, "save_committed", seconds=1)      # 1 a writer's name
+    terminal = {"finish": "finished"}.get(action)            # 2 a mapping to a name
+    try_append_event(root, terminal)
+    if kind == "failed":                                     # a run's outcome kind: not an event
+        pass
+def read(events, e):
+    last = events[-1]["event"] if events else None
+    kinds = {x["event"]: x for x in events}
+    return (e.get("event") == "started",                     # 3 a comparison
+            last in ("held", "hang"),                        # 4, 5 through a variable, a tuple
+            e["event"] in ENDS,                              # 6, 7 a module's collection
+            "run_ended" in kinds, kinds["restored"],         # 8, 9 a dict keyed by names
+            str(e.get("event", "")).startswith("mirror_"),   # a prefix: passes
+            e.get("kind") == "preempt")                      # another field: passes
+""",
+        "tools.b": """
+from ..job.a import ENDS
+def f(e):
+    \"\"\"A docstring that says "save_committed" passes.\"\"\"
+    name = e.get("event")
+    self._event("mirror_uploaded")                           # 10 the mirror's writer
+    return name in ENDS or name.startswith("hang")          # (ENDS again) 11 a method of a name
+""",
+    }
+    files = {m: (False, ast.parse(c), 0) for m, c in code.items()}
+    found = [b.split(": ")[1] for b in ig.event_name_literals(files)]
+    assert sorted(found) == sorted(repr(n) for n in ["save_committed", "finished", "started", "held", "hang",
+                                                      "gave_up", "stopped", "run_ended", "restored",
+                                                      "mirror_uploaded", "hang"]), found

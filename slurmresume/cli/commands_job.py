@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import ConfigError
+from ..events import EV_EXIT_AFTER_SAVE, EV_STARTED, EV_SUBMITTED
 from ..job.config import JobSpec, check_text, load_defaults, parse_sbatch_extras, split_signal
 from ..job.hang import HangBudgets
 from .app import app, handle_errors
@@ -114,9 +115,9 @@ def _interrupted_line(root: Path, checkpoint: int | None) -> str:
     from ..events import read_events
 
     events = read_events(root)[-200:]
-    starts = [i for i, e in enumerate(events) if e.get("event") == "started"]
+    starts = [i for i, e in enumerate(events) if e.get("event") == EV_STARTED]
     run = events[starts[-1]:] if starts else []
-    saved = [e["step"] for e in run if e.get("event") == "exit_after_save" and isinstance(e.get("step"), int)]
+    saved = [e["step"] for e in run if e.get("event") == EV_EXIT_AFTER_SAVE and isinstance(e.get("step"), int)]
     ckpt = f"checkpoint step {checkpoint}" if checkpoint is not None else "no checkpoint yet"
     where = f"interrupted at step {saved[-1]}" if saved else "interrupted without a save"
     return f"{where} ({ckpt}): the same command resumes from there"
@@ -267,7 +268,7 @@ def submit(
         launch.claim_root(spec, sub.job_id, takeover=takeover)
         from ..events import append_event
 
-        append_event(spec.ckpt_dir, "submitted", job=sub.job_id, job_id=sub.job_id, script=str(spec.script), nodes=spec.nodes,
+        append_event(spec.ckpt_dir, EV_SUBMITTED, job=sub.job_id, job_id=sub.job_id, script=str(spec.script), nodes=spec.nodes,
                      procs=spec.procs, signal_lead=spec.signal_lead, log_dir=str(sub.log_dir))
     if json_out:
         print_json({"job_id": sub.job_id or None, "log_dir": str(sub.log_dir), "sbatch_script": sub.sbatch_script,

@@ -12,6 +12,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from ..events import EV_EXIT_AFTER_SAVE, EV_SAVE_COMMITTED, EV_SIGNAL_AGREED
+
 _STD_FIELDS = {"time", "event", "host", "pid", "job_id", "restart", "run_id"}
 
 
@@ -60,8 +62,8 @@ def metrics_text(metrics: Any) -> str:
 def event_details(e: dict[str, Any]) -> str:
     """One line for a logged event: the well-known kinds read naturally, others as key=value."""
     kind = e.get("event")
-    if kind == "save_committed":
+    if kind == EV_SAVE_COMMITTED:
         return f"step {e.get('step')} in {e.get('seconds', 0):.2f} s ({e.get('reason', '?')})"
-    if kind in ("signal_agreed", "exit_after_save"):
+    if kind in (EV_SIGNAL_AGREED, EV_EXIT_AFTER_SAVE):
         return f"step {e.get('step')}, {e.get('kind', '?')}"
     return ", ".join(f"{k}={v}" for k, v in e.items() if k not in _STD_FIELDS and v is not None)

@@ -35,15 +35,19 @@ from ..checkpoint.store import newest_committed
 from ..contract import (
     ENV_DUMP_SIGNAL,
     ENV_NONCE,
-    EV_HANG,
-    EV_INTERRUPTED,
-    EV_RESUMED,
     read_hang,
     read_mirror_behind,
     read_outcome,
     write_hang,
 )
-from ..events import try_append_event
+from ..events import (
+    EV_HANG,
+    EV_INTERRUPTED,
+    EV_RESUMED,
+    EV_SIGNAL_FORWARDED,
+    EV_SIGTERM,
+    try_append_event,
+)
 from ..identity import start_ticks
 from ..train.signals import parse_signal
 from .decision import RunResult as RunResult
@@ -132,7 +136,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
                     _kill(pid, sig)
                 if pids:
                     if sig != sent:
-                        try_append_event(root, "signal_forwarded", signal=signal.Signals(sig).name, workers=len(pids),
+                        try_append_event(root, EV_SIGNAL_FORWARDED, signal=signal.Signals(sig).name, workers=len(pids),
                                      run_id=run_id)
                     sent, last_sent = sig, time.monotonic()
             if stop is None:
@@ -219,7 +223,7 @@ def _classify_stop(relay: Relay, clock: JobClock | None, root: Path, run_id: str
         return "interrupt"
     if signal.SIGTERM in relay.pending and relay.term_at is not None:
         stop = clock.classify_term(relay.term_at) if clock is not None else "cancel"
-        try_append_event(root, "sigterm", run_id=run_id, meaning=stop)
+        try_append_event(root, EV_SIGTERM, run_id=run_id, meaning=stop)
         return stop
     return None
 

@@ -14,10 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..events import (
+    EV_SAVE_COMMITTED,
+    EV_SIGNAL_AGREED,
+    EV_SIGNAL_FORWARDED,
+    EV_SIGTERM,
+    EV_STARTED,
+    EV_SUBMITTED,
+)
+
 MARGIN_S = 10.0  # Slurm's own slack: the signal may come late within its one-minute tick, exit + requeue
 RECENT = 16  # saves the prediction looks at
 EMERGENCY_REASONS = ("preempt", "terminate")
-SIGNAL_EVENTS = ("signal_forwarded", "signal_agreed", "sigterm")
+SIGNAL_EVENTS = (EV_SIGNAL_FORWARDED, EV_SIGNAL_AGREED, EV_SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,7 @@ def _num(v: Any) -> float | None:
 def predict_save(events: list[dict[str, Any]], size_now: int | None = None) -> Prediction | None:
     """From the last RECENT committed saves: seconds for a save of `size_now` bytes (default:
     the newest logged size). None when no save was measured."""
-    saves = [e for e in events if e.get("event") == "save_committed" and _num(e.get("seconds")) is not None]
+    saves = [e for e in events if e.get("event") == EV_SAVE_COMMITTED and _num(e.get("seconds")) is not None]
     saves = saves[-RECENT:]
     if not saves:
         return None
@@ -87,7 +96,7 @@ def logged_lead(events: list[dict[str, Any]], before: float | None = None) -> in
     for e in reversed(events):
         if before is not None and float(e.get("time") or 0) > before:
             continue
-        if e.get("event") == "submitted" and isinstance(e.get("signal_lead"), int):
+        if e.get("event") == EV_SUBMITTED and isinstance(e.get("signal_lead"), int):
             return int(e["signal_lead"])
     return None
 
@@ -102,9 +111,9 @@ def late_saves(events: list[dict[str, Any]]) -> list[LateSave]:
         name = e.get("event")
         if name in SIGNAL_EVENTS:
             signal_t = signal_t if signal_t is not None else _num(e.get("time"))
-        elif name == "started":
+        elif name == EV_STARTED:
             signal_t = None
-        elif name == "save_committed" and e.get("reason") in EMERGENCY_REASONS and _num(e.get("seconds")) is not None:
+        elif name == EV_SAVE_COMMITTED and e.get("reason") in EMERGENCY_REASONS and _num(e.get("seconds")) is not None:
             t = float(e.get("time") or 0)
             took = float(e["seconds"])
             if signal_t is not None and signal_t <= t:

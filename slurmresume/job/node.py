@@ -24,10 +24,6 @@ from ..contract import (
     ENV_ROOT,
     ENV_RUN_ID,
     ENV_SIGNAL,
-    EV_HELD,
-    EV_NO_CHECKPOINT,
-    EV_REQUEUE_FAILED,
-    EV_WARNED_WITHOUT_SAVE,
     EXIT_MIRROR_BEHIND,
     LAUNCHER_EXIT_REQUEUED,
     LastRun,
@@ -36,7 +32,21 @@ from ..contract import (
     write_last_run,
 )
 from ..errors import SlurmError
-from ..events import process_started_at, try_append_event
+from ..events import (
+    EV_FAILED,
+    EV_FINISHED,
+    EV_GAVE_UP,
+    EV_HELD,
+    EV_NO_CHECKPOINT,
+    EV_REQUEUE_FAILED,
+    EV_REQUEUED,
+    EV_RUN_ENDED,
+    EV_STARTED,
+    EV_STOPPED,
+    EV_WARNED_WITHOUT_SAVE,
+    process_started_at,
+    try_append_event,
+)
 from ..train.heartbeat import dump_signal
 from .config import JobSpec
 from .guardian import Guardian
@@ -182,7 +192,7 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
             prune_records(root, job_key, time.time())  # other launches' records: never believed, now gone
         while True:
             run_id = run_id_for(job_key, restart, failures + hangs)
-            try_append_event(root, "started", restart=restart, run_id=run_id, job_key=job_key, local=local,
+            try_append_event(root, EV_STARTED, restart=restart, run_id=run_id, job_key=job_key, local=local,
                              launcher_started_at=launcher_started_at, **extra)
             log.info("run %s: %s", run_id, " ".join(cmd))
             watch = _watch(spec, run_id, recovering)
@@ -226,7 +236,7 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
                 continue
             restart += 1
             if local:
-                try_append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, local=True)
+                try_append_event(root, EV_REQUEUED, restart=restart, job_key=job_key, reason=reason, local=True)
                 recovering = (result.ended_at or time.time(), "requeue")
                 relay.pending.clear()
                 failures = hangs = 0  # a requeued Slurm job starts with fresh budgets too
@@ -244,10 +254,9 @@ def _watch(spec: JobSpec, run_id: str, recovering: tuple[float, str] | None) -> 
     """This node's ranks' hang watch for one run; the save budget starts from the log's recent saves.
     Which ranks are this node's is learned from the agent's children and the records (hangwatch.py),
     never computed from SLURM_NODEID: torchrun's rendezvous orders nodes its own way."""
-    from ..events import read_events
+    from ..events import read_events, save_seconds
 
-    saves = [float(e["seconds"]) for e in read_events(spec.ckpt_dir)[-200:]
-             if e.get("event") == "save_committed" and isinstance(e.get("seconds"), (int, float))]
+    saves = save_seconds(read_events(spec.ckpt_dir)[-200:])
     directory = heartbeat_dir(run_id, spec.procs, spec.ckpt_dir)
     return HangWatch(directory, spec.budgets, procs=spec.procs, save_cost_s=max(saves[-20:], default=0.0),
                      recovering=recovering, root=spec.ckpt_dir)
@@ -281,7 +290,7 @@ def _requeue(root: Path, clock: JobClock, relay: Relay, job: str, restart: int, 
         try_append_event(root, EV_REQUEUE_FAILED, restart=restart, job_key=job_key, error=str(exc),
                          seconds=round(time.time() - began, 2))
         raise SystemExit(f"slurmresume: the requeue failed, the job ends here: {exc}") from None
-    try_append_event(root, "requeued", restart=restart, job_key=job_key, reason=reason, attempts=len(errors) + 1,
+    try_append_event(root, EV_REQUEUED, restart=restart, job_key=job_key, reason=reason, attempts=len(errors) + 1,
                      errors=errors or None)
     log.info("requeued (%d attempt(s)); exiting", len(errors) + 1)
     raise SystemExit(LAUNCHER_EXIT_REQUEUED)
@@ -291,7 +300,7 @@ def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str
             restart: int, first_node: bool, nonce: str) -> None:
     if not first_node and action == "stop":
         return
-    try_append_event(root, "run_ended", run_id=run_id, job_key=job_key, restart=restart, outcome=result.kind,
+    try_append_event(root, EV_RUN_ENDED, run_id=run_id, job_key=job_key, restart=restart, outcome=result.kind,
                      returncode=result.returncode, saved_step=result.saved_step, latest=result.latest_after,
                      progressed=result.progressed, lost_steps=result.lost_steps, action=action, reason=reason)
     try:
@@ -307,11 +316,11 @@ def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str
     if loud:
         try_append_event(root, loud, run_id=run_id, job_key=job_key, reason=reason)
         print(f"slurmresume: WARNING: {reason}", file=sys.stderr, flush=True)
-    terminal = {"finish": "finished", "behind": "finished", "give_up": "gave_up", "stop": "stopped"}.get(action)
+    terminal = {"finish": EV_FINISHED, "behind": EV_FINISHED, "give_up": EV_GAVE_UP, "stop": EV_STOPPED}.get(action)
     if terminal:
         try_append_event(root, terminal, reason=reason, step=result.latest_after, job_key=job_key)
     if result.kind == "failed":
-        try_append_event(root, "failed", returncode=result.returncode, job_key=job_key, reason=reason)
+        try_append_event(root, EV_FAILED, returncode=result.returncode, job_key=job_key, reason=reason)
 
 
 def rdzv_host(nnodes: int) -> str:

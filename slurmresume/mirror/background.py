@@ -35,6 +35,13 @@ from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import find_latest as find_latest_local
 from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, NoCheckpointError
+from ..events import (
+    EV_MIRROR_BEHIND,
+    EV_MIRROR_CONFLICT,
+    EV_MIRROR_DOWNLOADED,
+    EV_MIRROR_FAILED,
+    EV_MIRROR_UPLOADED,
+)
 from . import remote
 from .own import OwnAttempts
 from .s3 import S3Location, client, parse_s3_url
@@ -133,7 +140,7 @@ class Mirror:
         step, why = self.behind
         log.warning("mirror: step %s is not on %s at close (%s): the next run with this mirror uploads it",
                     step if step is not None else "(newest)", self.loc.url, why)
-        self._event("mirror_behind", step=step, url=self.loc.url, error=why[:500])
+        self._event(EV_MIRROR_BEHIND, step=step, url=self.loc.url, error=why[:500])
         return False
 
     def _run(self) -> None:
@@ -156,7 +163,7 @@ class Mirror:
                 self._failed = (job[2] if job[2] >= 0 else None, str(exc))
                 log.warning("mirror: %s to %s failed (try %d of %d): %s", job[0], self.loc.url, tries,
                             self.settings.attempts, exc)
-                self._event("mirror_failed", step=job[2] if job[2] >= 0 else None, error=str(exc)[:500])
+                self._event(EV_MIRROR_FAILED, step=job[2] if job[2] >= 0 else None, error=str(exc)[:500])
                 self._retry_later(job, tries)
 
     def _retry_later(self, job: tuple[str, Path, int], tries: int) -> None:
@@ -185,10 +192,10 @@ class Mirror:
         if result.action == "uploaded":
             log.info("mirror: step %d uploaded to %s (%.1f MB in %.2f s)", step, self.loc.step_url(step),
                      result.bytes / 1e6, result.seconds)
-            self._event("mirror_uploaded", step=step, url=self.loc.step_url(step), bytes=result.bytes,
+            self._event(EV_MIRROR_UPLOADED, step=step, url=self.loc.step_url(step), bytes=result.bytes,
                         seconds=round(result.seconds, 4))
         elif result.action == "conflict":
-            self._event("mirror_conflict", step=step, error=result.detail)
+            self._event(EV_MIRROR_CONFLICT, step=step, error=result.detail)
         if result.action == "uploaded":
             self._remove_abandoned()
         if self.retention is not None and result.action == "uploaded":
@@ -278,7 +285,7 @@ class Mirror:
             newest = info
             log.info("mirror: step %d downloaded from %s (local newest was %s)", newest.step, self.loc.url,
                      have if have >= 0 else "none")
-            self._event("mirror_downloaded", step=newest.step, url=self.loc.step_url(newest.step),
+            self._event(EV_MIRROR_DOWNLOADED, step=newest.step, url=self.loc.step_url(newest.step),
                         bytes=result.bytes, seconds=round(result.seconds, 4))
             return result
         return None
@@ -321,7 +328,7 @@ class Mirror:
             if result.action == "downloaded":
                 log.warning("mirror: the local copy of step %d failed to load; replaced by the bucket's "
                             "verified copy of the same commit", step)
-                self._event("mirror_downloaded", step=step, url=self.loc.step_url(step), bytes=result.bytes,
+                self._event(EV_MIRROR_DOWNLOADED, step=step, url=self.loc.step_url(step), bytes=result.bytes,
                             seconds=round(result.seconds, 4), replaced=True)
                 return step
         return None
@@ -353,6 +360,6 @@ class Mirror:
         result = download_step(self.s3, self.loc, step, root, settings=self.settings,
                                deadline=time.monotonic() + self.settings.pull_deadline)
         log.info("mirror: step %d downloaded from %s for restore(step=%d)", step, self.loc.url, step)
-        self._event("mirror_downloaded", step=step, url=self.loc.step_url(step), bytes=result.bytes,
+        self._event(EV_MIRROR_DOWNLOADED, step=step, url=self.loc.step_url(step), bytes=result.bytes,
                     seconds=round(result.seconds, 4))
         return result

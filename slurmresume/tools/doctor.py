@@ -19,6 +19,7 @@ from typing import Any
 
 from ..checkpoint.fsio import fs_type
 from ..errors import ConfigError, SlurmError
+from ..events import save_seconds
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 EARLY_SIGNAL_S = 60  # sbatch(1): the --signal signal may come up to 60 s earlier than asked
@@ -294,8 +295,7 @@ def measured_saves(events: list[dict[str, Any]], last: int = 16) -> tuple[list[f
     """Seconds of the last `last` committed saves, and seconds per step (None: unknown)."""
     from ..train.policy import estimate_from_events
 
-    secs = [float(e["seconds"]) for e in events if e.get("event") == "save_committed"
-            and isinstance(e.get("seconds"), (int, float))][-last:]
+    secs = save_seconds(events)[-last:]
     return secs, estimate_from_events(events).step_s if events else None
 
 

@@ -27,11 +27,18 @@ from ..contract import (
     ENV_DRILL_HANG,
     ENV_DRILL_RECORD,
     ENV_MIRROR,
-    EV_HANG,
-    EV_RESUMED,
 )
 from ..errors import CheckpointError, ConfigError
-from ..events import read_events
+from ..events import (
+    EV_EXIT_AFTER_SAVE,
+    EV_HANG,
+    EV_REQUEUED,
+    EV_RESUMED,
+    EV_ROOT_CONFLICT,
+    EV_RUN_ENDED,
+    EV_SAVE_COMMITTED,
+    read_events,
+)
 from ..job.config import JobSpec
 from ..job.hang import HangBudgets
 from ..job.node import run_local
@@ -185,8 +192,8 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
     if final is None:
         raise CheckpointError(_no_checkpoint("preempted", drill_root, spec.script))
     events = read_events(drill_root)
-    saved = [e["step"] for e in events if e["event"] == "exit_after_save" and e.get("kind") == "preempt"]
-    restarts = sum(1 for e in events if e["event"] == "requeued")
+    saved = [e["step"] for e in events if e["event"] == EV_EXIT_AFTER_SAVE and e.get("kind") == "preempt"]
+    restarts = sum(1 for e in events if e["event"] == EV_REQUEUED)
     world = spec.procs * spec.nodes
     report = DrillReport(ref.step, planned, restarts, saved, ref.path, final.path, hangs_planned=hang_plan,
                          workdir=workdir, world=world, mirror=mirror)
@@ -257,9 +264,9 @@ def _check_hangs(report: DrillReport, root: Path, world: int) -> None:
             problems.append(f"no stack dump for rank(s) {missing} in {folder}")
         elif "drill_hang_here" not in (folder / f"rank-{rank}.txt").read_text(errors="replace"):
             problems.append(f"the dump of rank {rank} ({folder}) does not show the frame it hung in")
-    if any(e["event"] == "requeued" for e in events):
+    if any(e["event"] == EV_REQUEUED for e in events):
         problems.append("the run was requeued: a hang must restart inside the allocation")
-    retries = [e for e in events if e["event"] == "run_ended" and e.get("outcome") == "hung"]
+    retries = [e for e in events if e["event"] == EV_RUN_ENDED and e.get("outcome") == "hung"]
     if sum(1 for e in retries if e.get("action") == "retry") != len(report.hangs_planned):
         problems.append("not every hang was followed by an in-allocation restart")
     if len([e for e in report.recoveries if e.get("cause") == "hang"]) != len(report.hangs_planned):
@@ -295,7 +302,7 @@ def _first_checkpoints(ref_root: Path, drill_root: Path) -> tuple[Path, Path] | 
     exist at the same step (retention may have deleted them)."""
     dirs = []
     for root in (ref_root, drill_root):
-        steps = [e["step"] for e in read_events(root) if e["event"] == "save_committed"
+        steps = [e["step"] for e in read_events(root) if e["event"] == EV_SAVE_COMMITTED
                  and e.get("reason") == "drill_first" and isinstance(e.get("step"), int)]
         info = find_latest(root, max_step=min(steps), warn=False) if steps else None
         if info is None or info.step != min(steps):
@@ -308,7 +315,7 @@ def _no_checkpoint(which: str, root: Path, script: Path | None = None) -> str:
     """Why a run left nothing under the drill's root: the script saved elsewhere (an explicit
     Checkpointer(root=...) overriding the launcher's), its framework never got our callback,
     or it never saved."""
-    conflicts = [e for e in read_events(root) if e["event"] == "root_conflict"]
+    conflicts = [e for e in read_events(root) if e["event"] == EV_ROOT_CONFLICT]
     if conflicts:
         return (f"the {which} run saved to {conflicts[-1].get('script_root')}, not to the drill's root {root}: "
                 "the script passes its own root to Checkpointer(root=...), which overrides the launcher's "

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.jsonenc import dumps
-from ..events import read_events
+from ..events import EV_RESTORED, EV_RUN_ENDED, EV_STARTED, read_events
 from ..train.steprecord import read_records
 
 ADAPT = "see README §Adapt your script"
@@ -186,15 +186,15 @@ def _short(text: str) -> str:
 def run_facts(root: Path, records: Path) -> list[RunFacts]:
     """The runs of the preempted drill run under `root`, in the order they started."""
     events = read_events(root)
-    order = [e["run_id"] for e in events if e["event"] == "started" and isinstance(e.get("run_id"), str)]
-    restored = {e.get("run_id"): e["step"] for e in events if e["event"] == "restored" and isinstance(e.get("step"), int)}
+    order = [e["run_id"] for e in events if e["event"] == EV_STARTED and isinstance(e.get("run_id"), str)]
+    restored = {e.get("run_id"): e["step"] for e in events if e["event"] == EV_RESTORED and isinstance(e.get("step"), int)}
     first: dict[str, int] = {}
     for rec in read_records(records, 0):
         if rec.get("call") == "step":  # a run restored at the last step only makes its final save
             first.setdefault(str(rec.get("run")), rec["step"])
     # What each run's emergency save committed, as the launcher judged it from the run's outcome
     # record (it believes only its own launch's records, by nonce) and logged in `run_ended`
-    saved = {e.get("run_id"): e.get("saved_step") for e in events if e["event"] == "run_ended"}
+    saved = {e.get("run_id"): e.get("saved_step") for e in events if e["event"] == EV_RUN_ENDED}
     facts = []
     for run_id in dict.fromkeys(order):
         committed = saved.get(run_id)

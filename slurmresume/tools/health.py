@@ -21,6 +21,29 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..events import (
+    EV_BRANCHED,
+    EV_DISCARDED_NEWER,
+    EV_FAILED,
+    EV_FINISHED,
+    EV_GAVE_UP,
+    EV_HELD,
+    EV_INTERRUPTED,
+    EV_MIRROR_BEHIND,
+    EV_MIRROR_FAILED,
+    EV_MIRROR_UPLOADED,
+    EV_NO_CHECKPOINT,
+    EV_REQUEUE_FAILED,
+    EV_REQUEUED,
+    EV_RESTORED,
+    EV_SAVE_COMMITTED,
+    EV_SAVE_FAILED,
+    EV_STARTED,
+    EV_STOPPED,
+    EV_SUBMITTED,
+    MIRROR_PREFIX,
+)
+
 EXIT_HEALTHY = 0
 EXIT_AT_RISK = 3
 EXIT_STOPPED = 4
@@ -31,8 +54,8 @@ RISK_FACTOR = 1.5  # a commit later than 1.5 intervals is overdue (saves jitter 
 MIN_SAVES_FOR_RATE = 2  # steps/s and ETA need two commits of one run
 
 # Events that end a run for good (the launcher writes them; unknown names are ignored).
-STOPPED_EVENTS = {"gave_up", "stopped", "failed", "requeue_failed", "interrupted", "no_checkpoint", "held"}
-LIFECYCLE = STOPPED_EVENTS | {"started", "requeued", "finished", "submitted", "restored"}
+STOPPED_EVENTS = {EV_GAVE_UP, EV_STOPPED, EV_FAILED, EV_REQUEUE_FAILED, EV_INTERRUPTED, EV_NO_CHECKPOINT, EV_HELD}
+LIFECYCLE = STOPPED_EVENTS | {EV_STARTED, EV_REQUEUED, EV_FINISHED, EV_SUBMITTED, EV_RESTORED}
 BAD_SLURM = {"FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "TIMEOUT", "CANCELLED",
              "PREEMPTED"}
 WAITING_SLURM = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING"}
@@ -63,11 +86,11 @@ def _num(v: Any) -> float | None:
 
 def _rate(events: list[dict[str, Any]]) -> float | None:
     """Steps per second between the first and last commit of the newest run (None: < 2 commits)."""
-    run_start = max((i for i, e in enumerate(events) if e.get("event") == "started"), default=0)
+    run_start = max((i for i, e in enumerate(events) if e.get("event") == EV_STARTED), default=0)
     saves: list[tuple[int, float]] = []
     for e in events[run_start:]:
         t = _num(e.get("time"))
-        if e.get("event") == "save_committed" and isinstance(e.get("step"), int) and t is not None:
+        if e.get("event") == EV_SAVE_COMMITTED and isinstance(e.get("step"), int) and t is not None:
             saves.append((e["step"], t))
     if len(saves) < MIN_SAVES_FOR_RATE:
         return None
@@ -77,7 +100,7 @@ def _rate(events: list[dict[str, Any]]) -> float | None:
 
 def _last_step(events: list[dict[str, Any]]) -> tuple[int | None, float | None]:
     for e in reversed(events):
-        if isinstance(e.get("step"), int) and e.get("event") not in ("discarded_newer", "branched"):
+        if isinstance(e.get("step"), int) and e.get("event") not in (EV_DISCARDED_NEWER, EV_BRANCHED):
             return e["step"], _num(e.get("time"))
     return None, None
 
@@ -98,7 +121,7 @@ def judge(events: list[dict[str, Any]], rows: list[Any], *, slurm_state: str | N
     state = (slurm_state or "").split()[0] if slurm_state else ""
     h.verdict, h.reason = _verdict(events, last, state, job_id, newest, interval_s, problems, now)
     running = state in ("RUNNING", "COMPLETING") or (
-        last is not None and last.get("event") in ("started", "restored") and state not in WAITING_SLURM)
+        last is not None and last.get("event") in (EV_STARTED, EV_RESTORED) and state not in WAITING_SLURM)
     if running and h.verdict in ("healthy", "at_risk"):
         since = newest.created if newest is not None else _run_started(events, now)
         h.at_stake_s = max(0.0, now - since)
@@ -113,7 +136,7 @@ def _verdict(events: list[dict[str, Any]], last: dict[str, Any] | None, state: s
              newest: Any, interval_s: float | None, problems: list[str], now: float) -> tuple[str, str]:
     if state in BAD_SLURM:
         return "stopped", f"Slurm reports job {job_id} as {state}"
-    if last is not None and last["event"] == "finished":
+    if last is not None and last["event"] == EV_FINISHED:
         lag = mirror_behind(events) or next((p for p in problems if p.startswith(BUCKET_BEHIND)), None)
         if lag:
             return "at_risk", f"finished at step {last.get('step', '?')}, but {lag}"
@@ -131,8 +154,8 @@ def _verdict(events: list[dict[str, Any]], last: dict[str, Any] | None, state: s
         return "starting", "nothing logged yet: no run has started on this root"
     if problems:
         return "at_risk", problems[0]
-    saves = [e for e in events if e.get("event") in ("save_committed", "save_failed")]
-    if saves and saves[-1]["event"] == "save_failed":
+    saves = [e for e in events if e.get("event") in (EV_SAVE_COMMITTED, EV_SAVE_FAILED)]
+    if saves and saves[-1]["event"] == EV_SAVE_FAILED:
         return "at_risk", f"the last save (step {saves[-1].get('step')}) failed: {saves[-1].get('error')}"
     if state in WAITING_SLURM:
         return "healthy", f"waiting in the Slurm queue ({state})"
@@ -143,7 +166,7 @@ def _verdict(events: list[dict[str, Any]], last: dict[str, Any] | None, state: s
                            "hung, killed, or saving too rarely")
     if last is None and not state:
         return "healthy", "saving (no launcher events: only runs started by `slurmresume submit` are tracked)"
-    if last is not None and last["event"] == "requeued":
+    if last is not None and last["event"] == EV_REQUEUED:
         return "healthy", "requeued after a committed save: waiting to restart"
     return "healthy", "running" + (f" (Slurm: {state})" if state else "")
 
@@ -152,17 +175,17 @@ def mirror_behind(events: list[dict[str, Any]]) -> str | None:
     """Why the mirror lacks a step the run committed, from the log: the last `mirror_behind`
     (close() ended without the step on the bucket) not followed by an upload of that step or a
     newer one. None without a mirror, or when it caught up."""
-    idx = max((i for i, e in enumerate(events) if e.get("event") == "mirror_behind"), default=None)
+    idx = max((i for i, e in enumerate(events) if e.get("event") == EV_MIRROR_BEHIND), default=None)
     if idx is None:
         return None
     behind = events[idx]
     raw = behind.get("step")
     step: int = raw if isinstance(raw, int) else -1
     later = [e["step"] for e in events[idx + 1:]
-             if e.get("event") == "mirror_uploaded" and isinstance(e.get("step"), int)]
+             if e.get("event") == EV_MIRROR_UPLOADED and isinstance(e.get("step"), int)]
     if later and max(later) >= step:
         return None
-    uploaded = max((e["step"] for e in events[:idx] if e.get("event") == "mirror_uploaded"
+    uploaded = max((e["step"] for e in events[:idx] if e.get("event") == EV_MIRROR_UPLOADED
                     and isinstance(e.get("step"), int)), default=None)
     what = f"step {step}" if step >= 0 else "the newest step"
     return (f"the mirror {behind.get('url', '')} lacks {what} (newest uploaded: "
@@ -192,7 +215,7 @@ def mirror_url(events: list[dict[str, Any]]) -> str | None:
     """Pure: the mirror's s3:// location, from the newest mirror event in the log (None: no mirror)."""
     for e in reversed(events):
         url = e.get("url")
-        if not (isinstance(url, str) and url.startswith("s3://") and str(e.get("event", "")).startswith("mirror_")):
+        if not (isinstance(url, str) and url.startswith("s3://") and str(e.get("event", "")).startswith(MIRROR_PREFIX)):
             continue
         head, _, last = url.rpartition("/")
         return head if last.startswith("step_") and head.count("/") >= 2 else url
@@ -202,18 +225,18 @@ def mirror_url(events: list[dict[str, Any]]) -> str | None:
 def mirror_warning(events: list[dict[str, Any]]) -> str | None:
     """The mirror's lag while a run goes on: its last word is a failed upload (retried by the
     next commit, or at close). None without a mirror, or when its last upload succeeded."""
-    last = next((e for e in reversed(events) if e.get("event") in ("mirror_uploaded", "mirror_failed",
-                                                                     "mirror_behind")), None)
-    if last is None or last["event"] != "mirror_failed":
+    last = next((e for e in reversed(events) if e.get("event") in (EV_MIRROR_UPLOADED, EV_MIRROR_FAILED,
+                                                                     EV_MIRROR_BEHIND)), None)
+    if last is None or last["event"] != EV_MIRROR_FAILED:
         return None
-    uploaded = max((e["step"] for e in events if e.get("event") == "mirror_uploaded"
+    uploaded = max((e["step"] for e in events if e.get("event") == EV_MIRROR_UPLOADED
                     and isinstance(e.get("step"), int)), default=None)
     return (f"the mirror's last upload (step {last.get('step', '?')}) failed: {last.get('error', '?')}; newest "
             f"step uploaded: {uploaded if uploaded is not None else 'none'}")
 
 
 def _run_started(events: list[dict[str, Any]], now: float) -> float:
-    t = next((_num(e.get("time")) for e in reversed(events) if e.get("event") == "started"), None)
+    t = next((_num(e.get("time")) for e in reversed(events) if e.get("event") == EV_STARTED), None)
     return t if t is not None else now
 
 

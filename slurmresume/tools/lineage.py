@@ -17,7 +17,7 @@ from ..checkpoint.fsio import makedirs
 from ..checkpoint.layout import parse_step_dir, step_dir_name, step_dirs
 from ..checkpoint.store import inspect_dir
 from ..errors import ConfigError
-from ..events import append_event
+from ..events import EV_BRANCHED, EV_DISCARDED_NEWER, append_event
 
 
 def parse_resume_from(value: str, root: Path) -> tuple[Path, int]:
@@ -51,7 +51,7 @@ def prepare_resume(root: Path, resume_from: str, *, branch: Path | None, discard
     with root_lock(src_root):
         for s in sorted(newer, reverse=True):
             move_aside(src_root / step_dir_name(s), "discard")
-    append_event(src_root, "discarded_newer", step=step, removed=sorted(newer))
+    append_event(src_root, EV_DISCARDED_NEWER, step=step, removed=sorted(newer))
     return src_root
 
 
@@ -70,5 +70,5 @@ def _branch(src_root: Path, step: int, new_root: Path) -> Path:
         except OSError:  # another file system: copy
             shutil.copy2(f, tmp / f.name)
     os.replace(tmp, dst)  # the committed step appears whole, marker included, in one rename
-    append_event(new_root, "branched", parent_root=str(src_root), parent_step=step)
+    append_event(new_root, EV_BRANCHED, parent_root=str(src_root), parent_step=step)
     return new_root

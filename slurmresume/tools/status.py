@@ -66,7 +66,7 @@ from typing import Any
 
 from .. import slurm
 from ..errors import ConfigError, SlurmError
-from ..events import read_events
+from ..events import EV_HANG, EV_REQUEUED, read_events
 from ..job.leadtime import LeadReport, lead_report
 from ..slurm import parse_sacct, parse_squeue
 from ..train.policy import interval_summary
@@ -121,13 +121,13 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
     counts: dict[str, int] = {}
     for e in events:
         counts[e["event"]] = counts.get(e["event"], 0) + 1
-    requeues = sum(1 for e in events if e["event"] == "requeued" and (job_id is None or str(e.get("job_id")) == job_id))
+    requeues = sum(1 for e in events if e["event"] == EV_REQUEUED and (job_id is None or str(e.get("job_id")) == job_id))
     newest = next((r.step for r in rows if r.newest), None)
     status = Status(str(root), now, job, {"available": slurm_note != SLURM_NOT_FOUND, "note": slurm_note},
                     requeues, counts, events[-history_limit:] if history_limit else [], rows, newest, best,
                     interval=interval_summary(events) if with_interval else None, omitted=omitted)
     status.ranks = rank_view(root, now)
-    hangs = [e for e in events if e["event"] == "hang"]
+    hangs = [e for e in events if e["event"] == EV_HANG]
     if hangs:
         status.last_hang = {**{k: v for k, v in hangs[-1].items() if k not in ("event", "pid", "job_id")},
                             "hangs": len(hangs)}

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..checkpoint.layout import LOCK
 from ..checkpoint.store import UNREADABLE
+from ..events import EV_FAILED, EV_GAVE_UP, EV_SAVE_COMMITTED, EV_SAVE_FAILED
 from ..job.leadtime import late_warning, lead_warning
 from .health import mirror_behind, mirror_warning
 from .status_model import Status
@@ -21,7 +22,7 @@ def judge_health(status: Status, root: Path, events: list[dict[str, Any]]) -> No
     """Fill problems and warnings: the verdict of `health`."""
     p, w = status.problems, status.warnings
     last = events[-1]["event"] if events else None
-    if last in ("failed", "gave_up"):
+    if last in (EV_FAILED, EV_GAVE_UP):
         p.append(f"the last event is {last!r}: the run stopped (see the history)")
     if status.job.state and status.job.state.split()[0] in _BAD_STATES:
         p.append(f"Slurm reports job {status.job.job_id} as {status.job.state}")
@@ -51,8 +52,8 @@ def judge_health(status: Status, root: Path, events: list[dict[str, Any]]) -> No
         w.append(f"{len(leftovers)} incomplete director{'y' if len(leftovers) == 1 else 'ies'} "
                  f"({', '.join(leftovers[:3])}{', ...' if len(leftovers) > 3 else ''}): "
                  "`slurmresume prune --remove-incomplete-older-than 1d` removes old ones")
-    saves = [e for e in events if e["event"] in ("save_committed", "save_failed")]
-    if saves and saves[-1]["event"] == "save_failed":
+    saves = [e for e in events if e["event"] in (EV_SAVE_COMMITTED, EV_SAVE_FAILED)]
+    if saves and saves[-1]["event"] == EV_SAVE_FAILED:
         w.append(f"the last save failed: {saves[-1].get('error')}")
     if status.lead is not None:
         w.extend(late_warning(late) for late in status.lead.late)

@@ -16,6 +16,7 @@ from ..checkpoint.store import (
     list_checkpoints,
 )
 from ..errors import ConfigError
+from ..events import EV_MIRROR_BEHIND, EV_MIRROR_FAILED, EV_SAVE_COMMITTED
 from ..retention import best_record, metric_names, metric_value, record_from_info
 from .health import bucket_lag, mirror_url
 from .status_model import CheckpointRow
@@ -31,7 +32,7 @@ def ask_mirror(events: list[dict[str, Any]], rows: list[CheckpointRow], now: flo
     if url is None:
         return None
     newest = next((r for r in rows if r.newest), None)
-    failed = [e for e in events if e.get("event") in ("mirror_failed", "mirror_behind")]
+    failed = [e for e in events if e.get("event") in (EV_MIRROR_FAILED, EV_MIRROR_BEHIND)]
     out: dict[str, Any] = {"url": url, "newest_local": newest.step if newest else None, "newest_in_bucket": None,
                            "uploads_in_flight": None, "last_error": failed[-1].get("error") if failed else None,
                            "behind": None, "error": None}
@@ -99,7 +100,7 @@ def writer_summary(root: Path, events: list[dict[str, Any]]) -> dict[str, Any] |
     newest save used (event log); None when neither is known."""
     from ..checkpoint.calibrate import cached_choice
 
-    last = next((e for e in reversed(events) if e.get("event") == "save_committed" and e.get("writer")), None)
+    last = next((e for e in reversed(events) if e.get("event") == EV_SAVE_COMMITTED and e.get("writer")), None)
     cached = cached_choice(root)
     if last is None and cached is None:
         return None

@@ -15,12 +15,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..contract import EV_EMERGENCY_SAVE_FAILED, EV_RESUMED
+from ..events import (
+    EV_EMERGENCY_SAVE_FAILED,
+    EV_FAILED,
+    EV_FINISHED,
+    EV_GAVE_UP,
+    EV_HANG,
+    EV_HELD,
+    EV_INTERRUPTED,
+    EV_NO_CHECKPOINT,
+    EV_REQUEUE_FAILED,
+    EV_REQUEUED,
+    EV_RESTORED,
+    EV_RESUMED,
+    EV_RUN_ENDED,
+    EV_SAVE_COMMITTED,
+    EV_SIGNAL_AGREED,
+    EV_SIGNAL_FORWARDED,
+    EV_STARTED,
+    EV_STOPPED,
+)
 
-END_FAILED = {"failed", "gave_up", "requeue_failed", "interrupted", "no_checkpoint"}
+END_FAILED = {EV_FAILED, EV_GAVE_UP, EV_REQUEUE_FAILED, EV_INTERRUPTED, EV_NO_CHECKPOINT}
 # The launcher will not restart the job after these: a later run is a new submission, and the time
 # between is neither down time nor the job's wall time.
-TERMINAL = {"gave_up", "requeue_failed", "interrupted", "no_checkpoint", "stopped", "held", "finished"}
+TERMINAL = {EV_GAVE_UP, EV_REQUEUE_FAILED, EV_INTERRUPTED, EV_NO_CHECKPOINT, EV_STOPPED, EV_HELD, EV_FINISHED}
 
 
 @dataclass
@@ -79,20 +98,20 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
     for e in events:
         t, kind = _t(e) or 0.0, e.get("event")
         step = e.get("step") if isinstance(e.get("step"), int) else None
-        if kind == "started" and e.get("node") not in (None, 0):
+        if kind == EV_STARTED and e.get("node") not in (None, 0):
             continue  # every node's launcher logs its start: the first node's is the run's
-        if kind == "started":
+        if kind == EV_STARTED:
             cur = Run(t, runs[-1].last[1] if runs and runs[-1].end_kind != "failed" else _restart_step(runs))
             runs.append(cur)
         elif cur is None:
-            if kind == "save_committed" and step is not None:  # a library-only run: no launcher events
+            if kind == EV_SAVE_COMMITTED and step is not None:  # a library-only run: no launcher events
                 cur = Run(t, 0)
                 runs.append(cur)
             else:
                 continue
-        if step is not None and kind not in ("restored", "resumed") and (cur.reached is None or step > cur.reached):
+        if step is not None and kind not in (EV_RESTORED, EV_RESUMED) and (cur.reached is None or step > cur.reached):
             cur.reached = step
-        if kind == "restored" and step is not None:
+        if kind == EV_RESTORED and step is not None:
             cur.start_step = step
             cur.resumed_at = cur.resumed_at or t
         elif kind == EV_RESUMED:  # one per node: the first node to step again ends the down time
@@ -102,23 +121,23 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             cur.resumed_exact = True
         elif kind == EV_EMERGENCY_SAVE_FAILED:
             cur.save_failed = True
-        elif kind == "save_committed" and step is not None:
+        elif kind == EV_SAVE_COMMITTED and step is not None:
             cur.points.append((t, step))
             cur.resumed_at = cur.resumed_at or t
-        elif kind in ("signal_agreed", "signal_forwarded"):
+        elif kind in (EV_SIGNAL_AGREED, EV_SIGNAL_FORWARDED):
             _warning(cur, t, step)
         if kind in TERMINAL:  # what ended the run (above: what happened in it)
             cur.terminal = True
-        if kind == "requeued":
+        if kind == EV_REQUEUED:
             requeues.append(t)
             _end(cur, t, "preempt")
-        elif kind in END_FAILED or (kind == "run_ended" and e.get("outcome") == "failed"):
+        elif kind in END_FAILED or (kind == EV_RUN_ENDED and e.get("outcome") == "failed"):
             _end(cur, t, "failed")
-        elif isinstance(kind, str) and kind.startswith("hang"):
+        elif isinstance(kind, str) and kind.startswith(EV_HANG):
             _end(cur, t, "hang")
-        elif kind == "finished":
+        elif kind == EV_FINISHED:
             _end(cur, t, "finished")
-        elif kind == "stopped":
+        elif kind == EV_STOPPED:
             _end(cur, t, "stopped")
     tl = Timeline(_t(events[0]) or 0.0, runs, requeues, max(_t(e) or 0.0 for e in events))
     _place_warnings(tl)

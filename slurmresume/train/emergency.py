@@ -27,12 +27,16 @@ from ..checkpoint.layout import MARKER, step_dir_name
 from ..contract import (
     ENV_LAUNCHER_PID,
     ENV_RUN_ID,
-    EV_EMERGENCY_SAVE_FAILED,
     Outcome,
     write_outcome,
 )
 from ..errors import CheckpointError, SaveError
-from ..events import try_append_event
+from ..events import (
+    EV_EMERGENCY_SAVE_FAILED,
+    EV_EXIT_AFTER_SAVE,
+    EV_SIGNAL_AGREED,
+    try_append_event,
+)
 from .signals import NONE, PREEMPT, SignalFlag
 from .verdict import exit_code
 
@@ -88,7 +92,7 @@ def emergency_save(ckpt: Saver, step: int, state: Mapping[str, Any], kind: str, 
     run_id = os.environ.get(ENV_RUN_ID)
     if ckpt.rank == 0:
         log.warning("warning signal received (%s): saving step %d, then exiting", kind, step)
-        try_append_event(ckpt.root, "signal_agreed", step=step, kind=kind, run_id=run_id)
+        try_append_event(ckpt.root, EV_SIGNAL_AGREED, step=step, kind=kind, run_id=run_id)
     try:
         ckpt.wait()
     except SaveError as exc:
@@ -104,7 +108,7 @@ def emergency_save(ckpt: Saver, step: int, state: Mapping[str, Any], kind: str, 
     if ckpt.rank != 0:
         return error, True
     if not error and (ckpt.root / step_dir_name(step) / MARKER).exists():
-        try_append_event(ckpt.root, "exit_after_save", step=step, kind=kind, run_id=run_id)
+        try_append_event(ckpt.root, EV_EXIT_AFTER_SAVE, step=step, kind=kind, run_id=run_id)
     else:
         error = error or f"step {step} has no commit marker"
         try_append_event(ckpt.root, EV_EMERGENCY_SAVE_FAILED, step=step, kind=kind, run_id=run_id, error=error)

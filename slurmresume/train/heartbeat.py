@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..contract import ENV_DRILL_HANG, ENV_DUMP_SIGNAL, ENV_HEARTBEAT_DIR, ENV_RUN_ID
+from ..events import EV_MIRROR_DOWNLOADED
 
 STARTUP, STEP, SAVE, RESTORE, DONE, BUSY = "start-up", "step", "save", "restore", "done", "busy"
 PHASES = (STARTUP, STEP, SAVE, RESTORE, DONE, BUSY)  # the index is what the record stores
@@ -390,7 +391,7 @@ def logged_pull_rate(events: list[dict[str, Any]]) -> float:
     """The slowest of the last pulls from the mirror in the log (`mirror_downloaded`, bytes and
     seconds, of at least IO_MEASURE_MIN_BYTES), bytes/s; 0 when none. Pure."""
     rates = [float(e["bytes"]) / float(e["seconds"]) for e in events[-200:]
-             if e.get("event") == "mirror_downloaded" and isinstance(e.get("bytes"), (int, float))
+             if e.get("event") == EV_MIRROR_DOWNLOADED and isinstance(e.get("bytes"), (int, float))
              and isinstance(e.get("seconds"), (int, float)) and e["bytes"] >= IO_MEASURE_MIN_BYTES
              and e["seconds"] > 0]
     return min(rates[-10:], default=0.0)

@@ -32,6 +32,21 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import ConfigError
+from ..events import (
+    EV_EXIT_AFTER_SAVE,
+    EV_FAILED,
+    EV_FINISHED,
+    EV_GAVE_UP,
+    EV_RESTORED,
+    EV_RUN_ENDED,
+    EV_SAVE_COMMITTED,
+    EV_SAVE_FAILED,
+    EV_SIGNAL_AGREED,
+    EV_STARTED,
+    EV_STOPPED,
+    EV_SUBMITTED,
+    save_seconds,
+)
 
 __all__ = ["SavePolicy", "SaveScheduler", "Estimate", "IntervalSummary", "young_daly", "auto_interval",
            "expected_loss_fraction", "loss_fractions", "estimate_from_events", "interval_summary"]
@@ -219,7 +234,7 @@ class Estimate:
     runtime_s: float = 0.0
 
 
-_WORKER_EVENTS = {"save_committed", "save_failed", "restored", "signal_agreed", "exit_after_save"}
+_WORKER_EVENTS = {EV_SAVE_COMMITTED, EV_SAVE_FAILED, EV_RESTORED, EV_SIGNAL_AGREED, EV_EXIT_AFTER_SAVE}
 
 
 @dataclass
@@ -230,14 +245,14 @@ class _Run:
     def outcome(self) -> str | None:
         """One of failed, warned, finished; None when the run left no end record."""
         kinds = {e["event"]: e for e in self.events}
-        if "run_ended" in kinds:
-            out = kinds["run_ended"].get("outcome")
+        if EV_RUN_ENDED in kinds:
+            out = kinds[EV_RUN_ENDED].get("outcome")
             return "failed" if out == "failed" else "finished" if out == "finished" else "warned"
-        if "failed" in kinds:
+        if EV_FAILED in kinds:
             return "failed"
-        if "exit_after_save" in kinds:
+        if EV_EXIT_AFTER_SAVE in kinds:
             return "warned"
-        return "finished" if kinds.keys() & {"finished", "gave_up", "stopped"} else None
+        return "finished" if kinds.keys() & {EV_FINISHED, EV_GAVE_UP, EV_STOPPED} else None
 
 
 def _run_key(e: dict[str, Any]) -> str | None:
@@ -261,10 +276,10 @@ def split_runs(events: Iterable[dict[str, Any]]) -> list[_Run]:
         if key is not None and key in by_key:
             by_key[key].events.append(e)
             continue
-        if e["event"] == "submitted":
+        if e["event"] == EV_SUBMITTED:
             cur = None
             continue
-        if e["event"] == "started" or (key is not None and (cur is None or cur.key is not None)):
+        if e["event"] == EV_STARTED or (key is not None and (cur is None or cur.key is not None)):
             cur = _Run(key)
             runs.append(cur)
         elif cur is None:  # not part of any run
@@ -289,7 +304,7 @@ def _seconds_per_step(runs: list[_Run]) -> float | None:
     for run in runs:
         prev: dict[str, Any] | None = None
         for e in run.events:
-            if e["event"] not in ("save_committed", "restored") or not isinstance(e.get("step"), int):
+            if e["event"] not in (EV_SAVE_COMMITTED, EV_RESTORED) or not isinstance(e.get("step"), int):
                 continue
             if prev is not None and e["step"] > prev["step"]:
                 dt = _time(e) - _time(prev) - float(e.get("seconds") or 0)
@@ -302,8 +317,7 @@ def _seconds_per_step(runs: list[_Run]) -> float | None:
 def estimate_from_events(events: list[dict[str, Any]]) -> Estimate:
     """Pure: the save cost, step time, runtime and unwarned interruptions in an event log
     (oldest first, as `events.read_events` returns it). See `Estimate` for each field."""
-    costs = [float(e["seconds"]) for e in events if e["event"] == "save_committed"
-             and isinstance(e.get("seconds"), (int, float)) and math.isfinite(e["seconds"])]
+    costs = save_seconds(events)
     runs = split_runs(events)
     interruptions = 0
     runtime = 0.0
@@ -349,7 +363,7 @@ def _observed_interval(runs: list[_Run]) -> float | None:
     periodic save (gap minus that save's own seconds)."""
     gaps = []
     for run in runs:
-        saves = [e for e in run.events if e["event"] == "save_committed"]
+        saves = [e for e in run.events if e["event"] == EV_SAVE_COMMITTED]
         for a, b in pairwise(saves):
             if b.get("reason") == "periodic":
                 gap = _time(b) - _time(a) - float(b.get("seconds") or 0)
@@ -364,7 +378,7 @@ def interval_summary(events: list[dict[str, Any]], policy: SavePolicy | None = N
     expected loss at the current interval (else at the auto one)."""
     policy = policy or SavePolicy(interval="auto")
     est = estimate_from_events(events)
-    saves = [e for e in events if e["event"] == "save_committed"]
+    saves = [e for e in events if e["event"] == EV_SAVE_COMMITTED]
     logged = next((e["interval_s"] for e in reversed(saves) if isinstance(e.get("interval_s"), (int, float))), None)
     current, source = (float(logged), "logged") if logged is not None else (_observed_interval(split_runs(events)),
                                                                             "observed")

@@ -65,7 +65,7 @@ from ..checkpoint.store import (
 )
 from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RESTORE_WARM, ENV_RUN_ID
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError
-from ..events import process_started_at, try_append_event
+from ..events import EV_RESTORED, process_started_at, try_append_event
 from . import rng
 from .heartbeat import expect_io
 from .messages import DECISIVE, Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
@@ -121,7 +121,7 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
     info = CheckpointInfo(choice.step, Path(choice.path), True, manifest=choice.manifest)
     if group.rank == 0:
         log.info("restored from step %d (%s) in %.2f s", choice.step, choice.path, time.perf_counter() - started)
-        try_append_event(root, "restored", step=choice.step, run_id=os.environ.get(ENV_RUN_ID),
+        try_append_event(root, EV_RESTORED, step=choice.step, run_id=os.environ.get(ENV_RUN_ID),
                          process_started_at=process_started_at(), imported_at=IMPORTED_AT, created_at=created_at,
                          restore_began_at=restore_began, restore_s=round(time.time() - restore_began, 4),
                          **read_summary(io))

@@ -15,7 +15,7 @@ from ..checkpoint.layout import enclosing_step_dir
 from ..contract import ENV_OWNER
 from ..contract import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
 from ..errors import ConfigError
-from ..events import append_event
+from ..events import EV_ROOT_CONFLICT, append_event
 
 log = logging.getLogger("slurmresume")
 
@@ -97,6 +97,6 @@ def warn_if_not_launchers_root(explicit: str | os.PathLike[str] | None, root: Pa
                     "launcher (requeue), `slurmresume status` and `slurmresume drill` do not look; pass "
                     "root=None to use the launcher's root", root, ENV_ROOT, launcher, root)
         try:
-            append_event(Path(launcher), "root_conflict", script_root=str(root), launcher_root=launcher)
+            append_event(Path(launcher), EV_ROOT_CONFLICT, script_root=str(root), launcher_root=launcher)
         except OSError as exc:
             log.warning("could not record the root conflict under %s: %s", launcher, exc)

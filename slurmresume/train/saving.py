@@ -49,7 +49,7 @@ from ..checkpoint.same import same_as_committed
 from ..checkpoint.state import flatten
 from ..contract import ENV_RUN_ID
 from ..errors import ConfigError, SaveError
-from ..events import try_append_event
+from ..events import EV_SAVE_COMMITTED, EV_SAVE_FAILED, try_append_event
 from . import ddp, rng
 from .breakdown import Stopwatch, summarize
 from .breakdown import describe as describe_breakdown
@@ -221,12 +221,12 @@ def record(root: Path, result: SaveResult, step: int, reason: str, seconds: floa
     if result.outcome is None:
         return
     if not result.outcome.ok:
-        try_append_event(root, "save_failed", step=step, error=result.outcome.error, reason=reason)
+        try_append_event(root, EV_SAVE_FAILED, step=step, error=result.outcome.error, reason=reason)
         return
     log.info("saved step %d in %.2f s (%s, %s)", step, seconds, log_size(result.bytes), reason)
     if result.breakdown:
         log.debug("step %d save breakdown: %s", step, describe_breakdown(result.breakdown))
-    try_append_event(root, "save_committed", step=step, seconds=round(seconds, 4), reason=reason,
+    try_append_event(root, EV_SAVE_COMMITTED, step=step, seconds=round(seconds, 4), reason=reason,
                      world_size=world_size, run_id=os.environ.get(ENV_RUN_ID),
                      blocking_s=None if blocking_s is None else round(blocking_s, 4), interval_s=interval_s,
                      bytes=result.bytes, writer=result.reports[0].writer if result.reports else None,
