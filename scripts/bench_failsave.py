@@ -21,7 +21,8 @@ from slurmresume.contract import ENV_HEARTBEAT_DIR
 from slurmresume.train import checkpointer, failsave
 
 if not os.environ.get(ENV_HEARTBEAT_DIR):  # as under the launcher: one node-local directory per run
-    shared = Path(tempfile.gettempdir()) / f"bench-failsave-{os.environ.get('TORCHELASTIC_RUN_ID', 'bare')}"
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    shared = base / f"bench-failsave-{os.environ.get('TORCHELASTIC_RUN_ID', 'bare')}"
     shared.mkdir(exist_ok=True)
     os.environ[ENV_HEARTBEAT_DIR] = str(shared)
 
@@ -57,5 +58,6 @@ finally:
         med, p90 = statistics.median(rest), rest[int(0.9 * (len(rest) - 1))]
         gap = statistics.median(gaps)
         print(f"rank {os.environ.get('RANK', '0')}: snapshot median {med * 1e6:.0f} us, p90 {p90 * 1e6:.0f} us, "
+              f"mean {statistics.mean(rest) * 1e6:.0f} us (step mean {statistics.mean(gaps) * 1e3:.2f} ms), "
               f"first step {snap_s[0] * 1e3:.1f} ms; step median {gap * 1e3:.2f} ms; "
               f"snapshot / step = {100 * med / gap:.2f} %", flush=True)

@@ -7,9 +7,9 @@ At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's ag
   - the first call learns which tensors are replicated (the same MAX reductions a save uses,
     `checkpoint.replicas.replicated_across`: collective, once per run);
   - each rank publishes its small state at `s` to `<heartbeat dir>/failsave/snap-R-{s % 2}`
-    (a safetensors file, replaced atomically): the skeleton (plain values, sampler, optimizer
-    hyper-parameters, RNG of every generator the save covers), its metrics, and the tensors
-    that are not replicated (its RNG states) when they are small. The last two steps stay.
+    (`train.stepsnap`: plain values, sampler, optimizer hyper-parameters, the RNG of every
+    generator the save covers, metrics, and the tensors that are not replicated when they are
+    small; one checked pwrite). The last two steps stay.
   - the rank's "dirty" flag is cleared; torch.optim's global step pre-hook sets it, so a rank
     knows whether its tensors are still those of step `s`.
 
@@ -44,19 +44,17 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import commit as _commit
-from ..checkpoint.jsonenc import dumps, encode, loads
 from ..checkpoint.replicas import LIBRARY_PREFIX, replicated_across
 from ..checkpoint.state import flatten, referenced
 from ..contract import ENV_HEARTBEAT_DIR, ENV_RUN_ID
 from ..events import try_append_event
 from ..evidence import start_time
-from . import ddp, rng
+from . import ddp, rng, stepsnap
 from .survivors import Plan, Snapshot, Status, plan
 
 log = logging.getLogger("slurmresume")
 
 SUBDIR = "failsave"
-PUBLISH_MAX_BYTES = 1 << 20  # per-rank tensors published at each step, at most (RNG states: ~5 KB)
 STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchrun kills after 30 s)
 EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
 EXIT_FAILED = 1  # a survivor's exit code after the failure save (torchrun reports the run failed)
@@ -84,7 +82,8 @@ class FailureGuard:
         self._boundary: int | None = None
         self._dirty = False
         self._state: Mapping[str, Any] | None = None
-        self._replicated: set[str] | None = None
+        self._layout: stepsnap.Layout | None = None
+        self._slots = [os.open(self.dir / f"snap-{rank}-{slot}", os.O_RDWR | os.O_CREAT, 0o600) for slot in (0, 1)]
         self._ddp_layout: dict[str, str] | None = None
         self._failing: threading.Thread | None = None
         self._watcher: _Watcher | None = None
@@ -100,48 +99,25 @@ class FailureGuard:
         failure-save thread)."""
         if self._frozen.is_set():
             self._block()
-        if self._replicated is None:  # collective, once: every rank's first step()
+        if self._layout is None:  # collective, once: every rank's first step()
             layout = ddp.capture(ddp_buckets) if ddp_buckets else {}
             skeleton, tensors = flatten(state, {"rng": rng.capture(), "ddp": layout} if layout else
                                         {"rng": rng.capture()})
             # the library's own per-rank state (RNG) is always published, never taken from memory
-            self._replicated = {n for n in replicated_across(group, tensors, skeleton.get("dtensors"))
-                                if not n.startswith(LIBRARY_PREFIX)}
-        library: dict[str, Any] = {"rng": rng.capture()}
-        layout = self._layout(ddp_buckets)
-        if layout:
-            library["ddp"] = layout
-        skeleton, tensors = flatten(state, library)
-        own, missing, size = {}, [], 0
-        for name, t in tensors:
-            if name in self._replicated:
-                continue
-            size += t.numel() * t.element_size()
-            if t.device.type != "cpu" or size > PUBLISH_MAX_BYTES:
-                missing.append(name)
-            else:
-                own[name] = t.detach().clone().contiguous()
-        from safetensors.torch import save
-
-        meta_json = {"step": str(step), "skeleton": dumps(skeleton), "metrics": dumps(encode(metrics)),
-                     "meta": dumps(encode(meta)), "missing": dumps(missing)}
-        data = save(own, metadata=meta_json)
+            replicated = {n for n in replicated_across(group, tensors, skeleton.get("dtensors"))
+                          if not n.startswith(LIBRARY_PREFIX)}
+            self._layout = stepsnap.Layout.learn(state, replicated)
+        data = stepsnap.capture(step, state, self._layout, self._ddp_layouts(ddp_buckets), metrics, meta)
         with self._lock:
-            if self._frozen.is_set():
-                frozen = True
-            else:
-                frozen = False
-                path = self.dir / f"snap-{self.rank}-{step % 2}.safetensors"
-                tmp = path.with_suffix(".tmp")
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
+            frozen = self._frozen.is_set()
+            if not frozen:
+                stepsnap.publish(self._slots[step % 2], data)
                 self._boundary, self._dirty, self._state = step, False, state
         if frozen:
             self._block()
         self._watch()
 
-    def _layout(self, ddp_buckets: Mapping[str, Any]) -> dict[str, str]:
+    def _ddp_layouts(self, ddp_buckets: Mapping[str, Any]) -> dict[str, str]:
         """The DDP bucket layouts, without a collective: DDP rebuilds once (at the first step's
         capture, above), so a layout that is there stays."""
         if self._ddp_layout is None and ddp_buckets:
@@ -204,7 +180,7 @@ class FailureGuard:
             _write_json(self.dir / f"status-{self.rank}.json", {"boundary": me.boundary, "clean": me.clean})
             statuses, dead = self._gather(dead)
             snaps = {r: _snapshots(self.dir, r) for r in range(self.world)}
-            p = plan(self.world, dead, statuses, snaps, replicated_known=self._replicated is not None)
+            p = plan(self.world, dead, statuses, snaps, replicated_known=self._layout is not None)
             self._act(p, dead, began)
         except Exception as exc:  # noqa: BLE001 - never leave a frozen rank behind
             log.warning("rank %d: failure save failed: %s", self.rank, exc)
@@ -252,28 +228,33 @@ class FailureGuard:
 
         if layout_from_env() != "per-rank":
             return {"ok": False, "error": "the per-node shard layout is not written by a failure save yet"}
-        assert self._state is not None and self._replicated is not None
-        replicated = self._replicated
-        _, live_tensors = flatten(self._state, {})
+        assert self._state is not None and self._layout is not None
+        replicated = self._layout.replicated
+        live_skeleton, live_tensors = flatten(self._state, {})
         live = [(n, t) for n, t in live_tensors if n in replicated]
         if any(t.device.type != "cpu" for _, t in live):
             return {"ok": False, "error": "tensors on a GPU: the failure save is written from CPU tensors only"}
-        shards = [_read_snapshot(self.dir, r, step) for r in range(self.world)]
-        have = {n for n, _ in live}
-        for r, (skeleton, own, _, _) in enumerate(shards):
-            lacking = referenced(skeleton, skeleton["entries"]) - have - set(own)
+        snaps = [stepsnap.read(self.dir / f"snap-{r}-{step % 2}") for r in range(self.world)]
+        shards = []
+        for r, snap in enumerate(snaps):
+            if snap is None or snap["step"] != step:
+                return {"ok": False, "error": f"rank {r}'s snapshot of step {step} is gone"}
+            skeleton, own = stepsnap.rebuild(snap, live_skeleton)
+            lacking = referenced(skeleton, skeleton["entries"]) - {n for n, _ in live} - {n for n, _ in own}
             if lacking:
                 return {"ok": False, "error": f"rank {r}'s tensors {sorted(lacking)[:4]} are on no survivor"}
+            shards.append((skeleton, own))
         decision = _commit.prepare(self.root, step)
         if decision["action"] == "skip":
             return {"ok": True, "error": None, "already": True}
         if decision["action"] != "write":
             return {"ok": False, "error": decision.get("error")}
-        reports = [_commit.write_rank(self.root, step, Seat(r, self.world), skeleton, live + list(own.items()),
-                                      replicated, into=decision["dir"])
-                   for r, (skeleton, own, _, _) in enumerate(shards)]
-        _, _, metrics, meta = shards[0]
-        return _commit.commit(self.root, step, reports, metrics, meta, into=decision["dir"])
+        reports = [_commit.write_rank(self.root, step, Seat(r, self.world), skeleton, live + own, replicated,
+                                      into=decision["dir"])
+                   for r, (skeleton, own) in enumerate(shards)]
+        first = snaps[0]
+        assert first is not None
+        return _commit.commit(self.root, step, reports, first["metrics"], first["meta"], into=decision["dir"])
 
 
 class _Watcher(threading.Thread):
@@ -366,27 +347,9 @@ def _status(directory: Path, rank: int) -> Status | None:
 
 
 def _snapshots(directory: Path, rank: int) -> list[Snapshot]:
-    from safetensors import safe_open
-
     out = []
     for slot in (0, 1):
-        try:
-            with safe_open(str(directory / f"snap-{rank}-{slot}.safetensors"), "pt") as f:
-                m = f.metadata()
-            out.append(Snapshot(rank, int(m["step"]), tuple(loads(m["missing"], "snapshot"))))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+        snap = stepsnap.read(directory / f"snap-{rank}-{slot}")
+        if snap is not None:
+            out.append(Snapshot(rank, snap["step"], tuple(snap.get("missing") or ())))
     return out
-
-
-def _read_snapshot(directory: Path, rank: int, step: int) -> tuple[dict[str, Any], dict[str, Any], Any, Any]:
-    """(skeleton, per-rank tensors, encoded metrics, encoded meta) of `rank` at `step`."""
-    from safetensors import safe_open
-
-    with safe_open(str(directory / f"snap-{rank}-{step % 2}.safetensors"), "pt") as f:
-        m = f.metadata()
-        if int(m["step"]) != step:
-            raise ValueError(f"rank {rank}'s snapshot of step {step} was replaced")
-        own = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iteration
-    return (loads(m["skeleton"], "snapshot skeleton"), own, loads(m["metrics"], "metrics"),
-            loads(m["meta"], "meta"))
