@@ -18,9 +18,9 @@ import pytest
 
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.contract import ENV_DRILL_RECORD
+from slurmresume.tools.compare import compare_checkpoints
 from slurmresume.train.steprecord import read_records
 from slurmresume.train.survivors import Plan, Snapshot, Status, plan
-from slurmresume.tools.compare import compare_checkpoints
 from tests.helpers.procs import EXAMPLE, HELPERS, clean_env, process_tree, signal_tree
 
 # -- the plan: a table, no processes ----------------------------------------------------------------
@@ -70,6 +70,79 @@ def test_plan_refuses_and_names_what_is_missing(dead: set[int], statuses: list[S
 def test_plan_refuses_before_the_replicated_set_is_known() -> None:
     got = plan(3, {1}, {0: Status(0, 7, True)}, _snaps(3, 7), replicated_known=False)
     assert not got.ok and "replicated" in got.refused[0]
+
+
+# -- the per-step snapshot: what the writer rebuilds is what the rank's own save would hold ---------
+
+
+def _state() -> dict:
+    import torch
+
+    import slurmresume
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    sampler = slurmresume.ResumableSampler(list(range(40)), shuffle=True, seed=1)
+    sampler.advance(8)
+    return {"model": model, "optimizer": opt, "scheduler": sched, "sampler": sampler, "loss": 0.25,
+            "mine": torch.arange(5.0)}  # a per-rank tensor: published with the snapshot
+
+
+def test_a_snapshot_rebuilds_the_ranks_skeleton_and_tensors_exactly(tmp_path: Path) -> None:
+    """The writer's rebuild of a rank (its snapshot + the writer's replicated tensors) equals
+    `flatten` of that rank's state with its RNG, as its own save would write it; the snapshot
+    leaves out the model and the optimizer's tensors (replicas) and carries the RNG raw."""
+    import numpy as np
+    import torch
+
+    from slurmresume.checkpoint.state import flatten
+    from slurmresume.train import rng, stepsnap
+
+    state = _state()
+    skeleton, tensors = flatten(state, {})
+    replicated = {n for n, _ in tensors if n != "mine"}
+    layout = stepsnap.Layout.learn(state, replicated)
+    assert layout.static == {"model"} and layout.parts["optimizer"] == {"state"} and layout.cheap
+    np.random.seed(5)
+    expect_skeleton, expect_tensors = flatten(state, {"rng": rng.capture()})
+    data = stepsnap.capture(7, state, layout, None, {"loss": 0.25}, None)
+    torch.rand(3), np.random.rand(), random.random()  # the next step's draws: not in the snapshot
+    fd = os.open(tmp_path / "slot", os.O_RDWR | os.O_CREAT)
+    stepsnap.publish(fd, b"x" * (len(data) + 100))  # a longer record before: cut by the header
+    stepsnap.publish(fd, data)
+    snap = stepsnap.read(tmp_path / "slot")
+    assert snap is not None and snap["step"] == 7 and "model" not in snap["entries"]
+    assert "state" not in snap["entries"]["optimizer"]["value"]
+    got_skeleton, own = stepsnap.rebuild(snap, skeleton)
+    assert got_skeleton == expect_skeleton
+    expect = {n: t for n, t in expect_tensors if n not in replicated}
+    assert sorted(n for n, _ in own) == sorted(expect)
+    assert all(torch.equal(t, expect[n]) for n, t in own)
+
+
+def test_a_torn_slot_reads_as_missing_and_a_large_per_rank_tensor_is_named(tmp_path: Path) -> None:
+    import torch
+
+    from slurmresume.checkpoint.state import flatten
+    from slurmresume.train import stepsnap
+
+    state = {**_state(), "mine": torch.zeros(stepsnap.PUBLISH_MAX_BYTES // 4 + 1)}
+    _, tensors = flatten(state, {})
+    layout = stepsnap.Layout.learn(state, {n for n, _ in tensors if n != "mine"})
+    data = stepsnap.capture(3, state, layout, None, None, None)
+    path = tmp_path / "slot"
+    path.write_bytes(data)
+    snap = stepsnap.read(path)
+    assert snap is not None and snap["missing"] == ["mine"] and snap["tensors"] == {}
+    path.write_bytes(data[:-10])  # killed mid-write
+    assert stepsnap.read(path) is None
+    path.write_bytes(data[:-1] + b"!")  # a flipped byte
+    assert stepsnap.read(path) is None
 
 
 # -- end to end: submit --local, 3 ranks, one SIGKILL ---------------------------------------------

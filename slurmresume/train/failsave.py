@@ -13,7 +13,7 @@ At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's ag
   - the rank's "dirty" flag is cleared; torch.optim's global step pre-hook sets it, so a rank
     knows whether its tensors are still those of step `s`.
 
-The death (`_Watcher`, a thread blocked on pidfds of this node's other ranks, no polling): a peer
+The death (`peers.Watcher`, a thread blocked on pidfds of this node's other ranks, no polling): a peer
 that exits without having closed its Checkpointer. Then, on each survivor:
   1. freeze: no optimizer step and no `ckpt.step()` may run any more (both block);
   2. publish its status (last boundary, clean or not) and wait for the other survivors'
@@ -30,26 +30,23 @@ never committed (no marker); the launcher resumes from the newest committed step
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import select
 import sys
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..checkpoint import commit as _commit
 from ..checkpoint.replicas import LIBRARY_PREFIX, replicated_across
 from ..checkpoint.state import flatten, referenced
 from ..contract import ENV_HEARTBEAT_DIR, ENV_RUN_ID
 from ..events import try_append_event
-from ..evidence import start_time
 from . import ddp, rng, stepsnap
+from .peers import Watcher, mark_done, peers, publish_pid, read_status, write_status
 from .survivors import Plan, Snapshot, Status, plan
 
 log = logging.getLogger("slurmresume")
@@ -86,9 +83,9 @@ class FailureGuard:
         self._slots = [os.open(self.dir / f"snap-{rank}-{slot}", os.O_RDWR | os.O_CREAT, 0o600) for slot in (0, 1)]
         self._ddp_layout: dict[str, str] | None = None
         self._failing: threading.Thread | None = None
-        self._watcher: _Watcher | None = None
+        self._watcher: Watcher | None = None
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
-        _write_json(self.dir / f"pid-{rank}.json", {"pid": os.getpid(), "start": start_time(os.getpid())})
+        publish_pid(self.dir, rank)
 
     # -- the training thread --------------------------------------------------------------
 
@@ -121,8 +118,7 @@ class FailureGuard:
         """The DDP bucket layouts, without a collective: DDP rebuilds once (at the first step's
         capture, above), so a layout that is there stays."""
         if self._ddp_layout is None and ddp_buckets:
-            pending = any(ddp._can_rebuild(b.ddp) for b in ddp_buckets.values() if hasattr(b, "ddp"))
-            if pending:
+            if ddp.rebuild_pending(ddp_buckets):
                 return {}
             layout = ddp.capture(ddp_buckets)
             if all(layout.values()):
@@ -143,15 +139,15 @@ class FailureGuard:
 
     def _watch(self) -> None:
         if self._watcher is None:
-            peers = _peers(self.dir, self.world, self.rank)
-            if peers is not None:
-                self._watcher = _Watcher(self, peers)
+            fds = peers(self.dir, self.world, self.rank)
+            if fds is not None:
+                self._watcher = Watcher(self.dir, fds, self.on_death)
                 self._watcher.start()
 
     def close(self) -> None:
         """Every rank, at `Checkpointer.close()`: this rank ends normally (its peers must not take
         its exit for a death); stop watching."""
-        _write_json(self.dir / f"done-{self.rank}.json", {"pid": os.getpid()})
+        mark_done(self.dir, self.rank)
         self._hook.remove()
         if self._watcher is not None:
             self._watcher.stop()
@@ -177,7 +173,7 @@ class FailureGuard:
             with self._lock:
                 self._frozen.set()
                 me = Status(self.rank, self._boundary, not self._dirty)
-            _write_json(self.dir / f"status-{self.rank}.json", {"boundary": me.boundary, "clean": me.clean})
+            write_status(self.dir, me)
             statuses, dead = self._gather(dead)
             snaps = {r: _snapshots(self.dir, r) for r in range(self.world)}
             p = plan(self.world, dead, statuses, snaps, replicated_known=self._layout is not None)
@@ -195,7 +191,7 @@ class FailureGuard:
         while True:
             dead = dead | (self._watcher.dead_now() if self._watcher is not None else set())
             statuses = {r: s for r in range(self.world) if r not in dead
-                        if (s := _status(self.dir, r)) is not None}
+                        if (s := read_status(self.dir, r)) is not None}
             if len(statuses) + len(dead) >= self.world or time.monotonic() > deadline:
                 return statuses, dead
             time.sleep(0.02)
@@ -249,48 +245,14 @@ class FailureGuard:
             return {"ok": True, "error": None, "already": True}
         if decision["action"] != "write":
             return {"ok": False, "error": decision.get("error")}
-        reports = [_commit.write_rank(self.root, step, Seat(r, self.world), skeleton, live + own, replicated,
-                                      into=decision["dir"])
+        # write_rank reads rank and world_size only (the per-node layout, which also reads the node's
+        # links, was refused above)
+        reports = [_commit.write_rank(self.root, step, cast(Any, Seat(r, self.world)), skeleton, live + own,
+                                      replicated, into=decision["dir"])
                    for r, (skeleton, own) in enumerate(shards)]
         first = snaps[0]
         assert first is not None
         return _commit.commit(self.root, step, reports, first["metrics"], first["meta"], into=decision["dir"])
-
-
-class _Watcher(threading.Thread):
-    """Blocks on pidfds of this node's other ranks; a peer that exits without `done` is a death."""
-
-    def __init__(self, guard: FailureGuard, peers: dict[int, int]) -> None:
-        super().__init__(name="slurmresume-failsave", daemon=True)
-        self.guard, self.fds = guard, peers  # rank -> pidfd (-1: already gone)
-        self._wake_r, self._wake_w = os.pipe()
-
-    def dead_now(self) -> set[int]:
-        out = set()
-        for rank, fd in self.fds.items():
-            if fd < 0 or select.select([fd], [], [], 0)[0]:
-                if not (self.guard.dir / f"done-{rank}.json").exists():
-                    out.add(rank)
-        return out
-
-    def run(self) -> None:
-        while True:
-            dead = self.dead_now()
-            if dead:
-                self.guard.on_death(dead)
-                return
-            alive = [fd for fd in self.fds.values() if fd >= 0]
-            ready = select.select([*alive, self._wake_r], [], [])[0]
-            if self._wake_r in ready:
-                return
-            for rank, fd in list(self.fds.items()):
-                if fd in ready and (self.guard.dir / f"done-{rank}.json").exists():
-                    os.close(fd)
-                    del self.fds[rank]  # ended normally
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
 
 
 def failure_guard(group: Any, root: Path) -> FailureGuard | None:
@@ -306,44 +268,6 @@ def failure_guard(group: Any, root: Path) -> FailureGuard | None:
     except OSError as exc:
         log.warning("no failure save on rank %d: %s", group.rank, exc)
         return None
-
-
-def _peers(directory: Path, world: int, me: int) -> dict[int, int] | None:
-    """rank -> pidfd of every other rank once each has published its pid (None before)."""
-    out: dict[int, int] = {}
-    for rank in range(world):
-        if rank == me:
-            continue
-        try:
-            rec = json.loads((directory / f"pid-{rank}.json").read_text())
-        except (OSError, ValueError):
-            for fd in out.values():
-                if fd >= 0:
-                    os.close(fd)
-            return None
-        try:
-            fd = os.pidfd_open(int(rec["pid"]))
-        except OSError:
-            fd = -1
-        if fd >= 0 and start_time(int(rec["pid"])) != rec.get("start"):
-            os.close(fd)
-            fd = -1  # the pid is another process now: the rank is gone
-        out[rank] = fd
-    return out
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def _status(directory: Path, rank: int) -> Status | None:
-    try:
-        rec = json.loads((directory / f"status-{rank}.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return Status(rank, rec.get("boundary"), bool(rec.get("clean")))
 
 
 def _snapshots(directory: Path, rank: int) -> list[Snapshot]:

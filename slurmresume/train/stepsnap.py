@@ -75,10 +75,12 @@ def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dic
     if layout.cheap:
         entries = _cheap_entries(state, layout, own)
     else:  # the save's own naming, every key (a tensor shared between keys, a GPU tensor: rare)
-        skeleton, tensors = flatten(state, {})
+        skeleton, flat = flatten(state, {})
         entries = skeleton["entries"]
-        own = {n: t for n, t in tensors if n not in layout.replicated}
-    tensors, missing, size = {}, [], 0
+        own = {n: t for n, t in flat if n not in layout.replicated}
+    tensors: dict[str, list[Any]] = {}
+    missing: list[str] = []
+    size = 0
     for name, t in own.items():
         size += t.numel() * t.element_size()
         if t.device.type != "cpu" or size > PUBLISH_MAX_BYTES:
