@@ -21,7 +21,7 @@ from slurmresume.contract import ENV_DRILL_RECORD
 from slurmresume.tools.compare import compare_checkpoints
 from slurmresume.train.steprecord import read_records
 from slurmresume.train.survivors import Plan, Snapshot, Status, plan
-from tests.helpers.procs import EXAMPLE, HELPERS, clean_env, process_tree, signal_tree
+from tests.helpers.procs import EXAMPLE, HELPERS, clean_env, process_tree, run_ranks, signal_tree
 
 # -- the plan: a table, no processes ----------------------------------------------------------------
 
@@ -145,6 +145,42 @@ def test_a_torn_slot_reads_as_missing_and_a_large_per_rank_tensor_is_named(tmp_p
     assert stepsnap.read(path) is None
 
 
+# -- three forked ranks, no launcher: who counts as dead ---------------------------------------------
+
+
+def _forked(tmp_path: Path, mode: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    from slurmresume.contract import ENV_HEARTBEAT_DIR
+
+    root, beats = tmp_path / "root", tmp_path / "hb"
+    beats.mkdir()
+    proc = run_ranks(3, HELPERS / "failsave_ranks.py", mode, root,
+                     env=clean_env(**{ENV_HEARTBEAT_DIR: str(beats)}), timeout=300)
+    return proc, root
+
+
+@pytest.mark.slow
+def test_ranks_that_leave_without_close_are_no_death(tmp_path: Path) -> None:
+    """A script that never calls ckpt.close(): rank 0 exits first and normally; the others must not
+    take it for a death (a failure save, exit 1)."""
+    proc, root = _forked(tmp_path, "no-close")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not [e for e in _events(root) if e["event"] == "failure_save"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_is_saved_for_by_the_others(tmp_path: Path) -> None:
+    """Rank 2 raises after step 4 (no warning, no signal); ranks 0 and 1 are in a collective with it:
+    they commit step 4 themselves, and it restores like any save."""
+    from slurmresume.checkpoint.store import find_latest
+
+    proc, root = _forked(tmp_path, "raise")
+    assert proc.returncode == 1 and "rank 2's own bug" in proc.stderr, proc.stderr[-3000:]
+    saves = [e for e in _events(root) if e["event"] == "failure_save"]
+    assert [(e["step"], e["committed"], e["dead"], e["writer"]) for e in saves] == [(4, True, [2], 0)], saves
+    latest = find_latest(root, warn=False, verify=True)
+    assert latest is not None and latest.step == 4
+
+
 # -- end to end: submit --local, 3 ranks, one SIGKILL ---------------------------------------------
 
 ARGS = ["--steps", "30", "--save-every", "10", "--step-sleep", "0.05"]
@@ -169,7 +205,8 @@ def _finish(proc: subprocess.Popen[str]) -> str:
 
 
 def _events(root: Path) -> list[dict]:
-    return [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines() if line.strip()]
+    path = root / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _rank_pid(launcher: int, rank: int) -> int | None:

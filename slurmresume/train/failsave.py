@@ -153,9 +153,14 @@ class FailureGuard:
             self._watcher.stop()
 
     def at_exit(self) -> None:
-        """atexit, before anything else is released: a script that died of an exception (a
-        collective broke because a peer died) waits for the failure save, which exits."""
-        if getattr(sys, "last_value", None) is None or self._watcher is None:
+        """atexit, before anything else is released. A normal exit (the script forgot close()) is
+        marked done, so its peers do not take it for a death; a script that died of an exception
+        (a collective broke because a peer died) waits for the failure save, which exits; any other
+        exception is this rank's own failure, which its peers save for."""
+        if getattr(sys, "last_value", None) is None:  # a normal exit without close(): no death either
+            mark_done(self.dir, self.rank)
+            return
+        if self._watcher is None:
             return
         deadline = time.monotonic() + EXIT_GRACE_S
         while self._failing is None and time.monotonic() < deadline:
@@ -203,8 +208,8 @@ class FailureGuard:
             outcome = self._write(p.step)
             seconds = round(time.time() - began, 3)
             if outcome.get("ok"):
-                log.warning("rank %d of %s died: failure save of step %d committed by rank %d in %.2f s",
-                            min(dead), sorted(dead), p.step, self.rank, seconds)
+                log.warning("rank(s) %s died: failure save of step %d committed by rank %d in %.2f s",
+                            sorted(dead), p.step, self.rank, seconds)
                 try_append_event(self.root, "save_committed", step=p.step, seconds=seconds, reason="failure",
                                  world_size=self.world, run_id=os.environ.get(ENV_RUN_ID))
             else:
