@@ -113,7 +113,7 @@ def test_a_snapshot_rebuilds_the_ranks_skeleton_and_tensors_exactly(tmp_path: Pa
     data = stepsnap.capture(7, state, layout, None, {"loss": 0.25}, None)
     torch.rand(3), np.random.rand(), random.random()  # the next step's draws: not in the snapshot
     fd = os.open(tmp_path / "slot", os.O_RDWR | os.O_CREAT)
-    stepsnap.publish(fd, b"x" * (len(data) + 100))  # a longer record before: cut by the header
+    stepsnap.publish(fd, [b"x" * (sum(map(len, data)) + 100)])  # a longer record before: cut by the header
     stepsnap.publish(fd, data)
     snap = stepsnap.read(tmp_path / "slot")
     assert snap is not None and snap["step"] == 7 and "model" not in snap["entries"]
@@ -134,8 +134,8 @@ def test_a_torn_slot_reads_as_missing_and_a_large_per_rank_tensor_is_named(tmp_p
     state = {**_state(), "mine": torch.zeros(stepsnap.PUBLISH_MAX_BYTES // 4 + 1)}
     _, tensors = flatten(state, {})
     layout = stepsnap.Layout.learn(state, {n for n, _ in tensors if n != "mine"})
-    data = stepsnap.capture(3, state, layout, None, None, None)
     path = tmp_path / "slot"
+    data = b"".join(stepsnap.capture(3, state, layout, None, None, None))
     path.write_bytes(data)
     snap = stepsnap.read(path)
     assert snap is not None and snap["missing"] == ["mine"] and snap["tensors"] == {}

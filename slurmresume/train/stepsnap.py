@@ -13,9 +13,10 @@ What a snapshot holds, and why it is cheap enough for every step (issue 47: <= 1
     by the writer exactly as a save would (`checkpoint.state.flatten` of the library entry);
   - the rank's tensors that are not replicated, when small and on the CPU (else named missing);
   - metrics and meta (rank 0's go into the manifest).
-The file: 16 bytes (payload length, xxh3 of the payload), then the JSON payload, written with one
-pwrite into one of two slots (step % 2): a rank killed mid-write leaves a slot that fails its
-check, and the other slot still holds the step before.
+The file: 24 bytes (the JSON's length, the raw bytes' length, xxh3 of both), the JSON, then the raw
+bytes (RNG states, tensors) it points into, written with one pwritev into one of two slots
+(step % 2): a rank killed mid-write leaves a slot that fails its check, and the other slot still
+holds the step before.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from ..checkpoint.jsonenc import dumps, encode
 from ..checkpoint.state import as_stateful, flatten, is_stateful
 from . import rng
 
-HEADER = struct.Struct("<QQ")
+HEADER = struct.Struct("<QQQ")
 PUBLISH_MAX_BYTES = 1 << 20  # a rank's non-replicated tensors published per step, at most
 
 
@@ -68,9 +69,22 @@ class Layout:
         return layout
 
 
+class _Blob:
+    """The raw bytes of one snapshot: `add` returns where a piece lies, [offset, length]."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, data: bytes) -> list[int]:
+        self.parts.append(data)
+        self.size += len(data)
+        return [self.size - len(data), len(data)]
+
+
 def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
-            metrics: Any, meta: Any) -> bytes:
-    """The training thread, at `ckpt.step(step)`: this rank's snapshot, ready to publish."""
+            metrics: Any, meta: Any) -> list[bytes]:
+    """The training thread, at `ckpt.step(step)`: this rank's snapshot, ready to `publish`."""
     own: dict[str, Any] = {}
     if layout.cheap:
         entries = _cheap_entries(state, layout, own)
@@ -78,6 +92,7 @@ def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dic
         skeleton, flat = flatten(state, {})
         entries = skeleton["entries"]
         own = {n: t for n, t in flat if n not in layout.replicated}
+    blob = _Blob()
     tensors: dict[str, list[Any]] = {}
     missing: list[str] = []
     size = 0
@@ -86,25 +101,32 @@ def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dic
         if t.device.type != "cpu" or size > PUBLISH_MAX_BYTES:
             missing.append(name)
         else:
-            tensors[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), _hex(t)]
-    payload = dumps({"step": step, "entries": entries, "rng": _rng_raw(), "ddp": ddp_layout or None,
-                     "metrics": encode(metrics), "meta": encode(meta), "tensors": tensors,
-                     "missing": missing}).encode()
-    return HEADER.pack(len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
+            tensors[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), *blob.add(_raw(t))]
+    rng_raw = _rng_raw(blob)
+    text = dumps({"step": step, "entries": entries, "rng": rng_raw, "ddp": ddp_layout or None,
+                  "metrics": encode(metrics), "meta": encode(meta), "tensors": tensors,
+                  "missing": missing}).encode()
+    digest = xxhash.xxh3_64(text)
+    for part in blob.parts:
+        digest.update(part)
+    return [HEADER.pack(len(text), blob.size, digest.intdigest()), text, *blob.parts]
 
 
 def read(path: Path) -> dict[str, Any] | None:
-    """A published snapshot, or None when the slot is empty or torn."""
+    """A published snapshot (its raw bytes under "blob"), or None when the slot is empty or torn."""
     try:
         data = path.read_bytes()
-        length, digest = HEADER.unpack_from(data)
-        payload = data[HEADER.size:HEADER.size + length]
-        if len(payload) != length or xxhash.xxh3_64_intdigest(payload) != digest:
+        n_text, n_blob, digest = HEADER.unpack_from(data)
+        body = data[HEADER.size:HEADER.size + n_text + n_blob]
+        if len(body) != n_text + n_blob or xxhash.xxh3_64_intdigest(body) != digest:
             return None
-        out = json.loads(payload)
+        out = json.loads(body[:n_text])
     except (OSError, struct.error, ValueError):
         return None
-    return out if isinstance(out, dict) and isinstance(out.get("step"), int) else None
+    if not isinstance(out, dict) or not isinstance(out.get("step"), int):
+        return None
+    out["blob"] = body[n_text:]
+    return out
 
 
 def rebuild(snap: dict[str, Any], live_skeleton: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
@@ -118,12 +140,13 @@ def rebuild(snap: dict[str, Any], live_skeleton: dict[str, Any]) -> tuple[dict[s
     if set(published) - set(live):
         raise ValueError(f"state keys {sorted(set(published) - set(live))} are not in the writer's state")
     entries = _merge(live, published)
-    library: dict[str, Any] = {"rng": _rng_state(snap["rng"])}
+    library: dict[str, Any] = {"rng": _rng_state(snap["rng"], snap["blob"])}
     if snap.get("ddp"):
         library["ddp"] = snap["ddp"]
     lib_skeleton, lib_tensors = flatten({}, library)
-    own = [(n, torch.frombuffer(bytearray.fromhex(h), dtype=getattr(torch, d)).reshape(shape).clone())
-           for n, (d, shape, h) in snap["tensors"].items()]
+    blob = snap["blob"]
+    own = [(n, torch.frombuffer(bytearray(blob[at:at + size]), dtype=getattr(torch, d)).reshape(shape).clone())
+           for n, (d, shape, at, size) in snap["tensors"].items()]
     return {"entries": entries, "library": lib_skeleton["library"]}, [*lib_tensors, *own]
 
 
@@ -188,43 +211,46 @@ def _leaves(data: Any) -> Any:
         yield data
 
 
-def _hex(t: Any) -> str:
+def _raw(t: Any) -> bytes:
     import torch
 
-    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hex()
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
-def _rng_raw() -> dict[str, Any]:
+def _rng_raw(blob: _Blob) -> dict[str, Any]:
     state = rng.capture()
     version, words, gauss = state["python"]
     name, keys, pos, has_gauss, cached = state["numpy"]
-    out: dict[str, Any] = {"python": [version, array.array("I", words).tobytes().hex(), gauss],
-                           "numpy": [name, np.ascontiguousarray(keys, dtype=np.uint32).tobytes().hex(), int(pos),
+    out: dict[str, Any] = {"python": [version, *blob.add(array.array("I", words).tobytes()), gauss],
+                           "numpy": [name, *blob.add(np.ascontiguousarray(keys, dtype=np.uint32).tobytes()), int(pos),
                                      int(has_gauss), float(cached)],
-                           "torch_cpu": _hex(state["torch_cpu"])}
+                           "torch_cpu": blob.add(_raw(state["torch_cpu"]))}
     if "torch_cuda" in state:
-        out["torch_cuda"] = [_hex(t) for t in state["torch_cuda"]]
+        out["torch_cuda"] = [blob.add(_raw(t)) for t in state["torch_cuda"]]
     return out
 
 
-def _rng_state(raw: dict[str, Any]) -> dict[str, Any]:
+def _rng_state(raw: dict[str, Any], blob: bytes) -> dict[str, Any]:
     """Pure inverse of `_rng_raw`: what `rng.capture` returned on that rank at that step."""
     import torch
 
-    def tensor(h: str) -> Any:
-        return torch.frombuffer(bytearray.fromhex(h), dtype=torch.uint8).clone()
+    def piece(at: int, size: int) -> bytes:
+        return blob[at:at + size]
 
-    version, words, gauss = raw["python"]
-    name, keys, pos, has_gauss, cached = raw["numpy"]
-    out: dict[str, Any] = {"python": (version, tuple(array.array("I", bytes.fromhex(words))), gauss),
-                           "numpy": (name, np.frombuffer(bytes.fromhex(keys), dtype=np.uint32).copy(), pos, has_gauss,
+    def tensor(where: list[int]) -> Any:
+        return torch.frombuffer(bytearray(piece(*where)), dtype=torch.uint8).clone()
+
+    version, w_at, w_size, gauss = raw["python"]
+    name, k_at, k_size, pos, has_gauss, cached = raw["numpy"]
+    out: dict[str, Any] = {"python": (version, tuple(array.array("I", piece(w_at, w_size))), gauss),
+                           "numpy": (name, np.frombuffer(piece(k_at, k_size), dtype=np.uint32).copy(), pos, has_gauss,
                                      cached),
                            "torch_cpu": tensor(raw["torch_cpu"])}
     if "torch_cuda" in raw:
-        out["torch_cuda"] = [tensor(h) for h in raw["torch_cuda"]]
+        out["torch_cuda"] = [tensor(w) for w in raw["torch_cuda"]]
     return out
 
 
-def publish(fd: int, data: bytes) -> None:
-    """One pwrite at offset 0 (a longer record left behind is cut by the header's length)."""
-    os.pwrite(fd, data, 0)
+def publish(fd: int, parts: list[bytes]) -> None:
+    """One pwritev at offset 0 (a longer record left behind is cut by the header's lengths)."""
+    os.pwritev(fd, parts, 0)
