@@ -205,9 +205,14 @@ class FailureGuard:
         survivors = [r for r in range(self.world) if r not in dead]
         if p.ok and p.writer == self.rank:
             assert p.step is not None
-            outcome = self._write(p.step)
+            try:
+                outcome = self._write(p.step)
+            except Exception as exc:  # noqa: BLE001 - a failure save that fails is reported, never raised
+                outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             seconds = round(time.time() - began, 3)
-            if outcome.get("ok"):
+            if outcome.get("already"):  # a periodic save of the same step won the race: nothing to add
+                log.warning("rank(s) %s died: step %d is committed already", sorted(dead), p.step)
+            elif outcome.get("ok"):
                 log.warning("rank(s) %s died: failure save of step %d committed by rank %d in %.2f s",
                             sorted(dead), p.step, self.rank, seconds)
                 try_append_event(self.root, "save_committed", step=p.step, seconds=seconds, reason="failure",
@@ -215,8 +220,8 @@ class FailureGuard:
             else:
                 log.warning("failure save of step %d not committed: %s", p.step, outcome.get("error"))
             try_append_event(self.root, EV_FAILURE_SAVE, step=p.step, committed=bool(outcome.get("ok")),
-                             dead=sorted(dead), writer=self.rank, seconds=seconds, error=outcome.get("error"),
-                             run_id=os.environ.get(ENV_RUN_ID))
+                             already=bool(outcome.get("already")) or None, dead=sorted(dead), writer=self.rank,
+                             seconds=seconds, error=outcome.get("error"), run_id=os.environ.get(ENV_RUN_ID))
         elif not p.ok and survivors and self.rank == survivors[0]:
             log.warning("ranks %s died: no failure save (missing: %s); resuming from the newest committed step",
                         sorted(dead), "; ".join(p.refused))
