@@ -256,9 +256,13 @@ def test_a_script_that_raises_at_import_ends_with_its_traceback_and_one_line_of_
     lines = proc.stderr.strip().splitlines()
     assert "ValueError: bad config" in lines  # the user's traceback stays: it is theirs
     assert "ChildFailedError" not in proc.stderr and "torch/distributed/run.py" not in proc.stderr
-    assert lines[-1] == ("slurmresume: giving up: workers failed (exit 1): the script's error is above; fix it and "
-                         "run the same command (it resumes from the newest checkpoint)")
-    assert lines.index("ValueError: bad config") >= len(lines) - 4  # at most torch's one log line between
+    # carry on by default (issue 47): retried once in the allocation, then the crash-loop rule stops it
+    assert lines[-1] == ("slurmresume: giving up: workers failed (exit 1), twice in a row with no new committed step "
+                         "(newest: none): crash loop; the script's error is above; fix it and run the same command "
+                         "(it resumes from the newest checkpoint)")
+    assert lines.count("ValueError: bad config") == 2  # the first run and its one retry
+    last = len(lines) - 1 - lines[::-1].index("ValueError: bad config")
+    assert last >= len(lines) - 4  # at most torch's one log line between
 
 
 def test_submit_speaks_sbatch(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from slurmresume.cli import app
 from slurmresume.contract import Outcome
 from slurmresume.errors import ConfigError
-from slurmresume.job.config import requeue_cap_reached
+from slurmresume.job.config import JobSpec, requeue_cap_reached
 from slurmresume.job.launcher import RunResult, decide
 from slurmresume.tools.drill import WORKDIR_MARK, prepare_workdir
 
@@ -144,3 +144,18 @@ def test_drill_reuses_its_own_workdir_but_only_replaces_its_run_folders(tmp_path
     with pytest.raises(ConfigError, match="not a directory"):
         prepare_workdir(afile)
     assert afile.read_text() == "x"
+
+
+def test_an_unwarned_failure_carries_on_by_default(tmp_path: Path) -> None:
+    """Issue 47: a run that failed without a warning (a rank SIGKILLed) resumes in the allocation
+    by default, run after run while each commits a new step; two failed runs in a row without one
+    stop the job; --max-failures 0 still means "do not retry"."""
+    spec = JobSpec(script=EXAMPLE, ckpt_dir=tmp_path)
+    assert spec.max_failures is None
+    kw = dict(first_node=True, requeues_done=0, max_requeues=None, max_failures=spec.max_failures)
+    killed = RunResult(1, None, 20, 37)  # the survivors' failure save committed step 37
+    assert decide(killed, failures_done=50, previous_progressed=True, **kw)[0] == "retry"
+    stuck = RunResult(1, None, 37, 37)
+    assert decide(stuck, failures_done=51, previous_progressed=None, **kw)[0] == "retry"
+    assert decide(stuck, failures_done=52, previous_progressed=False, **kw)[0] == "give_up"
+    assert decide(killed, failures_done=0, previous_progressed=True, **{**kw, "max_failures": 0})[0] == "give_up"

@@ -124,6 +124,14 @@ def _r(rc: int = 0, outcome: tuple | None = None, before: int | None = 10, after
         (_r(3), {"max_failures": 2, "failures_done": 1}, "retry", "retry 2 of 2"),
         (_r(3), {"max_failures": 2, "failures_done": 2}, "give_up", "--max-failures 2"),
         (_r(3), {}, "give_up", "the script's error is above"),  # no retry asked for: not "0 used up"
+        # the default (no cap, issue 47): an unwarned failure resumes in the allocation while runs commit
+        (_r(1), {"max_failures": None, "failures_done": 7}, "retry", "retry 8 in this allocation from the newest"),
+        (_r(1, before=20, after=20), {"max_failures": None, "previous_progressed": None}, "retry", "step 20"),
+        (_r(1, before=20, after=20), {"max_failures": None, "previous_progressed": False}, "give_up",
+         "twice in a row with no new committed step (newest: still step 20): crash loop; the script's error"),
+        (_r(1, before=None, after=None), {"max_failures": None, "previous_progressed": False}, "give_up",
+         "(newest: none)"),
+        (_r(1, before=20, after=21), {"max_failures": None, "previous_progressed": False}, "retry", "step 21"),
         # rank 0 exited 78 at close (torchrun says 1): finished locally, the bucket lacks the step;
         # a retry would train nothing: end with that reason, whatever the failure budget
         (_r(1, behind=(20, "server down")), {"max_failures": 2}, "behind", "step 20 is not on the mirror"),

@@ -248,7 +248,7 @@ exit 0
 def test_a_reused_job_id_never_believes_the_old_jobs_records(tmp_path) -> None:
     """Job 4343 comes back (MaxJobId wrap, another cluster): the old job's "preempted, committed"
     record and its crash-loop record are not this submission's, so a crash at once is a failure
-    (--max-failures 0: the job ends), not a requeue."""
+    (by default retried once in the allocation, then the crash-loop rule ends the job), not a requeue."""
     root, bindir, fake_log = tmp_path / "ckpt", tmp_path / "bin", tmp_path / "scontrol.log"
     bindir.mkdir()
     (bindir / "scontrol").write_text(RECORDING_SCONTROL)

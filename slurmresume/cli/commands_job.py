@@ -22,7 +22,7 @@ from .options import refuse_step_dir
 
 # Shown in --help as "(default: ...)": rich would swallow "[default: ...]" as markup. No default for
 # --time (the partition's DefaultTime applies) nor --max-requeues (no cap while runs progress).
-_DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "max_failures": 0, "hang_timeout": "auto",
+_DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "hang_timeout": "auto",
              "max_hangs": 3}
 _HB = HangBudgets()  # the numbers --help shows are the ones the hang watch uses
 _HANG_TIMEOUT_HELP = ("Hang watch, step budget: a rank silent longer than its phase's budget gets every rank's stacks "
@@ -168,7 +168,7 @@ def submit(
     signal: Annotated[str | None, Opt(metavar="[B:]SIG[@SECONDS]", help="Warning signal, as sbatch spells it: USR1@300 also sets --signal-lead; B:USR1 sends it to the batch shell only. (default: USR1)")] = None,
     signal_lead: Annotated[int | None, Opt(help="Seconds before the time limit that the warning comes. (default: 120)")] = None,
     max_requeues: Annotated[int | None, Opt(help="Cap on requeues (warnings and time limits alike). (default: no cap while each run commits a newer step; two runs in a row without one stop the job)")] = None,
-    max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) this many times from the newest checkpoint. (default: 0)")] = None,
+    max_failures: Annotated[int | None, Opt(help="Retry a crash (no signal) at most this many times from the newest checkpoint; 0: never retry. (default: no cap: carry on while each run commits a new step; two failed runs in a row without one stop the job)")] = None,
     hang_timeout: Annotated[str | None, Opt(metavar="auto|SECONDS|off", help=_HANG_TIMEOUT_HELP)] = None,
     hang_startup: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_STARTUP_HELP)] = None,
     hang_busy: Annotated[float | None, Opt(metavar="SECONDS", help=_HANG_BUSY_HELP)] = None,

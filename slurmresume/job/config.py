@@ -113,7 +113,7 @@ class JobSpec:
     signal: str = "USR1"  # "USR1", or "B:USR1" for delivery to the batch shell only
     signal_lead: int = 120
     max_requeues: int | None = None  # None: no cap while runs progress (see requeue_cap_reached)
-    max_failures: int = 0
+    max_failures: int | None = None  # None: retry a failure while runs commit progress (decision.py)
     sbatch: tuple[tuple[str, str], ...] = ()
     setup: tuple[str, ...] = ()  # --setup LINE: shell lines of the batch script, before the launcher
     python: str = field(default_factory=lambda: sys.executable)

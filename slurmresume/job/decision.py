@@ -64,7 +64,7 @@ class RunResult:
 
 
 def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_requeues: int | None,
-           failures_done: int, max_failures: int, previous_progressed: bool | None, hangs_done: int = 0,
+           failures_done: int, max_failures: int | None, previous_progressed: bool | None, hangs_done: int = 0,
            max_hangs: int = 0, previous_hang: tuple[tuple[int, ...], int] | None = None) -> tuple[str, str]:
     """Pure: what to do after a run. Returns (action, reason); action is one of
     "finish", "requeue", "retry" (restart inside the allocation), "stop" (a clean exit without
@@ -98,13 +98,7 @@ def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_reque
         return "give_up", ("the warning signal reached the script but it saved nothing (no ckpt.step() "
                            "after it?): this run's work since the last checkpoint is lost")
     if kind == "failed":
-        if failures_done < max_failures:
-            return "retry", (f"workers failed (exit {result.returncode}); retry {failures_done + 1} of "
-                             f"{max_failures} from the newest complete checkpoint")
-        if max_failures == 0:  # no retry was asked for: say what to do, not that a budget of 0 ran out
-            return "give_up", (f"workers failed (exit {result.returncode}): the script's error is above; fix it and "
-                               "run the same command (it resumes from the newest checkpoint)")
-        return "give_up", f"workers failed (exit {result.returncode}) and --max-failures {max_failures} is used up"
+        return _decide_failure(result, failures_done, max_failures, previous_progressed)
     why = _why(result)
     if not first_node:
         return "stop", f"{why}: the first node requeues the job"
@@ -116,6 +110,30 @@ def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_reque
         return "give_up", ("crash loop: no new committed step in two consecutive runs "
                            f"(newest is still {result.latest_after})")
     return "requeue", why
+
+
+def _decide_failure(result: RunResult, failures_done: int, max_failures: int | None,
+                    previous_progressed: bool | None) -> tuple[str, str]:
+    """A run that failed without a warning (a rank crashed or was killed: an OOM kill, a GPU fault).
+    `max_failures` None (the default): carry on from the newest committed step (the survivors'
+    failure save, train/failsave.py, when it committed) while runs commit progress; two failed
+    runs in a row with no new committed step stop the job (the crash-loop rule). An explicit
+    cap: at most that many retries; 0: never retry."""
+    failed = f"workers failed (exit {result.returncode})"
+    fix = "the script's error is above; fix it and run the same command (it resumes from the newest checkpoint)"
+    if max_failures == 0:  # no retry was asked for: say what to do, not that a budget of 0 ran out
+        return "give_up", f"{failed}: {fix}"
+    source = ("the start (no complete checkpoint yet)" if result.latest_after is None else
+              f"the newest complete checkpoint (step {result.latest_after})")
+    if max_failures is None:
+        if not result.progressed and previous_progressed is False:
+            newest = "none" if result.latest_after is None else f"still step {result.latest_after}"
+            return "give_up", (f"{failed}, twice in a row with no new committed step (newest: {newest}): "
+                               f"crash loop; {fix}")
+        return "retry", f"{failed}; retry {failures_done + 1} in this allocation from {source}"
+    if failures_done < max_failures:
+        return "retry", f"{failed}; retry {failures_done + 1} of {max_failures} from {source}"
+    return "give_up", f"{failed} and --max-failures {max_failures} is used up"
 
 
 def _decide_hang(result: RunResult, hangs_done: int, max_hangs: int,

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the front door's types, for a reader and a type checker; im
     from ..retention import RetentionPolicy
     from .policy import SavePolicy
 from .emergency import save_and_exit
+from .failsave import failure_guard
 from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, expect_io, phase
 from .options import check_options
 from .restoring import Request, restore_and_record
@@ -103,6 +104,7 @@ class Checkpointer:
         # called without an active exception") after a successful run; release ours at exit
         # even when the script forgets close(). Local only: no collective runs at exit.
         self._closed = True  # until wired: nothing to finish or release at exit
+        self._guard = None
         atexit.register(self._release_at_exit)
         w = self._wiring = wire(self.root, root, save_every=save_every, save_policy=save_policy, retention=retention,
                                 mirror=mirror, handle_signals=handle_signals)
@@ -113,6 +115,7 @@ class Checkpointer:
         self._drill_hang, self._first_save = w.drill_hang, w.drill_first_save
         self._ddp = DDPTracker()  # the DDP wrappers whose bucket layouts are saved (train/ddptrack.py)
         self._record = recorder_from_env(self.rank)  # under `slurmresume drill` only
+        self._guard = failure_guard(self.group, self.root)  # the failure-time save (train/failsave.py)
 
     @property
     def rank(self) -> int:
@@ -198,6 +201,10 @@ class Checkpointer:
         if self._record is not None:
             self._record.record(step, "step", metrics, partial_epoch_metrics)
         self._ddp.step_boundary()
+        if self._guard is not None:  # this boundary's small state, published (no collective after the first)
+            if self._ddp.found is None:
+                self._ddp.search(state)
+            self._guard.at_step(step, state, metrics, meta, self.group, self._ddp.for_save())
         if self._beat is not None:
             self._beat.beat_step(step)
         trigger = self._sched.trigger(step, epoch_end=epoch_end)
@@ -227,6 +234,8 @@ class Checkpointer:
         exit the process (`AsyncWriter.finish_at_exit`), then release. Local only."""
         if self._closed:
             return
+        if self._guard is not None:
+            self._guard.at_exit()  # a peer died and broke our collective: the failure save exits
         self._async.finish_at_exit(self.on_save_error)
         self._closed = True
         self._wiring.release()
@@ -290,6 +299,8 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        if self._guard is not None:
+            self._guard.close()
         if self._beat is not None:
             self._beat.enter(DONE)
         behind = False

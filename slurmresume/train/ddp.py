@@ -142,6 +142,11 @@ def restore(buckets: Mapping[str, DDPBuckets], saved: Any) -> None:
             buckets[key].load_state_dict({"buckets": layout})
 
 
+def rebuild_pending(buckets: Mapping[str, Any]) -> bool:
+    """Whether capturing these layouts now would be collective (a wrapper's rebuild is pending)."""
+    return any(_can_rebuild(b.ddp) for b in buckets.values() if isinstance(b, DDPBuckets))
+
+
 def _can_rebuild(ddp: Any) -> bool:
     import torch
 

@@ -78,6 +78,7 @@ def _rank(rank: int, world: int, port: int, script: str, args: list[str], parent
         import traceback
 
         traceback.print_exc()
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()  # as the interpreter sets them
         code = 1
     try:  # the interpreter's own exit, as a torchrun rank ends: wait for non-daemon threads, then atexit
         threading._shutdown()  # type: ignore[attr-defined]

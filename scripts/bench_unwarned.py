@@ -1,0 +1,151 @@
+"""The unwarned-failure campaign (issue 47): `submit --local examples/train.py` with default flags,
+one random rank's process tree SIGKILLed at a seeded random moment per run, N runs per rank count.
+Per kill: the failure save's outcome, the steps trained twice, the seconds from the kill to the
+first resumed step (the launcher's `resumed` event), and whether the last step equals an
+uninterrupted run's bit for bit.
+
+    python3 scripts/bench_unwarned.py --ranks 2 4 --kills 20 --seed 47
+
+Single node, CPU/gloo. Each run trains `--steps` steps (periodic save every `--save-every`), so a
+kill without a failure save would repeat up to `--save-every` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train.py"
+
+
+def tree(root: int) -> list[int]:
+    seen, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.append(pid)
+        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+            try:
+                todo.extend(int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+            except (OSError, ValueError):
+                pass
+    return seen
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    for pid in tree(launcher):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"train.py" in cmd and f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+def submit(root: Path, ranks: int, args: list[str], record: Path | None) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SLURMRESUME_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONPATH=str(REPO))
+    if record is not None:
+        env["SLURMRESUME_DRILL_RECORD"] = str(record)
+    return subprocess.Popen([sys.executable, "-m", "slurmresume", "submit", str(EXAMPLE), "--ckpt-dir", str(root),
+                             "--local", "--nproc-per-node", str(ranks), "--", *args], env=env, cwd=root.parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def records(directory: Path, rank: int) -> list[dict]:
+    path = directory / f"rank-{rank}.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def events(root: Path) -> list[dict]:
+    return [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines() if line.strip()]
+
+
+def one_kill(work: Path, ranks: int, args: list[str], steps: int, save_every: int, rng: random.Random,
+             reference: Path) -> dict:
+    from slurmresume.checkpoint.layout import step_dir_name
+    from slurmresume.tools.compare import compare_checkpoints
+
+    root, record = work / "root", work / "record"
+    at, victim = rng.randint(save_every + 2, steps - 3), rng.randrange(ranks)
+    proc = submit(root, ranks, args, record)
+    while max((r["step"] for r in records(record, 0)), default=0) < at and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0.0, 0.1))
+    pid = rank_pid(proc.pid, victim)
+    if pid is None:
+        raise SystemExit(f"rank {victim} not found (the run ended? {proc.poll()})")
+    for p in reversed(tree(pid)):
+        os.kill(p, signal.SIGKILL)
+    _, err = proc.communicate(timeout=1200)
+    ev = events(root)
+    save = next((e for e in ev if e["event"] == "failure_save"), {})
+    restored = next((e["step"] for e in ev if e["event"] == "restored"), None)
+    first = records(record, 0)[0]["run"]
+    trained = max(r["step"] for k in range(ranks) for r in records(record, k) if r["run"] == first)
+    resumed = next((e.get("seconds") for e in ev if e["event"] == "resumed"), None)
+    final = root / step_dir_name(steps)
+    same = proc.returncode == 0 and final.exists() and not compare_checkpoints(reference, final)
+    return {"ranks": ranks, "victim": victim, "after_step": at, "exit": proc.returncode,
+            "failure_save": f"step {save.get('step')}" if save.get("committed") else
+            ("refused: " + "; ".join(save.get("missing") or [str(save.get("error"))]) if save else "none"),
+            "restored": restored, "repeated": None if restored is None else trained - restored,
+            "resume_s": resumed, "bitwise": same, "stderr_tail": "" if same else err[-800:]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--kills", type=int, default=20, help="kills per rank count (default: 20)")
+    p.add_argument("--seed", type=int, default=47)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--save-every", type=int, default=10)
+    a = p.parse_args()
+    args = ["--steps", str(a.steps), "--save-every", str(a.save_every), "--step-sleep", "0.05"]
+    rng = random.Random(a.seed)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-unwarned-") as tmp:
+        for ranks in a.ranks:
+            ref = Path(tmp) / f"ref-{ranks}" / "root"
+            ref.parent.mkdir()
+            proc = submit(ref, ranks, args, None)
+            if proc.wait(timeout=1200) != 0:
+                raise SystemExit(f"the uninterrupted run on {ranks} ranks failed: {proc.stderr.read()[-2000:]}")
+            for i in range(a.kills):
+                work = Path(tmp) / f"kill-{ranks}-{i}"
+                work.mkdir()
+                row = one_kill(work, ranks, args, a.steps, a.save_every, rng, ref / f"step_{a.steps:09d}")
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if v != ""}), flush=True)
+                shutil.rmtree(work, ignore_errors=True)
+    ok = [r for r in rows if r["repeated"] is not None and r["repeated"] <= 1]
+    secs = [r["resume_s"] for r in rows if r["resume_s"] is not None]
+    print(f"{len(rows)} kills: steps repeated <= 1 in {len(ok)} ({100 * len(ok) / max(1, len(rows)):.0f} %); "
+          f"failure save committed in {sum(r['failure_save'].startswith('step') for r in rows)}; "
+          f"bitwise {sum(r['bitwise'] for r in rows)} of {len(rows)}; "
+          f"kill -> first resumed step median {statistics.median(secs) if secs else float('nan'):.1f} s")
+    return 0 if all(r["bitwise"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

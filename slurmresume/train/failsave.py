@@ -1,0 +1,289 @@
+"""The failure-time save: when a rank of this node dies without warning (SIGKILL, an OOM kill), the
+ranks still alive commit the last step boundary they hold, without any collective with the dead
+(DESIGN.md section 10). Only under the node launcher, with every rank on this node (the
+launcher's node-local heartbeat directory holds what is published); CPU tensors only.
+
+At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's agreement):
+  - the first call learns which tensors are replicated (the same MAX reductions a save uses,
+    `checkpoint.replicas.replicated_across`: collective, once per run);
+  - each rank publishes its small state at `s` to `<heartbeat dir>/failsave/snap-R-{s % 2}`
+    (`train.stepsnap`: plain values, sampler, optimizer hyper-parameters, the RNG of every
+    generator the save covers, metrics, and the tensors that are not replicated when they are
+    small; one checked pwrite). The last two steps stay.
+  - the rank's "dirty" flag is cleared; torch.optim's global step pre-hook sets it, so a rank
+    knows whether its tensors are still those of step `s`.
+
+The death (`peers.Watcher`, a thread blocked on pidfds of this node's other ranks, no polling): a peer
+that exits without having closed its Checkpointer. Then, on each survivor:
+  1. freeze: no optimizer step and no `ckpt.step()` may run any more (both block);
+  2. publish its status (last boundary, clean or not) and wait for the other survivors'
+     (at most STATUS_WAIT_S: a survivor that does not answer holds nothing);
+  3. `survivors.plan` (pure): the newest step covered by every rank's snapshot and held clean by
+     a survivor; its lowest such survivor writes every rank's shard (replicated tensors from its
+     memory, per-rank state from the snapshots), then the manifest and the marker
+     (`checkpoint.commit`: same checksums, same marker-last commit as any save);
+  4. a `failure_save` event says what committed, or why nothing did (the missing pieces), and the
+     survivor leaves at once (`os._exit`), before torchrun's SIGKILL.
+A second failure during the failure save (the writer dies): the save's private directory is
+never committed (no marker); the launcher resumes from the newest committed step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from ..checkpoint import commit as _commit
+from ..checkpoint.replicas import LIBRARY_PREFIX, replicated_across
+from ..checkpoint.state import flatten, referenced
+from ..contract import ENV_HEARTBEAT_DIR, ENV_RUN_ID
+from ..events import try_append_event
+from . import ddp, rng, stepsnap
+from .peers import Watcher, mark_done, peers, publish_pid, read_status, write_status
+from .survivors import Plan, Snapshot, Status, plan
+
+log = logging.getLogger("slurmresume")
+
+SUBDIR = "failsave"
+STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchrun kills after 30 s)
+EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
+EXIT_FAILED = 1  # a survivor's exit code after the failure save (torchrun reports the run failed)
+EV_FAILURE_SAVE = "failure_save"
+
+
+@dataclass(frozen=True)
+class Seat:
+    """Rank and world of a shard written on another rank's behalf (what `write_rank` reads)."""
+
+    rank: int
+    world_size: int
+
+
+class FailureGuard:
+    """One per Checkpointer, every rank. See the module docstring for the protocol."""
+
+    def __init__(self, directory: Path, root: Path, rank: int, world: int) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self.dir, self.root, self.rank, self.world = directory, root, rank, world
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        self._lock = threading.Lock()
+        self._frozen = threading.Event()
+        self._boundary: int | None = None
+        self._dirty = False
+        self._state: Mapping[str, Any] | None = None
+        self._layout: stepsnap.Layout | None = None
+        self._slots = [os.open(self.dir / f"snap-{rank}-{slot}", os.O_RDWR | os.O_CREAT, 0o600) for slot in (0, 1)]
+        self._ddp_layout: dict[str, str] | None = None
+        self._failing: threading.Thread | None = None
+        self._watcher: Watcher | None = None
+        self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
+        publish_pid(self.dir, rank)
+
+    # -- the training thread --------------------------------------------------------------
+
+    def at_step(self, step: int, state: Mapping[str, Any], metrics: Any, meta: Any, group: Any,
+                ddp_buckets: Mapping[str, Any]) -> None:
+        """Every rank, at the start of `ckpt.step(step)`: (once) the replicated set, then this
+        rank's snapshot of `step`. Blocks for good once a peer died (the process exits from the
+        failure-save thread)."""
+        if self._frozen.is_set():
+            self._block()
+        if self._layout is None:  # collective, once: every rank's first step()
+            layout = ddp.capture(ddp_buckets) if ddp_buckets else {}
+            skeleton, tensors = flatten(state, {"rng": rng.capture(), "ddp": layout} if layout else
+                                        {"rng": rng.capture()})
+            # the library's own per-rank state (RNG) is always published, never taken from memory
+            replicated = {n for n in replicated_across(group, tensors, skeleton.get("dtensors"))
+                          if not n.startswith(LIBRARY_PREFIX)}
+            self._layout = stepsnap.Layout.learn(state, replicated)
+        data = stepsnap.capture(step, state, self._layout, self._ddp_layouts(ddp_buckets), metrics, meta)
+        with self._lock:
+            frozen = self._frozen.is_set()
+            if not frozen:
+                stepsnap.publish(self._slots[step % 2], data)
+                self._boundary, self._dirty, self._state = step, False, state
+        if frozen:
+            self._block()
+        self._watch()
+
+    def _ddp_layouts(self, ddp_buckets: Mapping[str, Any]) -> dict[str, str]:
+        """The DDP bucket layouts, without a collective: DDP rebuilds once (at the first step's
+        capture, above), so a layout that is there stays."""
+        if self._ddp_layout is None and ddp_buckets:
+            if ddp.rebuild_pending(ddp_buckets):
+                return {}
+            layout = ddp.capture(ddp_buckets)
+            if all(layout.values()):
+                self._ddp_layout = layout
+            return layout
+        return self._ddp_layout or {}
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        with self._lock:
+            frozen = self._frozen.is_set()
+            if not frozen:
+                self._dirty = True
+        if frozen:
+            self._block()
+
+    def _block(self) -> None:
+        threading.Event().wait()  # the failure-save thread ends the process
+
+    def _watch(self) -> None:
+        if self._watcher is None:
+            fds = peers(self.dir, self.world, self.rank)
+            if fds is not None:
+                self._watcher = Watcher(self.dir, fds, self.on_death)
+                self._watcher.start()
+
+    def close(self) -> None:
+        """Every rank, at `Checkpointer.close()`: this rank ends normally (its peers must not take
+        its exit for a death); stop watching."""
+        mark_done(self.dir, self.rank)
+        self._hook.remove()
+        if self._watcher is not None:
+            self._watcher.stop()
+
+    def at_exit(self) -> None:
+        """atexit, before anything else is released. A normal exit (the script forgot close()) is
+        marked done, so its peers do not take it for a death; a script that died of an exception
+        (a collective broke because a peer died) waits for the failure save, which exits; any other
+        exception is this rank's own failure, which its peers save for."""
+        if getattr(sys, "last_value", None) is None:  # a normal exit without close(): no death either
+            mark_done(self.dir, self.rank)
+            return
+        if self._watcher is None:
+            return
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while self._failing is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._failing is not None:
+            self._failing.join()
+
+    # -- the failure-save thread ----------------------------------------------------------
+
+    def on_death(self, dead: set[int]) -> None:
+        """On the watcher thread: freeze, agree by files, write if chosen, exit."""
+        self._failing = threading.current_thread()
+        began = time.time()
+        try:
+            with self._lock:
+                self._frozen.set()
+                me = Status(self.rank, self._boundary, not self._dirty)
+            write_status(self.dir, me)
+            statuses, dead = self._gather(dead)
+            snaps = {r: _snapshots(self.dir, r) for r in range(self.world)}
+            p = plan(self.world, dead, statuses, snaps, replicated_known=self._layout is not None)
+            self._act(p, dead, began)
+        except Exception as exc:  # noqa: BLE001 - never leave a frozen rank behind
+            log.warning("rank %d: failure save failed: %s", self.rank, exc)
+        finally:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_FAILED)
+
+    def _gather(self, dead: set[int]) -> tuple[dict[int, Status], set[int]]:
+        deadline = time.monotonic() + STATUS_WAIT_S
+        while True:
+            dead = dead | (self._watcher.dead_now() if self._watcher is not None else set())
+            statuses = {r: s for r in range(self.world) if r not in dead
+                        if (s := read_status(self.dir, r)) is not None}
+            if len(statuses) + len(dead) >= self.world or time.monotonic() > deadline:
+                return statuses, dead
+            time.sleep(0.02)
+
+    def _act(self, p: Plan, dead: set[int], began: float) -> None:
+        survivors = [r for r in range(self.world) if r not in dead]
+        if p.ok and p.writer == self.rank:
+            assert p.step is not None
+            try:
+                outcome = self._write(p.step)
+            except Exception as exc:  # noqa: BLE001 - a failure save that fails is reported, never raised
+                outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            seconds = round(time.time() - began, 3)
+            if outcome.get("already"):  # a periodic save of the same step won the race: nothing to add
+                log.warning("rank(s) %s died: step %d is committed already", sorted(dead), p.step)
+            elif outcome.get("ok"):
+                log.warning("rank(s) %s died: failure save of step %d committed by rank %d in %.2f s",
+                            sorted(dead), p.step, self.rank, seconds)
+                try_append_event(self.root, "save_committed", step=p.step, seconds=seconds, reason="failure",
+                                 world_size=self.world, run_id=os.environ.get(ENV_RUN_ID))
+            else:
+                log.warning("failure save of step %d not committed: %s", p.step, outcome.get("error"))
+            try_append_event(self.root, EV_FAILURE_SAVE, step=p.step, committed=bool(outcome.get("ok")),
+                             already=bool(outcome.get("already")) or None, dead=sorted(dead), writer=self.rank,
+                             seconds=seconds, error=outcome.get("error"), run_id=os.environ.get(ENV_RUN_ID))
+        elif not p.ok and survivors and self.rank == survivors[0]:
+            log.warning("ranks %s died: no failure save (missing: %s); resuming from the newest committed step",
+                        sorted(dead), "; ".join(p.refused))
+            try_append_event(self.root, EV_FAILURE_SAVE, step=None, committed=False, dead=sorted(dead),
+                             missing=list(p.refused), run_id=os.environ.get(ENV_RUN_ID))
+
+    def _write(self, step: int) -> dict[str, Any]:
+        """Every rank's shard of `step`, then the commit; returns commit's outcome."""
+        from ..checkpoint.nodefile import layout_from_env
+
+        if layout_from_env() != "per-rank":
+            return {"ok": False, "error": "the per-node shard layout is not written by a failure save yet"}
+        assert self._state is not None and self._layout is not None
+        replicated = self._layout.replicated
+        live_skeleton, live_tensors = flatten(self._state, {})
+        live = [(n, t) for n, t in live_tensors if n in replicated]
+        if any(t.device.type != "cpu" for _, t in live):
+            return {"ok": False, "error": "tensors on a GPU: the failure save is written from CPU tensors only"}
+        snaps = [stepsnap.read(self.dir / f"snap-{r}-{step % 2}") for r in range(self.world)]
+        shards = []
+        for r, snap in enumerate(snaps):
+            if snap is None or snap["step"] != step:
+                return {"ok": False, "error": f"rank {r}'s snapshot of step {step} is gone"}
+            skeleton, own = stepsnap.rebuild(snap, live_skeleton)
+            lacking = referenced(skeleton, skeleton["entries"]) - {n for n, _ in live} - {n for n, _ in own}
+            if lacking:
+                return {"ok": False, "error": f"rank {r}'s tensors {sorted(lacking)[:4]} are on no survivor"}
+            shards.append((skeleton, own))
+        decision = _commit.prepare(self.root, step)
+        if decision["action"] == "skip":
+            return {"ok": True, "error": None, "already": True}
+        if decision["action"] != "write":
+            return {"ok": False, "error": decision.get("error")}
+        # write_rank reads rank and world_size only (the per-node layout, which also reads the node's
+        # links, was refused above)
+        reports = [_commit.write_rank(self.root, step, cast(Any, Seat(r, self.world)), skeleton, live + own,
+                                      replicated, into=decision["dir"])
+                   for r, (skeleton, own) in enumerate(shards)]
+        first = snaps[0]
+        assert first is not None
+        return _commit.commit(self.root, step, reports, first["metrics"], first["meta"], into=decision["dir"])
+
+
+def failure_guard(group: Any, root: Path) -> FailureGuard | None:
+    """The guard when this rank runs under the launcher with its whole world on this node, else
+    None (a bare run, one rank, several nodes: not yet covered)."""
+    directory = os.environ.get(ENV_HEARTBEAT_DIR)
+    world = group.world_size
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if not directory or world < 2 or local != str(world) or not os.path.isdir(directory):
+        return None
+    try:
+        return FailureGuard(Path(directory) / SUBDIR, root, group.rank, world)
+    except OSError as exc:
+        log.warning("no failure save on rank %d: %s", group.rank, exc)
+        return None
+
+
+def _snapshots(directory: Path, rank: int) -> list[Snapshot]:
+    out = []
+    for slot in (0, 1):
+        snap = stepsnap.read(directory / f"snap-{rank}-{slot}")
+        if snap is not None:
+            out.append(Snapshot(rank, snap["step"], tuple(snap.get("missing") or ())))
+    return out

@@ -1,0 +1,256 @@
+"""One rank's small state at one step boundary, as the failure-time save needs it (train/failsave.py):
+captured at each `ckpt.step()`, published to a node-local file that outlives the rank, and turned
+back into the rank's skeleton and per-rank tensors by whichever survivor writes the save.
+
+What a snapshot holds, and why it is cheap enough for every step (issue 47: <= 1% of a step):
+  - the skeleton entries of every state key that can change per rank and per step (optimizer
+    hyper-parameters, scheduler, sampler, plain values), encoded with a path-named tensor hook
+    (the save's `TensorTable` naming, without its per-tensor storage lookups: `Layout.learn`
+    checks once that both name every tensor alike, else each step takes the save's own path);
+  - NOT the entries whose only leaves are replicated tensors (a DDP module): the writer has
+    those in memory, bit for bit, and encodes them itself;
+  - the RNG states of every generator the save covers (`rng.capture`), as raw bytes, re-encoded
+    by the writer exactly as a save would (`checkpoint.state.flatten` of the library entry);
+  - the rank's tensors that are not replicated, when small and on the CPU (else named missing);
+  - metrics and meta (rank 0's go into the manifest).
+The file: 24 bytes (the JSON's length, the raw bytes' length, xxh3 of both), the JSON, then the raw
+bytes (RNG states, tensors) it points into, written with one pwritev into one of two slots
+(step % 2): a rank killed mid-write leaves a slot that fails its check, and the other slot still
+holds the step before.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..checkpoint.jsonenc import dumps, encode
+from ..checkpoint.state import as_stateful, flatten, is_stateful
+from . import rng
+
+HEADER = struct.Struct("<QQQ")
+PUBLISH_MAX_BYTES = 1 << 20  # a rank's non-replicated tensors published per step, at most
+
+
+@dataclass
+class Layout:
+    """Learned at the first step (every rank alike): which state keys hold replicated tensors
+    only (`static`), which top-level parts of the others do (`parts`: an optimizer's "state"),
+    and whether the cheap path encodes every other part exactly as the save does (`cheap`)."""
+
+    replicated: set[str]
+    static: frozenset[str]
+    parts: dict[str, frozenset[str]]
+    cheap: bool
+
+    @classmethod
+    def learn(cls, state: Mapping[str, Any], replicated: set[str]) -> Layout:
+        skeleton, _ = flatten(state, {})
+        entries = skeleton["entries"]
+        static, parts = set(), {}
+        for key, entry in entries.items():
+            value = entry["value"]
+            if _replicas_only(value, replicated):
+                static.add(key)
+            elif entry["kind"] == "stateful" and isinstance(value, dict) and all(not k.startswith("__") for k in value):
+                parts[key] = frozenset(k for k, v in value.items() if _replicas_only(v, replicated))
+        layout = cls(replicated, frozenset(static), parts, False)
+        layout.cheap = (not skeleton.get("devices") and not skeleton.get("dtensors")
+                        and _merge(entries, _cheap_entries(state, layout, {})) == entries)
+        return layout
+
+
+class _Blob:
+    """The raw bytes of one snapshot: `add` returns where a piece lies, [offset, length]."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, data: bytes) -> list[int]:
+        self.parts.append(data)
+        self.size += len(data)
+        return [self.size - len(data), len(data)]
+
+
+def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
+            metrics: Any, meta: Any) -> list[bytes]:
+    """The training thread, at `ckpt.step(step)`: this rank's snapshot, ready to `publish`."""
+    own: dict[str, Any] = {}
+    if layout.cheap:
+        entries = _cheap_entries(state, layout, own)
+    else:  # the save's own naming, every key (a tensor shared between keys, a GPU tensor: rare)
+        skeleton, flat = flatten(state, {})
+        entries = skeleton["entries"]
+        own = {n: t for n, t in flat if n not in layout.replicated}
+    blob = _Blob()
+    tensors: dict[str, list[Any]] = {}
+    missing: list[str] = []
+    size = 0
+    for name, t in own.items():
+        size += t.numel() * t.element_size()
+        if t.device.type != "cpu" or size > PUBLISH_MAX_BYTES:
+            missing.append(name)
+        else:
+            tensors[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), *blob.add(_raw(t))]
+    rng_raw = _rng_raw(blob)
+    text = dumps({"step": step, "entries": entries, "rng": rng_raw, "ddp": ddp_layout or None,
+                  "metrics": encode(metrics), "meta": encode(meta), "tensors": tensors,
+                  "missing": missing}).encode()
+    digest = xxhash.xxh3_64(text)
+    for part in blob.parts:
+        digest.update(part)
+    return [HEADER.pack(len(text), blob.size, digest.intdigest()), text, *blob.parts]
+
+
+def read(path: Path) -> dict[str, Any] | None:
+    """A published snapshot (its raw bytes under "blob"), or None when the slot is empty or torn."""
+    try:
+        data = path.read_bytes()
+        n_text, n_blob, digest = HEADER.unpack_from(data)
+        body = data[HEADER.size:HEADER.size + n_text + n_blob]
+        if len(body) != n_text + n_blob or xxhash.xxh3_64_intdigest(body) != digest:
+            return None
+        out = json.loads(body[:n_text])
+    except (OSError, struct.error, ValueError):
+        return None
+    if not isinstance(out, dict) or not isinstance(out.get("step"), int):
+        return None
+    out["blob"] = body[n_text:]
+    return out
+
+
+def rebuild(snap: dict[str, Any], live_skeleton: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """The writer: rank's skeleton and its own tensors (library RNG + published per-rank ones),
+    from its snapshot and the writer's own skeleton (`flatten` of its live state) for the static
+    keys. Raises ValueError when the two do not have the same keys."""
+    import torch
+
+    live = live_skeleton["entries"]
+    published = snap["entries"]
+    if set(published) - set(live):
+        raise ValueError(f"state keys {sorted(set(published) - set(live))} are not in the writer's state")
+    entries = _merge(live, published)
+    library: dict[str, Any] = {"rng": _rng_state(snap["rng"], snap["blob"])}
+    if snap.get("ddp"):
+        library["ddp"] = snap["ddp"]
+    lib_skeleton, lib_tensors = flatten({}, library)
+    blob = snap["blob"]
+    own = [(n, torch.frombuffer(bytearray(blob[at:at + size]), dtype=getattr(torch, d)).reshape(shape).clone())
+           for n, (d, shape, at, size) in snap["tensors"].items()]
+    return {"entries": entries, "library": lib_skeleton["library"]}, [*lib_tensors, *own]
+
+
+# -- parts -------------------------------------------------------------------------------------------
+
+def _cheap_entries(state: Mapping[str, Any], layout: Layout, own: dict[str, Any]) -> dict[str, Any]:
+    """This rank's entries without the parts that are replicas only, tensors named by path."""
+    def name(path: list[str], t: Any) -> str:
+        n = "/".join(path)
+        if n not in layout.replicated:
+            own[n] = t
+        return n
+
+    out = {}
+    for key, obj in state.items():
+        if key in layout.static:
+            continue
+        if is_stateful(obj):
+            value = as_stateful(obj).state_dict()
+            skip = layout.parts.get(key)
+            if skip and isinstance(value, dict):
+                value = {k: v for k, v in value.items() if k not in skip}
+            out[key] = {"kind": "stateful", "value": encode(value, name, [key])}
+        else:
+            out[key] = {"kind": "value", "value": encode(obj, name, [key])}
+    return out
+
+
+def _merge(live: dict[str, Any], published: dict[str, Any]) -> dict[str, Any]:
+    """Pure: the entries of a rank, its published ones completed by the writer's (`live`) for
+    what was left out as replicas only: whole keys, or top-level parts of a stateful value."""
+    out = {}
+    for key, entry in live.items():
+        mine = published.get(key)
+        if mine is None:
+            out[key] = entry
+        elif mine["kind"] == "stateful" and isinstance(entry["value"], dict) and isinstance(mine["value"], dict):
+            value = {k: mine["value"].get(k, v) for k, v in entry["value"].items()}
+            out[key] = {"kind": "stateful", "value": value}
+        else:
+            out[key] = mine
+    return out
+
+
+def _replicas_only(value: Any, replicated: set[str]) -> bool:
+    leaves = list(_leaves(value))
+    return bool(leaves) and all(isinstance(v, dict) and v.get("__tensor__") in replicated for v in leaves)
+
+
+def _leaves(data: Any) -> Any:
+    """The values of encoded `data` (a dict with non-string keys: its values, not its keys)."""
+    if isinstance(data, dict) and len(data) == 1 and "__dict__" in data and isinstance(data["__dict__"], list):
+        for pair in data["__dict__"]:
+            yield from _leaves(pair[1] if isinstance(pair, list) and len(pair) == 2 else pair)
+    elif isinstance(data, dict) and not (len(data) == 1 and "__tensor__" in data):
+        for v in data.values():
+            yield from _leaves(v)
+    elif isinstance(data, list):
+        for v in data:
+            yield from _leaves(v)
+    else:
+        yield data
+
+
+def _raw(t: Any) -> bytes:
+    import torch
+
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _rng_raw(blob: _Blob) -> dict[str, Any]:
+    state = rng.capture()
+    version, words, gauss = state["python"]
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    out: dict[str, Any] = {"python": [version, *blob.add(array.array("I", words).tobytes()), gauss],
+                           "numpy": [name, *blob.add(np.ascontiguousarray(keys, dtype=np.uint32).tobytes()), int(pos),
+                                     int(has_gauss), float(cached)],
+                           "torch_cpu": blob.add(_raw(state["torch_cpu"]))}
+    if "torch_cuda" in state:
+        out["torch_cuda"] = [blob.add(_raw(t)) for t in state["torch_cuda"]]
+    return out
+
+
+def _rng_state(raw: dict[str, Any], blob: bytes) -> dict[str, Any]:
+    """Pure inverse of `_rng_raw`: what `rng.capture` returned on that rank at that step."""
+    import torch
+
+    def piece(at: int, size: int) -> bytes:
+        return blob[at:at + size]
+
+    def tensor(where: list[int]) -> Any:
+        return torch.frombuffer(bytearray(piece(*where)), dtype=torch.uint8).clone()
+
+    version, w_at, w_size, gauss = raw["python"]
+    name, k_at, k_size, pos, has_gauss, cached = raw["numpy"]
+    out: dict[str, Any] = {"python": (version, tuple(array.array("I", piece(w_at, w_size))), gauss),
+                           "numpy": (name, np.frombuffer(piece(k_at, k_size), dtype=np.uint32).copy(), pos, has_gauss,
+                                     cached),
+                           "torch_cpu": tensor(raw["torch_cpu"])}
+    if "torch_cuda" in raw:
+        out["torch_cuda"] = [tensor(w) for w in raw["torch_cuda"]]
+    return out
+
+
+def publish(fd: int, parts: list[bytes]) -> None:
+    """One pwritev at offset 0 (a longer record left behind is cut by the header's lengths)."""
+    os.pwritev(fd, parts, 0)

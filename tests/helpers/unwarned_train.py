@@ -1,0 +1,51 @@
+"""examples/train.py with an unwarned death placed by the test, in the first run only (attempt 0
+of restart 0). Either:
+  KILL_AT_STEP=k KILL_RANK=r: right after the optimizer step of training step k, rank r SIGKILLs
+      itself while every other rank sleeps $SURVIVOR_SLEEP s before its ckpt.step(): the
+      survivors' tensors are then one optimizer step past their last boundary (a failure save
+      must never commit them as that boundary's);
+  STOP_AFTER_STEP=k STOP_RANK=r: rank r stops itself (SIGSTOP) in the forward of step k+1, before
+      its gradient all-reduce; the test then SIGKILLs its process tree. A moment the test chooses
+      by step, not by wall-clock time: the verdict does not depend on the machine's load."""
+
+import os
+import runpy
+import signal
+import time
+from pathlib import Path
+
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+FIRST = os.environ.get("SLURMRESUME_RUN_ID", "").endswith(".0.0")
+RANK = int(os.environ.get("RANK", "0"))
+optimizers = []
+
+
+def done_steps() -> int:
+    if not optimizers:
+        return 0
+    opt = optimizers[0]
+    p = opt.param_groups[0]["params"][0]
+    return int(opt.state[p]["step"]) if p in opt.state else 0
+
+
+def after_step(optimizer, args, kwargs):
+    if not optimizers:
+        optimizers.append(optimizer)
+    if not FIRST or "KILL_AT_STEP" not in os.environ or done_steps() != int(os.environ["KILL_AT_STEP"]):
+        return
+    if int(os.environ["KILL_RANK"]) == RANK:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(os.environ.get("SURVIVOR_SLEEP", "3")))
+
+
+def before_forward(module, args):
+    if FIRST and "STOP_AFTER_STEP" in os.environ and int(os.environ["STOP_RANK"]) == RANK \
+            and done_steps() == int(os.environ["STOP_AFTER_STEP"]):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+register_optimizer_step_post_hook(after_step)
+register_module_forward_pre_hook(before_forward)
+runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "train.py"), run_name="__main__")
