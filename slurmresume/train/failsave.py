@@ -44,7 +44,7 @@ from ..checkpoint import commit as _commit
 from ..checkpoint.replicas import LIBRARY_PREFIX, replicated_across
 from ..checkpoint.state import flatten, referenced
 from ..contract import ENV_HEARTBEAT_DIR, ENV_RUN_ID
-from ..events import try_append_event
+from ..events import EV_FAILURE_SAVE, EV_SAVE_COMMITTED, try_append_event
 from . import ddp, rng, stepsnap
 from .peers import Watcher, mark_done, peers, publish_pid, read_status, write_status
 from .survivors import Plan, Snapshot, Status, plan
@@ -55,7 +55,6 @@ SUBDIR = "failsave"
 STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchrun kills after 30 s)
 EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
 EXIT_FAILED = 1  # a survivor's exit code after the failure save (torchrun reports the run failed)
-EV_FAILURE_SAVE = "failure_save"
 
 
 @dataclass(frozen=True)
@@ -215,7 +214,7 @@ class FailureGuard:
             elif outcome.get("ok"):
                 log.warning("rank(s) %s died: failure save of step %d committed by rank %d in %.2f s",
                             sorted(dead), p.step, self.rank, seconds)
-                try_append_event(self.root, "save_committed", step=p.step, seconds=seconds, reason="failure",
+                try_append_event(self.root, EV_SAVE_COMMITTED, step=p.step, seconds=seconds, reason="failure",
                                  world_size=self.world, run_id=os.environ.get(ENV_RUN_ID))
             else:
                 log.warning("failure save of step %d not committed: %s", p.step, outcome.get("error"))

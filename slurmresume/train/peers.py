@@ -14,13 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..evidence import start_time
+from ..identity import start_ticks
 from .survivors import Status
 
 
 def publish_pid(directory: Path, rank: int) -> None:
     """Every rank, once: its pid and the pid's start time (a reused pid is not the rank)."""
-    write_json(directory / f"pid-{rank}.json", {"pid": os.getpid(), "start": start_time(os.getpid())})
+    write_json(directory / f"pid-{rank}.json", {"pid": os.getpid(), "start": start_ticks(os.getpid())})
 
 
 def mark_done(directory: Path, rank: int) -> None:
@@ -85,7 +85,7 @@ def peers(directory: Path, world: int, me: int) -> dict[int, int] | None:
             fd = os.pidfd_open(int(rec["pid"]))
         except OSError:
             fd = -1
-        if fd >= 0 and start_time(int(rec["pid"])) != rec.get("start"):
+        if fd >= 0 and start_ticks(int(rec["pid"])) != rec.get("start"):
             os.close(fd)
             fd = -1  # the pid is another process now: the rank is gone
         out[rank] = fd
