@@ -21,12 +21,13 @@ runs write_rank for every rank (70B at 16,384 ranks: hours on a loaded machine).
 
 Per (model, W) it prints:
 - manifest bytes (what the code's format writes; a step the save refuses is reported as refused);
-- bytes each rank sends and receives during the save, for rank 0 and for any other rank, from the
-  collectives' own semantics (all_gather: everyone receives everyone's; gather: only the root);
+- bytes each rank sends and receives during the save, for rank 0 and for any other rank, as gloo's
+  algorithms move them (`received_bytes`: a ring all_reduce, 2 (W - 1) / W of its tensor; gather:
+  only the root receives), per kind of collective and per call;
 - rank 0's commit metadata time, wall and CPU: gather of the reports -> manifest -> marker ->
   publish (the part of a save between the last shard's fsync and "saved");
 - the restore plan: rank 0's `pick` (it chooses the step for everyone, and keeps its parse of
-  the manifest) and its `plan_part`, and the `plan_part` of a rank that is not 0 (the choice and
+  the manifest) and its plan, and the plan of a rank that is not 0, at its own coordinate (the choice and
   the manifest's bytes as they arrive by broadcast: that rank parses those bytes and never opens
   manifest.json), seconds and peak Python heap (tracemalloc, a second pass); the bytes of both
   broadcasts (what every rank but 0 receives); the same for --reshard's target world (e.g.
@@ -38,11 +39,16 @@ Per (model, W) it prints:
   these paths calls); an fstat on an open file counts none (the open counted). fsyncs are
   counted, not performed: this measures CPU and operation counts, not the disk.
 
-The save is composed here from the same calls `train.saving.save_collective` makes (prepare,
-write_rank on every rank, the gather of the reports, commit, the outcome's broadcast); the one
-step left out is replica detection (the state is all DTensors: nothing is replicated). Where the
-code's protocol changes (a gather instead of all_gather, per-rank index files), `save_rank0` is the
-one place to follow it; the manifest and the plans measured are whatever the code writes and reads.
+The save is the production one (issue #50): `roots.claim_root` and `train.saving.save_collective`
+as `Checkpointer.save` calls them, replica detection included, on the state FSDP2 + torch.optim.Adam
+hand the Checkpointer (`rank_state`: DTensor parameters and moments, a plain 0-dim `step` per
+parameter, `param_groups`; the library adds its RNG tensors): every plain tensor is the same on
+every rank, so the detection finds them all replicated. The other ranks' shards are written
+through the seam `save_collective` calls (`commit.write_rank`), before rank 0's own. Bytes are
+counted as gloo moves them (`received_bytes`; tests/test_bench_scale.py checks them against a
+real 8-rank FSDP2 + Adam save). A restore plan is timed as `restoring.load_choice` runs it
+(`plan_part`, then `exchange_plan`) on rank 0 and on a rank in the middle of the world, at its
+own coordinate (`other_rank`).
 
 A (model, W) whose manifest would exceed --max-manifest-mib (extrapolated linearly in W from the
 last one measured) is not built: it is reported with the predicted size (building a multi-GiB
@@ -349,6 +355,23 @@ class SparseShards:
 
 
 # -- one rank's state -----------------------------------------------------------------------------
+
+def moments_state(model: str, mesh: Any, world: int, rank: int, zeros: bool = False) -> dict[str, Any]:
+    """The state the harness measured before issue #50 (bench_scale_dcp still measures DCP on it):
+    every parameter and both Adam moments as Shard(0) DTensors, no plain tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    state: dict[str, dict[str, Any]] = {m: {} for m in ("param", "exp_avg", "exp_avg_sq")}
+    for pname, shape in parameters(model):
+        _, rows = chunk0(shape[0], world, rank)
+        local = (rows, *shape[1:])
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        for m in state:
+            t = torch.zeros(local) if zeros else torch.zeros(1).expand(local)
+            state[m][pname] = DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                                 stride=stride)
+    return state
+
 
 def adam_groups(params: int) -> list[dict[str, Any]]:
     """`param_groups` of torch.optim.Adam's state_dict() over `params` parameters (its own keys)."""
