@@ -94,7 +94,11 @@ from slurmresume.checkpoint.layout import MANIFEST, step_dir_name  # noqa: E402
 from slurmresume.checkpoint.manifest import MAX_MANIFEST  # noqa: E402
 from slurmresume.checkpoint.replicas import replicated_across  # noqa: E402
 from slurmresume.checkpoint.state import flatten_live  # noqa: E402
-from slurmresume.train import restoreplan, restoring  # noqa: E402
+from slurmresume.train import (  # noqa: E402
+    claims,  # noqa: E402
+    restoreplan,
+    restoring,
+)
 from slurmresume.train.messages import WriteReport  # noqa: E402
 from slurmresume.train.roots import claim_root  # noqa: E402
 from slurmresume.train.saving import payload_of, save_collective  # noqa: E402
@@ -427,7 +431,7 @@ def peer_payload(template: Any, model: str, world: int, rank: int,
 # -- the save (rank 0's view) ---------------------------------------------------------------------
 
 def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0, exact: bool = False,
-               drop: bool = False) -> dict[str, Any]:
+               drop: bool = False, keep: frozenset[int] = frozenset()) -> dict[str, Any]:
     """One W-rank save of `model` into `root`, as rank 0 runs it in `Checkpointer.save`: the
     root's lease (`roots.claim_root`, its verdict broadcast), then the production
     `train.saving.save_collective` (prepare and its broadcast, replica detection, this rank's
@@ -437,7 +441,8 @@ def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0, 
     rank's own `save_collective` passes its write_rank), then rank 0's: their records are what the
     gather hands rank 0. `per_node` > 0: the per-node layout with that many ranks per node
     (bench_nodefile). The ranks are stamped (bench_stamp) unless `exact` or per-node: then each
-    runs write_rank. `drop`: the stamped ranks' files are removed once written."""
+    runs write_rank. `drop`: the stamped ranks' files are removed once written, but `keep`'s
+    (the ranks whose restore plans are measured: each is checked against its stamp too)."""
     mesh = fake_world(world)
     group = Group(dist.group.WORLD, 0, world)
     template = payload_of(STEP, rank_state(model, mesh, world, 0), {"loss": 1.0}, None)
@@ -456,7 +461,8 @@ def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0, 
     if out["emulation"] == "stamped":
         t0 = time.perf_counter()
         stamper = bench_stamp.Stamper(template, world, STEP, lambda rank, offsets: peer_payload(
-            template, model, world, rank, offsets), sparse, root.with_name(root.name + ".stamps"), drop, replicated)
+            template, model, world, rank, offsets), sparse, root.with_name(root.name + ".stamps"), drop, replicated,
+            keep)
         out["stamp_groups"] = len(stamper.groups)
         out["stamp_build_s"] = time.perf_counter() - t0
     real_write_rank = commit.write_rank
@@ -492,11 +498,13 @@ def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0, 
         clock["wall"], clock["cpu"] = time.perf_counter(), time.process_time()
         return reports[0]
 
+    with Fabric(world).installed():  # uncounted: the lease a Checkpointer takes once, before its first save
+        key = claim_root(group, root, None, saving=True)
     commit.write_rank = every_rank_writes  # type: ignore[assignment]
     try:
         with fabric.installed(), sparse.installed(), layout, ops.counting() as counts:
             # Checkpointer._save_now: the root's lease checked by rank 0 (its verdict broadcast), then the save
-            claim_root(group, root, None, saving=True)
+            claim_root(group, root, key, saving=True)
             result = save_collective(group, root, STEP, template, replace_if_changed=False)
             # from rank 0's report to "saved": the gather of the records, commit, the outcome's broadcast
             out["commit_wall_s"] = time.perf_counter() - clock.get("wall", time.perf_counter())
@@ -504,6 +512,7 @@ def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0, 
     finally:
         commit.write_rank = real_write_rank  # type: ignore[assignment]
         fabric.peers = None
+        claims.unclaim(key)  # as Checkpointer.close: its heartbeat stops before the root is removed
     outcome = result.outcome.to_json() if result.outcome is not None else {"ok": False, "error": "skipped"}
     out.update(saved=bool(outcome.get("ok")), error=outcome.get("error"), save_ops=dict(counts),
                save_ops_total=Ops.total(counts), sent=dict(fabric.sent), received=dict(fabric.received),
@@ -635,7 +644,8 @@ def measure(model: str, world: int, reshard_to: int | None, workdir: Path, memor
         numpy.random.seed(0)
     try:
         with mock.patch("time.time", return_value=1.0e9) if digest else contextlib.nullcontext():
-            row = save_rank0(model, world, root, ops, per_node, exact, drop)
+            keep = frozenset(other_rank(w) for w in (world, reshard_to) if w)  # the plans measured read these
+            row = save_rank0(model, world, root, ops, per_node, exact, drop, keep)
         if digest and row["saved"]:
             row["step_digest"] = bench_stamp.step_digest(root / step_dir_name(STEP))
         if row["saved"]:

@@ -100,12 +100,14 @@ class Stamper:
     harness (uncounted): 405B at 16,384 ranks is ~2 MB of header and index per rank, 32 GB, and
     no measured restore reads a stamped rank's files (the ranks it reads are checked ranks).
     `replicated`: the save's replica detection's set, passed to every write_rank (as each rank's
-    `save_collective` passes it)."""
+    `save_collective` passes it). `keep`: more ranks to write and check as the checked ranks are
+    (and so never drop)."""
 
     def __init__(self, template: Any, world: int, step: int, peer: Callable[..., Payload], sparse: Any,
-                 scratch: Path, drop: bool = False, replicated: set[str] | None = None) -> None:
+                 scratch: Path, drop: bool = False, replicated: set[str] | None = None,
+                 keep: frozenset[int] = frozenset()) -> None:
         self.template, self.world, self.step, self.peer, self.sparse = template, world, step, peer, sparse
-        self.drop, self.replicated = drop, set(replicated or ())
+        self.drop, self.replicated, self.keep = drop, set(replicated or ()), keep
         specs = template.skeleton.get("dtensors") or {}
         self.dims = sorted({int(sp["shape"][0]) for sp in specs.values()})
         self.groups: dict[tuple[int, ...], list[int]] = {}
@@ -145,7 +147,7 @@ class Stamper:
     def checked_ranks(self) -> set[int]:
         """The ranks written by the real write_rank and compared with their stamps."""
         ends = {r for ranks in self.groups.values() for r in (ranks[0], ranks[-1])}
-        return {0, *range(1, min(4, self.world)), *ends}
+        return {0, *range(1, min(4, self.world)), *ends, *(r for r in self.keep if r < self.world)}
 
     def save(self, root: Path, into: str) -> list[dict[str, Any]]:
         """Every rank's report, in rank order (inside the caller's counting)."""
