@@ -207,5 +207,6 @@ def test_a_real_fsdp2_adam_save_receives_what_the_harness_counts(tmp_path: Path)
         for kind, _, got in r["calls"]:
             by_kind[kind] = by_kind.get(kind, 0) + got
         assert by_kind == {k: v for k, v in row["received_by_collective"].items() if v or k in by_kind}
-        assert r["received"] <= r["wire_received"] <= r["received"] + 64 * 1024, r  # framing only on top
+        if r["wire_received"] is not None:  # (iproute2's ss present)
+            assert r["received"] <= r["wire_received"] <= r["received"] + 64 * 1024, r  # framing only on top
     (tmp_path / "fsdp_save_bytes.json").write_text(json.dumps({"harness": row["received"], "ranks": ranks}))

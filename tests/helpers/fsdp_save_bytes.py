@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -65,8 +66,11 @@ class Tiny(torch.nn.Module):
         return sum((p.float() ** 2).mean() for p in self.parameters())  # type: ignore[return-value]
 
 
-def wire_received(store_port: int) -> int:
-    """TCP bytes received so far by this process's sockets, the rendezvous store's excepted."""
+def wire_received(store_port: int) -> int | None:
+    """TCP bytes received so far by this process's sockets, the rendezvous store's excepted
+    (None without iproute2's `ss`)."""
+    if shutil.which("ss") is None:
+        return None
     text = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout.splitlines()
     total, mine = 0, f"pid={os.getpid()},"
     for head, info in zip(text[::2], text[1::2]):
@@ -109,7 +113,8 @@ def main(argv: list[str]) -> int:
     RECORDING["on"] = True
     ck.save(STEP, state)
     RECORDING["on"] = False
-    wire = wire_received(port) - before  # this rank has received all its save's bytes when save returns
+    after = wire_received(port)  # this rank has received all its save's bytes when save returns
+    wire = after - before if after is not None and before is not None else None
     plain = [k for st in opt.state_dict()["state"].values() for k, v in st.items()
              if isinstance(v, torch.Tensor) and not hasattr(v, "placements")]
     (out / f"{rank}.json").write_text(json.dumps({"calls": CALLS, "received": sum(c[2] for c in CALLS),
