@@ -13,9 +13,9 @@ time of each sampled rank's exchange plan.
 `--every N`: only rank 0 and every N-th rank plan (a systematic sample: 16,384 -> 12,288 ranks in
 minutes); the total is rank 0's count plus the sample's mean times the other W - 1 ranks.
 
-scripts/bench_scale.py counts rank 0's pick + rank 0's plan + (W - 1) x one other rank's plan,
-that rank played with rank 0's box (at a reshard, its own shard is among its sources) and the
-read's opens left out. Here each of the TO ranks plans its own box (`restoreplan.plan_part` as
+scripts/bench_scale.py counts rank 0's pick + rank 0's plan + (W - 1) x one other rank's plan
+(at its own coordinate), the read's opens left out. The step is saved by bench_scale's
+production save (`save_collective`, replica detection included, on an FSDP2 + Adam state). Here each of the TO ranks plans its own box (`restoreplan.plan_part` as
 rank r, counted at the same os seam), and the source shards its read opens are added (the read
 keeps the plan's fds: it opens only the sources the plan did not). The FROM-rank step is saved
 under DIR/MODEL-FROM by bench_scale's harness (stamped, every rank's files kept) unless there.
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scale as bs  # noqa: E402
 
 from slurmresume.checkpoint import exchange  # noqa: E402
+from slurmresume.checkpoint.collective import Group  # noqa: E402
 from slurmresume.checkpoint.reshard import plan_reads  # noqa: E402
 from slurmresume.checkpoint.shardread import split_locator  # noqa: E402
 from slurmresume.checkpoint.state import flatten_live  # noqa: E402
@@ -56,6 +57,7 @@ def main(argv: list[str]) -> int:
         root.mkdir(parents=True, exist_ok=True)
         bs.save_rank0(model, frm, root, bs.Ops(), per_node=per_node)
     ops, per, folded, swapped, took, fanout, choice, wire, sent = bs.Ops(), [], [], [], [], [], None, None, b""
+    planning: list[float] = []
     ranks = range(0, to, every)
     for rank in ranks:
         state = bs.rank_state(model, bs.fake_world(to, rank), to, rank)
@@ -65,8 +67,12 @@ def main(argv: list[str]) -> int:
                 choice = restoring.pick(root, None, False, set(), False, None)  # the manifest's bytes
                 wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
                 sent = choice.manifest.raw_bytes or b""  # (restoring.share_manifest sends them unchanged)
-            part = restoreplan.plan_part(rank, choice if rank == 0 else restoreplan.with_manifest(wire, sent), state,
-                                         live, True)
+            began = time.perf_counter()
+            with restoreplan.gc_paused():  # what restoring.load_choice runs on every rank: plan, exchange plan
+                planned = choice if rank == 0 else restoreplan.with_manifest(wire, sent)
+                part = restoreplan.plan_part(rank, planned, state, live, True)
+                restoring.exchange_plan(Group(None, rank, to), planned, part)
+            planning.append(time.perf_counter() - began)
             n = bs.Ops.total(counts)
         if isinstance(part, restoring.Failure):
             print(f"rank {rank}: {part.message}", file=sys.stderr)
@@ -100,6 +106,9 @@ def main(argv: list[str]) -> int:
     if fold:
         report(f"{model} {frm} -> {to}, folded into node files of {fold} ranks", folded, to, every)
     report(f"{model} {frm} -> {to}", per, to, every)
+    rest = planning[1:] or planning
+    print(f"  plan per rank (the manifest's parse, plan_part and, where production makes it, the exchange plan; "
+          f"{len(rest)} ranks but 0): median {statistics.median(rest) * 1e3:.1f} ms, max {max(rest) * 1e3:.1f} ms")
     return 0
 
 

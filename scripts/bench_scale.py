@@ -21,12 +21,13 @@ runs write_rank for every rank (70B at 16,384 ranks: hours on a loaded machine).
 
 Per (model, W) it prints:
 - manifest bytes (what the code's format writes; a step the save refuses is reported as refused);
-- bytes each rank sends and receives during the save, for rank 0 and for any other rank, from the
-  collectives' own semantics (all_gather: everyone receives everyone's; gather: only the root);
+- bytes each rank sends and receives during the save, for rank 0 and for any other rank, as gloo's
+  algorithms move them (`received_bytes`: a ring all_reduce, 2 (W - 1) / W of its tensor; gather:
+  only the root receives), per kind of collective and per call;
 - rank 0's commit metadata time, wall and CPU: gather of the reports -> manifest -> marker ->
   publish (the part of a save between the last shard's fsync and "saved");
 - the restore plan: rank 0's `pick` (it chooses the step for everyone, and keeps its parse of
-  the manifest) and its `plan_part`, and the `plan_part` of a rank that is not 0 (the choice and
+  the manifest) and its plan, and the plan of a rank that is not 0, at its own coordinate (the choice and
   the manifest's bytes as they arrive by broadcast: that rank parses those bytes and never opens
   manifest.json), seconds and peak Python heap (tracemalloc, a second pass); the bytes of both
   broadcasts (what every rank but 0 receives); the same for --reshard's target world (e.g.
@@ -38,11 +39,16 @@ Per (model, W) it prints:
   these paths calls); an fstat on an open file counts none (the open counted). fsyncs are
   counted, not performed: this measures CPU and operation counts, not the disk.
 
-The save is composed here from the same calls `train.saving.save_collective` makes (prepare,
-write_rank on every rank, the gather of the reports, commit, the outcome's broadcast); the one
-step left out is replica detection (the state is all DTensors: nothing is replicated). Where the
-code's protocol changes (a gather instead of all_gather, per-rank index files), `save_rank0` is the
-one place to follow it; the manifest and the plans measured are whatever the code writes and reads.
+The save is the production one (issue #50): `roots.claim_root` and `train.saving.save_collective`
+as `Checkpointer.save` calls them, replica detection included, on the state FSDP2 + torch.optim.Adam
+hand the Checkpointer (`rank_state`: DTensor parameters and moments, a plain 0-dim `step` per
+parameter, `param_groups`; the library adds its RNG tensors): every plain tensor is the same on
+every rank, so the detection finds them all replicated. The other ranks' shards are written
+through the seam `save_collective` calls (`commit.write_rank`), before rank 0's own. Bytes are
+counted as gloo moves them (`received_bytes`; tests/test_bench_scale.py checks them against a
+real 8-rank FSDP2 + Adam save). A restore plan is timed as `restoring.load_choice` runs it
+(`plan_part`, then `exchange_plan`) on rank 0 and on a rank in the middle of the world, at its
+own coordinate (`other_rank`).
 
 A (model, W) whose manifest would exceed --max-manifest-mib (extrapolated linearly in W from the
 last one measured) is not built: it is reported with the predicted size (building a multi-GiB
@@ -58,6 +64,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -75,7 +82,7 @@ import numpy  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import xxhash  # noqa: E402
-from model_shapes import MODELS, MOMENTS, chunk0, parameters  # noqa: E402
+from model_shapes import MODELS, chunk0, parameters  # noqa: E402
 
 from slurmresume.checkpoint import (  # noqa: E402
     commit,
@@ -86,10 +93,16 @@ from slurmresume.checkpoint import shard as shard_mod  # noqa: E402
 from slurmresume.checkpoint.collective import Group  # noqa: E402
 from slurmresume.checkpoint.layout import MANIFEST, step_dir_name  # noqa: E402
 from slurmresume.checkpoint.manifest import MAX_MANIFEST  # noqa: E402
+from slurmresume.checkpoint.replicas import replicated_across  # noqa: E402
 from slurmresume.checkpoint.state import flatten_live  # noqa: E402
-from slurmresume.train import restoreplan, restoring  # noqa: E402
+from slurmresume.train import (  # noqa: E402
+    claims,  # noqa: E402
+    restoreplan,
+    restoring,
+)
 from slurmresume.train.messages import WriteReport  # noqa: E402
-from slurmresume.train.saving import payload_of  # noqa: E402
+from slurmresume.train.roots import claim_root  # noqa: E402
+from slurmresume.train.saving import payload_of, save_collective  # noqa: E402
 
 STEP = 100
 
@@ -111,12 +124,32 @@ def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size()
 
 
+def received_bytes(kind: str, nbytes: int, world: int, coordinator: bool) -> int:
+    """Tensor bytes one rank receives in one collective over a gloo group of `world` ranks, as
+    gloo's algorithms move them (`nbytes`: the tensor passed; all_gather and gather: each rank's
+    piece): all_reduce, ring (reduce-scatter, then all-gather: 2 (W - 1) / W of the tensor, on
+    every rank); broadcast, the tensor into each rank but the root; gather, W - 1 pieces into the
+    root, nothing into the others; all_gather, the W - 1 other pieces. Per-message framing (TCP
+    and gloo headers, ~50 B a message) is not counted: tests/helpers/fsdp_save_bytes.py measures
+    it beside these figures on real gloo ranks."""
+    if kind == "all_reduce":
+        return 2 * nbytes * (world - 1) // world
+    if kind == "broadcast":
+        return 0 if coordinator else nbytes
+    if kind == "gather":
+        return nbytes * (world - 1) if coordinator else 0
+    if kind == "all_gather":
+        return nbytes * (world - 1)
+    raise ValueError(kind)
+
+
 class Fabric:
     """The fake backend's collectives, made to carry each rank's own input: while `peers` holds
     one JSON payload per rank (`Group.all_gather_json`'s length-then-bytes protocol), an
     all_gather or gather hands rank i's payload to slot i; otherwise every slot gets this rank's
-    input (a broadcast from rank 0, a verdict everyone agrees on). Counts, per collective's
-    semantics, the bytes rank 0 and any other rank send and receive."""
+    input (a broadcast from rank 0, a verdict everyone agrees on). Counts the bytes rank 0 and any
+    other rank send and receive, per collective as gloo moves them (`received_bytes`), and per
+    kind of collective what a non-zero rank receives (`by_collective`)."""
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -124,6 +157,19 @@ class Fabric:
         self.sent = {"rank0": 0, "other": 0}
         self.received = {"rank0": 0, "other": 0}
         self.calls: Counter[str] = Counter()
+        self.by_collective: Counter[str] = Counter()
+        self.log: list[list[Any]] = []  # [kind, tensor bytes, bytes a non-zero rank receives] per call
+
+    def _count(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] += 1
+        got0, got = (received_bytes(kind, nbytes, self.world, c) for c in (True, False))
+        self.received["rank0"] += got0
+        self.received["other"] += got
+        self.by_collective[kind] += got
+        self.log.append([kind, nbytes, got])
+        # what a rank sends, by the same algorithms: a ring all_reduce sends what it receives
+        self.sent["rank0"] += nbytes * (self.world - 1) if kind == "broadcast" else got0 if kind == "all_reduce" else nbytes
+        self.sent["other"] += got if kind == "all_reduce" else 0 if kind == "broadcast" else nbytes
 
     def _slot(self, i: int, own: Any, out: Any) -> None:
         if self.peers is None or i == 0:
@@ -138,37 +184,23 @@ class Fabric:
                 out[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
     def all_gather(self, outputs: list[Any], tensor: Any, group: Any = None, async_op: bool = False) -> None:
-        self.calls["all_gather"] += 1
         for i, out in enumerate(outputs):
             self._slot(i, tensor, out)
-        total = sum(_nbytes(o) for o in outputs)
-        self.sent["rank0"] += _nbytes(tensor)
-        self.sent["other"] += _nbytes(outputs[1]) if len(outputs) > 1 else 0
-        self.received["rank0"] += total - _nbytes(outputs[0])
-        self.received["other"] += total - (_nbytes(outputs[1]) if len(outputs) > 1 else 0)
+        self._count("all_gather", _nbytes(outputs[1]) if len(outputs) > 1 else _nbytes(tensor))
 
     def gather(self, tensor: Any, gather_list: list[Any] | None = None, dst: int = 0, group: Any = None,
                async_op: bool = False, **_: Any) -> None:
-        self.calls["gather"] += 1
         for i, out in enumerate(gather_list or ()):
             self._slot(i, tensor, out)
-        total = sum(_nbytes(o) for o in gather_list or ())
-        self.sent["rank0"] += _nbytes(tensor)
-        self.sent["other"] += _nbytes(tensor)
-        self.received["rank0"] += total - _nbytes(tensor)
+        self._count("gather", _nbytes(tensor))
 
     def broadcast(self, tensor: Any, src: int = 0, group: Any = None, async_op: bool = False, **_: Any) -> None:
-        self.calls["broadcast"] += 1
-        self.sent["rank0"] += _nbytes(tensor)
-        self.received["other"] += _nbytes(tensor)
+        self._count("broadcast", _nbytes(tensor))
 
     def all_reduce(self, tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
-        self.calls["all_reduce"] += 1
         if self.peers is not None and tensor.numel() == 1:  # gather_json's MAX of the record lengths
             tensor.fill_(max(len(p) for p in self.peers))
-        for who in ("rank0", "other"):
-            self.sent[who] += _nbytes(tensor)
-            self.received[who] += _nbytes(tensor)
+        self._count("all_reduce", _nbytes(tensor))
         return None
 
     @contextlib.contextmanager
@@ -329,38 +361,67 @@ class SparseShards:
 
 # -- one rank's state -----------------------------------------------------------------------------
 
-def rank_state(model: str, mesh: Any, world: int, rank: int, zeros: bool = False) -> dict[str, Any]:
-    """Rank `rank`'s FSDP2-style state: every parameter and both Adam moments as a Shard(0)
-    DTensor on `mesh`. Its local piece is one float expanded to the piece's shape (distinct
-    storage per tensor, as `flatten`'s tied-weight detection needs; 4 bytes of memory), or with
-    `zeros` real zeros (for a restore that reads)."""
+def moments_state(model: str, mesh: Any, world: int, rank: int, zeros: bool = False) -> dict[str, Any]:
+    """The state the harness measured before issue #50 (bench_scale_dcp still measures DCP on it):
+    every parameter and both Adam moments as Shard(0) DTensors, no plain tensor."""
     from torch.distributed.tensor import DTensor, Shard
 
-    state: dict[str, dict[str, Any]] = {m: {} for m in MOMENTS}
+    state: dict[str, dict[str, Any]] = {m: {} for m in ("param", "exp_avg", "exp_avg_sq")}
     for pname, shape in parameters(model):
         _, rows = chunk0(shape[0], world, rank)
         local = (rows, *shape[1:])
         stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-        for m in MOMENTS:
+        for m in state:
             t = torch.zeros(local) if zeros else torch.zeros(1).expand(local)
             state[m][pname] = DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
                                                  stride=stride)
     return state
 
 
+def adam_groups(params: int) -> list[dict[str, Any]]:
+    """`param_groups` of torch.optim.Adam's state_dict() over `params` parameters (its own keys)."""
+    group = torch.optim.Adam([torch.zeros(1)], lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1).state_dict()["param_groups"][0]
+    return [{**group, "params": list(range(params))}]
+
+
+def rank_state(model: str, mesh: Any, world: int, rank: int, zeros: bool = False) -> dict[str, Any]:
+    """Rank `rank`'s state as FSDP2 + torch.optim.Adam hand it to the Checkpointer: "model", every
+    parameter a Shard(0) DTensor on `mesh` (fp32); "optim", Adam's state_dict(): per parameter
+    (by index) its `step`, a 0-dim plain tensor (the same on every rank: not a DTensor), and both
+    moments as DTensors, and `param_groups` (JSON). A DTensor's local piece is one float expanded
+    to the piece's shape (distinct storage per tensor, as `flatten`'s tied-weight detection needs;
+    4 bytes of memory), or with `zeros` real zeros (for a restore that reads). The library adds
+    its own RNG state (`payload_of`: plain tensors, the same on every rank of a seeded run)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def piece(shape: tuple[int, ...]) -> Any:
+        _, rows = chunk0(shape[0], world, rank)
+        local = (rows, *shape[1:])
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        t = torch.zeros(local) if zeros else torch.zeros(1).expand(local)
+        return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+
+    params = parameters(model)
+    weights = {pname: piece(shape) for pname, shape in params}
+    optim = {"state": {i: {"step": torch.tensor(float(STEP)), "exp_avg": piece(shape), "exp_avg_sq": piece(shape)}
+                       for i, (_, shape) in enumerate(params)},
+             "param_groups": adam_groups(len(params))}
+    return {"model": weights, "optim": optim}
+
+
 def peer_payload(template: Any, model: str, world: int, rank: int,
                  offsets: dict[int, int] | None = None) -> tuple[dict[str, Any], list[Any]]:
-    """Rank `rank`'s (skeleton, tensors) from rank 0's payload: the same names, this rank's piece
-    offsets and local shapes (what `flatten` gives on that rank), meta tensors of those shapes.
-    `offsets` (dim-0 length -> global offset) replaces the offsets (bench_stamp's sentinels)."""
-    shapes = {f"{m}/{p}": s for p, s in parameters(model) for m in MOMENTS}
+    """Rank `rank`'s (skeleton, tensors) from rank 0's payload: the same names and plain tensors
+    (replicas: the same bytes), this rank's piece offsets and local shapes (what `flatten` gives
+    on that rank), meta tensors of those shapes. `offsets` (dim-0 length -> global offset)
+    replaces the offsets (bench_stamp's sentinels)."""
     specs = dict(template.skeleton.get("dtensors") or {})
     tensors = []
     for name, t in template.tensors:
-        shape = shapes.get(name)
-        if shape is None or name not in specs:
+        if name not in specs:
             tensors.append((name, t))
             continue
+        shape = tuple(specs[name]["shape"])
         off, rows = chunk0(shape[0], world, rank)
         off = off if offsets is None else offsets[shape[0]]
         specs[name] = {**specs[name], "offset": [off, *[0] * (len(shape) - 1)], "local_shape": [rows, *shape[1:]]}
@@ -371,17 +432,29 @@ def peer_payload(template: Any, model: str, world: int, rank: int,
 # -- the save (rank 0's view) ---------------------------------------------------------------------
 
 def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0, exact: bool = False,
-               drop: bool = False) -> dict[str, Any]:
-    """One W-rank save of `model` into `root` (see the module docstring). Returns the figures.
-    `per_node` > 0: the per-node layout with that many ranks per node (bench_nodefile). The
-    ranks are stamped (bench_stamp) unless `exact` or per-node: then each runs write_rank.
-    `drop`: the stamped ranks' files are removed once written (bench_stamp.Stamper)."""
+               drop: bool = False, keep: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """One W-rank save of `model` into `root`, as rank 0 runs it in `Checkpointer.save`: the
+    root's lease (`roots.claim_root`, its verdict broadcast), then the production
+    `train.saving.save_collective` (prepare and its broadcast, replica detection, this rank's
+    write_rank, the gather of the reports, commit, the outcome's broadcast) under the Fabric.
+    Rank 0's `write_rank` (the seam `save_collective` calls) first writes every other rank's
+    shard into the same directory, with the replicated set replica detection gave (what each
+    rank's own `save_collective` passes its write_rank), then rank 0's: their records are what the
+    gather hands rank 0. `per_node` > 0: the per-node layout with that many ranks per node
+    (bench_nodefile). The ranks are stamped (bench_stamp) unless `exact` or per-node: then each
+    runs write_rank. `drop`: the stamped ranks' files are removed once written, but `keep`'s
+    (the ranks whose restore plans are measured: each is checked against its stamp too)."""
     mesh = fake_world(world)
     group = Group(dist.group.WORLD, 0, world)
     template = payload_of(STEP, rank_state(model, mesh, world, 0), {"loss": 1.0}, None)
     fabric = Fabric(world)
+    with fabric.installed():  # uncounted: the set the measured save's detection gives (checked below)
+        replicated = replicated_across(group, template.tensors, template.skeleton.get("dtensors"))
+    fabric = Fabric(world)
     out: dict[str, Any] = {"model": model, "ranks": world, "layout": f"per-node/{per_node}" if per_node else "per-rank",
-                           "emulation": "exact" if exact or per_node else "stamped"}
+                           "emulation": "exact" if exact or per_node else "stamped", "replicated": len(replicated),
+                           "plain_tensors": sum(1 for n, _ in template.tensors
+                                                if n not in (template.skeleton.get("dtensors") or {}))}
     sparse_node = bench_nodefile.SparseNode(_nbytes, _owns_memory, zero_blocks, zero_digests)
     layout = sparse_node.installed() if per_node else contextlib.nullcontext()
     sparse = SparseShards()
@@ -389,44 +462,62 @@ def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0, 
     if out["emulation"] == "stamped":
         t0 = time.perf_counter()
         stamper = bench_stamp.Stamper(template, world, STEP, lambda rank, offsets: peer_payload(
-            template, model, world, rank, offsets), sparse, root.with_name(root.name + ".stamps"), drop)
+            template, model, world, rank, offsets), sparse, root.with_name(root.name + ".stamps"), drop, replicated,
+            keep)
         out["stamp_groups"] = len(stamper.groups)
         out["stamp_build_s"] = time.perf_counter() - t0
-    with fabric.installed(), sparse.installed(), layout, ops.counting() as counts:
-        decision = group.broadcast_json(commit.prepare(root, STEP))
-        t0 = time.perf_counter()
-        reports = stamper.save(root, decision["dir"]) if stamper else []
-        node = max(per_node, 1)
-        for first in range(0, world if stamper is None else 0, node):  # every rank writes its shard: what it then sends
-            payloads = [(template.skeleton, template.tensors) if rank == 0 else peer_payload(template, model, world, rank)
-                        for rank in range(first, min(first + node, world))]
-            sizes = [sparse_node.size(first + i, *p) for i, p in enumerate(payloads)] if per_node else []
-            for i, (skeleton, tensors) in enumerate(payloads):
-                if per_node:
-                    bench_nodefile.use_link(bench_nodefile.SequentialLink(i, first, sizes))
-                reports.append(commit.write_rank(root, STEP, Group(None, first + i, world), skeleton, tensors,
-                                                 into=decision["dir"]))
+    real_write_rank = commit.write_rank
+    clock: dict[str, float] = {}
+
+    def every_rank_writes(root_: Path, step: int, group_: Group, skeleton: dict[str, Any], tensors: list[Any],
+                          replicated_: set[str] | None = None, *, into: str) -> dict[str, Any]:
+        if set(replicated_ or ()) != replicated:
+            raise SystemExit("bench_scale: the save's replica detection differs from the harness's")
+        commit.write_rank = real_write_rank  # type: ignore[assignment]
+        try:
+            t0 = time.perf_counter()
+            reports = stamper.save(root, into) if stamper else []
+            node = max(per_node, 1)
+            for first in range(0, world if stamper is None else 0, node):  # every rank writes: what it then sends
+                payloads = [(skeleton, tensors) if rank == 0 else peer_payload(template, model, world, rank)
+                            for rank in range(first, min(first + node, world))]
+                sizes = [sparse_node.size(first + i, *p) for i, p in enumerate(payloads)] if per_node else []
+                for i, (skel, tens) in enumerate(payloads):
+                    if per_node:
+                        bench_nodefile.use_link(bench_nodefile.SequentialLink(i, first, sizes))
+                    reports.append(real_write_rank(root, STEP, Group(None, first + i, world), skel, tens,
+                                                   replicated, into=into))
+        finally:
+            commit.write_rank = every_rank_writes  # type: ignore[assignment]
         out["emulate_ranks_s"] = time.perf_counter() - t0  # no collective ran meanwhile: the bytes count on
         # What each rank sends rank 0: its fixed-size record (train/saving.py), by Group.gather_json.
-        # Each rank encodes its own: not rank 0's time (at 16,384 ranks ~0.3 s of CPU, which earlier
-        # figures counted in rank 0's commit; kept apart as peer_records_cpu_s)
+        # Each rank encodes its own: not rank 0's time (kept apart as peer_records_cpu_s)
         cpu = time.process_time()
         fabric.peers = [json.dumps(WriteReport.from_json(r).record(), separators=(",", ":")).encode()
                         for r in reports]
         out["peer_records_cpu_s"] = time.process_time() - cpu
-        wall, cpu = time.perf_counter(), time.process_time()
-        mine = WriteReport.from_json(reports[0])
-        records = group.gather_json(mine.record()) or []
-        gathered = [mine, *(WriteReport.from_json(r) for r in records[1:])]  # rank 0's own: in full
+        clock["wall"], clock["cpu"] = time.perf_counter(), time.process_time()
+        return reports[0]
+
+    with Fabric(world).installed():  # uncounted: the lease a Checkpointer takes once, before its first save
+        key = claim_root(group, root, None, saving=True)
+    commit.write_rank = every_rank_writes  # type: ignore[assignment]
+    try:
+        with fabric.installed(), sparse.installed(), layout, ops.counting() as counts:
+            # Checkpointer._save_now: the root's lease checked by rank 0 (its verdict broadcast), then the save
+            claim_root(group, root, key, saving=True)
+            result = save_collective(group, root, STEP, template, replace_if_changed=False)
+            # from rank 0's report to "saved": the gather of the records, commit, the outcome's broadcast
+            out["commit_wall_s"] = time.perf_counter() - clock.get("wall", time.perf_counter())
+            out["commit_cpu_s"] = time.process_time() - clock.get("cpu", time.process_time())
+    finally:
+        commit.write_rank = real_write_rank  # type: ignore[assignment]
         fabric.peers = None
-        outcome = commit.commit(root, STEP, [r.to_json() for r in gathered], template.metrics, template.meta,
-                                into=decision["dir"])
-        out["commit_wall_s"] = time.perf_counter() - wall
-        out["commit_cpu_s"] = time.process_time() - cpu
-        group.broadcast_json(outcome)
+        claims.unclaim(key)  # as Checkpointer.close: its heartbeat stops before the root is removed
+    outcome = result.outcome.to_json() if result.outcome is not None else {"ok": False, "error": "skipped"}
     out.update(saved=bool(outcome.get("ok")), error=outcome.get("error"), save_ops=dict(counts),
                save_ops_total=Ops.total(counts), sent=dict(fabric.sent), received=dict(fabric.received),
-               collectives=dict(fabric.calls))
+               collectives=dict(fabric.calls), received_by_collective=dict(fabric.by_collective), calls=fabric.log)
     manifest = root / step_dir_name(STEP) / MANIFEST
     out["manifest_bytes"] = manifest.stat().st_size if manifest.exists() else _refused_size(outcome.get("error"))
     return out
@@ -442,19 +533,42 @@ def _refused_size(error: str | None) -> int | None:
 
 # -- the restore plan (one rank) ------------------------------------------------------------------
 
+def other_rank(world: int) -> int:
+    """The non-zero rank whose restore plan is measured: one in the middle of the world, whose
+    own shard (at the same W; its box's at a reshard) is not shard 0."""
+    return min(world - 1, world // 2 + 1)
+
+
 def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory: bool = True,
-         read: bool = False) -> dict[str, Any]:
-    """Rank 0 of a `world`-rank job restoring the `saved_world`-rank step under `root`: rank 0's
-    `pick` and its `plan_part`, and the `plan_part` of a rank that receives the choice and the
-    manifest's bytes by broadcast (`other_*`: it parses those bytes; played here by the same box
-    with the choice as it crosses the wire and the bytes rank 0 read, which
-    `restoring.share_manifest` sends unchanged), timed, counted and, in a second pass, their peak Python
-    heap. With `read`, then rank 0's `read_part` too: the bytes of its box (zeros from the
-    sparse files) read and checked against their digests, into real zero tensors."""
+         read: bool = False, repeats: int = 1) -> dict[str, Any]:
+    """A `world`-rank job restoring the `saved_world`-rank step under `root`: rank 0's `pick` and
+    its plan, and the plan of a rank that is not 0, at its own coordinate (`other_rank`: its own
+    DTensor pieces and shard) with the choice and the manifest's bytes as they arrive by broadcast
+    (`other_*`: it parses those bytes; `restoring.share_manifest` sends rank 0's read unchanged),
+    each timed, counted and, in a second pass, its peak Python heap. A plan is what
+    `restoring.load_choice` runs on every rank: `restoreplan.plan_part`, then
+    `restoring.exchange_plan` (a reshard's exchange plan; `*_exchange_s`, None at the same W).
+    With `read`, then rank 0's `read_part` too: the bytes of its box (zeros from the sparse
+    files) read and checked against their digests, into real zero tensors. `repeats`: the other
+    rank's plan is made that many times, its median reported (`other_plan_runs`: each)."""
     mesh = fake_world(world)
     state = rank_state(model, mesh, world, 0, zeros=read)
     live = flatten_live(state)
     out: dict[str, Any] = {"from": saved_world, "to": world}
+
+    def timed_plan(key: str, rank: int, chosen: restoring.RestoreChoice, st: Any, lv: Any, sent: bytes = b"") -> Any:
+        with ops.counting() as counts:  # a rank but 0: parse the bytes rank 0 sent (with_manifest), then plan
+            t, c = time.perf_counter(), time.process_time()
+            with restoreplan.gc_paused():  # as restoring.load_choice
+                planned = restoreplan.with_manifest(chosen, sent)
+                result = restoreplan.plan_part(rank, planned, st, lv, True)
+                x = time.perf_counter()
+                xplan = restoring.exchange_plan(Group(None, rank, world), planned, result)
+            out[f"{key}_s"], out[f"{key}_cpu_s"] = time.perf_counter() - t, time.process_time() - c
+            out[f"{key}_exchange_s"] = time.perf_counter() - x if xplan is not None else None
+            out[f"{key}_ops"] = Ops.total(counts)
+        return result
+
     with Fabric(world).installed():
         with ops.counting() as counts:
             t, c = time.perf_counter(), time.process_time()
@@ -463,28 +577,13 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
             out["pick_ops"] = Ops.total(counts)
         if not isinstance(choice, restoring.RestoreChoice):
             return {**out, "error": str(getattr(choice, "message", choice))}
-
-        def timed_plan(key: str, chosen: restoring.RestoreChoice, sent: bytes = b"") -> Any:  # `key`_s, _cpu_s, _ops
-            with ops.counting() as counts:  # a rank but 0: parse the bytes rank 0 sent (with_manifest), then plan
-                t, c = time.perf_counter(), time.process_time()
-                with restoreplan.gc_paused():  # as restoring.load_choice
-                    result = restoreplan.plan_part(0, restoreplan.with_manifest(chosen, sent), state, live, True)
-                out[f"{key}_s"], out[f"{key}_cpu_s"] = time.perf_counter() - t, time.process_time() - c
-                out[f"{key}_ops"] = Ops.total(counts)
-            return result
-
-        part = timed_plan("plan", choice)
+        part = timed_plan("plan", 0, choice, state, live)
         if isinstance(part, restoring.Failure):
             return {**out, "error": part.message}
         wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
         sent = choice.manifest.raw_bytes or b""  # what share_manifest broadcasts
         out["choice_bytes"] = len(json.dumps(restoring.pick_to_json(choice), separators=(",", ":")))
         out["manifest_sent_bytes"] = len(sent)
-        other = timed_plan("other_plan", wire, sent)
-        if isinstance(other, restoring.Failure):
-            return {**out, "error": other.message}
-        # + W x read_ops with --read
-        out["restore_ops_total"] = out["pick_ops"] + out["plan_ops"] + (world - 1) * out["other_plan_ops"]
         if read:
             with ops.counting() as counts:
                 t = time.perf_counter()
@@ -492,23 +591,44 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
                 out["read_s"] = time.perf_counter() - t
                 out["read_ops"] = Ops.total(counts)
             out["read_bytes"], out["needed_bytes"] = got.read, got.needed
-            out["restore_ops_total"] += world * out["read_ops"]
             if got.failure is not None:
                 return {**out, "error": got.failure.message}
+        part.opened.close()
         if memory:
             tracemalloc.start()
             choice = restoring.pick(root, None, False, set(), False, None)
             out["pick_peak_bytes"] = tracemalloc.get_traced_memory()[1]
             choice.manifest.raw_bytes = None  # restoring.share_manifest: sent, and dropped before rank 0 plans
             tracemalloc.reset_peak()
-            restoreplan.plan_part(0, choice, state, live, True)
+            restoreplan.plan_part(0, choice, state, live, True).opened.close()
             out["plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
-            tracemalloc.reset_peak()
+            tracemalloc.stop()
+    rank = out["other_rank"] = other_rank(world)
+    state = rank_state(model, fake_world(world, rank), world, rank)
+    live = flatten_live(state)
+    with Fabric(world).installed():
+        runs = []
+        for _ in range(max(repeats, 1)):  # on a loaded machine: the median of a few plans
+            other = timed_plan("other_plan", rank, wire, state, live, sent)
+            if isinstance(other, restoring.Failure):
+                return {**out, "error": other.message}
+            other.opened.close()
+            runs.append((out["other_plan_s"], out["other_plan_cpu_s"], out["other_plan_exchange_s"]))
+        out["other_plan_runs"] = runs
+        out["other_plan_s"], out["other_plan_cpu_s"] = (statistics.median(r[i] for r in runs) for i in (0, 1))
+        if runs[0][2] is not None:
+            out["other_plan_exchange_s"] = statistics.median(r[2] for r in runs)
+        # + W x read_ops with --read (rank 0's read standing for every rank's)
+        out["restore_ops_total"] = out["pick_ops"] + out["plan_ops"] + (world - 1) * out["other_plan_ops"]
+        if read:
+            out["restore_ops_total"] += world * out["read_ops"]
+        if memory:
+            tracemalloc.start()
             received = bytes(memoryview(sent))  # what the broadcast hands that rank: dropped once parsed
             with restoreplan.gc_paused():
                 planned = restoreplan.with_manifest(wire, received)
                 del received
-                restoreplan.plan_part(0, planned, state, live, True)
+                restoreplan.plan_part(rank, planned, state, live, True).opened.close()
             out["other_plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
             del planned
             tracemalloc.stop()
@@ -519,7 +639,7 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
 
 def measure(model: str, world: int, reshard_to: int | None, workdir: Path, memory: bool = True,
             read: bool = False, per_node: int = 0, exact: bool = False, digest: bool = False,
-            drop: bool = False) -> dict[str, Any]:
+            drop: bool = False, repeats: int = 1) -> dict[str, Any]:
     """One (model, W) point: the save, then the same-W restore plan and the reshard's. `digest`:
     the save runs with time.time frozen (the manifest's and marker's times) and the row gets the
     step's `step_digest` (bench_stamp), to compare the stamped emulation with `exact`."""
@@ -533,13 +653,14 @@ def measure(model: str, world: int, reshard_to: int | None, workdir: Path, memor
         numpy.random.seed(0)
     try:
         with mock.patch("time.time", return_value=1.0e9) if digest else contextlib.nullcontext():
-            row = save_rank0(model, world, root, ops, per_node, exact, drop)
+            keep = frozenset(other_rank(w) for w in (world, reshard_to) if w)  # the plans measured read these
+            row = save_rank0(model, world, root, ops, per_node, exact, drop, keep)
         if digest and row["saved"]:
             row["step_digest"] = bench_stamp.step_digest(root / step_dir_name(STEP))
         if row["saved"]:
-            row["same"] = plan(model, world, world, root, ops, memory, read)
+            row["same"] = plan(model, world, world, root, ops, memory, read, repeats)
             if reshard_to:
-                row["reshard"] = plan(model, world, reshard_to, root, ops, memory, read)
+                row["reshard"] = plan(model, world, reshard_to, root, ops, memory, read, repeats)
         return row
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -551,6 +672,10 @@ def _mib(n: float | None) -> str:
     return "?" if n is None else f"{n / 2**20:.2f} MiB"
 
 
+def _exchange(seconds: float | None) -> str:
+    return "" if seconds is None else f", of which the exchange plan {seconds * 1e3:.1f} ms"
+
+
 def line(r: dict[str, Any]) -> str:
     if r.get("skipped"):
         return f"{r['model']:>4s} {r['ranks']:6d} ranks: not run ({r['skipped']})"
@@ -559,7 +684,9 @@ def line(r: dict[str, Any]) -> str:
          f"fsyncs {ops.get('fsync', 0):,} per save; manifest {_mib(r['manifest_bytes'])}"
          f"{'' if r['saved'] else ' REFUSED: ' + str(r['error'])[:90]}; commit (rank 0) "
          f"{r['commit_wall_s']:.3f} s wall {r['commit_cpu_s']:.3f} s cpu; save recv rank0 "
-         f"{_mib(r['received']['rank0'])} other {_mib(r['received']['other'])}, sent other "
+         f"{_mib(r['received']['rank0'])}, a non-zero rank {r['received']['other']:,} B "
+         f"({', '.join(f'{k} {v:,}' for k, v in sorted(r.get('received_by_collective', {}).items()))}; "
+         f"{r.get('replicated', 0)} of {r.get('plain_tensors', 0)} plain tensors replicated), sent "
          f"{r['sent']['other']} B; save ops {r['save_ops_total']:,} ({r['save_ops'].get('fsyncdir', 0):,} dir fsyncs); "
          f"{r.get('emulation', 'exact')} emulation of the ranks {r.get('emulate_ranks_s', 0):.1f} s"
          f"{' digest ' + r['step_digest'] if 'step_digest' in r else ''}")
@@ -572,8 +699,8 @@ def line(r: dict[str, Any]) -> str:
             continue
         s += (f"\n      restore {p['from']}->{p['to']}: pick (rank 0) {p['pick_s'] * 1e3:.1f} ms "
               f"({p['pick_cpu_s'] * 1e3:.1f} cpu), plan rank 0 {p['plan_s'] * 1e3:.1f} ms "
-              f"({p['plan_cpu_s'] * 1e3:.1f} cpu), plan other rank {p['other_plan_s'] * 1e3:.1f} ms "
-              f"({p['other_plan_cpu_s'] * 1e3:.1f} cpu), peak heap pick {_mib(p.get('pick_peak_bytes'))} plan "
+              f"({p['plan_cpu_s'] * 1e3:.1f} cpu), plan rank {p.get('other_rank', '?')} {p['other_plan_s'] * 1e3:.1f} ms "
+              f"({p['other_plan_cpu_s'] * 1e3:.1f} cpu{_exchange(p.get('other_plan_exchange_s'))}), peak heap pick {_mib(p.get('pick_peak_bytes'))} plan "
               f"{_mib(p.get('plan_peak_bytes'))} other {_mib(p.get('other_plan_peak_bytes'))}; choice broadcast "
               f"{p['choice_bytes']} B, manifest broadcast {_mib(p.get('manifest_sent_bytes'))}; ops pick {p['pick_ops']:,} + plan {p['plan_ops']} + (W-1) x "
               f"{p['other_plan_ops']} = {p['restore_ops_total']:,} ({p['restore_ops_total'] / p['to']:.2f} per rank)")
@@ -611,6 +738,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-digest", action="store_true",
                     help="freeze time.time during each save and print a digest of the step's files "
                          "(to compare the stamped emulation with --exact-emulation)")
+    ap.add_argument("--plan-repeats", type=int, default=1,
+                    help="make the non-zero rank's plan this many times and report the median (a loaded machine)")
     ap.add_argument("--peer", choices=("", "dcp"), default="",
                     help="also measure torch.distributed.checkpoint the same way at each point (bench_scale_dcp.py)")
     args = ap.parse_args(argv)
@@ -650,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
                     to = reshard.get(world)
                     row = measure(model, world, to, Path(args.dir), memory=not args.no_memory, read=args.read,
                                   per_node=per_node, exact=args.exact_emulation, digest=args.step_digest,
-                                  drop=args.drop_stamped)
+                                  drop=args.drop_stamped, repeats=args.plan_repeats)
                     if row.get("manifest_bytes"):
                         last = (world, row["manifest_bytes"])
                     rows.append(row)

@@ -4,7 +4,7 @@
                                       [--caching] [--json-out dcp.json]
     python scripts/bench_scale.py ... --peer dcp      # the same, each row beside ours
 
-The same state as bench_scale.py (`rank_state`: every parameter and both Adam moments as FSDP2
+The state bench_scale.py measured before issue #50 (`moments_state`: every parameter and both Adam moments as FSDP2
 Shard(0) DTensors on the fake backend's DeviceMesh, fp32), through DCP's own code in the order
 `dcp.save`/`dcp.load` call it (`state_dict_saver._save_state_dict`, `state_dict_loader._load_state_dict`):
 
@@ -58,7 +58,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_scale import Ops, _mib, fake_world, rank_state  # noqa: E402
+from bench_scale import Ops, _mib, fake_world  # noqa: E402
+from bench_scale import moments_state as rank_state  # noqa: E402
 from model_shapes import MODELS, MOMENTS, parameters  # noqa: E402
 from torch.distributed.checkpoint import (  # noqa: E402
     DefaultLoadPlanner,

@@ -98,12 +98,16 @@ class Stamper:
     installed shard writer, whose `last` holds (header, data bytes, [(data offset, bytes)]).
     `drop`: each stamped rank's shard and index are unlinked as soon as they are written, by this
     harness (uncounted): 405B at 16,384 ranks is ~2 MB of header and index per rank, 32 GB, and
-    no measured restore reads a stamped rank's files (the ranks it reads are checked ranks)."""
+    no measured restore reads a stamped rank's files (the ranks it reads are checked ranks).
+    `replicated`: the save's replica detection's set, passed to every write_rank (as each rank's
+    `save_collective` passes it). `keep`: more ranks to write and check as the checked ranks are
+    (and so never drop)."""
 
     def __init__(self, template: Any, world: int, step: int, peer: Callable[..., Payload], sparse: Any,
-                 scratch: Path, drop: bool = False) -> None:
+                 scratch: Path, drop: bool = False, replicated: set[str] | None = None,
+                 keep: frozenset[int] = frozenset()) -> None:
         self.template, self.world, self.step, self.peer, self.sparse = template, world, step, peer, sparse
-        self.drop = drop
+        self.drop, self.replicated, self.keep = drop, set(replicated or ()), keep
         specs = template.skeleton.get("dtensors") or {}
         self.dims = sorted({int(sp["shape"][0]) for sp in specs.values()})
         self.groups: dict[tuple[int, ...], list[int]] = {}
@@ -127,7 +131,7 @@ class Stamper:
         sentinels = {d: SENTINEL + g for g, d in enumerate(self.dims)}
         skeleton, tensors = self.peer(rank, sentinels)
         report = commit.write_rank(scratch, self.step, Group(None, rank, self.world), skeleton, tensors,
-                                   into=saving_dir_name(self.step, "0" * 16))
+                                   self.replicated, into=saving_dir_name(self.step, "0" * 16))
         if report.get("error"):
             return None
         header, data, real = self.sparse.last
@@ -143,7 +147,7 @@ class Stamper:
     def checked_ranks(self) -> set[int]:
         """The ranks written by the real write_rank and compared with their stamps."""
         ends = {r for ranks in self.groups.values() for r in (ranks[0], ranks[-1])}
-        return {0, *range(1, min(4, self.world)), *ends}
+        return {0, *range(1, min(4, self.world)), *ends, *(r for r in self.keep if r < self.world)}
 
     def save(self, root: Path, into: str) -> list[dict[str, Any]]:
         """Every rank's report, in rank order (inside the caller's counting)."""
@@ -152,7 +156,8 @@ class Stamper:
         reports: dict[int, dict[str, Any]] = {}
         for rank in sorted(checked):  # first: a stamp that differs stops the run before the rest is written
             payload = (self.template.skeleton, self.template.tensors) if rank == 0 else self.peer(rank, None)
-            reports[rank] = commit.write_rank(root, self.step, Group(None, rank, self.world), *payload, into=into)
+            reports[rank] = commit.write_rank(root, self.step, Group(None, rank, self.world), *payload,
+                                              self.replicated, into=into)
             self._compare(rank, reports[rank])
         for key, ranks in self.groups.items():
             stamp = self.stamps[key]
@@ -161,7 +166,7 @@ class Stamper:
                     continue
                 if stamp is None:
                     reports[rank] = commit.write_rank(root, self.step, Group(None, rank, self.world),
-                                                      *self.peer(rank, None), into=into)
+                                                      *self.peer(rank, None), self.replicated, into=into)
                 else:
                     reports[rank] = self._write(d, rank, stamp)
         return [reports[r] for r in range(self.world)]

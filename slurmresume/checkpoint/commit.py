@@ -55,7 +55,7 @@ from .layout import (
 )
 from .manifest import build_manifest, marker_bytes, over_cap
 from .rankindex import placed, write_index
-from .replicas import LIBRARY_PREFIX
+from .replicas import LIBRARY_PREFIX, everywhere
 from .shard import SKELETON_KEY, write_shard
 from .store import inspect_dir
 
@@ -157,11 +157,13 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
     """Every rank: write its shard into `into` (the directory named by rank 0's prepare).
     Returns a report; errors are reported, not raised, so that every rank still reaches the
     gather and nobody deadlocks. Tensors in `replicated` are written by rank 0 only (the
-    skeleton lists them, so other ranks read them from shard 0)."""
+    skeleton lists them, so other ranks read them from shard 0), except the small plain ones,
+    which every rank writes too (`replicas.everywhere`: a restoring rank opens its own shard only)."""
     if replicated:
         skeleton = {**skeleton, "replicated": sorted(replicated)}
         if group.rank != 0:
-            tensors = [(n, t) for n, t in tensors if n not in replicated]
+            kept = everywhere(replicated, tensors, skeleton.get("dtensors") or {})
+            tensors = [(n, t) for n, t in tensors if n not in replicated or n in kept]
     file = shard_name(group.rank, group.world_size)
     d = root / into
     try:

@@ -130,6 +130,8 @@ class Manifest:
         out = []
         for rank in range(self.world_size):
             for name, info in self.rank_tensors(rank).items():
+                if rank and name in shared:  # a small replica's copy in every shard (replicas.everywhere): listed once
+                    continue
                 out.append({"name": name, "rank": rank, **info, **({"replicated": True} if rank == 0
                                                                       and name in shared else {})})
         return out

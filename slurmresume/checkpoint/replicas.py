@@ -75,6 +75,23 @@ def tensor_digests(tensors: list[tuple[str, Any]], dtensors: dict[str, dict[str,
     return out
 
 
+EVERYWHERE_BUDGET = 256 << 10  # replicated plain tensors up to this many bytes in all are in every shard
+
+
+def everywhere(replicated: set[str], tensors: list[tuple[str, Any]], dtensors: dict[str, Any]) -> set[str]:
+    """Pure, the same on every rank (a replica has the same size everywhere): the replicated
+    plain tensors that every rank's shard holds too, not rank 0's alone, so that a restoring rank
+    reads them from its own shard and opens no second one (issue #50: an optimizer's `step` per
+    parameter and the RNG made every rank of a same-W restore open shard 0's header as well).
+    All of them when they add up to at most EVERYWHERE_BUDGET, else none: a rank that must open
+    shard 0 for one replica (a DDP model's weights) gains nothing from copies of the others.
+    DTensors are read by box, never here. The format is unchanged: every reader of format 3
+    reads a listed replica from its own shard when that holds it (`restoreplan`: shared = listed
+    - own names), and rank 0's shard still holds every one."""
+    plain = {n: _nbytes(t) for n, t in tensors if n in replicated and n not in dtensors}
+    return set(plain) if sum(plain.values()) <= EVERYWHERE_BUDGET else set()
+
+
 def by_placement(dtensors: dict[str, dict[str, Any]], world: int) -> tuple[set[str], set[str]]:
     """Pure: (replicated, sharded) DTensor names decided by their placements alone, for DTensors
     whose mesh spans every rank: identical on every rank when each of their Shard placements is
@@ -95,22 +112,27 @@ def replicated_across(group: Any, tensors: list[tuple[str, Any]],
                       dtensors: dict[str, dict[str, Any]] | None = None) -> set[str]:
     """Collective: the names stored once (rank 0's shard) because every rank holds the same
     bytes. DTensors spanning all ranks are decided by placement, with no exchange; the rest by
-    two fixed-size MAX reductions of 63-bit digests (the names first, then each value's): each
-    rank receives O(tensors), never every rank's index. Ranks whose tensor names differ fall
-    back to exchanging the digests (`replicated_names`)."""
+    fixed-size MAX reductions of 63-bit digests: the names and one digest per family of tensors
+    (`_families`: the library's own, the rest) folded from each tensor's, in one reduction; only
+    a family whose fold differs somewhere is compared tensor by tensor. A save of an FSDP2 + Adam
+    state (a plain `step` tensor per parameter, identical everywhere) thus receives the same few
+    dozen bytes at 7B and 405B, never 16 B per tensor (issue #50). Ranks whose tensor names
+    differ fall back to exchanging the digests (`replicated_names`)."""
     dtensors = dtensors or {}
     placed, split = by_placement(dtensors, group.world_size)
     rest = [(n, t) for n, t in tensors if n not in placed and n not in split]
     sampled = tensor_digests(rest, dtensors, sample=True)
     keys = sorted(sampled)
     names = _h63(dumps([[k, *sampled[k][:2], *sampled[k][3:]] for k in keys]))
-    agreed = group.max_ints([len(keys), names, -len(keys), -names])
-    if agreed[:2] != [-agreed[2], -agreed[3]]:  # not the same names (and shapes) on every rank
+    head = [len(keys), names, *_folds(keys, sampled)]
+    agreed = group.max_ints(head + [-v for v in head])
+    if agreed[:2] != [-agreed[len(head)], -agreed[len(head) + 1]]:  # not the same names (and shapes) everywhere
         return placed | replicated_names(group.all_gather_json(tensor_digests(rest, dtensors)))
     # Samples first: a tensor whose samples differ on some rank is not a replica, and is never read
     # whole here (per-rank state: each rank's bytes are read once, by the writer). Only tensors
     # whose samples agree everywhere are hashed in full (every rank gets the same candidates).
-    candidates, by_name = _agreeing(group, keys, sampled), dict(rest)
+    same = [agreed[2 + i] == -agreed[len(head) + 2 + i] for i in range(len(head) - 2)]
+    candidates, by_name = _settle(group, keys, sampled, same), dict(rest)
     large = [k for k in keys if k in candidates and _nbytes(by_name[k]) > SAMPLE_WHOLE]
     full = tensor_digests([(k, by_name[k]) for k in large], dtensors)
     return placed | (candidates - set(large)) | _agreeing(group, large, full)
@@ -120,9 +142,44 @@ def _nbytes(t: Any) -> int:
     return int(t.numel() * t.element_size())
 
 
+def _families(keys: list[str]) -> list[list[str]]:
+    """Pure: `keys` split into the library's own tensors (its RNG: per-rank when a run seeds each
+    rank apart) and the rest, each folded into one digest: a per-rank RNG state costs a
+    comparison of the library's few tensors, not of every optimizer `step`."""
+    return [[k for k in keys if k.startswith(LIBRARY_PREFIX)], [k for k in keys if not k.startswith(LIBRARY_PREFIX)]]
+
+
+def _folds(keys: list[str], digests: dict[str, list[Any]]) -> list[int]:
+    """One 63-bit digest per family (`_families`) of the names and digests of its tensors."""
+    return [_h63(dumps([[k, digests[k][2]] for k in family])) for family in _families(keys)]
+
+
+def _settle(group: Any, keys: list[str], digests: dict[str, list[Any]], same: list[bool]) -> set[str]:
+    """Collective (every rank passes the same `keys` and `same`): the keys of the families whose
+    folds agreed (`same`), and those of the other families whose own digest agrees everywhere."""
+    agreed: set[str] = set()
+    doubtful: list[str] = []
+    for family, ok in zip(_families(keys), same):
+        if ok:
+            agreed.update(family)
+        else:
+            doubtful.extend(family)
+    return agreed | _each_agreeing(group, doubtful, digests)
+
+
 def _agreeing(group: Any, keys: list[str], digests: dict[str, list[Any]]) -> set[str]:
     """Collective (every rank passes the same `keys`): those whose digest is the same on every
-    rank, by two fixed-size MAX reductions (none when `keys` is empty)."""
+    rank: one MAX reduction of the families' folds, then, for a family whose fold differs, two
+    values per tensor (`_each_agreeing`); none when `keys` is empty."""
+    if not keys:
+        return set()
+    folds = _folds(keys, digests)
+    top = group.max_ints(folds + [-f for f in folds])
+    return _settle(group, keys, digests, [top[i] == -top[len(folds) + i] for i in range(len(folds))])
+
+
+def _each_agreeing(group: Any, keys: list[str], digests: dict[str, list[Any]]) -> set[str]:
+    """Collective: `_agreeing`, tensor by tensor (two fixed-size MAX values each)."""
     if not keys:
         return set()
     values = [_h63(digests[k][2]) for k in keys]

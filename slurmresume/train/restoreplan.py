@@ -116,7 +116,8 @@ def gc_paused() -> Iterator[None]:
 def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
                strict: bool) -> Part | Failure:
     # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (restoring.apply_loaded:
-    # its RNG). Replicated tensors live in shard 0 only and are read from there. DTensor pieces
+    # its RNG). Replicated tensors are read from shard 0, unless this rank's own shard holds them too
+    # (small ones: replicas.everywhere; then no second shard is opened). DTensor pieces
     # are read by box from whichever shards hold this rank's new region (reshard).
     src = rank if rank < choice.world_size else rank % choice.world_size
     keys = list(state)
