@@ -26,34 +26,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from helpers.procs import rank_pid, signal_tree  # noqa: E402  (the tests' own process-tree walk)
+
 EXAMPLE = REPO / "examples" / "train.py"
-
-
-def tree(root: int) -> list[int]:
-    seen, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.append(pid)
-        for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
-            try:
-                todo.extend(int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
-            except (OSError, ValueError):
-                pass
-    return seen
-
-
-def rank_pid(launcher: int, rank: int) -> int | None:
-    for pid in tree(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"train.py" in cmd and f"RANK={rank}".encode() in env:
-            return pid
-    return None
 
 
 def submit(root: Path, ranks: int, args: list[str], record: Path | None) -> subprocess.Popen[str]:
@@ -95,8 +72,7 @@ def one_kill(work: Path, ranks: int, args: list[str], steps: int, save_every: in
     pid = rank_pid(proc.pid, victim)
     if pid is None:
         raise SystemExit(f"rank {victim} not found (the run ended? {proc.poll()})")
-    for p in reversed(tree(pid)):
-        os.kill(p, signal.SIGKILL)
+    signal_tree(pid, signal.SIGKILL)
     _, err = proc.communicate(timeout=1200)
     ev = events(root)
     save = next((e for e in ev if e["event"] == "failure_save"), {})

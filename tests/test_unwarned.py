@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.procs import EXAMPLE, HELPERS, clean_env, rank_pid, run_ranks, signal_tree
 
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.contract import ENV_DRILL_RECORD
 from slurmresume.tools.compare import compare_checkpoints
 from slurmresume.train.steprecord import read_records
 from slurmresume.train.survivors import Plan, Snapshot, Status, plan
-from tests.helpers.procs import EXAMPLE, HELPERS, clean_env, process_tree, run_ranks, signal_tree
 
 # -- the plan: a table, no processes ----------------------------------------------------------------
 
@@ -209,18 +209,6 @@ def _events(root: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    for pid in process_tree(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"train.py" in cmd and f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
-            return pid
-    return None
-
-
 def _state_of(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -255,7 +243,7 @@ def test_a_rank_sigkilled_without_warning_costs_at_most_one_step_and_the_job_end
     while pid is None or _state_of(pid) != "T":
         assert proc.poll() is None and time.monotonic() < end, "the run ended before its kill"
         time.sleep(0.02)
-        pid = pid or _rank_pid(proc.pid, victim)
+        pid = pid or rank_pid(proc.pid, victim)
     signal_tree(pid, signal.SIGKILL)
     _finish(proc)
 

@@ -156,6 +156,20 @@ def signal_tree(root: int, sig: int) -> list[int]:
     return pids
 
 
+def rank_pid(launcher: int, rank: int, script: bytes = b"train.py") -> int | None:
+    """The pid of one-node rank `rank` (RANK and LOCAL_RANK both `rank`) running `script` in the
+    tree under `launcher`, or None."""
+    for pid in process_tree(launcher):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if script in cmd and f"RANK={rank}".encode() in env and f"LOCAL_RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
 def alive_for_root(marker: str, root: Path) -> list[int]:
     """Live processes running `marker` (in their command line) for one test's run: their
     environment names `root` or a path under it. Other tests, e.g. on another xdist worker or the
