@@ -176,7 +176,10 @@ def test_a_rank_that_raises_is_saved_for_by_the_others(tmp_path: Path) -> None:
     proc, root = _forked(tmp_path, "raise")
     assert proc.returncode == 1 and "rank 2's own bug" in proc.stderr, proc.stderr[-3000:]
     saves = [e for e in _events(root) if e["event"] == "failure_save"]
-    assert [(e["step"], e["committed"], e["dead"], e["writer"]) for e in saves] == [(4, True, [2], 0)], saves
+    assert [(e["step"], e["committed"], e["writer"]) for e in saves] == [(4, True, 0)], saves
+    # rank 1's own collective broke too: whether it is still counted a survivor when the plan is
+    # made depends on the machine's load (CI: [1, 2]); rank 2 is always dead, rank 0 never
+    assert 2 in saves[0]["dead"] and set(saves[0]["dead"]) <= {1, 2}, saves
     latest = find_latest(root, warn=False, verify=True)
     assert latest is not None and latest.step == 4
 
