@@ -107,11 +107,11 @@ while step < args.steps:
         loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        state["loss"] = loss.item()  # before optimizer.step(): a rank killed after it loses nothing
         optimizer.step()
         scheduler.step()
         sampler.advance(len(x))
         step += 1
-        state["loss"] = loss.item()
         if rank == 0 and step % 10 == 0:
             print(f"step {step} loss {state['loss']:.4f} lr {scheduler.get_last_lr()[0]:.2e}", flush=True)
         if args.step_sleep:

@@ -1,6 +1,7 @@
 """What the failure-time save costs a step in steady state (issue 47): examples/train.py, each rank
 timing `FailureGuard.at_step` (the per-step snapshot: RNG states, skeleton, per-rank tensors,
-published to the node-local directory) against the time between two `ckpt.step()` calls.
+published to the node-local directory) plus its optimizer pre-hook (the tail snapshot, published
+the same way) against the time between two `ckpt.step()` calls.
 
     torchrun --standalone --nproc-per-node 3 scripts/bench_failsave.py --steps 300 --save-every 100000
 
@@ -29,7 +30,9 @@ if not os.environ.get(ENV_HEARTBEAT_DIR):  # as under the launcher: one node-loc
 snap_s: list[float] = []
 gaps: list[float] = []
 last = [0.0]
+tail = [0.0]  # the tail snapshot's time since the last boundary
 at_step, step = failsave.FailureGuard.at_step, checkpointer.Checkpointer.step
+pre_hook = failsave.FailureGuard._on_optimizer_step
 
 
 def timed_at_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -37,7 +40,16 @@ def timed_at_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
     try:
         return at_step(self, *args, **kwargs)
     finally:
-        snap_s.append(time.perf_counter() - t0)
+        snap_s.append(time.perf_counter() - t0 + tail[0])
+        tail[0] = 0.0
+
+
+def timed_pre_hook(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    t0 = time.perf_counter()
+    try:
+        return pre_hook(self, *args, **kwargs)
+    finally:
+        tail[0] += time.perf_counter() - t0
 
 
 def timed_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -49,6 +61,7 @@ def timed_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
 
 
 failsave.FailureGuard.at_step = timed_at_step  # type: ignore[method-assign]
+failsave.FailureGuard._on_optimizer_step = timed_pre_hook  # type: ignore[method-assign]
 checkpointer.Checkpointer.step = timed_step  # type: ignore[method-assign]
 try:
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "train.py"), run_name="__main__")

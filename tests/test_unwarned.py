@@ -72,6 +72,96 @@ def test_plan_refuses_before_the_replicated_set_is_known() -> None:
     assert not got.ok and "replicated" in got.refused[0]
 
 
+# -- a rank killed between its optimizer step and its ckpt.step(): covered by its tail snapshot -------
+
+STATIC = {"entry:optimizer": "o7", "entry:scheduler": "s7", "entry:sampler": "p7"}  # the same on every rank
+
+
+def _bound(rank: int, step: int, changed: set[str] = frozenset(), **own: str) -> Snapshot:
+    """A boundary snapshot: the pieces above at `step`, this rank's RNG and loss."""
+    digests = {k: v.replace("7", str(step)) for k, v in STATIC.items()}
+    digests.update({"rng": f"r{rank}-{step}", "entry:loss": f"l{rank}-{step}", **own})
+    return Snapshot(rank, step, digests=digests, tail_changed=frozenset(changed))
+
+
+def _tail(rank: int, after: int) -> Snapshot:
+    """Taken at the optimizer step after `after`: the step's RNG and loss, the static pieces of `after`."""
+    digests = {k: v.replace("7", str(after)) for k, v in STATIC.items()}
+    digests.update({"rng": f"r{rank}-{after + 1}", "entry:loss": f"l{rank}-{after + 1}"})
+    return Snapshot(rank, after, tail_of=after, digests=digests)
+
+
+def _window(changed: set[str]) -> dict[int, list[Snapshot]]:
+    """Rank 1 published 6 and its tail after 6, then died; ranks 0 and 2 went on to 7."""
+    return {0: [_bound(0, 6, changed), _bound(0, 7, changed)],
+            1: [_bound(1, 6, changed), _tail(1, 6)],
+            2: [_bound(2, 6, changed), _bound(2, 7, changed)]}
+
+
+def test_plan_covers_a_rank_killed_after_its_optimizer_step_by_its_tail() -> None:
+    """The scheduler, sampler and optimizer hyper-parameters change after the optimizer step and are
+    the same on every rank: the writer's copy at 7 is the dead rank's; its RNG and loss did not
+    change after its tail: step 7 commits, rank 1 spliced from its tail + the writer's pieces."""
+    changed = set(STATIC)
+    got = plan(3, {1}, {0: Status(0, 7, True), 2: Status(2, 7, True)}, _window(changed))
+    assert got == Plan(7, 0, spliced=((1, frozenset(changed)),))
+
+
+@pytest.mark.parametrize(("changed", "snaps", "says"), [
+    # each rank's loss is set after its optimizer step: the dead rank's loss at 7 is on no survivor
+    ({*STATIC, "entry:loss"}, None, "rank 1's value 'loss' at step 7 (set after its optimizer step, and not the same"),
+    # the RNG drawn after the optimizer step (per rank)
+    ({"rng"}, None, "rank 1's RNG at step 7"),
+    # the tail follows step 5, not the dead rank's last boundary 6 (it died before this step's tail)
+    (set(STATIC), {0: [_bound(0, 6), _bound(0, 7)], 1: [_bound(1, 6), _tail(1, 5)], 2: [_bound(2, 6), _bound(2, 7)]},
+     "rank 1's RNG and plain values at step 7 (published: [6])"),
+    # the survivors are two boundaries past the tail: the steps between are on nobody
+    (set(STATIC), {0: [_bound(0, 7), _bound(0, 8)], 1: [_bound(1, 6), _tail(1, 6)], 2: [_bound(2, 7), _bound(2, 8)]},
+     "not the boundary after its last optimizer step"),
+])
+def test_plan_refuses_a_tail_it_cannot_complete(changed: set[str], snaps: dict | None, says: str) -> None:
+    snaps = snaps or _window(changed)
+    step = max(s.step for s in snaps[0])
+    got = plan(3, {1}, {0: Status(0, step, True), 2: Status(2, step, True)}, snaps)
+    assert not got.ok and says in " | ".join(got.refused), got.refused
+
+
+def test_splice_rebuilds_what_the_dead_ranks_own_boundary_would_hold() -> None:
+    """A rank's tail (taken before its optimizer step) spliced with another rank's boundary for the
+    pieces that changed after the step rebuilds exactly the rank's own boundary snapshot."""
+    import torch
+
+    from slurmresume.checkpoint.state import flatten
+    from slurmresume.train import stepsnap
+
+    state = _state()
+    skeleton, tensors = flatten(state, {})
+    layout = stepsnap.Layout.learn(state, {n for n, _ in tensors if n != "mine"})
+
+    def snap(cap: stepsnap.Captured, **extra: object) -> dict:
+        data = b"".join(cap.encode(**extra))
+        out = stepsnap.read_bytes(data)
+        assert out is not None
+        return out
+
+    torch.manual_seed(11)
+    tail = stepsnap.collect(7, state, layout, None, None, None)
+    state["optimizer"].step(), state["scheduler"].step(), state["sampler"].advance(4)  # after the step
+    own = stepsnap.collect(8, state, layout, None, {"loss": 1.0}, None)  # what the rank would publish
+    changed = stepsnap.changed(tail.digests, own.digests)
+    assert changed == {"entry:optimizer", "entry:scheduler", "entry:sampler"}
+    torch.manual_seed(12)  # the other rank: another RNG, another per-rank tensor
+    donor_state = {**state, "mine": torch.arange(5.0) + 1}
+    donor = stepsnap.collect(8, donor_state, layout, None, {"loss": 2.0}, None)
+    assert donor.digests["rng"] != own.digests["rng"]
+    spliced = stepsnap.splice(snap(tail, tail_of=7), snap(donor), changed)
+    expect_skeleton, expect_own = stepsnap.rebuild(snap(own), skeleton)
+    got_skeleton, got_own = stepsnap.rebuild(spliced, skeleton)
+    assert got_skeleton == expect_skeleton
+    assert [n for n, _ in got_own] == [n for n, _ in expect_own]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got_own, expect_own, strict=True))
+
+
 # -- the per-step snapshot: what the writer rebuilds is what the rank's own save would hold ---------
 
 
@@ -264,14 +354,37 @@ def test_a_rank_sigkilled_without_warning_costs_at_most_one_step_and_the_job_end
 
 
 @pytest.mark.slow
+def test_a_rank_killed_after_its_optimizer_step_costs_no_step(tmp_path: Path, reference: Path) -> None:
+    """Rank 1 dies right after its optimizer step of step k (past the gradient all-reduce), before
+    its ckpt.step(k); the others finish step k. Rank 1 never published k, but its tail snapshot
+    (taken at its optimizer step) and the survivors' copy of what changed after it (scheduler,
+    sampler: the same on every rank) cover it: step k commits, nothing is trained twice, and the
+    job ends bitwise. The code before the tail snapshot refused this save and repeated k - 10 steps."""
+    from slurmresume.train.failsave import FINISH_WAIT_S
+
+    root = tmp_path / "root"
+    kill_at = random.Random(472).randint(13, 18)
+    _finish(_submit(root, HELPERS / "unwarned_train.py", KILL_AT_STEP=str(kill_at), KILL_RANK="1",
+                    SURVIVOR_SLEEP=str(FINISH_WAIT_S / 10)))
+    ev = _events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert [(e["step"], e["committed"], e["dead"]) for e in saves] == [(kill_at, True, [1])], saves
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [kill_at]
+    assert compare_checkpoints(reference, root / step_dir_name(30)) == []
+
+
+@pytest.mark.slow
 def test_survivors_past_their_optimizer_step_never_commit_a_failure_save(tmp_path: Path, reference: Path) -> None:
-    """Rank 1 dies right after its optimizer step while the other ranks are past theirs, before
-    their ckpt.step(): their tensors belong to no boundary they published. The failure save is
-    refused naming why (never a step mixing two steps' state), the job resumes from the periodic
-    step 10 by itself and ends bitwise equal to the uninterrupted run."""
+    """Rank 1 dies right after its optimizer step while the other ranks are past theirs and do not
+    reach their ckpt.step() within FINISH_WAIT_S: their tensors belong to no boundary they
+    published. The failure save is refused naming why (never a step mixing two steps' state), the
+    job resumes from the periodic step 10 by itself and ends bitwise equal to the uninterrupted run."""
+    from slurmresume.train.failsave import FINISH_WAIT_S
+
     root = tmp_path / "root"
     kill_at = random.Random(471).randint(13, 18)
-    _finish(_submit(root, HELPERS / "unwarned_train.py", KILL_AT_STEP=str(kill_at), KILL_RANK="1"))
+    _finish(_submit(root, HELPERS / "unwarned_train.py", KILL_AT_STEP=str(kill_at), KILL_RANK="1",
+                    SURVIVOR_SLEEP=str(FINISH_WAIT_S + 3)))
     ev = _events(root)
     saves = [e for e in ev if e["event"] == "failure_save"]
     assert len(saves) == 1 and saves[0]["committed"] is False, saves

@@ -11,11 +11,17 @@ At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's ag
     generator the save covers, metrics, and the tensors that are not replicated when they are
     small; one checked pwrite). The last two steps stay.
   - the rank's "dirty" flag is cleared; torch.optim's global step pre-hook sets it, so a rank
-    knows whether its tensors are still those of step `s`.
+    knows whether its tensors are still those of step `s`;
+  - that pre-hook also publishes the rank's *tail* snapshot (`snap-R-tail`: its small state just
+    before the optimizer step after `s`), and the next boundary records which pieces changed
+    between the two (`tail_changed`, over the whole run). A rank killed after the gradient
+    all-reduce and before its next `ckpt.step()` is then still covered (`survivors.plan`).
 
 The death (`peers.Watcher`, a thread blocked on pidfds of this node's other ranks, no polling): a peer
 that exits without having closed its Checkpointer. Then, on each survivor:
-  1. freeze: no optimizer step and no `ckpt.step()` may run any more (both block);
+  1. freeze: no optimizer step may start any more (it blocks); a survivor already past its
+     optimizer step finishes the step up to its `ckpt.step()`, which publishes that boundary and
+     blocks (at most FINISH_WAIT_S: a survivor still dirty then holds nothing);
   2. publish its status (last boundary, clean or not) and wait for the other survivors'
      (at most STATUS_WAIT_S: a survivor that does not answer holds nothing);
   3. `survivors.plan` (pure): the newest step covered by every rank's snapshot and held clean by
@@ -53,6 +59,7 @@ log = logging.getLogger("slurmresume")
 
 SUBDIR = "failsave"
 STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchrun kills after 30 s)
+FINISH_WAIT_S = 5.0  # how long a survivor past its optimizer step may take to reach its ckpt.step()
 EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
 EXIT_FAILED = 1  # a survivor's exit code after the failure save (torchrun reports the run failed)
 
@@ -75,11 +82,17 @@ class FailureGuard:
         self.dir.mkdir(mode=0o700, exist_ok=True)
         self._lock = threading.Lock()
         self._frozen = threading.Event()
+        self._reported = threading.Event()  # this rank's status is out: nothing more is published
         self._boundary: int | None = None
         self._dirty = False
         self._state: Mapping[str, Any] | None = None
         self._layout: stepsnap.Layout | None = None
-        self._slots = [os.open(self.dir / f"snap-{rank}-{slot}", os.O_RDWR | os.O_CREAT, 0o600) for slot in (0, 1)]
+        self._slots = [os.open(self.dir / f"snap-{rank}-{slot}", os.O_RDWR | os.O_CREAT, 0o600)
+                       for slot in ("0", "1", "tail")]
+        self._meta: Any = None
+        self._last_ddp: dict[str, str] | None = None
+        self._tail: dict[str, str] | None = None  # digests of this step's tail capture
+        self._tail_changed: set[str] = set()
         self._ddp_layout: dict[str, str] | None = None
         self._failing: threading.Thread | None = None
         self._watcher: Watcher | None = None
@@ -93,7 +106,7 @@ class FailureGuard:
         """Every rank, at the start of `ckpt.step(step)`: (once) the replicated set, then this
         rank's snapshot of `step`. Blocks for good once a peer died (the process exits from the
         failure-save thread)."""
-        if self._frozen.is_set():
+        if self._reported.is_set() or (self._frozen.is_set() and self._layout is None):
             self._block()
         if self._layout is None:  # collective, once: every rank's first step()
             layout = ddp.capture(ddp_buckets) if ddp_buckets else {}
@@ -103,13 +116,18 @@ class FailureGuard:
             replicated = {n for n in replicated_across(group, tensors, skeleton.get("dtensors"))
                           if not n.startswith(LIBRARY_PREFIX)}
             self._layout = stepsnap.Layout.learn(state, replicated)
-        data = stepsnap.capture(step, state, self._layout, self._ddp_layouts(ddp_buckets), metrics, meta)
+        self._last_ddp = self._ddp_layouts(ddp_buckets)
+        cap = stepsnap.collect(step, state, self._layout, self._last_ddp, metrics, meta)
+        if self._tail is not None:
+            self._tail_changed |= stepsnap.changed(self._tail, cap.digests)
+            self._tail = None
+        data = cap.encode(tail_changed=sorted(self._tail_changed))
         with self._lock:
-            frozen = self._frozen.is_set()
-            if not frozen:
+            # frozen but not yet reported: this survivor finishes the step it was in (see on_death)
+            if not self._reported.is_set():
                 stepsnap.publish(self._slots[step % 2], data)
-                self._boundary, self._dirty, self._state = step, False, state
-        if frozen:
+                self._boundary, self._dirty, self._state, self._meta = step, False, state, meta
+        if self._frozen.is_set():
             self._block()
         self._watch()
 
@@ -126,6 +144,17 @@ class FailureGuard:
         return self._ddp_layout or {}
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """torch.optim's global pre-hook, before any optimizer step: the first one after a
+        boundary publishes this rank's tail snapshot, then marks the rank dirty."""
+        if self._frozen.is_set():
+            self._block()
+        if not self._dirty and self._layout is not None and self._state is not None and self._boundary is not None:
+            cap = stepsnap.collect(self._boundary, self._state, self._layout, self._last_ddp, None, self._meta)
+            data = cap.encode(tail_of=self._boundary)
+            with self._lock:
+                if not self._frozen.is_set():
+                    stepsnap.publish(self._slots[2], data)
+            self._tail = cap.digests
         with self._lock:
             frozen = self._frozen.is_set()
             if not frozen:
@@ -174,9 +203,8 @@ class FailureGuard:
         self._failing = threading.current_thread()
         began = time.time()
         try:
-            with self._lock:
-                self._frozen.set()
-                me = Status(self.rank, self._boundary, not self._dirty)
+            self._frozen.set()
+            me = self._finish_step()
             write_status(self.dir, me)
             statuses, dead = self._gather(dead)
             snaps = {r: _snapshots(self.dir, r) for r in range(self.world)}
@@ -189,6 +217,18 @@ class FailureGuard:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(EXIT_FAILED)
+
+    def _finish_step(self) -> Status:
+        """This survivor's status, once it stands still: clean at its last boundary, or dirty (an
+        optimizer step ran and the training thread did not reach its `ckpt.step()` within
+        FINISH_WAIT_S: a collective after the optimizer step, a very slow step)."""
+        deadline = time.monotonic() + FINISH_WAIT_S
+        while True:
+            with self._lock:
+                if not self._dirty or time.monotonic() > deadline:
+                    self._reported.set()
+                    return Status(self.rank, self._boundary, not self._dirty)
+            time.sleep(0.01)
 
     def _gather(self, dead: set[int]) -> tuple[dict[int, Status], set[int]]:
         deadline = time.monotonic() + STATUS_WAIT_S
@@ -205,7 +245,7 @@ class FailureGuard:
         if p.ok and p.writer == self.rank:
             assert p.step is not None
             try:
-                outcome = self._write(p.step)
+                outcome = self._write(p.step, dict(p.spliced))
             except Exception as exc:  # noqa: BLE001 - a failure save that fails is reported, never raised
                 outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             seconds = round(time.time() - began, 3)
@@ -227,7 +267,7 @@ class FailureGuard:
             try_append_event(self.root, EV_FAILURE_SAVE, step=None, committed=False, dead=sorted(dead),
                              missing=list(p.refused), run_id=os.environ.get(ENV_RUN_ID))
 
-    def _write(self, step: int) -> dict[str, Any]:
+    def _write(self, step: int, spliced: Mapping[int, frozenset[str]]) -> dict[str, Any]:
         """Every rank's shard of `step`, then the commit; returns commit's outcome."""
         from ..checkpoint.nodefile import layout_from_env
 
@@ -240,6 +280,12 @@ class FailureGuard:
         if any(t.device.type != "cpu" for _, t in live):
             return {"ok": False, "error": "tensors on a GPU: the failure save is written from CPU tensors only"}
         snaps = [stepsnap.read(self.dir / f"snap-{r}-{step % 2}") for r in range(self.world)]
+        donor = snaps[self.rank]
+        for r, pieces in spliced.items():  # died after its optimizer step: its tail + our pieces
+            tail = stepsnap.read(self.dir / f"snap-{r}-tail")
+            if tail is None or tail.get("tail_of") is None or donor is None or donor["step"] != step:
+                return {"ok": False, "error": f"rank {r}'s tail snapshot is gone"}
+            snaps[r] = stepsnap.splice(tail, donor, pieces)
         shards = []
         for r, snap in enumerate(snaps):
             if snap is None or snap["step"] != step:
@@ -281,8 +327,9 @@ def failure_guard(group: Any, root: Path) -> FailureGuard | None:
 
 def _snapshots(directory: Path, rank: int) -> list[Snapshot]:
     out = []
-    for slot in (0, 1):
+    for slot in ("0", "1", "tail"):
         snap = stepsnap.read(directory / f"snap-{rank}-{slot}")
         if snap is not None:
-            out.append(Snapshot(rank, snap["step"], tuple(snap.get("missing") or ())))
+            out.append(Snapshot(rank, snap["step"], tuple(snap.get("missing") or ()), snap.get("tail_of"),
+                                snap.get("digests") or {}, frozenset(snap.get("tail_changed") or ())))
     return out

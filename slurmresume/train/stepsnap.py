@@ -82,9 +82,48 @@ class _Blob:
         return [self.size - len(data), len(data)]
 
 
+@dataclass
+class Captured:
+    """One rank's small state at one moment, before it is encoded: `digests` names every piece
+    ("entry:<key>", "rng", "tensor:<name>") by an xxh3 of its bytes, so that two captures (the
+    tail of a step and its boundary, or two ranks' boundaries) are compared piece by piece."""
+
+    step: int
+    entries: dict[str, Any]
+    tensors: dict[str, list[Any]]
+    missing: list[str]
+    rng: dict[str, Any]
+    ddp: dict[str, str] | None
+    metrics: Any
+    meta: Any
+    blob: _Blob
+    digests: dict[str, str]
+    texts: dict[str, str]  # each entry's JSON, dumped once (for its digest and for the record)
+
+    def encode(self, **extra: Any) -> list[bytes]:
+        """The record `publish` writes: header, JSON, raw bytes. `extra`: "tail_of" (a tail
+        snapshot: the boundary it follows) or "tail_changed" (a boundary's pieces that ever
+        changed between an optimizer step and the boundary after it, on this rank)."""
+        rest = dumps({"step": self.step, "rng": self.rng, "ddp": self.ddp or None, "metrics": encode(self.metrics),
+                      "meta": encode(self.meta), "tensors": self.tensors, "missing": self.missing,
+                      "digests": self.digests, **extra})
+        entries = ",".join(f"{dumps(k)}:{t}" for k, t in self.texts.items())
+        text = f'{{"entries":{{{entries}}},{rest[1:]}'.encode()
+        digest = xxhash.xxh3_64(text)
+        for part in self.blob.parts:
+            digest.update(part)
+        return [HEADER.pack(len(text), self.blob.size, digest.intdigest()), text, *self.blob.parts]
+
+
 def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
             metrics: Any, meta: Any) -> list[bytes]:
     """The training thread, at `ckpt.step(step)`: this rank's snapshot, ready to `publish`."""
+    return collect(step, state, layout, ddp_layout, metrics, meta).encode()
+
+
+def collect(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
+            metrics: Any, meta: Any) -> Captured:
+    """This rank's small state now, with a digest per piece (see `Captured`)."""
     own: dict[str, Any] = {}
     if layout.cheap:
         entries = _cheap_entries(state, layout, own)
@@ -93,6 +132,8 @@ def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dic
         entries = skeleton["entries"]
         own = {n: t for n, t in flat if n not in layout.replicated}
     blob = _Blob()
+    texts = {key: dumps(entry) for key, entry in entries.items()}
+    digests = {f"entry:{key}": _xxh(text.encode()) for key, text in texts.items()}
     tensors: dict[str, list[Any]] = {}
     missing: list[str] = []
     size = 0
@@ -101,27 +142,82 @@ def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dic
         if t.device.type != "cpu" or size > PUBLISH_MAX_BYTES:
             missing.append(name)
         else:
-            tensors[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), *blob.add(_raw(t))]
+            raw = _raw(t)
+            tensors[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), *blob.add(raw)]
+            digests[f"tensor:{name}"] = _xxh(raw)
+    first = len(blob.parts)
     rng_raw = _rng_raw(blob)
-    text = dumps({"step": step, "entries": entries, "rng": rng_raw, "ddp": ddp_layout or None,
-                  "metrics": encode(metrics), "meta": encode(meta), "tensors": tensors,
-                  "missing": missing}).encode()
-    digest = xxhash.xxh3_64(text)
-    for part in blob.parts:
-        digest.update(part)
-    return [HEADER.pack(len(text), blob.size, digest.intdigest()), text, *blob.parts]
+    digests["rng"] = _xxh(b"".join(blob.parts[first:]))
+    return Captured(step, entries, tensors, missing, rng_raw, ddp_layout, metrics, meta, blob, digests, texts)
+
+
+def changed(tail: Mapping[str, str], boundary: Mapping[str, str]) -> set[str]:
+    """Pure: the pieces whose bytes differ between a step's tail capture and its boundary (a
+    piece only one of them has counts as changed)."""
+    return {p for p in set(tail) | set(boundary) if tail.get(p) != boundary.get(p)}
+
+
+def splice(base: dict[str, Any], donor: dict[str, Any], pieces: set[str] | frozenset[str]) -> dict[str, Any]:
+    """Pure: a dead rank's snapshot at the donor's step, made of its tail snapshot (`base`, taken
+    at its last optimizer step) with `pieces` taken from a survivor's boundary snapshot (`donor`)
+    instead: the pieces that change after an optimizer step and are the same on every rank
+    (`survivors.plan` decided which). The donor's raw bytes are appended to the base's."""
+    shift = len(base["blob"])
+    out = {k: v for k, v in base.items() if k not in ("tail_of", "blob")}
+    out.update(step=donor["step"], metrics=donor.get("metrics"), meta=donor.get("meta"),
+               blob=base["blob"] + donor["blob"])
+    entries = dict(base["entries"])
+    tensors = dict(base["tensors"])
+    for piece in pieces:
+        kind, _, name = piece.partition(":")
+        if kind == "entry":
+            if name in donor["entries"]:
+                entries[name] = donor["entries"][name]
+            else:
+                entries.pop(name, None)
+        elif kind == "tensor":
+            if name in donor["tensors"]:
+                d, shape, at, size = donor["tensors"][name]
+                tensors[name] = [d, shape, at + shift, size]
+            else:
+                tensors.pop(name, None)
+        elif piece == "rng":
+            out["rng"] = _shift_rng(donor["rng"], shift)
+    out["entries"], out["tensors"] = entries, tensors
+    return out
+
+
+def _shift_rng(raw: dict[str, Any], shift: int) -> dict[str, Any]:
+    version, w_at, w_size, gauss = raw["python"]
+    name, k_at, k_size, *rest = raw["numpy"]
+    out = {"python": [version, w_at + shift, w_size, gauss], "numpy": [name, k_at + shift, k_size, *rest],
+           "torch_cpu": [raw["torch_cpu"][0] + shift, raw["torch_cpu"][1]]}
+    if "torch_cuda" in raw:
+        out["torch_cuda"] = [[at + shift, size] for at, size in raw["torch_cuda"]]
+    return out
+
+
+def _xxh(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 def read(path: Path) -> dict[str, Any] | None:
     """A published snapshot (its raw bytes under "blob"), or None when the slot is empty or torn."""
     try:
-        data = path.read_bytes()
+        return read_bytes(path.read_bytes())
+    except OSError:
+        return None
+
+
+def read_bytes(data: bytes) -> dict[str, Any] | None:
+    """`read` of a record already in memory."""
+    try:
         n_text, n_blob, digest = HEADER.unpack_from(data)
         body = data[HEADER.size:HEADER.size + n_text + n_blob]
         if len(body) != n_text + n_blob or xxhash.xxh3_64_intdigest(body) != digest:
             return None
         out = json.loads(body[:n_text])
-    except (OSError, struct.error, ValueError):
+    except (struct.error, ValueError):
         return None
     if not isinstance(out, dict) or not isinstance(out.get("step"), int):
         return None

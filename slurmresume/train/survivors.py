@@ -8,6 +8,15 @@ The rules:
 - `s` is covered when every rank, the dead included, published its small state (RNG, plain
   values, per-rank tensors) at `s`, and the tensors that are not replicated are all among what
   the snapshots carry (`missing` names those that are not).
+- A rank that died between its optimizer step and its `ckpt.step()` (after the step's gradient
+  all-reduce, so the survivors went on to `s`) never published `s`; it is still covered by its
+  *tail* snapshot (taken at that optimizer step, before it ran) when every piece that differs
+  between a tail and its boundary on that rank (`tail_changed`, gathered over the whole run: the
+  scheduler, the sampler's position, a value set after the step) is the same on every rank at the
+  boundary before and at `s` (then a survivor's copy at `s` is the dead rank's), and nothing else
+  changes: its RNG and per-rank values are those of its tail. The writer splices the two
+  (`stepsnap.splice`). A per-rank value set after the optimizer step (each rank's own loss) is
+  not recoverable: the step is refused, naming it.
 - The newest covered candidate wins; its writer is the lowest clean survivor at it. Nothing
   covered: refused, with every candidate's missing pieces named. Never two steps in one save.
 """
@@ -36,6 +45,9 @@ class Snapshot:
     rank: int
     step: int
     missing: tuple[str, ...] = ()
+    tail_of: int | None = None  # a tail snapshot: taken at the optimizer step after boundary `tail_of`
+    digests: Mapping[str, str] = field(default_factory=dict)  # piece -> xxh3 of its bytes
+    tail_changed: frozenset[str] = frozenset()  # pieces this rank ever changed after an optimizer step
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,7 @@ class Plan:
     step: int | None
     writer: int | None
     refused: tuple[str, ...] = field(default_factory=tuple)
+    spliced: tuple[tuple[int, frozenset[str]], ...] = ()  # (rank, pieces from the writer's snapshot)
 
     @property
     def ok(self) -> bool:
@@ -71,9 +84,9 @@ def plan(world: int, dead: set[int], statuses: Mapping[int, Status],
             dirty.append(f"rank {st.rank} ran an optimizer step after step {st.boundary}")
     reasons: list[str] = []
     for step in sorted(holders, reverse=True):
-        missing = _missing(world, step, snapshots)
+        missing, spliced = _cover(world, step, snapshots)
         if not missing:
-            return Plan(step, min(holders[step]))
+            return Plan(step, min(holders[step]), spliced=tuple(sorted(spliced.items())))
         reasons.append(f"step {step}: {'; '.join(missing)}")
     if not holders:
         reasons.append("no survivor holds the tensors of a step boundary"
@@ -81,15 +94,58 @@ def plan(world: int, dead: set[int], statuses: Mapping[int, Status],
     return Plan(None, None, tuple(reasons))
 
 
-def _missing(world: int, step: int, snapshots: Mapping[int, list[Snapshot]]) -> list[str]:
-    out = []
+def _cover(world: int, step: int, snapshots: Mapping[int, list[Snapshot]]
+           ) -> tuple[list[str], dict[int, frozenset[str]]]:
+    """What no snapshot covers at `step`, and the ranks covered by their tail (with the pieces
+    the writer's snapshot supplies)."""
+    out: list[str] = []
+    spliced: dict[int, frozenset[str]] = {}
     for rank in range(world):
-        snap = next((s for s in snapshots.get(rank, ()) if s.step == step), None)
+        mine = snapshots.get(rank, ())
+        snap = next((s for s in mine if s.step == step and s.tail_of is None), None)
         if snap is None:
-            have = sorted(s.step for s in snapshots.get(rank, ()))
-            out.append(f"rank {rank}'s RNG and plain values at step {step} (published: {have or 'none'})")
-        elif snap.missing:
+            why, tail, pieces = _by_tail(rank, step, snapshots)
+            if tail is None:
+                out.append(why)
+                continue
+            snap, spliced[rank] = tail, pieces
+        if snap.missing:
             out.append(f"rank {rank}'s per-rank tensors {', '.join(snap.missing[:4])}"
                        + (f" and {len(snap.missing) - 4} more" if len(snap.missing) > 4 else "")
                        + " (not replicated, too large to publish)")
-    return out
+    return out, spliced
+
+
+def _by_tail(rank: int, step: int, snapshots: Mapping[int, list[Snapshot]]
+             ) -> tuple[str, Snapshot | None, frozenset[str]]:
+    """`rank`'s tail snapshot and the pieces to take from a survivor's `step`, or why not."""
+    mine = snapshots.get(rank, ())
+    bounds = {s.step: s for s in mine if s.tail_of is None}
+    why = f"rank {rank}'s RNG and plain values at step {step} (published: {sorted(bounds) or 'none'})"
+    base = bounds.get(max(bounds)) if bounds else None
+    tail = next((s for s in mine if s.tail_of is not None), None)
+    if base is None or tail is None or tail.tail_of != base.step or base.step >= step:
+        return why, None, frozenset()
+    # `step` must be the boundary right after the tail's: a rank whose last two are exactly these
+    if not any({s.step for s in snaps if s.tail_of is None} == {base.step, step} for snaps in snapshots.values()):
+        return why + f" (step {step} is not the boundary after its last optimizer step)", None, frozenset()
+    at_step = [s for snaps in snapshots.values() for s in snaps if s.step == step and s.tail_of is None]
+    new_keys = {p for s in at_step for p in s.digests} ^ set(tail.digests)
+    pieces = frozenset(base.tail_changed | new_keys)
+    at_base = [s for snaps in snapshots.values() for s in snaps if s.step == base.step and s.tail_of is None]
+    differ = [p for p in sorted(pieces) if not (_same(p, at_step) and _same(p, at_base))]
+    if differ:
+        return (f"rank {rank}'s {', '.join(_piece_name(p) for p in differ[:4])} at step {step} "
+                "(set after its optimizer step, and not the same on every rank)"), None, frozenset()
+    return "", tail, pieces
+
+
+def _same(piece: str, snaps: list[Snapshot]) -> bool:
+    """The piece has one digest on every one of `snaps` (at least one)."""
+    values = {s.digests.get(piece) for s in snaps}
+    return bool(snaps) and len(values) == 1 and None not in values
+
+
+def _piece_name(piece: str) -> str:
+    kind, _, name = piece.partition(":")
+    return {"entry": f"value '{name}'", "tensor": f"tensor {name}"}.get(kind, "RNG")
