@@ -535,3 +535,36 @@ def test_a_restore_whose_mirror_pull_moves_bytes_is_alive(tmp_path: Path) -> Non
     hang = watch.poll(t + 2.7, [os.getpid()])
     assert hang is not None and hang.phase == "restore"
     beat.close()
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_killed_first_and_the_others_save_its_step(tmp_path: Path) -> None:
+    """Issue 47, item 3. Rank 1 stops before step 12's collective (first run only); rank 0 waits
+    for it there. After the stacks, the launcher SIGKILLs rank 1 alone: rank 0, at its boundary
+    11 like rank 1, makes the failure-time save of step 11 and exits; the run restarts in the
+    allocation from step 11 (no periodic save exists: the old kill of the whole tree restarted
+    from step 0) and finishes."""
+    proc = _local(tmp_path, ["30", "0.05"], {"HANG_ON": "0:1:12"}, "floor_s=1.5, startup_s=60, save_floor_s=10")
+    out = _finish(proc, timeout=300)
+    assert proc.returncode == 0, out
+    ev = _events(tmp_path / "ckpt")
+    hangs = [e for e in ev if e["event"] == "hang"]
+    assert [(h["ranks"], h["step"]) for h in hangs] == [([1], 11)], out
+    assert (tmp_path / "ckpt" / "logs").exists() and Path(hangs[0]["dump_dir"], "rank-1.txt").exists()
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert [(e["step"], e["committed"], e["dead"]) for e in saves] == [(11, True, [1])], out
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [11]
+    assert [e.get("action") for e in ev if e["event"] == "run_ended"] == ["retry", "finish"]
+    assert any(e["event"] == "finished" and e["step"] == 30 for e in ev)
+
+
+def test_failsave_victims() -> None:
+    from slurmresume.job.hang import Hang, failsave_victims
+
+    def hang(ranks: tuple[int, ...], states: int) -> Hang:
+        return Hang(ranks, "step", 11, 5.0, 2.0, 0.0, {r: {} for r in range(states)})
+
+    assert failsave_victims(hang((1,), 3), {0, 1, 2}) == (1,)  # the suspect alone; the others wait in a collective
+    assert failsave_victims(hang((0, 1, 2), 3), {0, 1, 2}) == (2,)  # every rank stopped at one step: one goes
+    assert failsave_victims(hang((1,), 3), {0, 1}) == ()  # rank 2 has no failure guard: kill the run as before
+    assert failsave_victims(hang((), 3), {0, 1, 2}) == ()

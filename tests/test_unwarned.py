@@ -126,9 +126,11 @@ def test_plan_refuses_a_tail_it_cannot_complete(changed: set[str], snaps: dict |
     assert not got.ok and says in " | ".join(got.refused), got.refused
 
 
-def test_splice_rebuilds_what_the_dead_ranks_own_boundary_would_hold() -> None:
+@pytest.mark.parametrize("skip", [frozenset(), frozenset({"optimizer", "scheduler", "sampler"})])
+def test_splice_rebuilds_what_the_dead_ranks_own_boundary_would_hold(skip: frozenset[str]) -> None:
     """A rank's tail (taken before its optimizer step) spliced with another rank's boundary for the
-    pieces that changed after the step rebuilds exactly the rank's own boundary snapshot."""
+    pieces that changed after the step rebuilds exactly the rank's own boundary snapshot; also when
+    the tail left out the keys already known to change after an optimizer step (`skip`)."""
     import torch
 
     from slurmresume.checkpoint.state import flatten
@@ -145,7 +147,7 @@ def test_splice_rebuilds_what_the_dead_ranks_own_boundary_would_hold() -> None:
         return out
 
     torch.manual_seed(11)
-    tail = stepsnap.collect(7, state, layout, None, None, None)
+    tail = stepsnap.collect(7, state, layout, None, None, None, skip=skip)
     state["optimizer"].step(), state["scheduler"].step(), state["sampler"].advance(4)  # after the step
     own = stepsnap.collect(8, state, layout, None, {"loss": 1.0}, None)  # what the rank would publish
     changed = stepsnap.changed(tail.digests, own.digests)

@@ -223,3 +223,18 @@ def stragglers(medians: dict[int, float], samples: dict[int, int]) -> list[int]:
         if med > (1 + STRAGGLER_MARGIN) * others:
             out.append(rank)
     return out
+
+
+def failsave_victims(hang: Hang, guarded: set[int]) -> tuple[int, ...]:
+    """Pure: the ranks to SIGKILL first so that the others make the failure-time save of their last
+    boundary before the run is killed (issue 47, item 3), or () when no failure save can follow
+    (a rank of this node without the failure guard: several nodes, an old library). The suspects
+    go (the ranks past them only wait for them); when every rank is a suspect (the stuck one and
+    those waiting for it in a collective all stop at one step), only the highest goes: any rank
+    still alive whose failure-save thread can run takes part, and its tensors are at that step."""
+    ranks = set(hang.ranks_state) | set(hang.ranks)
+    if not hang.ranks or not ranks <= guarded:
+        return ()
+    if set(hang.ranks) == ranks:
+        return (max(hang.ranks),)
+    return tuple(sorted(hang.ranks))

@@ -35,6 +35,7 @@ from ..checkpoint.store import newest_committed
 from ..contract import (
     ENV_DUMP_SIGNAL,
     ENV_NONCE,
+    FAILSAVE_SUBDIR,
     read_hang,
     read_mirror_behind,
     read_outcome,
@@ -53,7 +54,7 @@ from ..train.signals import parse_signal
 from .decision import RunResult as RunResult
 from .decision import decide as decide
 from .guardian import Guardian, kill_tree
-from .hang import Hang
+from .hang import Hang, failsave_victims
 from .jobclock import JobClock as JobClock
 from .relay import Relay as Relay
 from .relay import worker_pids as worker_pids
@@ -62,6 +63,7 @@ log = logging.getLogger("slurmresume")
 
 POLL_S = 0.1  # the relay loop's period: hang watch, heartbeat summary, re-sends
 KILL_REAP_S = 30.0  # the longest the launcher waits for torchrun to exit after a hang kill
+FAILSAVE_GRACE_S = 40.0  # after killing the hung rank: the others' failure save (status wait, write, exit)
 RELAY_EVERY = 1.0  # seconds between re-sends while workers have not acted (start-up race)
 
 
@@ -213,8 +215,43 @@ def _handle_hang(hang: Hang, watch: HangWatch, agent: int, tree: dict[int, int],
     except (OSError, ValueError) as exc:
         log.warning("could not write the hang record of run %s: %s", run_id, exc)
     killed = time.time()
+    _failure_save_first(hang, watch, agent, tree, run_id)
     kill_tree(tree)
     return killed
+
+
+def _failure_save_first(hang: Hang, watch: HangWatch, agent: int, tree: dict[int, int], run_id: str) -> None:
+    """Before the whole tree goes: SIGKILL the hung rank(s) alone (`failsave_victims`), so that the
+    others, which stand at their last boundary, make the failure-time save and exit by themselves
+    (train/failsave.py; torchrun stops once they have). At most FAILSAVE_GRACE_S."""
+    directory = watch.directory
+    if directory is None:
+        return
+    guarded = {int(p.stem.removeprefix("pid-")) for p in (directory / FAILSAVE_SUBDIR).glob("pid-*.json")
+               if p.stem.removeprefix("pid-").isdigit()}
+    victims = failsave_victims(hang, guarded)
+    pids = {r: rec.pid for r in victims if (rec := watch.records.get(r)) is not None}
+    if not victims or len(pids) != len(victims):
+        return
+    log.warning("hang: killing rank(s) %s first, so the others save step %d before the run is killed",
+                list(victims), hang.step)
+    for pid in pids.values():
+        known = {pid: start_ticks(pid) or 0}
+        kill_tree(known)
+    deadline = time.monotonic() + FAILSAVE_GRACE_S
+    while time.monotonic() < deadline and _alive(agent):
+        time.sleep(0.1)
+    if _alive(agent):
+        log.warning("run %s: the ranks did not end %.0f s after the hung rank was killed: killing the run",
+                    run_id, FAILSAVE_GRACE_S)
+
+
+def _alive(pid: int) -> bool:
+    """The agent (our child) has not exited yet; a zombie has exited (it is reaped by `_reap`)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _classify_stop(relay: Relay, clock: JobClock | None, root: Path, run_id: str) -> str | None:

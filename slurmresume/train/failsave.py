@@ -1,7 +1,8 @@
 """The failure-time save: when a rank of this node dies without warning (SIGKILL, an OOM kill), the
 ranks still alive commit the last step boundary they hold, without any collective with the dead
 (DESIGN.md section 10). Only under the node launcher, with every rank on this node (the
-launcher's node-local heartbeat directory holds what is published); CPU tensors only.
+launcher's node-local heartbeat directory holds what is published). Replicated tensors on a GPU:
+the NCCL communicator is aborted and they are copied on a side stream (train/failgpu.py).
 
 At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's agreement):
   - the first call learns which tensors are replicated (the same MAX reductions a save uses,
@@ -49,15 +50,15 @@ from typing import Any, cast
 from ..checkpoint import commit as _commit
 from ..checkpoint.replicas import LIBRARY_PREFIX, replicated_across
 from ..checkpoint.state import flatten, referenced
-from ..contract import ENV_HEARTBEAT_DIR, ENV_RUN_ID
+from ..contract import ENV_HEARTBEAT_DIR, ENV_RUN_ID, FAILSAVE_SUBDIR
 from ..events import EV_FAILURE_SAVE, EV_SAVE_COMMITTED, try_append_event
-from . import ddp, rng, stepsnap
+from . import ddp, failgpu, rng, stepsnap
 from .peers import Watcher, mark_done, peers, publish_pid, read_status, write_status
 from .survivors import Plan, Snapshot, Status, plan
 
 log = logging.getLogger("slurmresume")
 
-SUBDIR = "failsave"
+SUBDIR = FAILSAVE_SUBDIR
 STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchrun kills after 30 s)
 FINISH_WAIT_S = 5.0  # how long a survivor past its optimizer step may take to reach its ckpt.step()
 EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
@@ -91,6 +92,7 @@ class FailureGuard:
                        for slot in ("0", "1", "tail")]
         self._meta: Any = None
         self._last_ddp: dict[str, str] | None = None
+        self._group: Any = None
         self._tail: dict[str, str] | None = None  # digests of this step's tail capture
         self._tail_changed: set[str] = set()
         self._ddp_layout: dict[str, str] | None = None
@@ -127,6 +129,7 @@ class FailureGuard:
             if not self._reported.is_set():
                 stepsnap.publish(self._slots[step % 2], data)
                 self._boundary, self._dirty, self._state, self._meta = step, False, state, meta
+                self._group = group
         if self._frozen.is_set():
             self._block()
         self._watch()
@@ -149,7 +152,9 @@ class FailureGuard:
         if self._frozen.is_set():
             self._block()
         if not self._dirty and self._layout is not None and self._state is not None and self._boundary is not None:
-            cap = stepsnap.collect(self._boundary, self._state, self._layout, self._last_ddp, None, self._meta)
+            known = frozenset(p[6:] for p in self._tail_changed if p.startswith("entry:"))
+            cap = stepsnap.collect(self._boundary, self._state, self._layout, self._last_ddp, None, self._meta,
+                                   skip=known)
             data = cap.encode(tail_of=self._boundary)
             with self._lock:
                 if not self._frozen.is_set():
@@ -277,8 +282,9 @@ class FailureGuard:
         replicated = self._layout.replicated
         live_skeleton, live_tensors = flatten(self._state, {})
         live = [(n, t) for n, t in live_tensors if n in replicated]
-        if any(t.device.type != "cpu" for _, t in live):
-            return {"ok": False, "error": "tensors on a GPU: the failure save is written from CPU tensors only"}
+        if failgpu.on_gpu(live):  # stuck in an NCCL collective: abort it, copy on a side stream
+            failgpu.release(getattr(self._group, "pg", None))
+            live = failgpu.to_host(live)
         snaps = [stepsnap.read(self.dir / f"snap-{r}-{step % 2}") for r in range(self.world)]
         donor = snaps[self.rank]
         for r, pieces in spliced.items():  # died after its optimizer step: its tail + our pieces

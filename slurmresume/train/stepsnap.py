@@ -122,15 +122,17 @@ def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dic
 
 
 def collect(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
-            metrics: Any, meta: Any) -> Captured:
-    """This rank's small state now, with a digest per piece (see `Captured`)."""
+            metrics: Any, meta: Any, *, skip: frozenset[str] = frozenset()) -> Captured:
+    """This rank's small state now, with a digest per piece (see `Captured`). `skip`: state keys
+    left out (a tail snapshot leaves out what always changes after an optimizer step: the
+    writer takes those from its own boundary, and not encoding them halves the tail's cost)."""
     own: dict[str, Any] = {}
     if layout.cheap:
-        entries = _cheap_entries(state, layout, own)
+        entries = _cheap_entries(state, layout, own, skip)
     else:  # the save's own naming, every key (a tensor shared between keys, a GPU tensor: rare)
         skeleton, flat = flatten(state, {})
-        entries = skeleton["entries"]
-        own = {n: t for n, t in flat if n not in layout.replicated}
+        entries = {k: v for k, v in skeleton["entries"].items() if k not in skip}
+        own = {n: t for n, t in flat if n not in layout.replicated and n.split("/", 1)[0] not in skip}
     blob = _Blob()
     texts = {key: dumps(entry) for key, entry in entries.items()}
     digests = {f"entry:{key}": _xxh(text.encode()) for key, text in texts.items()}
@@ -248,8 +250,9 @@ def rebuild(snap: dict[str, Any], live_skeleton: dict[str, Any]) -> tuple[dict[s
 
 # -- parts -------------------------------------------------------------------------------------------
 
-def _cheap_entries(state: Mapping[str, Any], layout: Layout, own: dict[str, Any]) -> dict[str, Any]:
-    """This rank's entries without the parts that are replicas only, tensors named by path."""
+def _cheap_entries(state: Mapping[str, Any], layout: Layout, own: dict[str, Any],
+                   skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """This rank's entries without the parts that are replicas only (nor `skip`), tensors named by path."""
     def name(path: list[str], t: Any) -> str:
         n = "/".join(path)
         if n not in layout.replicated:
@@ -258,13 +261,13 @@ def _cheap_entries(state: Mapping[str, Any], layout: Layout, own: dict[str, Any]
 
     out = {}
     for key, obj in state.items():
-        if key in layout.static:
+        if key in layout.static or key in skip:
             continue
         if is_stateful(obj):
             value = as_stateful(obj).state_dict()
-            skip = layout.parts.get(key)
-            if skip and isinstance(value, dict):
-                value = {k: v for k, v in value.items() if k not in skip}
+            replicas = layout.parts.get(key)
+            if replicas and isinstance(value, dict):
+                value = {k: v for k, v in value.items() if k not in replicas}
             out[key] = {"kind": "stateful", "value": encode(value, name, [key])}
         else:
             out[key] = {"kind": "value", "value": encode(obj, name, [key])}
