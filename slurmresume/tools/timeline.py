@@ -98,6 +98,8 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
     for e in events:
         t, kind = _t(e) or 0.0, e.get("event")
         step = e.get("step") if isinstance(e.get("step"), int) else None
+        if kind == EV_RUN_ENDED and isinstance(e.get("last_step"), int):
+            step = e["last_step"]  # the launcher's: the furthest step its ranks' heartbeats reported
         if kind == EV_STARTED and e.get("node") not in (None, 0):
             continue  # every node's launcher logs its start: the first node's is the run's
         if kind == EV_STARTED:
