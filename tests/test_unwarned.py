@@ -261,6 +261,16 @@ def test_a_rank_sigkilled_without_warning_costs_at_most_one_step_and_the_job_end
     assert trained - saved <= 1, (trained, saved)  # steps repeated
     assert [e["action"] for e in ev if e["event"] == "run_ended"] == ["retry", "finish"]
     assert compare_checkpoints(reference, root / step_dir_name(30)) == []
+    # what `status` shows of it (#47.5): the same facts, from the event log alone
+    from slurmresume.cli.render_status import failure_text
+    from slurmresume.tools.status import compute_status
+
+    (f,) = compute_status(root).failures
+    assert (f["save"], f["save_step"], f["step"], f["resumed_from"]) == ("committed", saved, saved, saved), f
+    assert victim in f["dead"] and f["dead_steps"].get(str(victim)) == kill_step, f  # the launcher's view
+    assert f["repeated"] == trained - saved and f["to_first_step_s"] > 0, f
+    assert failure_text(f).startswith(f"failure at step {saved} (rank"), failure_text(f)
+    assert f"failure save committed step {saved}" in failure_text(f)
 
 
 @pytest.mark.slow

@@ -104,14 +104,16 @@ def unwarned_failures(events: list[dict[str, Any]]) -> list[Failure]:
             f.trained = _max(f.trained, _int(e.get("step")))
         elif kind == EV_RUN_ENDED:
             if e.get("outcome") in UNWARNED_OUTCOMES:
-                _ended(failure(rid, UNWARNED_OUTCOMES[e["outcome"]], t), e)
+                f = failure(rid, UNWARNED_OUTCOMES[e["outcome"]], t)
+                f.kind = UNWARNED_OUTCOMES[e["outcome"]]
+                _ended(f, e)
             for other in found:  # another run ended since: it was the restart, nothing later is ours
                 if rid is not None and other.run_id != rid and other._ended:
                     other._closed = True
         elif kind in (EV_RESTORED, EV_RESUMED):
-            f = _waiting(found, rid)
-            if f is not None:
-                _restarted(f, e, kind)
+            waiting = _waiting(found, rid)
+            if waiting is not None:
+                _restarted(waiting, e, kind)
     for f in found:
         f.trained = _max(f.trained, f.save_step, committed.get(f.run_id) if f.run_id is not None else None)
         if f.step is None:

@@ -10,8 +10,10 @@ retry starts a new run; flat until its first step), a dot per committed save, a 
 warning signal at the step the ranks agreed on, a vertical line per requeue, a cross per failure
 or hang, a grey band per interruption labelled with its measured down time (the warning, or the
 failure, to the first resumed step), a red band and label for the work a failure cost (the
-seconds and steps since the last commit, which the next run redid), and a title with the totals
-and their share of the wall time.
+seconds and steps since the last commit, which the next run redid), a diamond per unwarned
+failure at the step it happened, coloured by its failure save (green committed, orange refused
+or failed, grey none) and labelled with the steps repeated and the time to the first resumed step
+(failures.py), and a title with the totals and their share of the wall time.
 """
 
 from __future__ import annotations
