@@ -60,7 +60,7 @@ def committed_log(root: Path, t: float = T0) -> None:
     append_event(root, EV_FAILURE_SAVE, time=t + 30, run_id="j.0.0", step=25, committed=True, dead=[2], writer=0,
                  seconds=0.41, error=None)
     _failed(root, t + 31, "j.0.0", last_step=25, dead_steps={"2": 25})
-    _run(root, t + 32, "j.0.1", restored=25, resumed_s=3.2)
+    _run(root, t + 32, "j.0.1", restored=25, resumed_s=5.0)  # first step at t + 34.5: the death at t + 29.5
 
 
 def refused_log(root: Path, t: float = T0) -> None:
@@ -70,7 +70,7 @@ def refused_log(root: Path, t: float = T0) -> None:
     append_event(root, EV_FAILURE_SAVE, time=t + 30, run_id="j.0.0", step=None, committed=False, dead=[1],
                  missing=MISSING.split("; "))
     _failed(root, t + 31, "j.0.0", last_step=17, dead_steps={"1": 16})
-    _run(root, t + 32, "j.0.1", restored=10, resumed_s=4.1)
+    _run(root, t + 32, "j.0.1", restored=10, resumed_s=5.5)
 
 
 def unsaved_log(root: Path, t: float = T0, run: str = "j.0.0", restart: str = "j.0.1", restored: int = 30,
@@ -78,7 +78,7 @@ def unsaved_log(root: Path, t: float = T0, run: str = "j.0.0", restart: str = "j
     """No failure save at all (the guard was not active): the launcher's record alone."""
     _failed(root, t, run, last_step=37, dead_steps={"0": 37}, action=action)
     if action == "retry":
-        _run(root, t + 1, restart, restored=restored, resumed_s=5.0)
+        _run(root, t + 1, restart, restored=restored, resumed_s=4.0)  # the death at t - 0.5
 
 
 def _finish(root: Path, t: float, run_id: str) -> None:
@@ -105,13 +105,15 @@ def test_a_committed_failure_save_shows_its_step_no_repeated_step_and_the_time_t
     _finish(root, T0 + 60, "j.0.1")
     text, data = _status(root)
     assert ("failure at step 25 (rank 2 died): failure save committed step 25 (rank 0, 0.41 s); resumed from "
-            "step 25: 0 steps repeated, first step 3.2 s after the failure") in text, text
+            "step 25: 0 steps repeated, first step 5.0 s after the failure") in text, text
     (f,) = data["failures"]
     assert (f["kind"], f["step"], f["dead"], f["save"], f["save_step"], f["save_writer"]) == (
         "failed", 25, [2], "committed", 25, 0)
     assert (f["resumed_from"], f["trained"], f["repeated"], f["action"]) == (25, 25, 0, "retry")
-    assert f["to_first_step_s"] == pytest.approx(3.2)
-    assert f["at"] == pytest.approx(T0 + 34.5 - 3.2)  # the launcher's clock of the death
+    assert f["to_first_step_s"] == pytest.approx(5.0)
+    assert f["at"] == pytest.approx(T0 + 29.5)  # the launcher's clock of the death
+    # the same in the headline: down from the death to the first step; the commit came after the death
+    assert "interruptions: down 5.0s, work lost 0.0s: " in text
 
 
 def test_a_refused_failure_save_names_the_missing_pieces_and_the_steps_trained_again(tmp_path: Path) -> None:
@@ -119,8 +121,8 @@ def test_a_refused_failure_save_names_the_missing_pieces_and_the_steps_trained_a
     refused_log(root)
     text, data = _status(root)
     assert (f"failure at step 16 (rank 1 died): failure save refused: missing {MISSING}; resumed from step 10: "
-            "7 steps repeated, first step 4.1 s after the failure") in text, text
-    assert "work lost 26.0s (7 steps)" in text  # the launcher's last step, no longer estimated from the speed
+            "7 steps repeated, first step 5.5 s after the failure") in text, text
+    assert "work lost 24.0s (7 steps)" in text  # to the death; steps: the launcher's, not estimated
     (f,) = data["failures"]
     assert (f["save"], f["save_step"], f["missing"], f["dead_steps"]) == ("refused", None, MISSING.split("; "),
                                                                           {"1": 16})
@@ -133,7 +135,7 @@ def test_a_failure_with_no_failure_save_is_shown_from_the_launchers_record(tmp_p
     unsaved_log(root, T0 + 40)
     text, data = _status(root)
     assert ("failure at step 37 (rank 0 died): no failure save; resumed from step 30: 7 steps repeated, "
-            "first step 5.0 s after the failure") in text, text
+            "first step 4.0 s after the failure") in text, text
     (f,) = data["failures"]
     assert (f["save"], f["step"], f["dead"], f["repeated"]) == ("none", 37, [0], 7)
 
@@ -159,7 +161,7 @@ def test_two_failures_each_with_its_own_restart(tmp_path: Path) -> None:
     assert "failure at step 37 (rank 0 died): no failure save; resumed from step 25: 12 steps repeated" in text
     assert [(f["run_id"], f["save"], f["resumed_from"], f["repeated"]) for f in data["failures"]] == [
         ("j.0.0", "committed", 25, 0), ("j.0.1", "none", 25, 12)]
-    assert [f["to_first_step_s"] for f in data["failures"]] == pytest.approx([3.2, 5.0])
+    assert [f["to_first_step_s"] for f in data["failures"]] == pytest.approx([5.0, 4.0])
 
 
 def test_no_failure_no_section(tmp_path: Path) -> None:
@@ -189,8 +191,10 @@ def test_the_plot_marks_each_failure_with_its_failure_save_and_cost(tmp_path: Pa
         assert [(s, c) for _, s, c in diamonds] == [(25, "green"), (37, "grey")]
         assert [x for x, _, _ in diamonds] == pytest.approx([31.0, 60.0])  # on each failed run's end
         texts = [t.get_text() for t in ax.texts]
-        assert "failure save: step 25 committed\n0 steps repeated, first step after 3.2s" in texts
-        assert "no failure save\n12 steps repeated, first step after 5.0s" in texts
+        assert "failure save: step 25 committed\n0 steps repeated, first step after 5.0s" in texts
+        assert "no failure save\n12 steps repeated, first step after 4.0s" in texts
+        assert [t for t in texts if t.startswith("down")] == ["down\n5.0s", "down\n4.0s"]  # from each death
+        assert "failed: lost 0.0s" not in texts  # run 1 reached step 25 and committed it: nothing lost
     finally:
         plt.close(fig)
     out = tmp_path / "run.png"

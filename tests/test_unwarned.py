@@ -289,4 +289,10 @@ def test_survivors_past_their_optimizer_step_never_commit_a_failure_save(tmp_pat
     assert not (root / step_dir_name(kill_at - 1)).exists() and not (root / step_dir_name(kill_at)).exists()
     assert [e["step"] for e in ev if e["event"] == "restored"] == [10]
     assert compare_checkpoints(reference, root / step_dir_name(30)) == []
+    from slurmresume.cli.render_status import failure_text
+    from slurmresume.tools.status import compute_status
+
+    (f,) = compute_status(root).failures  # what `status` shows (#47.5): refused, why, what it cost
+    assert (f["save"], f["step"], f["resumed_from"], f["repeated"]) == ("refused", kill_at - 1, 10, kill_at - 11), f
+    assert "failure save refused: missing " in failure_text(f) and "resumed from step 10" in failure_text(f)
     assert os.listdir(root)  # noqa: S101 - the root is still there (a fallback never deletes)
