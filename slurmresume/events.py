@@ -28,7 +28,7 @@ from .identity import start_ticks
 # -- the vocabulary: one name per kind of event, as written on disk ---------------------------
 # the node launcher (job/node.py, job/launcher.py)
 EV_STARTED = "started"  # a run began (every node's launcher logs it; node 0's is the run's)
-EV_RUN_ENDED = "run_ended"  # a run ended: its outcome, the launcher's action and why
+EV_RUN_ENDED = "run_ended"  # a run ended: its outcome, the launcher's action and why, how far its ranks got
 EV_REQUEUED = "requeued"  # the job was requeued (scontrol requeue worked), or a local rerun
 EV_REQUEUE_FAILED = "requeue_failed"  # every `scontrol requeue` attempt failed before the deadline
 EV_FINISHED = "finished"  # the job ended: the run finished (or the mirror stayed behind)

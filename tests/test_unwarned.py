@@ -353,6 +353,16 @@ def test_a_rank_sigkilled_without_warning_costs_at_most_one_step_and_the_job_end
     assert trained - saved <= 1, (trained, saved)  # steps repeated
     assert [e["action"] for e in ev if e["event"] == "run_ended"] == ["retry", "finish"]
     assert compare_checkpoints(reference, root / step_dir_name(30)) == []
+    # what `status` shows of it (#47.5): the same facts, from the event log alone
+    from slurmresume.cli.render_status import failure_text
+    from slurmresume.tools.status import compute_status
+
+    (f,) = compute_status(root).failures
+    assert (f["save"], f["save_step"], f["step"], f["resumed_from"]) == ("committed", saved, saved, saved), f
+    assert victim in f["dead"] and f["dead_steps"].get(str(victim)) == kill_step, f  # the launcher's view
+    assert f["repeated"] == trained - saved and f["to_first_step_s"] > 0, f
+    assert failure_text(f).startswith(f"failure at step {saved} (rank"), failure_text(f)
+    assert f"failure save committed step {saved}" in failure_text(f)
 
 
 @pytest.mark.slow
@@ -394,4 +404,10 @@ def test_survivors_past_their_optimizer_step_never_commit_a_failure_save(tmp_pat
     assert not (root / step_dir_name(kill_at - 1)).exists() and not (root / step_dir_name(kill_at)).exists()
     assert [e["step"] for e in ev if e["event"] == "restored"] == [10]
     assert compare_checkpoints(reference, root / step_dir_name(30)) == []
+    from slurmresume.cli.render_status import failure_text
+    from slurmresume.tools.status import compute_status
+
+    (f,) = compute_status(root).failures  # what `status` shows (#47.5): refused, why, what it cost
+    assert (f["save"], f["step"], f["resumed_from"], f["repeated"]) == ("refused", kill_at - 1, 10, kill_at - 11), f
+    assert "failure save refused: missing " in failure_text(f) and "resumed from step 10" in failure_text(f)
     assert os.listdir(root)  # noqa: S101 - the root is still there (a fallback never deletes)

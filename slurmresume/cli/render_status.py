@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..duration import format_duration
+from ..tools.failures import NOT_RESTARTED
 from ..tools.status import Status
 from ..train.breakdown import describe as describe_breakdown
 from .render_base import console, event_details, metrics_text, size, when
@@ -86,6 +87,57 @@ def writer_line(st: Status) -> Text | None:
     return Text(text, style="dim")
 
 
+FAILURES_SHOWN = 5  # the newest unwarned failures on the screen; --json has them all
+
+
+def failure_lines(st: Status) -> list[Text]:
+    """One line per unwarned failure (the newest FAILURES_SHOWN): where it happened, what the
+    survivors' failure save did, and what it cost the restart. None without a failure."""
+    shown = st.failures[-FAILURES_SHOWN:]
+    out = [Text(f"unwarned failures: {len(st.failures)} (the newest {len(shown)} below; "
+                "all in status --json)" if len(shown) < len(st.failures) else
+                f"unwarned failures: {len(st.failures)}", style="bold")] if shown else []
+    for f in shown:
+        ok = f["save"] == "committed" and (f["repeated"] or 0) <= 1
+        out.append(Text(f"  {failure_text(f)}", style="" if ok else "yellow"))
+    return out
+
+
+def failure_text(f: dict[str, Any]) -> str:
+    """'failure at step 25 (rank 2 died): failure save committed step 25 (rank 0, 0.41 s); resumed
+    from step 25: 0 steps repeated, first step 3.2 s after the failure'."""
+    what = "hang" if f["kind"] == "hang" else "failure"
+    head = f"{what} at step {f['step']}" if f["step"] is not None else f"{what} (step not known)"
+    dead = f["dead"]
+    if dead:
+        ranks = ", ".join(map(str, dead))
+        head += f" (rank{'s' if len(dead) > 1 else ''} {ranks} {'hung' if what == 'hang' else 'died'}"
+        lasts = {s for s in f["dead_steps"].values()}
+        head += (f", last at step {lasts.pop()})" if len(lasts) == 1 and f["step"] not in lasts else ")")
+    if f["save"] == "committed":
+        save = f"failure save committed step {f['save_step']}" + (
+            f" (rank {f['save_writer']}, {f['save_s']:.2f} s)" if f["save_s"] is not None else "")
+    elif f["save"] == "refused":
+        save = "failure save refused: missing " + "; ".join(f["missing"])
+    elif f["save"] == "failed":
+        save = f"failure save of step {f['save_step']} failed: {f['error']}"
+    else:
+        save = "no failure save"
+    return f"{head}: {save}; {_restart_text(f)}"
+
+
+def _restart_text(f: dict[str, Any]) -> str:
+    repeated = "" if f["repeated"] is None else f"{f['repeated']} step{'' if f['repeated'] == 1 else 's'} repeated"
+    if f["to_first_step_s"] is not None:
+        return (f"resumed from step {f['resumed_from']}: " + (f"{repeated}, " if repeated else "")
+                + f"first step {f['to_first_step_s']:.1f} s after the failure")
+    if f["action"] in NOT_RESTARTED:
+        return f"not restarted ({f['action'].replace('_', ' ')})"
+    if f["resumed_from"] is not None:
+        return f"restored step {f['resumed_from']} ({repeated}), no step since"
+    return "not resumed yet"
+
+
 def status_view(st: Status, limit: int = 20, height: int | None = None) -> RenderableType:
     """The whole status screen as one renderable (also what `--watch` refreshes): the headline,
     problems, the checkpoints, then the save interval and the history. With `height` (watch),
@@ -101,6 +153,7 @@ def status_view(st: Status, limit: int = 20, height: int | None = None) -> Rende
         notes.append(Text(st.slurm["note"], style="dim"))
     parts += notes
     parts += [line for line in (lead_line(st), writer_line(st), mirror_line(st)) if line is not None]
+    parts += failure_lines(st)
     if height is not None:  # one line each, so that the budget below holds
         for part in parts:
             if isinstance(part, Text):

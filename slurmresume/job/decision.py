@@ -24,6 +24,10 @@ class RunResult:
     ended_at: float | None = None  # time.time() of the first death seen, the hang kill, or torchrun's exit
     # rank 0's record that close() left the last committed step off the mirror (exit 78): (step, why)
     mirror_behind: tuple[int | None, str] | None = None
+    # the hang watch's view, for `status` (never for a decision): the furthest step boundary this
+    # node's ranks reported, and the ranks that died first with their last step boundary
+    last_step: int | None = None
+    dead_steps: tuple[tuple[int, int], ...] = ()
 
     @property
     def progressed(self) -> bool:

@@ -137,6 +137,7 @@ class HangWatch:
         self.resumed_logged = False
         self.seen_pids: set[int] = set()
         self.death_at: float | None = None  # time.time() a worker vanished while torchrun still ran
+        self.dead_steps: dict[int, int] = {}  # the ranks that vanished first: their last heartbeat step
         self._published: float | None = None
 
     def refresh(self, now: float | None = None) -> None:
@@ -163,6 +164,8 @@ class HangWatch:
         self.refresh(now)
         if self.death_at is None and self.seen_pids - current:
             self.death_at = time.time()
+            gone = {self.rank_pids[p] for p in self.seen_pids - current if p in self.rank_pids}
+            self.dead_steps = {r: rec.step for r in sorted(gone) if (rec := self.records.get(r)) is not None}
         self.seen_pids |= current
         self.live = current
         if self.recovering is not None and self.resumed is None:
@@ -176,6 +179,12 @@ class HangWatch:
         if any(rec is not None and rec.phase in (SAVE, RESTORE) for rec in alive.values()):
             self._sample_io(now)
         return judge(alive, now, self.budgets, self.save_cost_s, frozenset(self.unwatched), self.io_at)
+
+    def last_step(self) -> int | None:
+        """The furthest step boundary any of this node's ranks reported (its heartbeats): what the
+        run had trained when it ended, for the `run_ended` event (None: no rank reported one)."""
+        steps = [rec.step for rec in self.records.values() if rec is not None and rec.step >= 0]
+        return max(steps, default=None)
 
     def _sample_io(self, now: float) -> None:
         """Every IO_SAMPLE_S while a rank saves or restores: the bytes of the root's saves and

@@ -163,7 +163,9 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
     behind = read_mirror_behind(root, run_id, env.get(ENV_NONCE, "")) if rc not in (None, 0) else None
     return RunResult(rc if rc is not None else -1, read_outcome(root, run_id, env.get(ENV_NONCE, "")), latest_before, _latest_step(root),
                      warned=warn in relay.pending, stop=stop, hang=hang, ended_at=ended_at,
-                     mirror_behind=(behind.get("step"), str(behind.get("error") or "?")) if behind else None)
+                     mirror_behind=(behind.get("step"), str(behind.get("error") or "?")) if behind else None,
+                     last_step=watch.last_step() if watch is not None else None,
+                     dead_steps=tuple(sorted(watch.dead_steps.items())) if watch is not None else ())
 
 
 def _reap(proc: subprocess.Popen[bytes], run_id: str) -> int:

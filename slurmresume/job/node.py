@@ -300,9 +300,12 @@ def _record(root: Path, result: RunResult, action: str, reason: str, run_id: str
             restart: int, first_node: bool, nonce: str) -> None:
     if not first_node and action == "stop":
         return
+    # for `status` (tools/failures.py): how far the ranks got, and who died first at which step
+    dead = {str(r): s for r, s in result.dead_steps} if result.kind == "failed" and result.dead_steps else None
     try_append_event(root, EV_RUN_ENDED, run_id=run_id, job_key=job_key, restart=restart, outcome=result.kind,
                      returncode=result.returncode, saved_step=result.saved_step, latest=result.latest_after,
-                     progressed=result.progressed, lost_steps=result.lost_steps, action=action, reason=reason)
+                     progressed=result.progressed, lost_steps=result.lost_steps, action=action, reason=reason,
+                     last_step=result.last_step, dead_steps=dead)
     try:
         write_last_run(root, LastRun(job_key, run_id, result.kind, action, result.progressed, result.latest_after,
                                      result.lost_steps, nonce))

@@ -10,8 +10,10 @@ retry starts a new run; flat until its first step), a dot per committed save, a 
 warning signal at the step the ranks agreed on, a vertical line per requeue, a cross per failure
 or hang, a grey band per interruption labelled with its measured down time (the warning, or the
 failure, to the first resumed step), a red band and label for the work a failure cost (the
-seconds and steps since the last commit, which the next run redid), and a title with the totals
-and their share of the wall time.
+seconds and steps since the last commit, which the next run redid), a diamond per unwarned
+failure at the step it happened, coloured by its failure save (green committed, orange refused
+or failed, grey none) and labelled with the steps repeated and the time to the first resumed step
+(failures.py), and a title with the totals and their share of the wall time.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..events import read_events
+from .failures import Failure, unwarned_failures
 from .timeline import (
     Run,
     Timeline,
@@ -82,6 +85,9 @@ def render_timeline(events: list[dict[str, Any]], now: float | None = None, sour
     mark_lost(tl)
     fig, ax = plt.subplots(figsize=(11, 5.5), dpi=110)
     _draw(ax, tl, now)
+    failures = unwarned_failures(events)
+    if failures:
+        _draw_failures(ax, tl, failures)
     fig.tight_layout()
     return fig
 
@@ -136,6 +142,41 @@ def _draw(ax: Any, tl: Timeline, now: float | None) -> None:
     ax.set_ylim(-0.02 * top, top * 1.12)
     ax.grid(alpha=0.3)
     ax.set_title(title(tl, now, rate), fontsize=11)
+
+
+SAVE_COLOUR = {"committed": "green", "refused": "darkorange", "failed": "darkorange", "none": "grey"}
+
+
+def failure_label(f: Failure) -> str:
+    """What a failure's diamond says: the failure save, the steps repeated, the time to step again."""
+    save = {"committed": f"failure save: step {f.save_step} committed", "refused": "failure save refused",
+            "failed": "failure save failed", "none": "no failure save"}[f.save]
+    cost = [f"{f.repeated} step{'' if f.repeated == 1 else 's'} repeated"] if f.repeated is not None else []
+    if f.to_first_step_s is not None:
+        cost.append(f"first step after {secs(f.to_first_step_s)}")
+    return save + ("\n" + ", ".join(cost) if cost else "")
+
+
+def _draw_failures(ax: Any, tl: Timeline, failures: list[Failure]) -> None:
+    """A diamond per unwarned failure at the step it happened, coloured by its failure save
+    (green: committed; orange: refused or failed; grey: none), labelled with what it cost. It
+    sits on the failed run's end (its cross), the nearest in time."""
+    unit = _scale(tl)[0]
+    ends = [r.end for r in tl.runs if r.end is not None and r.end_kind in ("failed", "hang")]
+    for f in failures:
+        if f.step is None:
+            continue
+        t = min(ends, key=lambda e: abs(e - f.at)) if ends else f.at
+        ax.plot((t - tl.t0) / unit, f.step, marker="D", color=SAVE_COLOUR[f.save], ms=9, mec="black", zorder=6)
+        ax.annotate(failure_label(f), ((t - tl.t0) / unit, f.step), xytext=(8, -30), textcoords="offset points",
+                    color="darkgreen" if f.save == "committed" else "saddlebrown", fontsize=8)
+    from matplotlib.lines import Line2D
+
+    legend = ax.get_legend()
+    handles = list(legend.legend_handles) if legend is not None else []
+    handles.append(Line2D([], [], marker="D", ls="", color="green", mec="black", ms=7,
+                          label="unwarned failure: failure save (green committed, orange refused, grey none)"))
+    ax.legend(handles=handles, loc="upper left", fontsize=8, framealpha=0.9)
 
 
 def title(tl: Timeline, now: float | None, rate: float | None) -> str:

@@ -47,6 +47,15 @@
                    lost_estimated, ongoing}], down_s, lost_s, wall_s (first start to the newest event,
                    or now while running or down), fraction ((down + lost) / wall), summary (the
                    headline's words)}
+    failures      only when the log has one: each unwarned failure, oldest first (tools/failures.py):
+                  [{run_id, kind: "failed"|"hang", at, step (where: the survivors' boundary, else the dead
+                   ranks' last, else the furthest step reported; null: not known), dead: [rank],
+                   dead_steps: {rank: last step}, trained (the furthest step before the failure),
+                   save: "committed"|"refused"|"failed"|"none" (the failure save), save_step, save_writer,
+                   save_s, missing: [piece] (refused), error (failed), action (the launcher's: retry,
+                   requeue, give_up...), resumed_from (the step the next run restored; 0: fresh),
+                   repeated (trained - resumed_from), to_first_step_s (the failure to the next run's
+                   first step; null: not resumed yet)}]
     mirror        null (no mirror in the log, or --no-mirror-check), or the bucket asked now: {url,
                    newest_local, newest_in_bucket, uploads_in_flight, last_error (the log's last
                    mirror_failed/mirror_behind), behind (bool; null: not asked), error (the bucket
@@ -70,6 +79,7 @@ from ..events import EV_HANG, EV_REQUEUED, read_events
 from ..job.leadtime import LeadReport, lead_report
 from ..slurm import parse_sacct, parse_squeue
 from ..train.policy import interval_summary
+from .failures import unwarned_failures
 from .health import judge
 from .status_judge import judge_health
 from .status_judge import leftover_warnings as leftover_warnings
@@ -134,6 +144,7 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
     status.lead = _lead(events, rows)
     status.writer = writer_summary(root, events)
     status.preemption_cost = cost_summary(events, now)
+    status.failures = [f.to_json() for f in unwarned_failures(events)]
     judge_health(status, root, events)
     if mirror_check:
         status.mirror = ask_mirror(events, rows, now, status.problems, status.warnings)

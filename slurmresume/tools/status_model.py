@@ -66,6 +66,7 @@ class Status:
     writer: dict[str, Any] | None = None
     preemption_cost: dict[str, Any] | None = None
     mirror: dict[str, Any] | None = None  # the bucket, asked now (mirror_check): newest there, in flight, lag
+    failures: list[dict[str, Any]] = field(default_factory=list)  # each unwarned failure (tools/failures.py)
 
     @property
     def health(self) -> str:
@@ -79,6 +80,8 @@ class Status:
             del data["interval"]
         if not data["omitted"]:
             del data["omitted"]
+        if not data["failures"]:
+            del data["failures"]
         return cast(dict[str, Any], plain_json({"schema": SCHEMA, "health": self.health, **data}))
 
 

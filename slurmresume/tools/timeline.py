@@ -3,8 +3,8 @@
 `build_timeline(events)` turns the event log into runs, each a list of (time, step) commits
 plus its warnings and what ended it. `preemption_cost(events)` says what each requeue or
 failure cost: its down time, measured from the event log's timestamps (the first warning event
-of a run, `signal_forwarded` / `signal_agreed`, or the end of a failed run, to the next run's
-first step: the launcher's `resumed` event, else its `restored` event, else its first commit),
+of a run, `signal_forwarded` / `signal_agreed`, or the end of a failed run (the death itself where
+the restart's `resumed` event gives the launcher's clock of it), to the next run's first step: the launcher's `resumed` event, else its `restored` event, else its first commit),
 the work the next run had to redo (for a failure, a hang or a warning whose save failed: the
 seconds and steps since the last commit), their totals and their share of the wall time.
 `status` shows it in its headline and --json; `status --plot` (plot.py) draws it.
@@ -54,6 +54,9 @@ class Run:
     lost_steps: int = 0
     lost_estimated: bool = False  # lost_steps from the rate (no event names the step the run reached)
     reached: int | None = None  # the furthest step any event of this run names
+    reached_logged: bool = False  # the launcher logged how far the ranks got (run_ended.last_step)
+    run_id: str | None = None  # the launcher's (its `started` event)
+    failure_at: float | None = None  # a restart's: when the previous run's failure was seen (launcher's clock)
     resumed_at: float | None = None  # this run's first step (a restart's end of down time)
     resumed_exact: bool = False  # resumed_at is from the launcher's `resumed` event, not a proxy
     save_failed: bool = False  # warned, but the emergency save did not commit
@@ -98,10 +101,15 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
     for e in events:
         t, kind = _t(e) or 0.0, e.get("event")
         step = e.get("step") if isinstance(e.get("step"), int) else None
+        if kind == EV_RUN_ENDED and isinstance(e.get("last_step"), int) and cur is not None \
+                and e.get("run_id") in (None, cur.run_id):  # another node's word on the run before: not ours
+            step = e["last_step"]  # the launcher's: the furthest step its ranks' heartbeats reported
+            cur.reached_logged = True
         if kind == EV_STARTED and e.get("node") not in (None, 0):
             continue  # every node's launcher logs its start: the first node's is the run's
         if kind == EV_STARTED:
             cur = Run(t, runs[-1].last[1] if runs and runs[-1].end_kind != "failed" else _restart_step(runs))
+            cur.run_id = e.get("run_id") if isinstance(e.get("run_id"), str) else None
             runs.append(cur)
         elif cur is None:
             if kind == EV_SAVE_COMMITTED and step is not None:  # a library-only run: no launcher events
@@ -119,6 +127,10 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             at = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else t
             cur.resumed_at = min(at, cur.resumed_at) if cur.resumed_exact and cur.resumed_at else at
             cur.resumed_exact = True
+            secs = e.get("seconds")
+            if e.get("cause") in ("failure", "hang") and isinstance(secs, (int, float)) and not isinstance(secs, bool):
+                died = at - secs  # the launcher's clock of the death (or the hang's kill) it restarted after
+                cur.failure_at = min(died, cur.failure_at) if cur.failure_at is not None else died
         elif kind == EV_EMERGENCY_SAVE_FAILED:
             cur.save_failed = True
         elif kind == EV_SAVE_COMMITTED and step is not None:
@@ -177,14 +189,17 @@ def _end(run: Run, t: float, kind: str) -> None:
 
 def mark_lost(tl: Timeline) -> None:
     """Work the next run redid: from the last commit to the end of a run no save covered (a
-    failure, a hang, a warning whose save failed). Steps are the furthest step an event of the
-    run names, else estimated from the speed."""
+    failure, a hang, a warning whose save failed), or to the death itself when the launcher logged
+    it (a failure save commits after the death: nothing lost). Steps are the furthest step the
+    launcher or an event of the run names, else estimated from the speed."""
     rate = tl.rate()
-    for r in tl.runs:
+    for i, r in enumerate(tl.runs):
         if r.end is not None and (r.end_kind in ("failed", "hang") or r.save_failed):
-            r.lost_s = max(0.0, r.end - r.last[0])
-            if r.reached is not None and r.reached > r.last[1]:
-                r.lost_steps = r.reached - r.last[1]
+            nxt = tl.runs[i + 1] if i + 1 < len(tl.runs) and not r.terminal else None
+            end = min(r.end, nxt.failure_at) if nxt is not None and nxt.failure_at is not None else r.end
+            r.lost_s = max(0.0, end - r.last[0])
+            if r.reached is not None and (r.reached > r.last[1] or r.reached_logged):
+                r.lost_steps = max(0, r.reached - r.last[1])
             else:
                 r.lost_steps, r.lost_estimated = (int(r.lost_s * rate), True) if rate else (0, False)
 
@@ -235,6 +250,8 @@ def interruptions(tl: Timeline, now: float | None = None) -> list[Interruption]:
         nxt = tl.runs[i + 1] if i + 1 < len(tl.runs) else None
         warned = r.end_kind == "preempt" and bool(r.warnings)
         at, step = (r.warnings[0] if warned else (r.end, r.last[1]))
+        if not warned and nxt is not None and nxt.failure_at is not None and not r.terminal:
+            at = min(at, nxt.failure_at)  # the death itself, before the survivors' save and the exit
         resumed = nxt.resumed_at if nxt is not None and not r.terminal else None
         waiting = not r.terminal and resumed is None and now is not None and (
             (nxt is None and r.end_kind == "preempt") or (nxt is not None and nxt is tl.runs[-1] and nxt.end is None))
