@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -268,3 +269,25 @@ def prune_records(root: Path, job_key: str, now: float) -> int:
         except OSError:
             pass
     return removed
+
+
+# -- signals: the warning signal's name (submit, the launcher, every rank) and the stack-dump signal --
+
+def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
+    """`USR1`, `SIGUSR1`, `10` or a Signals member -> Signals; ValueError on anything else."""
+    if isinstance(name, signal.Signals):
+        return name
+    if isinstance(name, int) or (isinstance(name, str) and name.isdigit()):
+        return signal.Signals(int(name))
+    key = name.upper()
+    key = key if key.startswith("SIG") else f"SIG{key}"
+    try:
+        return signal.Signals[key]
+    except KeyError:
+        raise ValueError(f"unknown signal {name!r}: use a name like USR1 or SIGUSR2") from None
+
+
+def dump_signal(warning: signal.Signals) -> signal.Signals:
+    """The signal the launcher sends for a stack dump: SIGUSR2, or SIGUSR1 when the warning signal
+    is USR2 (the warning must keep meaning 'save now')."""
+    return signal.SIGUSR1 if warning == signal.SIGUSR2 else signal.SIGUSR2

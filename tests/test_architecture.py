@@ -151,3 +151,14 @@ def f(e):
     assert sorted(found) == sorted(repr(n) for n in ["save_committed", "finished", "started", "held", "hang",
                                                       "gave_up", "stopped", "run_ended", "restored",
                                                       "mirror_uploaded", "hang"]), found
+
+
+def test_job_imports_nothing_from_train() -> None:
+    """Issue 48, item 3: the launcher side (job/) reads the formats it shares with the ranks from
+    base modules (beatfile.py: the heartbeat record; contract.py: signals, the failure-save
+    directory), never from the worker's package, deferred imports included."""
+    ig = _import_graph()
+    top, lazy, _, _ = ig.graph()
+    crossing = sorted(f"{m} -> {d}" for m in top if m.startswith("job.")
+                      for d in top[m] | lazy[m] if d == "train" or d.startswith("train."))
+    assert crossing == []

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..contract import parse_signal
 from ..errors import ConfigError
-from ..train.signals import parse_signal
 from .hang import HangBudgets, parse_hang_timeout
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")

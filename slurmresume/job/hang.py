@@ -36,8 +36,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from ..beatfile import BUSY, RESTORE, SAVE, STARTUP, STEP, Record
 from ..errors import ConfigError
-from ..train.heartbeat import BUSY, RESTORE, SAVE, STARTUP, STEP, Record
 
 STRAGGLER_MARGIN = 0.2  # a rank whose median step is 20% above the others' median is named
 STRAGGLER_MIN_SAMPLES = 20

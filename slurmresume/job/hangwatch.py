@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..beatfile import RESTORE, SAVE, SIZE, STEP, Record, scan, stacks_path
 from ..contract import RUNS_DIR
-from ..train.heartbeat import RESTORE, SAVE, SIZE, STEP, Record, scan, stacks_path
 from .hang import UNKNOWN, UNWATCHED, Hang, HangBudgets, budget, judge, percentile, restoring_io_s
 from .hbsweep import PREFIX, owner_tag, sweep
 

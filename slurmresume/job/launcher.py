@@ -36,6 +36,7 @@ from ..contract import (
     ENV_DUMP_SIGNAL,
     ENV_NONCE,
     FAILSAVE_SUBDIR,
+    parse_signal,
     read_hang,
     read_mirror_behind,
     read_outcome,
@@ -50,7 +51,6 @@ from ..events import (
     try_append_event,
 )
 from ..identity import start_ticks
-from ..train.signals import parse_signal
 from .decision import RunResult as RunResult
 from .decision import decide as decide
 from .guardian import Guardian, kill_tree

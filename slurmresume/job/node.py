@@ -27,6 +27,7 @@ from ..contract import (
     EXIT_MIRROR_BEHIND,
     LAUNCHER_EXIT_REQUEUED,
     LastRun,
+    dump_signal,
     prune_records,
     read_last_run,
     write_last_run,
@@ -47,7 +48,6 @@ from ..events import (
     process_started_at,
     try_append_event,
 )
-from ..train.heartbeat import dump_signal
 from .config import JobSpec
 from .guardian import Guardian
 from .hangwatch import HangWatch, heartbeat_dir

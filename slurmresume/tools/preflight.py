@@ -14,9 +14,9 @@ import signal as _signal
 from pathlib import Path
 
 from ..checkpoint.fsio import fs_type
+from ..contract import parse_signal
 from ..errors import ConfigError
 from ..job.config import JobSpec, slurm_time_seconds
-from ..train.signals import parse_signal
 from .doctor import FAIL, check_script, slurm_limit_minutes
 
 # Memory and single-host block file systems: another node never sees what is written there.

@@ -33,65 +33,68 @@ import contextlib
 import faulthandler
 import os
 import signal
-import struct
 import time
 from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from ..beatfile import (  # re-exported: this module was their home
+    BUSY as BUSY,
+)
+from ..beatfile import (
+    DONE as DONE,
+)
+from ..beatfile import (  # the record format, shared with the launcher (job/hang.py, job/hangwatch.py)
+    FORMAT_VERSION,
+    HEAD_STRUCT,
+    IO_MEASURE_MIN_BYTES,
+    MAGIC,
+    RING,
+    RING_STRUCT,
+    TAIL_STRUCT,
+)
+from ..beatfile import (
+    IO_KINDS as IO_KINDS,
+)
+from ..beatfile import (
+    PHASES as PHASES,
+)
+from ..beatfile import (
+    RESTORE as RESTORE,
+)
+from ..beatfile import (
+    SAVE as SAVE,
+)
+from ..beatfile import (
+    SIZE as SIZE,
+)
+from ..beatfile import (
+    STARTUP as STARTUP,
+)
+from ..beatfile import (
+    STEP as STEP,
+)
+from ..beatfile import (
+    Record as Record,
+)
+from ..beatfile import (
+    read_all as read_all,
+)
+from ..beatfile import (
+    read_record as read_record,
+)
+from ..beatfile import (
+    record_path as record_path,
+)
+from ..beatfile import (
+    scan as scan,
+)
+from ..beatfile import (
+    stacks_path as stacks_path,
+)
 from ..contract import ENV_DRILL_HANG, ENV_DUMP_SIGNAL, ENV_HEARTBEAT_DIR, ENV_RUN_ID
 from ..events import EV_MIRROR_DOWNLOADED
-
-STARTUP, STEP, SAVE, RESTORE, DONE, BUSY = "start-up", "step", "save", "restore", "done", "busy"
-PHASES = (STARTUP, STEP, SAVE, RESTORE, DONE, BUSY)  # the index is what the record stores
-RING = 256
-_MAGIC = b"SRHB"
-_VERSION = 3
-# magic, version, seq, pid, rank, phase, steps_seen, durations written (ring index = n % RING), step, time, phase_since,
-# longest_step, longest_save, wall, budget_s, expect_bytes, rate (time and phase_since: monotonic; wall: time.time(),
-# display only; rate: bytes/s, 0 when not measured)
-_HEAD = struct.Struct("<4sIQiiIIIqddddddqd")
-IO_MEASURE_MIN_BYTES = 64 << 20  # a smaller transfer's time is mostly fixed costs: not a throughput
-IO_KINDS = ("save", "restore", "pull")
-_RING = struct.Struct(f"<{RING}f")
-_TAIL = struct.Struct("<Q")
-SIZE = _HEAD.size + _RING.size + _TAIL.size
-
-
-def dump_signal(warning: signal.Signals) -> signal.Signals:
-    """The signal the launcher sends for a stack dump: SIGUSR2, or SIGUSR1 when the warning signal
-    is USR2 (the warning must keep meaning 'save now')."""
-    return signal.SIGUSR1 if warning == signal.SIGUSR2 else signal.SIGUSR2
-
-
-def record_path(directory: Path, rank: int) -> Path:
-    return Path(directory) / f"rank-{rank:05d}.hb"
-
-
-def stacks_path(directory: Path, rank: int) -> Path:
-    return Path(directory) / f"rank-{rank:05d}.stacks"
-
-
-@dataclass(frozen=True)
-class Record:
-    """One rank's last heartbeat, as the launcher reads it."""
-
-    pid: int
-    rank: int
-    phase: str
-    step: int  # the last step passed to ckpt.step() (-1: none yet)
-    time: float  # time.monotonic() of the last heartbeat (system-wide: the launcher's clock too)
-    phase_since: float  # when the current phase began (monotonic)
-    longest_step: float  # seconds, after the warm-up steps; 0: not measured yet
-    longest_save: float  # seconds, the longest save of this run (0: none yet)
-    steps_seen: int  # step() calls of this process
-    durations: tuple[float, ...]  # the last step durations (seconds), oldest first
-    wall: float = 0.0  # time.time() of the last heartbeat: for display only, never for an age
-    budget_s: float = 0.0  # the budget `ckpt.busy(..., budget_s=)` asked for (0: none)
-    expect_bytes: int = 0  # the bytes the save/restore/pull in progress has to move (0: not known)
-    rate: float = 0.0  # bytes/s this process measured for that kind of I/O (0: none measured yet)
 
 
 class Beat:
@@ -115,7 +118,7 @@ class Beat:
         self.longest_step = 0.0
         self.longest_save = 0.0
         self.steps_seen = 0
-        self.ring = array("f", bytes(_RING.size))  # written as is; the reader puts it in order
+        self.ring = array("f", bytes(RING_STRUCT.size))  # written as is; the reader puts it in order
         self.ring_len = 0
         self._stacks: IO[str] | None = None
         self._dump_sig: signal.Signals | None = None
@@ -184,10 +187,10 @@ class Beat:
         if self.failed:
             return
         self.seq += 1
-        data = (_HEAD.pack(_MAGIC, _VERSION, self.seq, os.getpid(), self.rank, PHASES.index(self.phase),
+        data = (HEAD_STRUCT.pack(MAGIC, FORMAT_VERSION, self.seq, os.getpid(), self.rank, PHASES.index(self.phase),
                            self.steps_seen, self.ring_len, self.step, self.last, self.phase_since, self.longest_step,
                            self.longest_save, time.time(), self.budget_s, self.expect_bytes, self.rate)
-                + self.ring.tobytes() + _TAIL.pack(self.seq))
+                + self.ring.tobytes() + TAIL_STRUCT.pack(self.seq))
         try:
             if os.pwrite(self.fd, data, 0) == len(data):
                 return
@@ -243,63 +246,6 @@ class Beat:
 
 
 _DUMPERS: list[Beat] = []  # the Beats that registered a stack dump, in order (the last one holds it)
-
-
-def read_record(path: Path) -> Record | None:
-    """The launcher. None when there is no record yet, or it is not one (torn twice, foreign)."""
-    for _ in range(2):
-        try:
-            with open(path, "rb") as f:
-                data = f.read(SIZE)
-        except OSError:
-            return None
-        if len(data) != SIZE:
-            continue
-        head = _HEAD.unpack_from(data, 0)
-        if head[0] != _MAGIC or head[2] != _TAIL.unpack_from(data, _HEAD.size + _RING.size)[0]:
-            continue
-        if head[1] != _VERSION:
-            return None
-        _, _, _, pid, rank, phase, steps_seen, n, step, t, since, longest, save, wall, asked, expect, rate = head
-        if phase >= len(PHASES):
-            return None
-        raw = _RING.unpack_from(data, _HEAD.size)
-        ring = tuple(raw[(n - min(n, RING) + i) % RING] for i in range(min(n, RING)))  # oldest first
-        return Record(pid, rank, PHASES[phase], step, t, since, longest, save, steps_seen, ring, wall, asked,
-                      expect, rate)
-    return None
-
-
-def read_all(directory: Path) -> dict[int, Record]:
-    """Every rank's record in `directory`, by global rank."""
-    return scan(directory)[0]
-
-
-def scan(directory: Path) -> tuple[dict[int, Record], set[int]]:
-    """(every rank's record in `directory` by global rank, the ranks whose record file is there
-    but empty: just created, or emptied by a rank whose writes failed)."""
-    out: dict[int, Record] = {}
-    empty: set[int] = set()
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return out, empty
-    for name in names:
-        if name.startswith("rank-") and name.endswith(".hb"):
-            path = Path(directory) / name
-            rec = read_record(path)
-            if rec is not None:
-                out[rec.rank] = rec
-            elif name[5:-3].isdigit() and _empty(path):
-                empty.add(int(name[5:-3]))
-    return out, empty
-
-
-def _empty(path: Path) -> bool:
-    try:
-        return path.stat().st_size == 0
-    except OSError:
-        return False
 
 
 def dump_signal_from_env() -> signal.Signals | None:

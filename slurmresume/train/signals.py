@@ -13,7 +13,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from ..contract import ENV_SIGNAL
+from ..contract import ENV_SIGNAL, parse_signal
 from ..contract import EXIT_PREEMPTED as EXIT_PREEMPTED  # re-exported (slurmresume.EXIT_PREEMPTED)
 from ..contract import EXIT_TERMINATED as EXIT_TERMINATED  # re-exported
 
@@ -21,20 +21,6 @@ log = logging.getLogger("slurmresume")
 
 NONE, TERMINATE, PREEMPT = 0, 1, 2  # ordered: the MAX over ranks is what everyone acts on
 
-
-
-def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
-    """`USR1`, `SIGUSR1`, `10` or a Signals member -> Signals; ValueError on anything else."""
-    if isinstance(name, signal.Signals):
-        return name
-    if isinstance(name, int) or (isinstance(name, str) and name.isdigit()):
-        return signal.Signals(int(name))
-    key = name.upper()
-    key = key if key.startswith("SIG") else f"SIG{key}"
-    try:
-        return signal.Signals[key]
-    except KeyError:
-        raise ValueError(f"unknown signal {name!r}: use a name like USR1 or SIGUSR2") from None
 
 
 def warning_signal_from_env() -> signal.Signals:
