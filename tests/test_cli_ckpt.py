@@ -282,6 +282,50 @@ def test_latest_with_only_incomplete_dirs(tmp_path):
     one_error_line(run("latest", "-d", tmp_path))
 
 
+def flip_a_byte(root: Path, step: int) -> Path:
+    shard = root / step_dir_name(step) / "rank-00000-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_verify_json_is_one_object_and_keeps_the_exit_code(tmp_path):
+    """`verify --json` (#48.6): every checked checkpoint with its problems, one JSON object on
+    stdout; a failing one still exits 1 with its `error:` line on stderr."""
+    save(tmp_path, 1, 2)
+    r = run("verify", "--all", "--json", "-d", tmp_path)
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    assert json.loads(r.stdout) == {"schema": "slurmresume.verify/1", "root": str(tmp_path), "ok": True, "checkpoints": [
+        {"step": s, "path": str(tmp_path / step_dir_name(s)), "ok": True, "unreadable": False, "problems": []}
+        for s in (2, 1)]}  # newest first, as the text report
+    shard = flip_a_byte(tmp_path, 2)
+    r = run("verify", "--json", "-d", tmp_path)
+    assert r.exit_code == 1 and r.stderr.startswith("error: 1 of 1 checkpoint(s) failed verification"), r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and [c["step"] for c in doc["checkpoints"]] == [2]
+    assert str(shard) in doc["checkpoints"][0]["problems"][0]
+
+
+def test_latest_json_names_the_step_and_what_verify_skipped(tmp_path):
+    """`latest --json` (#48.6): step and path; with --verify the newer steps it passed over; with
+    none, "path": null and exit 1 as without --json. The root also as -d, and positionally."""
+    save(tmp_path, 1, 2)
+    r = run("latest", "--json", "-d", tmp_path)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == {"schema": "slurmresume.latest/1", "root": str(tmp_path), "step": 2,
+                                    "path": str(tmp_path / step_dir_name(2)), "skipped": []}
+    assert run("latest", tmp_path).stdout == run("latest", "-d", tmp_path).stdout == f"{tmp_path / step_dir_name(2)}\n"
+    flip_a_byte(tmp_path, 2)
+    doc = json.loads(run("latest", "--json", "--verify", "-d", tmp_path).stdout)
+    assert doc["step"] == 1 and [s["path"] for s in doc["skipped"]] == [str(tmp_path / step_dir_name(2))]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = run("latest", "--json", "-d", empty)
+    assert r.exit_code == 1 and r.stderr.startswith("error: no complete checkpoint"), r.output
+    assert json.loads(r.stdout)["path"] is None
+
+
 # -- help -----------------------------------------------------------------------------------------
 
 def commands() -> dict:

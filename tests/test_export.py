@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,10 @@ def test_export_loads_into_model_bitwise(tmp_path: Path) -> None:
     fresh.load_state_dict(sd, strict=True)
     for k, v in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[k], v), k
+    res = CliRunner().invoke(app, ["export", "-d", str(tmp_path / "ck"), "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == {"schema": "slurmresume.export/1", "step": 3, "out": str(out.absolute()),
+                                      "tensors": len(sd), "bytes": out.stat().st_size}
 
 
 @pytest.mark.slow

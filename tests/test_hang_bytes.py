@@ -224,7 +224,7 @@ def test_hang_doc_and_submit_help_state_the_budgets_the_code_uses() -> None:
     for option, default in (("--hang-startup", b.startup_s), ("--hang-busy", b.busy_s), ("--hang-save", b.save_floor_s),
                             ("--hang-io-rate", b.io_rate_mbs)):
         block = flat[flat.index(f"{option} "):]
-        assert f"(default: {default:g})" in block[:700], (option, block[:700])
+        assert f"[default: {default:g}]" in block[:700], (option, block[:700])
     assert f"{b.multiple:g}x the longest step + {b.floor_s:g} s" in flat
     assert f"{b.io_factor:g}x the time its bytes take" in flat
 

@@ -235,7 +235,7 @@ def test_cli_roots(tmp_path):
 
 def test_cli_help():
     r = run("inspect", "--help")
-    assert r.exit_code == 0 and "STEP_OR_PATH" in r.stdout and "Example: slurmresume inspect" in r.stdout
+    assert r.exit_code == 0 and "STEP|PATH|URL" in r.stdout and "Example: slurmresume inspect" in r.stdout
 
 
 # -- bounded memory ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -50,6 +51,9 @@ def test_latest_on_a_bucket_skips_an_incomplete_newer_step(s3, tmp_path: Path) -
     empty = run("latest", "--ckpt-dir", unique_url())
     assert empty.exit_code == 1 and empty.stdout == ""
     assert empty.stderr.strip().startswith("error: no complete checkpoint under s3://")
+    doc = json.loads(run("latest", "--json", "-d", url).stdout)  # --json: the same answer, one object
+    assert doc == {"schema": "slurmresume.latest/1", "root": url, "step": 2, "path": f"{url}/{step_dir_name(2)}",
+                   "skipped": []}
 
 
 def test_verify_on_a_bucket_names_the_bad_shard(s3, tmp_path: Path) -> None:
@@ -66,6 +70,10 @@ def test_verify_on_a_bucket_names_the_bad_shard(s3, tmp_path: Path) -> None:
     assert bad.exit_code == 1
     assert f"s3://{loc.bucket}/{key} fails its checksum" in bad.stderr
     assert run("verify", "--ckpt-dir", url).exit_code == 0  # the newest (2) is fine
+    as_json = run("verify", "--all", "--json", "-d", url)
+    assert as_json.exit_code == 1 and f"s3://{loc.bucket}/{key} fails its checksum" in as_json.stderr
+    doc = json.loads(as_json.stdout)
+    assert doc["ok"] is False and [(c["step"], c["ok"]) for c in doc["checkpoints"]] == [(2, True), (1, False)]
 
 
 def test_prune_on_a_bucket_keeps_the_newest_and_the_step_being_uploaded(s3, tmp_path: Path) -> None:

@@ -35,11 +35,12 @@ def reflow(text: str) -> str:
 
 
 class _Command(typer.core.TyperCommand):
-    """Help as a terminal shows it: the docstring re-flowed to its width (`reflow`); each
-    option's default shown once (an option whose help says "(default: ...)" itself does not get
-    Typer's "[default: ...]" too); no `<bool>` type on a flag (it takes no value). And Rich reads
-    `[default: 1]` in a help string as a markup tag and drops it: escape the brackets of every
-    option's and argument's help once, here, instead of in each string."""
+    """Help as a terminal shows it: the docstring re-flowed to its width (`reflow`); every default
+    in one style, `[default: ...]`: a literal one as Typer prints it, a described one (an option
+    whose None means "the partition's", say) given as `show_default="the partition's"` and
+    printed the same way, not as Typer's `[default: (the partition's)]`; no `<bool>` type on a
+    flag (it takes no value). And Rich reads `[default: 1]` in a help string as a markup tag and
+    drops it: escape the brackets of every option's and argument's help once, here."""
 
     panels: dict[str, tuple[str, ...]] = {}
 
@@ -52,7 +53,10 @@ class _Command(typer.core.TyperCommand):
             if p.name in panel_of:
                 p.rich_help_panel = panel_of[p.name]  # type: ignore[attr-defined]
             text = getattr(p, "help", None)
-            if text and "(default:" in text:
+            described = getattr(p, "show_default", None)
+            if isinstance(described, str):
+                text = f"{text} [default: {described}]" if text else f"[default: {described}]"
+                p.help = text  # type: ignore[attr-defined]
                 p.show_default = False  # type: ignore[attr-defined]
             if getattr(p, "is_flag", False) and p.metavar is None:
                 p.metavar = ""  # Typer's rich help shows the metavar in place of the type

@@ -24,7 +24,7 @@ from ..errors import (
 )
 from .app import app, handle_errors
 from .options import CkptDir, JsonOut, Mode, ModeOpt, resolve_root, root_hint
-from .shared import confirm_delete, emit_json, prune_json
+from .shared import confirm_delete, emit_json, latest_json, prune_json, verify_json
 
 
 def is_s3_url(value: object) -> bool:
@@ -53,10 +53,10 @@ def status(
     ctx: typer.Context,
     ckpt_dir: CkptDir = None,
     job: Annotated[str | None, typer.Option(
-        "--job", "-j", metavar="ID", help="Slurm job id to show. Default: the newest job id in the event log.")] = None,
+        "--job", "-j", metavar="ID", help="Slurm job id to show.", show_default="the newest job id in the event log")] = None,
     best: Annotated[str | None, typer.Option(
         "--best", metavar="METRIC", help="Mark the checkpoint with the best value of METRIC "
-        "(a key of the metrics= you pass when saving, e.g. loss). [default: none]")] = None,
+        "(a key of the metrics= you pass when saving, e.g. loss).", show_default="none")] = None,
     mode: ModeOpt = Mode.min,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Also recompute every complete checkpoint's checksums (reads every shard).")] = False,
@@ -64,10 +64,11 @@ def status(
         "--limit", help="Show at most this many checkpoint rows (newest first; 0: all).")] = 20,
     as_json: JsonOut = False,
     watch: Annotated[str | None, typer.Option(
-        "--watch", metavar="SECONDS", help="Redraw every SECONDS (e.g. 10, 30s, 1m) until Ctrl-C. [default: print once]")] = None,
+        "--watch", metavar="SECONDS", help="Redraw every SECONDS (e.g. 10, 30s, 1m) until Ctrl-C.",
+        show_default="print once")] = None,
     plot: Annotated[Path | None, typer.Option(
         "--plot", metavar="FILE", help="Also draw the run's timeline (step over time, saves, warnings, requeues, "
-        "failures) into this picture: .png, .pdf, .svg, .jpg, .webp, .tif, .eps or .ps (no extension: FILE.png); needs matplotlib: pip install 'slurmresume[plot]'. [default: no picture]")] = None,
+        "failures) into this picture: .png, .pdf, .svg, .jpg, .webp, .tif, .eps or .ps (no extension: FILE.png); needs matplotlib: pip install 'slurmresume[plot]'.", show_default="no picture")] = None,
     mirror_check: Annotated[bool, typer.Option(
         "--mirror-check/--no-mirror-check", help="Ask the run's mirror (the s3:// URL in the event log) for its "
         "newest committed step and uploads in flight; a bucket behind the newest local step is AT RISK. Bounded "
@@ -138,13 +139,15 @@ def prune(
     keep: Annotated[int, typer.Option("--keep", metavar="N", help="Keep the N newest complete checkpoints "
                                       "(N >= 1). Incomplete directories never count.")],
     keep_every: Annotated[int | None, typer.Option(
-        "--keep-every", metavar="M", help="Also keep every complete step divisible by M (e.g. 1000). [default: off]")] = None,
+        "--keep-every", metavar="M", help="Also keep every complete step divisible by M (e.g. 1000).",
+        show_default="off")] = None,
     keep_best: Annotated[str | None, typer.Option(
-        "--keep-best", metavar="METRIC", help="Also keep the complete checkpoint with the best METRIC. [default: off]")] = None,
+        "--keep-best", metavar="METRIC", help="Also keep the complete checkpoint with the best METRIC.",
+        show_default="off")] = None,
     mode: ModeOpt = Mode.min,
     remove_incomplete_older_than: Annotated[str | None, typer.Option(
         "--remove-incomplete-older-than", metavar="DURATION", help="Also remove incomplete or corrupt "
-        "directories idle for DURATION (e.g. 12h, 2d). [default: leave them alone]")] = None,
+        "directories idle for DURATION (e.g. 12h, 2d).", show_default="leave them alone")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only print the plan; delete nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
     ckpt_dir: CkptDir = None,
@@ -193,15 +196,17 @@ def prune(
 @handle_errors
 def verify(
     target: Annotated[str | None, typer.Argument(
-        metavar="[STEP|URL]", help="Step to verify, or a bucket root or step URL (s3://bucket/run, "
-        "s3://bucket/run/step_000001200). Default: the newest complete checkpoint.")] = None,
+        metavar="STEP|URL", help="Step to verify ('latest': the newest complete one), or a bucket root or step URL "
+        "(s3://bucket/run, s3://bucket/run/step_000001200).", show_default="the newest complete checkpoint")] = None,
     every: Annotated[bool, typer.Option("--all", help="Verify every committed checkpoint.")] = False,
     ckpt_dir: CkptDir = None,
+    as_json: JsonOut = False,
 ) -> None:
     """Recompute shard checksums and compare them with the manifest.
 
     Exits 1 and names each bad file when a checkpoint fails (restore would then fall back to
-    the previous one). Reads every byte of the checked shards.
+    the previous one). Reads every byte of the checked shards. --json prints every checked
+    checkpoint and its problems; the exit code is the same.
     Example: slurmresume verify --all --ckpt-dir runs/exp1 (or: slurmresume verify s3://bucket/exp1)
     """
     from ..tools.status import verify_checkpoints
@@ -213,7 +218,7 @@ def verify(
         if ckpt_dir is not None:
             raise ConfigError(f"give the bucket once: {target} as the argument or --ckpt-dir, not both")
         loc, url_step = split_step_url(target)
-        s3_commands().verify(loc.url, url_step, every)
+        s3_commands().verify(loc.url, url_step, every, as_json=as_json)
         return
     if target == "latest":  # as inspect and export spell the newest complete checkpoint
         target = None
@@ -223,7 +228,7 @@ def verify(
         raise ConfigError(f"{target!r} is not a step number, latest, or an s3:// URL")
     step = int(target) if target is not None else None
     if is_s3_url(ckpt_dir):
-        s3_commands().verify(ckpt_dir, step, every)
+        s3_commands().verify(ckpt_dir, step, every, as_json=as_json)
         return
     root = resolve_root(ckpt_dir, "verify")
     if step is not None and step < 0:
@@ -232,7 +237,10 @@ def verify(
         raise ConfigError("give either a STEP or --all, not both")
     with _render.progress("verifying checkpoints") as bar:
         results = verify_checkpoints(root, step=step, every=every, progress=bar)
-    _render.print_verify(results)
+    if as_json:
+        emit_json(verify_json(root, results))
+    else:
+        _render.print_verify(results)
     bad = [p for r in results if not r.ok and not r.unreadable for p in r.problems]
     if bad:
         failed = sum(not r.ok and not r.unreadable for r in results)
@@ -246,21 +254,25 @@ def verify(
 @handle_errors
 def latest(
     root_arg: Annotated[str | None, typer.Argument(
-        metavar="[ROOT|URL]", help="The checkpoint root or bucket (s3://bucket/run), as --ckpt-dir. "
-        "Default: --ckpt-dir's default.")] = None,
+        metavar="ROOT|URL", help="The checkpoint root or bucket (s3://bucket/run), as -d/--ckpt-dir gives it "
+        "(the older spelling, kept for scripts).", show_default="-d/--ckpt-dir's default")] = None,
     ckpt_dir: CkptDir = None,
     verify: Annotated[bool, typer.Option(
         "--verify", help="Also recompute the checksums of each step it considers, newest first, and skip one that "
-        "fails (reads every byte of its shards). [default: off: no shard byte is read]")] = False,
+        "fails (reads every byte of its shards; without it no shard byte is read).")] = False,
+    as_json: JsonOut = False,
 ) -> None:
     """Print the path of the newest complete checkpoint (for scripts).
 
-    Prints nothing on stdout and exits 1 when there is none. Newer directories without a commit
-    marker, or whose manifest or file sizes are wrong, are skipped; without --verify it does not
-    read the shards, so a flipped bit inside one is not seen (restore and export check every byte
-    they read; `verify` finds it): pass --verify to skip such a step too. A newer step this version
-    cannot read (written by a newer slurmresume) is not skipped: it exits 1 naming it.
-    Example: cp -r "$(slurmresume latest --verify)" /archive/
+    Prints nothing on stdout and exits 1 when there is none (--json: its object with "path":
+    null, and exit 1). Newer directories without a commit marker, or whose manifest or file
+    sizes are wrong, are skipped; without --verify it does not read the shards, so a flipped bit
+    inside one is not seen (restore and export check every byte they read; `verify` finds it):
+    pass --verify to skip such a step too. A newer step this version cannot read (written by a
+    newer slurmresume) is not skipped: it exits 1 naming it. The root may also be given as an
+    argument (`slurmresume latest DIR`, as older scripts do); -d/--ckpt-dir is the spelling of
+    every command.
+    Example: cp -r "$(slurmresume latest --verify -d runs/exp1)" /archive/
     """
     from ..checkpoint.store import find_latest
 
@@ -271,15 +283,21 @@ def latest(
     if is_s3_url(ckpt_dir):
         if verify:  # not silently ignored: the bucket's steps are checked by `verify URL`
             raise ConfigError(f"--verify reads a local root's shards; for a bucket run: slurmresume verify {ckpt_dir}")
-        s3_commands().latest(ckpt_dir)
+        s3_commands().latest(ckpt_dir, as_json=as_json)
         return
     root = resolve_root(ckpt_dir, "latest")
-    info = find_latest(root, verify=verify, warn=False, scan=True, skipped=_say_skipped if verify else None)
+    skipped: list[Any] = []
+
+    def say_skipped(info: Any) -> None:
+        """`latest --verify`: each newer step it passed over, and why, on stderr (stdout stays the path)."""
+        skipped.append(info)
+        typer.echo(f"skipped {info.path}: {info.problem}", err=True)
+
+    info = find_latest(root, verify=verify, warn=False, scan=True, skipped=say_skipped if verify else None)
+    if as_json:
+        emit_json(latest_json(root, info.step if info else None, info.path if info else None,
+                              [(i.path, i.problem) for i in skipped]))
     if info is None:
         raise NoCheckpointError(f"no complete checkpoint under {root}")
-    typer.echo(os.fspath(info.path))
-
-
-def _say_skipped(info: Any) -> None:
-    """`latest --verify`: each newer step it passed over, and why, on stderr (stdout stays the path)."""
-    typer.echo(f"skipped {info.path}: {info.problem}", err=True)
+    if not as_json:
+        typer.echo(os.fspath(info.path))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -10,23 +9,23 @@ import typer
 
 from ..errors import ConfigError
 from .app import app, handle_errors
-from .options import JsonOut, configured_root, root_hint
+from .options import JsonOut, ckpt_dir_option, configured_root, root_hint
+from .shared import emit_json
 
 
 @app.command()
 @handle_errors
 def doctor(
     script: Annotated[Path | None, typer.Argument(
-        help="Training script to check statically (creates a Checkpointer, restores, calls ckpt.step() in its "
-        "loop).", show_default=False)] = None,
-    ckpt_dir: Annotated[Path | None, typer.Option(
-        "--ckpt-dir", "-d", metavar="DIR", envvar="SLURMRESUME_CKPT_DIR", show_envvar=True,
-        help="Checkpoint root: its measured save times and filesystem are checked. Default: "
-        "$SLURMRESUME_CKPT_DIR, else ckpt-dir in [tool.slurmresume]; none: those checks are skipped.")] = None,
+        metavar="TRAIN_SCRIPT", help="Training script to check statically (creates a Checkpointer, restores, calls "
+        "ckpt.step() in its loop).", show_default="none: the script checks are skipped")] = None,
+    ckpt_dir: Annotated[Path | None, ckpt_dir_option(
+        help="Checkpoint root: its measured save times and filesystem are checked.",
+        default="$SLURMRESUME_CKPT_DIR, else ckpt-dir in [tool.slurmresume]; none: those checks are skipped")] = None,
     signal_lead: Annotated[int, typer.Option(
         "--signal-lead", help="The --signal-lead you submit with (seconds).", min=1)] = 120,
     partition: Annotated[str | None, typer.Option(
-        "--partition", "-p", help="Partition you submit to. Default: the cluster's default partition.")] = None,
+        "--partition", "-p", help="Partition you submit to.", show_default="the cluster's default partition")] = None,
     as_json: JsonOut = False,
 ) -> None:
     """Will preemption handling work on this cluster, for this root and script?
@@ -50,8 +49,8 @@ def doctor(
         raise ConfigError(f"training script {script} not found: pass the path of a .py file")
     checks = run_doctor(root, script, signal_lead, partition)
     if as_json:
-        typer.echo(json.dumps({"schema": "slurmresume.tools.doctor/1", "checks": [c.__dict__ for c in checks],
-                               "ok": not any(c.status == "fail" for c in checks)}, indent=2))
+        emit_json({"schema": "slurmresume.tools.doctor/1", "checks": [c.__dict__ for c in checks],
+                   "ok": not any(c.status == "fail" for c in checks)})
     else:
         _render.print_doctor(checks)
     if any(c.status == "fail" for c in checks):

@@ -10,7 +10,8 @@ import typer
 from ..errors import ConfigError, NoCheckpointError
 from ..mirror.s3 import is_s3_url
 from .app import app, handle_errors
-from .options import CkptDir, configured_root, resolve_root
+from .options import CkptDir, JsonOut, configured_root, resolve_root
+from .shared import emit_json, export_json
 
 
 def resolve_step_dir(which: str, ckpt_dir: Path | None) -> Path:
@@ -35,11 +36,12 @@ def resolve_step_dir(which: str, ckpt_dir: Path | None) -> Path:
 @app.command()
 @handle_errors
 def export(
-    which: Annotated[str, typer.Argument(help="STEP, 'latest', a path to a step directory, or a step URL (s3://bucket/run/step_000001200).")] = "latest",
+    which: Annotated[str, typer.Argument(metavar="STEP|PATH|URL", help="A step number under --ckpt-dir, 'latest' (the newest complete checkpoint there), the path of a step directory, or a step URL (s3://bucket/run/step_000001200).")] = "latest",
     out: Annotated[Path, typer.Option("--out", "-o", help="The .safetensors file to write.")] = Path("model.safetensors"),
     only: Annotated[str, typer.Option(help="Which state key to export (the one holding the model).")] = "model",
     rank: Annotated[int, typer.Option(help="Whose shard to read for per-rank tensors (data-parallel replicas are identical; DTensors are consolidated from every rank).")] = 0,
     ckpt_dir: CkptDir = None,
+    as_json: JsonOut = False,
 ) -> None:
     """Write a committed checkpoint's model weights to one safetensors file.
 
@@ -49,6 +51,7 @@ def export(
     On an s3:// root (or a step URL as printed by `latest`), the step is first downloaded
     beside --out (a hidden temporary directory, removed afterwards), every shard checked
     against its manifest before a byte is read; the file then is the same as from a local root.
+    --json prints what was written (step, file, tensors, bytes) as one JSON object.
 
     Example: slurmresume export latest --out final.safetensors --ckpt-dir /ckpt/run1
     """
@@ -74,7 +77,10 @@ def export(
 
         with _render.progress("exporting tensors") as bar:
             summary = export_model(step_dir, out, only=only, rank=rank, progress=bar)
-    typer.echo(f"wrote {summary['out']}: {summary['tensors']} tensors, {summary['bytes']} bytes from step {summary['step']}")
+    if as_json:
+        emit_json(export_json(summary))
+    else:
+        typer.echo(f"wrote {summary['out']}: {summary['tensors']} tensors, {summary['bytes']} bytes from step {summary['step']}")
 
 
 def _export_s3(which: str, root: Path | None, out: Path, only: str, rank: int) -> dict[str, Any]:

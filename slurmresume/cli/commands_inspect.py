@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -10,6 +9,7 @@ import typer
 from ..mirror.s3 import is_s3_url
 from .app import app, handle_errors
 from .options import CkptDir, JsonOut, configured_root, resolve_root
+from .shared import emit_json
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 @handle_errors
 def inspect(
     target: Annotated[str, typer.Argument(
-        metavar="STEP_OR_PATH", help="A step number under --ckpt-dir, 'latest' (the newest complete "
+        metavar="STEP|PATH|URL", help="A step number under --ckpt-dir, 'latest' (the newest complete "
         "checkpoint there), the path of a step directory such as runs/exp1/step_000001200, or a step "
         "URL such as s3://bucket/exp1/step_000001200.")],
     ckpt_dir: CkptDir = None,
@@ -52,7 +52,7 @@ def inspect(
         with _render.progress("reading tensors") as bar:
             report = inspect_checkpoint(step, path, tensors=tensors, progress=bar)
     if as_json:
-        typer.echo(json.dumps(report.to_json(), indent=2, allow_nan=False))
+        emit_json(report.to_json())
     else:
         _render.print_inspect(report)
 

@@ -13,18 +13,21 @@ from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError
 from ..mirror import remote
 from ..mirror.s3 import client, parse_s3_url
 from . import render as _render
-from .shared import confirm_delete, emit_json, prune_json
+from .shared import confirm_delete, emit_json, latest_json, prune_json, verify_json
 
 
-def latest(url: object) -> None:
+def latest(url: object, *, as_json: bool = False) -> None:
     loc = parse_s3_url(str(url))
     info = remote.find_latest(client(), loc)
+    if as_json:
+        emit_json(latest_json(loc.url, info.step if info else None, info.url if info else None, []))
     if info is None:
         raise NoCheckpointError(f"no complete checkpoint under {loc.url}")
-    typer.echo(info.url)
+    if not as_json:
+        typer.echo(info.url)
 
 
-def verify(url: object, step: int | None, every: bool) -> None:
+def verify(url: object, step: int | None, every: bool, *, as_json: bool = False) -> None:
     """Hash every shard object of the chosen step(s) against its manifest."""
     from ..tools.status import VerifyResult
 
@@ -51,7 +54,10 @@ def verify(url: object, step: int | None, every: bool) -> None:
     for rs in chosen:
         info = remote.inspect(s3, loc, rs, verify=True)
         results.append(VerifyResult(rs.step, info.url, info.complete, [info.problem] if info.problem else []))
-    _render.print_verify(results)
+    if as_json:
+        emit_json(verify_json(loc.url, results))
+    else:
+        _render.print_verify(results)
     bad = [p for r in results if not r.ok for p in r.problems]
     if bad:
         failed = sum(not r.ok for r in results)

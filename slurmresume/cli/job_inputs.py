@@ -1,11 +1,13 @@
 """What the job commands (submit, drill) make of what was typed, beyond the JobSpec's own checks:
-`--python` looked up on PATH, what `--local` cannot honour, and the `submit` line a passing drill
-suggests (`next:`), which must work when pasted."""
+the typed options that become a JobSpec (`SpecOptions`) and the ones that steer `submit` itself
+(`SubmitFlags`), `--python` looked up on PATH, what `--local` cannot honour, and the `submit` line
+a passing drill suggests (`next:`), which must work when pasted."""
 
 from __future__ import annotations
 
 import shlex
 import shutil
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,63 @@ import typer
 from ..errors import ConfigError
 from ..job.config import JobSpec, check_text
 from .options import configured_root
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """The command-line options that become JobSpec fields, by name (None: not given, so the
+    [tool.slurmresume] value or our default applies; `gres` becomes a --sbatch entry). `submit`
+    builds one field by field, so a new option reaches the JobSpec only by being added here;
+    every submit option is here or in SubmitFlags (test_cli_help_consistency)."""
+
+    ckpt_dir: Path | None = None
+    nodes: int | None = None
+    nproc_per_node: int | None = None
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    time: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    job_name: str | None = None
+    signal: str | None = None
+    signal_lead: int | None = None
+    max_requeues: int | None = None
+    max_failures: int | None = None
+    hang_timeout: str | None = None
+    hang_startup: float | None = None
+    hang_busy: float | None = None
+    hang_save: float | None = None
+    hang_io_rate: float | None = None
+    max_hangs: int | None = None
+    gres: str | None = None
+    setup: list[str] | None = None
+    sbatch: list[str] | None = None
+    rdzv_port: int | None = None
+    python: str | None = None
+    mirror: str | None = None
+
+    def given(self) -> dict[str, Any]:
+        """{field: value} of the options given (not None)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class SubmitFlags:
+    """The `submit` options that steer the command, not the job: where it runs, what it prints,
+    where the run resumes from, whose root it may take."""
+
+    local: bool = False
+    dry_run: bool = False
+    json_out: bool = False
+    resume_from: str | None = None
+    branch: Path | None = None
+    discard_newer: bool = False
+    takeover: bool = False
+    no_script_check: bool = False
+    shared_root: bool = False
 
 
 def find_python(value: str) -> str:
@@ -33,16 +92,16 @@ _SLURM_ONLY = ("partition", "account", "qos", "constraint", "job_name", "time", 
                "setup", "rdzv_port", "signal_lead")
 
 
-def refuse_local_ignored(spec: JobSpec, cli: dict[str, Any]) -> None:
+def refuse_local_ignored(spec: JobSpec, given: SpecOptions) -> None:
     """`--local`: refuse --nodes > 1 (it would change the world size the script sees); name on
     stderr the Slurm options given on the command line that a local run does not use."""
     if spec.nodes > 1:
         raise ConfigError(f"--local runs one node on this machine, so --nodes {spec.nodes} cannot apply: pass --nodes 1 "
                           "to try it here (more ranks: --nproc-per-node), or drop --local to submit to Slurm")
-    given = [f"--{k.replace('_', '-')}" for k in _SLURM_ONLY if cli.get(k) not in (None, [], ())]
-    if given:
-        verb = "applies" if len(given) == 1 else "apply"
-        typer.echo(f"warning: --local runs here without Slurm: {', '.join(given)} {verb} only when submitted "
+    named = [f"--{k.replace('_', '-')}" for k in _SLURM_ONLY if getattr(given, k) not in (None, [], ())]
+    if named:
+        verb = "applies" if len(named) == 1 else "apply"
+        typer.echo(f"warning: --local runs here without Slurm: {', '.join(named)} {verb} only when submitted "
                    "(ignored here)", err=True)
 
 

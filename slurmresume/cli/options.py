@@ -6,7 +6,7 @@ import os
 import shlex
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -20,18 +20,29 @@ class Mode(str, Enum):
     max = "max"
 
 
-CkptDir = Annotated[Path | None, typer.Option(
-    "--ckpt-dir", "-d", metavar="DIR", envvar=ENV_ROOT, show_envvar=True,
-    help="Checkpoint root: the directory holding the step_* folders. Default: $SLURMRESUME_CKPT_DIR, "
-    "else ckpt-dir in [tool.slurmresume] of pyproject.toml.")]
-JsonOut = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
+ROOT_FLAGS = ("--ckpt-dir", "-d")  # every command that takes a checkpoint root spells it so (test_cli_help_consistency)
+ROOT_HELP = "Checkpoint root: the directory holding the step_* folders."
+ROOT_DEFAULT = "$SLURMRESUME_CKPT_DIR, else ckpt-dir in [tool.slurmresume] of pyproject.toml"
+
+
+def ckpt_dir_option(help: str = ROOT_HELP, default: str = ROOT_DEFAULT, envvar: str | None = ENV_ROOT) -> Any:
+    """The one spelling of the checkpoint root, -d / --ckpt-dir, for every command that takes one;
+    `help` and `default` (what --help shows as [default: ...]) say what this command does with it.
+    `envvar`: None where the variable is not read (`submit` exports it to the script instead)."""
+    return typer.Option(*ROOT_FLAGS, metavar="DIR", envvar=envvar, show_envvar=envvar is not None,
+                        help=help, show_default=default)
+
+
+CkptDir = Annotated[Path | None, ckpt_dir_option()]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of the text report.")]
 ModeOpt = Annotated[Mode, typer.Option("--mode", help="Whether the lowest (min, e.g. loss) or highest "
                                        "(max, e.g. accuracy) metric value is best.")]
 
 
 def root_hint(command: str, given: str, instead: str = "") -> str:
-    """The one line for a checkpoint root given as an argument (`status DIR`): every command but
-    `latest` names the root with -d / --ckpt-dir. `instead`: what the argument is for, if anything."""
+    """The one line for a checkpoint root given as an argument (`status DIR`): the root is
+    -d / --ckpt-dir (only `latest` still takes it as an argument, for older scripts). `instead`:
+    what the argument is for, if anything."""
     import shlex
 
     what = "a directory" if Path(given).expanduser().is_dir() else "an argument `" + command + "` does not take"

@@ -1,11 +1,13 @@
 """What the checkpoint commands share, on a local root (commands_ckpt.py) and on a bucket
-(commands_remote.py): the JSON printer, the delete prompt, `prune --json`'s schema. Below both,
+(commands_remote.py): the JSON printer, the delete prompt, the schemas of `prune --json`,
+`verify --json`, `latest --json` and `export --json`. Below both,
 so neither imports the other for them."""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,9 @@ import typer
 from ..errors import ConfigError
 
 PRUNE_SCHEMA = "slurmresume.prune/1"
+VERIFY_SCHEMA = "slurmresume.verify/1"
+LATEST_SCHEMA = "slurmresume.latest/1"
+EXPORT_SCHEMA = "slurmresume.export/1"
 
 
 def emit_json(data: Any) -> None:
@@ -60,3 +65,40 @@ def prune_json(root: Path, policy: Any, plan: Any, leftovers: list[str], dry_run
         "skipped": [{"name": n, "reason": why} for n, why in result.skipped] if result else [],
         "cleaned": result.cleaned if result else [],
     }
+
+
+def verify_json(root: object, results: Sequence[Any]) -> dict[str, Any]:
+    """Schema "slurmresume.verify/1" (what `verify --json` prints; the exit code is the same as
+    without --json: 1 when a checkpoint fails or cannot be read):
+
+    schema, root    "slurmresume.verify/1", the root or bucket URL (str)
+    ok              every checkpoint checked passed
+    checkpoints     newest first: [{step, path (a bucket: the step URL), ok,
+                    unreadable (not checked: this version cannot read it), problems: [str]}]
+    """
+    return {"schema": VERIFY_SCHEMA, "root": str(root), "ok": all(r.ok for r in results),
+            "checkpoints": [{"step": r.step, "path": str(r.path), "ok": r.ok, "unreadable": r.unreadable,
+                             "problems": list(r.problems)} for r in results]}
+
+
+def latest_json(root: object, step: int | None, path: object, skipped: Sequence[tuple[object, str]]) -> dict[str, Any]:
+    """Schema "slurmresume.latest/1" (what `latest --json` prints; exit 1 when there is none):
+
+    schema, root    "slurmresume.latest/1", the root or bucket URL (str)
+    step, path      the newest complete checkpoint's step (int) and path (a bucket: its URL);
+                    both null when there is none
+    skipped         with --verify: the newer steps passed over, [{path, problem}], newest first
+    """
+    return {"schema": LATEST_SCHEMA, "root": str(root), "step": step, "path": None if path is None else str(path),
+            "skipped": [{"path": str(p), "problem": why} for p, why in skipped]}
+
+
+def export_json(summary: dict[str, Any]) -> dict[str, Any]:
+    """Schema "slurmresume.export/1" (what `export --json` prints):
+
+    schema          "slurmresume.export/1"
+    step, out       the exported step (int), the file written (str)
+    tensors, bytes  how many tensors it holds, its size in bytes
+    """
+    return {"schema": EXPORT_SCHEMA, "step": summary["step"], "out": summary["out"], "tensors": summary["tensors"],
+            "bytes": summary["bytes"]}
