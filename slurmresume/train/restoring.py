@@ -50,6 +50,7 @@ from typing import Any
 
 from .. import IMPORTED_AT
 from ..checkpoint import exchange
+from ..checkpoint.agreement import LoadAgreement
 from ..checkpoint.collective import Group
 from ..checkpoint.landed import Landing
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
@@ -217,15 +218,15 @@ def load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req: 
     except Exception as exc:  # noqa: BLE001 - crosses ranks as data (Failure.on_rank)
         part, xplan = caught(group, exc, f"planning its read of step {choice.step}"), None
     sent = b""  # (refused before the plan: not kept either)
-    digest = xplan.digest if xplan is not None else 0
-    agreed = group.max_ints([2 if over else 0 if warm else 1, 0 if xplan is not None else 1, digest, -digest,
-                             0 if xplan is not None and xplan.forced else 1])
-    two_pass = agreed[0] != 1
+    agreed = LoadAgreement.agree(group, over_budget=over, warm=warm, planned=xplan is not None,
+                                 digest=xplan.digest if xplan is not None else 0,
+                                 forced=xplan is not None and xplan.forced)
+    two_pass = agreed.two_pass
     # the exchange only where every rank planned one from the same inputs (else each reads its own
     # boxes), and, unless every rank forces it, where reading their own boxes would open too many
     # files (agreed is the same on every rank: the SUM is made by all or none)
-    same = agreed[1] == 0 and agreed[2] == -agreed[3]
-    if same and agreed[4] == 1 and isinstance(part, Part):
+    same = agreed.same_exchange
+    if same and not agreed.exchange_forced and isinstance(part, Part):
         same = exchange.worth_it(group.sum_int(len(part.sources | {part.src})), group.world_size)
     swap = (group, xplan) if same and xplan is not None else None
     if isinstance(part, Part):  # the hang watch scales this rank's budget with the bytes it reads
