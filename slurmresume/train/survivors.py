@@ -17,14 +17,30 @@ The rules:
   changes: its RNG and per-rank values are those of its tail. The writer splices the two
   (`stepsnap.splice`). A per-rank value set after the optimizer step (each rank's own loss) is
   not recoverable: the step is refused, naming it.
-- The newest covered candidate wins; its writer is the lowest clean survivor at it. Nothing
-  covered: refused, with every candidate's missing pieces named. Never two steps in one save.
+- A rank's tensors that are not replicated and too large to publish (`missing`: an FSDP2 or HSDP
+  piece) are covered only by a survivor clean at `s` that holds the same bytes: the rank itself,
+  or a replica peer, a rank at the same coordinate on every mesh dimension that shards the piece
+  (HSDP's other replicas; `replica_dims`, learned once from the placements, as a restore reads a
+  replicated piece from any one of them). FSDP2 has no peer: a dead rank's pieces are refused.
+- The newest covered candidate wins; its committer (`writer`) is the lowest clean survivor at it,
+  and writes every shard whose pieces are all in memory or published; a shard with pieces only a
+  holder has is written by that holder (the rank itself when it is clean at `s`, else its lowest
+  clean peer; `shards`), into the committer's directory, and the committer writes the marker
+  after every shard reported. Nothing covered: refused, with every candidate's missing pieces
+  named. Never two steps in one save.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+# A piece's replica layout: its mesh's shape and, per mesh dimension, whether every coordinate along
+# it holds the same piece (Replicate, or a dimension of size 1).
+ReplicaDims = tuple[tuple[int, ...], tuple[bool, ...]]
 
 
 @dataclass(frozen=True)
@@ -58,6 +74,7 @@ class Plan:
     writer: int | None
     refused: tuple[str, ...] = field(default_factory=tuple)
     spliced: tuple[tuple[int, frozenset[str]], ...] = ()  # (rank, pieces from the writer's snapshot)
+    shards: tuple[tuple[int, int], ...] = ()  # (rank, survivor that writes its shard), when not `writer`
 
     @property
     def ok(self) -> bool:
@@ -65,10 +82,11 @@ class Plan:
 
 
 def plan(world: int, dead: set[int], statuses: Mapping[int, Status],
-         snapshots: Mapping[int, list[Snapshot]], *, replicated_known: bool = True) -> Plan:
+         snapshots: Mapping[int, list[Snapshot]], *, replicated_known: bool = True,
+         replicas: Mapping[str, ReplicaDims] | None = None) -> Plan:
     """Pure: the failure save to write (see the module docstring). `statuses`: the survivors that
     reported (a survivor that did not is simply no holder); `snapshots`: rank -> its published
-    snapshots (at most the last two steps)."""
+    snapshots (at most the last two steps); `replicas`: `replica_dims` of the sharded pieces."""
     if not replicated_known:
         return Plan(None, None, ("which tensors are replicated is not known yet (no step() completed)",))
     if not dead:
@@ -84,9 +102,10 @@ def plan(world: int, dead: set[int], statuses: Mapping[int, Status],
             dirty.append(f"rank {st.rank} ran an optimizer step after step {st.boundary}")
     reasons: list[str] = []
     for step in sorted(holders, reverse=True):
-        missing, spliced = _cover(world, step, snapshots)
+        missing, spliced, shards = _cover(world, step, snapshots, holders[step], replicas or {})
         if not missing:
-            return Plan(step, min(holders[step]), spliced=tuple(sorted(spliced.items())))
+            return Plan(step, min(holders[step]), spliced=tuple(sorted(spliced.items())),
+                        shards=tuple(sorted(shards.items())))
         reasons.append(f"step {step}: {'; '.join(missing)}")
     if not holders:
         reasons.append("no survivor holds the tensors of a step boundary"
@@ -94,12 +113,15 @@ def plan(world: int, dead: set[int], statuses: Mapping[int, Status],
     return Plan(None, None, tuple(reasons))
 
 
-def _cover(world: int, step: int, snapshots: Mapping[int, list[Snapshot]]
-           ) -> tuple[list[str], dict[int, frozenset[str]]]:
-    """What no snapshot covers at `step`, and the ranks covered by their tail (with the pieces
-    the writer's snapshot supplies)."""
+def _cover(world: int, step: int, snapshots: Mapping[int, list[Snapshot]], holders: list[int],
+           replicas: Mapping[str, ReplicaDims]) -> tuple[list[str], dict[int, frozenset[str]], dict[int, int]]:
+    """What no snapshot or clean holder covers at `step`, the ranks covered by their tail (with
+    the pieces the writer's snapshot supplies), and the shards a holder other than the committer
+    writes (rank -> holder)."""
     out: list[str] = []
     spliced: dict[int, frozenset[str]] = {}
+    shards: dict[int, int] = {}
+    lead = min(holders)
     for rank in range(world):
         mine = snapshots.get(rank, ())
         snap = next((s for s in mine if s.step == step and s.tail_of is None), None)
@@ -110,10 +132,59 @@ def _cover(world: int, step: int, snapshots: Mapping[int, list[Snapshot]]
                 continue
             snap, spliced[rank] = tail, pieces
         if snap.missing:
-            out.append(f"rank {rank}'s per-rank tensors {', '.join(snap.missing[:4])}"
-                       + (f" and {len(snap.missing) - 4} more" if len(snap.missing) > 4 else "")
-                       + " (not replicated, too large to publish)")
-    return out, spliced
+            holder = _holder(rank, snap.missing, holders, replicas)
+            if holder is None:
+                out.append(f"rank {rank}'s per-rank tensors {', '.join(snap.missing[:4])}"
+                           + (f" and {len(snap.missing) - 4} more" if len(snap.missing) > 4 else "")
+                           + f" (not replicated, too large to publish, and on no clean survivor at step {step})")
+            elif holder != lead:
+                shards[rank] = holder
+    return out, spliced, shards
+
+
+def _holder(rank: int, names: tuple[str, ...], holders: list[int], replicas: Mapping[str, ReplicaDims]) -> int | None:
+    """Who writes `rank`'s shard with `names` from memory: the rank itself when it is a clean holder,
+    else its lowest clean holder that is a replica peer for every name; None if none is."""
+    if rank in holders:
+        return rank
+    layouts = {replicas.get(n) for n in names}
+    if None in layouts:
+        return None
+    peers = set.intersection(*(set(peers_of(rank, d)) for d in layouts if d is not None))
+    return min((h for h in holders if h in peers), default=None)
+
+
+def replica_dims(specs: Mapping[str, Mapping[str, Any]], world: int) -> dict[str, ReplicaDims]:
+    """Pure, learned once from a rank's DTensor specs (`reshard.describe`): each piece's
+    `ReplicaDims`, for DTensors on a mesh of every rank in order (`placement.arithmetic`: a rank's
+    coordinate follows from its number); the others have no known peer and are not listed."""
+    from ..checkpoint.placement import arithmetic
+
+    out = {}
+    for name, spec in specs.items():
+        if arithmetic(spec, world):
+            mesh = tuple(int(n) for n in spec["mesh_shape"])
+            out[name] = (mesh, tuple(p == "replicate" or n == 1 for p, n in zip(spec["placements"], mesh)))
+    return out
+
+
+def coordinate(rank: int, mesh: tuple[int, ...]) -> tuple[int, ...]:
+    """Pure: `rank`'s coordinate on a row-major mesh of ranks 0..prod(mesh)-1."""
+    out = []
+    for n in reversed(mesh):
+        rank, c = divmod(rank, n)
+        out.append(c)
+    return tuple(reversed(out))
+
+
+def peers_of(rank: int, dims: ReplicaDims) -> frozenset[int]:
+    """Pure: the ranks that hold the same piece as `rank` (itself included): those at its
+    coordinate on every mesh dimension that shards the piece."""
+    mesh, same = dims
+    coord = coordinate(rank, mesh)
+    axes = [range(n) if s else (c,) for n, s, c in zip(mesh, same, coord)]
+    strides = [math.prod(mesh[i + 1:]) for i in range(len(mesh))]
+    return frozenset(sum(c * k for c, k in zip(cs, strides)) for cs in itertools.product(*axes))
 
 
 def _by_tail(rank: int, step: int, snapshots: Mapping[int, list[Snapshot]]

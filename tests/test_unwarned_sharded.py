@@ -1,0 +1,189 @@
+"""Issue 47, sharded states: a failure-time save covers a dead rank's pieces only from a survivor that
+holds the same bytes. FSDP2 (every piece on one rank only): refused, naming the dead rank's pieces,
+and the job resumes from the newest periodic step; HSDP 2x2 (each piece on two ranks, one per
+replica): committed from the dead rank's replica peer, at most one step repeated. Both end bitwise
+equal to an uninterrupted run (tests/helpers/sharded_train.py under `submit --local`)."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.procs import HELPERS, clean_env, rank_pid, signal_tree
+
+from slurmresume.checkpoint.layout import step_dir_name
+from slurmresume.contract import ENV_DRILL_RECORD
+from slurmresume.events import read_events
+from slurmresume.tools.compare import compare_checkpoints
+from slurmresume.train.steprecord import read_records
+from slurmresume.train.survivors import Plan, Snapshot, Status, peers_of, plan, replica_dims
+
+# -- the plan: which survivor holds a dead rank's pieces (tables, no processes) ---------------------
+
+PIECES = ("model/0.weight", "optimizer/state/0/exp_avg")
+HSDP = {n: ((2, 2), (True, False)) for n in PIECES}  # mesh (replicate=2, shard=2): ranks r and r^2 agree
+FSDP = {n: ((4,), (False,)) for n in PIECES}  # one shard dim: no replica
+
+
+def _big(world: int, *steps: int) -> dict[int, list[Snapshot]]:
+    """Every rank published `steps`, its pieces too large to publish (named missing)."""
+    return {r: [Snapshot(r, s, PIECES) for s in steps] for r in range(world)}
+
+
+def _clean(*ranks: int, step: int = 7) -> dict[int, Status]:
+    return {r: Status(r, step, True) for r in ranks}
+
+
+def test_replica_dims_and_peers_follow_the_placements() -> None:
+    specs = {"a": {"mesh_shape": [2, 2], "placements": ["replicate", "shard:0"], "mesh_arange": True},
+             "b": {"mesh_shape": [4], "placements": ["shard:0"], "mesh_arange": True},
+             "c": {"mesh_shape": [2, 2], "placements": ["shard:0", "shard:1"], "mesh_arange": False},
+             "d": {"mesh_shape": [2], "placements": ["replicate"], "mesh_arange": True}}  # 2 ranks of 4
+    dims = replica_dims(specs, 4)
+    assert dims == {"a": ((2, 2), (True, False)), "b": ((4,), (False,))}
+    assert [sorted(peers_of(r, dims["a"])) for r in range(4)] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [sorted(peers_of(r, dims["b"])) for r in range(4)] == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize(("dead", "statuses", "replicas", "expect"), [
+    # HSDP: rank 1 dead, its pieces are rank 3's; every survivor writes its own shard, rank 3 also rank 1's
+    ({1}, _clean(0, 2, 3), HSDP, Plan(7, 0, shards=((1, 3), (2, 2), (3, 3)))),
+    # rank 0 dead: rank 2 holds its pieces; rank 1, the lowest clean survivor, commits
+    ({0}, _clean(1, 2, 3), HSDP, Plan(7, 1, shards=((0, 2), (2, 2), (3, 3)))),
+    # rank 2 dead: its pieces are rank 0's, the committer's own
+    ({2}, _clean(0, 1, 3), HSDP, Plan(7, 0, shards=((1, 1), (3, 3)))),
+])
+def test_plan_takes_a_dead_ranks_pieces_from_its_replica_peer(dead: set[int], statuses: dict[int, Status],
+                                                              replicas: dict, expect: Plan) -> None:
+    assert plan(4, dead, statuses, _big(4, 6, 7), replicas=replicas) == expect
+
+
+@pytest.mark.parametrize(("dead", "statuses", "replicas", "says"), [
+    # FSDP2: nobody else holds rank 1's pieces
+    ({1}, _clean(0, 2, 3), FSDP, "step 7: rank 1's per-rank tensors model/0.weight, optimizer/state/0/exp_avg "
+                                 "(not replicated, too large to publish, and on no clean survivor at step 7)"),
+    # no replica groups known: the same
+    ({1}, _clean(0, 2, 3), {}, "rank 1's per-rank tensors"),
+    # HSDP, but rank 1's peer (rank 3) ran an optimizer step after step 7: its pieces are of no boundary
+    ({1}, {**_clean(0, 2), 3: Status(3, 7, False)}, HSDP, "rank 1's per-rank tensors"),
+    # HSDP, both replicas of shard 1 dead
+    ({1, 3}, _clean(0, 2), HSDP, "rank 3's per-rank tensors"),
+])
+def test_plan_refuses_pieces_no_clean_survivor_holds(dead: set[int], statuses: dict[int, Status],
+                                                    replicas: dict, says: str) -> None:
+    got = plan(4, dead, statuses, _big(4, 6, 7), replicas=replicas)
+    assert not got.ok and says in " | ".join(got.refused), got.refused
+
+
+def test_plan_keeps_one_writer_when_every_piece_is_published() -> None:
+    """DDP, or sharded pieces small enough to publish: the lowest clean survivor writes every shard."""
+    snaps = {r: [Snapshot(r, 6), Snapshot(r, 7)] for r in range(4)}
+    assert plan(4, {1}, _clean(0, 2, 3), snaps, replicas=HSDP) == Plan(7, 0)
+
+
+# -- end to end: submit --local, 4 ranks, one SIGKILL placed by step ---------------------------------
+
+STEPS, SAVE_EVERY = 20, 8
+ARGS = ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--step-sleep", "0.05"]
+SCRIPT = HELPERS / "sharded_train.py"
+
+
+def _submit(root: Path, shape: str, record: Path | None = None, **env: str) -> subprocess.Popen[str]:
+    extra = {ENV_DRILL_RECORD: str(record)} if record is not None else {}
+    return subprocess.Popen([sys.executable, "-m", "slurmresume", "submit", str(HELPERS / "unwarned_train.py"),
+                             "--ckpt-dir", str(root), "--local", "--nproc-per-node", "4", "--", "--shape", shape,
+                             *ARGS], env=clean_env(UNWARNED_SCRIPT=str(SCRIPT), **extra, **env), cwd=root.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    try:
+        out, _ = proc.communicate(timeout=900)  # a hang guard only
+    except subprocess.TimeoutExpired:
+        signal_tree(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+def _kill_at(shape: str, root: Path, seed: int) -> tuple[int, int, Path, str]:
+    """The run with one seeded rank stopped in the forward after a seeded step (after the first
+    periodic commit), then SIGKILLed with its tree; returns (step, victim, record, output)."""
+    rng = random.Random(seed)
+    kill_step, victim = rng.randint(SAVE_EVERY + 2, STEPS - 4), rng.randrange(4)
+    record = root.parent / "record"
+    proc = _submit(root, shape, record, STOP_AFTER_STEP=str(kill_step), STOP_RANK=str(victim))
+    end = time.monotonic() + 600
+    pid = None
+    while pid is None or not _stopped(pid):
+        assert proc.poll() is None and time.monotonic() < end, "the run ended before its kill"
+        time.sleep(0.02)
+        pid = pid or rank_pid(proc.pid, victim)
+    signal_tree(pid, signal.SIGKILL)
+    return kill_step, victim, record, _finish(proc)
+
+
+def _trained(record: Path) -> int:
+    """The last step any rank of the first run completed."""
+    first = {r["run"] for r in read_records(record, 0)[:1]}
+    return max(r["step"] for rank in range(4) for r in read_records(record, rank) if r["run"] in first)
+
+
+def _reference(tmp_path_factory: pytest.TempPathFactory, shape: str) -> Path:
+    root = tmp_path_factory.mktemp(f"reference-{shape}") / "root"
+    _finish(_submit(root, shape))
+    return root / step_dir_name(STEPS)
+
+
+@pytest.mark.slow
+def test_fsdp2_failure_save_is_refused_naming_the_dead_ranks_pieces(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """FSDP2 over 4 ranks: the dead rank's pieces are on no survivor (and too large to publish):
+    the failure save is refused with a line naming them, the job resumes by itself from the
+    periodic step and ends bitwise equal to an uninterrupted run."""
+    reference = _reference(tmp_path_factory, "fsdp2")
+    root = tmp_path / "root"
+    kill_step, victim, _, out = _kill_at("fsdp2", root, 4702)
+    ev = read_events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["committed"] is False and saves[0]["dead"] == [victim], saves
+    missing = " | ".join(saves[0]["missing"])
+    assert f"step {kill_step}: rank {victim}'s per-rank tensors " in missing, missing
+    assert f"no failure save (missing: step {kill_step}: rank {victim}'s per-rank tensors" in out, out[-3000:]
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [SAVE_EVERY]
+    assert compare_checkpoints(reference, root / step_dir_name(STEPS)) == []
+
+
+@pytest.mark.slow
+def test_hsdp_failure_save_commits_from_the_dead_ranks_replica_peer(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """HSDP 2x2: the dead rank's pieces are held by its peer of the other replica, clean at the same
+    boundary: the failure save commits (the peer writes the dead rank's shard), the job resumes from
+    it with at most one step trained twice, and ends bitwise equal to an uninterrupted run. The code
+    before replica peers refused it (the pieces are too large to publish) and repeated every step
+    since the periodic save."""
+    reference = _reference(tmp_path_factory, "hsdp")
+    root = tmp_path / "root"
+    kill_step, victim, record, _ = _kill_at("hsdp", root, 4703)
+    ev = read_events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["committed"] is True and saves[0]["dead"] == [victim], saves
+    assert saves[0]["step"] == kill_step, saves
+    # the dead rank's shard was written by its replica peer (listed when not the committer itself)
+    assert (saves[0].get("writers") or {}).get(str(victim), saves[0]["writer"]) == victim ^ 2, saves
+    restored = [e["step"] for e in ev if e["event"] == "restored"]
+    assert restored == [kill_step], restored
+    assert _trained(record) - kill_step <= 1
+    assert compare_checkpoints(reference, root / step_dir_name(STEPS)) == []
