@@ -27,7 +27,10 @@ that exits without having closed its Checkpointer. Then, on each survivor:
   3. `survivors.plan` (pure): the newest step covered by every rank's snapshot and held clean by
      a survivor; its lowest such survivor writes every rank's shard (replicated tensors from its
      memory, per-rank state from the snapshots), then the manifest and the marker
-     (`checkpoint.commit`: same checksums, same marker-last commit as any save);
+     (`checkpoint.commit`: same checksums, same marker-last commit as any save); a shard with
+     pieces too large to publish (FSDP2/HSDP) is written by a clean survivor holding them (the
+     rank itself, or its HSDP replica peer) into the same directory, before the marker
+     (`train.failwrite`);
   4. a `failure_save` event says what committed, or why nothing did (the missing pieces), and the
      survivor leaves at once (`os._exit`), before torchrun's SIGKILL.
 A second failure during the failure save (the writer dies): the save's private directory is
@@ -36,26 +39,23 @@ never committed (no marker); the launcher resumes from the newest committed step
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from ..checkpoint import commit as _commit
-from ..checkpoint.placement import arithmetic, local_box
 from ..checkpoint.replicas import LIBRARY_PREFIX, replicated_across
-from ..checkpoint.state import flatten, referenced
+from ..checkpoint.state import flatten
 from ..contract import ENV_HEARTBEAT_DIR, ENV_RUN_ID
 from ..events import EV_FAILURE_SAVE, EV_SAVE_COMMITTED, try_append_event
 from . import ddp, rng, stepsnap
-from .peers import Watcher, mark_done, peers, publish_pid, read_status, write_json, write_status
-from .survivors import Plan, ReplicaDims, Snapshot, Status, coordinate, peers_of, plan
+from .failwrite import Writer
+from .peers import Watcher, mark_done, peers, publish_pid, read_status, write_status
+from .survivors import Plan, Snapshot, Status, plan
 
 log = logging.getLogger("slurmresume")
 
@@ -64,15 +64,6 @@ STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchr
 FINISH_WAIT_S = 5.0  # how long a survivor past its optimizer step may take to reach its ckpt.step()
 EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
 EXIT_FAILED = 1  # a survivor's exit code after the failure save (torchrun reports the run failed)
-WRITE_WAIT_S = 20.0  # how long the committer waits for the other writers' shards, and they for its directory
-
-
-@dataclass(frozen=True)
-class Seat:
-    """Rank and world of a shard written on another rank's behalf (what `write_rank` reads)."""
-
-    rank: int
-    world_size: int
 
 
 class FailureGuard:
@@ -244,12 +235,16 @@ class FailureGuard:
                 return statuses, dead
             time.sleep(0.02)
 
+    def _writer(self) -> Writer:
+        return Writer(self.dir, self.root, self.rank, self.world, self._state, self._layout, self._boundary,
+                      not self._dirty, self._watcher.dead_now if self._watcher is not None else set)
+
     def _act(self, p: Plan, dead: set[int], began: float) -> None:
         survivors = [r for r in range(self.world) if r not in dead]
         if p.ok and p.writer == self.rank:
             assert p.step is not None
             try:
-                outcome = self._write(p)
+                outcome = self._writer().commit(p)
             except Exception as exc:  # noqa: BLE001 - a failure save that fails is reported, never raised
                 outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             seconds = round(time.time() - began, 3)
@@ -266,196 +261,15 @@ class FailureGuard:
                              already=bool(outcome.get("already")) or None, dead=sorted(dead), writer=self.rank,
                              writers={str(r): w for r, w in p.shards} or None,
                              seconds=seconds, error=outcome.get("error"), run_id=os.environ.get(ENV_RUN_ID))
-        elif p.ok and any(w == self.rank for _, w in p.shards):
-            self._help(p)
+        elif p.ok and any(w == self.rank for _, w in p.shards):  # holds pieces the committer lacks
+            why = self._writer().help(p)
+            if why is not None:
+                log.warning("rank %d: wrote no shard of the failure save of step %s: %s", self.rank, p.step, why)
         elif not p.ok and survivors and self.rank == survivors[0]:
             log.warning("ranks %s died: no failure save (missing: %s); resuming from the newest committed step",
                         sorted(dead), "; ".join(p.refused))
             try_append_event(self.root, EV_FAILURE_SAVE, step=None, committed=False, dead=sorted(dead),
                              missing=list(p.refused), run_id=os.environ.get(ENV_RUN_ID))
-
-    # -- the writers: the committer (`Plan.writer`) and the holders of pieces it lacks (`Plan.shards`) --
-
-    def _write(self, p: Plan) -> dict[str, Any]:
-        """The committer: its private directory (announced to the other writers), the shards it
-        writes, the other writers' reports, then the commit; returns commit's outcome."""
-        from ..checkpoint.nodefile import layout_from_env
-
-        assert p.step is not None
-        step, others = p.step, dict(p.shards)
-        if layout_from_env() != "per-rank":
-            return self._refuse(step, "the per-node shard layout is not written by a failure save yet")
-        try:
-            first = self._snap(step, 0, p)  # its metrics and meta go into the manifest
-            shards = self._shards(step, [r for r in range(self.world) if r not in others], p)
-        except _Uncovered as exc:
-            return self._refuse(step, str(exc))
-        decision = _commit.prepare(self.root, step)
-        if decision["action"] == "skip":
-            self._announce(step, {"action": "skip"})
-            return {"ok": True, "error": None, "already": True}
-        if decision["action"] != "write":
-            return self._refuse(step, decision.get("error"))
-        self._announce(step, {"action": "write", "dir": decision["dir"], "shards": {str(r): w for r, w in others.items()}})
-        reports = {r: self._write_shard(step, r, skeleton, tensors, decision["dir"]) for r, skeleton, tensors in shards}
-        reports.update(self._reports(step, others))
-        return _commit.commit(self.root, step, [reports[r] for r in range(self.world)], first["metrics"],
-                              first["meta"], into=decision["dir"])
-
-    def _refuse(self, step: int, error: str | None) -> dict[str, Any]:
-        self._announce(step, {"action": "error", "error": error})  # the other writers stop waiting
-        return {"ok": False, "error": error}
-
-    def _help(self, p: Plan) -> None:
-        """A holder of pieces the committer lacks: once the committer announced its directory,
-        write the shards it assigned to this rank (`Plan.shards`) into it and report each."""
-        assert p.step is not None and p.writer is not None
-        step = p.step
-        announced = self._announced(step, p.writer)
-        if announced is None or announced.get("action") != "write":
-            log.warning("rank %d: no failure save of step %d to write into (%s)", self.rank, step,
-                        "the committer did not answer" if announced is None else announced.get("error")
-                        or announced.get("action"))
-            return
-        mine = sorted(int(r) for r, w in announced.get("shards", {}).items() if w == self.rank)
-        try:
-            if self._boundary != step or self._dirty:
-                raise _Uncovered(f"rank {self.rank} does not hold step {step}")
-            shards = self._shards(step, mine, p)
-        except _Uncovered as exc:
-            for r in mine:
-                write_json(self.dir / f"report-{step}-{r}.json", {"rank": r, "error": str(exc)})
-            return
-        for r, skeleton, tensors in shards:
-            write_json(self.dir / f"report-{step}-{r}.json",
-                       self._write_shard(step, r, skeleton, tensors, announced["dir"]))
-
-    def _announce(self, step: int, decision: dict[str, Any]) -> None:
-        write_json(self.dir / f"save-{step}.json", decision)
-
-    def _announced(self, step: int, writer: int) -> dict[str, Any] | None:
-        """The committer's decision for `step`; None when it died or stayed silent (WRITE_WAIT_S)."""
-        deadline = time.monotonic() + WRITE_WAIT_S
-        while True:
-            got = _read_json(self.dir / f"save-{step}.json")
-            if got is not None:
-                return got
-            if time.monotonic() > deadline or writer in self._dead_now():
-                return None
-            time.sleep(0.02)
-
-    def _reports(self, step: int, others: Mapping[int, int]) -> dict[int, dict[str, Any]]:
-        """The other writers' reports (rank -> report); a writer that died or stayed silent
-        (WRITE_WAIT_S) leaves an error report for each of its shards: nothing is committed."""
-        deadline = time.monotonic() + WRITE_WAIT_S
-        out: dict[int, dict[str, Any]] = {}
-        while True:
-            for r in others:
-                if r not in out and (got := _read_json(self.dir / f"report-{step}-{r}.json")) is not None:
-                    out[r] = got
-            waiting = [r for r in others if r not in out]
-            if not waiting:
-                return out
-            gone = self._dead_now()
-            if time.monotonic() > deadline or any(others[r] in gone for r in waiting):
-                for r in waiting:
-                    out[r] = {"rank": r, "error": f"rank {others[r]} did not write rank {r}'s shard"
-                              + (" (it died)" if others[r] in gone else f" within {WRITE_WAIT_S:.0f} s")}
-                return out
-            time.sleep(0.02)
-
-    def _dead_now(self) -> set[int]:
-        return self._watcher.dead_now() if self._watcher is not None else set()
-
-    def _snap(self, step: int, rank: int, p: Plan) -> dict[str, Any]:
-        """`rank`'s small state at `step`: its snapshot, or its tail spliced with this rank's
-        snapshot for the pieces `p.spliced` names (died after its optimizer step)."""
-        snap = stepsnap.read(self.dir / f"snap-{rank}-{step % 2}")
-        pieces = dict(p.spliced).get(rank)
-        if pieces is not None:
-            tail = stepsnap.read(self.dir / f"snap-{rank}-tail")
-            donor = stepsnap.read(self.dir / f"snap-{self.rank}-{step % 2}")
-            if tail is None or tail.get("tail_of") is None or donor is None or donor["step"] != step:
-                raise _Uncovered(f"rank {rank}'s tail snapshot is gone")
-            snap = stepsnap.splice(tail, donor, pieces)
-        if snap is None or snap["step"] != step:
-            raise _Uncovered(f"rank {rank}'s snapshot of step {step} is gone")
-        return snap
-
-    def _shards(self, step: int, ranks: list[int], p: Plan) -> list[tuple[int, dict[str, Any], list[Any]]]:
-        """(rank, skeleton, tensors) of each of `ranks`' shards at `step`, as that rank's own save
-        would write them: the replicated tensors from this rank's memory, the per-rank state from
-        its snapshot, and the pieces it did not publish (FSDP2/HSDP) from this rank's memory when
-        this rank holds the same piece (itself, or a replica peer: `Layout.replicas`); DTensor
-        specs are this rank's, moved to that rank's coordinate. Raises _Uncovered."""
-        assert self._state is not None and self._layout is not None
-        replicated, replicas = self._layout.replicated, self._layout.replicas
-        live_skeleton, live_tensors = flatten(self._state, {})
-        live = dict(live_tensors)
-        specs = live_skeleton.get("dtensors") or {}
-        shared = [(n, t) for n, t in live_tensors if n in replicated]
-        out = []
-        for r in ranks:
-            snap = self._snap(step, r, p)
-            skeleton, own = stepsnap.rebuild(snap, live_skeleton)
-            needed = referenced(skeleton, skeleton["entries"])
-            lacking = needed - {n for n, _ in shared} - {n for n, _ in own}
-            held = [n for n in sorted(lacking) if n in snap.get("missing", ()) and _holds(self.rank, r, n, replicas)]
-            if lacking - set(held):
-                raise _Uncovered(f"rank {r}'s tensors {sorted(lacking - set(held))[:4]} are on no survivor")
-            tensors = [*shared, *own, *((n, live[n]) for n in held)]
-            if any(t.device.type != "cpu" for _, t in tensors):
-                raise _Uncovered("tensors on a GPU: the failure save is written from CPU tensors only")
-            mine = {n: spec for n, spec in specs.items() if n in needed}
-            if mine:
-                skeleton["dtensors"] = _specs_at(mine, r, self.rank, self.world, dict(tensors))
-            out.append((r, skeleton, tensors))
-        return out
-
-    def _write_shard(self, step: int, rank: int, skeleton: dict[str, Any], tensors: list[Any],
-                     into: str) -> dict[str, Any]:
-        # write_rank reads rank and world_size only (the per-node layout, which also reads the node's
-        # links, is refused before)
-        return _commit.write_rank(self.root, step, cast(Any, Seat(rank, self.world)), skeleton, tensors,
-                                  self._layout.replicated if self._layout is not None else set(), into=into)
-
-
-class _Uncovered(Exception):
-    """A shard this writer cannot write as its rank's own save would (the message says why)."""
-
-
-def _holds(writer: int, rank: int, name: str, replicas: Mapping[str, ReplicaDims]) -> bool:
-    """Whether `writer`'s piece `name` is `rank`'s: its own, or a replica peer's (`Layout.replicas`)."""
-    return writer == rank or (name in replicas and writer in peers_of(rank, replicas[name]))
-
-
-def _specs_at(specs: Mapping[str, dict[str, Any]], rank: int, me: int, world: int,
-              tensors: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Pure: this rank's DTensor specs (`reshard.describe`) as `rank`'s: the offset and local shape
-    of `rank`'s coordinate (`placement.local_box`), checked against the piece written for it.
-    Raises _Uncovered for a mesh that is not every rank in order (no coordinate follows from a rank)."""
-    out = {}
-    for name, spec in specs.items():
-        if rank != me:
-            if not arithmetic(spec, world):
-                raise _Uncovered(f"DTensor {name} is on a mesh that is not every rank in order: rank {rank}'s "
-                                 "place in it is not known")
-            mesh = tuple(spec["mesh_shape"])
-            offset, shape = local_box(tuple(spec["shape"]), mesh, coordinate(rank, mesh), tuple(spec["placements"]))
-            spec = {**spec, "offset": list(offset), "local_shape": list(shape)}
-        t = tensors.get(name)
-        if t is not None and list(t.shape) != list(spec["local_shape"]):
-            raise _Uncovered(f"rank {rank}'s piece of {name} is {list(t.shape)}, its placements give "
-                             f"{spec['local_shape']}")
-        out[name] = spec
-    return out
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def failure_guard(group: Any, root: Path) -> FailureGuard | None:
