@@ -156,6 +156,18 @@ def test_the_committer_commits_nothing_when_a_holder_died_before_its_report(tmp_
     assert got[1]["file"] == "x" and "rank 3 did not write rank 3's shard (it died)" in got[3]["error"]
 
 
+def test_the_other_writers_follow_the_committers_plan() -> None:
+    """What a holder writes comes from the committer's announcement, not from its own plan (the two
+    could differ if a status arrived late): the plan survives its JSON round trip."""
+    import json
+
+    from slurmresume.train.failwrite import _plan_from, _plan_json
+
+    p = Plan(7, 0, spliced=((1, frozenset({"entry:sampler"})),), shards=((1, 3), (2, 2)),
+             from_memory=((1, frozenset({"w"})),))
+    assert _plan_from(json.loads(json.dumps(_plan_json(p))), 7, 0) == p
+
+
 # -- end to end: submit --local, 4 ranks, one SIGKILL placed by step ---------------------------------
 
 STEPS, SAVE_EVERY = 20, 8

@@ -81,8 +81,7 @@ class Writer:
             return {"ok": True, "error": None, "already": True}
         if decision["action"] != "write":
             return self._refuse(step, decision.get("error"))
-        self._announce(step, {"action": "write", "dir": decision["dir"],
-                              "shards": {str(r): w for r, w in others.items()}})
+        self._announce(step, {"action": "write", "dir": decision["dir"], **_plan_json(p)})
         reports = {r: self._write_shard(step, r, skeleton, tensors, decision["dir"]) for r, skeleton, tensors in shards}
         reports.update(self._reports(step, others))
         return _commit.commit(self.root, step, [reports[r] for r in range(self.world)], first["metrics"],
@@ -99,7 +98,11 @@ class Writer:
             return f"the committer (rank {p.writer}) did not announce a directory"
         if announced.get("action") != "write":
             return str(announced.get("error") or announced.get("action"))
-        mine = sorted(int(r) for r, w in (announced.get("shards") or {}).items() if w == self.rank)
+        try:
+            p = _plan_from(announced, step, p.writer)  # the committer's: what it expects from this rank
+        except (TypeError, ValueError, AttributeError) as exc:
+            return f"the committer's announcement is malformed ({exc})"
+        mine = sorted(r for r, w in p.shards if w == self.rank)
         try:
             if self.boundary != step or not self.clean:
                 raise Uncovered(f"rank {self.rank} does not hold step {step}")
@@ -126,10 +129,11 @@ class Writer:
         """The committer's decision for `step`; None when it died or stayed silent (WRITE_WAIT_S)."""
         deadline = time.monotonic() + WRITE_WAIT_S
         while True:
+            gone = writer in self.dead_now()  # before the read: a committer that announced, then died, is read
             got = _read_json(self.dir / f"save-{step}.json")
             if isinstance(got, dict):
                 return got
-            if time.monotonic() > deadline or writer in self.dead_now():
+            if gone or time.monotonic() > deadline:
                 return None
             time.sleep(0.02)
 
@@ -139,6 +143,7 @@ class Writer:
         deadline = time.monotonic() + WRITE_WAIT_S
         out: dict[int, dict[str, Any]] = {}
         while True:
+            gone = self.dead_now()  # before the reads: a writer reports, then exits
             for r in others:
                 got = _read_json(self.dir / f"report-{step}-{r}.json") if r not in out else None
                 if isinstance(got, dict) and got.get("rank") == r:
@@ -146,7 +151,6 @@ class Writer:
             waiting = [r for r in others if r not in out]
             if not waiting:
                 return out
-            gone = self.dead_now()
             if time.monotonic() > deadline or any(others[r] in gone for r in waiting):
                 for r in waiting:
                     out[r] = {"rank": r, "error": f"rank {others[r]} did not write rank {r}'s shard"
@@ -245,6 +249,22 @@ def specs_at(specs: Mapping[str, dict[str, Any]], rank: int, me: int, world: int
                             f"{spec['local_shape']}")
         out[name] = spec
     return out
+
+
+def _plan_json(p: Plan) -> dict[str, Any]:
+    """The parts of the committer's plan the other writers follow (`_plan_from` reads them back)."""
+    return {"shards": {str(r): w for r, w in p.shards},
+            "spliced": {str(r): sorted(pieces) for r, pieces in p.spliced},
+            "from_memory": {str(r): sorted(names) for r, names in p.from_memory}}
+
+
+def _plan_from(data: Mapping[str, Any], step: int, writer: int) -> Plan:
+    """Pure inverse of `_plan_json`. Raises TypeError/ValueError/AttributeError when malformed."""
+    def pairs(key: str) -> tuple[tuple[int, frozenset[str]], ...]:
+        return tuple(sorted((int(r), frozenset(map(str, v))) for r, v in (data.get(key) or {}).items()))
+
+    return Plan(step, writer, spliced=pairs("spliced"), from_memory=pairs("from_memory"),
+                shards=tuple(sorted((int(r), int(w)) for r, w in (data.get("shards") or {}).items())))
 
 
 def _read_json(path: Path) -> Any:
