@@ -175,11 +175,16 @@ ARGS = ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--step-sleep", 
 SCRIPT = HELPERS / "sharded_train.py"
 
 
+SMALL = ["--hidden", "64"]  # every piece small enough to publish with the step's snapshot
+
+
 def _submit(root: Path, shape: str, record: Path | None = None, **env: str) -> subprocess.Popen[str]:
+    """`shape` is sharded_train.py's --shape, "-small" appended for a model whose pieces are published."""
     extra = {ENV_DRILL_RECORD: str(record)} if record is not None else {}
+    args = ["--shape", shape.removesuffix("-small"), *ARGS, *(SMALL if shape.endswith("-small") else ())]
     return subprocess.Popen([sys.executable, "-m", "slurmresume", "submit", str(HELPERS / "unwarned_train.py"),
-                             "--ckpt-dir", str(root), "--local", "--nproc-per-node", "4", "--", "--shape", shape,
-                             *ARGS], env=clean_env(UNWARNED_SCRIPT=str(SCRIPT), **extra, **env), cwd=root.parent,
+                             "--ckpt-dir", str(root), "--local", "--nproc-per-node", "4", "--", *args],
+                            env=clean_env(UNWARNED_SCRIPT=str(SCRIPT), **extra, **env), cwd=root.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -254,6 +259,21 @@ def test_fsdp2_failure_save_is_refused_naming_the_dead_ranks_pieces(
     assert f"step {kill_step}: rank {victim}'s per-rank tensors " in missing, missing
     assert f"no failure save (missing: step {kill_step}: rank {victim}'s per-rank tensors" in out, out[-3000:]
     assert [e["step"] for e in ev if e["event"] == "restored"] == [SAVE_EVERY]
+    assert compare_checkpoints(reference(shape), root / step_dir_name(STEPS)) == []
+
+
+@pytest.mark.slow
+def test_fsdp2_failure_save_of_published_pieces_restores(tmp_path: Path, reference: Callable[[str], Path]) -> None:
+    """FSDP2 with pieces small enough to publish: the committer writes every shard, the dead rank's
+    pieces from its snapshot, each with that rank's DTensor spec. The code before wrote no DTensor
+    specs at all: the committed step did not fit the model on restore and the job gave up (crash loop)."""
+    root = tmp_path / "root"
+    shape = "fsdp2-small"
+    kill_step, victim, _, _ = _kill_at(shape, root, 4702)
+    ev = read_events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert [(e["step"], e["committed"], e["dead"]) for e in saves] == [(kill_step, True, [victim])], saves
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [kill_step]
     assert compare_checkpoints(reference(shape), root / step_dir_name(STEPS)) == []
 
 
