@@ -5,9 +5,14 @@ first resumed step (the launcher's `resumed` event), and whether the last step e
 uninterrupted run's bit for bit.
 
     python3 scripts/bench_unwarned.py --ranks 2 4 --kills 20 --seed 47
+    python3 scripts/bench_unwarned.py --shape fsdp2 --ranks 4 --kills 3   # refused: resumes the periodic step
+    python3 scripts/bench_unwarned.py --shape hsdp --ranks 4 --kills 3    # 2x2: committed from the replica peer
 
 Single node, CPU/gloo. Each run trains `--steps` steps (periodic save every `--save-every`), so a
-kill without a failure save would repeat up to `--save-every` steps.
+kill without a failure save would repeat up to `--save-every` steps. `--shape` picks the run: DDP
+(examples/train.py), or tests/helpers/sharded_train.py's FSDP2 (every piece on one rank: the
+failure save must refuse, naming the dead rank's pieces) or HSDP (replicate=2 x shard=ranks/2: it
+must commit, the dead rank's pieces written by its replica peer).
 """
 
 from __future__ import annotations
@@ -31,14 +36,21 @@ sys.path.insert(0, str(REPO / "tests"))
 from helpers.procs import rank_pid, signal_tree  # noqa: E402  (the tests' own process-tree walk)
 
 EXAMPLE = REPO / "examples" / "train.py"
+SHARDED = REPO / "tests" / "helpers" / "sharded_train.py"
 
 
-def submit(root: Path, ranks: int, args: list[str], record: Path | None) -> subprocess.Popen[str]:
+def script_for(shape: str) -> tuple[Path, list[str]]:
+    """The training script and its extra arguments for `--shape`."""
+    return (EXAMPLE, []) if shape == "ddp" else (SHARDED, ["--shape", shape])
+
+
+def submit(root: Path, ranks: int, args: list[str], record: Path | None,
+           script: Path = EXAMPLE) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SLURMRESUME_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONHASHSEED="0", PYTHONPATH=str(REPO))
     if record is not None:
         env["SLURMRESUME_DRILL_RECORD"] = str(record)
-    return subprocess.Popen([sys.executable, "-m", "slurmresume", "submit", str(EXAMPLE), "--ckpt-dir", str(root),
+    return subprocess.Popen([sys.executable, "-m", "slurmresume", "submit", str(script), "--ckpt-dir", str(root),
                              "--local", "--nproc-per-node", str(ranks), "--", *args], env=env, cwd=root.parent,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -59,13 +71,13 @@ def events(root: Path) -> list[dict]:
 
 
 def one_kill(work: Path, ranks: int, args: list[str], steps: int, save_every: int, rng: random.Random,
-             reference: Path) -> dict:
+             reference: Path, script: Path = EXAMPLE) -> dict:
     from slurmresume.checkpoint.layout import step_dir_name
     from slurmresume.tools.compare import compare_checkpoints
 
     root, record = work / "root", work / "record"
     at, victim = rng.randint(save_every + 2, steps - 3), rng.randrange(ranks)
-    proc = submit(root, ranks, args, record)
+    proc = submit(root, ranks, args, record, script)
     while max((r["step"] for r in records(record, 0)), default=0) < at and proc.poll() is None:
         time.sleep(0.01)
     time.sleep(rng.uniform(0.0, 0.1))
@@ -82,7 +94,7 @@ def one_kill(work: Path, ranks: int, args: list[str], steps: int, save_every: in
     resumed = next((e.get("seconds") for e in ev if e["event"] == "resumed"), None)
     final = root / step_dir_name(steps)
     same = proc.returncode == 0 and final.exists() and not compare_checkpoints(reference, final)
-    return {"ranks": ranks, "victim": victim, "after_step": at, "exit": proc.returncode,
+    return {"script": script.name, "ranks": ranks, "victim": victim, "after_step": at, "exit": proc.returncode,
             "failure_save": f"step {save.get('step')}" if save.get("committed") else
             ("refused: " + "; ".join(save.get("missing") or [str(save.get("error"))]) if save else "none"),
             "restored": restored, "repeated": None if restored is None else trained - restored,
@@ -96,21 +108,26 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=47)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--shape", choices=["ddp", "fsdp2", "hsdp"], default="ddp",
+                   help="ddp: examples/train.py; fsdp2, hsdp: tests/helpers/sharded_train.py (default: ddp)")
     a = p.parse_args()
-    args = ["--steps", str(a.steps), "--save-every", str(a.save_every), "--step-sleep", "0.05"]
+    if a.shape == "hsdp" and any(r % 2 for r in a.ranks):
+        p.error(f"--shape hsdp needs an even number of ranks (replicate=2 x shard=ranks/2), got {a.ranks}")
+    script, extra = script_for(a.shape)
+    args = [*extra, "--steps", str(a.steps), "--save-every", str(a.save_every), "--step-sleep", "0.05"]
     rng = random.Random(a.seed)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-unwarned-") as tmp:
         for ranks in a.ranks:
             ref = Path(tmp) / f"ref-{ranks}" / "root"
             ref.parent.mkdir()
-            proc = submit(ref, ranks, args, None)
+            proc = submit(ref, ranks, args, None, script)
             if proc.wait(timeout=1200) != 0:
                 raise SystemExit(f"the uninterrupted run on {ranks} ranks failed: {proc.stderr.read()[-2000:]}")
             for i in range(a.kills):
                 work = Path(tmp) / f"kill-{ranks}-{i}"
                 work.mkdir()
-                row = one_kill(work, ranks, args, a.steps, a.save_every, rng, ref / f"step_{a.steps:09d}")
+                row = one_kill(work, ranks, args, a.steps, a.save_every, rng, ref / f"step_{a.steps:09d}", script)
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if v != ""}), flush=True)
                 shutil.rmtree(work, ignore_errors=True)

@@ -28,7 +28,10 @@ that exits without having closed its Checkpointer. Then, on each survivor:
   3. `survivors.plan` (pure): the newest step covered by every rank's snapshot and held clean by
      a survivor; its lowest such survivor writes every rank's shard (replicated tensors from its
      memory, per-rank state from the snapshots), then the manifest and the marker
-     (`checkpoint.commit`: same checksums, same marker-last commit as any save);
+     (`checkpoint.commit`: same checksums, same marker-last commit as any save); a shard with
+     pieces too large to publish (FSDP2/HSDP) is written by a clean survivor holding them (the
+     rank itself, or its HSDP replica peer) into the same directory, before the marker
+     (`train.failwrite`);
   4. a `failure_save` event says what committed, or why nothing did (the missing pieces), and the
      survivor leaves at once (`os._exit`), before torchrun's SIGKILL.
 A second failure during the failure save (the writer dies): the save's private directory is
@@ -43,16 +46,15 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from ..checkpoint import commit as _commit
 from ..checkpoint.replicas import LIBRARY_PREFIX, replicated_across
-from ..checkpoint.state import flatten, referenced
+from ..checkpoint.state import flatten
 from ..contract import ENV_HEARTBEAT_DIR, ENV_RUN_ID, FAILSAVE_SUBDIR
 from ..events import EV_FAILURE_SAVE, EV_SAVE_COMMITTED, try_append_event
-from . import ddp, failgpu, rng, stepsnap
+from . import ddp, rng, stepsnap
+from .failwrite import Writer
 from .peers import Watcher, mark_done, peers, publish_pid, read_status, write_status
 from .survivors import Plan, Snapshot, Status, plan
 
@@ -63,14 +65,6 @@ STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchr
 FINISH_WAIT_S = 5.0  # how long a survivor past its optimizer step may take to reach its ckpt.step()
 EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
 EXIT_FAILED = 1  # a survivor's exit code after the failure save (torchrun reports the run failed)
-
-
-@dataclass(frozen=True)
-class Seat:
-    """Rank and world of a shard written on another rank's behalf (what `write_rank` reads)."""
-
-    rank: int
-    world_size: int
 
 
 class FailureGuard:
@@ -117,7 +111,7 @@ class FailureGuard:
             # the library's own per-rank state (RNG) is always published, never taken from memory
             replicated = {n for n in replicated_across(group, tensors, skeleton.get("dtensors"))
                           if not n.startswith(LIBRARY_PREFIX)}
-            self._layout = stepsnap.Layout.learn(state, replicated)
+            self._layout = stepsnap.Layout.learn(state, replicated, self.world)
         self._last_ddp = self._ddp_layouts(ddp_buckets)
         cap = stepsnap.collect(step, state, self._layout, self._last_ddp, metrics, meta)
         if self._tail is not None:
@@ -213,7 +207,8 @@ class FailureGuard:
             write_status(self.dir, me)
             statuses, dead = self._gather(dead)
             snaps = {r: _snapshots(self.dir, r) for r in range(self.world)}
-            p = plan(self.world, dead, statuses, snaps, replicated_known=self._layout is not None)
+            p = plan(self.world, dead, statuses, snaps, replicated_known=self._layout is not None,
+                     replicas=self._layout.replicas if self._layout is not None else None)
             self._act(p, dead, began)
         except Exception as exc:  # noqa: BLE001 - never leave a frozen rank behind
             log.warning("rank %d: failure save failed: %s", self.rank, exc)
@@ -245,12 +240,17 @@ class FailureGuard:
                 return statuses, dead
             time.sleep(0.02)
 
+    def _writer(self) -> Writer:
+        return Writer(self.dir, self.root, self.rank, self.world, self._state, self._layout, self._boundary,
+                      not self._dirty, self._watcher.dead_now if self._watcher is not None else set,
+                      getattr(self._group, "pg", None))
+
     def _act(self, p: Plan, dead: set[int], began: float) -> None:
         survivors = [r for r in range(self.world) if r not in dead]
         if p.ok and p.writer == self.rank:
             assert p.step is not None
             try:
-                outcome = self._write(p.step, dict(p.spliced))
+                outcome = self._writer().commit(p)
             except Exception as exc:  # noqa: BLE001 - a failure save that fails is reported, never raised
                 outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             seconds = round(time.time() - began, 3)
@@ -265,55 +265,17 @@ class FailureGuard:
                 log.warning("failure save of step %d not committed: %s", p.step, outcome.get("error"))
             try_append_event(self.root, EV_FAILURE_SAVE, step=p.step, committed=bool(outcome.get("ok")),
                              already=bool(outcome.get("already")) or None, dead=sorted(dead), writer=self.rank,
+                             writers={str(r): w for r, w in p.shards} or None,
                              seconds=seconds, error=outcome.get("error"), run_id=os.environ.get(ENV_RUN_ID))
+        elif p.ok and any(w == self.rank for _, w in p.shards):  # holds pieces the committer lacks
+            why = self._writer().help(p)
+            if why is not None:
+                log.warning("rank %d: wrote no shard of the failure save of step %s: %s", self.rank, p.step, why)
         elif not p.ok and survivors and self.rank == survivors[0]:
             log.warning("ranks %s died: no failure save (missing: %s); resuming from the newest committed step",
                         sorted(dead), "; ".join(p.refused))
             try_append_event(self.root, EV_FAILURE_SAVE, step=None, committed=False, dead=sorted(dead),
                              missing=list(p.refused), run_id=os.environ.get(ENV_RUN_ID))
-
-    def _write(self, step: int, spliced: Mapping[int, frozenset[str]]) -> dict[str, Any]:
-        """Every rank's shard of `step`, then the commit; returns commit's outcome."""
-        from ..checkpoint.nodefile import layout_from_env
-
-        if layout_from_env() != "per-rank":
-            return {"ok": False, "error": "the per-node shard layout is not written by a failure save yet"}
-        assert self._state is not None and self._layout is not None
-        replicated = self._layout.replicated
-        live_skeleton, live_tensors = flatten(self._state, {})
-        live = [(n, t) for n, t in live_tensors if n in replicated]
-        if failgpu.on_gpu(live):  # stuck in an NCCL collective: abort it, copy on a side stream
-            failgpu.release(getattr(self._group, "pg", None))
-            live = failgpu.to_host(live)
-        snaps = [stepsnap.read(self.dir / f"snap-{r}-{step % 2}") for r in range(self.world)]
-        donor = snaps[self.rank]
-        for r, pieces in spliced.items():  # died after its optimizer step: its tail + our pieces
-            tail = stepsnap.read(self.dir / f"snap-{r}-tail")
-            if tail is None or tail.get("tail_of") is None or donor is None or donor["step"] != step:
-                return {"ok": False, "error": f"rank {r}'s tail snapshot is gone"}
-            snaps[r] = stepsnap.splice(tail, donor, pieces)
-        shards = []
-        for r, snap in enumerate(snaps):
-            if snap is None or snap["step"] != step:
-                return {"ok": False, "error": f"rank {r}'s snapshot of step {step} is gone"}
-            skeleton, own = stepsnap.rebuild(snap, live_skeleton)
-            lacking = referenced(skeleton, skeleton["entries"]) - {n for n, _ in live} - {n for n, _ in own}
-            if lacking:
-                return {"ok": False, "error": f"rank {r}'s tensors {sorted(lacking)[:4]} are on no survivor"}
-            shards.append((skeleton, own))
-        decision = _commit.prepare(self.root, step)
-        if decision["action"] == "skip":
-            return {"ok": True, "error": None, "already": True}
-        if decision["action"] != "write":
-            return {"ok": False, "error": decision.get("error")}
-        # write_rank reads rank and world_size only (the per-node layout, which also reads the node's
-        # links, was refused above)
-        reports = [_commit.write_rank(self.root, step, cast(Any, Seat(r, self.world)), skeleton, live + own,
-                                      replicated, into=decision["dir"])
-                   for r, (skeleton, own) in enumerate(shards)]
-        first = snaps[0]
-        assert first is not None
-        return _commit.commit(self.root, step, reports, first["metrics"], first["meta"], into=decision["dir"])
 
 
 def failure_guard(group: Any, root: Path) -> FailureGuard | None:

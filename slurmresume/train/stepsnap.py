@@ -26,7 +26,7 @@ import json
 import os
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ import xxhash
 from ..checkpoint.jsonenc import dumps, encode
 from ..checkpoint.state import as_stateful, flatten, is_stateful
 from . import rng
+from .survivors import ReplicaDims, replica_dims
 
 HEADER = struct.Struct("<QQQ")
 PUBLISH_MAX_BYTES = 1 << 20  # a rank's non-replicated tensors published per step, at most
@@ -45,15 +46,18 @@ PUBLISH_MAX_BYTES = 1 << 20  # a rank's non-replicated tensors published per ste
 class Layout:
     """Learned at the first step (every rank alike): which state keys hold replicated tensors
     only (`static`), which top-level parts of the others do (`parts`: an optimizer's "state"),
-    and whether the cheap path encodes every other part exactly as the save does (`cheap`)."""
+    whether the cheap path encodes every other part exactly as the save does (`cheap`), and which
+    ranks hold the same piece of each DTensor (`replicas`: HSDP's replica groups, from the
+    placements: `survivors.replica_dims`)."""
 
     replicated: set[str]
     static: frozenset[str]
     parts: dict[str, frozenset[str]]
     cheap: bool
+    replicas: dict[str, ReplicaDims] = field(default_factory=dict)
 
     @classmethod
-    def learn(cls, state: Mapping[str, Any], replicated: set[str]) -> Layout:
+    def learn(cls, state: Mapping[str, Any], replicated: set[str], world: int = 1) -> Layout:
         skeleton, _ = flatten(state, {})
         entries = skeleton["entries"]
         static, parts = set(), {}
@@ -63,7 +67,7 @@ class Layout:
                 static.add(key)
             elif entry["kind"] == "stateful" and isinstance(value, dict) and all(not k.startswith("__") for k in value):
                 parts[key] = frozenset(k for k, v in value.items() if _replicas_only(v, replicated))
-        layout = cls(replicated, frozenset(static), parts, False)
+        layout = cls(replicated, frozenset(static), parts, False, replica_dims(skeleton.get("dtensors") or {}, world))
         layout.cheap = (not skeleton.get("devices") and not skeleton.get("dtensors")
                         and _merge(entries, _cheap_entries(state, layout, {})) == entries)
         return layout

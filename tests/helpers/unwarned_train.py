@@ -1,4 +1,5 @@
-"""examples/train.py with an unwarned death placed by the test, in the first run only (attempt 0
+"""examples/train.py (or the script named by $UNWARNED_SCRIPT, e.g. helpers/sharded_train.py) with
+an unwarned death placed by the test, in the first run only (attempt 0
 of restart 0). Either:
   KILL_AT_STEP=k KILL_RANK=r: right after the optimizer step of training step k, rank r SIGKILLs
       itself while every other rank sleeps $SURVIVOR_SLEEP s before its ckpt.step(): the
@@ -48,4 +49,5 @@ def before_forward(module, args):
 
 register_optimizer_step_post_hook(after_step)
 register_module_forward_pre_hook(before_forward)
-runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "train.py"), run_name="__main__")
+runpy.run_path(os.environ.get("UNWARNED_SCRIPT") or str(Path(__file__).resolve().parents[2] / "examples" / "train.py"),
+               run_name="__main__")
