@@ -195,7 +195,7 @@ def dcp_threads(state: dict[str, torch.Tensor], path: Path, threads: int) -> Non
                  no_dist=True)
 
 
-def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
+def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path, partial: Path | None = None) -> dict:
     """Every method once per round, in an order that rotates each round, the page cache dropped
     (when allowed) before each one, so that a disk that drifts within the hour hits all methods
     alike; the round-to-round spread is reported with each median."""
@@ -370,6 +370,9 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
             m()
         restore()
         print(f"  {gib} GiB round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+        if partial is not None:  # the finished rounds, should the run be stopped before the size is done
+            partial.write_text(json.dumps({"gib": gib, "rounds_done": r + 1, "date": time.strftime(
+                "%Y-%m-%d %H:%M UTC", time.gmtime()), "all": results, "writers": writers}, indent=1))
     ack.close()
     ck.close()
     for name in ("raw", "torch_save", "save_file", "dcp", "dcp_async", "ours", "ours_async"):
@@ -716,7 +719,8 @@ def main() -> None:
             Path(args.json_out).write_text(json.dumps(data, indent=2))
 
     for s in args.sizes.split(","):
-        r = bench_size(float(s), getattr(torch, args.dtype), args.rounds, work)
+        r = bench_size(float(s), getattr(torch, args.dtype), args.rounds, work,
+                       Path(f"{args.json_out}.{s}gib.partial") if args.json_out else None)
         r["ratio_to_best_peer"] = {k: ratio_to_best_peer(r, k) for k in r["all"]
                                    if k == OURS or k.startswith("slurmresume save, writer=")}
         sizes.append(r)
