@@ -195,7 +195,8 @@ def dcp_threads(state: dict[str, torch.Tensor], path: Path, threads: int) -> Non
                  no_dist=True)
 
 
-def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path, partial: Path | None = None) -> dict:
+def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path, partial: Path | None = None,
+               saves_only: bool = False) -> dict:
     """Every method once per round, in an order that rotates each round, the page cache dropped
     (when allowed) before each one, so that a disk that drifts within the hour hits all methods
     alike; the round-to-round spread is reported with each median."""
@@ -226,7 +227,8 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path, partial:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    copies = {k: torch.empty_like(v) for k, v in state.items()}
+    # --saves-only: no second copy of the state (the restore's target): a 4 GiB run in ~half the memory
+    copies = {} if saves_only else {k: torch.empty_like(v) for k, v in state.items()}
     for v in copies.values():
         v.zero_()
     # the write-path calibration a first large save would run, done before timing starts
@@ -338,6 +340,9 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path, partial:
         # it stages (on a VM whose host backs guest memory lazily this alone can exceed the read)
         record(FRESH, timed(lambda: torch.empty(nbytes, dtype=torch.uint8).fill_(1)))
 
+    def memory_copy() -> None:
+        record("memory copy of the state", timed(lambda: [copies[k].copy_(v) for k, v in state.items()]))
+
     methods: list[Callable[[], None]] = [
         lambda: record("raw O_DIRECT write+fsync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, True))),
         lambda: record("raw buffered write+fdatasync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, False))),
@@ -345,7 +350,7 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path, partial:
                        timed(lambda: raw_write(fresh("raw") / "f", nbytes, True, streams=2))),
         lambda: record("raw buffered write+fdatasync, 2 streams",
                        timed(lambda: raw_write(fresh("raw") / "f", nbytes, False, streams=2))),
-        lambda: record("memory copy of the state", timed(lambda: [copies[k].copy_(v) for k, v in state.items()])),
+        memory_copy,
         lambda: record("torch.save + fsync", with_mem("torch.save + fsync", lambda: (
             torch.save(state, fresh("torch_save") / "s.pt"), fsync_path(work / "torch_save" / "s.pt")))),
         lambda: record("safetensors save_file + fsync", with_mem("safetensors save_file + fsync", lambda: (
@@ -357,7 +362,11 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path, partial:
         ours_async,
         raw_reads,
     ]
-    ours_async()  # the first async call allocates the reused snapshot buffers: not timed
+    if saves_only:  # the durable saves alone: no memory copy, no async save (each stages a copy), no reads
+        dropped = {memory_copy, dcp_async, ours_async, raw_reads}
+        methods = [m for m in methods if m not in dropped]
+    else:
+        ours_async()  # the first async call allocates the reused snapshot buffers: not timed
     ours(None)()  # and the first sync save pays one-time costs (imports, staging buffers): not timed
     results.clear()
     memory.clear()
@@ -368,7 +377,8 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path, partial:
         for m in methods[k:] + methods[:k]:
             drop_caches()
             m()
-        restore()
+        if not saves_only:
+            restore()
         print(f"  {gib} GiB round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
         if partial is not None:  # the finished rounds, should the run be stopped before the size is done
             partial.write_text(json.dumps({"gib": gib, "rounds_done": r + 1, "date": time.strftime(
@@ -686,6 +696,9 @@ def main() -> None:
     ap.add_argument("--json-out", default=None, help="also write every figure there as JSON")
     ap.add_argument("--keep-page-cache", action="store_true",
                     help="never drop the page cache (smoke runs on a shared machine; the figures are not cold)")
+    ap.add_argument("--saves-only", action="store_true",
+                    help="time the durable saves alone (raw writes, peers, ours): no async saves, reads or "
+                         "restore, and no second copy of the state (about half the memory)")
     args = ap.parse_args()
     global KEEP_PAGE_CACHE
     KEEP_PAGE_CACHE = args.keep_page_cache
@@ -720,7 +733,7 @@ def main() -> None:
 
     for s in args.sizes.split(","):
         r = bench_size(float(s), getattr(torch, args.dtype), args.rounds, work,
-                       Path(f"{args.json_out}.{s}gib.partial") if args.json_out else None)
+                       Path(f"{args.json_out}.{s}gib.partial") if args.json_out else None, args.saves_only)
         r["ratio_to_best_peer"] = {k: ratio_to_best_peer(r, k) for k in r["all"]
                                    if k == OURS or k.startswith("slurmresume save, writer=")}
         sizes.append(r)
