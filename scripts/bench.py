@@ -6,14 +6,18 @@ For each state size (GiB of a transformer-like mix of large and small tensors) i
 method once per round, --rounds rounds (at least 5), the order rotating each round and the page
 cache dropped (as root) before each method, so that a disk whose speed drifts within the hour
 hits every method alike:
-  physical limits: O_DIRECT write + fsync, buffered write + fdatasync, read (cold and page
+  physical limits: O_DIRECT write + fsync, buffered write + fdatasync (each with one stream,
+                   and with 2 threads writing the two halves of the file), read (cold and page
                    cache), memory copy of the state into touched buffers
-  peers:           torch.save + fsync, safetensors save_file + fsync, DCP save, DCP async_save
+  peers:           torch.save + fsync, safetensors save_file + fsync, DCP save with
+                   FileSystemWriter(thread_count=1, 2, 4, sync_files=True) and no process group
+                   (no_dist: one process saving, as a user without torchrun would), DCP async_save
   slurmresume:     sync save to a durable commit with the calibrated write path (the
                    calibration runs once before timing, as a first large save would), the same
                    with each write path forced, async save (blocking / total), restore (the
                    default staged one, cold and from the page cache; the two-pass one, cold)
-  memory:          touching fresh memory of the state's size (what the staged restore adds)
+  memory:          touching fresh memory of the state's size (what the staged restore adds; its
+                   share of our cold restore is printed, so the restore's gap has a name)
 It prints, per method, the median, min-max and IQR over the rounds, and for each slurmresume
 save the best peer's seconds / ours, round by round: median and min-max of that ratio, saying
 when the spread straddles 1.0. Also: peak extra RSS of each save, `find_latest` among 10,000
@@ -31,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,7 +66,7 @@ def forcing(strategy: str | None, work: Path) -> None:
 
 def make_state(gib: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Embedding + layers of attention/MLP matrices + many small norm/bias vectors."""
-    d = 2048
+    d = 2048 if gib >= 0.25 else 256  # narrower below 1/4 GiB: a smoke run of a few MiB
     item = torch.tensor([], dtype=dtype).element_size()
     g = torch.Generator().manual_seed(0)
     state: dict[str, torch.Tensor] = {"embed.weight": torch.randn(16384, d, generator=g).to(dtype)}
@@ -109,7 +114,12 @@ def reset_hwm() -> None:
         pass
 
 
+KEEP_PAGE_CACHE = False  # --keep-page-cache: never drop it (a smoke run on a shared machine)
+
+
 def drop_caches() -> bool:
+    if KEEP_PAGE_CACHE:
+        return False
     try:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3")
@@ -124,14 +134,30 @@ def fsync_path(p: Path) -> None:
     os.close(fd)
 
 
-def raw_write(path: Path, nbytes: int, direct: bool) -> None:
-    buf = mmap.mmap(-1, 64 << 20)
-    buf.write(b"\x5a" * (64 << 20))
+def raw_write(path: Path, nbytes: int, direct: bool, streams: int = 1) -> None:
+    """`nbytes` of one touched 64 MiB buffer (per stream) written to `path` and made durable;
+    with `streams` > 1, that many threads each write their own contiguous part of the file with
+    pwrite (the limit of parallel writers on one file)."""
+    import threading
+
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags, 0o644)
-    left = nbytes
-    while left > 0:
-        left -= os.write(fd, memoryview(buf)[: min(len(buf), -(-left // 4096) * 4096)])
+    part = -(-nbytes // streams // 4096) * 4096
+
+    size = min(64 << 20, part)
+
+    def write(lo: int, hi: int) -> None:
+        buf = mmap.mmap(-1, size)
+        buf.write(b"\x5a" * size)
+        at = lo
+        while at < hi:
+            at += os.pwrite(fd, memoryview(buf)[: min(len(buf), -(-(hi - at) // 4096) * 4096)], at)
+
+    threads = [threading.Thread(target=write, args=(i * part, min(nbytes, (i + 1) * part))) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     os.ftruncate(fd, nbytes)
     os.fsync(fd) if direct else os.fdatasync(fd)
     os.close(fd)
@@ -150,11 +176,27 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
-PEERS = ("torch.save + fsync", "safetensors save_file + fsync", "DCP save", "DCP async_save total")
+DCP_THREADS = (1, 2, 4)
+PEERS = ("torch.save + fsync", "safetensors save_file + fsync", *(f"DCP save t{t}" for t in DCP_THREADS),
+         "DCP async_save total")
+FRESH = "touch fresh memory of the state's size"
 OURS = "slurmresume save (durable commit)"
 
 
-def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
+def dcp_threads(state: dict[str, torch.Tensor], path: Path, threads: int) -> None:
+    """DCP's save with `threads` writer threads (one file each) and fsync, in one process with no
+    process group (`no_dist`), as torch 2.13 allows."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"m": state}, storage_writer=FileSystemWriter(str(path), thread_count=threads, sync_files=True),
+                 no_dist=True)
+
+
+def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path, partial: Path | None = None,
+               saves_only: bool = False) -> dict:
     """Every method once per round, in an order that rotates each round, the page cache dropped
     (when allowed) before each one, so that a disk that drifts within the hour hits all methods
     alike; the round-to-round spread is reported with each median."""
@@ -185,7 +227,8 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    copies = {k: torch.empty_like(v) for k, v in state.items()}
+    # --saves-only: no second copy of the state (the restore's target): a 4 GiB run in ~half the memory
+    copies = {} if saves_only else {k: torch.empty_like(v) for k, v in state.items()}
     for v in copies.values():
         v.zero_()
     # the write-path calibration a first large save would run, done before timing starts
@@ -219,7 +262,9 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
     def dcp_async() -> None:
         d = fresh("dcp_async")
         t0 = time.perf_counter()
-        fut = dcp.async_save({"m": state}, checkpoint_id=str(d))
+        with warnings.catch_warnings():  # no process group: "assuming ... a single process", as it is
+            warnings.simplefilter("ignore", UserWarning)
+            fut = dcp.async_save({"m": state}, checkpoint_id=str(d), no_dist=True)
         record("DCP async_save blocking", time.perf_counter() - t0)
         fut.result()
         record("DCP async_save total", time.perf_counter() - t0)
@@ -236,6 +281,10 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
         memory["slurmresume async (with buffers)"] = max(memory.get("slurmresume async (with buffers)", 0), hwm() - base)
         record("slurmresume async blocking", blocking)
         record("slurmresume async total", total)
+
+    def dcp_peer(threads: int) -> Callable[[], None]:
+        name = f"DCP save t{threads}"
+        return lambda: record(name, with_mem(name, lambda: dcp_threads(state, fresh("dcp"), threads)))
 
     def raw_reads() -> None:
         raw_write(fresh("raw") / "f", nbytes, True)
@@ -289,24 +338,35 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
         record("safetensors load_file + copy (cold)" if cold else "safetensors load_file + copy", timed(peer_load))
         # what the default (staged) restore pays beyond the read: touching as much fresh memory as
         # it stages (on a VM whose host backs guest memory lazily this alone can exceed the read)
-        record("touch fresh memory of the state's size", timed(lambda: torch.empty(nbytes, dtype=torch.uint8).fill_(1)))
+        record(FRESH, timed(lambda: torch.empty(nbytes, dtype=torch.uint8).fill_(1)))
+
+    def memory_copy() -> None:
+        record("memory copy of the state", timed(lambda: [copies[k].copy_(v) for k, v in state.items()]))
 
     methods: list[Callable[[], None]] = [
         lambda: record("raw O_DIRECT write+fsync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, True))),
         lambda: record("raw buffered write+fdatasync", timed(lambda: raw_write(fresh("raw") / "f", nbytes, False))),
-        lambda: record("memory copy of the state", timed(lambda: [copies[k].copy_(v) for k, v in state.items()])),
+        lambda: record("raw O_DIRECT write+fsync, 2 streams",
+                       timed(lambda: raw_write(fresh("raw") / "f", nbytes, True, streams=2))),
+        lambda: record("raw buffered write+fdatasync, 2 streams",
+                       timed(lambda: raw_write(fresh("raw") / "f", nbytes, False, streams=2))),
+        memory_copy,
         lambda: record("torch.save + fsync", with_mem("torch.save + fsync", lambda: (
             torch.save(state, fresh("torch_save") / "s.pt"), fsync_path(work / "torch_save" / "s.pt")))),
         lambda: record("safetensors save_file + fsync", with_mem("safetensors save_file + fsync", lambda: (
             save_file(state, str(fresh("save_file") / "s.st")), fsync_path(work / "save_file" / "s.st")))),
-        lambda: record("DCP save", with_mem("DCP save", lambda: dcp.save({"m": state}, checkpoint_id=str(fresh("dcp"))))),
+        *(dcp_peer(t) for t in DCP_THREADS),
         dcp_async,
         ours(None),
         *(ours(s) for s in writer.STRATEGIES),
         ours_async,
         raw_reads,
     ]
-    ours_async()  # the first async call allocates the reused snapshot buffers: not timed
+    if saves_only:  # the durable saves alone: no memory copy, no async save (each stages a copy), no reads
+        dropped = {memory_copy, dcp_async, ours_async, raw_reads}
+        methods = [m for m in methods if m not in dropped]
+    else:
+        ours_async()  # the first async call allocates the reused snapshot buffers: not timed
     ours(None)()  # and the first sync save pays one-time costs (imports, staging buffers): not timed
     results.clear()
     memory.clear()
@@ -317,8 +377,12 @@ def bench_size(gib: float, dtype: torch.dtype, rounds: int, work: Path) -> dict:
         for m in methods[k:] + methods[:k]:
             drop_caches()
             m()
-        restore()
+        if not saves_only:
+            restore()
         print(f"  {gib} GiB round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+        if partial is not None:  # the finished rounds, should the run be stopped before the size is done
+            partial.write_text(json.dumps({"gib": gib, "rounds_done": r + 1, "date": time.strftime(
+                "%Y-%m-%d %H:%M UTC", time.gmtime()), "all": results, "writers": writers}, indent=1))
     ack.close()
     ck.close()
     for name in ("raw", "torch_save", "save_file", "dcp", "dcp_async", "ours", "ours_async"):
@@ -555,6 +619,21 @@ def _agree_worker(rank: int, port: int, iters: int, q) -> None:  # noqa: ANN001
     dist.destroy_process_group()
 
 
+def fresh_memory_line(r: dict) -> str:
+    """Our cold restore against the peer's, and how much of ours touching fresh memory of the
+    state's size takes (the staged, all-or-nothing restore holds every verified byte in fresh
+    memory: on a VM that backs guest pages lazily that, not our reading, is the gap)."""
+    s = r["seconds"]
+    ours = next((s[k] for k in ("slurmresume restore (cold)", "slurmresume restore") if k in s), None)
+    peer = next((s[k] for k in ("safetensors load_file + copy (cold)", "safetensors load_file + copy") if k in s), None)
+    fresh = s.get(FRESH)
+    if ours is None or peer is None or fresh is None:
+        return "restore: not measured"
+    return (f"restore: ours {ours:.3f} s, load_file + copy {peer:.3f} s (peer/ours {peer / ours:.2f}x); touching fresh "
+            f"memory of the state's size {fresh:.3f} s = {fresh / ours:.0%} of our restore; ours without it "
+            f"{max(ours - fresh, 0.0):.3f} s")
+
+
 def report(sizes: list[dict], scan: dict | None, agree: dict | None) -> None:
     for r in sizes:
         s = r["seconds"]
@@ -585,6 +664,8 @@ def report(sizes: list[dict], scan: dict | None, agree: dict | None) -> None:
             print(f"{name}: best peer ({q['best_peer']}) / ours per round: median {q['median']:.2f}x, "
                   f"min-max {q['min']:.2f}-{q['max']:.2f}x; median ours <= median best peer: "
                   f"{q['median_of_ours_le_best_peer']}{note}")
+            print(f"  per round: {', '.join(f'{x:.2f}' for x in q['ratios'])}")
+        print(fresh_memory_line(r))
         print("\nwhere our saves' seconds went (shard GB/s; seconds: the slowest rank's shard, its write calls, "
               "hashing, fsync, waiting for the writer; the rank's whole write; manifest+marker+publish; "
               "collectives; prepare):")
@@ -613,7 +694,14 @@ def main() -> None:
                          "only the write paths, the peers that save per rank and DCP, and implies --quick")
     ap.add_argument("--dir", default=None, help="benchmark directory; none: a temp dir under /tmp")
     ap.add_argument("--json-out", default=None, help="also write every figure there as JSON")
+    ap.add_argument("--keep-page-cache", action="store_true",
+                    help="never drop the page cache (smoke runs on a shared machine; the figures are not cold)")
+    ap.add_argument("--saves-only", action="store_true",
+                    help="time the durable saves alone (raw writes, peers, ours): no async saves, reads or "
+                         "restore, and no second copy of the state (about half the memory)")
     args = ap.parse_args()
+    global KEEP_PAGE_CACHE
+    KEEP_PAGE_CACHE = args.keep_page_cache
     if args.rounds < 1:
         ap.error("--rounds must be at least 1 (5 or more for a spread worth reading)")
     work = Path(args.dir or tempfile.mkdtemp(prefix="slurmresume-bench-"))
@@ -630,10 +718,7 @@ def main() -> None:
                                                        "sizes": sizes}, indent=2))
         shutil.rmtree(work, ignore_errors=True) if not args.dir else None
         return
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(28000 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)  # DCP async_save wants a process group
+    # no process group: one process saving, every method alike (DCP's with no_dist, as torch 2.13 allows)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     import gc
 
@@ -647,7 +732,8 @@ def main() -> None:
             Path(args.json_out).write_text(json.dumps(data, indent=2))
 
     for s in args.sizes.split(","):
-        r = bench_size(float(s), getattr(torch, args.dtype), args.rounds, work)
+        r = bench_size(float(s), getattr(torch, args.dtype), args.rounds, work,
+                       Path(f"{args.json_out}.{s}gib.partial") if args.json_out else None, args.saves_only)
         r["ratio_to_best_peer"] = {k: ratio_to_best_peer(r, k) for k in r["all"]
                                    if k == OURS or k.startswith("slurmresume save, writer=")}
         sizes.append(r)
@@ -656,7 +742,6 @@ def main() -> None:
         sys.stdout.flush()
         gc.collect()
     scan = None if args.quick else bench_scan(work)
-    dist.destroy_process_group()
     agree = None if args.quick else bench_agreement()
     report([], scan, agree)
     save_json(scan, agree)

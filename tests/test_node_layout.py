@@ -270,7 +270,7 @@ def test_the_mirror_refuses_a_per_node_step_in_one_line_before_touching_the_buck
     assert "\n" not in str(err.value) and "SLURMRESUME_LAYOUT=per-rank" in str(err.value)
 
 
-@pytest.mark.parametrize("strategy", ["direct", "direct-par", "buffered-wb", "buffered"])
+@pytest.mark.parametrize("strategy", ["direct", "direct-par", "buffered-wb", "buffered", "buffered-par"])
 def test_every_write_path_writes_only_its_range_of_a_shared_file(tmp_path: Path, strategy: str) -> None:
     """A node file's ranges written by each write path (O_DIRECT pads its last block to 4 KiB:
     inside the aligned range, never past it): the bytes around a range stay as they were, no

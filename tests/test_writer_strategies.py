@@ -81,7 +81,7 @@ def test_all_strategies_produce_byte_identical_checkpoints(tmp_path: Path, monke
 def test_calibration_picks_the_fastest_and_caches_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      _own_cache: Path) -> None:
     monkeypatch.setenv(calibrate.PROBE_ENV, "2")
-    fake = {"direct": 0.5, "direct-par": 0.4, "buffered-wb": 0.1, "buffered": 0.3}
+    fake = {"direct": 0.5, "direct-par": 0.4, "buffered-wb": 0.1, "buffered": 0.3, "buffered-par": 0.35}
     real = calibrate.time_probe
 
     def probe(strategy: str, path: Path, src: memoryview, nbytes: int) -> float:
@@ -95,7 +95,7 @@ def test_calibration_picks_the_fastest_and_caches_it(tmp_path: Path, monkeypatch
     assert entry["strategy"] == "buffered-wb" and set(entry["gbps"]) == set(writer.STRATEGIES)
     # paths over 2x the fastest after round one are not measured again
     assert {k: len(v) for k, v in entry["calibration"]["seconds"].items()} == {"buffered-wb": 2, "direct": 1, "direct-par": 1,
-                                                                  "buffered": 1}
+                                                                  "buffered": 1, "buffered-par": 1}
     assert not list(tmp_path.glob(".slurmresume-calibrate*"))  # probes removed
     # the cache answers the next process (memory cleared) without measuring again
     calibrate._memo.clear()
@@ -174,7 +174,8 @@ def _fake_probes(monkeypatch: pytest.MonkeyPatch, fake: dict[str, float]) -> Non
 
 def test_a_clear_winner_of_the_probes_opens_no_trial(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       _own_cache: Path) -> None:
-    _fake_probes(monkeypatch, {"direct": 0.1, "direct-par": 0.2, "buffered-wb": 0.3, "buffered": 0.13})
+    _fake_probes(monkeypatch, {"direct": 0.1, "direct-par": 0.2, "buffered-wb": 0.3, "buffered": 0.13,
+                                   "buffered-par": 0.14})
     assert calibrate.choose(tmp_path, size_hint=1 << 30) == ("direct", "calibrated")
     entry = next(iter(json.loads(_own_cache.read_text()).values()))
     assert "trial" not in entry

@@ -26,11 +26,11 @@ So the choice is a small bandit over the write paths (writer.STRATEGIES), per fi
   is not dropped for being slow (buffered was 0.45x of O_DIRECT at calibration and 2.5x of it
   two hours later), it is only tried as often as the budget pays for; a near path costs little
   and is tried often. The price is a slower discovery of a far path: "close" below.
-  "Close", with the four paths here (m = 3): believed within 1/(1 + 10 * 0.05 / 3) = 0.86x of
+  "Close", with the five paths here (m = 4): believed within 1/(1 + 10 * 0.05 / 4) = 0.89x of
   the best. Such a path is tried every <= 10 saves (a save later when another path falls due on
   the same ticket), so if it became 3x faster it is adopted within 10 saves; with two paths
   known (m = 1) close is within 0.67x. One believed 0.45x (2.2x slower, cost 1.22) is tried
-  every 74 saves (two paths: 25); one believed 6x slower every 300. A belief that aged out keeps
+  every 98 saves (two paths: 25); one believed 6x slower every 400. A belief that aged out keeps
   its figure for the cost (it is all we know).
 - An emergency save always takes the best and never explores (it is timed by a signal's lead).
 - `update` folds one real save into the belief; the best is recomputed at once, so a path that

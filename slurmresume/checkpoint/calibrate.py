@@ -252,6 +252,8 @@ def _ticket_locked(directory: Path, key: str) -> tuple[str, bool]:
                 raise ValueError("the calibration measured no write path")
             entry = {"key": key, "measured_at": probed["measured_at"],
                      "calibration": {k: probed.get(k) for k in ("gbps", "seconds", "probe_bytes")}}
+        else:
+            belief = _probe_missing(directory, entry, belief, now)
         told = getattr(_state, "explore", None)  # the save's agreed path (`agreed`), else a ticket here
         if told is None:
             path, belief = bandit.draw(belief, now)
@@ -267,6 +269,32 @@ def _ticket_locked(directory: Path, key: str) -> tuple[str, bool]:
     if explored:
         log.info("write path: exploring %s on this save (best known: %s)", strategy, entry["strategy"])
     return str(strategy), explored
+
+
+def _probe_missing(directory: Path, entry: Any, belief: dict[str, Any], now: float) -> dict[str, Any]:
+    """`belief` with a probe's figure for every write path that `entry`'s calibration predates (a
+    path added by an upgrade, e.g. buffered-par: the bandit only ever tries paths with a figure,
+    so without one it would wait for the belief to age out). Probed once, under the cache's lock,
+    in a large non-emergency save; real saves then refine it. An entry without a calibration
+    record (written by hand, or by a test) is taken as it is."""
+    from .writer import STRATEGIES
+
+    probed_then = ((entry or {}).get("calibration") or {}).get("gbps") if isinstance(entry, dict) else None
+    if not isinstance(probed_then, dict):
+        return belief
+    missing = tuple(n for n in STRATEGIES if n not in belief["paths"] and n not in probed_then)
+    if not missing:
+        return belief
+    try:
+        probed = calibrate(directory, strategies=missing, rounds=1)
+    except Exception as exc:  # noqa: BLE001 - the known paths still serve this save
+        _warn_once(f"probing the write path(s) {', '.join(missing)} in {directory} failed: {exc}")
+        return belief
+    paths = dict(belief["paths"])
+    for name, gbps in probed["gbps"].items():
+        if name in missing:
+            paths[name] = {"gbps": gbps, "at": now, "n": 0, "src": bandit.PROBE, "t": belief["tickets"]}
+    return {**belief, "paths": paths}
 
 
 def probe_bytes() -> int:

@@ -162,6 +162,23 @@ def pwrite_all(fd: int, data: memoryview | bytes, offset: int, label: str, path:
         view, offset = view[n:], offset + n
 
 
+def pwritev_all(fd: int, views: list[memoryview | bytes], offset: int, label: str,
+                path: str | os.PathLike[str] = "") -> None:
+    """`writev_all` at a file offset (the parallel buffered writers, each on its own ranges of
+    one file): the same fault point, once per buffer."""
+    for _ in views:
+        fault_point(f"write.{label}", path)
+    pending = [memoryview(v).cast("B") for v in views if len(v)]
+    while pending:
+        n = os.pwritev(fd, pending[:1024], offset)  # IOV_MAX on Linux
+        offset += n
+        while pending and n >= len(pending[0]):
+            n -= len(pending[0])
+            pending.pop(0)
+        if n:
+            pending[0] = pending[0][n:]
+
+
 def note_failure(exc: BaseException, path: str | os.PathLike[str], needed: int | None = None) -> None:
     """Attach to a failed write's OSError which file it was writing and how many bytes that
     file needs, so that the error message can name both (ENOSPC: "... bytes needed")."""
