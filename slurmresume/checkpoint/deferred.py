@@ -23,7 +23,7 @@ tests/test_plan_work.py.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from json.decoder import JSONDecoder, scanstring
+from json import JSONDecoder
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -95,7 +95,7 @@ def _split(text: str, dec: JSONDecoder, what: str) -> dict[str, Any] | None:
     while True:  # the keys before "dtensors", one value at a time (the C scanner, strict hooks)
         if text[at] != '"':
             return None
-        key, at = scanstring(text, at + 1)
+        key, at = dec.raw_decode(text, at)  # the key: a JSON string
         if text[at] != ":" or key in out:
             return None
         if key == DEFERRED:
