@@ -588,13 +588,14 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
     out: dict[str, Any] = {"from": saved_world, "to": world}
 
     def timed_plan(key: str, rank: int, chosen: restoring.RestoreChoice, st: Any, lv: Any, sent: bytes = b"") -> Any:
-        with ops.counting() as counts:  # a rank but 0: parse the bytes rank 0 sent (with_manifest), then plan
-            t, c = time.perf_counter(), time.process_time()
-            with restoreplan.gc_paused():  # as restoring.load_choice
-                planned = restoreplan.with_manifest(chosen, sent)
-                result = restoreplan.plan_part(rank, planned, st, lv, True)
-                x = time.perf_counter()
-                xplan = restoring.exchange_plan(Group(None, rank, world), planned, result)
+        # as restoring.load_choice: the GC paused until the restore drops what the plan made (here
+        # the clock stops first: the collection at the end walks what the restore keeps)
+        with ops.counting() as counts, restoreplan.gc_paused():
+            t, c = time.perf_counter(), time.process_time()  # a rank but 0: parse the bytes rank 0 sent, then plan
+            planned = restoreplan.with_manifest(chosen, sent)
+            result = restoreplan.plan_part(rank, planned, st, lv, True)
+            x = time.perf_counter()
+            xplan = restoring.exchange_plan(Group(None, rank, world), planned, result)
             out[f"{key}_s"], out[f"{key}_cpu_s"] = time.perf_counter() - t, time.process_time() - c
             out[f"{key}_exchange_s"] = time.perf_counter() - x if xplan is not None else None
             out[f"{key}_ops"] = Ops.total(counts)

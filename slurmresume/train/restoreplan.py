@@ -83,8 +83,8 @@ def with_manifest(choice: RestoreChoice, sent: bytes) -> RestoreChoice:
     step directory; either way checked against the digest rank 0 pinned (`manifest.read_pinned`:
     CorruptCheckpointError / UnsafeCheckpointError). Rank 0's choice, which holds its own parse,
     is returned as it is. The caller drops `sent` then: the plan never holds the bytes. (The
-    parse makes ~10^5 objects, as the plan does: `restoring.load_choice` runs both in one
-    `gc_paused`.)"""
+    parse makes ~10^5 objects, as the plan does: `restoring.load_choice` runs both, and the read,
+    in one `gc_paused`.)"""
     if choice.manifest is not None:
         return choice
     return replace(choice, manifest=read_pinned(Path(choice.path), choice.step, choice.manifest_xxh3, sent or None))
