@@ -12,8 +12,9 @@ would give, but for that one section; anything not in the writer's shape is pars
 Where "dtensors" ends is found from the other end of the text: after it come at most "devices",
 then "replicated" (the writer's order), each found by its last `,"name":` and kept only where
 its value, parsed, ends the object (a name inside "dtensors" is followed by the section's own
-closing brace at least). In JSON text a `"` after a comma opens a string (a `"` inside one is
-escaped), so the last `,"replicated":` of a skeleton that has the key is the key. A key a
+closing brace at least). In JSON text `,"name":` is always a key (a `"` inside a string is
+escaped, and one that closes a string is never followed by a letter), so the last
+`,"replicated":` of a skeleton that has the key at its end is that key. A key a
 restore reads ("entries" and "library" come first) anywhere in what would be the section, as a
 key or a DTensor's name, and the skeleton is parsed whole: a key this version does not read
 after "dtensors" is kept with the section, unread. The writer's order is pinned by
