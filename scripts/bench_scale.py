@@ -533,6 +533,37 @@ def _refused_size(error: str | None) -> int | None:
 
 # -- the restore plan (one rank) ------------------------------------------------------------------
 
+def calls_made(fn: Callable[[], Any]) -> int:
+    """The Python-level calls `fn` makes (sys.setprofile's "call" and "c_call": every function,
+    method and builtin, a JSON hook called from C included), not timed: the plan's work, which must
+    not grow with W (tests/test_bench_scale.py). `fn`'s result is closed if it is a Part."""
+    made = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal made
+        if event in ("call", "c_call"):
+            made += 1
+
+    sys.setprofile(count)
+    try:
+        got = fn()
+    finally:
+        sys.setprofile(None)
+    if isinstance(got, restoreplan.Part):
+        got.opened.close()
+    return made
+
+
+def planned_part(rank: int, world: int, chosen: restoring.RestoreChoice, sent: bytes, state: Any, live: Any) -> Any:
+    """What `restoring.load_choice` plans on `rank` (but 0): the manifest from the bytes rank 0
+    sent, `plan_part`, then the exchange plan. Returns the plan (a Part, or the Failure)."""
+    with restoreplan.gc_paused():
+        planned = restoreplan.with_manifest(chosen, sent)
+        result = restoreplan.plan_part(rank, planned, state, live, True)
+        restoring.exchange_plan(Group(None, rank, world), planned, result)
+    return result
+
+
 def other_rank(world: int) -> int:
     """The non-zero rank whose restore plan is measured: one in the middle of the world, whose
     own shard (at the same W; its box's at a reshard) is not shard 0."""
@@ -557,13 +588,14 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
     out: dict[str, Any] = {"from": saved_world, "to": world}
 
     def timed_plan(key: str, rank: int, chosen: restoring.RestoreChoice, st: Any, lv: Any, sent: bytes = b"") -> Any:
-        with ops.counting() as counts:  # a rank but 0: parse the bytes rank 0 sent (with_manifest), then plan
-            t, c = time.perf_counter(), time.process_time()
-            with restoreplan.gc_paused():  # as restoring.load_choice
-                planned = restoreplan.with_manifest(chosen, sent)
-                result = restoreplan.plan_part(rank, planned, st, lv, True)
-                x = time.perf_counter()
-                xplan = restoring.exchange_plan(Group(None, rank, world), planned, result)
+        # as restoring.load_choice: the GC paused until the restore drops what the plan made (here
+        # the clock stops first: the collection at the end walks what the restore keeps)
+        with ops.counting() as counts, restoreplan.gc_paused():
+            t, c = time.perf_counter(), time.process_time()  # a rank but 0: parse the bytes rank 0 sent, then plan
+            planned = restoreplan.with_manifest(chosen, sent)
+            result = restoreplan.plan_part(rank, planned, st, lv, True)
+            x = time.perf_counter()
+            xplan = restoring.exchange_plan(Group(None, rank, world), planned, result)
             out[f"{key}_s"], out[f"{key}_cpu_s"] = time.perf_counter() - t, time.process_time() - c
             out[f"{key}_exchange_s"] = time.perf_counter() - x if xplan is not None else None
             out[f"{key}_ops"] = Ops.total(counts)
@@ -615,6 +647,7 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
             other.opened.close()
             runs.append((out["other_plan_s"], out["other_plan_cpu_s"], out["other_plan_exchange_s"]))
         out["other_plan_runs"] = runs
+        out["other_plan_calls"] = calls_made(lambda: planned_part(rank, world, wire, sent, state, live))
         out["other_plan_s"], out["other_plan_cpu_s"] = (statistics.median(r[i] for r in runs) for i in (0, 1))
         if runs[0][2] is not None:
             out["other_plan_exchange_s"] = statistics.median(r[2] for r in runs)
@@ -700,7 +733,8 @@ def line(r: dict[str, Any]) -> str:
         s += (f"\n      restore {p['from']}->{p['to']}: pick (rank 0) {p['pick_s'] * 1e3:.1f} ms "
               f"({p['pick_cpu_s'] * 1e3:.1f} cpu), plan rank 0 {p['plan_s'] * 1e3:.1f} ms "
               f"({p['plan_cpu_s'] * 1e3:.1f} cpu), plan rank {p.get('other_rank', '?')} {p['other_plan_s'] * 1e3:.1f} ms "
-              f"({p['other_plan_cpu_s'] * 1e3:.1f} cpu{_exchange(p.get('other_plan_exchange_s'))}), peak heap pick {_mib(p.get('pick_peak_bytes'))} plan "
+              f"({p['other_plan_cpu_s'] * 1e3:.1f} cpu{_exchange(p.get('other_plan_exchange_s'))}, "
+              f"{p.get('other_plan_calls', 0):,} calls), peak heap pick {_mib(p.get('pick_peak_bytes'))} plan "
               f"{_mib(p.get('plan_peak_bytes'))} other {_mib(p.get('other_plan_peak_bytes'))}; choice broadcast "
               f"{p['choice_bytes']} B, manifest broadcast {_mib(p.get('manifest_sent_bytes'))}; ops pick {p['pick_ops']:,} + plan {p['plan_ops']} + (W-1) x "
               f"{p['other_plan_ops']} = {p['restore_ops_total']:,} ({p['restore_ops_total'] / p['to']:.2f} per rank)")

@@ -158,13 +158,14 @@ def dumps(data: Any) -> str:
     return json.dumps(data, separators=(",", ":"), allow_nan=False, ensure_ascii=True)
 
 
-def loads(text: str | bytes, what: str) -> Any:
-    """Parse untrusted JSON: bounded size, no duplicate keys, no NaN/Infinity literals."""
-    if not isinstance(text, (str, bytes, bytearray)):
-        raise UnsafeCheckpointError(f"{what} is a {type(text).__name__}, not JSON text")
-    if len(text) > MAX_JSON_BYTES:
-        raise UnsafeCheckpointError(f"{what} is {len(text)} bytes, over the {MAX_JSON_BYTES} limit")
+def strict_decoder(what: str) -> json.JSONDecoder:
+    """A decoder with `loads`'s rules (no duplicate keys, no NaN/Infinity literals:
+    UnsafeCheckpointError naming `what`): its `raw_decode` parses one value of a text."""
+    pairs, constant = _hooks(what)
+    return json.JSONDecoder(object_pairs_hook=pairs, parse_constant=constant)
 
+
+def _hooks(what: str) -> tuple[Callable[[list[tuple[str, Any]]], dict[str, Any]], Callable[[str], Any]]:
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         out = dict(items)  # in C: a Python loop per key was most of a restore plan's parse time
         if len(out) != len(items):
@@ -176,6 +177,16 @@ def loads(text: str | bytes, what: str) -> Any:
     def constant(name: str) -> Any:
         raise UnsafeCheckpointError(f"{what} contains the non-JSON literal {name}")
 
+    return pairs, constant
+
+
+def loads(text: str | bytes, what: str) -> Any:
+    """Parse untrusted JSON: bounded size, no duplicate keys, no NaN/Infinity literals."""
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise UnsafeCheckpointError(f"{what} is a {type(text).__name__}, not JSON text")
+    if len(text) > MAX_JSON_BYTES:
+        raise UnsafeCheckpointError(f"{what} is {len(text)} bytes, over the {MAX_JSON_BYTES} limit")
+    pairs, constant = _hooks(what)
     try:
         return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
     except RecursionError as exc:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import exchange
-from ..checkpoint.jsonenc import loads
+from ..checkpoint.deferred import loads_skeleton
 from ..checkpoint.manifest import read_pinned
 from ..checkpoint.opened import OpenShards
 from ..checkpoint.reshard import STATS as RESHARD_STATS
@@ -83,8 +83,8 @@ def with_manifest(choice: RestoreChoice, sent: bytes) -> RestoreChoice:
     step directory; either way checked against the digest rank 0 pinned (`manifest.read_pinned`:
     CorruptCheckpointError / UnsafeCheckpointError). Rank 0's choice, which holds its own parse,
     is returned as it is. The caller drops `sent` then: the plan never holds the bytes. (The
-    parse makes ~10^5 objects, as the plan does: `restoring.load_choice` runs both in one
-    `gc_paused`.)"""
+    parse makes ~10^5 objects, as the plan does: `restoring.load_choice` runs both, and the read,
+    in one `gc_paused`.)"""
     if choice.manifest is not None:
         return choice
     return replace(choice, manifest=read_pinned(Path(choice.path), choice.step, choice.manifest_xxh3, sent or None))
@@ -134,7 +134,7 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         header = opened.header(shard["file"], shard["bytes"], manifest.expected(src))
         meta = header.get("__metadata__")
         raw = meta.get(SKELETON_KEY, "") if isinstance(meta, dict) else ""
-        skeleton = loads(raw, f"skeleton of {shard['file']}")
+        skeleton = loads_skeleton(raw, f"skeleton of {shard['file']}")  # its DTensor specs parsed if read
         names = header.keys() - sharded.keys() - {"__metadata__"}  # set operations in C (3,411 names at 405B)
         listed = skeleton.get("replicated") or [] if isinstance(skeleton, dict) else []
         if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
@@ -145,13 +145,15 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
             header0 = opened.header(first["file"], first["bytes"], manifest.expected(0))
             infos.update({n: header0[n] for n in header0 if n in shared})
         # once (not again to decode); of the DTensor specs only what the restore reads (reshard.targets)
-        validate_skeleton(keys, skeleton, infos.keys() | sharded.keys(), strict, specs=False)
+        refs = validate_skeleton(keys, skeleton, infos.keys() | sharded.keys(), strict, specs=False)
         # Shapes from the headers (a DTensor: its global shape), as meta tensors: a checkpoint
         # that does not fit the live modules and optimizers is refused before any byte is loaded
         # (the other entries are decoded, and checked, by the read, before anything is applied).
         fits = [k for k in keys if is_stateful(state[k])]
         check_fits(state, decode_entries(fits, skeleton, MetaOnDemand(infos, sharded), strict, checked=True)[0])
-        wanted = {n: sharded[n] for n in referenced(skeleton, keys) if n in sharded}
+        if not skeleton["entries"].keys() <= set(keys):  # (else every entry's: the names validated)
+            refs = referenced(skeleton, keys)
+        wanted = {n: sharded[n] for n in refs if n in sharded}
         where = reshard_targets(state, live, wanted, skeleton.get("dtensors") or {})
         boxes, sources, boxed = plan_reads(wanted, where)
         if not manifest.placed_by_arithmetic:  # pieces the specs do not place: their indexes, checked first
@@ -207,7 +209,8 @@ def read_part(rank: int, choice: RestoreChoice, part: Part | Failure, keys: list
             tensors.update(load_sharded(d, m.shards, part.wanted, part.where, m.expected, mode, part.opened, part.boxes))
         read = whole + RESHARD_STATS["bytes"] - before["bytes"]
         needed = whole + RESHARD_STATS["needed"] - before["needed"]
-        decoded, library = decode_entries(keys, part.skeleton, tensors, strict)
+        # the skeleton as plan_part validated it for these keys (its DTensor specs: where read)
+        decoded, library = decode_entries(keys, part.skeleton, tensors, strict, checked=True)
         if rank < choice.world_size and isinstance(library, dict) and "rng" in library:
             rng.validate(library["rng"])  # before restoring.apply_loaded touches anything
         return Loaded(decoded, library, None, read, needed)
