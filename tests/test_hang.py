@@ -549,7 +549,9 @@ def test_a_hung_rank_is_killed_first_and_the_others_save_its_step(tmp_path: Path
     assert proc.returncode == 0, out
     ev = _events(tmp_path / "ckpt")
     hangs = [e for e in ev if e["event"] == "hang"]
-    assert [(h["ranks"], h["step"]) for h in hangs] == [([1], 11)], out
+    # the suspects: rank 1, or ranks 0 and 1 when rank 0's wait in the collective also passed the
+    # budget before the verdict (load); either way rank 1 alone is killed (the highest suspect)
+    assert [h["step"] for h in hangs] == [11] and hangs[0]["ranks"] in ([1], [0, 1]), out
     assert (tmp_path / "ckpt" / "logs").exists() and Path(hangs[0]["dump_dir"], "rank-1.txt").exists()
     saves = [e for e in ev if e["event"] == "failure_save"]
     assert [(e["step"], e["committed"], e["dead"]) for e in saves] == [(11, True, [1])], out
