@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import EXAMPLE, HELPERS, clean_env, rank_pid, run_ranks, signal_tree
+from helpers.procs import EXAMPLE, HELPERS, clean_env, finish, rank_pid, run_ranks, signal_tree
 
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.contract import ENV_DRILL_RECORD
@@ -289,16 +289,6 @@ def _submit(root: Path, script: Path, record: Path | None = None, **env: str) ->
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _finish(proc: subprocess.Popen[str]) -> str:
-    try:
-        out, _ = proc.communicate(timeout=900)  # a hang guard only
-    except subprocess.TimeoutExpired:
-        signal_tree(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, out[-5000:]
-    return out
-
-
 def _events(root: Path) -> list[dict]:
     path = root / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -315,7 +305,7 @@ def _state_of(pid: int) -> str:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted run: its last step is what every interrupted run must end with, bitwise."""
     root = tmp_path_factory.mktemp("reference") / "root"
-    _finish(_submit(root, EXAMPLE))
+    finish(_submit(root, EXAMPLE))
     return root / step_dir_name(30)
 
 
@@ -340,7 +330,7 @@ def test_a_rank_sigkilled_without_warning_costs_at_most_one_step_and_the_job_end
         time.sleep(0.02)
         pid = pid or rank_pid(proc.pid, victim)
     signal_tree(pid, signal.SIGKILL)
-    _finish(proc)
+    finish(proc)
 
     ev = _events(root)
     saves = [e for e in ev if e["event"] == "failure_save"]
@@ -376,7 +366,7 @@ def test_a_rank_killed_after_its_optimizer_step_costs_no_step(tmp_path: Path, re
 
     root = tmp_path / "root"
     kill_at = random.Random(472).randint(13, 18)
-    _finish(_submit(root, HELPERS / "unwarned_train.py", KILL_AT_STEP=str(kill_at), KILL_RANK="1",
+    finish(_submit(root, HELPERS / "unwarned_train.py", KILL_AT_STEP=str(kill_at), KILL_RANK="1",
                     SURVIVOR_SLEEP=str(FINISH_WAIT_S / 10)))
     ev = _events(root)
     saves = [e for e in ev if e["event"] == "failure_save"]
@@ -395,7 +385,7 @@ def test_survivors_past_their_optimizer_step_never_commit_a_failure_save(tmp_pat
 
     root = tmp_path / "root"
     kill_at = random.Random(471).randint(13, 18)
-    _finish(_submit(root, HELPERS / "unwarned_train.py", KILL_AT_STEP=str(kill_at), KILL_RANK="1",
+    finish(_submit(root, HELPERS / "unwarned_train.py", KILL_AT_STEP=str(kill_at), KILL_RANK="1",
                     SURVIVOR_SLEEP=str(FINISH_WAIT_S + 3)))
     ev = _events(root)
     saves = [e for e in ev if e["event"] == "failure_save"]

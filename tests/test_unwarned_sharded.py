@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers.procs import HELPERS, clean_env, rank_pid, signal_tree
+from helpers.procs import HELPERS, clean_env, finish, rank_pid, signal_tree
 
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.contract import ENV_DRILL_RECORD
@@ -188,16 +188,6 @@ def _submit(root: Path, shape: str, record: Path | None = None, **env: str) -> s
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _finish(proc: subprocess.Popen[str]) -> str:
-    try:
-        out, _ = proc.communicate(timeout=900)  # a hang guard only
-    except subprocess.TimeoutExpired:
-        signal_tree(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, out[-5000:]
-    return out
-
-
 def _stopped(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
@@ -219,7 +209,7 @@ def _kill_at(shape: str, root: Path, seed: int) -> tuple[int, int, Path, str]:
         time.sleep(0.02)
         pid = pid or rank_pid(proc.pid, victim)
     signal_tree(pid, signal.SIGKILL)
-    return kill_step, victim, record, _finish(proc)
+    return kill_step, victim, record, finish(proc)
 
 
 def _trained(record: Path) -> int:
@@ -236,7 +226,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
     def get(shape: str) -> Path:
         if shape not in done:
             root = tmp_path_factory.mktemp(f"reference-{shape}") / "root"
-            _finish(_submit(root, shape))
+            finish(_submit(root, shape))
             done[shape] = root / step_dir_name(STEPS)
         return done[shape]
 
@@ -311,7 +301,7 @@ def test_hsdp_rank_killed_after_its_optimizer_step_is_covered_by_its_peer(
 
     root = tmp_path / "root"
     kill_at = random.Random(4704).randint(SAVE_EVERY + 2, STEPS - 4)
-    _finish(_submit(root, "hsdp", KILL_AT_STEP=str(kill_at), KILL_RANK="1", SURVIVOR_SLEEP=str(FINISH_WAIT_S / 10)))
+    finish(_submit(root, "hsdp", KILL_AT_STEP=str(kill_at), KILL_RANK="1", SURVIVOR_SLEEP=str(FINISH_WAIT_S / 10)))
     ev = read_events(root)
     saves = [e for e in ev if e["event"] == "failure_save"]
     assert [(e["step"], e["committed"], e["dead"]) for e in saves] == [(kill_at, True, [1])], saves

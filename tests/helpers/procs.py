@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -154,6 +155,18 @@ def signal_tree(root: int, sig: int) -> list[int]:
         except ProcessLookupError:
             pass
     return pids
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 900) -> str:
+    """Wait for `proc` (stdout piped, text) and return its output; it must exit 0. The timeout is
+    a hang guard only: past it the whole tree is SIGKILLed and TimeoutExpired raised."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        signal_tree(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, out[-5000:]
+    return out
 
 
 def rank_pid(launcher: int, rank: int, script: bytes = b"train.py") -> int | None:
