@@ -49,6 +49,17 @@ def run_python() -> Callable[..., object]:
 def pytest_configure(config: pytest.Config) -> None:
     # pytest-xdist declares it; declared here too, so a run with -p no:xdist takes the marks below quietly
     config.addinivalue_line("markers", "xdist_group(name): tests of one group run on one xdist worker")
+    keep_collection_order(config)
+
+
+def keep_collection_order(config: pytest.Config) -> None:
+    """`--dist loadgroup` hands out work units in the order of the items below, not xdist's
+    default (`--loadscope-reorder`: the units with the most tests first). That default put the
+    fixture groups of 41, 27, 20 and 10 quick tests ahead of the second Slurm chain (6 tests) and
+    every listed long test behind them: the chain started only when a worker had drained its
+    group. The order here is the Slurm chains first, then the longest first."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks

@@ -87,3 +87,18 @@ def test_the_suite_groups_the_tests_of_test_node_layouts_saved_step(tmp_path: Pa
     saved = {nodeid for nodeid, group in groups.items() if group != "-"}
     assert {group for group in groups.values() if group != "-"} == {"fixture-test_node_layout"}
     assert len(saved) == 10 and all("test_a_nodes_ranks" not in nodeid for nodeid in saved), groups  # 10 read it
+
+
+def test_xdist_hands_out_work_in_the_conftests_order() -> None:
+    """The conftest turns off xdist's reorder by unit size (the Slurm chains and the longest tests
+    would otherwise wait behind the groups with the most tests)."""
+    from types import SimpleNamespace
+
+    from conftest import keep_collection_order
+
+    config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=True))
+    keep_collection_order(config)  # type: ignore[arg-type]
+    assert config.option.loadscopereorder is False
+    bare = SimpleNamespace(option=SimpleNamespace())  # -p no:xdist: no such option, nothing to set
+    keep_collection_order(bare)  # type: ignore[arg-type]
+    assert not hasattr(bare.option, "loadscopereorder")
