@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -102,8 +101,10 @@ def test_scancel_during_a_warned_save_ends_the_job(cluster: None, tmp_path: Path
     scancel("--signal=USR1", job)
     wait(lambda: count(root, "signal_agreed") >= 1, 120, "the warned save to start")
     scancel(job)
+    # final_state waited until the job left squeue (no process of it is left to requeue it: the
+    # completing state ends with its last process) and sacct reports it ended; a requeue before
+    # that would have put it back in squeue and left a REQUEUED record
     assert final_state(job) == "CANCELLED"
-    time.sleep(15)  # a requeue would show up as a new start by now
     assert count(root, "requeued") == 0 and count(root, "started") == 1, job_log(root, job)
     assert "REQUEUED" not in sacct_states(job)
     q = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True)

@@ -27,6 +27,7 @@ from test_slurm_e2e import (  # noqa: F401
 )
 
 from slurmresume.checkpoint.layout import OWNER
+from slurmresume.contract import ENV_LEASE_HEARTBEAT
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -48,12 +49,19 @@ def _steps(root: Path) -> dict[str, tuple[int, int]]:
             for d in root.glob("step_*") for p in sorted(d.iterdir())}
 
 
-def _squeue_ids() -> set[str]:
-    return set(subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split())
+def _squeue_ids(root: Path | None = None) -> set[str]:
+    """The jobs in squeue; with `root`, only those whose batch script lies under it (a submission
+    with `--ckpt-dir root` writes its script in root/logs): other tests' jobs share the cluster."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i %o"], capture_output=True, text=True).stdout
+    rows = [line.split(" ", 1) for line in out.splitlines() if line.strip()]
+    return {row[0] for row in rows if root is None or (len(row) == 2 and str(root) in row[1])}
 
 
-@pytest.mark.slurm_exclusive  # it asserts that nothing else entered squeue
-def test_resubmission_on_a_live_root_is_refused_and_takeover_after_it_ended(cluster: None, tmp_path: Path) -> None:
+def test_resubmission_on_a_live_root_is_refused_and_takeover_after_it_ended(cluster: None, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # the jobs inherit this environment: the killed launcher's lease ages out in 3 s, not 90 s (a
+    # live job's lease is judged by its Slurm state, whatever its heartbeat's age)
+    monkeypatch.setenv(ENV_LEASE_HEARTBEAT, "1")
     root = tmp_path / "run"
     job = submit(root, "--time", "10", script_args=("3000", "0.1", "0"))
     second = None
@@ -61,15 +69,16 @@ def test_resubmission_on_a_live_root_is_refused_and_takeover_after_it_ended(clus
         preempt_at(root, job, 5, 0, "--signal=USR1")  # one committed checkpoint, one requeue
         wait(lambda: count(root, "started", restart=1) >= 1, 180, f"the requeued run\n{job_log(root, job)}")
         assert _owner(root) == f"slurm-{job}"  # the requeued run is the same owner
-        before, queued = _steps(root), _squeue_ids()
+        before, queued = _steps(root), _squeue_ids(root)
         assert before, "no committed checkpoint to protect"
+        assert queued == {job}, queued  # the filter sees this root's job (and so would see a second one)
 
         res = _submit_raw(root)
         assert res.returncode == 1, res.stdout + res.stderr
         line = res.stderr.strip()
         assert len(line.splitlines()) == 1 and "Traceback" not in line, line
         assert f"Slurm job {job}" in line and "since" in line and "refusing to start a second writer" in line, line
-        assert _squeue_ids() <= queued | {job}  # nothing submitted
+        assert _squeue_ids(root) == {job}  # nothing submitted
         assert count(root, "submitted") == 1
         res = _submit_raw(root, "--takeover")  # a live owner is never taken over
         assert res.returncode == 1 and "refusing to start a second writer" in res.stderr, res.stderr

@@ -3,8 +3,9 @@
 Most end-to-end tests submit small jobs (1-2 of the node's 8 advertised CPUs) and can share the
 cluster; they take it shared. A few cannot share it: the two-node test restarts the daemons, the
 partition-preemption test needs the whole node (a `high` job would also preempt the other
-tests' jobs), and the resubmission test asserts that nothing else was queued. They take it
-exclusively (marker `slurm_exclusive`, or `cluster_lock(exclusive=True)` around a fixture).
+tests' jobs). They take it exclusively (marker `slurm_exclusive`, or `cluster_lock(exclusive=True)`
+around a fixture). The resubmission test (test_slurm_ownership.py) shares it: it checks that
+nothing was queued for its own root, not that nothing else entered squeue.
 
 flock alone lets new shared holders in while an exclusive one waits, so an exclusive test
 could wait for a whole chain of shared ones; a turnstile (taken briefly by readers, held by a
