@@ -102,3 +102,15 @@ def test_xdist_hands_out_work_in_the_conftests_order() -> None:
     bare = SimpleNamespace(option=SimpleNamespace())  # -p no:xdist: no such option, nothing to set
     keep_collection_order(bare)  # type: ignore[arg-type]
     assert not hasattr(bare.option, "loadscopereorder")
+
+
+def test_a_chain_runs_the_modules_that_hold_the_cluster_alone_last() -> None:
+    """The two-node module (the heaviest) goes last on its chain, after the shared modules put there,
+    so the other chain is not held idle on the lock while it runs (it runs its own shared tests
+    meanwhile, then the tests beside Slurm)."""
+    alone = {nodeid for nodeid in SECONDS if nodeid.startswith(TWO)}
+    chains = slurm_chains(list(SECONDS), SECONDS, 2, alone)
+    holding = next(chain for chain in chains if any(nodeid in alone for nodeid in chain))
+    first = next(i for i, nodeid in enumerate(holding) if nodeid in alone)
+    assert first > 0 and all(nodeid in alone for nodeid in holding[first:]), holding
+    assert all(_contiguous(chain) for chain in chains)

@@ -25,8 +25,12 @@ def slurm_chains(nodeids: Sequence[str], seconds: Mapping[str, float], chains: i
                  exclusive: Collection[str] = ()) -> list[list[str]]:
     """`chains` lists of nodeids: whole modules, the heaviest first, each to the chain with the
     fewest recorded seconds of shared tests so far; in a chain, its modules in that order and each
-    module's tests the longest first. A test in `exclusive` holds the cluster alone: every chain
-    waits for it whichever chain runs it, so only the shared tests' seconds are balanced."""
+    module's tests the longest first, except that a module with a test in `exclusive` comes after
+    the chain's other modules. A test in `exclusive` holds the cluster alone: every chain waits for
+    it whichever chain runs it, so only the shared tests' seconds are balanced. Run first, the
+    exclusive module (or the other chain's first test, whichever took the lock first) made the other
+    chain's worker sit idle on the lock; run last, it starts when the other chain is done or nearly
+    (the shared seconds are balanced), whose worker then goes on to the tests beside Slurm."""
     modules: dict[str, list[str]] = {}
     for nodeid in nodeids:
         modules.setdefault(module_of(nodeid), []).append(nodeid)
@@ -34,13 +38,15 @@ def slurm_chains(nodeids: Sequence[str], seconds: Mapping[str, float], chains: i
     def cost(ids: list[str], shared_only: bool = False) -> float:
         return sum(seconds.get(i, UNLISTED_S) for i in ids if not (shared_only and i in exclusive))
 
-    out: list[list[str]] = [[] for _ in range(chains)]
+    placed: list[list[list[str]]] = [[] for _ in range(chains)]
     load = [0.0] * chains
     for ids in sorted(modules.values(), key=lambda ids: -cost(ids)):
         i = load.index(min(load))
         load[i] += cost(ids, shared_only=True)
-        out[i] += sorted(ids, key=lambda nodeid: -seconds.get(nodeid, UNLISTED_S))
-    return out
+        placed[i].append(sorted(ids, key=lambda nodeid: -seconds.get(nodeid, UNLISTED_S)))
+    # a stable sort: the shared modules keep their order, the modules holding the cluster alone go last
+    return [[nodeid for ids in sorted(mods, key=lambda ids: any(i in exclusive for i in ids)) for nodeid in ids]
+            for mods in placed]
 
 
 SHARED_SCOPES = frozenset({"module", "class"})  # set up once per module (or class), torn down on leaving it
