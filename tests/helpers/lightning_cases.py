@@ -1,6 +1,6 @@
 """A small Lightning script for issue #28: state updated where Lightning runs hooks after ours.
 
-    lightning_cases.py --steps N --case module-ema|callback-ema
+    lightning_cases.py --steps N --case module-ema|callback-ema|early-stop[,...]
 
     module-ema    an EMA of the weights updated in LightningModule.on_train_batch_end (Lightning
                   runs the module's hook after every callback's)
@@ -8,6 +8,8 @@
     early-stop    validation every 4 steps and an EarlyStopping that never sees an improvement
                   (its wait_count grows at each validation); the validation due at the preempted
                   step must run, in the uninterrupted and the preempted run alike
+
+Several cases, comma-separated, run together in one script (one drill covers them all).
 
 Either way the emergency save must hold the saved step's EMA update: one update short per
 preemption otherwise, and the final EMA differs from the uninterrupted run's.
@@ -25,8 +27,9 @@ from slurmresume.integrations.lightning import ResumableDataLoader, SlurmResume
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=16)
-p.add_argument("--case", default="module-ema")
+p.add_argument("--case", default="module-ema", help="one case or several, comma-separated")
 args = p.parse_args()
+cases = set(args.case.split(","))
 pl.seed_everything(0, verbose=False)
 g = torch.Generator().manual_seed(0)
 dataset = TensorDataset(torch.randn(256, 8, generator=g), torch.randn(256, 1, generator=g))
@@ -50,7 +53,7 @@ class Net(pl.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        if args.case == "module-ema":
+        if "module-ema" in cases:
             ema_update(self.ema, torch.cat([self.lin.weight.flatten(), self.lin.bias]))
 
     def validation_step(self, batch, batch_idx):
@@ -82,9 +85,9 @@ class EMACallback(pl.Callback):
 
 
 callbacks: list[pl.Callback] = [SlurmResume()]
-if args.case == "callback-ema":
+if "callback-ema" in cases:
     callbacks.append(EMACallback())  # after ours
-validate = args.case == "early-stop"
+validate = "early-stop" in cases
 if validate:
     callbacks.append(pl.callbacks.EarlyStopping(monitor="val_loss", min_delta=10.0, patience=1000))
 distributed = "WORLD_SIZE" in os.environ
