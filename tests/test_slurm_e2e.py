@@ -64,12 +64,12 @@ def progress(root: Path, rank: int = 0) -> int:
         return 0
 
 
-def wait(pred, timeout: float, what: str) -> None:
+def wait(pred, timeout: float, what: str, every: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
             return
-        time.sleep(0.2)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
@@ -79,11 +79,16 @@ def sacct_states(job: str) -> list[str]:
 
 
 def final_state(job: str, timeout: float = 240) -> str:
+    """The job's last state once it has left squeue and sacct reports it ended. Polled every
+    0.5 s, sacct only once squeue no longer lists the job: two Slurm clients every 0.2 s for the
+    whole of each job's run were CPU the 2-core suite's other tests waited for."""
     def done() -> bool:
         q = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True)
+        if q.stdout.strip():
+            return False
         states = sacct_states(job)
-        return not q.stdout.strip() and bool(states) and states[-1] in TERMINAL
-    wait(done, timeout, f"job {job} to end")
+        return bool(states) and states[-1] in TERMINAL
+    wait(done, timeout, f"job {job} to end", every=0.5)
     return sacct_states(job)[-1]
 
 
