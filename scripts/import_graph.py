@@ -20,7 +20,8 @@ Roles, from the top (may import downwards only); the package a module lives in i
            helpers), the framework integrations, the mirror's uploader
   base     slurmresume/checkpoint/ (format, commit protocol) and the top-level modules every role
            shares: errors, contract (launcher <-> worker), events, retention, ownership, duration,
-           slurm (the one seam that runs Slurm commands), mirror.s3/transfer
+           slurm (the one seam that runs Slurm commands), storage (the one storage interface: a
+           root on a file system or in a bucket) with mirror.remote (its bucket side), mirror.s3/transfer
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def role(mod: str) -> str:
         return "tools"
     if mod in ("mirror", "mirror.__main__"):
         return "job"
-    if top == "integrations" or mod in ("mirror.hook", "mirror.background", "mirror.remote"):
+    if top == "integrations" or mod in ("mirror.hook", "mirror.background"):
         return "train"
     return "base"
 
