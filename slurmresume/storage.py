@@ -29,6 +29,7 @@ looks at a URL's scheme.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from .retention import CheckpointRecord, PrunePlan, PruneResult, RetentionPolicy
 
 Progress = Callable[[int, int], None]
+log = logging.getLogger("slurmresume")
 
 __all__ = ["BucketRoot", "CheckpointInfo", "DirRoot", "Root", "VerifyResult", "is_bucket", "open_root"]
 
@@ -72,7 +74,7 @@ class Root(Protocol):
     def infos(self, *, verify: bool = False, scan: bool = False) -> list[CheckpointInfo]: ...
 
     def latest(self, *, verify: bool = False, exclude: Collection[int] = (), max_step: int | None = None,
-               scan: bool = False, sizes: bool = True,
+               scan: bool = False, sizes: bool = True, warn: bool = False,
                skipped: Callable[[CheckpointInfo], None] | None = None) -> CheckpointInfo | None: ...
 
     def read_marker(self, step: int) -> bytes: ...
@@ -161,13 +163,14 @@ class DirRoot:
         return list_checkpoints(self.path, verify=verify, scan=scan)
 
     def latest(self, *, verify: bool = False, exclude: Collection[int] = (), max_step: int | None = None,
-               scan: bool = False, sizes: bool = True,
+               scan: bool = False, sizes: bool = True, warn: bool = False,
                skipped: Callable[[CheckpointInfo], None] | None = None) -> CheckpointInfo | None:
         """The newest complete step (store.find_latest; a newer step this version cannot read
-        raises UnreadableCheckpointError rather than resuming past it). Logs nothing."""
+        raises UnreadableCheckpointError rather than resuming past it). `warn`: log a warning
+        naming each newer step passed over, and why."""
         from .checkpoint.store import find_latest
 
-        return find_latest(self.path, verify=verify, exclude=set(exclude), max_step=max_step, warn=False,
+        return find_latest(self.path, verify=verify, exclude=set(exclude), max_step=max_step, warn=warn,
                            scan=scan, sizes=sizes, skipped=skipped)
 
     def read_marker(self, step: int) -> bytes:
@@ -321,7 +324,7 @@ class BucketRoot:
         return remote.list_remote(self.s3, self.loc, verify)
 
     def latest(self, *, verify: bool = False, exclude: Collection[int] = (), max_step: int | None = None,
-               scan: bool = False, sizes: bool = True,
+               scan: bool = False, sizes: bool = True, warn: bool = False,
                skipped: Callable[[CheckpointInfo], None] | None = None,
                listing: list[RemoteStep] | None = None) -> CheckpointInfo | None:
         """The newest complete step (a step without a marker is passed over unread). `listing`:
@@ -335,6 +338,8 @@ class BucketRoot:
             info = remote.inspect(self.s3, self.loc, rs, verify)
             if info.complete:
                 return info
+            if warn:
+                log.warning("skipping %s: %s", info.url, info.problem)
             if skipped is not None:
                 skipped(info)
         return None
