@@ -1,7 +1,8 @@
 """Checkpoint commands (status, prune, verify, latest), registered on the app when cli/__init__.py imports it.
 
-Each is a thin adapter: options -> one library call (status.py, retention.py, store.py) ->
-render (_render.py) or JSON. Errors are SlurmResumeError subclasses; `handle_errors` turns
+Each is a thin adapter: options -> the root, opened once (`options.open_ckpt_root`: a directory
+or a bucket, storage.py) -> its calls (`Root.latest`/`verify`/`records`/`plan`/`prune`;
+tools/status.py on a directory) -> render (render.py) or JSON. Errors are SlurmResumeError subclasses; `handle_errors` turns
 them into one `error: ...` line on stderr and exit code 1.
 """
 
@@ -21,7 +22,7 @@ from ..errors import (
     NoCheckpointError,
     UnreadableCheckpointError,
 )
-from ..storage import Root, is_bucket, open_step_url
+from ..storage import BucketRoot, Root, is_bucket, open_step_url
 from .app import app, handle_errors
 from .options import CkptDir, JsonOut, Mode, ModeOpt, open_ckpt_root, root_hint
 from .shared import confirm_delete, emit_json, latest_json, prune_json, verify_json
@@ -84,12 +85,13 @@ def status(
     if limit < 0:
         raise ConfigError(f"--limit must be >= 0 (0 shows all), got {limit}")
     store = open_ckpt_root(ckpt_dir, "status")
-    if store.directory is None:  # a bucket: its steps only (no job, no event log there)
+    if isinstance(store, BucketRoot):  # its steps only (no job, no event log in a bucket)
         from .commands_remote import bucket_status
 
         bucket_status(store, verify=verify, limit=limit, as_json=as_json)
         return
     root = store.directory
+    assert root is not None  # a root that is not a bucket is a directory
     _refuse_misplaced(root)
     if job is not None and not re.fullmatch(r"\d+(_\d+)?", job):
         raise ConfigError(f"--job {job!r} is not a Slurm job id: use digits, e.g. --job 12345")

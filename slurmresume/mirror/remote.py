@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -24,6 +24,9 @@ from ..checkpoint.store import CheckpointInfo
 from ..errors import CheckpointError, UnreadableCheckpointError
 from .commit import ATTEMPT_PREFIX, RemoteCommit, read_remote_commit
 from .s3 import S3Location, call, list_objects, point
+
+if TYPE_CHECKING:
+    from ..retention import PruneResult
 
 
 @dataclass
@@ -183,7 +186,7 @@ def plan(s3: Any, loc: S3Location, policy: Any, now: float | None = None) -> Any
 
 
 def prune(s3: Any, loc: S3Location, policy: Any, approved: Collection[str] | None = None,
-          now: float | None = None, progress: Callable[[int, int], None] | None = None) -> Any:
+          now: float | None = None, progress: Callable[[int, int], None] | None = None) -> PruneResult:
     """Delete per `policy`: re-list and re-plan first (another uploader may have committed
     since the plan the user saw), delete only what both plans delete, marker first. A
     retention.PruneResult (no leftovers to clean on a bucket)."""
