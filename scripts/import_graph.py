@@ -307,7 +307,8 @@ def event_name_literals(files: dict[str, tuple[bool, ast.Module, int]] | None = 
 # -- one storage interface (storage.py: a root on a file system or in a bucket) ---------------
 # Who may use a tier's own root-level readers: the interface and the tiers themselves (and the
 # package's public re-exports of the directory tier's `find_latest`/`list_checkpoints`).
-STORAGE_LAYER = {"storage", "checkpoint.store", "retention", "mirror.remote", "mirror.s3", "__init__", "mirror"}
+STORAGE_LAYER = {"storage", "storage.root", "storage.directory", "storage.bucket", "checkpoint.store", "retention",
+                 "mirror.remote", "mirror.s3", "__init__", "mirror"}
 ROOT_READERS = {"checkpoint.store": {"find_latest", "list_checkpoints"}}
 SCHEME_TEST = "is_s3_url"
 
