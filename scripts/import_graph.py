@@ -9,6 +9,8 @@
 - private names crossing modules: `from .x import _name` of a non-module name (each private name
   stays in the module that defines it);
 - event names spelled as strings outside events.py (`event_name_literals`: events.py owns them);
+- a root reached around the storage interface (`storage_bypasses`: storage.py is the one place
+  that tells a bucket from a directory and the one user of the tiers' own readers);
 - modules over 300 lines and the 10 longest functions.
 
 Roles, from the top (may import downwards only); the package a module lives in is its role:
@@ -20,7 +22,8 @@ Roles, from the top (may import downwards only); the package a module lives in i
            helpers), the framework integrations, the mirror's uploader
   base     slurmresume/checkpoint/ (format, commit protocol) and the top-level modules every role
            shares: errors, contract (launcher <-> worker), events, retention, ownership, duration,
-           slurm (the one seam that runs Slurm commands), mirror.s3/transfer
+           slurm (the one seam that runs Slurm commands), storage (the one storage interface: a
+           root on a file system or in a bucket) with mirror.remote (its bucket side), mirror.s3/transfer
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def role(mod: str) -> str:
         return "tools"
     if mod in ("mirror", "mirror.__main__"):
         return "job"
-    if top == "integrations" or mod in ("mirror.hook", "mirror.background", "mirror.remote"):
+    if top == "integrations" or mod in ("mirror.hook", "mirror.background"):
         return "train"
     return "base"
 
@@ -301,6 +304,47 @@ def event_name_literals(files: dict[str, tuple[bool, ast.Module, int]] | None = 
     return sorted(set(bad))
 
 
+# -- one storage interface (storage.py: a root on a file system or in a bucket) ---------------
+# Who may use a tier's own root-level readers: the interface and the tiers themselves (and the
+# package's public re-exports of the directory tier's `find_latest`/`list_checkpoints`).
+STORAGE_LAYER = {"storage", "storage.root", "storage.directory", "storage.bucket", "checkpoint.store", "retention",
+                 "mirror.remote", "mirror.s3", "__init__", "mirror"}
+ROOT_READERS = {"checkpoint.store": {"find_latest", "list_checkpoints"}}
+SCHEME_TEST = "is_s3_url"
+
+
+def storage_bypasses(files: dict[str, tuple[bool, ast.Module, int]] | None = None) -> list[str]:
+    """Each place outside the storage layer that reaches a root around `storage.Root`: importing
+    the bucket tier (`mirror.remote`), a directory tier's root scan (`checkpoint.store.find_latest`,
+    `list_checkpoints`), or testing a URL's scheme itself (`is_s3_url`; `storage.is_bucket` and
+    `storage.open_root` are the one place). Type-only imports count too: the record is
+    `storage.CheckpointInfo`, the same on every tier."""
+    files = sources() if files is None else files
+    known = set(files) | {"mirror.remote", "checkpoint.store", "mirror.s3"}
+    bad: list[str] = []
+    for mod, (is_pkg, tree, _) in sorted(files.items()):
+        if mod in STORAGE_LAYER:
+            continue
+        for node in ast.walk(tree):
+            where = f"{mod}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                targets = resolve(mod, is_pkg, node, known)
+                names = {a.name for a in node.names}
+                if "mirror.remote" in targets:
+                    bad.append(f"{where}: imports mirror.remote (a bucket is storage.BucketRoot)")
+                for target, readers in ROOT_READERS.items():
+                    if target in targets and names & readers:
+                        bad.append(f"{where}: imports {', '.join(sorted(names & readers))} from {target} "
+                                   "(a root is read through storage.open_root / DirRoot)")
+                if SCHEME_TEST in names:
+                    bad.append(f"{where}: imports {SCHEME_TEST} (storage.is_bucket is the one test of a root's kind)")
+            elif isinstance(node, ast.Attribute) and node.attr in ({SCHEME_TEST} | set().union(*ROOT_READERS.values())):
+                bad.append(f"{where}: uses .{node.attr} (reach a root through storage.open_root)")
+            elif isinstance(node, ast.Name) and node.id == SCHEME_TEST:
+                bad.append(f"{where}: calls {SCHEME_TEST} (storage.is_bucket is the one test of a root's kind)")
+    return sorted(set(bad))
+
+
 def _under_type_checking(node: ast.stmt) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
@@ -372,6 +416,10 @@ def main() -> int:
     print(f"event names spelled outside events.py: {len(spelled)}")
     for b in spelled:
         print("  " + b)
+    bypass = storage_bypasses()
+    print(f"roots reached around the storage interface: {len(bypass)}")
+    for b in bypass:
+        print("  " + b)
     by_role: dict[str, list[str]] = {}
     for m in sorted(top):
         by_role.setdefault(role(m), []).append(m)
@@ -379,7 +427,7 @@ def main() -> int:
         print(f"{r:8} {len(by_role.get(r, []))} modules, {sum(lines[m] for m in by_role.get(r, []))} lines")
     print("modules over 300 lines: " + ", ".join(f"{m} ({n})" for m, n in sorted(lines.items(), key=lambda x: -x[1]) if n > 300))
     print("longest functions: " + ", ".join(f"{name} ({n})" for n, name in funcs[:10]))
-    return 1 if cyc or bad or private or spelled else 0
+    return 1 if cyc or bad or private or spelled or bypass else 0
 
 
 if __name__ == "__main__":

@@ -162,3 +162,38 @@ def test_job_imports_nothing_from_train() -> None:
     crossing = sorted(f"{m} -> {d}" for m in top if m.startswith("job.")
                       for d in top[m] | lazy[m] if d == "train" or d.startswith("train."))
     assert crossing == []
+
+
+def test_every_root_is_reached_through_the_storage_interface() -> None:
+    """Issue 48, item 4: `status`, `prune`, `latest`, `verify`, restore and the mirror reach a
+    checkpoint root through storage.py (a `DirRoot` or a `BucketRoot`, picked once by
+    `open_root`); nothing outside the storage layer imports the bucket tier, scans a directory
+    root with the store's own readers, or tests a URL's scheme itself."""
+    assert _import_graph().storage_bypasses() == []
+
+
+def test_the_storage_scan_finds_each_way_around_the_interface() -> None:
+    import ast
+
+    ig = _import_graph()
+    code = {
+        "cli.a": """
+from ..mirror import remote                                   # 1 the bucket tier
+from ..checkpoint.store import find_latest, inspect_dir       # 2 a directory root's scan (inspect_dir: one step, passes)
+from ..mirror.s3 import is_s3_url                             # 3 the scheme test imported
+def f(root, s3, loc):
+    from ..checkpoint import store
+    store.list_checkpoints(root)                              # 4 through the module
+    return is_s3_url(root)                                    # 5 the scheme test called
+""",
+        "tools.b": """
+from ..storage import DirRoot, is_bucket, open_root
+def g(value):
+    return open_root(value) if is_bucket(value) else DirRoot(value).latest()
+""",
+        "storage": "from .mirror.s3 import is_s3_url\n",
+    }
+    files = {m: (False, ast.parse(c), 0) for m, c in code.items()}
+    found = ig.storage_bypasses(files)
+    assert [b.split(":")[1] for b in found] == ["2", "3", "4", "7", "8"], found
+    assert all(b.startswith("cli.a:") for b in found)

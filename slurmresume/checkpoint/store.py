@@ -48,6 +48,9 @@ log = logging.getLogger("slurmresume")
 
 @dataclass
 class CheckpointInfo:
+    """One step of a root, as inspected: the same record on every tier (storage.py). On a
+    bucket, `path` is the step folder's name and `location` its URL (see `url`)."""
+
     step: int
     path: Path
     has_marker: bool
@@ -58,6 +61,13 @@ class CheckpointInfo:
     in_progress: bool = False
     unreadable: bool = False  # not by this version's rules (newer format, over a cap) or this user's: not corrupt
     facts: MarkerFacts | None = None  # a scan's answer from the marker alone (manifest left unread)
+    uploading: bool = False  # a bucket: an unfinished multipart upload exists under it
+    location: str | None = None  # a bucket: the step's s3:// URL (None: `path` is the step directory)
+
+    @property
+    def url(self) -> str:
+        """Where the step is, as the commands print it: its directory, or its URL on a bucket."""
+        return self.location if self.location is not None else os.fspath(self.path)
 
     @property
     def complete(self) -> bool:
@@ -77,7 +87,7 @@ class CheckpointInfo:
             return self.manifest.total_bytes
         if self.facts and self.facts.total_bytes is not None:
             return self.facts.total_bytes
-        return _dir_bytes(self.path)
+        return _dir_bytes(self.path) if self.location is None else 0
 
     @property
     def created(self) -> float:

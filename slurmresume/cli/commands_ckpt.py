@@ -1,13 +1,13 @@
 """Checkpoint commands (status, prune, verify, latest), registered on the app when cli/__init__.py imports it.
 
-Each is a thin adapter: options -> one library call (status.py, retention.py, store.py) ->
-render (_render.py) or JSON. Errors are SlurmResumeError subclasses; `handle_errors` turns
+Each is a thin adapter: options -> the root, opened once (`options.open_ckpt_root`: a directory
+or a bucket, storage.py) -> its calls (`Root.latest`/`verify`/`records`/`plan`/`prune`;
+tools/status.py on a directory) -> render (render.py) or JSON. Errors are SlurmResumeError subclasses; `handle_errors` turns
 them into one `error: ...` line on stderr and exit code 1.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -22,20 +22,10 @@ from ..errors import (
     NoCheckpointError,
     UnreadableCheckpointError,
 )
+from ..storage import BucketRoot, Root, is_bucket, open_step_url
 from .app import app, handle_errors
-from .options import CkptDir, JsonOut, Mode, ModeOpt, resolve_root, root_hint
+from .options import CkptDir, JsonOut, Mode, ModeOpt, open_ckpt_root, root_hint
 from .shared import confirm_delete, emit_json, latest_json, prune_json, verify_json
-
-
-def is_s3_url(value: object) -> bool:
-    """--ckpt-dir s3://BUCKET/PREFIX (pathlib turns the "//" into "/")."""
-    return str(value).startswith("s3:/")
-
-
-def s3_commands() -> Any:
-    from . import commands_remote
-
-    return commands_remote
 
 
 def _refuse_misplaced(root: Path) -> None:
@@ -94,10 +84,14 @@ def status(
         raise ConfigError(root_hint("status", ctx.args[0]))
     if limit < 0:
         raise ConfigError(f"--limit must be >= 0 (0 shows all), got {limit}")
-    if is_s3_url(ckpt_dir):  # the bucket's steps only (no job, no event log there)
-        s3_commands().status(ckpt_dir, verify=verify, limit=limit, as_json=as_json)
+    store = open_ckpt_root(ckpt_dir, "status")
+    if isinstance(store, BucketRoot):  # its steps only (no job, no event log in a bucket)
+        from .commands_remote import bucket_status
+
+        bucket_status(store, verify=verify, limit=limit, as_json=as_json)
         return
-    root = resolve_root(ckpt_dir, "status")
+    root = store.directory
+    assert root is not None  # a root that is not a bucket is a directory
     _refuse_misplaced(root)
     if job is not None and not re.fullmatch(r"\d+(_\d+)?", job):
         raise ConfigError(f"--job {job!r} is not a Slurm job id: use digits, e.g. --job 12345")
@@ -167,29 +161,26 @@ def prune(
              if remove_incomplete_older_than is not None else None)
     policy = rt.RetentionPolicy(keep=keep, keep_every=keep_every, keep_best=keep_best, mode=mode.value,
                                 remove_incomplete_older_than=older)
-    if is_s3_url(ckpt_dir):  # a bucket: same plan, marker-first deletion (slurmresume/mirror/)
-        s3_commands().prune(ckpt_dir, policy, dry_run=dry_run, yes=yes, as_json=as_json)
-        return
-    root = resolve_root(ckpt_dir, "prune")
-    records = rt.scan(root)
-    plan = rt.plan_checked(root, records, policy, time.time())
+    root = open_ckpt_root(ckpt_dir, "prune")  # a bucket: the same plan, marker-first deletion
+    records = root.records()
+    plan = root.plan(records, policy, time.time())
     if plan.missing_metric:
         raise ConfigError(f"--keep-best {keep_best!r}: no complete checkpoint records that metric; "
                           f"metrics found: {', '.join(rt.metric_names(records)) or 'none'}")
-    leftovers = rt.leftovers(root)
+    leftovers = root.leftovers()
     if not as_json:
         _render.print_plan(plan, leftovers, dry_run)
     result = None
     if not dry_run and (plan.delete or leftovers):
         confirm_delete(len(plan.delete) + len(leftovers), yes, as_json)
         with _render.progress("deleting") as bar:
-            result = rt.execute(root, policy, approved={r.name for r in plan.delete}, progress=bar)
+            result = root.prune(policy, approved={r.name for r in plan.delete}, progress=bar)
         if not as_json:
             _render.print_result(result)
     elif not as_json and not dry_run:
         typer.echo("nothing to delete")
     if as_json:
-        emit_json(prune_json(root, policy, plan, leftovers, dry_run, result))
+        emit_json(prune_json(root.url, policy, plan, leftovers, dry_run, result))
 
 
 @app.command()
@@ -209,17 +200,14 @@ def verify(
     checkpoint and its problems; the exit code is the same.
     Example: slurmresume verify --all --ckpt-dir runs/exp1 (or: slurmresume verify s3://bucket/exp1)
     """
-    from ..tools.status import verify_checkpoints
     from . import render as _render
 
-    if target is not None and is_s3_url(target):
-        from ..mirror.fetch import split_step_url
-
+    root: Root | None = None
+    if target is not None and is_bucket(target):  # a bucket root or step URL
         if ckpt_dir is not None:
             raise ConfigError(f"give the bucket once: {target} as the argument or --ckpt-dir, not both")
-        loc, url_step = split_step_url(target)
-        s3_commands().verify(loc.url, url_step, every, as_json=as_json)
-        return
+        root, url_step = open_step_url(target)
+        target = None if url_step is None else str(url_step)
     if target == "latest":  # as inspect and export spell the newest complete checkpoint
         target = None
     if target is not None and not re.fullmatch(r"-?\d+", target) and Path(target).expanduser().is_dir():
@@ -227,18 +215,16 @@ def verify(
     if target is not None and not re.fullmatch(r"-?\d+", target):
         raise ConfigError(f"{target!r} is not a step number, latest, or an s3:// URL")
     step = int(target) if target is not None else None
-    if is_s3_url(ckpt_dir):
-        s3_commands().verify(ckpt_dir, step, every, as_json=as_json)
-        return
-    root = resolve_root(ckpt_dir, "verify")
+    if root is None:
+        root = open_ckpt_root(ckpt_dir, "verify")
     if step is not None and step < 0:
         raise ConfigError(f"STEP must be >= 0, got {step}")
     if step is not None and every:
         raise ConfigError("give either a STEP or --all, not both")
     with _render.progress("verifying checkpoints") as bar:
-        results = verify_checkpoints(root, step=step, every=every, progress=bar)
+        results = root.verify(step=step, every=every, progress=bar)
     if as_json:
-        emit_json(verify_json(root, results))
+        emit_json(verify_json(root.url, results))
     else:
         _render.print_verify(results)
     bad = [p for r in results if not r.ok and not r.unreadable for p in r.problems]
@@ -274,30 +260,23 @@ def latest(
     every command.
     Example: cp -r "$(slurmresume latest --verify -d runs/exp1)" /archive/
     """
-    from ..checkpoint.store import find_latest
-
-    if root_arg is not None:
-        if ckpt_dir is not None:
-            raise ConfigError(f"give the root once: {root_arg} as the argument or --ckpt-dir, not both")
-        ckpt_dir = Path(root_arg) if not is_s3_url(root_arg) else root_arg  # type: ignore[assignment]
-    if is_s3_url(ckpt_dir):
-        if verify:  # not silently ignored: the bucket's steps are checked by `verify URL`
-            raise ConfigError(f"--verify reads a local root's shards; for a bucket run: slurmresume verify {ckpt_dir}")
-        s3_commands().latest(ckpt_dir, as_json=as_json)
-        return
-    root = resolve_root(ckpt_dir, "latest")
+    if root_arg is not None and ckpt_dir is not None:
+        raise ConfigError(f"give the root once: {root_arg} as the argument or --ckpt-dir, not both")
+    root = open_ckpt_root(root_arg if root_arg is not None else ckpt_dir, "latest")
+    if root.directory is None and verify:  # not silently ignored: the bucket's steps are checked by `verify URL`
+        raise ConfigError(f"--verify reads a local root's shards; for a bucket run: slurmresume verify {root.url}")
     skipped: list[Any] = []
 
     def say_skipped(info: Any) -> None:
         """`latest --verify`: each newer step it passed over, and why, on stderr (stdout stays the path)."""
         skipped.append(info)
-        typer.echo(f"skipped {info.path}: {info.problem}", err=True)
+        typer.echo(f"skipped {info.url}: {info.problem}", err=True)
 
-    info = find_latest(root, verify=verify, warn=False, scan=True, skipped=say_skipped if verify else None)
+    info = root.latest(verify=verify, scan=True, skipped=say_skipped if verify else None)
     if as_json:
-        emit_json(latest_json(root, info.step if info else None, info.path if info else None,
-                              [(i.path, i.problem) for i in skipped]))
+        emit_json(latest_json(root.url, info.step if info else None, info.url if info else None,
+                              [(i.url, i.problem) for i in skipped]))
     if info is None:
-        raise NoCheckpointError(f"no complete checkpoint under {root}")
+        raise NoCheckpointError(f"no complete checkpoint under {root.url}")
     if not as_json:
-        typer.echo(os.fspath(info.path))
+        typer.echo(info.url)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from ..errors import ConfigError, NoCheckpointError
-from ..mirror.s3 import is_s3_url
+from ..storage import DirRoot, is_bucket
 from .app import app, handle_errors
 from .options import CkptDir, JsonOut, configured_root, resolve_root
 from .shared import emit_json, export_json
@@ -17,14 +17,13 @@ from .shared import emit_json, export_json
 def resolve_step_dir(which: str, ckpt_dir: Path | None) -> Path:
     """STEP, 'latest', or a path to a step directory -> a step directory path."""
     from ..checkpoint.layout import parse_step_dir, step_dir_name
-    from ..checkpoint.store import find_latest
 
     path = Path(which).expanduser()
     if parse_step_dir(path.name) is not None and path.is_dir():
         return path
     root = resolve_root(ckpt_dir, "export")
     if which == "latest":
-        info = find_latest(root, warn=False)
+        info = DirRoot(root).latest()
         if info is None:
             raise NoCheckpointError(f"no complete checkpoint under {root}")
         return info.path
@@ -64,7 +63,7 @@ def export(
     if not out.parent.is_dir():
         raise ConfigError(f"--out {out}: directory {out.parent} does not exist: create it first")
     root = ckpt_dir or (configured_root() if which == "latest" or which.isdigit() else None)
-    if is_s3_url(which) or ((which == "latest" or which.isdigit()) and is_s3_url(root or "")):
+    if is_bucket(which) or ((which == "latest" or which.isdigit()) and is_bucket(root)):
         summary = _export_s3(which, root, out, only, rank)
     else:
         step_dir = resolve_step_dir(which, ckpt_dir)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ..mirror.s3 import is_s3_url
+from ..storage import is_bucket
 from .app import app, handle_errors
 from .options import CkptDir, JsonOut, configured_root, resolve_root
 from .shared import emit_json
@@ -44,7 +44,7 @@ def inspect(
     from . import render as _render
 
     target = target.strip()
-    if is_s3_url(target) or (needs_root(target) and is_s3_url(ckpt_dir or configured_root() or "")):
+    if is_bucket(target) or (needs_root(target) and is_bucket(ckpt_dir or configured_root())):
         report = _inspect_s3(target, ckpt_dir or configured_root(), tensors)
     else:
         root = resolve_root(ckpt_dir, "inspect") if needs_root(target) else None

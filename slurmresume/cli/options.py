@@ -6,11 +6,14 @@ import os
 import shlex
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..storage import Root
 
 ENV_ROOT = "SLURMRESUME_CKPT_DIR"
 
@@ -80,6 +83,14 @@ def resolve_root(ckpt_dir: Path | None, command: str | None = None) -> Path:
     if not os.access(root, os.R_OK | os.X_OK):
         raise ConfigError(f"checkpoint root {root} is not readable by this user: check its permissions")
     return root
+
+
+def open_ckpt_root(value: str | Path | None, command: str) -> Root:
+    """-d/--ckpt-dir (or a command's ROOT argument) as a storage root: a bucket URL as given,
+    else the directory `resolve_root` finds and checks (its defaults, its one-line refusals)."""
+    from ..storage import open_root
+
+    return open_root(value, resolve=lambda path: resolve_root(path, command))
 
 
 def refuse_step_dir(root: Path, command: str | None = None, flag: str = "-d") -> None:

@@ -1,14 +1,12 @@
-"""What the checkpoint commands share, on a local root (commands_ckpt.py) and on a bucket
-(commands_remote.py): the JSON printer, the delete prompt, the schemas of `prune --json`,
-`verify --json`, `latest --json` and `export --json`. Below both,
-so neither imports the other for them."""
+"""What the commands share, on any storage root (a directory or a bucket: storage.py): the
+JSON printer, the delete prompt, the schemas of `prune --json`, `verify --json`, `latest --json`
+and `export --json`. Below every commands_* module, so none imports another for them."""
 
 from __future__ import annotations
 
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -41,7 +39,7 @@ def confirm_delete(count: int, yes: bool, as_json: bool) -> None:
         raise typer.Exit(1)
 
 
-def prune_json(root: Path, policy: Any, plan: Any, leftovers: list[str], dry_run: bool, result: Any) -> dict[str, Any]:
+def prune_json(root: object, policy: Any, plan: Any, leftovers: list[str], dry_run: bool, result: Any) -> dict[str, Any]:
     """Schema "slurmresume.prune/1" (what `prune --json` prints):
 
     schema, root, dry_run   "slurmresume.prune/1", the root (str), bool

@@ -7,10 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..checkpoint.store import find_latest
 from ..errors import SlurmResumeError
-from . import remote
-from .s3 import client, parse_s3_url
+from ..storage import BucketRoot, DirRoot
+from .s3 import parse_s3_url
 from .transfer import download_step, upload_step
 
 
@@ -22,11 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None, help="step to move (default: the newest complete)")
     args = p.parse_args(argv)
     try:
-        loc, s3 = parse_s3_url(args.url), client()
+        bucket = BucketRoot(parse_s3_url(args.url))
+        loc, s3 = bucket.loc, bucket.s3
         step = args.step
         if args.action == "push":
             if step is None:
-                info = find_latest(args.root, warn=False)
+                info = DirRoot(args.root).latest()
                 if info is None:
                     raise SlurmResumeError(f"no complete checkpoint under {args.root}")
                 step = info.step
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             result = upload_step(s3, loc, args.root / step_dir_name(step), step)
         else:
             if step is None:
-                newest = remote.find_latest(s3, loc)
+                newest = bucket.latest()
                 if newest is None:
                     raise SlurmResumeError(f"no complete checkpoint on {loc.url}")
                 step = newest.step

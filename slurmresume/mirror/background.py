@@ -32,8 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.layout import step_dir_name
-from ..checkpoint.store import find_latest as find_latest_local
-from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, NoCheckpointError
 from ..events import (
     EV_MIRROR_BEHIND,
@@ -42,7 +40,7 @@ from ..events import (
     EV_MIRROR_FAILED,
     EV_MIRROR_UPLOADED,
 )
-from . import remote
+from ..storage import BucketRoot, DirRoot
 from .own import OwnAttempts
 from .s3 import S3Location, client, parse_s3_url
 from .settings import MirrorSettings
@@ -82,6 +80,11 @@ class Mirror:
 
     def __repr__(self) -> str:
         return f"Mirror({self.loc.url!r})"
+
+    @property
+    def bucket(self) -> BucketRoot:
+        """The bucket as a storage root, through this mirror's client and settings."""
+        return BucketRoot(self.loc, s3=self.s3, settings=self.settings)
 
     # -- uploads (background) ---------------------------------------------------------------
 
@@ -177,10 +180,10 @@ class Mirror:
 
     def _do(self, kind: str, root: Path, step: int) -> None:
         if kind == "scan":
-            local = find_latest_local(root, warn=False)
+            local = DirRoot(root).latest()
             if local is None:
                 return
-            newest = remote.find_latest(self.s3, self.loc)
+            newest = self.bucket.latest()
             if newest is not None and newest.step >= local.step:
                 return
             step = local.step
@@ -199,7 +202,7 @@ class Mirror:
         if result.action == "uploaded":
             self._remove_abandoned()
         if self.retention is not None and result.action == "uploaded":
-            pruned = remote.prune(self.s3, self.loc, self.retention)
+            pruned = self.bucket.prune(self.retention)
             for name in pruned.deleted:
                 log.info("mirror retention: deleted %s/%s", self.loc.url, name)
 
@@ -252,10 +255,10 @@ class Mirror:
         root = Path(root)
         for name in remove_partial_downloads(root):
             log.info("mirror: removed %s/%s, left by a killed download", root, name)
-        local = find_latest_local(root, warn=False) if root.is_dir() else None
+        local = DirRoot(root).latest() if root.is_dir() else None
         have = local.step if local is not None else -1
         try:
-            steps = remote.scan(self.s3, self.loc)
+            steps = self.bucket.listing()
         except CheckpointError as exc:
             if local is None:
                 raise CheckpointError(f"the local root {root} holds no checkpoint and the mirror {self.loc.url} "
@@ -271,7 +274,7 @@ class Mirror:
             if time.monotonic() > deadline:
                 self.unrestorable[rs.step] = f"not tried: the {self.settings.pull_deadline:g} s pull deadline passed"
                 continue
-            info = remote.inspect(self.s3, self.loc, rs)
+            info = self.bucket.inspect(rs.step, listed=rs)
             if not info.complete:
                 self.unrestorable[rs.step] = info.problem or "incomplete"
                 continue
@@ -315,7 +318,7 @@ class Mirror:
 
         for step in sorted(failed - self._refetched, reverse=True):
             self._refetched.add(step)
-            if inspect_dir(step, root / step_dir_name(step), verify=True).complete:
+            if DirRoot(root).inspect(step, verify=True).complete:
                 continue  # the local bytes are sound: what failed was not them (e.g. the state's keys)
             local_marker = read_local_marker(root / step_dir_name(step))
             try:
@@ -344,11 +347,11 @@ class Mirror:
         reports what is wrong with it). NoCheckpointError when neither tier has it; CorruptCheckpointError
         when the bucket's copy fails its checksums (nothing is left behind then)."""
         root = Path(root)
-        if inspect_dir(step, root / step_dir_name(step)).complete:
+        if DirRoot(root).inspect(step).complete:
             return None
-        steps = remote.scan(self.s3, self.loc)
-        found = next((rs for rs in steps if rs.step == step), None)
-        info = remote.inspect(self.s3, self.loc, found) if found is not None else None
+        bucket = self.bucket
+        found = next((rs for rs in bucket.listing() if rs.step == step), None)
+        info = bucket.inspect(step, listed=found) if found is not None else None
         if info is None or not info.complete:
             if (root / step_dir_name(step)).exists():
                 return None  # the local check names what is wrong with the local copy

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import fsio
-from ..checkpoint.layout import MANIFEST, MARKER, parse_step_dir, step_dir_name
+from ..checkpoint.layout import MANIFEST, MARKER, step_dir_name
 from ..checkpoint.shard import MAX_HEADER
+from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError, UnsafeCheckpointError
-from . import remote
+from ..storage import BucketRoot, is_bucket
 from .commit import read_remote_commit
-from .s3 import S3Location, call, client, is_s3_url, parse_s3_url
+from .s3 import S3Location, get_range, parse_s3_url, split_step_url
 from .transfer import download_step
 
 
@@ -45,22 +46,13 @@ class StepCopy:
     url: str  # s3://BUCKET/PREFIX/step_...: what the commands print instead of `path`
 
 
-def split_step_url(url: str) -> tuple[S3Location, int | None]:
-    """`s3://B/P` -> (location, None); `s3://B/P/step_000001200` -> (location of P, 1200)."""
-    loc = parse_s3_url(url)
-    head, _, last = loc.prefix.rpartition("/")
-    step = parse_step_dir(last) if last else None
-    if step is None:
-        return loc, None
-    return S3Location(loc.bucket, head), step
-
-
-def resolve(s3: Any, loc: S3Location, which: str | int | None) -> remote.RemoteInfo:
+def resolve(root: BucketRoot, which: str | int | None) -> CheckpointInfo:
     """The complete bucket step named by `which` (a step number or "latest"/None); one
     NoCheckpointError/CorruptCheckpointError line naming the URL otherwise."""
-    steps = remote.scan(s3, loc)  # also the bucket check: a missing bucket is NoSuchBucket here
+    loc = root.loc
+    steps = root.listing()  # also the bucket check: a missing bucket is NoSuchBucket here
     if which is None or which == "latest":
-        info = remote.find_latest(s3, loc, steps=steps)
+        info = root.latest(listing=steps)
         if info is None:
             raise NoCheckpointError(f"no complete checkpoint under {loc.url}")
         return info
@@ -71,7 +63,7 @@ def resolve(s3: Any, loc: S3Location, which: str | int | None) -> remote.RemoteI
     if not found:
         raise NoCheckpointError(f"no step {step} under {loc.url}: `slurmresume status --ckpt-dir {loc.url}` "
                                 "lists them")
-    info = remote.inspect(s3, loc, found[0])
+    info = root.inspect(step, listed=found[0])
     if not found[0].has_marker:
         raise NoCheckpointError(f"{info.url} is incomplete (no commit marker: being uploaded, or its upload "
                                 f"was killed); `slurmresume latest --ckpt-dir {loc.url}` names the newest one")
@@ -83,12 +75,12 @@ def resolve(s3: Any, loc: S3Location, which: str | int | None) -> remote.RemoteI
 
 def locate(which: str, root: object | None) -> tuple[S3Location, str | int | None]:
     """(location, step or "latest") for a command's WHICH + --ckpt-dir when either is s3://."""
-    if is_s3_url(which):
+    if is_bucket(which):
         loc, step = split_step_url(which)
         if step is None:
             return loc, "latest"  # the bucket root itself: its newest complete step
         return loc, step
-    if root is None or not is_s3_url(root):
+    if root is None or not is_bucket(root):
         raise ConfigError(f"{which!r} is not an s3:// URL and --ckpt-dir is not one either")
     return parse_s3_url(str(root)), which
 
@@ -98,8 +90,9 @@ def local_copy(loc: S3Location, which: str | int | None, *, headers_only: bool,
                parent: Path | None = None) -> Iterator[StepCopy]:
     """A temporary local copy of a complete bucket step (see the module docstring); `parent`
     is where the temporary directory goes (default: $TMPDIR)."""
-    s3 = client()
-    info = resolve(s3, loc, which)
+    bucket = BucketRoot(loc)
+    s3 = bucket.s3
+    info = resolve(bucket, which)
     tmp = Path(tempfile.mkdtemp(prefix=".slurmresume-fetch-", dir=parent))
     try:
         if headers_only:
@@ -119,13 +112,13 @@ def _fetch_headers(s3: Any, loc: S3Location, step: int, step_dir: Path) -> None:
     step_dir.mkdir(mode=0o755)
     for s in manifest.shards:
         key = commit.key(loc, s["file"])
-        head = _range(s3, loc, key, 0, min(8, s["bytes"]))
+        head = get_range(s3, loc, key, 0, min(8, s["bytes"]))
         if len(head) < 8:
             raise CorruptCheckpointError(f"s3://{loc.bucket}/{key} is too short to be safetensors")
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER or 8 + n > s["bytes"]:
             raise UnsafeCheckpointError(f"s3://{loc.bucket}/{key} claims a {n}-byte header: refused")
-        raw = _range(s3, loc, key, 8, 8 + n)
+        raw = get_range(s3, loc, key, 8, 8 + n)
         fd = os.open(step_dir / s["file"], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         try:
             os.ftruncate(fd, s["bytes"])
@@ -133,21 +126,9 @@ def _fetch_headers(s3: Any, loc: S3Location, step: int, step_dir: Path) -> None:
         finally:
             os.close(fd)
     for s in manifest.files[len(manifest.shards):]:  # format 2's tensor indexes: small, whole
-        fsio.write_durable(step_dir / s["file"], _range(s3, loc, commit.key(loc, s["file"]), 0, s["bytes"]),
+        fsio.write_durable(step_dir / s["file"], get_range(s3, loc, commit.key(loc, s["file"]), 0, s["bytes"]),
                            "mirror.index", sync_dir=False)
     fsio.write_durable(step_dir / MANIFEST, manifest_raw, "mirror.manifest")
     fsio.write_durable(step_dir / MARKER, marker_raw, "mirror.marker")
 
 
-def _range(s3: Any, loc: S3Location, key: str, start: int, end: int) -> bytes:
-    obj = call(f"reading s3://{loc.bucket}/{key}", s3.get_object, Bucket=loc.bucket, Key=key,
-               Range=f"bytes={start}-{end - 1}")
-    body = obj["Body"]
-    try:
-        data: bytes = body.read(end - start + 1)
-    finally:
-        body.close()
-    if len(data) != end - start:
-        raise CorruptCheckpointError(f"s3://{loc.bucket}/{key} ended at byte {start + len(data)}, "
-                                     f"the manifest says more")
-    return data

@@ -36,7 +36,9 @@ def refuse_bucket_root(value: object, how: str) -> None:
     commits once they are all there, so the root must be one directory every rank writes to;
     and a bucket-only emergency save would last as long as the whole upload (measured in the
     issue-19 note), inside the preemption's grace time."""
-    if value is None or not str(value).startswith("s3:/"):
+    from ..storage import is_bucket
+
+    if not is_bucket(value):
         return
     from .s3 import parse_s3_url
 

@@ -1,4 +1,6 @@
-"""Reading and pruning a mirror: the bucket-side twin of checkpoint/store.py and retention.py.
+"""A bucket root's reading and pruning: what `storage.BucketRoot` runs (checkpoint/store.py and
+retention.py are the directory's). The record is the one of every tier (`CheckpointInfo`), the
+plan the one of every tier (`retention.plan_prune`).
 
 A step on the bucket is *complete* only when its marker exists, pins the manifest's hash, and
 every shard object has the size the manifest records; `verify` also hashes every shard.
@@ -10,17 +12,21 @@ on a bucket: the rules alone keep it safe, as on NFS).
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ..checkpoint.layout import MANIFEST, MARKER, parse_step_dir
-from ..checkpoint.manifest import Manifest
+from ..checkpoint.layout import MANIFEST, MARKER, parse_step_dir, step_dir_name
+from ..checkpoint.store import CheckpointInfo
 from ..errors import CheckpointError, UnreadableCheckpointError
 from .commit import ATTEMPT_PREFIX, RemoteCommit, read_remote_commit
 from .s3 import S3Location, call, list_objects, point
+
+if TYPE_CHECKING:
+    from ..retention import PruneResult
 
 
 @dataclass
@@ -36,23 +42,6 @@ class RemoteStep:
     @property
     def has_marker(self) -> bool:
         return MARKER in self.sizes
-
-
-@dataclass
-class RemoteInfo:
-    step: int
-    url: str
-    has_marker: bool
-    manifest: Manifest | None = None
-    problem: str | None = None
-    verified: bool | None = None
-    mtime: float = 0.0
-    uploading: bool = False
-    unreadable: bool = False  # a newer format or over a read cap: not corrupt, never deleted
-
-    @property
-    def complete(self) -> bool:
-        return self.has_marker and self.manifest is not None and self.problem is None
 
 
 def scan(s3: Any, loc: S3Location) -> list[RemoteStep]:
@@ -84,9 +73,11 @@ def scan(s3: Any, loc: S3Location) -> list[RemoteStep]:
     return sorted(found.values(), key=lambda r: r.step, reverse=True)
 
 
-def inspect(s3: Any, loc: S3Location, rs: RemoteStep, verify: bool = False) -> RemoteInfo:
-    """Everything knowable about one remote step; never raises for a bad checkpoint."""
-    info = RemoteInfo(rs.step, loc.step_url(rs.step), rs.has_marker, mtime=rs.mtime, uploading=rs.uploading)
+def inspect(s3: Any, loc: S3Location, rs: RemoteStep, verify: bool = False) -> CheckpointInfo:
+    """Everything knowable about one remote step; never raises for a bad checkpoint. A newer
+    format or a step over a read cap is `unreadable`: not corrupt, never deleted."""
+    info = CheckpointInfo(rs.step, Path(step_dir_name(rs.step)), rs.has_marker, mtime=rs.mtime,
+                          uploading=rs.uploading, location=loc.step_url(rs.step))
     if not rs.has_marker:
         info.problem = "no commit marker (incomplete or being uploaded)"
         return info
@@ -126,12 +117,12 @@ def _check_shard(s3: Any, loc: S3Location, commit: RemoteCommit, shard: dict[str
     return None
 
 
-def list_remote(s3: Any, loc: S3Location, verify: bool = False) -> list[RemoteInfo]:
+def list_remote(s3: Any, loc: S3Location, verify: bool = False) -> list[CheckpointInfo]:
     return [inspect(s3, loc, rs, verify) for rs in scan(s3, loc)]
 
 
 def find_latest(s3: Any, loc: S3Location, *, verify: bool = False, exclude: Collection[int] = (),
-                steps: list[RemoteStep] | None = None) -> RemoteInfo | None:
+                steps: list[RemoteStep] | None = None) -> CheckpointInfo | None:
     """The newest complete step on the bucket (newest first, stopping at the first good one)."""
     for rs in steps if steps is not None else scan(s3, loc):
         if rs.step in exclude or not rs.has_marker:
@@ -188,14 +179,6 @@ def records(s3: Any, loc: S3Location) -> list[Any]:
     return out
 
 
-@dataclass
-class RemotePrune:
-    plan: Any
-    deleted: list[str] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    cleaned: list[str] = field(default_factory=list)  # (no leftovers on a bucket: the shape of PruneResult)
-
-
 def plan(s3: Any, loc: S3Location, policy: Any, now: float | None = None) -> Any:
     from ..retention import plan_prune
 
@@ -203,17 +186,21 @@ def plan(s3: Any, loc: S3Location, policy: Any, now: float | None = None) -> Any
 
 
 def prune(s3: Any, loc: S3Location, policy: Any, approved: Collection[str] | None = None,
-          now: float | None = None) -> RemotePrune:
+          now: float | None = None, progress: Callable[[int, int], None] | None = None) -> PruneResult:
     """Delete per `policy`: re-list and re-plan first (another uploader may have committed
-    since the plan the user saw), delete only what both plans delete, marker first."""
+    since the plan the user saw), delete only what both plans delete, marker first. A
+    retention.PruneResult (no leftovers to clean on a bucket)."""
+    from ..retention import PruneResult
+
     fresh = plan(s3, loc, policy, now)
-    result = RemotePrune(fresh)
+    result = PruneResult(fresh)
     chosen = {r.name for r in fresh.delete}
     for name in sorted(set(approved or ()) - chosen):
         result.skipped.append((name, "kept by the plan re-made just before deleting"))
-    for r in fresh.delete:
-        if approved is not None and r.name not in approved:
-            continue
+    victims = [r for r in fresh.delete if approved is None or r.name in approved]
+    for i, r in enumerate(victims, 1):
+        if progress is not None:
+            progress(i, len(victims))
         delete_step(s3, loc, r.step)
         result.deleted.append(r.name)
     return result

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..checkpoint.layout import step_dir_name
-from ..errors import CheckpointError, ConfigError, UnreadableCheckpointError
+from ..checkpoint.layout import parse_step_dir, step_dir_name
+from ..errors import CheckpointError, ConfigError, CorruptCheckpointError, UnreadableCheckpointError
 
 T = TypeVar("T")
 WRITER_META = "slurmresume-writer"  # object metadata on the marker: the token of whoever wrote it
@@ -67,6 +67,16 @@ def parse_s3_url(value: str | os.PathLike[str]) -> S3Location:
             raise ConfigError(f"mirror {text!r}: prefix part {part!r} is not allowed "
                               "(no empty, '.' or '..' parts; letters, digits and _ . = + @ , -)")
     return S3Location(bucket, "/".join(parts))
+
+
+def split_step_url(url: str) -> tuple[S3Location, int | None]:
+    """`s3://B/P` -> (location, None); `s3://B/P/step_000001200` -> (location of P, 1200)."""
+    loc = parse_s3_url(url)
+    head, _, last = loc.prefix.rpartition("/")
+    step = parse_step_dir(last) if last else None
+    if step is None:
+        return loc, None
+    return S3Location(loc.bucket, head), step
 
 
 def client(settings: Any = None) -> Any:
@@ -174,3 +184,17 @@ def abort_uploads(s3: Any, loc: S3Location, prefix: str) -> int:
              Bucket=loc.bucket, Key=up["Key"], UploadId=up["UploadId"])
         n += 1
     return n
+
+
+def get_range(s3: Any, loc: S3Location, key: str, start: int, end: int) -> bytes:
+    obj = call(f"reading s3://{loc.bucket}/{key}", s3.get_object, Bucket=loc.bucket, Key=key,
+               Range=f"bytes={start}-{end - 1}")
+    body = obj["Body"]
+    try:
+        data: bytes = body.read(end - start + 1)
+    finally:
+        body.close()
+    if len(data) != end - start:
+        raise CorruptCheckpointError(f"s3://{loc.bucket}/{key} ended at byte {start + len(data)}, "
+                                     f"the manifest says more")
+    return data

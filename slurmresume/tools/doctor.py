@@ -278,14 +278,14 @@ def preflight_root(root: Path, need_bytes: int = 0) -> None:
 
 
 def last_checkpoint_bytes(root: Path) -> int:
-    from ..checkpoint.store import find_latest
+    from ..storage import DirRoot
 
     if not root.is_dir():
         return 0
     from ..errors import UnreadableCheckpointError
 
     try:
-        info = find_latest(root, warn=False)
+        info = DirRoot(root).latest()
     except UnreadableCheckpointError:  # a newer release's step: its size is not ours to read
         return 0
     return info.total_bytes if info is not None else 0

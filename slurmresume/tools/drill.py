@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.store import find_latest
 from ..contract import (
     ENV_DRILL_AT,
     ENV_DRILL_FIRST_SAVE,
@@ -42,6 +41,7 @@ from ..events import (
 from ..job.config import JobSpec
 from ..job.hang import HangBudgets
 from ..job.node import run_local
+from ..storage import BucketRoot, DirRoot
 from .compare import Difference, compare_checkpoints, culprits, explain
 from .drillcheck import (
     MetricDifference,
@@ -164,7 +164,7 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
         spec = replace(spec, hang_budgets=DRILL_BUDGETS)
     _run(replace(spec, ckpt_dir=ref_root, max_requeues=preemptions + 2, max_failures=0, mirror=ref_mirror),
          {**first, ENV_DRILL_RECORD: str(ref_rec)})
-    ref = find_latest(ref_root, warn=False)
+    ref = DirRoot(ref_root).latest()
     if ref is None:
         raise CheckpointError(_no_checkpoint("uninterrupted", ref_root, spec.script))
     if preemptions >= ref.step:  # each warning needs its own step before the last
@@ -188,7 +188,7 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
         _check_hangs(report, drill_root, spec.procs * spec.nodes)
         report.hang_problems.insert(0, f"the drill run stopped: {exc}")
         return report
-    final = find_latest(drill_root, warn=False)
+    final = DirRoot(drill_root).latest()
     if final is None:
         raise CheckpointError(_no_checkpoint("preempted", drill_root, spec.script))
     events = read_events(drill_root)
@@ -221,10 +221,9 @@ def run_drill(spec: JobSpec, *, preemptions: int, seed: int, workdir: Path,
 
 def _mirror_problems(url: str, step: int) -> list[str]:
     """The preempted run's last step must have reached its mirror, complete and verified."""
-    from ..mirror import parse_s3_url, remote
-    from ..mirror.s3 import client
+    from ..mirror import parse_s3_url
 
-    newest = remote.find_latest(client(), parse_s3_url(url), verify=True)
+    newest = BucketRoot(parse_s3_url(url)).latest(verify=True)
     if newest is None or newest.step != step or not newest.verified:
         found = "nothing complete" if newest is None else f"step {newest.step}"
         return [f"the mirror {url} holds {found}, not the run's last step {step} verified"]
@@ -304,7 +303,7 @@ def _first_checkpoints(ref_root: Path, drill_root: Path) -> tuple[Path, Path] | 
     for root in (ref_root, drill_root):
         steps = [e["step"] for e in read_events(root) if e["event"] == EV_SAVE_COMMITTED
                  and e.get("reason") == "drill_first" and isinstance(e.get("step"), int)]
-        info = find_latest(root, max_step=min(steps), warn=False) if steps else None
+        info = DirRoot(root).latest(max_step=min(steps)) if steps else None
         if info is None or info.step != min(steps):
             return None
         dirs.append(info.path)

@@ -41,7 +41,7 @@ from ..checkpoint.layout import parse_step_dir, step_dir_name
 from ..checkpoint.shard import ITEMSIZE, SKELETON_KEY
 from ..checkpoint.shardread import open_checked, read_header
 from ..checkpoint.state import RESERVED
-from ..checkpoint.store import UNREADABLE, find_latest, inspect_dir
+from ..checkpoint.store import UNREADABLE, inspect_dir
 from ..errors import (
     CheckpointError,
     ConfigError,
@@ -49,6 +49,7 @@ from ..errors import (
     NoCheckpointError,
     UnreadableCheckpointError,
 )
+from ..storage import DirRoot
 
 __all__ = ["SCHEMA", "CheckpointReport", "TensorInfo", "TensorStats", "StateKey", "needs_root", "locate",
            "inspect_checkpoint", "tensor_stats"]
@@ -133,7 +134,7 @@ def locate(target: str, root: Path | None) -> tuple[int, Path]:
         if root is None:
             raise ConfigError(f"{target!r} is relative to a checkpoint root: pass --ckpt-dir DIR")
         if target == "latest":
-            info = find_latest(root, warn=False)
+            info = DirRoot(root).latest()
             if info is None:
                 raise NoCheckpointError(f"no complete checkpoint under {root} to inspect")
             return info.step, info.path

@@ -7,17 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.layout import step_dirs
-from ..checkpoint.store import (
-    UNREADABLE,
-    CheckpointInfo,
-    check_checksums,
-    inspect_dir,
-    list_checkpoints,
-)
+from ..checkpoint.store import UNREADABLE, check_checksums
 from ..errors import ConfigError
 from ..events import EV_MIRROR_BEHIND, EV_MIRROR_FAILED, EV_SAVE_COMMITTED
 from ..retention import best_record, metric_names, metric_value, record_from_info
+from ..storage import BucketRoot, CheckpointInfo, DirRoot
 from .health import bucket_lag, mirror_url
 from .status_model import CheckpointRow
 from .timeline import cost_line, preemption_cost
@@ -38,15 +32,13 @@ def ask_mirror(events: list[dict[str, Any]], rows: list[CheckpointRow], now: flo
                            "behind": None, "error": None}
     try:
         from ..errors import CheckpointError, ConfigError
-        from ..mirror import remote
-        from ..mirror.s3 import client, parse_s3_url
+        from ..mirror.s3 import parse_s3_url
         from ..mirror.settings import MirrorSettings
 
         settings = MirrorSettings.from_env()
-        loc = parse_s3_url(url)
-        s3 = client(settings)
-        steps = remote.scan(s3, loc)
-        latest = remote.find_latest(s3, loc, steps=steps)
+        bucket = BucketRoot(parse_s3_url(url), settings=settings)
+        steps = bucket.listing()
+        latest = bucket.latest(listing=steps)
     except (CheckpointError, ConfigError, OSError) as exc:
         out["error"] = str(exc)[:500]
         warnings.append(f"could not ask the mirror {url} how far behind it is: {out['error']}")
@@ -119,15 +111,16 @@ def cost_summary(events: list[dict[str, Any]], now: float) -> dict[str, Any] | N
 def _inspect_rows(root: Path, limit: int | None, scan: bool = True) -> tuple[list[CheckpointInfo], int]:
     """Newest first: all step directories, or the newest `limit` (continuing past them until a
     complete one is found), plus how many older ones were left out. `scan`: judged by markers."""
+    store = DirRoot(root)
     if limit is None:
-        return list_checkpoints(root, scan=scan), 0
-    dirs = step_dirs(root)
+        return store.infos(scan=scan), 0
+    steps = store.steps()
     infos: list[CheckpointInfo] = []
-    for step, path in dirs:
+    for step in steps:
         if len(infos) >= limit and any(i.complete for i in infos):
             break
-        infos.append(inspect_dir(step, path, scan=scan))
-    return infos, len(dirs) - len(infos)
+        infos.append(store.inspect(step, scan=scan))
+    return infos, len(steps) - len(infos)
 
 
 def checkpoint_rows(root: Path, best_metric: str | None, mode: str, verify: bool, now: float,

@@ -53,20 +53,20 @@ from ..checkpoint import exchange
 from ..checkpoint.agreement import LoadAgreement
 from ..checkpoint.collective import Group
 from ..checkpoint.landed import Landing
-from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
+from ..checkpoint.layout import MARKER, step_dirs
 from ..checkpoint.residency import all_cached
 from ..checkpoint.sharding import to_json as sharding_json
 from ..checkpoint.state import apply_entries, flatten_live
 from ..checkpoint.store import (
     CheckpointInfo,
     clean_temp_files,
-    find_latest,
     inspect_dir,
     unreadable_error,
 )
 from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RESTORE_WARM, ENV_RUN_ID
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError
 from ..events import EV_RESTORED, process_started_at, try_append_event
+from ..storage import DirRoot
 from . import rng
 from .heartbeat import expect_io
 from .messages import DECISIVE, Failure, Pick, RestoreChoice, pick_from_json, pick_to_json
@@ -392,8 +392,9 @@ def choose(root: Path, step: int | None, verify: bool, tried: set[int], mirror: 
     # Rank 0 checks no file's size here: each rank checks the size of every file it opens (its
     # shard, its index, the shards of its boxes) and the verdict is collective, so a truncated
     # file still makes the step fall back, without 2 W metadata operations on rank 0.
+    store = DirRoot(root)
     if step is not None:
-        info = inspect_dir(step, root / step_dir_name(step), verify, sizes=False)
+        info = store.inspect(step, verify=verify, sizes=False)
         if not info.complete:
             if info.unreadable:  # a newer release's step, another user's: refused, never called corrupt
                 raise unreadable_error(info)
@@ -401,14 +402,14 @@ def choose(root: Path, step: int | None, verify: bool, tried: set[int], mirror: 
                 raise CorruptCheckpointError(f"checkpoint {info.path}: {info.problem}")
             return None
     else:
-        found = find_latest(root, verify=verify, exclude=tried, sizes=False)
+        found = store.latest(verify=verify, exclude=tried, sizes=False, warn=True)
         if found is None:
             return None
         info = found
     if not verify and info.manifest is not None and not info.manifest.has_block_digests:
         # Written before per-block digests: no read can be checked as it happens, so check
         # the whole shards first (one extra read pass), and fall back like any corruption.
-        info = inspect_dir(info.step, info.path, verify=True)
+        info = store.inspect(info.step, verify=True)
         if not info.complete:
             if step is not None:
                 raise CorruptCheckpointError(f"checkpoint {info.path}: {info.problem}")
