@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ from .test_slurm_e2e import (
     job_log,
     preempt_at,
     sacct_states,
+    scancel,
     submit,
     wait,
 )
@@ -214,3 +217,65 @@ def test_two_nodes_example_preempted_twice_by_high_partition_ends_bitwise_equal(
     assert reference is not None and reference.step == 30
     assert compare_checkpoints(reference.path, final.path) == []
     print(f"preempted at steps {saved}; wall time {time.monotonic() - began:.1f} s")
+
+
+def _stopped_rank(env_has: tuple[bytes, ...], script: bytes = b"unwarned_train.py", timeout: float = 300) -> int:
+    """The pid of the (SIGSTOPped) rank whose environment holds every entry of `env_has`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if script not in cmd:
+                    continue
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state == "T" and all(e in env for e in env_has):
+                return pid
+        time.sleep(0.1)
+    raise AssertionError(f"no stopped rank with {env_has} within {timeout:.0f} s")
+
+
+@pytest.mark.slurm_exclusive
+def test_two_nodes_a_rank_sigkilled_on_the_second_node_costs_at_most_one_step(
+        uninterrupted_2x2: tuple[Path, str, float], tmp_path: Path) -> None:
+    """#47 on real Slurm, 2 nodes x 2 ranks, no warning: the rank with LOCAL_RANK 1 on
+    SLURM_NODEID 1 stops in the forward of a seeded step and is SIGKILLed. The survivors of both
+    nodes commit the failure save (job/deathboard.py), the run resumes inside the allocation (no
+    requeue), at most one step is trained twice, the job is COMPLETED and its step 30 is bitwise
+    the uninterrupted 2 x 2 run's. Before, a 2-node job had no failure save: it resumed from the
+    newest periodic step."""
+    from slurmresume.contract import ENV_DRILL_RECORD
+    from slurmresume.train.steprecord import read_records
+
+    kill_step = random.Random(4702).choice([11, 12, 13])  # never a periodic step (every 5)
+    root, record = tmp_path / "run", tmp_path / "record"
+    job = _submit_env(root, REPO / "tests" / "helpers" / "unwarned_train.py",
+                      ["--nodes", "2", "--shared-root", "--nproc-per-node", "2", "--time", "10", "--no-script-check"],
+                      [*EXAMPLE_STEPS, "--step-sleep", "0.2"], STOP_AFTER_STEP=str(kill_step), STOP_NODE="1",
+                      STOP_LOCAL_RANK="1", **{ENV_DRILL_RECORD: str(record)})
+    try:
+        pid = _stopped_rank((b"SLURM_NODEID=1", b"LOCAL_RANK=1", f"SLURM_JOB_ID={job}".encode()))
+        victim = int(next(e for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                          if e.startswith(b"RANK="))[5:])
+        os.kill(pid, signal.SIGKILL)
+    except BaseException:
+        scancel(job)
+        raise
+    assert final_state(job, timeout=400) == "COMPLETED", job_log(root, job)
+    ev = events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["committed"] is True and saves[0]["dead"] == [victim], \
+        (saves, job_log(root, job))
+    saved = saves[0]["step"]
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [saved]
+    first_run = {r["run"] for r in read_records(record, 0)[:1]}
+    trained = max(r["step"] for rank in range(4) for r in read_records(record, rank) if r["run"] in first_run)
+    print(f"\nrank {victim} killed after step {kill_step}; failure save of step {saved} by rank "
+          f"{saves[0]['writer']}; {trained - saved} step(s) trained twice")
+    assert trained - saved <= 1, (trained, saved)
+    assert not any(e["event"] == "requeued" for e in ev) and len(sacct_states(job)) == 1  # inside the allocation
+    ref_root, _, _ = uninterrupted_2x2
+    assert compare_checkpoints(ref_root / "step_000000030", root / "step_000000030") == []
