@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import EXAMPLE, HELPERS, clean_env, free_port, signal_tree
+from helpers.procs import EXAMPLE, HELPERS, clean_env, free_port, process_tree, signal_tree
 from helpers.twonodes import agent_started, finish, global_rank_pid, node_launcher
 
 from slurmresume.checkpoint.layout import step_dir_name
@@ -62,6 +62,23 @@ def test_sweep_removes_other_runs_shared_directories_only_once_nothing_touched_t
         os.utime(path, (now - 2 * deathboard.KEEP_S, now - 2 * deathboard.KEEP_S))
     assert deathboard.sweep(root, keep="job.0.2", now=now) == ["job.0.0"]
     assert not old.exists() and recent.exists() and current.exists()  # the current run's is never removed
+
+
+def test_the_copier_writes_the_newest_record_of_each_slot_whole(tmp_path: Path) -> None:
+    from slurmresume.train.snapcopy import Copier
+
+    copier = Copier(tmp_path, 5)
+    try:
+        for step in range(50):
+            copier.offer(str(step % 2), [b"head", f"step {step}".encode()])
+        copier.offer("tail", [b"tail ", b"49"])
+        assert copier.drain(30)
+        assert (tmp_path / "snap-5-0").read_bytes() == b"headstep 48"
+        assert (tmp_path / "snap-5-1").read_bytes() == b"headstep 49"
+        assert (tmp_path / "snap-5-tail").read_bytes() == b"tail 49"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["snap-5-0", "snap-5-1", "snap-5-tail"]  # no leftovers
+    finally:
+        copier.stop()
 
 
 @pytest.mark.parametrize(("env", "rank", "world", "expect"), [
@@ -149,4 +166,66 @@ def test_a_rank_sigkilled_on_one_node_is_saved_for_by_the_survivors_of_both_node
     trained = max(r["step"] for rank in range(4) for r in read_records(record, rank) if r["run"] in first_run)
     assert trained - saved <= 1, (trained, saved)
     assert sorted(e["action"] for e in ev if e["event"] == "run_ended") == ["finish", "finish", "retry", "retry"]
+    assert compare_checkpoints(reference, root / step_dir_name(30)) == []
+
+
+@pytest.mark.slow
+def test_a_node_lost_whole_is_saved_for_by_the_other_node_and_the_job_requeued(
+        tmp_path: Path, reference: Path) -> None:
+    """The node holding ranks 2 and 3 is lost whole: rank 3 stops in the forward of a seeded step,
+    then its launcher's whole tree (launcher, torchrun, both ranks) is SIGKILLed. Nobody on that
+    node can post anything: the other launcher sees its ring connection close without a goodbye,
+    posts ranks 2 and 3 as dead, and its ranks commit the failure save from the copies of the lost
+    ranks' snapshots on the shared root (train/snapcopy.py). That launcher requeues the job (its
+    ranks cannot rendezvous with a lost node), and the requeued job (both launchers again, restart
+    1) resumes from the failure save and ends bitwise equal to the uninterrupted run."""
+    from slurmresume.contract import LAUNCHER_EXIT_REQUEUED
+
+    kill_step = random.Random(4748).randint(12, 24)
+    root, record, calls = tmp_path / "ckpt", tmp_path / "record", tmp_path / "scontrol.log"
+    env = {"STOP_AFTER_STEP": str(kill_step), "STOP_RANK": "3", ENV_DRILL_RECORD: str(record),
+           "SCONTROL_LOG": str(calls)}
+    port = free_port()
+    second = node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4748")
+    launchers = [second]
+    try:
+        agent_started(second.pid)
+        launchers.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", ARGS, env=env,
+                                          job_id="4748"))
+        end = time.monotonic() + 600
+        pid = None
+        while pid is None or _state_of(pid) != "T":
+            assert all(p.poll() is None for p in launchers) and time.monotonic() < end, "ended before the kill"
+            time.sleep(0.02)
+            pid = pid or global_rank_pid(launchers, 3)
+        lost = next(p for p in launchers if pid in process_tree(p.pid))
+        signal_tree(lost.pid, signal.SIGKILL)  # the launcher, its torchrun agent and both ranks
+    except BaseException:
+        for p in launchers:
+            signal_tree(p.pid, signal.SIGKILL)
+        raise
+    outs = finish(launchers, 600)
+    survivor = next(p for p in launchers if p is not lost)
+    assert survivor.returncode == LAUNCHER_EXIT_REQUEUED, "\n".join(o[-3000:] for o in outs)
+    assert "requeue 4748" in calls.read_text()
+    ev = _events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["committed"] is True and saves[0]["dead"] == [2, 3], saves
+    saved = saves[0]["step"]
+    ended = [e for e in ev if e["event"] == "run_ended"]
+    assert [e["action"] for e in ended] == ["requeue"] and "lost" in ended[0]["reason"], ended
+
+    # the requeued job: both nodes again, restart 1 (nothing stops any more)
+    env["SLURM_RESTART_COUNT"] = "1"
+    port = free_port()
+    again = [node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4748")]
+    agent_started(again[0].pid)
+    again.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4748"))
+    outs = finish(again, 600)
+    assert [p.returncode for p in again] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    ev = _events(root)
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [saved]
+    first_run = {r["run"] for r in read_records(record, 0)[:1]}
+    trained = max(r["step"] for rank in range(4) for r in read_records(record, rank) if r["run"] in first_run)
+    assert trained - saved <= 1, (trained, saved)
     assert compare_checkpoints(reference, root / step_dir_name(30)) == []

@@ -123,7 +123,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
                 os.close(pid_fd)
                 pid_fd = None
             if board is not None:
-                board.poll(time.monotonic())
+                board.poll(time.monotonic(), sorted(watch.records) if watch is not None else None)
             if watch is not None and relay.strongest() is None:
                 hang = watch.poll(time.monotonic(), worker_pids(proc.pid))
                 watch.publish(root, _summary_key(run_id, env), time.monotonic())
@@ -170,7 +170,8 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
                      warned=warn in relay.pending, stop=stop, hang=hang, ended_at=ended_at,
                      mirror_behind=(behind.get("step"), str(behind.get("error") or "?")) if behind else None,
                      last_step=watch.last_step() if watch is not None else None,
-                     dead_steps=tuple(sorted(watch.dead_steps.items())) if watch is not None else ())
+                     dead_steps=tuple(sorted(watch.dead_steps.items())) if watch is not None else (),
+                     lost_nodes=tuple(sorted(board.lost)) if board is not None else ())
 
 
 def _reap(proc: subprocess.Popen[bytes], run_id: str) -> int:

@@ -264,7 +264,7 @@ def _board(root: Path, run_id: str, local: Path | None, extra: dict[str, Any], f
     if first_node:
         deathboard.sweep(root, keep=run_id)
     try:
-        return DeathBoard(root, run_id, local)
+        return DeathBoard(root, run_id, local, int(extra.get("node", 0)), int(extra["nodes"]))
     except OSError as exc:
         log.warning("no failure save across nodes for run %s: %s", run_id, exc)
         return None

@@ -72,6 +72,7 @@ from .peers import (
     write_json,
     write_status,
 )
+from .snapcopy import Copier
 from .survivors import Plan, Snapshot, Status, plan
 
 log = logging.getLogger("slurmresume")
@@ -113,6 +114,7 @@ class FailureGuard:
         self._tail_changed: set[str] = set()
         self._ddp_layout: dict[str, str] | None = None
         self._failing: threading.Thread | None = None
+        self._copier: Copier | None = None  # several nodes: each snapshot also on the shared root
         self._watcher: Watcher | None = None
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
         publish_pid(self.dir, rank)
@@ -145,6 +147,8 @@ class FailureGuard:
             # frozen but not yet reported: this survivor finishes the step it was in (see on_death)
             if not self._reported.is_set():
                 stepsnap.publish(self._slots[step % 2], data)
+                if self._copier is not None:
+                    self._copier.offer(str(step % 2), data)
                 self._boundary, self._dirty, self._state, self._meta = step, False, state, meta
                 self._group = group
         if self._frozen.is_set():
@@ -167,6 +171,8 @@ class FailureGuard:
             log.warning("rank %d: no failure save across nodes (the run's shared directory %s is not the "
                         "same on every node)", self.rank, self.shared)
             self.shared, self.meet = None, self.dir
+        elif self.shared is not None:
+            self._copier = Copier(self.shared, self.rank)
 
     def _ddp_layouts(self, ddp_buckets: Mapping[str, Any]) -> dict[str, str]:
         """The DDP bucket layouts, without a collective: DDP rebuilds once (at the first step's
@@ -193,6 +199,8 @@ class FailureGuard:
             with self._lock:
                 if not self._frozen.is_set():
                     stepsnap.publish(self._slots[2], data)
+                    if self._copier is not None:
+                        self._copier.offer("tail", data)
             self._tail = cap.digests
         with self._lock:
             frozen = self._frozen.is_set()
@@ -233,6 +241,8 @@ class FailureGuard:
         its exit for a death); stop watching."""
         mark_done(self.dir, self.rank)
         self._hook.remove()
+        if self._copier is not None:
+            self._copier.stop()
         if self._watcher is not None:
             self._watcher.stop()
 
@@ -264,6 +274,8 @@ class FailureGuard:
             self._frozen.set()
             me = self._finish_step()
             if self.shared is not None:
+                if self._copier is not None:
+                    self._copier.drain()  # then the copy below is the newest
                 self._copy_out(dead)
             write_status(self.meet, me)
             statuses, dead = self._gather(dead)
@@ -304,7 +316,7 @@ class FailureGuard:
                     data = (self.dir / f"snap-{r}-{slot}").read_bytes()
                 except OSError:
                     continue
-                tmp = self.meet / f"snap-{r}-{slot}.{os.getpid()}.tmp"
+                tmp = self.meet / f"snap-{r}-{slot}.{os.getpid()}.out.tmp"
                 tmp.write_bytes(data)
                 os.replace(tmp, self.meet / f"snap-{r}-{slot}")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from helpers.procs import clean_env, process_tree, reversed_rendezvous_env, signal_tree
 
 FAKE_SCONTROL = """#!/bin/sh
+[ -n "$SCONTROL_LOG" ] && echo "$@" >> "$SCONTROL_LOG"
 case "$1 $2" in
   "show job") echo "JobId=1 JobState=RUNNING TimeLimit=01:00:00" ;;
   "show config") echo "KillWait = 5 sec" ;;
