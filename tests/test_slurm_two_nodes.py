@@ -5,6 +5,7 @@ Switches the cluster to two nodes for this module and back to one afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -277,5 +278,58 @@ def test_two_nodes_a_rank_sigkilled_on_the_second_node_costs_at_most_one_step(
           f"{saves[0]['writer']}; {trained - saved} step(s) trained twice")
     assert trained - saved <= 1, (trained, saved)
     assert not any(e["event"] == "requeued" for e in ev) and len(sacct_states(job)) == 1  # inside the allocation
+    ref_root, _, _ = uninterrupted_2x2
+    assert compare_checkpoints(ref_root / "step_000000030", root / "step_000000030") == []
+
+
+def _launcher_tree(job: str, node: int) -> list[int]:
+    """The node launcher (submitit's process) of `job` on SLURM_NODEID `node`, and its tree."""
+    from helpers.procs import process_tree
+
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in cmd and f"SLURM_NODEID={node}".encode() in env \
+                and f"SLURM_JOB_ID={job}".encode() in env:
+            return process_tree(pid)
+    raise AssertionError(f"no launcher of job {job} on node {node}")
+
+
+@pytest.mark.slurm_exclusive
+def test_two_nodes_a_node_lost_whole_is_saved_for_by_the_other_and_slurm_requeues(
+        uninterrupted_2x2: tuple[Path, str, float], tmp_path: Path) -> None:
+    """#47, a lost node on real Slurm: the launcher of SLURM_NODEID 1 and its whole tree (torchrun,
+    both ranks) SIGKILLed after step 10's commit, with no warning. The launcher of node 0 sees its
+    ring connection close without a goodbye (job/deathboard.py), its ranks commit the failure save
+    with node 1's snapshots from the shared root, and it requeues the job; Slurm requeues it, the
+    new run resumes from the failure save, COMPLETED, bitwise. Before: the job sat RUNNING with
+    node 0 waiting at a rendezvous node 1 would never join, and nothing was saved at the failure."""
+    root = tmp_path / "run"
+    job = submit(root, "--nodes", "2", "--shared-root", "--nproc-per-node", "2", "--time", "10", script=EXAMPLE,
+                 script_args=(*EXAMPLE_STEPS, "--step-sleep", "0.3"))
+    try:
+        wait(lambda: any(e["event"] == "save_committed" and e["step"] >= 10 for e in events(root)), 240,
+             f"step 10's commit\n{job_log(root, job)}")
+        time.sleep(1.0)  # inside the steps after it
+        for pid in _launcher_tree(job, 1):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    except BaseException:
+        scancel(job)
+        raise
+    assert final_state(job, timeout=400) == "COMPLETED", job_log(root, job)
+    ev = events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["committed"] is True and saves[0]["dead"] in ([0, 1], [2, 3]), \
+        (saves, job_log(root, job))  # node 1's ranks, in whatever order the rendezvous gave them
+    lost_ranks = saves[0]["dead"]
+    saved = saves[0]["step"]
+    assert saved > 10
+    assert count(root, "requeued") == 1 and "lost" in next(e["reason"] for e in ev if e["event"] == "requeued")
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [saved]
+    print(f"\nnode 1 (ranks {lost_ranks}) lost after step 10; failure save of step {saved}; requeued; resumed from it")
     ref_root, _, _ = uninterrupted_2x2
     assert compare_checkpoints(ref_root / "step_000000030", root / "step_000000030") == []
