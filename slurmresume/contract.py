@@ -43,6 +43,9 @@ ENV_LAUNCHER_PID = "SLURMRESUME_LAUNCHER_PID"  # the node launcher (drill inject
 ENV_DRILL_AT = "SLURMRESUME_DRILL_AT"  # drill: "12,30,41" = warning at step 12 of restart 0, ...
 ENV_HEARTBEAT_DIR = "SLURMRESUME_HEARTBEAT_DIR"  # node-local directory for per-rank heartbeats (heartbeat.py)
 FAILSAVE_SUBDIR = "failsave"  # under $SLURMRESUME_HEARTBEAT_DIR: the failure-time save's per-rank files (train/failsave.py)
+ENV_FAILSAVE_SHARED = "SLURMRESUME_FAILSAVE_SHARED"  # several nodes: where this run's survivors meet (shared root)
+FAILSAVE_NOTICE = "remote"  # FIFO in the node-local failsave directory: readable once another node reported a death
+FAILSAVE_DEAD_PREFIX = "dead-"  # dead-<rank>.json in the shared directory: a rank seen dead by its node
 ENV_DUMP_SIGNAL = "SLURMRESUME_DUMP_SIGNAL"  # the signal (name) on which each rank dumps its stacks there
 ENV_DRILL_HANG = "SLURMRESUME_DRILL_HANG"  # drill: "1:12,0:30" = rank 1 stops at step 12 of attempt 0, ...
 ENV_NONCE = "SLURMRESUME_NONCE"  # this launch (one submission, or one `submit --local`): in every record

@@ -5,8 +5,11 @@ Switches the cluster to two nodes for this module and back to one afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ from .test_slurm_e2e import (
     job_log,
     preempt_at,
     sacct_states,
+    scancel,
     submit,
     wait,
 )
@@ -214,3 +218,118 @@ def test_two_nodes_example_preempted_twice_by_high_partition_ends_bitwise_equal(
     assert reference is not None and reference.step == 30
     assert compare_checkpoints(reference.path, final.path) == []
     print(f"preempted at steps {saved}; wall time {time.monotonic() - began:.1f} s")
+
+
+def _stopped_rank(env_has: tuple[bytes, ...], script: bytes = b"unwarned_train.py", timeout: float = 300) -> int:
+    """The pid of the (SIGSTOPped) rank whose environment holds every entry of `env_has`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if script not in cmd:
+                    continue
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state == "T" and all(e in env for e in env_has):
+                return pid
+        time.sleep(0.1)
+    raise AssertionError(f"no stopped rank with {env_has} within {timeout:.0f} s")
+
+
+@pytest.mark.slurm_exclusive
+def test_two_nodes_a_rank_sigkilled_on_the_second_node_costs_at_most_one_step(
+        uninterrupted_2x2: tuple[Path, str, float], tmp_path: Path) -> None:
+    """#47 on real Slurm, 2 nodes x 2 ranks, no warning: the rank with LOCAL_RANK 1 on
+    SLURM_NODEID 1 stops in the forward of a seeded step and is SIGKILLed. The survivors of both
+    nodes commit the failure save (job/deathboard.py), the run resumes inside the allocation (no
+    requeue), at most one step is trained twice, the job is COMPLETED and its step 30 is bitwise
+    the uninterrupted 2 x 2 run's. Before, a 2-node job had no failure save: it resumed from the
+    newest periodic step."""
+    from slurmresume.contract import ENV_DRILL_RECORD
+    from slurmresume.train.steprecord import read_records
+
+    kill_step = random.Random(4702).choice([11, 12, 13])  # never a periodic step (every 5)
+    root, record = tmp_path / "run", tmp_path / "record"
+    job = _submit_env(root, REPO / "tests" / "helpers" / "unwarned_train.py",
+                      ["--nodes", "2", "--shared-root", "--nproc-per-node", "2", "--time", "10", "--no-script-check"],
+                      [*EXAMPLE_STEPS, "--step-sleep", "0.2"], STOP_AFTER_STEP=str(kill_step), STOP_NODE="1",
+                      STOP_LOCAL_RANK="1", **{ENV_DRILL_RECORD: str(record)})
+    try:
+        pid = _stopped_rank((b"SLURM_NODEID=1", b"LOCAL_RANK=1", f"SLURM_JOB_ID={job}".encode()))
+        victim = int(next(e for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                          if e.startswith(b"RANK="))[5:])
+        os.kill(pid, signal.SIGKILL)
+    except BaseException:
+        scancel(job)
+        raise
+    assert final_state(job, timeout=400) == "COMPLETED", job_log(root, job)
+    ev = events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["committed"] is True and saves[0]["dead"] == [victim], \
+        (saves, job_log(root, job))
+    saved = saves[0]["step"]
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [saved]
+    first_run = {r["run"] for r in read_records(record, 0)[:1]}
+    trained = max(r["step"] for rank in range(4) for r in read_records(record, rank) if r["run"] in first_run)
+    print(f"\nrank {victim} killed after step {kill_step}; failure save of step {saved} by rank "
+          f"{saves[0]['writer']}; {trained - saved} step(s) trained twice")
+    assert trained - saved <= 1, (trained, saved)
+    assert not any(e["event"] == "requeued" for e in ev) and len(sacct_states(job)) == 1  # inside the allocation
+    ref_root, _, _ = uninterrupted_2x2
+    assert compare_checkpoints(ref_root / "step_000000030", root / "step_000000030") == []
+
+
+def _launcher_tree(job: str, node: int) -> list[int]:
+    """The node launcher (submitit's process) of `job` on SLURM_NODEID `node`, and its tree."""
+    from helpers.procs import process_tree
+
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in cmd and f"SLURM_NODEID={node}".encode() in env \
+                and f"SLURM_JOB_ID={job}".encode() in env:
+            return process_tree(pid)
+    raise AssertionError(f"no launcher of job {job} on node {node}")
+
+
+@pytest.mark.slurm_exclusive
+def test_two_nodes_a_node_lost_whole_is_saved_for_by_the_other_and_slurm_requeues(
+        uninterrupted_2x2: tuple[Path, str, float], tmp_path: Path) -> None:
+    """#47, a lost node on real Slurm: the launcher of SLURM_NODEID 1 and its whole tree (torchrun,
+    both ranks) SIGKILLed after step 10's commit, with no warning. The launcher of node 0 sees its
+    ring connection close without a goodbye (job/deathboard.py), its ranks commit the failure save
+    with node 1's snapshots from the shared root, and it requeues the job; Slurm requeues it, the
+    new run resumes from the failure save, COMPLETED, bitwise. Before: the job sat RUNNING with
+    node 0 waiting at a rendezvous node 1 would never join, and nothing was saved at the failure."""
+    root = tmp_path / "run"
+    job = submit(root, "--nodes", "2", "--shared-root", "--nproc-per-node", "2", "--time", "10", script=EXAMPLE,
+                 script_args=(*EXAMPLE_STEPS, "--step-sleep", "0.3"))
+    try:
+        wait(lambda: any(e["event"] == "save_committed" and e["step"] >= 10 for e in events(root)), 240,
+             f"step 10's commit\n{job_log(root, job)}")
+        time.sleep(1.0)  # inside the steps after it
+        for pid in _launcher_tree(job, 1):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    except BaseException:
+        scancel(job)
+        raise
+    assert final_state(job, timeout=400) == "COMPLETED", job_log(root, job)
+    ev = events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["committed"] is True and saves[0]["dead"] in ([0, 1], [2, 3]), \
+        (saves, job_log(root, job))  # node 1's ranks, in whatever order the rendezvous gave them
+    lost_ranks = saves[0]["dead"]
+    saved = saves[0]["step"]
+    assert saved > 10
+    assert count(root, "requeued") == 1 and "lost" in next(e["reason"] for e in ev if e["event"] == "requeued")
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [saved]
+    print(f"\nnode 1 (ranks {lost_ranks}) lost after step 10; failure save of step {saved}; requeued; resumed from it")
+    ref_root, _, _ = uninterrupted_2x2
+    assert compare_checkpoints(ref_root / "step_000000030", root / "step_000000030") == []

@@ -51,6 +51,7 @@ from ..events import (
     try_append_event,
 )
 from ..identity import start_ticks
+from .deathboard import DeathBoard
 from .decision import RunResult as RunResult
 from .decision import decide as decide
 from .guardian import Guardian, kill_tree
@@ -87,14 +88,16 @@ def _child_setup(sig: int) -> Any:
 def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, warn: signal.Signals,
                  relay: Relay, log_file: Any = None, *, clock: JobClock | None = None,
                  guardian: Guardian | None = None, watch: HangWatch | None = None,
-                 dumps: Path | None = None, lost: Callable[[], bool] | None = None) -> RunResult:
+                 dumps: Path | None = None, lost: Callable[[], bool] | None = None,
+                 board: DeathBoard | None = None) -> RunResult:
     """Start torchrun (own session, tracked by the guardian), relay signals to its workers until
     it exits, classify the outcome. A SIGTERM is a cancel, or with a `clock` (Slurm) possibly the
     time limit: then the run is not waited for beyond half of KillWait (no new commit can land
     in time; the requeue that follows kills it). With a `watch`: a rank silent beyond its phase's
     budget makes every rank dump its stacks (under `dumps`), a `hang` event, and the whole tree
     killed; the result then carries the hang. `lost()` true (the root's lease now names another
-    run): the tree is killed at once, since nothing it saves may commit there any more."""
+    run): the tree is killed at once, since nothing it saves may commit there any more. With a
+    `board` (several nodes): a death another node posts wakes this node's ranks (job/deathboard.py)."""
     latest_before = _latest_step(root)
     setup = guardian.preexec(_child_setup(warn)) if guardian is not None else _child_setup(warn)  # guardian.py
     proc = subprocess.Popen(cmd, env=env, preexec_fn=setup, stdout=log_file, stderr=log_file, start_new_session=True)
@@ -119,6 +122,8 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
             if exited and pid_fd is not None:  # readable, yet not reapable: never spin on it
                 os.close(pid_fd)
                 pid_fd = None
+            if board is not None:
+                board.poll(time.monotonic(), sorted(watch.records) if watch is not None else None)
             if watch is not None and relay.strongest() is None:
                 hang = watch.poll(time.monotonic(), worker_pids(proc.pid))
                 watch.publish(root, _summary_key(run_id, env), time.monotonic())
@@ -165,7 +170,8 @@ def run_torchrun(cmd: list[str], env: dict[str, str], root: Path, run_id: str, w
                      warned=warn in relay.pending, stop=stop, hang=hang, ended_at=ended_at,
                      mirror_behind=(behind.get("step"), str(behind.get("error") or "?")) if behind else None,
                      last_step=watch.last_step() if watch is not None else None,
-                     dead_steps=tuple(sorted(watch.dead_steps.items())) if watch is not None else ())
+                     dead_steps=tuple(sorted(watch.dead_steps.items())) if watch is not None else (),
+                     lost_nodes=tuple(sorted(board.lost)) if board is not None else ())
 
 
 def _reap(proc: subprocess.Popen[bytes], run_id: str) -> int:

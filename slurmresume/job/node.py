@@ -48,7 +48,9 @@ from ..events import (
     process_started_at,
     try_append_event,
 )
+from . import deathboard
 from .config import JobSpec
+from .deathboard import DeathBoard
 from .guardian import Guardian
 from .hangwatch import HangWatch, heartbeat_dir
 from .launcher import (
@@ -197,13 +199,17 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
             log.info("run %s: %s", run_id, " ".join(cmd))
             watch = _watch(spec, run_id, recovering)
             hb = {ENV_HEARTBEAT_DIR: str(watch.directory)} if watch.directory is not None else {}
+            board = _board(root, run_id, watch.directory, extra, first_node)
+            hb.update(board.env() if board is not None else {})
             wenv = worker_env(spec, run_id, restart, {**env, **hb}, first_run=restart == 0 and failures + hangs == 0)
             try:
                 result = run_torchrun(cmd, wenv, root, run_id, relay.warn, relay, clock=clock, guardian=guardian,
                                       watch=watch, dumps=spec.logs / run_id,
-                                      lost=(lambda: lease.lost) if lease is not None else None)
+                                      lost=(lambda: lease.lost) if lease is not None else None, board=board)
             finally:
                 watch.close()
+                if board is not None:
+                    board.close()
             last = read_last_run(root, job_key, nonce)
             action, reason = decide(result, first_node=first_node, requeues_done=restart,
                                     max_requeues=spec.max_requeues, failures_done=failures,
@@ -248,6 +254,20 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
         guardian.close()
         if lease is not None:
             lease.stop()
+
+
+def _board(root: Path, run_id: str, local: Path | None, extra: dict[str, Any], first_node: bool) -> DeathBoard | None:
+    """Several nodes: where this run's survivors meet after an unwarned death (job/deathboard.py).
+    None on one node (its ranks see every death themselves) or without a node-local directory."""
+    if int(extra.get("nodes", 1)) < 2 or local is None:
+        return None
+    if first_node:
+        deathboard.sweep(root, keep=run_id)
+    try:
+        return DeathBoard(root, run_id, local, int(extra.get("node", 0)), int(extra["nodes"]))
+    except OSError as exc:
+        log.warning("no failure save across nodes for run %s: %s", run_id, exc)
+        return None
 
 
 def _watch(spec: JobSpec, run_id: str, recovering: tuple[float, str] | None) -> HangWatch:

@@ -45,17 +45,34 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.replicas import LIBRARY_PREFIX, replicated_across
 from ..checkpoint.state import flatten
-from ..contract import ENV_HEARTBEAT_DIR, ENV_RUN_ID, FAILSAVE_SUBDIR
+from ..contract import (
+    ENV_FAILSAVE_SHARED,
+    ENV_HEARTBEAT_DIR,
+    ENV_RUN_ID,
+    FAILSAVE_NOTICE,
+    FAILSAVE_SUBDIR,
+)
 from ..events import EV_FAILURE_SAVE, EV_SAVE_COMMITTED, try_append_event
 from . import ddp, rng, stepsnap
 from .failwrite import Writer
-from .peers import Watcher, mark_done, peers, publish_pid, read_status, write_status
+from .peers import (
+    Watcher,
+    mark_done,
+    peers,
+    post_dead,
+    posted_dead,
+    publish_pid,
+    read_status,
+    write_json,
+    write_status,
+)
+from .snapcopy import Copier
 from .survivors import Plan, Snapshot, Status, plan
 
 log = logging.getLogger("slurmresume")
@@ -64,16 +81,22 @@ SUBDIR = FAILSAVE_SUBDIR
 STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchrun kills after 30 s)
 FINISH_WAIT_S = 5.0  # how long a survivor past its optimizer step may take to reach its ckpt.step()
 EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
+REMOTE_GRACE_S = 10.0  # the same with several nodes: another node's notice comes through its launcher
+SLOTS = ("0", "1", "tail")
 EXIT_FAILED = 1  # a survivor's exit code after the failure save (torchrun reports the run failed)
 
 
 class FailureGuard:
     """One per Checkpointer, every rank. See the module docstring for the protocol."""
 
-    def __init__(self, directory: Path, root: Path, rank: int, world: int) -> None:
+    def __init__(self, directory: Path, root: Path, rank: int, world: int, *, local: range | None = None,
+                 shared: Path | None = None) -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         self.dir, self.root, self.rank, self.world = directory, root, rank, world
+        self.local = local if local is not None else range(world)  # this node's ranks
+        self.shared = shared  # several nodes: where the survivors of every node meet (job/deathboard.py)
+        self.meet = shared if shared is not None else directory
         self.dir.mkdir(mode=0o700, exist_ok=True)
         self._lock = threading.Lock()
         self._frozen = threading.Event()
@@ -91,6 +114,7 @@ class FailureGuard:
         self._tail_changed: set[str] = set()
         self._ddp_layout: dict[str, str] | None = None
         self._failing: threading.Thread | None = None
+        self._copier: Copier | None = None  # several nodes: each snapshot also on the shared root
         self._watcher: Watcher | None = None
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
         publish_pid(self.dir, rank)
@@ -112,6 +136,7 @@ class FailureGuard:
             replicated = {n for n in replicated_across(group, tensors, skeleton.get("dtensors"))
                           if not n.startswith(LIBRARY_PREFIX)}
             self._layout = stepsnap.Layout.learn(state, replicated, self.world)
+            self._check_shared(group)
         self._last_ddp = self._ddp_layouts(ddp_buckets)
         cap = stepsnap.collect(step, state, self._layout, self._last_ddp, metrics, meta)
         if self._tail is not None:
@@ -122,11 +147,32 @@ class FailureGuard:
             # frozen but not yet reported: this survivor finishes the step it was in (see on_death)
             if not self._reported.is_set():
                 stepsnap.publish(self._slots[step % 2], data)
+                if self._copier is not None:
+                    self._copier.offer(str(step % 2), data)
                 self._boundary, self._dirty, self._state, self._meta = step, False, state, meta
                 self._group = group
         if self._frozen.is_set():
             self._block()
         self._watch()
+
+    def _check_shared(self, group: Any) -> None:
+        """Several nodes, collective, once: every rank got the same shared directory and sees rank
+        0's file in it (the root really is shared). Otherwise the survivors of a node meet only
+        among themselves, and a death elsewhere goes unsaved (never a wrong save: a rank that
+        does not answer holds nothing)."""
+        if self.world == len(self.local):
+            return
+        token = f"hello-{os.environ.get(ENV_RUN_ID, '')}-{os.getpid()}" if self.rank == 0 else ""
+        if token and self.shared is not None:
+            write_json(self.shared / token, {"rank": 0})
+        paths = group.all_gather_json([str(self.shared), token])
+        ok = self.shared is not None and len({p for p, _ in paths}) == 1 and (self.shared / paths[0][1]).is_file()
+        if group.max_int(0 if ok else 1):
+            log.warning("rank %d: no failure save across nodes (the run's shared directory %s is not the "
+                        "same on every node)", self.rank, self.shared)
+            self.shared, self.meet = None, self.dir
+        elif self.shared is not None:
+            self._copier = Copier(self.shared, self.rank)
 
     def _ddp_layouts(self, ddp_buckets: Mapping[str, Any]) -> dict[str, str]:
         """The DDP bucket layouts, without a collective: DDP rebuilds once (at the first step's
@@ -153,6 +199,8 @@ class FailureGuard:
             with self._lock:
                 if not self._frozen.is_set():
                     stepsnap.publish(self._slots[2], data)
+                    if self._copier is not None:
+                        self._copier.offer("tail", data)
             self._tail = cap.digests
         with self._lock:
             frozen = self._frozen.is_set()
@@ -166,16 +214,35 @@ class FailureGuard:
 
     def _watch(self) -> None:
         if self._watcher is None:
-            fds = peers(self.dir, self.world, self.rank)
+            fds = peers(self.dir, self.local, self.rank)
             if fds is not None:
-                self._watcher = Watcher(self.dir, fds, self.on_death)
+                self._watcher = Watcher(self.dir, fds, self.on_death, *self._notice())
                 self._watcher.start()
+
+    def _notice(self) -> tuple[int | None, Callable[[], set[int]]]:
+        """Several nodes: the launcher's FIFO (readable once a node posted a death) and how to read
+        the posted dead. One node: none."""
+        if self.shared is None:
+            return None, set
+        try:
+            fd = os.open(self.dir / FAILSAVE_NOTICE, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("rank %d: deaths on other nodes go unseen (%s)", self.rank, exc)
+            return None, set
+        shared = self.shared
+        return fd, lambda: posted_dead(shared)
+
+    def _dead_now(self) -> set[int]:
+        local = self._watcher.dead_now() if self._watcher is not None else set()
+        return local | (posted_dead(self.shared) if self.shared is not None else set())
 
     def close(self) -> None:
         """Every rank, at `Checkpointer.close()`: this rank ends normally (its peers must not take
         its exit for a death); stop watching."""
         mark_done(self.dir, self.rank)
         self._hook.remove()
+        if self._copier is not None:
+            self._copier.stop()
         if self._watcher is not None:
             self._watcher.stop()
 
@@ -189,7 +256,7 @@ class FailureGuard:
             return
         if self._watcher is None:
             return
-        deadline = time.monotonic() + EXIT_GRACE_S
+        deadline = time.monotonic() + (REMOTE_GRACE_S if self.shared is not None else EXIT_GRACE_S)
         while self._failing is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if self._failing is not None:
@@ -202,11 +269,17 @@ class FailureGuard:
         self._failing = threading.current_thread()
         began = time.time()
         try:
+            if self.shared is not None:  # first: the other nodes' ranks learn of it from this
+                post_dead(self.shared, dead & set(self.local), self.rank)
             self._frozen.set()
             me = self._finish_step()
-            write_status(self.dir, me)
+            if self.shared is not None:
+                if self._copier is not None:
+                    self._copier.drain()  # then the copy below is the newest
+                self._copy_out(dead)
+            write_status(self.meet, me)
             statuses, dead = self._gather(dead)
-            snaps = {r: _snapshots(self.dir, r) for r in range(self.world)}
+            snaps = {r: _snapshots(self.meet, r) for r in range(self.world)}
             p = plan(self.world, dead, statuses, snaps, replicated_known=self._layout is not None,
                      replicas=self._layout.replicas if self._layout is not None else None)
             self._act(p, dead, began)
@@ -230,19 +303,36 @@ class FailureGuard:
                     return Status(self.rank, self._boundary, not self._dirty)
             time.sleep(0.01)
 
+    def _copy_out(self, dead: set[int]) -> None:
+        """Several nodes: this rank's snapshots, and those of this node's dead ranks (by the lowest
+        survivor of the node), copied from the node-local directory to where every node reads
+        them (`stepsnap.read` checks each copy as it checks the original)."""
+        ranks = [self.rank]
+        if self.rank == min(r for r in self.local if r not in dead):
+            ranks += sorted(dead & set(self.local))
+        for r in ranks:
+            for slot in SLOTS:
+                try:
+                    data = (self.dir / f"snap-{r}-{slot}").read_bytes()
+                except OSError:
+                    continue
+                tmp = self.meet / f"snap-{r}-{slot}.{os.getpid()}.out.tmp"
+                tmp.write_bytes(data)
+                os.replace(tmp, self.meet / f"snap-{r}-{slot}")
+
     def _gather(self, dead: set[int]) -> tuple[dict[int, Status], set[int]]:
         deadline = time.monotonic() + STATUS_WAIT_S
         while True:
-            dead = dead | (self._watcher.dead_now() if self._watcher is not None else set())
+            dead = dead | self._dead_now()
             statuses = {r: s for r in range(self.world) if r not in dead
-                        if (s := read_status(self.dir, r)) is not None}
+                        if (s := read_status(self.meet, r)) is not None}
             if len(statuses) + len(dead) >= self.world or time.monotonic() > deadline:
                 return statuses, dead
             time.sleep(0.02)
 
     def _writer(self) -> Writer:
-        return Writer(self.dir, self.root, self.rank, self.world, self._state, self._layout, self._boundary,
-                      not self._dirty, self._watcher.dead_now if self._watcher is not None else set,
+        return Writer(self.meet, self.root, self.rank, self.world, self._state, self._layout, self._boundary,
+                      not self._dirty, self._dead_now,
                       getattr(self._group, "pg", None))
 
     def _act(self, p: Plan, dead: set[int], began: float) -> None:
@@ -279,23 +369,40 @@ class FailureGuard:
 
 
 def failure_guard(group: Any, root: Path) -> FailureGuard | None:
-    """The guard when this rank runs under the launcher with its whole world on this node, else
-    None (a bare run, one rank, several nodes: not yet covered)."""
+    """The guard when this rank runs under the launcher: its whole world on this node, or several
+    nodes whose launchers gave the run a shared directory (job/deathboard.py). Else None (a bare
+    run, one rank)."""
     directory = os.environ.get(ENV_HEARTBEAT_DIR)
     world = group.world_size
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if not directory or world < 2 or local != str(world) or not os.path.isdir(directory):
+    local = _local_ranks(group.rank, world)
+    shared = os.environ.get(ENV_FAILSAVE_SHARED) if local is not None and len(local) < world else None
+    if not directory or world < 2 or local is None or not os.path.isdir(directory) \
+            or (len(local) < world and not (shared and os.path.isdir(shared))):
         return None
     try:
-        return FailureGuard(Path(directory) / SUBDIR, root, group.rank, world)
+        return FailureGuard(Path(directory) / SUBDIR, root, group.rank, world, local=local,
+                            shared=Path(shared) if shared else None)
     except OSError as exc:
         log.warning("no failure save on rank %d: %s", group.rank, exc)
         return None
 
 
+def _local_ranks(rank: int, world: int) -> range | None:
+    """This node's ranks: torchrun numbers a node's LOCAL_WORLD_SIZE ranks contiguously (same
+    count on every node). None when the environment does not say."""
+    try:
+        size, local_rank = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    except (KeyError, ValueError):
+        return None
+    first = rank - local_rank
+    if size < 1 or world % size or not 0 <= local_rank < size or first % size:
+        return None
+    return range(first, first + size)
+
+
 def _snapshots(directory: Path, rank: int) -> list[Snapshot]:
     out = []
-    for slot in ("0", "1", "tail"):
+    for slot in SLOTS:
         snap = stepsnap.read(directory / f"snap-{rank}-{slot}")
         if snap is not None:
             out.append(Snapshot(rank, snap["step"], tuple(snap.get("missing") or ()), snap.get("tail_of"),

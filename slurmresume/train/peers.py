@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..contract import FAILSAVE_DEAD_PREFIX
 from ..identity import start_ticks
 from .survivors import Status
 
@@ -33,11 +34,15 @@ def write_status(directory: Path, status: Status) -> None:
 
 
 class Watcher(threading.Thread):
-    """Blocks on pidfds of this node's other ranks; a peer that exits without `done` is a death."""
+    """Blocks on pidfds of this node's other ranks; a peer that exits without `done` is a death.
+    Several nodes: also on the launcher's FIFO (`notice`, job/deathboard.py), readable once another
+    node posted a death; `remote()` then names the dead (an empty set: nothing to act on)."""
 
-    def __init__(self, directory: Path, peers: dict[int, int], on_death: Callable[[set[int]], None]) -> None:
+    def __init__(self, directory: Path, peers: dict[int, int], on_death: Callable[[set[int]], None],
+                 notice: int | None = None, remote: Callable[[], set[int]] = set) -> None:
         super().__init__(name="slurmresume-failsave", daemon=True)
         self.dir, self.fds, self.on_death = directory, peers, on_death  # rank -> pidfd (-1: already gone)
+        self.notice, self.remote = notice, remote
         self._wake_r, self._wake_w = os.pipe()
 
     def dead_now(self) -> set[int]:
@@ -55,9 +60,16 @@ class Watcher(threading.Thread):
                 self.on_death(dead)
                 return
             alive = [fd for fd in self.fds.values() if fd >= 0]
-            ready = select.select([*alive, self._wake_r], [], [])[0]
+            notice = [self.notice] if self.notice is not None else []
+            ready = select.select([*alive, *notice, self._wake_r], [], [])[0]
             if self._wake_r in ready:
                 return
+            if self.notice is not None and self.notice in ready:
+                dead = self.remote()
+                if dead:
+                    self.on_death(dead)
+                    return
+                self.notice = None  # a notice that names nobody (a stale file): back to the pidfds
             for rank, fd in list(self.fds.items()):
                 if fd in ready and (self.dir / f"done-{rank}.json").exists():
                     os.close(fd)
@@ -68,10 +80,11 @@ class Watcher(threading.Thread):
             os.write(self._wake_w, b"x")
 
 
-def peers(directory: Path, world: int, me: int) -> dict[int, int] | None:
-    """rank -> pidfd of every other rank once each has published its pid (None before)."""
+def peers(directory: Path, ranks: range, me: int) -> dict[int, int] | None:
+    """rank -> pidfd of every other rank of this node (`ranks`) once each has published its pid
+    (None before)."""
     out: dict[int, int] = {}
-    for rank in range(world):
+    for rank in ranks:
         if rank == me:
             continue
         try:
@@ -93,9 +106,25 @@ def peers(directory: Path, world: int, me: int) -> dict[int, int] | None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two survivors may post the same file
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
+
+
+def posted_dead(directory: Path) -> set[int]:
+    """The ranks some node posted as dead in the shared directory (job/deathboard.py)."""
+    out = set()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if name.startswith(FAILSAVE_DEAD_PREFIX) and name.endswith(".json"):
+                with contextlib.suppress(ValueError):
+                    out.add(int(name[len(FAILSAVE_DEAD_PREFIX):-5]))
+    return out
+
+
+def post_dead(directory: Path, ranks: set[int], by: int) -> None:
+    for rank in sorted(ranks):
+        write_json(directory / f"{FAILSAVE_DEAD_PREFIX}{rank}.json", {"rank": rank, "by": by})
 
 
 def read_status(directory: Path, rank: int) -> Status | None:

@@ -5,8 +5,9 @@ of restart 0). Either:
       itself while every other rank sleeps $SURVIVOR_SLEEP s before its ckpt.step(): the
       survivors' tensors are then one optimizer step past their last boundary (a failure save
       must never commit them as that boundary's);
-  STOP_AFTER_STEP=k STOP_RANK=r: rank r stops itself (SIGSTOP) in the forward of step k+1, before
-      its gradient all-reduce; the test then SIGKILLs its process tree. A moment the test chooses
+  STOP_AFTER_STEP=k STOP_RANK=r (or STOP_NODE=n STOP_LOCAL_RANK=l): rank r stops itself (SIGSTOP)
+      in the forward of step k+1, before its gradient all-reduce; the test then SIGKILLs its
+      process tree. A moment the test chooses
       by step, not by wall-clock time: the verdict does not depend on the machine's load."""
 
 import os
@@ -41,9 +42,18 @@ def after_step(optimizer, args, kwargs):
     time.sleep(float(os.environ.get("SURVIVOR_SLEEP", "3")))
 
 
+def stops_here():
+    """STOP_RANK=r (a global rank), or STOP_NODE=n STOP_LOCAL_RANK=l (a Slurm node's local rank,
+    whatever rank the rendezvous gave it)."""
+    if "STOP_NODE" in os.environ:
+        return (os.environ.get("SLURM_NODEID"), os.environ.get("LOCAL_RANK")) == \
+            (os.environ["STOP_NODE"], os.environ["STOP_LOCAL_RANK"])
+    return int(os.environ["STOP_RANK"]) == RANK
+
+
 def before_forward(module, args):
-    if FIRST and "STOP_AFTER_STEP" in os.environ and int(os.environ["STOP_RANK"]) == RANK \
-            and done_steps() == int(os.environ["STOP_AFTER_STEP"]):
+    if FIRST and "STOP_AFTER_STEP" in os.environ and done_steps() == int(os.environ["STOP_AFTER_STEP"]) \
+            and stops_here():
         os.kill(os.getpid(), signal.SIGSTOP)
 
 

@@ -1,0 +1,87 @@
+"""Two emulated nodes of one Slurm job on this host: the real NodeLauncher twice (SLURM_NODEID 0
+and 1, SLURM_NNODES=2, a fake `scontrol` for the job clock only), c10d rendezvous across them,
+the rendezvous order the reverse of the Slurm order (helpers.procs.reversed_rendezvous_env: the
+node with SLURM_NODEID=1 gets ranks 0..procs-1)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers.procs import clean_env, process_tree, reversed_rendezvous_env, signal_tree
+
+FAKE_SCONTROL = """#!/bin/sh
+[ -n "$SCONTROL_LOG" ] && echo "$@" >> "$SCONTROL_LOG"
+case "$1 $2" in
+  "show job") echo "JobId=1 JobState=RUNNING TimeLimit=01:00:00" ;;
+  "show config") echo "KillWait = 5 sec" ;;
+esac
+"""
+
+
+def node_launcher(tmp_path: Path, node: int, port: int, script: Path, args: list[str], *, spec_kw: str = "",
+                  env: dict[str, str] | None = None, job_id: str = "2626", procs: int = 2) -> subprocess.Popen[str]:
+    """One emulated node of a 2-node Slurm job: the real NodeLauncher, SLURM_NODEID=`node`, its
+    root `tmp_path/ckpt`. Both nodes share one nonce (submitit pickles one launcher for all)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "scontrol").write_text(FAKE_SCONTROL)
+    (bindir / "scontrol").chmod(0o755)
+    kw = f", {spec_kw}" if spec_kw else ""
+    code = ("import sys; from pathlib import Path; from slurmresume.job.config import JobSpec; "
+            "from slurmresume.job.hang import HangBudgets; from slurmresume.job.node import NodeLauncher; "
+            f"print(NodeLauncher(JobSpec(script=Path({str(script)!r}), script_args=tuple(sys.argv[1:]), "
+            f"ckpt_dir=Path({str(tmp_path / 'ckpt')!r}), nodes=2, nproc_per_node={procs}, rdzv_port={port}"
+            f"{kw}), nonce='submission-{job_id}')())")
+    full = clean_env(PIDDIR=str(tmp_path / "pids"), PYTHONPATH=os.environ.get("PYTHONPATH", ""),
+                     PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID=job_id, SLURM_NODEID=str(node),
+                     SLURM_NNODES="2", **reversed_rendezvous_env(node), **(env or {}))
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=full, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
+    """Every launcher's output once it ended (`timeout`: a hang guard; the trees are killed)."""
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                signal_tree(proc.pid, signal.SIGKILL)
+    return outs
+
+
+def agent_started(launcher: int, timeout: float = 60.0) -> None:
+    """Until the launcher's torchrun agent exists (the other node then starts late)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the first launcher never started torchrun")
+
+
+def global_rank_pid(launchers: list[subprocess.Popen[str]], rank: int, script: bytes = b"train.py") -> int | None:
+    """The pid of global rank `rank` (RANK=`rank`) running `script` under any of `launchers`."""
+    want = f"RANK={rank}".encode()
+    for launcher in launchers:
+        for pid in process_tree(launcher.pid):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if script in cmd and want in env:
+                return pid
+    return None

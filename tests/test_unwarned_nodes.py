@@ -1,0 +1,231 @@
+"""Issue 47 across nodes: a rank that dies without warning on one node costs at most one step of a
+2-node job. The dead rank's node posts the death in the run's shared directory, the other node's
+launcher wakes its ranks (job/deathboard.py), every survivor copies its snapshots there, and the
+lowest clean survivor, on whichever node, commits the failure save (train/failsave.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.procs import EXAMPLE, HELPERS, clean_env, free_port, process_tree, signal_tree
+from helpers.twonodes import agent_started, finish, global_rank_pid, node_launcher
+
+from slurmresume.checkpoint.layout import step_dir_name
+from slurmresume.contract import ENV_DRILL_RECORD, FAILSAVE_NOTICE, FAILSAVE_SUBDIR
+from slurmresume.job import deathboard
+from slurmresume.job.deathboard import DeathBoard, shared_dir
+from slurmresume.tools.compare import compare_checkpoints
+from slurmresume.train.failsave import _local_ranks
+from slurmresume.train.peers import post_dead, posted_dead
+from slurmresume.train.steprecord import read_records
+
+# -- the board: one launcher's FIFO wakes every rank of its node --------------------------------------
+
+
+def test_a_posted_death_makes_the_fifo_readable_for_every_rank_of_the_node(tmp_path: Path) -> None:
+    local = tmp_path / "hb"
+    local.mkdir()
+    board = DeathBoard(tmp_path / "root", "job.0.0", local)
+    readers = [os.open(local / FAILSAVE_SUBDIR / FAILSAVE_NOTICE, os.O_RDONLY | os.O_NONBLOCK) for _ in range(3)]
+    try:
+        assert not board.poll(0.0)
+        assert select.select(readers, [], [], 0)[0] == []  # nothing posted: no rank wakes
+        assert board.dir == shared_dir(tmp_path / "root", "job.0.0") and board.dir.is_dir()
+        post_dead(board.dir, {3}, by=2)
+        assert not board.poll(0.1)  # listed at most every SCAN_S
+        assert board.poll(deathboard.SCAN_S + 0.1)
+        assert sorted(select.select(readers, [], [], 0)[0]) == sorted(readers)  # every rank, not one
+        assert posted_dead(board.dir) == {3}
+    finally:
+        board.close()
+        for fd in readers:
+            os.close(fd)
+
+
+def test_sweep_removes_other_runs_shared_directories_only_once_nothing_touched_them(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    old, recent, current = (shared_dir(root, r) for r in ("job.0.0", "job.0.1", "job.0.2"))
+    for d in (old, recent, current):
+        d.mkdir(parents=True)
+        (d / "status-0.json").write_text("{}")
+    now = time.time()
+    for path in (old, old / "status-0.json", current, current / "status-0.json"):
+        os.utime(path, (now - 2 * deathboard.KEEP_S, now - 2 * deathboard.KEEP_S))
+    assert deathboard.sweep(root, keep="job.0.2", now=now) == ["job.0.0"]
+    assert not old.exists() and recent.exists() and current.exists()  # the current run's is never removed
+
+
+def test_the_copier_writes_the_newest_record_of_each_slot_whole(tmp_path: Path) -> None:
+    from slurmresume.train.snapcopy import Copier
+
+    copier = Copier(tmp_path, 5)
+    try:
+        for step in range(50):
+            copier.offer(str(step % 2), [b"head", f"step {step}".encode()])
+        copier.offer("tail", [b"tail ", b"49"])
+        assert copier.drain(30)
+        assert (tmp_path / "snap-5-0").read_bytes() == b"headstep 48"
+        assert (tmp_path / "snap-5-1").read_bytes() == b"headstep 49"
+        assert (tmp_path / "snap-5-tail").read_bytes() == b"tail 49"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["snap-5-0", "snap-5-1", "snap-5-tail"]  # no leftovers
+    finally:
+        copier.stop()
+
+
+@pytest.mark.parametrize(("env", "rank", "world", "expect"), [
+    ({"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, 3, 4, range(2, 4)),
+    ({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0"}, 0, 4, range(0, 4)),
+    ({"LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": "0"}, 0, 4, None),  # not one count on every node
+    ({"LOCAL_RANK": "0"}, 0, 4, None),
+])
+def test_a_ranks_node_is_its_contiguous_block(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], rank: int,
+                                              world: int, expect: range | None) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert _local_ranks(rank, world) == expect
+
+
+# -- two emulated nodes x 2 ranks, one rank SIGKILLed ----------------------------------------------------
+
+ARGS = ["--steps", "30", "--save-every", "10", "--step-sleep", "0.05"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 4-rank run (one node: the same world, the same reduction order)."""
+    root = tmp_path_factory.mktemp("reference") / "root"
+    proc = subprocess.run([sys.executable, "-m", "slurmresume", "submit", str(EXAMPLE), "--ckpt-dir", str(root),
+                           "--local", "--nproc-per-node", "4", "--", *ARGS], env=clean_env(), cwd=root.parent,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root / step_dir_name(30)
+
+
+def _events(root: Path) -> list[dict]:
+    return [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+@pytest.mark.slow
+def test_a_rank_sigkilled_on_one_node_is_saved_for_by_the_survivors_of_both_nodes(
+        tmp_path: Path, reference: Path) -> None:
+    """Rank 3 (on the node with SLURM_NODEID=0: the rendezvous order is reversed) stops in the
+    forward of a seeded step and is SIGKILLed. Its node's survivor posts the death, the other node's
+    launcher wakes its ranks, and rank 0, on the other node, commits the failure save with rank 3's
+    snapshot copied out by its node: both launchers retry in the allocation from it, at most one
+    step is trained twice, and step 30 equals the uninterrupted run's bit for bit. Before, a
+    2-node job had no failure save: it resumed from the periodic step 10."""
+    kill_step = random.Random(4747).randint(12, 24)
+    root, record = tmp_path / "ckpt", tmp_path / "record"
+    env = {"STOP_AFTER_STEP": str(kill_step), "STOP_RANK": "3", ENV_DRILL_RECORD: str(record)}
+    port = free_port()
+    second = node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4747")
+    launchers = [second]
+    try:
+        agent_started(second.pid)
+        launchers.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", ARGS, env=env,
+                                          job_id="4747"))
+        end = time.monotonic() + 600
+        pid = None
+        while pid is None or _state_of(pid) != "T":
+            assert all(p.poll() is None for p in launchers) and time.monotonic() < end, "ended before the kill"
+            time.sleep(0.02)
+            pid = pid or global_rank_pid(launchers, 3)
+        signal_tree(pid, signal.SIGKILL)
+    except BaseException:
+        for p in launchers:  # the failure above is the one to report
+            signal_tree(p.pid, signal.SIGKILL)
+        print("\n".join((p.communicate()[0] or "")[-3000:] for p in launchers))
+        raise
+    outs = finish(launchers, 600)
+    assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outs)
+
+    ev = _events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["committed"] is True and saves[0]["dead"] == [3], saves
+    assert saves[0]["writer"] == 0, saves  # on the other node than the dead rank
+    saved = saves[0]["step"]
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [saved]
+    first_run = {r["run"] for r in read_records(record, 0)[:1]}
+    trained = max(r["step"] for rank in range(4) for r in read_records(record, rank) if r["run"] in first_run)
+    assert trained - saved <= 1, (trained, saved)
+    assert sorted(e["action"] for e in ev if e["event"] == "run_ended") == ["finish", "finish", "retry", "retry"]
+    assert compare_checkpoints(reference, root / step_dir_name(30)) == []
+
+
+@pytest.mark.slow
+def test_a_node_lost_whole_is_saved_for_by_the_other_node_and_the_job_requeued(
+        tmp_path: Path, reference: Path) -> None:
+    """The node holding ranks 2 and 3 is lost whole: rank 3 stops in the forward of a seeded step,
+    then its launcher's whole tree (launcher, torchrun, both ranks) is SIGKILLed. Nobody on that
+    node can post anything: the other launcher sees its ring connection close without a goodbye,
+    posts ranks 2 and 3 as dead, and its ranks commit the failure save from the copies of the lost
+    ranks' snapshots on the shared root (train/snapcopy.py). That launcher requeues the job (its
+    ranks cannot rendezvous with a lost node), and the requeued job (both launchers again, restart
+    1) resumes from the failure save and ends bitwise equal to the uninterrupted run."""
+    from slurmresume.contract import LAUNCHER_EXIT_REQUEUED
+
+    kill_step = random.Random(4748).randint(12, 24)
+    root, record, calls = tmp_path / "ckpt", tmp_path / "record", tmp_path / "scontrol.log"
+    env = {"STOP_AFTER_STEP": str(kill_step), "STOP_RANK": "3", ENV_DRILL_RECORD: str(record),
+           "SCONTROL_LOG": str(calls)}
+    port = free_port()
+    second = node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4748")
+    launchers = [second]
+    try:
+        agent_started(second.pid)
+        launchers.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", ARGS, env=env,
+                                          job_id="4748"))
+        end = time.monotonic() + 600
+        pid = None
+        while pid is None or _state_of(pid) != "T":
+            assert all(p.poll() is None for p in launchers) and time.monotonic() < end, "ended before the kill"
+            time.sleep(0.02)
+            pid = pid or global_rank_pid(launchers, 3)
+        lost = next(p for p in launchers if pid in process_tree(p.pid))
+        signal_tree(lost.pid, signal.SIGKILL)  # the launcher, its torchrun agent and both ranks
+    except BaseException:
+        for p in launchers:
+            signal_tree(p.pid, signal.SIGKILL)
+        raise
+    outs = finish(launchers, 600)
+    survivor = next(p for p in launchers if p is not lost)
+    assert survivor.returncode == LAUNCHER_EXIT_REQUEUED, "\n".join(o[-3000:] for o in outs)
+    assert "requeue 4748" in calls.read_text()
+    ev = _events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["committed"] is True and saves[0]["dead"] == [2, 3], saves
+    saved = saves[0]["step"]
+    ended = [e for e in ev if e["event"] == "run_ended"]
+    assert [e["action"] for e in ended] == ["requeue"] and "lost" in ended[0]["reason"], ended
+
+    # the requeued job: both nodes again, restart 1 (nothing stops any more)
+    env["SLURM_RESTART_COUNT"] = "1"
+    port = free_port()
+    again = [node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4748")]
+    agent_started(again[0].pid)
+    again.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4748"))
+    outs = finish(again, 600)
+    assert [p.returncode for p in again] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    ev = _events(root)
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [saved]
+    first_run = {r["run"] for r in read_records(record, 0)[:1]}
+    trained = max(r["step"] for rank in range(4) for r in read_records(record, rank) if r["run"] in first_run)
+    assert trained - saved <= 1, (trained, saved)
+    assert compare_checkpoints(reference, root / step_dir_name(30)) == []
