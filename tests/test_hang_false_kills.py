@@ -18,68 +18,24 @@ from helpers.procs import (
     clean_env,
     free_port,
     rank_places,
-    reversed_rendezvous_env,
     signal_tree,
 )
+from helpers.twonodes import agent_started, finish_all, node_launcher
 
 HANG_TRAIN = HELPERS / "hang_train.py"
-
-FAKE_SCONTROL = """#!/bin/sh
-case "$1 $2" in
-  "show job") echo "JobId=1 JobState=RUNNING TimeLimit=01:00:00" ;;
-  "show config") echo "KillWait = 5 sec" ;;
-esac
-"""
-
 
 def _events(root: Path) -> list[dict]:
     return [json.loads(x) for x in (root / "events.jsonl").read_text().splitlines()]
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    outs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                signal_tree(proc.pid, signal.SIGKILL)
-    return outs
-
-
 def _node_launcher(tmp_path: Path, node: int, port: int, args: list[str], spec_kw: str, env: dict[str, str]
                    ) -> subprocess.Popen:
-    """One emulated node of a 2-node Slurm job: the real NodeLauncher, SLURM_NODEID=`node`."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir(exist_ok=True)
-    (bindir / "scontrol").write_text(FAKE_SCONTROL)
-    (bindir / "scontrol").chmod(0o755)
-    code = ("import sys; from pathlib import Path; from slurmresume.job.config import JobSpec; "
-            "from slurmresume.job.hang import HangBudgets; from slurmresume.job.node import NodeLauncher; "
-            f"print(NodeLauncher(JobSpec(script=Path({str(HANG_TRAIN)!r}), script_args=tuple(sys.argv[1:]), "
-            f"ckpt_dir=Path({str(tmp_path / 'ckpt')!r}), nodes=2, nproc_per_node=2, rdzv_port={port}, "
-            f"{spec_kw}), nonce='submission-2626')())")  # one submission: submitit pickles one launcher for every node
-    full = clean_env(PIDDIR=str(tmp_path / "pids"), PYTHONPATH=os.environ.get("PYTHONPATH", ""),
-                     PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="2626", SLURM_NODEID=str(node),
-                     SLURM_NNODES="2", **reversed_rendezvous_env(node), **env)
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=full, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    """One emulated node of a 2-node Slurm job running hang_train.py (helpers/twonodes.py)."""
+    return node_launcher(tmp_path, node, port, HANG_TRAIN, args, spec_kw=spec_kw, env=env)
 
 
-def _agent_started(launcher: int, timeout: float = 60.0) -> None:
-    """Until the launcher's torchrun agent exists (the other node then starts late)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if (Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()):
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError("the first launcher never started torchrun")
+_finish = finish_all
+_agent_started = agent_started
 
 
 @pytest.mark.slow

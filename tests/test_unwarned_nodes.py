@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers.procs import EXAMPLE, HELPERS, clean_env, free_port, process_tree, signal_tree
-from helpers.twonodes import agent_started, finish, global_rank_pid, node_launcher
+from helpers.twonodes import agent_started, finish_all, global_rank_pid, node_launcher
 
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.contract import ENV_DRILL_RECORD, FAILSAVE_NOTICE, FAILSAVE_SUBDIR
@@ -153,7 +153,7 @@ def test_a_rank_sigkilled_on_one_node_is_saved_for_by_the_survivors_of_both_node
             signal_tree(p.pid, signal.SIGKILL)
         print("\n".join((p.communicate()[0] or "")[-3000:] for p in launchers))
         raise
-    outs = finish(launchers, 600)
+    outs = finish_all(launchers, 600)
     assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outs)
 
     ev = _events(root)
@@ -204,7 +204,7 @@ def test_a_node_lost_whole_is_saved_for_by_the_other_node_and_the_job_requeued(
         for p in launchers:
             signal_tree(p.pid, signal.SIGKILL)
         raise
-    outs = finish(launchers, 600)
+    outs = finish_all(launchers, 600)
     survivor = next(p for p in launchers if p is not lost)
     assert survivor.returncode == LAUNCHER_EXIT_REQUEUED, "\n".join(o[-3000:] for o in outs)
     assert "requeue 4748" in calls.read_text()
@@ -221,7 +221,7 @@ def test_a_node_lost_whole_is_saved_for_by_the_other_node_and_the_job_requeued(
     again = [node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4748")]
     agent_started(again[0].pid)
     again.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4748"))
-    outs = finish(again, 600)
+    outs = finish_all(again, 600)
     assert [p.returncode for p in again] == [0, 0], "\n".join(o[-3000:] for o in outs)
     ev = _events(root)
     assert [e["step"] for e in ev if e["event"] == "restored"] == [saved]

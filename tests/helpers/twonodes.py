@@ -44,7 +44,7 @@ def node_launcher(tmp_path: Path, node: int, port: int, script: Path, args: list
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
+def finish_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
     """Every launcher's output once it ended (`timeout`: a hang guard; the trees are killed)."""
     deadline = time.monotonic() + timeout
     outs = []
