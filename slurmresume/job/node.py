@@ -17,6 +17,7 @@ from ..contract import (
     ENV_DUMP_SIGNAL,
     ENV_HEARTBEAT_DIR,
     ENV_LAUNCHER_PID,
+    ENV_MEMORY_DIR,
     ENV_MIRROR,
     ENV_NONCE,
     ENV_OWNER,
@@ -24,6 +25,7 @@ from ..contract import (
     ENV_ROOT,
     ENV_RUN_ID,
     ENV_SIGNAL,
+    ENV_SNAPSHOT_EVERY,
     EXIT_MIRROR_BEHIND,
     LAUNCHER_EXIT_REQUEUED,
     LastRun,
@@ -51,6 +53,9 @@ from ..events import (
 from .config import JobSpec
 from .guardian import Guardian
 from .hangwatch import HangWatch, heartbeat_dir
+from .memroot import create as create_memory_root
+from .memroot import parse_snapshot_every
+from .memroot import remove as remove_memory_root
 from .launcher import (
     JobClock,
     Relay,
@@ -186,8 +191,13 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
     if restart and not local:  # a requeued job: its first step is logged (`resumed`) from our start
         recovering = (launcher_started_at or time.time(), "requeue")
     guardian = Guardian()
+    memory = None
     try:
         lease = ownership.hold(root, job_key, takeover=takeover) if first_node else None
+        # the memory tier (job/memroot.py): kept across this loop's restarts, removed in `finally`
+        # whatever ends the job here (a Slurm requeue too: the next allocation may be other nodes)
+        memory = _memory_root(spec, job_key, extra)  # "": none (not one this launcher's environment names)
+        env = {**env, ENV_MEMORY_DIR: str(memory or ""), ENV_SNAPSHOT_EVERY: str(spec.snapshot_every)}
         if first_node:
             prune_records(root, job_key, time.time())  # other launches' records: never believed, now gone
         while True:
@@ -246,8 +256,21 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
             _requeue(root, clock, relay, extra["job"], restart, job_key, reason)
     finally:
         guardian.close()
+        remove_memory_root(memory)
         if lease is not None:
             lease.stop()
+
+
+def _memory_root(spec: JobSpec, job_key: str, extra: dict[str, Any]) -> Path | None:
+    """This node's memory-tier root, or None: `--snapshot-every off`, no tmpfs, or several nodes
+    (the tier is one node's for now: a step's replicated tensors live in rank 0's shard, on one
+    node only; a node's own copy of them and the peer copy come with issue #49's items 2 and 4)."""
+    if parse_snapshot_every(spec.snapshot_every) == 0:
+        return None
+    if int(extra.get("nodes", 1)) > 1:
+        log.info("memory tier off: it holds one node's jobs only for now (%s nodes)", extra.get("nodes"))
+        return None
+    return create_memory_root(job_key, int(extra.get("node", 0)))
 
 
 def _watch(spec: JobSpec, run_id: str, recovering: tuple[float, str] | None) -> HangWatch:

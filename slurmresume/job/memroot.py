@@ -1,0 +1,72 @@
+"""The memory tier's root on this node: made by the node launcher, removed when the job is done here.
+
+The memory tier (train/memtier.py) is a checkpoint root on node-local tmpfs, in the file tier's
+format, so every reader (find_latest, verify, the restore with its checks and fallback) reads it
+unchanged. The node launcher (job/node.py `_loop`) owns it:
+- `create` at the start of the job on this node, handed to the ranks in $SLURMRESUME_MEMORY_DIR;
+- kept across in-allocation restarts (a crashed rank, a hang kill, a failure-save fallback) and
+  local restarts: that is what it is for;
+- `remove`d when the job ends here (finish, stop, give up, hold) and on a Slurm requeue: the
+  next allocation may be other nodes, and tmpfs is RAM that outlives its creator.
+
+A launcher that is SIGKILLed cannot remove its own: the name carries its owner tag
+(`hbsweep.owner_tag`), and every launcher sweeps those of launchers that are provably gone
+before it makes its own (`hbsweep.sweep`, the same rules as for heartbeat directories).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from .hbsweep import owner_tag, sweep
+
+log = logging.getLogger("slurmresume")
+
+PREFIX = "slurmresume-mem-"
+ENV_BASE = "SLURMRESUME_MEMORY_BASE"  # where the memory roots are made (default /dev/shm); tests
+DEFAULT_BASE = "/dev/shm"
+
+
+def parse_snapshot_every(value: object) -> int | None:
+    """Pure: `--snapshot-every`'s value as an interval: 0 = off, N = every N steps, None = auto.
+    Raises ValueError (the caller words it) for anything else."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    if text == "off":
+        return 0
+    if not text.isdigit():
+        raise ValueError(f"{value!r} is not auto, off or a number of steps")
+    return int(text)
+
+
+def create(job_key: str, node: int) -> Path | None:
+    """The launcher, once per job on this node: a fresh, empty directory private to this user,
+    under $SLURMRESUME_MEMORY_BASE (default /dev/shm); None, with one log line, when there is no
+    such file system (the job runs with the file tier alone). Directories of launchers that are
+    gone are swept first."""
+    base = Path(os.environ.get(ENV_BASE) or DEFAULT_BASE)
+    if not base.is_dir():
+        log.info("memory tier off: %s is not a directory", base)
+        return None
+    try:
+        gone = sweep(base, PREFIX)
+        if gone:
+            log.info("removed %d memory-tier directories of launchers that are gone, under %s", len(gone), base)
+        key = re.sub(r"[^A-Za-z0-9_.-]", "_", job_key)[:80]
+        tag = owner_tag()
+        return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{key}.n{node}-{tag + '-' if tag else ''}", dir=base))
+    except OSError as exc:
+        log.info("memory tier off: cannot make a directory under %s (%s)", base, exc.strerror or exc)
+        return None
+
+
+def remove(path: Path | None) -> None:
+    """The launcher, when the job ends on this node or is requeued: the snapshots are freed. Never raises."""
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)

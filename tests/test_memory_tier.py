@@ -1,0 +1,231 @@
+"""Issue 49 (one node): in-memory snapshots on the node, restored first inside the allocation.
+
+The memory tier is a checkpoint root on node-local tmpfs in the file tier's format
+(train/memtier.py), made and freed by the node launcher (job/memroot.py); an in-allocation
+restart restores from it when it holds a step at least as new as the file tier's, verified like
+any restore, and a damaged one costs one fallback to the file tier, named (train/memrestore.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.procs import EXAMPLE, HELPERS, clean_env, rank_pid, signal_tree
+
+from slurmresume.checkpoint.layout import step_dir_name
+from slurmresume.train.memrestore import memory_choice
+from slurmresume.train.memtier import MEASURE_STEPS, Schedule, auto_interval, refusal
+
+# -- the pure parts: tables --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mem", "problem", "mem_world", "file", "asked", "expect"), [
+    (7, None, 2, 5, None, 7),  # newer in memory: memory
+    (7, None, 2, 7, None, 7),  # as new (a failure save of the same boundary): memory, the faster
+    (7, None, 2, 9, None, None),  # the file tier is newer (an emergency save since)
+    (None, None, None, 5, None, None),  # nothing in memory
+    (7, None, 4, 5, None, None),  # another world size: the file tier reshards
+    (7, "manifest digest mismatch", 2, 5, None, None),  # damaged: the fallback
+    (7, None, 2, 5, 5, None),  # an explicit step: the file tier
+])
+def test_memory_choice(mem: int | None, problem: str | None, mem_world: int | None, file: int | None,
+                       asked: int | None, expect: int | None) -> None:
+    step, why = memory_choice(mem, problem, mem_world, file, 2, asked)
+    assert step == expect, why
+    assert why.startswith("unusable") == (problem is not None), why
+
+
+@pytest.mark.parametrize(("cost", "step", "expect"), [(0.0, 0.1, 1), (0.002, 0.1, 1), (0.003, 0.1, 2),
+                                                      (0.5, 0.034, 736), (1.0, 0.0, 1)])
+def test_auto_interval_keeps_the_cost_under_two_percent(cost: float, step: float, expect: int) -> None:
+    n = auto_interval(cost, step)
+    assert n == expect
+    if cost and step:
+        assert cost / (n * step) <= 0.02 + 1e-12
+
+
+def test_refusal_leaves_headroom_and_obeys_the_limit() -> None:
+    gib = 1 << 30
+    assert refusal(gib, 8 * gib, 8 * gib, 16 * gib, None) is None
+    assert "tmpfs" in (refusal(gib, gib, 8 * gib, 16 * gib, None) or "")  # no headroom left on the tmpfs
+    assert "MemAvailable" in (refusal(gib, 8 * gib, gib + (100 << 20), 16 * gib, None) or "")
+    assert "SLURMRESUME_MEMORY_LIMIT_BYTES" in (refusal(gib, 8 * gib, 8 * gib, 16 * gib, gib - 1) or "")
+
+
+def test_schedule_is_step_numbers_and_calls_only() -> None:
+    every = Schedule(3)
+    assert [s for s in range(1, 10) if every.due(s)] == [3, 6, 9]
+    auto = Schedule(None)
+    due = [s for s in range(1, 30) if auto.due(s) and (auto.taken(0 if s == MEASURE_STEPS else 4) or True)]
+    assert due == [MEASURE_STEPS, 2 * MEASURE_STEPS, 2 * MEASURE_STEPS + 4, 2 * MEASURE_STEPS + 8,
+                   2 * MEASURE_STEPS + 12, 2 * MEASURE_STEPS + 16]
+
+
+# -- in one process: the restore order, the fallback ------------------------------------------------
+
+
+def _state(seed: int) -> dict:
+    import torch
+
+    torch.manual_seed(seed)
+    return {"w": torch.randn(64, 64), "b": torch.randn(64), "n": seed}
+
+
+def _save(root: Path, step: int, state: dict) -> None:
+    from slurmresume.checkpoint.collective import Group
+    from slurmresume.train.saving import payload_of, save_collective
+
+    result = save_collective(Group(), root, step, payload_of(step, state, None, None), replace_if_changed=False)
+    assert result.outcome is not None and result.outcome.ok
+
+
+def _restore(root: Path, memory: Path, state: dict) -> tuple[int, list[dict]]:
+    from slurmresume.checkpoint.collective import Group
+    from slurmresume.train.restoring import Request, restore_and_record
+
+    info = restore_and_record(Group(), root, state, Request.of(None, False, True, True, None), None,
+                              created_at=time.time(), memory=memory)
+    assert info is not None
+    return info.step, _events(root)
+
+
+def test_restore_reads_memory_first_and_a_flipped_byte_falls_back_once(tmp_path: Path) -> None:
+    import torch
+
+    root, memory = tmp_path / "root", tmp_path / "shm"
+    _save(root, 5, _state(5))
+    _save(memory, 7, _state(7))
+    state = _state(0)
+    step, ev = _restore(root, memory, state)
+    assert step == 7 and torch.equal(state["w"], _state(7)["w"]) and state["n"] == 7
+    (r,) = [e for e in ev if e["event"] == "restored"]
+    assert (r["tier"], r["step"], r["memory_fallback"]) == ("memory", 7, None) and r["restore_s"] >= 0
+
+    shard = memory / step_dir_name(7) / "rank-00000-of-00001.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-5] ^= 0x01  # one bit of the tensor data
+    shard.write_bytes(bytes(raw))
+    state = _state(0)
+    before = state["w"].clone()
+    step, ev = _restore(root, memory, state)
+    assert step == 5 and torch.equal(state["w"], _state(5)["w"]) and not torch.equal(state["w"], before)
+    fallbacks = [e for e in ev if e["event"] == "memory_fallback"]
+    assert len(fallbacks) == 1 and fallbacks[0]["step"] == 7, fallbacks
+    r = [e for e in ev if e["event"] == "restored"][-1]
+    assert r["tier"] == "file" and "step 7" in r["memory_fallback"], r
+    assert not (memory / step_dir_name(7)).exists()  # never tried again: no loop over restarts
+    step, ev = _restore(root, memory, _state(0))
+    assert step == 5 and len([e for e in ev if e["event"] == "memory_fallback"]) == 1
+
+
+# -- end to end: submit --local, 2 ranks, one SIGKILL --------------------------------------------
+
+ARGS = ["--steps", "24", "--save-every", "10", "--step-sleep", "0.05"]
+
+
+def _events(root: Path) -> list[dict]:
+    path = root / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _submit(root: Path, script: Path, shm: Path, *options: str, **env: str) -> subprocess.Popen[str]:
+    shm.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "slurmresume", "submit", str(script), "--ckpt-dir", str(root),
+                             "--local", "--nproc-per-node", "2", *options, "--", *ARGS],
+                            env=clean_env(SLURMRESUME_MEMORY_BASE=str(shm), **env), cwd=root.parent,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen[str]) -> str:
+    try:
+        out, _ = proc.communicate(timeout=900)  # a hang guard only
+    except subprocess.TimeoutExpired:
+        signal_tree(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, Path]:
+    """An uninterrupted run whose memory snapshots are refused (a limit of 1000 bytes): its last step
+    is what every interrupted run must end with, bitwise, and its output shows the refusal."""
+    base = tmp_path_factory.mktemp("reference")
+    root, shm = base / "root", base / "shm"
+    out = _finish(_submit(root, EXAMPLE, shm, "--snapshot-every", "1", SLURMRESUME_MEMORY_LIMIT_BYTES="1000"))
+    return root, out, shm
+
+
+@pytest.mark.slow
+def test_a_snapshot_that_does_not_fit_is_one_warning_and_training_goes_on(reference: tuple[Path, str, Path]) -> None:
+    root, out, shm = reference
+    assert out.count("memory tier off for this run") == 1, out[-3000:]
+    refused = [e for e in _events(root) if e["event"] == "memory_refused"]
+    assert len(refused) == 1 and "SLURMRESUME_MEMORY_LIMIT_BYTES" in refused[0]["reason"], refused
+    assert (root / step_dir_name(24) / "COMMITTED").exists()
+    assert list(shm.iterdir()) == []  # the launcher freed the node's memory root at the end
+
+
+def _killed_run(tmp_path: Path, flip: bool) -> tuple[Path, list[dict], int]:
+    """Rank 1 stops itself in the forward of step k + 1 once the memory snapshot of step k is
+    committed; the test (optionally flips one byte of that snapshot, then) SIGKILLs its tree."""
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    kill_step = 13
+    proc = _submit(root, HELPERS / "unwarned_train.py", shm, "--snapshot-every", "1",
+                   STOP_AFTER_STEP=str(kill_step), STOP_RANK="1", STOP_AFTER_MEMORY="1")
+    end = time.monotonic() + 600
+    pid = None
+    while pid is None or _state_of(pid) != "T":
+        assert proc.poll() is None and time.monotonic() < end, "the run ended before its kill"
+        time.sleep(0.02)
+        pid = pid or rank_pid(proc.pid, 1)
+    (memory,) = shm.iterdir()
+    snap = memory / step_dir_name(kill_step)
+    assert (snap / "COMMITTED").exists()
+    if flip:
+        shard = snap / "rank-00001-of-00002.safetensors"
+        raw = bytearray(shard.read_bytes())
+        raw[-3] ^= 0x10
+        shard.write_bytes(bytes(raw))
+    signal_tree(pid, signal.SIGKILL)
+    _finish(proc)
+    assert list(shm.iterdir()) == []  # freed when the job ended
+    return root, _events(root), kill_step
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+@pytest.mark.slow
+def test_a_sigkilled_rank_restarts_from_memory_and_ends_bitwise(tmp_path: Path,
+                                                                reference: tuple[Path, str, Path]) -> None:
+    from slurmresume.tools.compare import compare_checkpoints
+
+    root, ev, k = _killed_run(tmp_path, flip=False)
+    restored = [(e["step"], e.get("tier")) for e in ev if e["event"] == "restored"]
+    assert restored == [(k, "memory")], restored
+    assert not [e for e in ev if e["event"] == "memory_fallback"]
+    assert compare_checkpoints(reference[0] / step_dir_name(24), root / step_dir_name(24)) == []
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_in_memory_is_one_named_fallback_to_the_file_tier(tmp_path: Path,
+                                                                         reference: tuple[Path, str, Path]) -> None:
+    from slurmresume.tools.compare import compare_checkpoints
+
+    root, ev, k = _killed_run(tmp_path, flip=True)
+    fallbacks = [e for e in ev if e["event"] == "memory_fallback"]
+    assert len(fallbacks) == 1 and fallbacks[0]["step"] == k, fallbacks
+    (r,) = [e for e in ev if e["event"] == "restored"]
+    assert r["tier"] == "file" and f"step {k}" in r["memory_fallback"], r
+    assert [e["action"] for e in ev if e["event"] == "run_ended"] == ["retry", "finish"]
+    assert compare_checkpoints(reference[0] / step_dir_name(24), root / step_dir_name(24)) == []
