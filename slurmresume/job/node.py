@@ -53,9 +53,6 @@ from ..events import (
 from .config import JobSpec
 from .guardian import Guardian
 from .hangwatch import HangWatch, heartbeat_dir
-from .memroot import create as create_memory_root
-from .memroot import parse_snapshot_every
-from .memroot import remove as remove_memory_root
 from .launcher import (
     JobClock,
     Relay,
@@ -65,6 +62,9 @@ from .launcher import (
     run_torchrun,
     warn_signal,
 )
+from .memroot import create as create_memory_root
+from .memroot import parse_snapshot_every
+from .memroot import remove as remove_memory_root
 
 log = logging.getLogger("slurmresume")
 

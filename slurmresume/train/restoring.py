@@ -116,7 +116,9 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
     fresh start (logged once, by rank 0)."""
     started = time.perf_counter()
     restore_began = time.time()
-    choice, io, fallback = None, [], None
+    choice: RestoreChoice | None = None
+    io: list[list[int]] = []
+    fallback: str | None = None
     if memory is not None:
         from .memrestore import from_memory
 
