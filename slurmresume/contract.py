@@ -74,6 +74,19 @@ ENV_SNAPSHOT_EVERY = "SLURMRESUME_SNAPSHOT_EVERY"  # "auto" | "off" | N: the mem
 # MemAvailable allow, with headroom); a snapshot over it is refused with one warning
 ENV_MEMORY_LIMIT = "SLURMRESUME_MEMORY_LIMIT_BYTES"
 
+def parse_snapshot_every(value: object) -> int | None:
+    """Pure: $SLURMRESUME_SNAPSHOT_EVERY's value (`submit --snapshot-every`, `Checkpointer(snapshot_every=)`) as an interval: 0 = off, N = every N steps, None = auto.
+    Raises ValueError (the caller words it) for anything else."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    if text == "off":
+        return 0
+    if not text.isdigit():
+        raise ValueError(f"{value!r} is not auto, off or a number of steps")
+    return int(text)
+
+
 # -- exit codes of a rank ---------------------------------------------------------------------
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after the warning signal; the launcher requeues
 EXIT_TERMINATED = 76  # saved (best effort) after SIGTERM/SIGINT; never self-requeued

@@ -10,10 +10,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..contract import parse_signal
+from ..contract import parse_signal, parse_snapshot_every
 from ..errors import ConfigError
 from .hang import HangBudgets, parse_hang_timeout
-from .memroot import parse_snapshot_every
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _BAD_CATEGORIES = {"Cc", "Cf", "Zl", "Zp"}  # controls, format characters, line/paragraph separators

@@ -32,19 +32,6 @@ ENV_BASE = "SLURMRESUME_MEMORY_BASE"  # where the memory roots are made (default
 DEFAULT_BASE = "/dev/shm"
 
 
-def parse_snapshot_every(value: object) -> int | None:
-    """Pure: `--snapshot-every`'s value as an interval: 0 = off, N = every N steps, None = auto.
-    Raises ValueError (the caller words it) for anything else."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return None
-    if text == "off":
-        return 0
-    if not text.isdigit():
-        raise ValueError(f"{value!r} is not auto, off or a number of steps")
-    return int(text)
-
-
 def create(job_key: str, node: int) -> Path | None:
     """The launcher, once per job on this node: a fresh, empty directory private to this user,
     under $SLURMRESUME_MEMORY_BASE (default /dev/shm); None, with one log line, when there is no

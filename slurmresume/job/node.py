@@ -30,6 +30,7 @@ from ..contract import (
     LAUNCHER_EXIT_REQUEUED,
     LastRun,
     dump_signal,
+    parse_snapshot_every,
     prune_records,
     read_last_run,
     write_last_run,
@@ -63,7 +64,6 @@ from .launcher import (
     warn_signal,
 )
 from .memroot import create as create_memory_root
-from .memroot import parse_snapshot_every
 from .memroot import remove as remove_memory_root
 
 log = logging.getLogger("slurmresume")

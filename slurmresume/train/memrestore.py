@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +36,6 @@ from .memtier import remove_step
 if TYPE_CHECKING:
     from ..checkpoint.collective import Group
     from .messages import RestoreChoice
-    from .restoring import Request
 
 log = logging.getLogger("slurmresume")
 
@@ -58,12 +57,13 @@ def memory_choice(mem_step: int | None, mem_problem: str | None, mem_world: int 
     return mem_step, f"memory snapshot of step {mem_step}"
 
 
-def from_memory(group: Group, memory: Path, root: Path, state: MutableMapping[str, Any],
-                req: Request) -> tuple[RestoreChoice | None, list[list[int]], str | None]:
-    """Collective (see the module docstring). Returns (the step loaded into `state` from memory,
-    or None; per rank [bytes read, needed]; the fallback's reason, or None when there was none)."""
-    from .restoring import restore_collective
-
+def from_memory(group: Group, memory: Path, root: Path, state: MutableMapping[str, Any], req: Any,
+                restore_collective: Callable[..., tuple[RestoreChoice | None, list[list[int]]]],
+                ) -> tuple[RestoreChoice | None, list[list[int]], str | None]:
+    """Collective (see the module docstring). `req`: the restore's `restoring.Request`;
+    `restore_collective`: restoring's, handed in (this module is below it). Returns (the step
+    loaded into `state` from memory, or None; per rank [bytes read, needed]; the fallback's
+    reason, or None when there was none)."""
     mine = _choose(memory, root, group.world_size, req.step) if group.rank == 0 else None
     step, why = group.broadcast_json(mine)
     fallback = why if step is None and why.startswith("unusable") else None

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.layout import MARKER, saving_dirs, step_dirs
-from ..contract import ENV_MEMORY_DIR, ENV_MEMORY_LIMIT, ENV_SNAPSHOT_EVERY
+from ..contract import ENV_MEMORY_DIR, ENV_MEMORY_LIMIT, ENV_SNAPSHOT_EVERY, parse_snapshot_every
 from ..errors import ConfigError, SaveError
 from ..events import EV_MEMORY_REFUSED, try_append_event
 
@@ -55,8 +55,6 @@ HEADROOM_SHARE = 0.05  # ... or this share of the node's memory, whichever is la
 
 def setting(value: Any) -> int | None:
     """`snapshot_every` as an interval: 0 off, N steps, None auto. ConfigError for anything else."""
-    from ..job.memroot import parse_snapshot_every
-
     if isinstance(value, bool):
         raise ConfigError(f"snapshot_every must be 'auto', 'off' or a number of steps, got {value!r}")
     try:

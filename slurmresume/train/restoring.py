@@ -122,7 +122,7 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
     if memory is not None:
         from .memrestore import from_memory
 
-        choice, io, fallback = from_memory(group, memory, root, state, req)
+        choice, io, fallback = from_memory(group, memory, root, state, req, restore_collective)
     tier = "memory" if choice is not None else "file"
     if choice is None:
         choice, io = restore_collective(group, root, state, req, mirror)
