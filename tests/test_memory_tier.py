@@ -153,22 +153,35 @@ def _finish(proc: subprocess.Popen[str]) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, Path]:
-    """An uninterrupted run whose memory snapshots are refused (a limit of 1000 bytes): its last step
-    is what every interrupted run must end with, bitwise, and its output shows the refusal."""
+    """An uninterrupted run with the default `--snapshot-every auto`: its last step is what every
+    interrupted run must end with, bitwise, and its output shows the interval auto chose."""
     base = tmp_path_factory.mktemp("reference")
     root, shm = base / "root", base / "shm"
-    out = _finish(_submit(root, EXAMPLE, shm, "--snapshot-every", "1", SLURMRESUME_MEMORY_LIMIT_BYTES="1000"))
+    out = _finish(_submit(root, EXAMPLE, shm))
     return root, out, shm
 
 
 @pytest.mark.slow
-def test_a_snapshot_that_does_not_fit_is_one_warning_and_training_goes_on(reference: tuple[Path, str, Path]) -> None:
+def test_auto_chooses_and_prints_the_interval_once_and_the_job_frees_its_memory(
+        reference: tuple[Path, str, Path]) -> None:
     root, out, shm = reference
+    assert out.count("memory tier: a snapshot every ") == 1, out[-3000:]
+    assert "(auto: the measured cost kept under 2% of the step time)" in out
+    assert (root / step_dir_name(24) / "COMMITTED").exists()
+    assert list(shm.iterdir()) == []  # the launcher freed the node's memory root at the end
+
+
+@pytest.mark.slow
+def test_a_snapshot_that_does_not_fit_is_one_warning_and_training_goes_on(tmp_path: Path) -> None:
+    """A node that cannot hold a snapshot (here: a limit of 1000 bytes): one warning, one event, the
+    tier off, and training goes on with the file tier to its end."""
+    root = tmp_path / "root"
+    out = _finish(_submit(root, EXAMPLE, tmp_path / "shm", "--snapshot-every", "1",
+                          SLURMRESUME_MEMORY_LIMIT_BYTES="1000"))
     assert out.count("memory tier off for this run") == 1, out[-3000:]
     refused = [e for e in _events(root) if e["event"] == "memory_refused"]
     assert len(refused) == 1 and "SLURMRESUME_MEMORY_LIMIT_BYTES" in refused[0]["reason"], refused
     assert (root / step_dir_name(24) / "COMMITTED").exists()
-    assert list(shm.iterdir()) == []  # the launcher freed the node's memory root at the end
 
 
 def _killed_run(tmp_path: Path, flip: bool) -> tuple[Path, list[dict], int]:

@@ -28,7 +28,9 @@ from .hbsweep import owner_tag, sweep
 log = logging.getLogger("slurmresume")
 
 PREFIX = "slurmresume-mem-"
-ENV_BASE = "SLURMRESUME_MEMORY_BASE"  # where the memory roots are made (default /dev/shm); tests
+# where the memory roots are made (default /dev/shm); "none": no memory tier on this node (a site
+# whose tmpfs is too small, or tests of other features: tests/helpers/procs.clean_env)
+ENV_BASE = "SLURMRESUME_MEMORY_BASE"
 DEFAULT_BASE = "/dev/shm"
 
 
@@ -37,7 +39,11 @@ def create(job_key: str, node: int) -> Path | None:
     under $SLURMRESUME_MEMORY_BASE (default /dev/shm); None, with one log line, when there is no
     such file system (the job runs with the file tier alone). Directories of launchers that are
     gone are swept first."""
-    base = Path(os.environ.get(ENV_BASE) or DEFAULT_BASE)
+    value = os.environ.get(ENV_BASE) or DEFAULT_BASE
+    if value.strip().lower() == "none":
+        log.info("memory tier off: %s=none", ENV_BASE)
+        return None
+    base = Path(value)
     if not base.is_dir():
         log.info("memory tier off: %s is not a directory", base)
         return None

@@ -173,9 +173,8 @@ class MemoryTier:
             self.pending = None
         if self.off or not self.schedule.due(step):
             return
-        if busy and self.schedule.every is None:
-            self.schedule.taken(self.schedule.agreed or 1)  # auto never waits: the next interval
-            return
+        # a save in flight is waited for (its wait counts in the cost): whether one is in flight
+        # differs between ranks, and every rank must make the same collective calls
         began = time.perf_counter()
         try:
             started = self.writer.save(step, "wait", lambda: self._checked(step, prepare()),
