@@ -242,3 +242,37 @@ def test_a_flipped_byte_in_memory_is_one_named_fallback_to_the_file_tier(tmp_pat
     assert r["tier"] == "file" and f"step {k}" in r["memory_fallback"], r
     assert [e["action"] for e in ev if e["event"] == "run_ended"] == ["retry", "finish"]
     assert compare_checkpoints(reference[0] / step_dir_name(24), root / step_dir_name(24)) == []
+
+
+# -- the launcher's side: the node's memory root, what `status` shows of it -------------------------
+
+
+def test_the_memory_root_is_made_private_shown_and_freed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json as _json
+    import os
+
+    from slurmresume.job import memroot
+    from slurmresume.job.hbsweep import namespace_and_boot
+    from slurmresume.tools.status_sections import rank_view
+
+    monkeypatch.setenv(memroot.ENV_BASE, str(tmp_path))
+    here = namespace_and_boot()
+    assert here is not None
+    gone = tmp_path / f"{memroot.PREFIX}slurm-1.n0-o999999.1.{here[0]}.{here[1]}-x"  # its launcher is gone (no such pid)
+    gone.mkdir()
+    path = memroot.create("slurm-7", 0)
+    assert path is not None and path.parent == tmp_path and path.name.startswith(memroot.PREFIX)
+    assert not gone.exists() and oct(path.stat().st_mode & 0o777) == "0o700"
+    assert memroot.view(path) == {"step": None, "bytes": 0}
+    _save(path, 3, _state(3))
+    shown = memroot.view(path)
+    assert shown is not None and shown["step"] == 3 and shown["bytes"] > 64 * 64 * 4
+    runs = tmp_path / "root" / ".runs"
+    runs.mkdir(parents=True)
+    (runs / "job.node-0.ranks.json").write_text(_json.dumps({"time": 1.0, "host": "n1", "ranks": {}, "memory": shown}))
+    view = rank_view(tmp_path / "root", 2.0)
+    assert view is not None and view["memory"] == {"n1": shown}
+    memroot.remove(path)
+    assert not path.exists()
+    monkeypatch.setenv(memroot.ENV_BASE, "none")
+    assert memroot.create("slurm-7", 0) is None and os.listdir(tmp_path) == ["root"]

@@ -59,6 +59,26 @@ def create(job_key: str, node: int) -> Path | None:
         return None
 
 
+def view(path: Path | None) -> dict[str, int | None] | None:
+    """The launcher, for `status` (published with the hang watch's summary every few seconds): the
+    memory root's newest committed step and the bytes it holds (every snapshot in it, one level
+    deep). None without a memory root. Never raises."""
+    if path is None:
+        return None
+    from ..checkpoint.store import newest_committed
+
+    held = 0
+    try:
+        for entry in os.scandir(path):
+            if entry.is_dir(follow_symlinks=False):
+                for f in os.scandir(entry.path):
+                    if f.is_file(follow_symlinks=False):
+                        held += f.stat(follow_symlinks=False).st_size
+        return {"step": newest_committed(path), "bytes": held}
+    except OSError:
+        return {"step": None, "bytes": held}
+
+
 def remove(path: Path | None) -> None:
     """The launcher, when the job ends on this node or is requeued: the snapshots are freed. Never raises."""
     if path is not None:

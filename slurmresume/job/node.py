@@ -206,6 +206,7 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
                              launcher_started_at=launcher_started_at, **extra)
             log.info("run %s: %s", run_id, " ".join(cmd))
             watch = _watch(spec, run_id, recovering)
+            watch.memory = memory  # published for `status` with the ranks' view
             hb = {ENV_HEARTBEAT_DIR: str(watch.directory)} if watch.directory is not None else {}
             wenv = worker_env(spec, run_id, restart, {**env, **hb}, first_run=restart == 0 and failures + hangs == 0)
             try:

@@ -23,7 +23,8 @@
                   number): large roots answer fast; `--limit 0` / `--best` / `--verify` list all
     ranks         the hang watch's last view of the newest run (null: none published): {job_key, time,
                    budgets (text), ranks: {rank: {step, phase, age_s (now - its last heartbeat),
-                   median_s, p99_s, samples, ...}}, stragglers: [rank], straggler_margin}
+                   median_s, p99_s, samples, ...}}, stragglers: [rank], straggler_margin,
+                   memory: {host: {step (the memory tier's newest snapshot), bytes (held)}} or null}
     last_hang     the newest `hang` event (null: none): {time, run_id, ranks, step, phase, silent_s,
                    budget_s, dump_dir, rank_states, host}, plus hangs: int (all logged)
     interval      only with compute_status(with_interval=True): the save interval and its cost
