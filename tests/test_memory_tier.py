@@ -110,7 +110,16 @@ def test_restore_reads_memory_first_and_a_flipped_byte_falls_back_once(tmp_path:
     raw = bytearray(shard.read_bytes())
     raw[-5] ^= 0x01  # one bit of the tensor data
     shard.write_bytes(bytes(raw))
+    from slurmresume.checkpoint.collective import Group
+    from slurmresume.train.restoring import Request, restore_and_record
+
+    # all or nothing: with nothing in the file tier the run starts fresh, its state as it was, bit for bit
     state = _state(0)
+    got = restore_and_record(Group(), tmp_path / "empty", state, Request.of(None, False, True, True, None), None,
+                             created_at=time.time(), memory=memory)
+    assert got is None and all(torch.equal(state[k], _state(0)[k]) for k in ("w", "b")) and state["n"] == 0
+    _save(memory, 7, _state(7))
+    shard.write_bytes(bytes(raw))  # damaged again, for the file tier's root
     before = state["w"].clone()
     step, ev = _restore(root, memory, state)
     assert step == 5 and torch.equal(state["w"], _state(5)["w"]) and not torch.equal(state["w"], before)

@@ -9,8 +9,10 @@ Call order (`from_memory`, every rank; "0" = rank 0 only; each arrow one collect
   2. all: none: return (the caller restores from the file tier; a problem with the memory
           step, as opposed to "older" or "none", is the one fallback, named)
   3. all: `restoring.restore_collective` of exactly that step from the memory root: the same
-          plan, staging, per-block verification and collective verdict as a file restore, so the
-          live state is touched only once every rank's part verified (all or nothing). A refused
+          plan, per-block verification and collective verdict as a file restore, so the live state
+          is touched only once every rank's part verified (all or nothing); read in the two passes
+          from memory (`Request.warm`: verify everything, then read into the live tensors), with no
+          staging copy to fault in, since nothing writes this job's tmpfs between them. A refused
           step (a damaged byte, a missing shard) raises the same CheckpointError on every rank:
           caught here, the one fallback, named; rank 0 removes that memory step, so no later
           restart tries it again (never a loop). A ConfigError (the state does not fit) or a bug
@@ -72,7 +74,7 @@ def from_memory(group: Group, memory: Path, root: Path, state: MutableMapping[st
             _fell_back(root, memory, None, why)
         return None, [], fallback
     try:
-        choice, io = restore_collective(group, memory, state, replace(req, step=step, allow_fresh_start=True))
+        choice, io = restore_collective(group, memory, state, replace(req, step=step, allow_fresh_start=True, warm=True))
     except CheckpointError as exc:  # the same on every rank (the collective verdict): `state` untouched
         fallback = f"unusable: memory snapshot of step {step}: {exc}"
         if group.rank == 0:

@@ -94,6 +94,11 @@ class Request:
     strict: bool
     allow_fresh_start: bool
     ddp_buckets: Any = None  # the Checkpointer's DDPTracker (train/ddptrack.py): pins the saved layouts
+    # the two passes from memory (see ENV_RESTORE_WARM) where every rank's files are resident; None:
+    # as $SLURMRESUME_RESTORE_WARM says. True for the memory tier (memrestore.py): its root is this
+    # job's own tmpfs, which nothing writes between the passes, and the first pass verifies every
+    # byte before the live state is touched
+    warm: bool | None = None
 
     @classmethod
     def of(cls, step: int | None, verify: bool, restore_rng: bool, strict: bool,
@@ -236,7 +241,8 @@ def _load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req:
         xplan = exchange_plan(group, choice, part)
         extra = xplan.peak_bytes if xplan is not None else 0
         over = isinstance(part, Part) and budget is not None and part.staging + extra > budget
-        warm = (os.environ.get(ENV_RESTORE_WARM, "").strip() == "1"
+        wanted = req.warm if req.warm is not None else os.environ.get(ENV_RESTORE_WARM, "").strip() == "1"
+        warm = (wanted
                 and not os.environ.get(ENV_RESTORE_STAGING, "").strip()
                 and cached(part, choice.world_size == group.world_size))
     except Exception as exc:  # noqa: BLE001 - crosses ranks as data (Failure.on_rank)
