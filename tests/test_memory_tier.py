@@ -55,6 +55,8 @@ def test_refusal_leaves_headroom_and_obeys_the_limit() -> None:
     assert "tmpfs" in (refusal(gib, gib, 8 * gib, 16 * gib, None) or "")  # no headroom left on the tmpfs
     assert "MemAvailable" in (refusal(gib, 8 * gib, gib + (100 << 20), 16 * gib, None) or "")
     assert "SLURMRESUME_MEMORY_LIMIT_BYTES" in (refusal(gib, 8 * gib, 8 * gib, 16 * gib, gib - 1) or "")
+    assert refusal(gib, 8 * gib, 3 * gib, 16 * gib, None) is None
+    assert "buffers included" in (refusal(gib, 8 * gib, 3 * gib, 16 * gib, None, buffers=2 * gib) or "")
 
 
 def test_schedule_is_step_numbers_and_calls_only() -> None:

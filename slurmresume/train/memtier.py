@@ -72,17 +72,19 @@ def auto_interval(cost_s: float, step_s: float, budget: float = BUDGET) -> int:
 
 
 def refusal(need: int, shm_free: int | None, mem_available: int | None, mem_total: int | None,
-            limit: int | None) -> str | None:
+            limit: int | None, buffers: int = 0) -> str | None:
     """Pure: why the node cannot hold a snapshot of `need` bytes (this node's ranks together), or
     None when it can. It must fit under `limit` ($SLURMRESUME_MEMORY_LIMIT_BYTES), and leave the
-    headroom free on the tmpfs and in MemAvailable (tmpfs pages are RAM that no one can reclaim)."""
+    headroom free on the tmpfs and in MemAvailable (tmpfs pages are RAM that no one can reclaim),
+    where the writer's copy buffers not made yet (`buffers`) come out of MemAvailable too."""
     headroom = max(HEADROOM_MIN, int(HEADROOM_SHARE * (mem_total or 0)))
     if limit is not None and need > limit:
         return f"it needs {need} bytes on this node, over {ENV_MEMORY_LIMIT}={limit}"
     if shm_free is not None and need + headroom > shm_free:
         return f"it needs {need} bytes on this node + {headroom} free, and its tmpfs has {shm_free} free"
-    if mem_available is not None and need + headroom > mem_available:
-        return f"it needs {need} bytes on this node + {headroom} free, and MemAvailable is {mem_available}"
+    if mem_available is not None and need + buffers + headroom > mem_available:
+        return (f"it needs {need + buffers} bytes on this node (buffers included) + {headroom} free, and "
+                f"MemAvailable is {mem_available}")
     return None
 
 
@@ -149,7 +151,6 @@ class MemoryTier:
         self.cost = Cost()
         self.off = False  # refused once: the file tier alone from then on
         self.pending: float | None = None  # the blocking seconds of the snapshot last started
-        self.held_bytes = 0  # rank 0: the newest committed snapshot's bytes
         self.printed = False
 
     @classmethod
@@ -190,7 +191,7 @@ class MemoryTier:
         mine = sum(t.numel() * t.element_size() for _, t in payload.tensors)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         pool_new = 0 if self.writer.pool.nbytes else mine  # the writer's buffers, made by the first snapshot
-        why = refusal(mine * local + pool_new * local, _shm_free(self.root), *_meminfo(), self.limit)
+        why = refusal(mine * local, _shm_free(self.root), *_meminfo(), self.limit, buffers=pool_new * local)
         refused, agreed = self.group.max_ints([int(why is not None), self.cost.proposal()])
         if refused:
             self.off = True
@@ -225,7 +226,6 @@ class MemoryTier:
             log.warning("memory snapshot of step %d failed: %s", step, result.outcome.error)
             return
         if not result.skipped:
-            self.held_bytes = result.bytes
             log.debug("memory snapshot of step %d: %d bytes, copy %.3f s", step, result.bytes, blocking_s)
         prune(self.root, step)
 
