@@ -287,3 +287,19 @@ def test_the_memory_root_is_made_private_shown_and_freed(tmp_path: Path, monkeyp
     assert not path.exists()
     monkeypatch.setenv(memroot.ENV_BASE, "none")
     assert memroot.create("slurm-7", 0) is None and os.listdir(tmp_path) == ["root"]
+
+
+def test_a_file_restore_drops_newer_memory_snapshots_of_another_trajectory(tmp_path: Path) -> None:
+    """`--resume-from 5` while memory holds step 7 (of the run before): the run retrains 6, 7 on
+    another trajectory, and step 7 in memory must not be restored after a crash there."""
+    from slurmresume.checkpoint.collective import Group
+    from slurmresume.train.restoring import Request, restore_and_record
+
+    root, memory = tmp_path / "root", tmp_path / "shm"
+    _save(root, 5, _state(5))
+    _save(memory, 4, _state(4))
+    _save(memory, 7, _state(7))
+    info = restore_and_record(Group(), root, _state(0), Request.of(5, False, True, True, None), None,
+                              created_at=time.time(), memory=memory)
+    assert info is not None and info.step == 5
+    assert not (memory / step_dir_name(7)).exists() and (memory / step_dir_name(4)).exists()

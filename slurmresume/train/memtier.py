@@ -232,13 +232,19 @@ class MemoryTier:
     def forget_from(self, step: int) -> None:
         """Rank 0, after an explicit save of `step` replaced what the file tier held: the memory
         snapshots of `step` and later no longer hold what the run saved last."""
-        for s, path in step_dirs(self.root):
-            if s >= step:
-                remove_step(path)
+        forget_from(self.root, step)
 
 
 class _Refused(Exception):
     pass
+
+
+def forget_from(root: Path, step: int) -> None:
+    """Rank 0: every memory snapshot of `step` or later, gone (they are of another trajectory than
+    the one the run now holds). Never raises."""
+    for s, path in step_dirs(root):
+        if s >= step:
+            remove_step(path)
 
 
 def prune(root: Path, newest: int) -> None:

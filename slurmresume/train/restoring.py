@@ -131,6 +131,10 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
     tier = "memory" if choice is not None else "file"
     if choice is None:
         choice, io = restore_collective(group, root, state, req, mirror)
+        if memory is not None and group.rank == 0:  # memory snapshots past this step: another trajectory's
+            from .memtier import forget_from
+
+            forget_from(memory, choice.step + 1 if choice is not None else 0)
     if choice is None:
         if group.rank == 0:
             log.info("fresh start: no complete checkpoint under %s", root)
