@@ -303,3 +303,24 @@ def test_a_file_restore_drops_newer_memory_snapshots_of_another_trajectory(tmp_p
                               created_at=time.time(), memory=memory)
     assert info is not None and info.step == 5
     assert not (memory / step_dir_name(7)).exists() and (memory / step_dir_name(4)).exists()
+
+
+@pytest.mark.slow
+def test_a_refused_failure_save_costs_the_steps_since_the_snapshot_not_since_the_file_save(
+        tmp_path: Path, reference: tuple[Path, str, Path]) -> None:
+    """Rank 1 dies right after its optimizer step of step k while the others are past theirs: the
+    failure save is refused (never mixed steps) and the file tier holds step 10 only; the memory
+    tier's snapshot of step k - 1 (or k - 2, were the last one still being written) is restored
+    instead of step 10, and the job ends bitwise."""
+    from slurmresume.tools.compare import compare_checkpoints
+    from slurmresume.train.failsave import FINISH_WAIT_S
+
+    root, shm = tmp_path / "root", tmp_path / "shm"
+    k = 16
+    _finish(_submit(root, HELPERS / "unwarned_train.py", shm, "--snapshot-every", "1", KILL_AT_STEP=str(k),
+                    KILL_RANK="1", SURVIVOR_SLEEP=str(FINISH_WAIT_S + 3)))
+    ev = _events(root)
+    assert [e["committed"] for e in ev if e["event"] == "failure_save"] == [False]
+    (r,) = [e for e in ev if e["event"] == "restored"]
+    assert r["tier"] == "memory" and r["step"] in (k - 2, k - 1), r
+    assert compare_checkpoints(reference[0] / step_dir_name(24), root / step_dir_name(24)) == []
