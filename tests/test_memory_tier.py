@@ -18,8 +18,8 @@ import pytest
 from helpers.procs import EXAMPLE, HELPERS, clean_env, rank_pid, signal_tree
 
 from slurmresume.checkpoint.layout import step_dir_name
+from slurmresume.train.memplan import MEASURE_STEPS, Schedule, auto_interval, refusal
 from slurmresume.train.memrestore import memory_choice
-from slurmresume.train.memtier import MEASURE_STEPS, Schedule, auto_interval, refusal
 
 # -- the pure parts: tables --------------------------------------------------------------------------
 

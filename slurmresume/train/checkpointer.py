@@ -35,7 +35,8 @@ if TYPE_CHECKING:  # the front door's types, for a reader and a type checker; im
 from .emergency import save_and_exit
 from .failsave import failure_guard
 from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, expect_io, phase
-from .memtier import MemoryTier, setting
+from .memplan import setting
+from .memtier import MemoryTier
 from .options import check_options
 from .restoring import Request, restore_and_record
 from .roots import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
