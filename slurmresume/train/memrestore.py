@@ -103,7 +103,9 @@ def _fell_back(root: Path, memory: Path, step: int | None, why: str) -> None:
     log.warning("memory tier: %s; restoring from the file tier (%s)", why.removeprefix("unusable: "), root)
     try_append_event(root, EV_MEMORY_FALLBACK, step=step, reason=why.removeprefix("unusable: "),
                      run_id=os.environ.get(ENV_RUN_ID))
-    if step is None:
-        step = newest_committed(memory)
+    try:  # rank 0 alone here: nothing may raise (the other ranks are on to the file tier's collectives)
+        step = newest_committed(memory) if step is None else step
+    except OSError:
+        return
     if step is not None:
         remove_step(memory / step_dir_name(step))

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("slurmresume")
 
+
 class MemoryTier:
     """One Checkpointer's memory tier (None without $SLURMRESUME_MEMORY_DIR or when off)."""
 
@@ -67,8 +68,8 @@ class MemoryTier:
         return cls(Path(directory), every, group, writer, file_root, limit)
 
     def at_step(self, step: int, prepare: Any) -> None:
-        """Every rank, at the end of `Checkpointer.step` (no save of the file tier in flight is
-        waited for unless an explicit interval asks it). `prepare()` returns this rank's Payload."""
+        """Every rank, at the end of `Checkpointer.step`: a snapshot of `step` when one is due (after
+        the save in flight, if any: file tier or memory). `prepare()` returns this rank's Payload."""
         busy = self.writer.in_flight()
         self.cost.tick(busy)
         if self.pending is not None and not busy:
