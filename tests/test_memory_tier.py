@@ -239,6 +239,12 @@ def test_a_sigkilled_rank_restarts_from_memory_and_ends_bitwise(tmp_path: Path,
     assert restored == [(k, "memory")], restored
     assert not [e for e in ev if e["event"] == "memory_fallback"]
     assert compare_checkpoints(reference[0] / step_dir_name(24), root / step_dir_name(24)) == []
+    from slurmresume.cli.render_status import failure_text
+    from slurmresume.tools.status import compute_status
+
+    (f,) = compute_status(root).failures  # what `status` shows: the tier, and how long the restore took
+    assert (f["resumed_from"], f["resumed_tier"]) == (k, "memory") and f["restore_s"] is not None, f
+    assert f"resumed from step {k} (memory tier, restored in " in failure_text(f), failure_text(f)
 
 
 @pytest.mark.slow

@@ -55,6 +55,7 @@
                    save: "committed"|"refused"|"failed"|"none" (the failure save), save_step, save_writer,
                    save_s, missing: [piece] (refused), error (failed), action (the launcher's: retry,
                    requeue, give_up...), resumed_from (the step the next run restored; 0: fresh),
+                   resumed_tier ("memory"|"file": where it restored from; null: not logged), restore_s,
                    repeated (trained - resumed_from), to_first_step_s (the failure to the next run's
                    first step; null: not resumed yet)}]
     mirror        null (no mirror in the log, or --no-mirror-check), or the bucket asked now: {url,
