@@ -330,3 +330,17 @@ def test_a_refused_failure_save_costs_the_steps_since_the_snapshot_not_since_the
     (r,) = [e for e in ev if e["event"] == "restored"]
     assert r["tier"] == "memory" and r["step"] in (k - 2, k - 1), r
     assert compare_checkpoints(reference[0] / step_dir_name(24), root / step_dir_name(24)) == []
+
+
+@pytest.mark.parametrize("bad", ["bogus", "-3", "1.5", True])
+def test_a_bad_snapshot_every_is_one_line_before_anything_is_made(tmp_path: Path, bad: object) -> None:
+    from slurmresume import Checkpointer
+    from slurmresume.errors import ConfigError
+    from slurmresume.job.config import JobSpec
+
+    with pytest.raises(ConfigError, match="give 'auto', 'off'"):
+        Checkpointer(tmp_path / "root", snapshot_every=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "root").exists()
+    if not isinstance(bad, bool):
+        with pytest.raises(ConfigError, match="--snapshot-every"):
+            JobSpec(script=EXAMPLE, ckpt_dir=tmp_path / "root", snapshot_every=str(bad))

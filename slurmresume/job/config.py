@@ -150,8 +150,9 @@ class JobSpec:
         parse_hang_timeout(self.hang_timeout)  # ConfigError naming the value
         try:
             parse_snapshot_every(self.snapshot_every)
-        except ValueError as exc:
-            raise ConfigError(f"--snapshot-every {exc}: give auto, off (or 0) or a number of steps") from None
+        except ValueError:
+            raise ConfigError(f"--snapshot-every {self.snapshot_every!r}: give auto, off (or 0) or a number of "
+                              "steps") from None
         for name in ("hang_startup", "hang_busy", "hang_save", "hang_io_rate"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):

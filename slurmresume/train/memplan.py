@@ -23,12 +23,12 @@ HEADROOM_SHARE = 0.05  # ... or this share of the node's memory, whichever is la
 
 def setting(value: Any) -> int | None:
     """`snapshot_every` as an interval: 0 off, N steps, None auto. ConfigError for anything else."""
-    if isinstance(value, bool):
-        raise ConfigError(f"snapshot_every must be 'auto', 'off' or a number of steps, got {value!r}")
     try:
+        if isinstance(value, bool):
+            raise ValueError(value)
         return parse_snapshot_every(value)
-    except ValueError as exc:
-        raise ConfigError(f"snapshot_every: {exc}: give 'auto', 'off' (or 0) or a number of steps") from None
+    except ValueError:
+        raise ConfigError(f"snapshot_every={value!r}: give 'auto', 'off' (or 0) or a number of steps") from None
 
 
 def auto_interval(cost_s: float, step_s: float, budget: float = BUDGET) -> int:
