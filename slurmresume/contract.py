@@ -74,8 +74,10 @@ ENV_SNAPSHOT_EVERY = "SLURMRESUME_SNAPSHOT_EVERY"  # "auto" | "off" | N: the mem
 # MemAvailable allow, with headroom); a snapshot over it is refused with one warning
 ENV_MEMORY_LIMIT = "SLURMRESUME_MEMORY_LIMIT_BYTES"
 
+
 def parse_snapshot_every(value: object) -> int | None:
-    """Pure: $SLURMRESUME_SNAPSHOT_EVERY's value (`submit --snapshot-every`, `Checkpointer(snapshot_every=)`) as an interval: 0 = off, N = every N steps, None = auto.
+    """Pure: $SLURMRESUME_SNAPSHOT_EVERY's value (`submit --snapshot-every`,
+    `Checkpointer(snapshot_every=)`) as an interval: 0 = off, N = every N steps, None = auto.
     Raises ValueError (the caller words it) for anything else."""
     text = str(value).strip().lower()
     if text == "auto":
