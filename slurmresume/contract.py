@@ -68,6 +68,29 @@ ENV_RESTORE_STAGING = "SLURMRESUME_RESTORE_STAGING_BYTES"
 # the live state half-loaded (with an error on every rank). Off by default: nothing is touched
 # before the whole step verified and decoded.
 ENV_RESTORE_WARM = "SLURMRESUME_RESTORE_WARM"
+# the memory tier (train/memtier.py): a node-local checkpoint root on tmpfs, in the file tier's
+# format, that the node launcher creates for the job, keeps across in-allocation restarts and
+# removes when the job ends or is requeued (job/memroot.py); unset: no memory tier
+ENV_MEMORY_DIR = "SLURMRESUME_MEMORY_DIR"
+ENV_SNAPSHOT_EVERY = "SLURMRESUME_SNAPSHOT_EVERY"  # "auto" | "off" | N: the memory tier's interval (submit --snapshot-every)
+# set by the user: the most bytes the memory tier may hold on one node (default: what tmpfs and
+# MemAvailable allow, with headroom); a snapshot over it is refused with one warning
+ENV_MEMORY_LIMIT = "SLURMRESUME_MEMORY_LIMIT_BYTES"
+
+
+def parse_snapshot_every(value: object) -> int | None:
+    """Pure: $SLURMRESUME_SNAPSHOT_EVERY's value (`submit --snapshot-every`,
+    `Checkpointer(snapshot_every=)`) as an interval: 0 = off, N = every N steps, None = auto.
+    Raises ValueError (the caller words it) for anything else."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    if text == "off":
+        return 0
+    if not text.isdigit():
+        raise ValueError(f"{value!r} is not auto, off or a number of steps")
+    return int(text)
+
 
 # -- exit codes of a rank ---------------------------------------------------------------------
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved after the warning signal; the launcher requeues

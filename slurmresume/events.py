@@ -54,6 +54,8 @@ EV_EXIT_AFTER_SAVE = "exit_after_save"  # the emergency save committed: the rank
 EV_EMERGENCY_SAVE_FAILED = "emergency_save_failed"  # rank 0: the save after a signal failed
 EV_RESTORED = "restored"  # a checkpoint was restored (step, seconds, the start-up breakdown)
 EV_FAILURE_SAVE = "failure_save"  # survivors of an unwarned failure: committed, or the missing pieces
+EV_MEMORY_REFUSED = "memory_refused"  # a memory-tier snapshot would not fit the node's memory: the tier is off
+EV_MEMORY_FALLBACK = "memory_fallback"  # the memory tier's snapshot did not load: restored from the file tier
 EV_ROOT_CONFLICT = "root_conflict"  # the script's root is not the launcher's (logged under the launcher's)
 # the mirror (mirror/background.py)
 EV_MIRROR_UPLOADED = "mirror_uploaded"

@@ -96,4 +96,4 @@ def test_submit_help_shows_the_common_options_first() -> None:
     assert sorted(panels["Options"]) == sorted([
         "--ckpt-dir", "--nodes", "--gpus-per-node", "--nproc-per-node", "--time", "--partition", "--account",
         "--signal", "--local", "--dry-run", "--json", "--help"])
-    assert len(titles) > 3 and sum(len(p) for p in panels.values()) == 38  # 38 with --hang-io-rate (#26)
+    assert len(titles) > 3 and sum(len(p) for p in panels.values()) == 39  # 39 with --snapshot-every (#49)

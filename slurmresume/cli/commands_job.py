@@ -24,7 +24,7 @@ from .options import JsonOut, ckpt_dir_option, refuse_step_dir
 # options are None, so that a configured value is not overridden). No default for --time (the
 # partition's DefaultTime applies) nor --max-requeues (no cap while runs progress).
 _DEFAULTS = {"nodes": 1, "signal": "USR1", "signal_lead": 120, "hang_timeout": "auto",
-             "max_hangs": 3}
+             "max_hangs": 3, "snapshot_every": "auto"}
 _HB = HangBudgets()  # the numbers --help shows are the ones the hang watch uses
 _HANG_TIMEOUT_HELP = ("Hang watch, step budget: a rank silent longer than its phase's budget gets every rank's stacks "
                       "dumped, then the run is killed and restarted in the allocation. auto: "
@@ -39,6 +39,11 @@ _HANG_SAVE_HELP = (f"Hang watch: a save or restore may take this many seconds + 
                    f"(the rate: --hang-io-rate); a restore gets at least the start-up budget.")
 _HANG_IO_RATE_HELP = ("Hang watch: the throughput (MB/s) assumed for a save, restore or mirror pull until the rank has "
                       "measured one of 64 MiB or more; lower it on a slow file system or bucket link.")
+_SNAPSHOT_EVERY_HELP = ("Memory tier: every N steps each rank also snapshots its state into the node's memory (tmpfs, "
+                        "the checkpoint format, at most two snapshots, refused with one warning when memory is short); "
+                        "a restart inside the allocation restores from it first, verified, else from --ckpt-dir. auto: "
+                        "as often as keeps its measured cost under 2% of the step time. off (or 0): none. One node only "
+                        "for now.")
 
 Opt = typer.Option
 
@@ -140,7 +145,7 @@ ArgsArg = Annotated[list[str] | None, typer.Argument(metavar="ARGS", help="Argum
 SUBMIT_PANELS = {
     "Slurm": ("cpus_per_task", "mem", "qos", "constraint", "job_name", "gres", "setup", "sbatch", "python",
               "rdzv_port"),
-    "Preemption and failures": ("signal_lead", "max_requeues", "max_failures"),
+    "Preemption and failures": ("signal_lead", "max_requeues", "max_failures", "snapshot_every"),
     "Hang watch": ("hang_timeout", "hang_startup", "hang_busy", "hang_save", "hang_io_rate", "max_hangs"),
     "Resume, ownership, mirror": ("resume_from", "branch", "discard_newer", "takeover", "mirror", "shared_root",
                                   "no_script_check"),
@@ -180,6 +185,8 @@ def submit(
     hang_io_rate: Annotated[float | None, Opt(metavar="MB/S", help=_HANG_IO_RATE_HELP,
                                              show_default=f"{_HB.io_rate_mbs:g}")] = None,
     max_hangs: Annotated[int | None, Opt(help="In-allocation restarts after a hang; the same hang twice in a row without a new checkpoint stops (and under Slurm holds) the job.", show_default=str(_DEFAULTS["max_hangs"]))] = None,
+    snapshot_every: Annotated[str | None, Opt(metavar="auto|N|off", help=_SNAPSHOT_EVERY_HELP,
+                                              show_default=str(_DEFAULTS["snapshot_every"]))] = None,
     gres: Annotated[str | None, Opt(help="Generic resources per node, as sbatch's --gres, e.g. gpu:a100:4; its GPUs also set the ranks per node when --nproc-per-node and --gpus-per-node are not given.", show_default="none")] = None,
     setup: Annotated[list[str] | None, Opt(metavar="LINE", help="A shell line the batch script runs before the launcher (repeatable, in order), e.g. --setup 'module load cuda/12.4' --setup 'source ~/venv/bin/activate'.", show_default="none")] = None,
     sbatch: Annotated[list[str] | None, Opt(help="Extra sbatch option KEY=VALUE (repeatable), e.g. --sbatch exclusive; arrays and heterogeneous jobs are refused.", show_default="none")] = None,
@@ -216,7 +223,7 @@ def submit(
         constraint=constraint, job_name=job_name, signal=signal, signal_lead=signal_lead, max_requeues=max_requeues,
         max_failures=max_failures, hang_timeout=hang_timeout, hang_startup=hang_startup, hang_busy=hang_busy,
         hang_save=hang_save, hang_io_rate=hang_io_rate, max_hangs=max_hangs, gres=gres, setup=setup, sbatch=sbatch,
-        rdzv_port=rdzv_port, python=python, mirror=mirror)
+        rdzv_port=rdzv_port, python=python, mirror=mirror, snapshot_every=snapshot_every)
     _submit(script, script_args, opts, SubmitFlags(
         local=local, dry_run=dry_run, json_out=json_out, resume_from=resume_from, branch=branch,
         discard_newer=discard_newer, takeover=takeover, no_script_check=no_script_check, shared_root=shared_root))

@@ -53,6 +53,7 @@ class SpecOptions:
     rdzv_port: int | None = None
     python: str | None = None
     mirror: str | None = None
+    snapshot_every: str | None = None
 
     def given(self) -> dict[str, Any]:
         """{field: value} of the options given (not None)."""

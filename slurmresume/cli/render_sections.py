@@ -38,6 +38,9 @@ def hang_view(st: Status) -> list[RenderableType]:
             table.add_row(r, str(row.get("step")), _secs(row.get("age_s")), phase,
                           _secs(row.get("median_s")), _secs(row.get("p99_s")), Text(note, style="yellow"))
         out.append(table)
+        for host, mem in sorted((view.get("memory") or {}).items()):  # the memory tier (issue 49), per node
+            out.append(Text(f"memory tier on {host}: newest snapshot step {mem.get('step')}, "
+                            f"{(mem.get('bytes') or 0) / 1e6:.1f} MB held", style="dim"))
         if len(order) > RANK_ROWS:
             out.append(Text(f"... {len(order) - RANK_ROWS} more ranks (slurmresume status --json)", style="dim"))
     hang = st.last_hang

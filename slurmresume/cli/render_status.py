@@ -128,8 +128,10 @@ def failure_text(f: dict[str, Any]) -> str:
 
 def _restart_text(f: dict[str, Any]) -> str:
     repeated = "" if f["repeated"] is None else f"{f['repeated']} step{'' if f['repeated'] == 1 else 's'} repeated"
+    tier = (f" ({f['resumed_tier']} tier" + (f", restored in {f['restore_s']:.2f} s" if f.get("restore_s") is not None
+                                               else "") + ")") if f.get("resumed_tier") else ""
     if f["to_first_step_s"] is not None:
-        return (f"resumed from step {f['resumed_from']}: " + (f"{repeated}, " if repeated else "")
+        return (f"resumed from step {f['resumed_from']}{tier}: " + (f"{repeated}, " if repeated else "")
                 + f"first step {f['to_first_step_s']:.1f} s after the failure")
     if f["action"] in NOT_RESTARTED:
         return f"not restarted ({f['action'].replace('_', ' ')})"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..contract import parse_signal
+from ..contract import parse_signal, parse_snapshot_every
 from ..errors import ConfigError
 from .hang import HangBudgets, parse_hang_timeout
 
@@ -127,6 +127,7 @@ class JobSpec:
     hang_save: float | None = None  # --hang-save SECONDS: the save/restore budget's floor
     hang_io_rate: float | None = None  # --hang-io-rate MB/S: throughput assumed for a save/restore/pull not yet measured
     hang_budgets: HangBudgets = field(default_factory=HangBudgets)  # library/drill: every budget (the knobs win)
+    snapshot_every: str = "auto"  # the memory tier's interval: "auto" | "off" | N steps (job/memroot.py)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -147,6 +148,11 @@ class JobSpec:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         parse_hang_timeout(self.hang_timeout)  # ConfigError naming the value
+        try:
+            parse_snapshot_every(self.snapshot_every)
+        except ValueError:
+            raise ConfigError(f"--snapshot-every {self.snapshot_every!r}: give auto, off (or 0) or a number of "
+                              "steps") from None
         for name in ("hang_startup", "hang_busy", "hang_save", "hang_io_rate"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
@@ -302,6 +308,8 @@ def check_defaults(conf: dict[str, Any], where: str = "[tool.slurmresume]") -> d
             raise ConfigError(f"{name} = {value!r} in {where} must be a whole number, e.g. {name} = 2")
         if key in _STR_KEYS and not isinstance(value, str):
             raise ConfigError(f"{name} = {value!r} in {where} must be a quoted string, e.g. {name} = \"...\"")
+        if key == "snapshot_every" and (isinstance(value, bool) or not isinstance(value, (int, str))):
+            raise ConfigError(f"snapshot-every = {value!r} in {where} must be \"auto\", \"off\" or a number of steps")
         if key == "hang_timeout" and (isinstance(value, bool) or not isinstance(value, (int, float, str))):
             raise ConfigError(f"hang-timeout = {value!r} in {where} must be \"auto\", \"off\" or seconds")
         if key == "time" and (isinstance(value, bool) or not isinstance(value, (int, str))):

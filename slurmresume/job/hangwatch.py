@@ -32,6 +32,7 @@ from ..beatfile import RESTORE, SAVE, SIZE, STEP, Record, scan, stacks_path
 from ..contract import RUNS_DIR
 from .hang import UNKNOWN, UNWATCHED, Hang, HangBudgets, budget, judge, percentile, restoring_io_s
 from .hbsweep import PREFIX, owner_tag, sweep
+from .memroot import view as memory_view
 
 log = logging.getLogger("slurmresume")
 
@@ -122,6 +123,7 @@ class HangWatch:
                  recovering: tuple[float, str] | None = None, root: Path | None = None) -> None:
         self.directory = directory
         self.root = root  # the checkpoint root: a save in progress there whose bytes move is alive
+        self.memory: Path | None = None  # this node's memory-tier root (job/memroot.py): its view is published
         self._io: tuple[float, int] | None = None  # (when sampled, bytes of the saves in progress)
         self.io_at: float | None = None  # when those bytes last moved (monotonic)
         self.procs = procs  # ranks this node's agent starts (display only: which ones is learned)
@@ -253,7 +255,8 @@ inf: never judged, e.g. done), the bytes of a save/restore/pull in progress. `no
                                 "budget_s": round(allowed, 1) if allowed < float("inf") else None,
                                 "moving_bytes": rec.expect_bytes, "rate_bps": round(rec.rate)}
         return {"time": time.time(), "host": os.uname().nodename, "budgets": self.budgets.describe(),
-                "procs": self.procs, "watched": self.directory is not None, "ranks": ranks}
+                "procs": self.procs, "watched": self.directory is not None, "ranks": ranks,
+                "memory": memory_view(self.memory)}
 
     def publish(self, root: Path, key: str, now: float, force: bool = False) -> None:
         """Every PUBLISH_EVERY_S (or now; `now`: time.monotonic()): `<root>/.runs/<key>.ranks.json`,

@@ -47,10 +47,12 @@ def namespace_and_boot() -> tuple[int, str] | None:
     return (namespace, boot) if namespace and boot else None
 
 
-def stale(name: str, here: tuple[int, str] | None, start_of: Callable[[int], int | None]) -> bool:
+def stale(name: str, here: tuple[int, str] | None, start_of: Callable[[int], int | None],
+          prefix: str = PREFIX) -> bool:
     """Pure: whether directory `name` belongs to a launcher that is gone. `here`: this process's
-    `namespace_and_boot`; `start_of(pid)`: that pid's current start time, None when no process has it."""
-    if not name.startswith(PREFIX) or here is None:
+    `namespace_and_boot`; `start_of(pid)`: that pid's current start time, None when no process has
+    it; `prefix`: the kind of directory (heartbeats, or the memory tier's: job/memroot.py)."""
+    if not name.startswith(prefix) or here is None:
         return False
     tag = _TAG.search(name)
     if tag is None:
@@ -61,20 +63,20 @@ def stale(name: str, here: tuple[int, str] | None, start_of: Callable[[int], int
     return start_of(pid) != start
 
 
-def sweep(base: Path) -> list[str]:
-    """Remove the heartbeat directories in `base` whose owner is gone; returns their names.
+def sweep(base: Path, prefix: str = PREFIX) -> list[str]:
+    """Remove the directories named `prefix`... in `base` whose owner is gone; returns their names.
     Never raises: a directory that cannot be listed or removed is left as it is."""
     here = namespace_and_boot()
     if here is None:
         return []
     try:
-        names = [n for n in os.listdir(base) if n.startswith(PREFIX)]
+        names = [n for n in os.listdir(base) if n.startswith(prefix)]
     except OSError:
         return []
     removed = []
     uid = os.getuid()
     for name in names:
-        if not stale(name, here, start_ticks):
+        if not stale(name, here, start_ticks, prefix):
             continue
         path = Path(base) / name
         try:

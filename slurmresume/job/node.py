@@ -17,6 +17,7 @@ from ..contract import (
     ENV_DUMP_SIGNAL,
     ENV_HEARTBEAT_DIR,
     ENV_LAUNCHER_PID,
+    ENV_MEMORY_DIR,
     ENV_MIRROR,
     ENV_NONCE,
     ENV_OWNER,
@@ -24,10 +25,12 @@ from ..contract import (
     ENV_ROOT,
     ENV_RUN_ID,
     ENV_SIGNAL,
+    ENV_SNAPSHOT_EVERY,
     EXIT_MIRROR_BEHIND,
     LAUNCHER_EXIT_REQUEUED,
     LastRun,
     dump_signal,
+    parse_snapshot_every,
     prune_records,
     read_last_run,
     write_last_run,
@@ -62,6 +65,8 @@ from .launcher import (
     run_torchrun,
     warn_signal,
 )
+from .memroot import create as create_memory_root
+from .memroot import remove as remove_memory_root
 
 log = logging.getLogger("slurmresume")
 
@@ -188,8 +193,13 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
     if restart and not local:  # a requeued job: its first step is logged (`resumed`) from our start
         recovering = (launcher_started_at or time.time(), "requeue")
     guardian = Guardian()
+    memory = None
     try:
         lease = ownership.hold(root, job_key, takeover=takeover) if first_node else None
+        # the memory tier (job/memroot.py): kept across this loop's restarts, removed in `finally`
+        # whatever ends the job here (a Slurm requeue too: the next allocation may be other nodes)
+        memory = _memory_root(spec, job_key, extra)  # "": none (not one this launcher's environment names)
+        env = {**env, ENV_MEMORY_DIR: str(memory or ""), ENV_SNAPSHOT_EVERY: str(spec.snapshot_every)}
         if first_node:
             prune_records(root, job_key, time.time())  # other launches' records: never believed, now gone
         while True:
@@ -198,6 +208,7 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
                              launcher_started_at=launcher_started_at, **extra)
             log.info("run %s: %s", run_id, " ".join(cmd))
             watch = _watch(spec, run_id, recovering)
+            watch.memory = memory  # published for `status` with the ranks' view
             hb = {ENV_HEARTBEAT_DIR: str(watch.directory)} if watch.directory is not None else {}
             board = _board(root, run_id, watch.directory, extra, first_node)
             hb.update(board.env() if board is not None else {})
@@ -252,6 +263,7 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
             _requeue(root, clock, relay, extra["job"], restart, job_key, reason)
     finally:
         guardian.close()
+        remove_memory_root(memory)
         if lease is not None:
             lease.stop()
 
@@ -268,6 +280,18 @@ def _board(root: Path, run_id: str, local: Path | None, extra: dict[str, Any], f
     except OSError as exc:
         log.warning("no failure save across nodes for run %s: %s", run_id, exc)
         return None
+
+
+def _memory_root(spec: JobSpec, job_key: str, extra: dict[str, Any]) -> Path | None:
+    """This node's memory-tier root, or None: `--snapshot-every off`, no tmpfs, or several nodes
+    (the tier is one node's for now: a step's replicated tensors live in rank 0's shard, on one
+    node only; a node's own copy of them and the peer copy come with issue #49's items 2 and 4)."""
+    if parse_snapshot_every(spec.snapshot_every) == 0:
+        return None
+    if int(extra.get("nodes", 1)) > 1:
+        log.info("memory tier off: it holds one node's jobs only for now (%s nodes)", extra.get("nodes"))
+        return None
+    return create_memory_root(job_key, int(extra.get("node", 0)))
 
 
 def _watch(spec: JobSpec, run_id: str, recovering: tuple[float, str] | None) -> HangWatch:

@@ -53,6 +53,8 @@ class Failure:
     error: str | None = None  # failed: the write's error
     action: str | None = None  # the launcher's decision after the run (retry, requeue, give_up, ...)
     resumed_from: int | None = None  # the step the next run restored (0: it started fresh)
+    resumed_tier: str | None = None  # where from: "memory" (issue 49) or "file" (None: not logged)
+    restore_s: float | None = None  # how long that restore took
     repeated: int | None = None  # trained - resumed_from (None: not resumed, or not known)
     to_first_step_s: float | None = None  # the failure to the next run's first step (None: not yet)
     _ended: bool = field(default=False, repr=False)  # the launcher's run_ended seen (a run follows)
@@ -171,6 +173,8 @@ def _restarted(f: Failure, e: dict[str, Any], kind: str) -> None:
     if kind == EV_RESTORED:
         if f.resumed_from is None:
             f.resumed_from = _int(e.get("step"))
+            f.resumed_tier = e.get("tier") if e.get("tier") in ("memory", "file") else None
+            f.restore_s = _num(e.get("restore_s"))
         return
     first = _num(e.get("first_step_at")) or _num(e.get("time"))
     secs = _num(e.get("seconds"))

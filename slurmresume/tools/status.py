@@ -23,7 +23,8 @@
                   number): large roots answer fast; `--limit 0` / `--best` / `--verify` list all
     ranks         the hang watch's last view of the newest run (null: none published): {job_key, time,
                    budgets (text), ranks: {rank: {step, phase, age_s (now - its last heartbeat),
-                   median_s, p99_s, samples, ...}}, stragglers: [rank], straggler_margin}
+                   median_s, p99_s, samples, ...}}, stragglers: [rank], straggler_margin,
+                   memory: {host: {step (the memory tier's newest snapshot), bytes (held)}} or null}
     last_hang     the newest `hang` event (null: none): {time, run_id, ranks, step, phase, silent_s,
                    budget_s, dump_dir, rank_states, host}, plus hangs: int (all logged)
     interval      only with compute_status(with_interval=True): the save interval and its cost
@@ -54,6 +55,7 @@
                    save: "committed"|"refused"|"failed"|"none" (the failure save), save_step, save_writer,
                    save_s, missing: [piece] (refused), error (failed), action (the launcher's: retry,
                    requeue, give_up...), resumed_from (the step the next run restored; 0: fresh),
+                   resumed_tier ("memory"|"file": where it restored from; null: not logged), restore_s,
                    repeated (trained - resumed_from), to_first_step_s (the failure to the next run's
                    first step; null: not resumed yet)}]
     mirror        null (no mirror in the log, or --no-mirror-check), or the bucket asked now: {url,

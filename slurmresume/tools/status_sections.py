@@ -82,7 +82,8 @@ def rank_view(root: Path, now: float) -> dict[str, Any] | None:
                 ranks[rank] = row
     medians = {int(r): float(v["median_s"]) for r, v in ranks.items() if isinstance(v.get("median_s"), (int, float))}
     samples = {int(r): int(v.get("samples") or 0) for r, v in ranks.items()}
-    return {"job_key": key, "time": max(float(d.get("time") or 0) for d in nodes),
+    memory = {str(d.get("host")): d["memory"] for d in nodes if isinstance(d.get("memory"), dict)}
+    return {"job_key": key, "time": max(float(d.get("time") or 0) for d in nodes), "memory": memory or None,
             "budgets": nodes[0].get("budgets"), "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0]))),
             "stragglers": stragglers(medians, samples), "straggler_margin": STRAGGLER_MARGIN}
 

@@ -40,16 +40,19 @@ class AsyncWriter:
         self.pool = SnapshotPool()
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.last_blocking_s = 0.0  # what training paid for the last snapshot (the memory tier's cost)
 
     def in_flight(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
     def save(self, step: int, overlap: str, prepare: Callable[[], Payload],
-             write: Callable[[Payload, float, float], object]) -> bool:
+             write: Callable[[Payload, float, float], object], *, file_tier: bool = True) -> bool:
         """Every rank, `Checkpointer.save_async`: wait for the save in flight (with
         overlap="skip", return False instead), take this rank's payload (`prepare`) and snapshot
         its tensors, then run `write(snapshot, started, blocking_s)`, the collective save, on the
-        writer thread once the copy is done. Returns True: the save of `step` has begun."""
+        writer thread once the copy is done. Returns True: the save of `step` has begun.
+        `file_tier=False`: a memory-tier snapshot (train/memtier.py), of which the file tier's
+        save schedule is not told."""
         if self.in_flight() and overlap == "skip":
             log.info("step %d: previous async save still in flight, skipping this one", step)
             return False
@@ -59,11 +62,12 @@ class AsyncWriter:
             started = time.perf_counter()
             payload = prepare()
             copies, ready = self.pool.snapshot(payload.tensors)
-        blocking_s = time.perf_counter() - started  # what training paid (Young/Daly's C)
+        blocking_s = self.last_blocking_s = time.perf_counter() - started  # what training paid (Young/Daly's C)
         # The step is taken care of from now on: the policy must not call it (or the next steps,
         # by the clock) due again while the write runs, or each timed save is written twice and
         # the second one waits for the first.
-        self.sched.started(step)
+        if file_tier:
+            self.sched.started(step)
         snapshot = replace(payload, tensors=copies)
 
         def run() -> None:

@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # the front door's types, for a reader and a type checker; im
 from .emergency import save_and_exit
 from .failsave import failure_guard
 from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, expect_io, phase
+from .memplan import setting
+from .memtier import MemoryTier
 from .options import check_options
 from .restoring import Request, restore_and_record
 from .roots import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
@@ -71,6 +73,11 @@ class Checkpointer:
             rank 0 uploads every committed step there in the background (marker last, with a
             conditional write); `restore` first downloads a newer complete step from it (verified).
             See slurmresume/mirror/.
+        snapshot_every: the memory tier (train/memtier.py), under the launcher only (it owns the
+            node's memory root, $SLURMRESUME_MEMORY_DIR): every N steps each rank's state is also
+            snapshotted there in the background, and a restart inside the allocation restores
+            from it first. "auto" (default, or `submit --snapshot-every`): as often as keeps its
+            measured cost under 2% of the step time; "off" or 0: none.
     """
 
     def __init__(
@@ -87,9 +94,12 @@ class Checkpointer:
         async_overlap: str = "wait",
         save_policy: SavePolicy | None = None,
         mirror: str | os.PathLike[str] | S3Location | Mirror | None = None,
+        snapshot_every: int | str | None = None,
     ) -> None:
         self._created_at = time.time()  # the script's imports, process group and model are done
         check_options(save_every, async_overlap, retention, on_save_error, save_policy)
+        if snapshot_every is not None:
+            setting(snapshot_every)  # a ConfigError before anything is set up
         self.root = resolve_root(root)
         self.save_every = save_every
         self.verify_on_restore = verify_on_restore
@@ -116,6 +126,7 @@ class Checkpointer:
         self._ddp = DDPTracker()  # the DDP wrappers whose bucket layouts are saved (train/ddptrack.py)
         self._record = recorder_from_env(self.rank)  # under `slurmresume drill` only
         self._guard = failure_guard(self.group, self.root)  # the failure-time save (train/failsave.py)
+        self._memory = MemoryTier.from_env(snapshot_every, self.group, self._async, self.root)  # train/memtier.py
 
     @property
     def rank(self) -> int:
@@ -178,6 +189,8 @@ class Checkpointer:
         self._boundary.saved()
         self._sched.saved(step, cost)
         after_commit(self.root, self.rank, step, reason, self.retention, self.mirror)
+        if reason == "explicit" and self._memory is not None and self.rank == 0:
+            self._memory.forget_from(step)  # the memory tier's copy of this step (or later) is not what was saved
         return self.root / step_dir_name(step)
 
     # -- the per-step hook ----------------------------------------------------------------
@@ -219,14 +232,16 @@ class Checkpointer:
         if self._first_save:
             self._first_save = False
             if step != self.last_saved_step:
-                self.save(step, state, metrics=metrics, meta=meta, reason="drill_first")
-                return False
+                self.save(step, state, metrics=metrics, meta=meta, reason="drill_first")  # (then no periodic one)
         if verdict.save is not None and step != self.last_saved_step:
             with tolerated(self.on_save_error, self._sched):
                 if self.async_save:
                     self.save_async(step, state, metrics=metrics, meta=meta, reason="periodic")
                 else:
                     self.save(step, state, metrics=metrics, meta=meta, reason="periodic")
+        if self._memory is not None:  # the memory tier's snapshot, when due (in the background)
+            with tolerated(self.on_save_error, self._sched):
+                self._memory.at_step(step, lambda: self._prepare_payload(step, state, metrics, meta))
         return False
 
     def _release_at_exit(self) -> None:
@@ -263,7 +278,8 @@ class Checkpointer:
             self._ddp.search(state)  # before the load: the layout is pinned right after it
             req = replace(Request.of(step, self.verify_on_restore if verify is None else verify, restore_rng, strict,
                                      allow_fresh_start), ddp_buckets=self._ddp)
-            info = restore_and_record(self.group, self.root, state, req, self.mirror, created_at=self._created_at)
+            info = restore_and_record(self.group, self.root, state, req, self.mirror, created_at=self._created_at,
+                                      memory=self._memory.root if self._memory is not None else None)
             self._ddp.watch(state)  # a wrapper created after this restore: ddptrack
             if info is None:
                 return 0

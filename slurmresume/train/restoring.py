@@ -94,6 +94,11 @@ class Request:
     strict: bool
     allow_fresh_start: bool
     ddp_buckets: Any = None  # the Checkpointer's DDPTracker (train/ddptrack.py): pins the saved layouts
+    # the two passes from memory (see ENV_RESTORE_WARM) where every rank's files are resident; None:
+    # as $SLURMRESUME_RESTORE_WARM says. True for the memory tier (memrestore.py): its root is this
+    # job's own tmpfs, which nothing writes between the passes, and the first pass verifies every
+    # byte before the live state is touched
+    warm: bool | None = None
 
     @classmethod
     def of(cls, step: int | None, verify: bool, restore_rng: bool, strict: bool,
@@ -105,15 +110,31 @@ class Request:
 
 
 def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any], req: Request, mirror: Any, *,
-                       created_at: float) -> CheckpointInfo | None:
-    """Collective: `restore_collective`, then every rank inspects what it loaded (the returned
+                       created_at: float, memory: Path | None = None) -> CheckpointInfo | None:
+    """Collective: from the memory tier's root `memory` first when it holds a step at least as
+    new as the file tier's (`memrestore.from_memory`: one fallback at most, named), else
+    `restore_collective` on `root`; then every rank inspects what it loaded (the returned
     `CheckpointInfo`, `Checkpointer.restored`) and rank 0 logs it and writes the `restored` event
+    (its `tier`: memory or file, and a memory fallback's reason)
     with this rank's start-up breakdown: the process's start, the end of the script's imports
     (slurmresume imported), the Checkpointer's creation (`created_at`), the restore. None on a
     fresh start (logged once, by rank 0)."""
     started = time.perf_counter()
     restore_began = time.time()
-    choice, io = restore_collective(group, root, state, req, mirror)
+    choice: RestoreChoice | None = None
+    io: list[list[int]] = []
+    fallback: str | None = None
+    if memory is not None:
+        from .memrestore import from_memory
+
+        choice, io, fallback = from_memory(group, memory, root, state, req, restore_collective)
+    tier = "memory" if choice is not None else "file"
+    if choice is None:
+        choice, io = restore_collective(group, root, state, req, mirror)
+        if memory is not None and group.rank == 0:  # memory snapshots past this step: another trajectory's
+            from .memtier import forget_from
+
+            forget_from(memory, choice.step + 1 if choice is not None else 0)
     if choice is None:
         if group.rank == 0:
             log.info("fresh start: no complete checkpoint under %s", root)
@@ -121,8 +142,10 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
     # every rank parsed the manifest once, to plan its read: what it loaded is that, no file opened
     info = CheckpointInfo(choice.step, Path(choice.path), True, manifest=choice.manifest)
     if group.rank == 0:
-        log.info("restored from step %d (%s) in %.2f s", choice.step, choice.path, time.perf_counter() - started)
-        try_append_event(root, EV_RESTORED, step=choice.step, run_id=os.environ.get(ENV_RUN_ID),
+        log.info("restored from step %d (%s) in %.2f s%s", choice.step, choice.path, time.perf_counter() - started,
+                 " (memory tier)" if tier == "memory" else "")
+        extra = {"tier": tier, "memory_fallback": fallback} if memory is not None else {}
+        try_append_event(root, EV_RESTORED, step=choice.step, run_id=os.environ.get(ENV_RUN_ID), **extra,
                          process_started_at=process_started_at(), imported_at=IMPORTED_AT, created_at=created_at,
                          restore_began_at=restore_began, restore_s=round(time.time() - restore_began, 4),
                          **read_summary(io))
@@ -222,7 +245,8 @@ def _load_choice(group: Group, root: Path, state: MutableMapping[str, Any], req:
         xplan = exchange_plan(group, choice, part)
         extra = xplan.peak_bytes if xplan is not None else 0
         over = isinstance(part, Part) and budget is not None and part.staging + extra > budget
-        warm = (os.environ.get(ENV_RESTORE_WARM, "").strip() == "1"
+        wanted = req.warm if req.warm is not None else os.environ.get(ENV_RESTORE_WARM, "").strip() == "1"
+        warm = (wanted
                 and not os.environ.get(ENV_RESTORE_STAGING, "").strip()
                 and cached(part, choice.world_size == group.world_size))
     except Exception as exc:  # noqa: BLE001 - crosses ranks as data (Failure.on_rank)

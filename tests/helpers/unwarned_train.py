@@ -7,8 +7,10 @@ of restart 0). Either:
       must never commit them as that boundary's);
   STOP_AFTER_STEP=k STOP_RANK=r (or STOP_NODE=n STOP_LOCAL_RANK=l): rank r stops itself (SIGSTOP)
       in the forward of step k+1, before its gradient all-reduce; the test then SIGKILLs its
-      process tree. A moment the test chooses
-      by step, not by wall-clock time: the verdict does not depend on the machine's load."""
+      process tree. A moment the test chooses by step, not by wall-clock time: the verdict does
+      not depend on the machine's load. With STOP_AFTER_MEMORY=1 it first waits (a hang guard of
+      120 s) until the memory tier's snapshot of step k is committed ($SLURMRESUME_MEMORY_DIR,
+      train/memtier.py): its background write is done, whatever the machine's load."""
 
 import os
 import runpy
@@ -54,6 +56,11 @@ def stops_here():
 def before_forward(module, args):
     if FIRST and "STOP_AFTER_STEP" in os.environ and done_steps() == int(os.environ["STOP_AFTER_STEP"]) \
             and stops_here():
+        if os.environ.get("STOP_AFTER_MEMORY") == "1":
+            marker = Path(os.environ["SLURMRESUME_MEMORY_DIR"]) / f"step_{done_steps():09d}" / "COMMITTED"
+            end = time.monotonic() + 120
+            while not marker.exists() and time.monotonic() < end:
+                time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
