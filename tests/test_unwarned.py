@@ -401,3 +401,25 @@ def test_survivors_past_their_optimizer_step_never_commit_a_failure_save(tmp_pat
     assert (f["save"], f["step"], f["resumed_from"], f["repeated"]) == ("refused", kill_at - 1, 10, kill_at - 11), f
     assert "failure save refused: missing " in failure_text(f) and "resumed from step 10" in failure_text(f)
     assert os.listdir(root)  # noqa: S101 - the root is still there (a fallback never deletes)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_inside_a_periodic_save_never_mixes_steps(tmp_path: Path, reference: Path) -> None:
+    """Rank 1 is SIGKILLed while it fsyncs its shard of the periodic save of step 20 (the fault seam
+    of checkpoint/fsio.py), the other ranks inside the same save. That save never commits without
+    rank 1's shard; the survivors, clean at step 20, commit the failure save of step 20 (or refuse
+    it): whatever step_20 holds then verifies whole, the run resumes from the newest committed step
+    and step 30 is bitwise the uninterrupted run's."""
+    from slurmresume.tools.verify import verify_checkpoints
+
+    root = tmp_path / "root"
+    finish(_submit(root, HELPERS / "unwarned_train.py", KILL_IN_SAVE="fsync.shard:2", KILL_SAVE_RANK="1"))
+    ev = _events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["dead"] == [1], saves
+    restored = [e["step"] for e in ev if e["event"] == "restored"]
+    assert restored == [saves[0]["step"] if saves[0]["committed"] else 10], (saves, restored)
+    assert saves[0]["committed"] and saves[0]["step"] == 20, saves  # clean at 20: the save ran inside ckpt.step(20)
+    (checked,) = verify_checkpoints(root, step=20)
+    assert checked.ok, checked.problems
+    assert compare_checkpoints(reference, root / step_dir_name(30)) == []

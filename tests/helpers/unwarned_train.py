@@ -64,6 +64,10 @@ def before_forward(module, args):
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
+if FIRST and "KILL_IN_SAVE" in os.environ and int(os.environ.get("KILL_SAVE_RANK", "-1")) == RANK:
+    # KILL_IN_SAVE="label[:N]" KILL_SAVE_RANK=r: rank r alone is SIGKILLed at the N-th crossing of
+    # that fault point of slurmresume/checkpoint/fsio.py (e.g. "fsync.shard:2": in the second save)
+    os.environ["SLURMRESUME_TEST_KILL_AT"] = os.environ["KILL_IN_SAVE"]
 register_optimizer_step_post_hook(after_step)
 register_module_forward_pre_hook(before_forward)
 runpy.run_path(os.environ.get("UNWARNED_SCRIPT") or str(Path(__file__).resolve().parents[2] / "examples" / "train.py"),
