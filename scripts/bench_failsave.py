@@ -49,26 +49,39 @@ def _child() -> None:
         os.environ[ENV_HEARTBEAT_DIR] = str(shared)
 
     snap_s: list[float] = []
+    cpu = [0.0]  # the training thread's CPU seconds in both captures, over the run
     gaps: list[float] = []
     last = [0.0]
     tail = [0.0]  # the tail snapshot's time since the last boundary
+    guards: list[failsave.FailureGuard] = []
     at_step, step = failsave.FailureGuard.at_step, checkpointer.Checkpointer.step
     pre_hook = failsave.FailureGuard._on_optimizer_step
 
     def timed_at_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
+        if not guards:
+            guards.append(self)
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return at_step(self, *args, **kwargs)
         finally:
+            cpu[0] += time.thread_time() - c0
             snap_s.append(time.perf_counter() - t0 + tail[0])
             tail[0] = 0.0
 
     def timed_pre_hook(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return pre_hook(self, *args, **kwargs)
         finally:
+            cpu[0] += time.thread_time() - c0
             tail[0] += time.perf_counter() - t0
+
+    def publisher_cpu() -> float | None:
+        """The publisher thread's CPU seconds so far (Linux: its thread CPU clock)."""
+        thread = getattr(getattr(guards[0], "_pub", None), "_thread", None) if guards else None
+        if thread is None or not thread.is_alive() or thread.ident is None:
+            return None
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
     def timed_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         now = time.perf_counter()
@@ -82,6 +95,15 @@ def _child() -> None:
     checkpointer.Checkpointer.step = timed_step  # type: ignore[method-assign]
     if not guard_on:
         checkpointer.failure_guard = lambda group, root: None  # type: ignore[assignment]
+    # the publisher's CPU time, read before the Checkpointer's close() ends its thread
+    close = checkpointer.Checkpointer.close
+    pub_cpu: list[float | None] = [None]
+
+    def timed_close(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        pub_cpu[0] = publisher_cpu()
+        return close(self, *args, **kwargs)
+
+    checkpointer.Checkpointer.close = timed_close  # type: ignore[method-assign]
     try:
         runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "train.py"), run_name="__main__")
     finally:
@@ -93,11 +115,16 @@ def _child() -> None:
             if len(snap_s) > 2:
                 rest = sorted(snap_s[1:])
                 med, p90 = statistics.median(rest), rest[int(0.9 * (len(rest) - 1))]
-                record.update(snapshot_median_s=med, snapshot_p90_s=p90, first_step_s=snap_s[0])
+                n = len(snap_s)
+                record.update(snapshot_median_s=med, snapshot_p90_s=p90, first_step_s=snap_s[0],
+                              thread_cpu_per_step_s=cpu[0] / n,
+                              publisher_cpu_per_step_s=pub_cpu[0] / n if pub_cpu[0] is not None else None)
+                pub = f"{pub_cpu[0] / n * 1e6:.0f} us" if pub_cpu[0] is not None else "-"
                 print(f"rank {rank}: snapshot (training thread) median {med * 1e6:.0f} us, p90 {p90 * 1e6:.0f} us, "
                       f"mean {statistics.mean(rest) * 1e6:.0f} us (step mean {statistics.mean(steady) * 1e3:.2f} ms), "
                       f"first step {snap_s[0] * 1e3:.1f} ms; step median {gap * 1e3:.2f} ms; "
-                      f"snapshot / step = {100 * med / gap:.2f} %", flush=True)
+                      f"snapshot / step = {100 * med / gap:.2f} %; CPU per step: training thread "
+                      f"{cpu[0] / n * 1e6:.0f} us, publisher thread {pub}", flush=True)
             print("BENCH " + json.dumps(record), flush=True)
 
 

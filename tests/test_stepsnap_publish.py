@@ -227,7 +227,7 @@ def guards(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[failsave.FailureGua
                 if isinstance(s, Gate):
                     s.open.set()
         g._hook.remove()
-        g._pub.stop()
+        g._pub.close(HANG_GUARD_S)
 
 
 def _snap(path: Path) -> dict[str, Any]:

@@ -70,8 +70,8 @@ from ..contract import ENV_HEARTBEAT_DIR, ENV_RUN_ID, FAILSAVE_SUBDIR
 from ..events import EV_FAILURE_SAVE, EV_SAVE_COMMITTED, try_append_event
 from . import ddp, rng, stepsnap
 from .failwrite import Writer
-from .snappub import FileSink, Publisher
 from .peers import Watcher, mark_done, peers, publish_pid, read_status, write_status
+from .snappub import FileSink, Publisher
 from .survivors import Plan, Snapshot, Status, plan
 
 log = logging.getLogger("slurmresume")

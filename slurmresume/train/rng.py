@@ -40,6 +40,8 @@ class Capturer:
 
     def __init__(self) -> None:
         self._last: tuple[bytes, Any] | None = None  # (key and position, the full legacy state)
+        self._gen: Any = None  # the bit generator whose state lies at _address
+        self._address = 0
         self._probe_ok = False
         try:
             self._probe_ok = self._probe() == _key_pos(np.random.get_state(legacy=True))
@@ -50,7 +52,7 @@ class Capturer:
         import torch
 
         state: dict[str, Any] = {"python": random.getstate(), "numpy": self._numpy(), "torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized() and torch.cuda.is_available():  # the cheap test first
             state["torch_cuda"] = list(torch.cuda.get_rng_state_all())
         return state
 
@@ -68,9 +70,11 @@ class Capturer:
         import ctypes
 
         gen = np.random.mtrand._rand._bit_generator
-        if type(gen).__name__ != "MT19937":
-            return None
-        return ctypes.string_at(gen.ctypes.state_address, self._KEY_BYTES)
+        if gen is not self._gen:  # the first call, or another bit generator
+            if type(gen).__name__ != "MT19937":
+                return None
+            self._gen, self._address = gen, gen.ctypes.state_address
+        return ctypes.string_at(self._address, self._KEY_BYTES)
 
 
 def _key_pos(legacy: Any) -> bytes:

@@ -19,9 +19,9 @@ Rules:
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -58,16 +58,18 @@ class FileSink:
 
 
 class Publisher:
-    """One per rank; see the module docstring."""
+    """One per rank; see the module docstring. The training thread's side (`submit`) is a counter
+    and a put on a C queue; the waiting (`drain`, a full queue) is on `_cond`."""
 
     def __init__(self, sinks: Mapping[str, Sequence[Sink]], name: str = "slurmresume-snapshots") -> None:
         self.sinks: dict[str, list[Sink]] = {slot: list(s) for slot, s in sinks.items()}
-        self._cond = threading.Condition()
+        self._inbox: queue.SimpleQueue[tuple[int, str, Prepare] | None] = queue.SimpleQueue()
+        self._seq = threading.Lock()  # _submitted and _newest, with the put that goes with them
+        self._cond = threading.Condition()  # _done moved, or publishing stopped
         self._write = threading.Lock()  # held while a record goes to its sinks
-        self._queue: collections.deque[tuple[int, str, Prepare]] = collections.deque()
         self._newest: dict[str, int] = {}  # slot -> sequence number of its newest job submitted
         self._submitted = 0
-        self._done = 0  # jobs finished (written, coalesced or dropped), in order
+        self._done = 0  # the last job finished (written, coalesced or dropped); jobs finish in order
         self._stopped = False
         self.failed: str | None = None
         self.written = 0  # records written (all sinks of a slot: one)
@@ -75,25 +77,27 @@ class Publisher:
         self._thread.start()
 
     def submit(self, slot: str, prepare: Prepare) -> bool:
-        """Queue a capture for `slot` (training thread; does not wait unless MAX_PENDING are queued).
+        """Queue a capture for `slot` (training thread; waits only while MAX_PENDING are queued).
         False: publishing stopped, the capture is dropped."""
-        with self._cond:
-            while len(self._queue) >= MAX_PENDING and not self._stopped:
-                self._cond.wait()
-            if self._stopped:
-                return False
+        if self._stopped:
+            return False
+        if self._inbox.qsize() >= MAX_PENDING:
+            with self._cond:
+                while self._inbox.qsize() >= MAX_PENDING and not self._stopped:
+                    self._cond.wait(1.0)
+        with self._seq:
             self._submitted += 1
-            self._queue.append((self._submitted, slot, prepare))
             self._newest[slot] = self._submitted
-            self._cond.notify_all()
-            return True
+            self._inbox.put((self._submitted, slot, prepare))
+        return True
 
     def drain(self, timeout: float) -> bool:
         """Wait until every job submitted before this call is finished; False on timeout or when
         publishing stopped with jobs unwritten."""
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._seq:
             target = self._submitted
+        with self._cond:
             while self._done < target and not self._stopped:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -105,8 +109,8 @@ class Publisher:
         """Publish nothing more: returns once a write under way finished; nothing is written after."""
         with self._write, self._cond:
             self._stopped = True
-            self._queue.clear()
             self._cond.notify_all()
+        self._inbox.put(None)  # wakes the thread, which ends
 
     def close(self, timeout: float = 5.0) -> None:
         """Drain, stop, close the sinks (a normal end)."""
@@ -120,17 +124,14 @@ class Publisher:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                while not self._queue and not self._stopped:
-                    self._cond.wait()
-                if self._stopped:
-                    return
-                seq, slot, prepare = self._queue.popleft()
-                self._cond.notify_all()  # room for a waiting submit
+            item = self._inbox.get()
+            if item is None or self._stopped:
+                return
+            seq, slot, prepare = item
             try:
                 encode = prepare()  # always, in order (digests, tail comparisons)
-                with self._cond:
-                    write = not self._stopped and self._newest.get(slot) == seq
+                with self._seq:
+                    write = self._newest.get(slot) == seq  # else a newer capture of the slot is queued
                 if write:
                     parts = encode()
                     with self._write:  # once stop() returned, nothing more is written
@@ -144,7 +145,6 @@ class Publisher:
                 with self._cond:
                     self.failed = f"{type(exc).__name__}: {exc}"
                     self._stopped = True
-                    self._queue.clear()
                     self._cond.notify_all()
                 return
             with self._cond:

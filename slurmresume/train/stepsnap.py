@@ -17,6 +17,11 @@ The file: 24 bytes (the JSON's length, the raw bytes' length, xxh3 of both), the
 bytes (RNG states, tensors) it points into, written with one pwritev into one of two slots
 (step % 2): a rank killed mid-write leaves a slot that fails its check, and the other slot still
 holds the step before.
+
+A capture is two halves: `grab` on the training thread takes what must be taken at that moment
+(the entries as fresh plain data, by `_fast_encode`, which gives `jsonenc.encode`'s result; copies
+of the per-rank tensors; the RNG states), and `finish` (each entry's JSON, a digest per piece,
+the raw bytes) with `Captured.encode` may run later on the publisher thread (train/snappub.py).
 """
 
 from __future__ import annotations
@@ -322,7 +327,7 @@ def _fast_encode(obj: Any, on_tensor: Any, where: Any = None) -> Any:
             return encode(obj, on_tensor, _path(where))
         return {k: _fast_encode(v, on_tensor, (where, k)) for k, v in obj.items()}
     if t is list:
-        if all(type(v) is int for v in obj) and (not obj or -_FAST_INT < min(obj) and max(obj) < _FAST_INT):
+        if all(type(v) is int for v in obj) and (not obj or min(obj) > -_FAST_INT and max(obj) < _FAST_INT):
             return list(obj)  # an optimizer's parameter indices
         return [_fast_encode(v, on_tensor, (where, i)) for i, v in enumerate(obj)]
     if t is tuple:
