@@ -16,8 +16,8 @@ step time with the guard on against off, interleaved rounds:
 
     python3 scripts/bench_failsave.py --rounds 5 --nproc 3 -- --steps 300 --save-every 100000
 
-runs torchrun 2 x ROUNDS times (on, off, on, off, ...; a fresh checkpoint and heartbeat directory
-each) and prints each round's median step (the median over ranks of each rank's median step) on
+runs torchrun 2 x ROUNDS times (on, off, off, on, ...; a fresh checkpoint and heartbeat directory
+each; `--thread` adds the publisher on its own thread, `--baseline DIR` the code in DIR) and prints each round's median step (the median over ranks of each rank's median step) on
 and off, their ratio, and the medians over rounds with their spread (min-max).
 """
 
@@ -42,6 +42,8 @@ def _child() -> None:
     from slurmresume.train import checkpointer, failsave
 
     guard_on = os.environ.get(ENV_GUARD, "on") != "off"
+    if os.environ.get(ENV_GUARD) == "thread":
+        failsave.PUBLISH_IN_BACKGROUND = True  # type: ignore[misc]
     if not os.environ.get(ENV_HEARTBEAT_DIR):  # as under the launcher: one node-local directory per run
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         shared = base / f"bench-failsave-{os.environ.get('TORCHELASTIC_RUN_ID', 'bare')}"
@@ -128,7 +130,7 @@ def _child() -> None:
             print("BENCH " + json.dumps(record), flush=True)
 
 
-def _run_once(guard: bool, nproc: int, train_args: list[str], code: str | None = None) -> list[dict]:
+def _run_once(guard: str, nproc: int, train_args: list[str], code: str | None = None) -> list[dict]:
     import shutil
     import subprocess
 
@@ -137,7 +139,7 @@ def _run_once(guard: bool, nproc: int, train_args: list[str], code: str | None =
     work = Path(tempfile.mkdtemp(prefix="bench-failsave-"))
     beats = Path(tempfile.mkdtemp(prefix="bench-failsave-hb-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
-        env = {**os.environ, ENV_GUARD: "on" if guard else "off", ENV_HEARTBEAT_DIR: str(beats)}
+        env = {**os.environ, ENV_GUARD: guard, ENV_HEARTBEAT_DIR: str(beats)}
         if code:
             env["PYTHONPATH"] = code
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -160,12 +162,16 @@ def _driver(argv: list[str]) -> None:
     p.add_argument("--nproc", type=int, default=3, help="ranks per run (default: 3)")
     p.add_argument("--baseline", default=None,
                    help="a checkout of the code before (its PYTHONPATH): a third arm, guard on (default: none)")
+    p.add_argument("--thread", action="store_true",
+                   help="a fourth arm: the publisher on its own thread (default: off; the guard publishes inline)")
     args = p.parse_args(argv[:sep])
     train_args = argv[sep + 1:] or ["--steps", "300", "--save-every", "100000"]
     rows = []
-    arms: list[tuple[str, bool, str | None]] = [("on", True, None), ("off", False, None)]
+    arms: list[tuple[str, str, str | None]] = [("on", "on", None), ("off", "off", None)]
+    if args.thread:
+        arms.append(("thread", "thread", None))
     if args.baseline:
-        arms.append(("baseline", True, args.baseline))
+        arms.append(("baseline", "on", args.baseline))
     for r in range(args.rounds):
         got = {}
         for name, guard, code in arms[r % len(arms):] + arms[:r % len(arms)]:  # rotate which goes first
@@ -173,20 +179,26 @@ def _driver(argv: list[str]) -> None:
         med = {name: statistics.median(x["step_median_s"] for x in recs) for name, recs in got.items()}
         snaps = {name: statistics.median(x["snapshot_median_s"] for x in recs if "snapshot_median_s" in x)
                  for name, recs in got.items() if name != "off"}
-        rows.append((med, snaps))
+        cpus = {name: statistics.median(x["thread_cpu_per_step_s"] + (x.get("publisher_cpu_per_step_s") or 0.0)
+                                        for x in recs if "thread_cpu_per_step_s" in x)
+                for name, recs in got.items() if name != "off"}
+        rows.append((med, snaps, cpus))
         print(f"round {r + 1}: " + ", ".join(f"{n} {v * 1e3:.2f} ms" for n, v in med.items()) + "; "
               + ", ".join(f"{n}/off {100 * (med[n] / med['off'] - 1):+.2f} %, {n} training-thread snapshot "
-                          f"{snaps[n] * 1e6:.0f} us" for n in snaps), flush=True)
+                          f"{snaps[n] * 1e6:.0f} us, CPU of both threads {cpus[n] * 1e6:.0f} us per step"
+                          for n in snaps), flush=True)
 
     def spread(xs: list[float], scale: float, fmt: str) -> str:
-        return f"{format(statistics.median(xs) * scale, fmt)} ({format(min(xs) * scale, fmt)}-{format(max(xs) * scale, fmt)})"
+        return f"{format(statistics.median(xs) * scale, fmt)} ({format(min(xs) * scale, fmt)} .. {format(max(xs) * scale, fmt)})"
 
     for name, _, _ in arms:
-        steps = [m[name] for m, _ in rows]
+        steps = [m[name] for m, _, _ in rows]
         line = f"{name}: step median {spread(steps, 1e3, '.2f')} ms"
         if name != "off":
-            line += (f", step / off - 1 = {spread([m[name] / m['off'] - 1 for m, _ in rows], 100, '+.2f')} %, "
-                     f"training-thread snapshot {spread([s[name] for _, s in rows], 1e6, '.0f')} us")
+            line += (f", step / off - 1 = {spread([m[name] / m['off'] - 1 for m, _, _ in rows], 100, '+.2f')} %, "
+                     f"training-thread snapshot {spread([s[name] for _, s, _ in rows], 1e6, '.0f')} us, "
+                     f"CPU of both threads per step {spread([c[name] for _, _, c in rows], 1e6, '.0f')} us "
+                     f"({spread([c[name] / m['off'] for m, _, c in rows], 100, '.2f')} % of the step off)")
         print(f"over {len(rows)} rounds, median (min-max): {line}", flush=True)
 
 

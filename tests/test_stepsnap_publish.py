@@ -165,6 +165,14 @@ def test_a_stopped_publisher_writes_nothing_more_and_a_failing_one_stops(tmp_pat
     pub.close()
 
 
+def test_an_inline_publisher_has_written_when_submit_returns(tmp_path: Path) -> None:
+    pub = Publisher({"0": [FileSink(tmp_path / "x")]}, background=False)
+    assert pub.submit("0", lambda: lambda: _record(1)) and (tmp_path / "x").read_bytes() == b"record 1"
+    pub.stop()
+    assert not pub.submit("0", lambda: lambda: _record(2)) and (tmp_path / "x").read_bytes() == b"record 1"
+    pub.close()
+
+
 def test_every_sink_of_a_slot_gets_the_record(tmp_path: Path) -> None:
     """A slot's record goes to each of its sinks (the node-local file, and later a copy elsewhere)."""
     pub = Publisher({"0": [FileSink(tmp_path / "x"), FileSink(tmp_path / "y")]})
@@ -219,6 +227,7 @@ def _after_optimizer(state: dict[str, Any]) -> None:
 @pytest.fixture
 def guards(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[failsave.FailureGuard]]:
     monkeypatch.setattr(failsave, "peers", lambda *a: None)  # no watcher: nobody dies here
+    monkeypatch.setattr(failsave, "PUBLISH_IN_BACKGROUND", True)  # the thread: its ordering is what is tested
     made: list[failsave.FailureGuard] = []
     yield made
     for g in made:

@@ -13,18 +13,19 @@ At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's ag
     small; one checked pwrite). The last two steps stay. The training thread only takes what
     must be taken at that moment (`stepsnap.grab`: the entries as fresh plain data, copies of
     per-rank tensors, the RNG states); digests, encoding and the write are done by this rank's
-    publisher thread (`train.snappub`, a list of sinks per slot; coalescing: when it falls
-    behind, the newest capture of each slot wins);
+    publisher (`train.snappub`: a list of sinks per slot), inline by default or on its own thread
+    (`PUBLISH_IN_BACKGROUND`; coalescing there: when it falls behind, the newest capture of each
+    slot wins);
   - the rank's "dirty" flag is cleared; torch.optim's global step pre-hook sets it, so a rank
     knows whether its tensors are still those of step `s`;
   - that pre-hook also publishes the rank's *tail* snapshot (`snap-R-tail`: its small state just
     before the optimizer step after `s`), and the next boundary records which pieces changed
     between the two (`tail_changed`, over the whole run). A rank killed after the gradient
     all-reduce and before its next `ckpt.step()` is then still covered (`survivors.plan`).
-    The comparison runs on the publisher thread, every tail against the boundary after it, in
-    order, also for captures that coalescing does not write.
+    The comparison runs in the publisher, every tail against the boundary after it, in order,
+    also for captures that coalescing does not write.
 
-The window the background publisher leaves: a rank killed in the few hundred microseconds between
+The window a publisher thread leaves: a rank killed in the few hundred microseconds between
 a capture and its write landing leaves that slot one capture behind (a boundary slot holding the
 step two before, a tail slot the tail before). Every record names its own step (and a tail its
 boundary), so a lagging slot is read as what it is: `survivors.plan` finds that rank's boundary
@@ -81,6 +82,9 @@ SLOTS = ("0", "1", "tail")  # a rank's snapshot slots: boundaries by step % 2, a
 STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchrun kills after 30 s)
 FINISH_WAIT_S = 5.0  # how long a survivor past its optimizer step may take to reach its ckpt.step()
 PUBLISH_WAIT_S = 5.0  # how long a survivor waits for its own snapshots to reach the disk
+# the snapshots' digests, encoding and write on a publisher thread (True) or inline at the capture:
+# inline measured cheaper on a box whose cores the ranks fill (docs/benchmarks.md, 2026-12-07 16:xx)
+PUBLISH_IN_BACKGROUND = False
 EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
 EXIT_FAILED = 1  # a survivor's exit code after the failure save (torchrun reports the run failed)
 
@@ -101,7 +105,8 @@ class FailureGuard:
         self._state: Mapping[str, Any] | None = None
         self._layout: stepsnap.Layout | None = None
         # the background publisher (train/snappub.py): a list of sinks per slot
-        self._pub = Publisher({slot: [FileSink(self.dir / f"snap-{rank}-{slot}")] for slot in SLOTS})
+        self._pub = Publisher({slot: [FileSink(self.dir / f"snap-{rank}-{slot}")] for slot in SLOTS},
+                              background=PUBLISH_IN_BACKGROUND)
         self._rng = rng.Capturer()
         self._meta: Any = None
         self._last_ddp: dict[str, str] | None = None

@@ -1,7 +1,10 @@
-"""The background publisher of one rank's failure-time snapshots (train/failsave.py): the training
-thread only takes what must be taken at that moment (`stepsnap.grab`: copies of values that will
-change, the RNG states) and hands it here; this thread digests and encodes it and writes it to
-every sink of its slot (`FileSink`: a node-local slot file; a slot may have more than one sink).
+"""The publisher of one rank's failure-time snapshots (train/failsave.py): the training thread only
+takes what must be taken at that moment (`stepsnap.grab`: copies of values that will change, the
+RNG states) and hands it here; the publisher digests and encodes it and writes it to every sink
+of its slot (`FileSink`: a node-local slot file; a slot may have more than one sink). On its own
+thread (`background`), or inline on the caller's (the same jobs, written before `submit`
+returns): which one costs a step less depends on the machine (docs/benchmarks.md: on a box whose
+cores the ranks already fill, the thread's GIL hand-offs cost more than the work it moves).
 
 Rules:
   - jobs are prepared in the order they were submitted (`prepare`: the digests; the tail
@@ -61,7 +64,8 @@ class Publisher:
     """One per rank; see the module docstring. The training thread's side (`submit`) is a counter
     and a put on a C queue; the waiting (`drain`, a full queue) is on `_cond`."""
 
-    def __init__(self, sinks: Mapping[str, Sequence[Sink]], name: str = "slurmresume-snapshots") -> None:
+    def __init__(self, sinks: Mapping[str, Sequence[Sink]], name: str = "slurmresume-snapshots", *,
+                 background: bool = True) -> None:
         self.sinks: dict[str, list[Sink]] = {slot: list(s) for slot, s in sinks.items()}
         self._inbox: queue.SimpleQueue[tuple[int, str, Prepare] | None] = queue.SimpleQueue()
         self._seq = threading.Lock()  # _submitted and _newest, with the put that goes with them
@@ -73,14 +77,23 @@ class Publisher:
         self._stopped = False
         self.failed: str | None = None
         self.written = 0  # records written (all sinks of a slot: one)
+        self.background = background
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        if background:
+            self._thread.start()
 
     def submit(self, slot: str, prepare: Prepare) -> bool:
         """Queue a capture for `slot` (training thread; waits only while MAX_PENDING are queued).
         False: publishing stopped, the capture is dropped."""
         if self._stopped:
             return False
+        if not self.background:  # inline: on the caller's thread, written when this returns
+            with self._seq:
+                self._submitted += 1
+                self._newest[slot] = self._submitted
+                self._inbox.put((self._submitted, slot, prepare))
+            self._run(once=True)
+            return not self._stopped
         if self._inbox.qsize() >= MAX_PENDING:
             with self._cond:
                 while self._inbox.qsize() >= MAX_PENDING and not self._stopped:
@@ -116,14 +129,17 @@ class Publisher:
         """Drain, stop, close the sinks (a normal end)."""
         self.drain(timeout)
         self.stop()
-        self._thread.join(timeout)
+        if self.background:
+            self._thread.join(timeout)
         if not self._thread.is_alive():
             for sinks in self.sinks.values():
                 for sink in sinks:
                     sink.close()
 
-    def _run(self) -> None:
+    def _run(self, once: bool = False) -> None:
         while True:
+            if once and self._inbox.empty():
+                return
             item = self._inbox.get()
             if item is None or self._stopped:
                 return
@@ -150,3 +166,5 @@ class Publisher:
             with self._cond:
                 self._done = seq
                 self._cond.notify_all()
+            if once:
+                return
