@@ -1,76 +1,209 @@
 """What the failure-time save costs a step in steady state (issue 47): examples/train.py, each rank
-timing `FailureGuard.at_step` (the per-step snapshot: RNG states, skeleton, per-rank tensors,
-published to the node-local directory) plus its optimizer pre-hook (the tail snapshot, published
-the same way) against the time between two `ckpt.step()` calls.
+timing `FailureGuard.at_step` (the training thread's part of the per-step snapshot: RNG states,
+skeleton, per-rank tensors, handed to the publisher thread) plus its optimizer pre-hook (the tail
+snapshot, the same way) against the time between two `ckpt.step()` calls.
+
+One run (as before; the guard on unless BENCH_FAILSAVE_GUARD=off):
 
     torchrun --standalone --nproc-per-node 3 scripts/bench_failsave.py --steps 300 --save-every 100000
 
-Prints one line per rank: median and 90th percentile of the snapshot, the median step, the ratio.
-The first step (the one-time replicated-set check, a collective) is reported apart.
+prints one line per rank: median and 90th percentile of the training thread's snapshot time, the
+median step, the ratio; the first step (the one-time replicated-set check, a collective) apart.
+
+Since the digests, the encoding and the write run on a background thread (train/snappub.py), the
+training thread's time alone is no longer the cost: the publisher takes the GIL and a CPU too. The
+step time with the guard on against off, interleaved rounds:
+
+    python3 scripts/bench_failsave.py --rounds 5 --nproc 3 -- --steps 300 --save-every 100000
+
+runs torchrun 2 x ROUNDS times (on, off, off, on, ...; a fresh checkpoint and heartbeat directory
+each; `--thread` adds the publisher on its own thread, `--baseline DIR` the code in DIR) and prints each round's median step (the median over ranks of each rank's median step) on
+and off, their ratio, and the medians over rounds with their spread (min-max).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import runpy
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from slurmresume.contract import ENV_HEARTBEAT_DIR
-from slurmresume.train import checkpointer, failsave
-
-if not os.environ.get(ENV_HEARTBEAT_DIR):  # as under the launcher: one node-local directory per run
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    shared = base / f"bench-failsave-{os.environ.get('TORCHELASTIC_RUN_ID', 'bare')}"
-    shared.mkdir(exist_ok=True)
-    os.environ[ENV_HEARTBEAT_DIR] = str(shared)
-
-snap_s: list[float] = []
-gaps: list[float] = []
-last = [0.0]
-tail = [0.0]  # the tail snapshot's time since the last boundary
-at_step, step = failsave.FailureGuard.at_step, checkpointer.Checkpointer.step
-pre_hook = failsave.FailureGuard._on_optimizer_step
+ENV_GUARD = "BENCH_FAILSAVE_GUARD"
+WARMUP = 10  # steps left out of the step-time statistics (first steps: allocations, the collective)
 
 
-def timed_at_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-    t0 = time.perf_counter()
+def _child() -> None:
+    import runpy
+
+    from slurmresume.contract import ENV_HEARTBEAT_DIR
+    from slurmresume.train import checkpointer, failsave
+
+    guard_on = os.environ.get(ENV_GUARD, "on") != "off"
+    if os.environ.get(ENV_GUARD) == "thread":
+        failsave.PUBLISH_IN_BACKGROUND = True  # type: ignore[misc]
+    if not os.environ.get(ENV_HEARTBEAT_DIR):  # as under the launcher: one node-local directory per run
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        shared = base / f"bench-failsave-{os.environ.get('TORCHELASTIC_RUN_ID', 'bare')}"
+        shared.mkdir(exist_ok=True)
+        os.environ[ENV_HEARTBEAT_DIR] = str(shared)
+
+    snap_s: list[float] = []
+    cpu = [0.0]  # the training thread's CPU seconds in both captures, over the run
+    gaps: list[float] = []
+    last = [0.0]
+    tail = [0.0]  # the tail snapshot's time since the last boundary
+    guards: list[failsave.FailureGuard] = []
+    at_step, step = failsave.FailureGuard.at_step, checkpointer.Checkpointer.step
+    pre_hook = failsave.FailureGuard._on_optimizer_step
+
+    def timed_at_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not guards:
+            guards.append(self)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return at_step(self, *args, **kwargs)
+        finally:
+            cpu[0] += time.thread_time() - c0
+            snap_s.append(time.perf_counter() - t0 + tail[0])
+            tail[0] = 0.0
+
+    def timed_pre_hook(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return pre_hook(self, *args, **kwargs)
+        finally:
+            cpu[0] += time.thread_time() - c0
+            tail[0] += time.perf_counter() - t0
+
+    def publisher_cpu() -> float | None:
+        """The publisher thread's CPU seconds so far (Linux: its thread CPU clock)."""
+        thread = getattr(getattr(guards[0], "_pub", None), "_thread", None) if guards else None
+        if thread is None or not thread.is_alive() or thread.ident is None:
+            return None
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+    def timed_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        now = time.perf_counter()
+        if last[0]:
+            gaps.append(now - last[0])
+        last[0] = now
+        return step(self, *args, **kwargs)
+
+    failsave.FailureGuard.at_step = timed_at_step  # type: ignore[method-assign]
+    failsave.FailureGuard._on_optimizer_step = timed_pre_hook  # type: ignore[method-assign]
+    checkpointer.Checkpointer.step = timed_step  # type: ignore[method-assign]
+    if not guard_on:
+        checkpointer.failure_guard = lambda group, root: None  # type: ignore[assignment]
+    # the publisher's CPU time, read before the Checkpointer's close() ends its thread
+    close = checkpointer.Checkpointer.close
+    pub_cpu: list[float | None] = [None]
+
+    def timed_close(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        pub_cpu[0] = publisher_cpu()
+        return close(self, *args, **kwargs)
+
+    checkpointer.Checkpointer.close = timed_close  # type: ignore[method-assign]
     try:
-        return at_step(self, *args, **kwargs)
+        runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "train.py"), run_name="__main__")
     finally:
-        snap_s.append(time.perf_counter() - t0 + tail[0])
-        tail[0] = 0.0
+        rank = os.environ.get("RANK", "0")
+        steady = gaps[WARMUP:] if len(gaps) > 2 * WARMUP else gaps
+        if steady:
+            gap = statistics.median(steady)
+            record = {"rank": int(rank), "guard": guard_on, "step_median_s": gap, "step_mean_s": statistics.mean(steady)}
+            if len(snap_s) > 2:
+                rest = sorted(snap_s[1:])
+                med, p90 = statistics.median(rest), rest[int(0.9 * (len(rest) - 1))]
+                n = len(snap_s)
+                record.update(snapshot_median_s=med, snapshot_p90_s=p90, first_step_s=snap_s[0],
+                              thread_cpu_per_step_s=cpu[0] / n,
+                              publisher_cpu_per_step_s=pub_cpu[0] / n if pub_cpu[0] is not None else None)
+                pub = f"{pub_cpu[0] / n * 1e6:.0f} us" if pub_cpu[0] is not None else "-"
+                print(f"rank {rank}: snapshot (training thread) median {med * 1e6:.0f} us, p90 {p90 * 1e6:.0f} us, "
+                      f"mean {statistics.mean(rest) * 1e6:.0f} us (step mean {statistics.mean(steady) * 1e3:.2f} ms), "
+                      f"first step {snap_s[0] * 1e3:.1f} ms; step median {gap * 1e3:.2f} ms; "
+                      f"snapshot / step = {100 * med / gap:.2f} %; CPU per step: training thread "
+                      f"{cpu[0] / n * 1e6:.0f} us, publisher thread {pub}", flush=True)
+            print("BENCH " + json.dumps(record), flush=True)
 
 
-def timed_pre_hook(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-    t0 = time.perf_counter()
+def _run_once(guard: str, nproc: int, train_args: list[str], code: str | None = None) -> list[dict]:
+    import shutil
+    import subprocess
+
+    from slurmresume.contract import ENV_HEARTBEAT_DIR
+
+    work = Path(tempfile.mkdtemp(prefix="bench-failsave-"))
+    beats = Path(tempfile.mkdtemp(prefix="bench-failsave-hb-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
-        return pre_hook(self, *args, **kwargs)
+        env = {**os.environ, ENV_GUARD: guard, ENV_HEARTBEAT_DIR: str(beats)}
+        if code:
+            env["PYTHONPATH"] = code
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(Path(__file__).resolve()), *train_args, "--ckpt-dir", str(work / "ckpt")]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            sys.exit(f"bench_failsave: a run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("BENCH ")]
     finally:
-        tail[0] += time.perf_counter() - t0
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(beats, ignore_errors=True)
 
 
-def timed_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-    now = time.perf_counter()
-    if last[0]:
-        gaps.append(now - last[0])
-    last[0] = now
-    return step(self, *args, **kwargs)
+def _driver(argv: list[str]) -> None:
+    import argparse
+
+    sep = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(description="step time with the failure-save guard on vs off, interleaved rounds")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of (on, off) (default: 5)")
+    p.add_argument("--nproc", type=int, default=3, help="ranks per run (default: 3)")
+    p.add_argument("--baseline", default=None,
+                   help="a checkout of the code before (its PYTHONPATH): a third arm, guard on (default: none)")
+    p.add_argument("--thread", action="store_true",
+                   help="a fourth arm: the publisher on its own thread (default: off; the guard publishes inline)")
+    args = p.parse_args(argv[:sep])
+    train_args = argv[sep + 1:] or ["--steps", "300", "--save-every", "100000"]
+    rows = []
+    arms: list[tuple[str, str, str | None]] = [("on", "on", None), ("off", "off", None)]
+    if args.thread:
+        arms.append(("thread", "thread", None))
+    if args.baseline:
+        arms.append(("baseline", "on", args.baseline))
+    for r in range(args.rounds):
+        got = {}
+        for name, guard, code in arms[r % len(arms):] + arms[:r % len(arms)]:  # rotate which goes first
+            got[name] = _run_once(guard, args.nproc, train_args, code)
+        med = {name: statistics.median(x["step_median_s"] for x in recs) for name, recs in got.items()}
+        snaps = {name: statistics.median(x["snapshot_median_s"] for x in recs if "snapshot_median_s" in x)
+                 for name, recs in got.items() if name != "off"}
+        cpus = {name: statistics.median(x["thread_cpu_per_step_s"] + (x.get("publisher_cpu_per_step_s") or 0.0)
+                                        for x in recs if "thread_cpu_per_step_s" in x)
+                for name, recs in got.items() if name != "off"}
+        rows.append((med, snaps, cpus))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {v * 1e3:.2f} ms" for n, v in med.items()) + "; "
+              + ", ".join(f"{n}/off {100 * (med[n] / med['off'] - 1):+.2f} %, {n} training-thread snapshot "
+                          f"{snaps[n] * 1e6:.0f} us, CPU of both threads {cpus[n] * 1e6:.0f} us per step"
+                          for n in snaps), flush=True)
+
+    def spread(xs: list[float], scale: float, fmt: str) -> str:
+        return f"{format(statistics.median(xs) * scale, fmt)} ({format(min(xs) * scale, fmt)} .. {format(max(xs) * scale, fmt)})"
+
+    for name, _, _ in arms:
+        steps = [m[name] for m, _, _ in rows]
+        line = f"{name}: step median {spread(steps, 1e3, '.2f')} ms"
+        if name != "off":
+            line += (f", step / off - 1 = {spread([m[name] / m['off'] - 1 for m, _, _ in rows], 100, '+.2f')} %, "
+                     f"training-thread snapshot {spread([s[name] for _, s, _ in rows], 1e6, '.0f')} us, "
+                     f"CPU of both threads per step {spread([c[name] for _, _, c in rows], 1e6, '.0f')} us "
+                     f"({spread([c[name] / m['off'] for m, _, c in rows], 100, '.2f')} % of the step off)")
+        print(f"over {len(rows)} rounds, median (min-max): {line}", flush=True)
 
 
-failsave.FailureGuard.at_step = timed_at_step  # type: ignore[method-assign]
-failsave.FailureGuard._on_optimizer_step = timed_pre_hook  # type: ignore[method-assign]
-checkpointer.Checkpointer.step = timed_step  # type: ignore[method-assign]
-try:
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "train.py"), run_name="__main__")
-finally:
-    if len(snap_s) > 2:
-        rest = sorted(snap_s[1:])
-        med, p90 = statistics.median(rest), rest[int(0.9 * (len(rest) - 1))]
-        gap = statistics.median(gaps)
-        print(f"rank {os.environ.get('RANK', '0')}: snapshot median {med * 1e6:.0f} us, p90 {p90 * 1e6:.0f} us, "
-              f"mean {statistics.mean(rest) * 1e6:.0f} us (step mean {statistics.mean(gaps) * 1e3:.2f} ms), "
-              f"first step {snap_s[0] * 1e3:.1f} ms; step median {gap * 1e3:.2f} ms; "
-              f"snapshot / step = {100 * med / gap:.2f} %", flush=True)
+if __name__ == "__main__":
+    if "RANK" in os.environ:
+        _child()
+    else:
+        _driver(sys.argv[1:])

@@ -10,20 +10,36 @@ At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's ag
   - each rank publishes its small state at `s` to `<heartbeat dir>/failsave/snap-R-{s % 2}`
     (`train.stepsnap`: plain values, sampler, optimizer hyper-parameters, the RNG of every
     generator the save covers, metrics, and the tensors that are not replicated when they are
-    small; one checked pwrite). The last two steps stay.
+    small; one checked pwrite). The last two steps stay. The training thread only takes what
+    must be taken at that moment (`stepsnap.grab`: the entries as fresh plain data, copies of
+    per-rank tensors, the RNG states); digests, encoding and the write are done by this rank's
+    publisher (`train.snappub`: a list of sinks per slot), inline by default or on its own thread
+    (`PUBLISH_IN_BACKGROUND`; coalescing there: when it falls behind, the newest capture of each
+    slot wins);
   - the rank's "dirty" flag is cleared; torch.optim's global step pre-hook sets it, so a rank
     knows whether its tensors are still those of step `s`;
   - that pre-hook also publishes the rank's *tail* snapshot (`snap-R-tail`: its small state just
     before the optimizer step after `s`), and the next boundary records which pieces changed
     between the two (`tail_changed`, over the whole run). A rank killed after the gradient
     all-reduce and before its next `ckpt.step()` is then still covered (`survivors.plan`).
+    The comparison runs in the publisher, every tail against the boundary after it, in order,
+    also for captures that coalescing does not write.
+
+The window a publisher thread leaves: a rank killed in the few hundred microseconds between
+a capture and its write landing leaves that slot one capture behind (a boundary slot holding the
+step two before, a tail slot the tail before). Every record names its own step (and a tail its
+boundary), so a lagging slot is read as what it is: `survivors.plan` finds that rank's boundary
+missing and covers it by its tail only when the tail follows its newest boundary on disk, else it
+refuses the step and the run falls back to the newest committed step; never a mixed step. A
+survivor drains its publisher before it reports its status and publishes nothing after.
 
 The death (`peers.Watcher`, a thread blocked on pidfds of this node's other ranks, no polling): a peer
 that exits without having closed its Checkpointer. Then, on each survivor:
   1. freeze: no optimizer step may start any more (it blocks); a survivor already past its
      optimizer step finishes the step up to its `ckpt.step()`, which publishes that boundary and
      blocks (at most FINISH_WAIT_S: a survivor still dirty then holds nothing);
-  2. publish its status (last boundary, clean or not) and wait for the other survivors'
+  2. wait until its own snapshots are on disk (its publisher drained, then stopped), publish its
+     status (last boundary, clean or not) and wait for the other survivors'
      (at most STATUS_WAIT_S: a survivor that does not answer holds nothing);
   3. `survivors.plan` (pure): the newest step covered by every rank's snapshot and held clean by
      a survivor; its lowest such survivor writes every rank's shard (replicated tensors from its
@@ -73,16 +89,21 @@ from .peers import (
     write_status,
 )
 from .snapcopy import Copier
+from .snappub import FileSink, Publisher
 from .survivors import Plan, Snapshot, Status, plan
 
 log = logging.getLogger("slurmresume")
 
 SUBDIR = FAILSAVE_SUBDIR
+SLOTS = ("0", "1", "tail")  # a rank's snapshot slots: boundaries by step % 2, and the tail
 STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchrun kills after 30 s)
 FINISH_WAIT_S = 5.0  # how long a survivor past its optimizer step may take to reach its ckpt.step()
+PUBLISH_WAIT_S = 5.0  # how long a survivor waits for its own snapshots to reach the disk
+# the snapshots' digests, encoding and write on a publisher thread (True) or inline at the capture:
+# inline measured cheaper on a box whose cores the ranks fill (docs/benchmarks.md, 2026-12-07 16:xx)
+PUBLISH_IN_BACKGROUND = False
 EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
 REMOTE_GRACE_S = 10.0  # the same with several nodes: another node's notice comes through its launcher
-SLOTS = ("0", "1", "tail")
 EXIT_FAILED = 1  # a survivor's exit code after the failure save (torchrun reports the run failed)
 
 
@@ -105,13 +126,18 @@ class FailureGuard:
         self._dirty = False
         self._state: Mapping[str, Any] | None = None
         self._layout: stepsnap.Layout | None = None
-        self._slots = [os.open(self.dir / f"snap-{rank}-{slot}", os.O_RDWR | os.O_CREAT, 0o600)
-                       for slot in ("0", "1", "tail")]
+        # the background publisher (train/snappub.py): a list of sinks per slot
+        self._pub = Publisher({slot: [FileSink(self.dir / f"snap-{rank}-{slot}")] for slot in SLOTS},
+                              background=PUBLISH_IN_BACKGROUND)
+        self._rng = rng.Capturer()
         self._meta: Any = None
         self._last_ddp: dict[str, str] | None = None
         self._group: Any = None
-        self._tail: dict[str, str] | None = None  # digests of this step's tail capture
+        # the publisher thread's own (see _prepare_boundary): the last tail capture's digests, the
+        # pieces ever changed between a tail and its boundary, and the state keys among them
+        self._tail: dict[str, str] | None = None
         self._tail_changed: set[str] = set()
+        self._known: frozenset[str] = frozenset()  # read by the training thread (replaced, never changed)
         self._ddp_layout: dict[str, str] | None = None
         self._failing: threading.Thread | None = None
         self._copier: Copier | None = None  # several nodes: each snapshot also on the shared root
@@ -138,17 +164,11 @@ class FailureGuard:
             self._layout = stepsnap.Layout.learn(state, replicated, self.world)
             self._check_shared(group)
         self._last_ddp = self._ddp_layouts(ddp_buckets)
-        cap = stepsnap.collect(step, state, self._layout, self._last_ddp, metrics, meta)
-        if self._tail is not None:
-            self._tail_changed |= stepsnap.changed(self._tail, cap.digests)
-            self._tail = None
-        data = cap.encode(tail_changed=sorted(self._tail_changed))
+        g = stepsnap.grab(step, state, self._layout, self._last_ddp, metrics, meta, rng_state=self._rng.capture())
         with self._lock:
             # frozen but not yet reported: this survivor finishes the step it was in (see on_death)
             if not self._reported.is_set():
-                stepsnap.publish(self._slots[step % 2], data)
-                if self._copier is not None:
-                    self._copier.offer(str(step % 2), data)
+                self._pub.submit(str(step % 2), lambda: self._prepare_boundary(g))
                 self._boundary, self._dirty, self._state, self._meta = step, False, state, meta
                 self._group = group
         if self._frozen.is_set():
@@ -171,8 +191,10 @@ class FailureGuard:
             log.warning("rank %d: no failure save across nodes (the run's shared directory %s is not the "
                         "same on every node)", self.rank, self.shared)
             self.shared, self.meet = None, self.dir
-        elif self.shared is not None:
+        elif self.shared is not None:  # before the first snapshot is submitted: a second sink per slot
             self._copier = Copier(self.shared, self.rank)
+            for slot in SLOTS:
+                self._pub.sinks[slot].append(self._copier.sink(slot))
 
     def _ddp_layouts(self, ddp_buckets: Mapping[str, Any]) -> dict[str, str]:
         """The DDP bucket layouts, without a collective: DDP rebuilds once (at the first step's
@@ -192,22 +214,35 @@ class FailureGuard:
         if self._frozen.is_set():
             self._block()
         if not self._dirty and self._layout is not None and self._state is not None and self._boundary is not None:
-            known = frozenset(p[6:] for p in self._tail_changed if p.startswith("entry:"))
-            cap = stepsnap.collect(self._boundary, self._state, self._layout, self._last_ddp, None, self._meta,
-                                   skip=known)
-            data = cap.encode(tail_of=self._boundary)
+            boundary = self._boundary
+            g = stepsnap.grab(boundary, self._state, self._layout, self._last_ddp, None, self._meta, skip=self._known,
+                              rng_state=self._rng.capture())
             with self._lock:
                 if not self._frozen.is_set():
-                    stepsnap.publish(self._slots[2], data)
-                    if self._copier is not None:
-                        self._copier.offer("tail", data)
-            self._tail = cap.digests
+                    self._pub.submit("tail", lambda: self._prepare_tail(g, boundary))
         with self._lock:
             frozen = self._frozen.is_set()
             if not frozen:
                 self._dirty = True
         if frozen:
             self._block()
+
+    # -- the publisher thread (train/snappub.py: in submission order) -------------------------
+
+    def _prepare_boundary(self, g: stepsnap.Grab) -> Callable[[], list[bytes]]:
+        """A boundary capture's digests; the pieces that changed since the tail before it."""
+        cap = stepsnap.finish(g)
+        if self._tail is not None:
+            self._tail_changed |= stepsnap.changed(self._tail, cap.digests)
+            self._tail = None
+            self._known = frozenset(p[6:] for p in self._tail_changed if p.startswith("entry:"))
+        tail_changed = sorted(self._tail_changed)
+        return lambda: cap.encode(tail_changed=tail_changed)
+
+    def _prepare_tail(self, g: stepsnap.Grab, boundary: int) -> Callable[[], list[bytes]]:
+        cap = stepsnap.finish(g)
+        self._tail = cap.digests
+        return lambda: cap.encode(tail_of=boundary)
 
     def _block(self) -> None:
         threading.Event().wait()  # the failure-save thread ends the process
@@ -245,6 +280,7 @@ class FailureGuard:
             self._copier.stop()
         if self._watcher is not None:
             self._watcher.stop()
+        self._pub.close()
 
     def at_exit(self) -> None:
         """atexit, before anything else is released. A normal exit (the script forgot close()) is
@@ -299,9 +335,16 @@ class FailureGuard:
         while True:
             with self._lock:
                 if not self._dirty or time.monotonic() > deadline:
-                    self._reported.set()
-                    return Status(self.rank, self._boundary, not self._dirty)
+                    self._reported.set()  # from here on nothing is submitted
+                    status = Status(self.rank, self._boundary, not self._dirty)
+                    break
             time.sleep(0.01)
+        # what this status stands on (its boundary's snapshot, the tail after it) is on disk first
+        if not self._pub.drain(PUBLISH_WAIT_S):
+            log.warning("rank %d: its snapshots did not reach the disk (%s)", self.rank,
+                        self._pub.failed or f"not within {PUBLISH_WAIT_S} s")
+        self._pub.stop()  # a reported rank publishes nothing more
+        return status
 
     def _copy_out(self, dead: set[int]) -> None:
         """Several nodes: this rank's snapshots, and those of this node's dead ranks (by the lowest

@@ -38,6 +38,10 @@ class Copier(threading.Thread):
             self._pending[slot] = data
             self._cond.notify()
 
+    def sink(self, slot: str) -> _SlotSink:
+        """This slot as one more sink of the rank's snapshot publisher (train/snappub.py)."""
+        return _SlotSink(self, slot)
+
     def drain(self, timeout: float = 5.0) -> bool:
         """Until every offered copy is written (or `timeout`); True when none is left."""
         with self._cond:
@@ -67,3 +71,14 @@ class Copier(threading.Thread):
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+
+class _SlotSink:
+    def __init__(self, copier: Copier, slot: str) -> None:
+        self.copier, self.slot = copier, slot
+
+    def write(self, parts: list[bytes]) -> None:
+        self.copier.offer(self.slot, parts)
+
+    def close(self) -> None:
+        pass

@@ -17,6 +17,11 @@ The file: 24 bytes (the JSON's length, the raw bytes' length, xxh3 of both), the
 bytes (RNG states, tensors) it points into, written with one pwritev into one of two slots
 (step % 2): a rank killed mid-write leaves a slot that fails its check, and the other slot still
 holds the step before.
+
+A capture is two halves: `grab` on the training thread takes what must be taken at that moment
+(the entries as fresh plain data, by `_fast_encode`, which gives `jsonenc.encode`'s result; copies
+of the per-rank tensors; the RNG states), and `finish` (each entry's JSON, a digest per piece,
+the raw bytes) with `Captured.encode` may run later on the publisher thread (train/snappub.py).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..checkpoint.jsonenc import dumps, encode
+from ..checkpoint.jsonenc import TAGS, dumps, encode
 from ..checkpoint.state import as_stateful, flatten, is_stateful
 from . import rng
 from .survivors import ReplicaDims, replica_dims
@@ -98,8 +103,8 @@ class Captured:
     missing: list[str]
     rng: dict[str, Any]
     ddp: dict[str, str] | None
-    metrics: Any
-    meta: Any
+    metrics: Any  # encoded (jsonenc)
+    meta: Any  # encoded
     blob: _Blob
     digests: dict[str, str]
     texts: dict[str, str]  # each entry's JSON, dumped once (for its digest and for the record)
@@ -108,8 +113,8 @@ class Captured:
         """The record `publish` writes: header, JSON, raw bytes. `extra`: "tail_of" (a tail
         snapshot: the boundary it follows) or "tail_changed" (a boundary's pieces that ever
         changed between an optimizer step and the boundary after it, on this rank)."""
-        rest = dumps({"step": self.step, "rng": self.rng, "ddp": self.ddp or None, "metrics": encode(self.metrics),
-                      "meta": encode(self.meta), "tensors": self.tensors, "missing": self.missing,
+        rest = dumps({"step": self.step, "rng": self.rng, "ddp": self.ddp or None, "metrics": self.metrics,
+                      "meta": self.meta, "tensors": self.tensors, "missing": self.missing,
                       "digests": self.digests, **extra})
         entries = ",".join(f"{dumps(k)}:{t}" for k, t in self.texts.items())
         text = f'{{"entries":{{{entries}}},{rest[1:]}'.encode()
@@ -121,15 +126,39 @@ class Captured:
 
 def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
             metrics: Any, meta: Any) -> list[bytes]:
-    """The training thread, at `ckpt.step(step)`: this rank's snapshot, ready to `publish`."""
+    """This rank's snapshot now, encoded (`grab` + `finish` + `Captured.encode` on one thread)."""
     return collect(step, state, layout, ddp_layout, metrics, meta).encode()
 
 
 def collect(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
             metrics: Any, meta: Any, *, skip: frozenset[str] = frozenset()) -> Captured:
-    """This rank's small state now, with a digest per piece (see `Captured`). `skip`: state keys
-    left out (a tail snapshot leaves out what always changes after an optimizer step: the
-    writer takes those from its own boundary, and not encoding them halves the tail's cost)."""
+    """This rank's small state now, with a digest per piece (`grab` then `finish`)."""
+    return finish(grab(step, state, layout, ddp_layout, metrics, meta, skip=skip))
+
+
+@dataclass
+class Grab:
+    """What the training thread takes at a capture, and nothing more: the entries as plain JSON
+    data (fresh lists and dicts over immutable leaves), each per-rank tensor's bytes (a copy), the
+    RNG states (copies: `rng.capture` or `rng.Capturer`), metrics and meta encoded. Nothing in it
+    changes when training goes on, so `finish` may run later, on another thread."""
+
+    step: int
+    entries: dict[str, Any]
+    tensors: dict[str, tuple[str, list[int], bytes]]
+    missing: list[str]
+    rng: dict[str, Any]
+    ddp: dict[str, str] | None
+    metrics: Any
+    meta: Any
+
+
+def grab(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
+         metrics: Any, meta: Any, *, skip: frozenset[str] = frozenset(),
+         rng_state: dict[str, Any] | None = None) -> Grab:
+    """The training thread's part of a capture (see `Grab`). `skip`: state keys left out (a tail
+    snapshot leaves out what always changes after an optimizer step: the writer takes those from
+    its own boundary). `rng_state`: the RNG states already taken (else `rng.capture()`)."""
     own: dict[str, Any] = {}
     if layout.cheap:
         entries = _cheap_entries(state, layout, own, skip)
@@ -137,10 +166,7 @@ def collect(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dic
         skeleton, flat = flatten(state, {})
         entries = {k: v for k, v in skeleton["entries"].items() if k not in skip}
         own = {n: t for n, t in flat if n not in layout.replicated and n.split("/", 1)[0] not in skip}
-    blob = _Blob()
-    texts = {key: dumps(entry) for key, entry in entries.items()}
-    digests = {f"entry:{key}": _xxh(text.encode()) for key, text in texts.items()}
-    tensors: dict[str, list[Any]] = {}
+    tensors: dict[str, tuple[str, list[int], bytes]] = {}
     missing: list[str] = []
     size = 0
     for name, t in own.items():
@@ -148,13 +174,24 @@ def collect(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dic
         if t.device.type != "cpu" or size > PUBLISH_MAX_BYTES:
             missing.append(name)
         else:
-            raw = _raw(t)
-            tensors[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), *blob.add(raw)]
-            digests[f"tensor:{name}"] = _xxh(raw)
+            tensors[name] = (str(t.dtype).removeprefix("torch."), list(t.shape), _raw(t))
+    return Grab(step, entries, tensors, missing, rng_state if rng_state is not None else rng.capture(), ddp_layout,
+                _fast_encode(metrics, None), _fast_encode(meta, None))
+
+
+def finish(g: Grab) -> Captured:
+    """The publisher's part of a capture: each entry's JSON, a digest per piece, the raw bytes."""
+    blob = _Blob()
+    texts = {key: dumps(entry) for key, entry in g.entries.items()}
+    digests = {f"entry:{key}": _xxh(text.encode()) for key, text in texts.items()}
+    tensors: dict[str, list[Any]] = {}
+    for name, (dtype, shape, raw) in g.tensors.items():
+        tensors[name] = [dtype, shape, *blob.add(raw)]
+        digests[f"tensor:{name}"] = _xxh(raw)
     first = len(blob.parts)
-    rng_raw = _rng_raw(blob)
+    rng_raw = _rng_raw(blob, g.rng)
     digests["rng"] = _xxh(b"".join(blob.parts[first:]))
-    return Captured(step, entries, tensors, missing, rng_raw, ddp_layout, metrics, meta, blob, digests, texts)
+    return Captured(g.step, g.entries, tensors, g.missing, rng_raw, g.ddp, g.metrics, g.meta, blob, digests, texts)
 
 
 def changed(tail: Mapping[str, str], boundary: Mapping[str, str]) -> set[str]:
@@ -272,10 +309,47 @@ def _cheap_entries(state: Mapping[str, Any], layout: Layout, own: dict[str, Any]
             replicas = layout.parts.get(key)
             if replicas and isinstance(value, dict):
                 value = {k: v for k, v in value.items() if k not in replicas}
-            out[key] = {"kind": "stateful", "value": encode(value, name, [key])}
+            out[key] = {"kind": "stateful", "value": _fast_encode(value, name, (None, key))}
         else:
-            out[key] = {"kind": "value", "value": encode(obj, name, [key])}
+            out[key] = {"kind": "value", "value": _fast_encode(obj, name, (None, key))}
     return out
+
+
+def _fast_encode(obj: Any, on_tensor: Any, where: Any = None) -> Any:
+    """`jsonenc.encode(obj, on_tensor, path)` with the same result, about four times faster on a
+    state_dict (an optimizer's parameter index lists): plain dicts, lists, tuples, str, bool,
+    None, small ints and finite floats here; anything else (a tensor, NumPy, a non-finite float,
+    a dict with other keys) by `encode` itself. `where`: the path as (parent, key) links, turned
+    into `encode`'s list only when `encode` needs it."""
+    t = type(obj)
+    if t is dict:
+        if (len(obj) == 1 and next(iter(obj)) in TAGS) or not all(type(k) is str for k in obj):
+            return encode(obj, on_tensor, _path(where))
+        return {k: _fast_encode(v, on_tensor, (where, k)) for k, v in obj.items()}
+    if t is list:
+        if all(type(v) is int for v in obj) and (not obj or min(obj) > -_FAST_INT and max(obj) < _FAST_INT):
+            return list(obj)  # an optimizer's parameter indices
+        return [_fast_encode(v, on_tensor, (where, i)) for i, v in enumerate(obj)]
+    if t is tuple:
+        return {"__tuple__": [_fast_encode(v, on_tensor, (where, i)) for i, v in enumerate(obj)]}
+    if t is str or t is bool or obj is None:
+        return obj
+    if t is int and -_FAST_INT < obj < _FAST_INT:
+        return obj
+    if t is float and obj - obj == 0.0:  # finite (inf - inf and nan - nan are nan)
+        return obj
+    return encode(obj, on_tensor, _path(where))
+
+
+_FAST_INT = 1 << 62
+
+
+def _path(where: Any) -> list[str]:
+    out = []
+    while where is not None:
+        where, key = where
+        out.append(str(key))
+    return out[::-1]
 
 
 def _merge(live: dict[str, Any], published: dict[str, Any]) -> dict[str, Any]:
@@ -320,8 +394,7 @@ def _raw(t: Any) -> bytes:
     return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
-def _rng_raw(blob: _Blob) -> dict[str, Any]:
-    state = rng.capture()
+def _rng_raw(blob: _Blob, state: dict[str, Any]) -> dict[str, Any]:
     version, words, gauss = state["python"]
     name, keys, pos, has_gauss, cached = state["numpy"]
     out: dict[str, Any] = {"python": [version, *blob.add(array.array("I", words).tobytes()), gauss],
