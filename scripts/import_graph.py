@@ -389,29 +389,30 @@ def dict_crossings(files: dict[str, tuple[bool, ast.Module, int]] | None = None)
                     for alias in node.names:
                         bound = alias.asname or alias.name
                         (modules if target.endswith("." + alias.name) else functions).add(bound)
-
-        def from_checkpoint(call: ast.AST) -> bool:
-            if not isinstance(call, ast.Call):
-                return False
-            f = call.func
-            return (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in modules) or \
-                (isinstance(f, ast.Name) and f.id in functions)
-
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
             where = f"{mod}:{node.lineno}"
             f = node.func
             if isinstance(f, ast.Attribute) and f.attr == "from_json" and any(
-                    from_checkpoint(sub) for a in node.args for sub in ast.walk(a)):
+                    _calls_maker(sub, modules, functions) for a in node.args for sub in ast.walk(a)):
                 bad.append(f"{where}: decodes what the commit protocol returned ({ast.unparse(f)}): "
                            "it returns the record")
-            if from_checkpoint(node) and any(
+            if _calls_maker(node, modules, functions) and any(
                     isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "to_json"
                     for a in [*node.args, *(k.value for k in node.keywords)] for sub in ast.walk(a)):
                 bad.append(f"{where}: encodes records for the commit protocol ({ast.unparse(node.func)}): "
                            "it takes the records")
     return sorted(set(bad))
+
+
+def _calls_maker(call: ast.AST, modules: set[str], functions: set[str]) -> bool:
+    """Whether `call` calls a message maker's function (`mod.f(...)` through a module name, or `f(...)`)."""
+    if not isinstance(call, ast.Call):
+        return False
+    f = call.func
+    return (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in modules) or \
+        (isinstance(f, ast.Name) and f.id in functions)
 
 
 def _under_type_checking(node: ast.stmt) -> bool:
