@@ -94,13 +94,13 @@ from slurmresume.checkpoint.collective import Group  # noqa: E402
 from slurmresume.checkpoint.layout import MANIFEST, step_dir_name  # noqa: E402
 from slurmresume.checkpoint.manifest import MAX_MANIFEST  # noqa: E402
 from slurmresume.checkpoint.replicas import replicated_across  # noqa: E402
+from slurmresume.checkpoint.reports import WriteReport  # noqa: E402
 from slurmresume.checkpoint.state import flatten_live  # noqa: E402
 from slurmresume.train import (  # noqa: E402
     claims,  # noqa: E402
     restoreplan,
     restoring,
 )
-from slurmresume.train.messages import WriteReport  # noqa: E402
 from slurmresume.train.roots import claim_root  # noqa: E402
 from slurmresume.train.saving import payload_of, save_collective  # noqa: E402
 
@@ -470,13 +470,13 @@ def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0, 
     clock: dict[str, float] = {}
 
     def every_rank_writes(root_: Path, step: int, group_: Group, skeleton: dict[str, Any], tensors: list[Any],
-                          replicated_: set[str] | None = None, *, into: str) -> dict[str, Any]:
+                          replicated_: set[str] | None = None, *, into: str) -> WriteReport:
         if set(replicated_ or ()) != replicated:
             raise SystemExit("bench_scale: the save's replica detection differs from the harness's")
         commit.write_rank = real_write_rank  # type: ignore[assignment]
         try:
             t0 = time.perf_counter()
-            reports = stamper.save(root, into) if stamper else []
+            reports = [WriteReport.from_json(r) for r in stamper.save(root, into)] if stamper else []
             node = max(per_node, 1)
             for first in range(0, world if stamper is None else 0, node):  # every rank writes: what it then sends
                 payloads = [(skeleton, tensors) if rank == 0 else peer_payload(template, model, world, rank)
@@ -493,8 +493,7 @@ def save_rank0(model: str, world: int, root: Path, ops: Ops, per_node: int = 0, 
         # What each rank sends rank 0: its fixed-size record (train/saving.py), by Group.gather_json.
         # Each rank encodes its own: not rank 0's time (kept apart as peer_records_cpu_s)
         cpu = time.process_time()
-        fabric.peers = [json.dumps(WriteReport.from_json(r).record(), separators=(",", ":")).encode()
-                        for r in reports]
+        fabric.peers = [json.dumps(r.record(), separators=(",", ":")).encode() for r in reports]
         out["peer_records_cpu_s"] = time.process_time() - cpu
         clock["wall"], clock["cpu"] = time.perf_counter(), time.process_time()
         return reports[0]

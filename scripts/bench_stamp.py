@@ -131,7 +131,7 @@ class Stamper:
         sentinels = {d: SENTINEL + g for g, d in enumerate(self.dims)}
         skeleton, tensors = self.peer(rank, sentinels)
         report = commit.write_rank(scratch, self.step, Group(None, rank, self.world), skeleton, tensors,
-                                   self.replicated, into=saving_dir_name(self.step, "0" * 16))
+                                   self.replicated, into=saving_dir_name(self.step, "0" * 16)).to_json()
         if report.get("error"):
             return None
         header, data, real = self.sparse.last
@@ -157,7 +157,7 @@ class Stamper:
         for rank in sorted(checked):  # first: a stamp that differs stops the run before the rest is written
             payload = (self.template.skeleton, self.template.tensors) if rank == 0 else self.peer(rank, None)
             reports[rank] = commit.write_rank(root, self.step, Group(None, rank, self.world), *payload,
-                                              self.replicated, into=into)
+                                              self.replicated, into=into).to_json()
             self._compare(rank, reports[rank])
         for key, ranks in self.groups.items():
             stamp = self.stamps[key]
@@ -166,7 +166,7 @@ class Stamper:
                     continue
                 if stamp is None:
                     reports[rank] = commit.write_rank(root, self.step, Group(None, rank, self.world),
-                                                      *self.peer(rank, None), self.replicated, into=into)
+                                                      *self.peer(rank, None), self.replicated, into=into).to_json()
                 else:
                     reports[rank] = self._write(d, rank, stamp)
         return [reports[r] for r in range(self.world)]

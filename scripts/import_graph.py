@@ -11,6 +11,8 @@
 - event names spelled as strings outside events.py (`event_name_literals`: events.py owns them);
 - a root reached around the storage interface (`storage_bypasses`: storage.py is the one place
   that tells a bucket from a directory and the one user of the tiers' own readers);
+- a save's messages crossing checkpoint/ as dicts (`dict_crossings`: the commit protocol returns
+  and takes the records of checkpoint/reports.py; no typed -> dict -> typed trip around a call);
 - modules over 300 lines and the 10 longest functions.
 
 Roles, from the top (may import downwards only); the package a module lives in is its role:
@@ -345,6 +347,74 @@ def storage_bypasses(files: dict[str, tuple[bool, ast.Module, int]] | None = Non
     return sorted(set(bad))
 
 
+# -- typed messages (checkpoint/ makes a save's records; train/ receives them typed) -------------
+MESSAGE_MAKERS = ("checkpoint.commit",)  # the commit protocol: prepare, write_rank, commit
+_UNTYPED = re.compile(r"^(Any|(dict|Dict|Mapping)(\[.*\])?)$")
+_DICT_LIST = re.compile(r"^(list|List|Sequence|tuple)\[(dict|Dict|Mapping)\b")
+
+
+def dict_crossings(files: dict[str, tuple[bool, ast.Module, int]] | None = None) -> list[str]:
+    """Where a save's messages cross from checkpoint/ into the roles above as bare dicts: a public
+    function of a message maker (checkpoint/commit.py) annotated to return a dict (or Any), or to
+    take a list of dicts, instead of its record (checkpoint/reports.py); and, outside checkpoint/,
+    a record decoded from what a checkpoint function returned (`X.from_json(commit.prepare(...))`)
+    or encoded into its arguments (`commit.commit(..., [r.to_json() ...])`): a typed -> dict ->
+    typed trip that is not a collective or a file (those are not message makers). `files`: as `sources()` returns them."""
+    files = sources() if files is None else files
+    known = set(files)
+    bad: list[str] = []
+    for mod in MESSAGE_MAKERS:
+        if mod not in files:
+            continue
+        for node in files[mod][1].body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            returns = ast.unparse(node.returns) if node.returns is not None else "Any"
+            if _UNTYPED.match(returns):
+                bad.append(f"{mod}:{node.lineno}: {node.name} returns {returns} (return its record: checkpoint/reports.py)")
+            for arg in node.args.args + node.args.kwonlyargs:
+                hint = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if _DICT_LIST.match(hint):
+                    bad.append(f"{mod}:{node.lineno}: {node.name} takes {arg.arg}: {hint} (take the records)")
+    for mod, (is_pkg, tree, _) in sorted(files.items()):
+        if mod.startswith("checkpoint.") or mod == "checkpoint":
+            continue
+        modules: set[str] = set()  # names bound to a message maker
+        functions: set[str] = set()  # names bound to a message maker's function
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                for target in resolve(mod, is_pkg, node, known | set(MESSAGE_MAKERS)):
+                    if target not in MESSAGE_MAKERS:
+                        continue
+                    for alias in node.names:
+                        bound = alias.asname or alias.name
+                        (modules if target.endswith("." + alias.name) else functions).add(bound)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            where = f"{mod}:{node.lineno}"
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "from_json" and any(
+                    _calls_maker(sub, modules, functions) for a in node.args for sub in ast.walk(a)):
+                bad.append(f"{where}: decodes what the commit protocol returned ({ast.unparse(f)}): "
+                           "it returns the record")
+            if _calls_maker(node, modules, functions) and any(
+                    isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "to_json"
+                    for a in [*node.args, *(k.value for k in node.keywords)] for sub in ast.walk(a)):
+                bad.append(f"{where}: encodes records for the commit protocol ({ast.unparse(node.func)}): "
+                           "it takes the records")
+    return sorted(set(bad))
+
+
+def _calls_maker(call: ast.AST, modules: set[str], functions: set[str]) -> bool:
+    """Whether `call` calls a message maker's function (`mod.f(...)` through a module name, or `f(...)`)."""
+    if not isinstance(call, ast.Call):
+        return False
+    f = call.func
+    return (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in modules) or \
+        (isinstance(f, ast.Name) and f.id in functions)
+
+
 def _under_type_checking(node: ast.stmt) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
@@ -420,6 +490,10 @@ def main() -> int:
     print(f"roots reached around the storage interface: {len(bypass)}")
     for b in bypass:
         print("  " + b)
+    crossing = dict_crossings()
+    print(f"save messages crossing checkpoint/ as dicts: {len(crossing)}")
+    for b in crossing:
+        print("  " + b)
     by_role: dict[str, list[str]] = {}
     for m in sorted(top):
         by_role.setdefault(role(m), []).append(m)
@@ -427,7 +501,7 @@ def main() -> int:
         print(f"{r:8} {len(by_role.get(r, []))} modules, {sum(lines[m] for m in by_role.get(r, []))} lines")
     print("modules over 300 lines: " + ", ".join(f"{m} ({n})" for m, n in sorted(lines.items(), key=lambda x: -x[1]) if n > 300))
     print("longest functions: " + ", ".join(f"{name} ({n})" for n, name in funcs[:10]))
-    return 1 if cyc or bad or private or spelled or bypass else 0
+    return 1 if cyc or bad or private or spelled or bypass or crossing else 0
 
 
 if __name__ == "__main__":

@@ -197,3 +197,40 @@ def g(value):
     found = ig.storage_bypasses(files)
     assert [b.split(":")[1] for b in found] == ["2", "3", "4", "7", "8"], found
     assert all(b.startswith("cli.a:") for b in found)
+
+
+def test_no_dict_crosses_from_checkpoint_to_train() -> None:
+    """Issue 48, item 1: a save's messages are typed where they are made. checkpoint/commit.py's
+    prepare, write_rank and commit return (and commit takes) the records of checkpoint/reports.py,
+    and no caller decodes a dict they returned or encodes records into their arguments; a record
+    becomes JSON only at a collective or a file."""
+    assert _import_graph().dict_crossings() == []
+
+
+def test_the_dict_crossing_scan_finds_each_way_of_crossing() -> None:
+    import ast
+
+    ig = _import_graph()
+    code = {
+        "checkpoint.commit": """
+def prepare(root, step) -> dict[str, Any]: ...                   # 1 returns a dict
+def write_rank(root, step) -> WriteReport: ...
+def commit(root, reports: list[dict[str, Any]]) -> SaveOutcome: ...   # 2 takes dicts
+def extra(root): ...                                             # 3 unannotated: Any
+def _private(root) -> dict: ...
+""",
+        "train.a": """
+from ..checkpoint import commit as _commit
+from ..checkpoint.commit import prepare
+from ..checkpoint.fsio import write_durable
+def f(root, reports, outcome):
+    d = PrepareDecision.from_json(prepare(root, 1) if root else prepare(root, 2))   # 4 decoded
+    _commit.commit(root, [r.to_json() for r in reports])                           # 5 encoded
+    write_durable(root, outcome.to_json(), "outcome")                               # a file: passes
+    return WriteReport.from_json(group.broadcast_json(d.to_json()))                 # a collective: passes
+""",
+    }
+    files = {m: (False, ast.parse(c), 0) for m, c in code.items()}
+    found = ig.dict_crossings({**files, "checkpoint.fsio": (False, ast.parse(""), 0)})
+    assert [b.split(": ")[0] for b in found] == [
+        "checkpoint.commit:2", "checkpoint.commit:4", "checkpoint.commit:5", "train.a:6", "train.a:7"], found

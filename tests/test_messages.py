@@ -1,9 +1,10 @@
-"""What ranks tell each other (messages.py) survives the JSON trip of a collective unchanged, and
-an error crosses ranks as (kind, message) and comes out as the same exception class. The save
-sequence's messages are checked against what `checkpoint.commit` really writes and reads."""
+"""What ranks tell each other (train/messages.py, checkpoint/reports.py) survives the JSON trip of
+a collective unchanged, and an error crosses ranks as (kind, message) and comes out as the same
+exception class. The save sequence's records are what `checkpoint.commit` really returns and reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 
 from slurmresume.checkpoint import commit as _commit
 from slurmresume.checkpoint.collective import Group
+from slurmresume.checkpoint.reports import PrepareDecision, SaveOutcome, WriteReport
 from slurmresume.checkpoint.store import find_latest
 from slurmresume.errors import (
     CheckpointError,
@@ -24,15 +26,7 @@ from slurmresume.errors import (
     UnreadableCheckpointError,
     UnsafeCheckpointError,
 )
-from slurmresume.train.messages import (
-    Failure,
-    PrepareDecision,
-    RestoreChoice,
-    SaveOutcome,
-    WriteReport,
-    pick_from_json,
-    pick_to_json,
-)
+from slurmresume.train.messages import Failure, RestoreChoice, pick_from_json, pick_to_json
 from slurmresume.train.saving import Payload, save_collective
 
 
@@ -101,14 +95,19 @@ def test_an_unknown_kind_from_a_peer_is_a_checkpoint_error() -> None:
     assert type(Failure("from-a-newer-version", "m").error()) is CheckpointError
 
 
-def test_the_typed_messages_carry_exactly_what_commit_writes_and_reads(tmp_path: Path) -> None:
+def test_the_commit_protocol_returns_typed_records_that_survive_the_wire(tmp_path: Path) -> None:
+    """prepare / write_rank / commit return the records themselves (no dict to decode in train/),
+    and each comes back unchanged from the JSON it is turned into at a collective or a file."""
     decision = _commit.prepare(tmp_path, 5)
-    assert PrepareDecision.from_json(decision).to_json() == {**decision, "error": "", "explore": ""}
+    assert isinstance(decision, PrepareDecision) and decision.action == "write", decision
+    assert PrepareDecision.from_json(_wire(decision.to_json())) == decision
     report = _commit.write_rank(tmp_path, 5, Group(), {"w": {"__tensor__": "w"}}, [("w", torch.arange(4.0))],
-                                into=decision["dir"])
-    assert WriteReport.from_json(report).to_json() == report  # build_manifest reads the same dict
-    outcome = _commit.commit(tmp_path, 5, [WriteReport.from_json(report).to_json()], None, None, into=decision["dir"])
-    assert SaveOutcome.from_json(outcome) == SaveOutcome(True, str(tmp_path / "step_000000005"))
+                                into=decision.dir)
+    assert isinstance(report, WriteReport) and report.error is None and report.bytes > 0, report
+    assert WriteReport.from_json(_wire(report.to_json())) == report  # a file between failure-save writers
+    assert WriteReport.from_json(_wire(report.record())) == dataclasses.replace(report, sharded={}, replicated=())
+    outcome = _commit.commit(tmp_path, 5, [report], None, None, into=decision.dir)
+    assert outcome == SaveOutcome(True, str(tmp_path / "step_000000005"))
 
 
 def test_a_record_that_crosses_ranks_is_fixed_size() -> None:

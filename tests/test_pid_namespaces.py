@@ -279,7 +279,7 @@ def test_a_save_notes_its_writer_with_boot_pid_namespace_and_start_time(tmp_path
 
     root = tmp_path / "root"
     made = prepare(root, 3)
-    assert made["action"] == "write", made
-    note = json.loads((root / made["dir"] / INPROGRESS).read_bytes())
+    assert made.action == "write", made
+    note = json.loads((root / made.dir / INPROGRESS).read_bytes())
     assert identity.ProcessId.from_record(note) == identity.this_process()
-    discard(root / made["dir"])
+    discard(root / made.dir)

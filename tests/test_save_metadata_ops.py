@@ -27,14 +27,14 @@ def _traced_save(root: Path, world: int, step: int, trace: Path, monkeypatch: py
     monkeypatch.setattr(fsio, "_TRACE", str(trace))
     monkeypatch.setattr(fsio, "_ACTIVE", True)
     decision = commit.prepare(root, step)
-    assert decision["action"] == "write", decision
+    assert decision.action == "write", decision
     reports = []
     for rank in range(world):
         skeleton, tensors = flatten(tiny_state(step), {})
         reports.append(commit.write_rank(root, step, Group(None, rank, world), skeleton, tensors,
-                                         into=decision["dir"]))
-    outcome = commit.commit(root, step, reports, None, None, into=decision["dir"])
-    assert outcome["ok"], outcome
+                                         into=decision.dir))
+    outcome = commit.commit(root, step, reports, None, None, into=decision.dir)
+    assert outcome.ok, outcome
     monkeypatch.setattr(fsio, "_ACTIVE", False)
     # a lease heartbeat another test of this worker left running crosses `*.owner` labels into the
     # process-wide trace: not this save's (it takes no lease: no Checkpointer here)

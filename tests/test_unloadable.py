@@ -32,6 +32,7 @@ from slurmresume.checkpoint.collective import Group
 from slurmresume.checkpoint.layout import MANIFEST, MARKER, SAVING_PREFIX, step_dir_name
 from slurmresume.checkpoint.manifest import over_cap, read_manifest
 from slurmresume.checkpoint.rankindex import write_index
+from slurmresume.checkpoint.reports import WriteReport
 from slurmresume.checkpoint.state import flatten
 from slurmresume.checkpoint.store import find_latest, inspect_dir, newest_committed
 from slurmresume.cli import app
@@ -78,15 +79,15 @@ def test_save_over_the_manifest_cap_commits_nothing(tmp_path: Path, monkeypatch:
     save_steps(root, [1]).close()
     monkeypatch.setattr(manifest, "MAX_MANIFEST", 200)
     decision = commit.prepare(root, 2)
-    assert decision["action"] == "write"
+    assert decision.action == "write"
     reports = []
     for rank in range(3):
         skeleton, tensors = flatten(tiny_state(2), {})
-        reports.append(commit.write_rank(root, 2, Group(None, rank, 3), skeleton, tensors, into=decision["dir"]))
-    outcome = commit.commit(root, 2, reports, {"loss": 0.5}, None, into=decision["dir"])
+        reports.append(commit.write_rank(root, 2, Group(None, rank, 3), skeleton, tensors, into=decision.dir))
+    outcome = commit.commit(root, 2, reports, {"loss": 0.5}, None, into=decision.dir)
 
-    assert outcome["ok"] is False
-    error = outcome["error"]
+    assert outcome.ok is False
+    error = outcome.error
     assert "3 ranks," in error and "tensors listed once" in error and "200-byte manifest read cap" in error, error
     assert "\n" not in error
     assert not (root / step_dir_name(2)).exists() and _leftovers(root) == []
@@ -105,20 +106,21 @@ def test_a_512_rank_7b_shaped_checkpoint_commits_under_the_real_cap(tmp_path: Pa
     names = [f"{kind}/layers.{i // 9}.w{i % 9}" for kind in ("model", "exp_avg", "exp_avg_sq") for i in range(291)]
     root = tmp_path / "ckpt"
     decision = commit.prepare(root, 5)
-    d = root / decision["dir"]
+    d = root / decision.dir
 
-    def report(rank: int) -> dict:
+    def report(rank: int) -> WriteReport:
         tensors = {n: {"dtype": "F32", "shape": [8, 4096], "xxh3": [digest], "global_shape": [8 * world, 4096],
                        "global_offset": [8 * rank, 0]} for n in names}
         file = f"rank-{rank:05d}-of-{world:05d}.safetensors"
         (d / file).write_bytes(b"\0" * 4096)
-        return {"rank": rank, "file": file, "bytes": 4096, "xxh3": digest, "header_xxh3": digest,
-                **write_index(d, rank, file, tensors), "pinned": False, "error": None,
-                **({"sharded": {n: {"dtype": "F32", "shape": [8 * world, 4096], "placements": ["shard:0"],
-                                    "mesh_shape": [world]} for n in names}} if rank == 0 else {})}
+        return WriteReport.from_json({
+            "rank": rank, "file": file, "bytes": 4096, "xxh3": digest, "header_xxh3": digest,
+            **write_index(d, rank, file, tensors), "pinned": False, "error": None,
+            **({"sharded": {n: {"dtype": "F32", "shape": [8 * world, 4096], "placements": ["shard:0"],
+                                "mesh_shape": [world]} for n in names}} if rank == 0 else {})})
 
-    outcome = commit.commit(root, 5, [report(r) for r in range(world)], None, None, into=decision["dir"])
-    assert outcome["ok"] is True, outcome
+    outcome = commit.commit(root, 5, [report(r) for r in range(world)], None, None, into=decision.dir)
+    assert outcome.ok is True, outcome
     m = read_manifest(root / step_dir_name(5), 5)
     assert (root / step_dir_name(5) / MANIFEST).stat().st_size < 1 << 20 and m.world_size == world
     assert len(m.rank_tensors(511)) == len(names) and list(m._indexes) == [511]

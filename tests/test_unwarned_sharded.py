@@ -148,12 +148,28 @@ def test_a_peers_dtensor_spec_moves_to_the_dead_ranks_coordinate() -> None:
 def test_the_committer_commits_nothing_when_a_holder_died_before_its_report(tmp_path: Path) -> None:
     """A holder assigned rank 3's shard dies before its report: the committer does not wait out its
     budget, and every shard it was to write gets an error report (commit then discards the directory)."""
+    import json
+
+    from slurmresume.checkpoint.reports import WriteReport
+    from slurmresume.train.failwrite import Writer
+
+    written = WriteReport(1, "x", 4096, "ab" * 8, "cd" * 8, "x.index", 12, "ef" * 8)
+    (tmp_path / "report-7-1.json").write_text(json.dumps(written.to_json()))
+    writer = Writer(tmp_path, tmp_path / "root", 0, 4, None, None, 7, True, lambda: {3})
+    got = writer._reports(7, {1: 1, 3: 3})
+    assert got[1] == written and "rank 3 did not write rank 3's shard (it died)" in str(got[3].error)
+
+
+def test_a_report_file_that_is_not_a_report_stops_the_commit(tmp_path: Path) -> None:
+    """A holder's report that lacks what the manifest lists (a torn or foreign file) is an error
+    report of that shard, named, not a crash of the committer."""
     from slurmresume.train.failwrite import Writer
 
     (tmp_path / "report-7-1.json").write_text('{"rank": 1, "error": null, "file": "x"}')
-    writer = Writer(tmp_path, tmp_path / "root", 0, 4, None, None, 7, True, lambda: {3})
-    got = writer._reports(7, {1: 1, 3: 3})
-    assert got[1]["file"] == "x" and "rank 3 did not write rank 3's shard (it died)" in got[3]["error"]
+    writer = Writer(tmp_path, tmp_path / "root", 0, 2, None, None, 7, True, lambda: set())
+    got = writer._reports(7, {1: 1})
+    assert "rank 1's report of rank 1's shard is malformed" in str(got[1].error), got
+    assert got[1].file == "rank-00001-of-00002.safetensors"
 
 
 def test_the_other_writers_follow_the_committers_plan() -> None:

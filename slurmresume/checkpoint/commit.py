@@ -56,6 +56,7 @@ from .layout import (
 from .manifest import build_manifest, marker_bytes, over_cap
 from .rankindex import placed, write_index
 from .replicas import LIBRARY_PREFIX, everywhere
+from .reports import PrepareDecision, SaveOutcome, WriteReport
 from .shard import SKELETON_KEY, write_shard
 from .store import inspect_dir
 
@@ -86,9 +87,9 @@ def move_aside(path: Path, label: str = "aside") -> None:
     shutil.rmtree(hide(path, label), ignore_errors=True)
 
 
-def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
-    """Rank 0. Returns {"action": "write", "dir": NAME, "replace": bool} | {"action": "skip"|"error",
-    ...}; never raises. NAME is this save's private directory under root. With `replace`, a
+def prepare(root: Path, step: int, replace: bool = False) -> PrepareDecision:
+    """Rank 0. Returns "write" into `dir` (this save's private directory under root, `replace` as
+    asked), "skip" or "error" (reports.PrepareDecision); never raises. With `replace`, a
     complete committed step is not skipped: this save is written beside it and `commit` swaps
     it in once it is committed itself (the step is never without a complete checkpoint)."""
     d = root / step_dir_name(step)
@@ -98,9 +99,9 @@ def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
         if (d / MARKER).exists():
             info = inspect_dir(step, d)  # manifest + sizes; a corrupt one is replaced at the commit
             if info.unreadable:
-                return {"action": "error", "error": _not_replaced(step, d, info.problem)}
+                return PrepareDecision("error", error=_not_replaced(step, d, info.problem))
             if info.complete and not replace:
-                return {"action": "skip", "reason": f"step {step} is already committed at {d}"}
+                return PrepareDecision("skip")  # step_N is a complete checkpoint already
             if not info.complete:
                 log.warning("%s is committed but unusable (%s): this save will replace it", d, info.problem)
         mine = root / saving_dir_name(step, uuid.uuid4().hex[:16])
@@ -111,12 +112,12 @@ def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
             mine.mkdir(mode=0o755)  # fails if it exists: the name is this save's alone
             fsio.write_durable(mine / INPROGRESS, leftovers.note(), "inprogress")  # who: leftovers.py
         fsio.fsync_dir(root, "root")
-        return {"action": "write", "dir": mine.name, "replace": replace}
+        return PrepareDecision("write", mine.name, replace)
     except Exception as exc:
         error = _describe(exc, root)  # before the clean-up frees space or inodes
         if mine is not None:
             discard(mine)
-        return {"action": "error", "error": error}
+        return PrepareDecision("error", error=error)
 
 
 @contextmanager
@@ -153,9 +154,9 @@ def _own_dir(root: Path, step: int, name: str) -> Path:
 
 
 def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], tensors: list[Any],
-               replicated: set[str] | None = None, *, into: str) -> dict[str, Any]:
+               replicated: set[str] | None = None, *, into: str) -> WriteReport:
     """Every rank: write its shard into `into` (the directory named by rank 0's prepare).
-    Returns a report; errors are reported, not raised, so that every rank still reaches the
+    Returns its report (reports.WriteReport); errors are reported, not raised, so that every rank still reaches the
     gather and nobody deadlocks. Tensors in `replicated` are written by rank 0 only (the
     skeleton lists them, so other ranks read them from shard 0), except the small plain ones,
     which every rank writes too (`replicas.everywhere`: a restoring rank opens its own shard only)."""
@@ -186,21 +187,19 @@ def write_rank(root: Path, step: int, group: Group, skeleton: dict[str, Any], te
 
             written = write_shard(d, file, tensors, metadata, beside=index_file)
             index = placed(written.tensors, specs)  # where each DTensor piece sits in its global tensor
-        report = {"rank": group.rank, "file": file, "bytes": written.bytes, "xxh3": written.xxh3,
-                  "header_xxh3": written.header_xxh3, **own, "writer": written.writer,
-                  "timing": written.timing,
-                  "pinned": pins_world(index, specs, replicated or set()), "error": None,
-                  "listed": unplaced(index, specs, group.world_size)}
-        if group.rank == 0:  # what the manifest lists once per tensor: rank 0 knows it, nobody sends it
-            report["replicated"] = sorted(replicated or ())
-            report["sharded"] = {n: {"dtype": index[n]["dtype"], "shape": sp["shape"], "placements": sp["placements"],
-                                     "mesh_shape": sp.get("mesh_shape"), "mesh_arange": bool(sp.get("mesh_arange"))}
-                                 for n, sp in specs.items() if n in index}
-        return report
+        mine = group.rank == 0  # what the manifest lists once per tensor: rank 0 knows it, nobody sends it
+        return WriteReport(
+            group.rank, file, written.bytes, written.xxh3, written.header_xxh3, own["index"], own["index_bytes"],
+            own["index_xxh3"], pins_world(index, specs, replicated or set()), None, written.writer,
+            sharded={n: {"dtype": index[n]["dtype"], "shape": sp["shape"], "placements": sp["placements"],
+                         "mesh_shape": sp.get("mesh_shape"), "mesh_arange": bool(sp.get("mesh_arange"))}
+                     for n, sp in specs.items() if n in index} if mine else {},
+            replicated=tuple(sorted(replicated or ())) if mine else (), timing=written.timing,
+            listed=unplaced(index, specs, group.world_size))
     except Exception as exc:
         error = _describe(exc, d / file)  # before the clean-up frees space or inodes
         _cleanup_temp(d, file)
-        return {"rank": group.rank, "file": file, "error": error}
+        return WriteReport(group.rank, file, error=error)
 
 
 def unplaced(index: dict[str, Any], dtensors: dict[str, Any], world: int) -> bool:
@@ -218,20 +217,20 @@ def pins_world(index: dict[str, Any], dtensors: dict[str, Any], replicated: set[
     return any(n not in replicated and n not in dtensors and not n.startswith(LIBRARY_PREFIX) for n in index)
 
 
-def commit(root: Path, step: int, reports: list[dict[str, Any]], metrics: Any, meta: Any, *, into: str,
-           replace: bool = False) -> dict[str, Any]:
-    """Rank 0: manifest, then the marker, then publish `into` as step_N. Returns
-    {"ok": bool, "error"?, "path"}. On failure this save's directory is removed and nothing of
+def commit(root: Path, step: int, reports: list[WriteReport], metrics: Any, meta: Any, *, into: str,
+           replace: bool = False) -> SaveOutcome:
+    """Rank 0: manifest (every rank's report in it as JSON, `build_manifest`), then the marker,
+    then publish `into` as step_N. Returns whether `path` is published (reports.SaveOutcome). On failure this save's directory is removed and nothing of
     it is visible; nothing else is touched."""
     mine = _own_dir(root, step, into)
     target = root / step_dir_name(step)
-    errors = [r["error"] for r in reports if r.get("error")]
+    errors = [r.error for r in reports if r.error]
     if errors:
         discard(mine)
-        return {"ok": False, "error": errors[0]}
+        return SaveOutcome(False, error=errors[0])
     published = False
     try:
-        manifest = build_manifest(step, reports, metrics, meta)
+        manifest = build_manifest(step, [r.to_json() for r in reports], metrics, meta)
         raw = dumps(manifest).encode()
         marker = marker_bytes(step, raw, manifest)
         # A commit is a promise that the step loads: every read cap is checked before the marker.
@@ -250,7 +249,7 @@ def commit(root: Path, step: int, reports: list[dict[str, Any]], metrics: Any, m
             published = True
         if how != "swapped":  # a swap made itself durable before it removed the old checkpoint
             fsio.fsync_dir(root, "root")
-        return {"ok": True, "path": str(target)}
+        return SaveOutcome(True, str(target))
     except Exception as exc:
         error = _describe(exc, target if published else mine)  # before the clean-up frees space
         if published:
@@ -262,9 +261,9 @@ def commit(root: Path, step: int, reports: list[dict[str, Any]], metrics: Any, m
             try:
                 os.rename(target, mine)
             except OSError:
-                return {"ok": False, "error": error}
+                return SaveOutcome(False, error=error)
         discard(mine)
-        return {"ok": False, "error": error}
+        return SaveOutcome(False, error=error)
 
 
 def _publish(root: Path, mine: Path, target: Path, replace: bool = False, held: bool = False) -> str:
@@ -351,9 +350,9 @@ def _describe(exc: BaseException, path: Path) -> str:
     return f"{type(exc).__name__} while writing {where}: {exc}"
 
 
-def raise_if_failed(outcome: dict[str, Any]) -> None:
-    if not outcome.get("ok"):
-        raise SaveError(f"checkpoint save failed, nothing committed: {outcome.get('error')}")
+def raise_if_failed(outcome: SaveOutcome) -> None:
+    if not outcome.ok:
+        raise SaveError(f"checkpoint save failed, nothing committed: {outcome.error}")
 
 
 def _swap_in(staged: Path, final: Path, root: Path) -> None:

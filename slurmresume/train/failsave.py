@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.replicas import LIBRARY_PREFIX, replicated_across
+from ..checkpoint.reports import SaveOutcome
 from ..checkpoint.state import flatten
 from ..contract import (
     ENV_FAILSAVE_SHARED,
@@ -383,23 +384,24 @@ class FailureGuard:
         if p.ok and p.writer == self.rank:
             assert p.step is not None
             try:
-                outcome = self._writer().commit(p)
+                outcome = self._writer().commit(p)  # None: committed already
             except Exception as exc:  # noqa: BLE001 - a failure save that fails is reported, never raised
-                outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                outcome = SaveOutcome(False, error=f"{type(exc).__name__}: {exc}")
             seconds = round(time.time() - began, 3)
-            if outcome.get("already"):  # a periodic save of the same step won the race: nothing to add
+            if outcome is None:  # a periodic save of the same step won the race: nothing to add
                 log.warning("rank(s) %s died: step %d is committed already", sorted(dead), p.step)
-            elif outcome.get("ok"):
+            elif outcome.ok:
                 log.warning("rank(s) %s died: failure save of step %d committed by rank %d in %.2f s",
                             sorted(dead), p.step, self.rank, seconds)
                 try_append_event(self.root, EV_SAVE_COMMITTED, step=p.step, seconds=seconds, reason="failure",
                                  world_size=self.world, run_id=os.environ.get(ENV_RUN_ID))
             else:
-                log.warning("failure save of step %d not committed: %s", p.step, outcome.get("error"))
-            try_append_event(self.root, EV_FAILURE_SAVE, step=p.step, committed=bool(outcome.get("ok")),
-                             already=bool(outcome.get("already")) or None, dead=sorted(dead), writer=self.rank,
+                log.warning("failure save of step %d not committed: %s", p.step, outcome.error)
+            try_append_event(self.root, EV_FAILURE_SAVE, step=p.step, committed=outcome is None or outcome.ok,
+                             already=True if outcome is None else None, dead=sorted(dead), writer=self.rank,
                              writers={str(r): w for r, w in p.shards} or None,
-                             seconds=seconds, error=outcome.get("error"), run_id=os.environ.get(ENV_RUN_ID))
+                             seconds=seconds, error=(outcome.error or None) if outcome is not None else None,
+                             run_id=os.environ.get(ENV_RUN_ID))
         elif p.ok and any(w == self.rank for _, w in p.shards):  # holds pieces the committer lacks
             why = self._writer().help(p)
             if why is not None:

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from ..checkpoint import commit as _commit
+from ..checkpoint.layout import shard_name
 from ..checkpoint.placement import arithmetic, local_box
+from ..checkpoint.reports import SaveOutcome, WriteReport
 from ..checkpoint.state import flatten, referenced
 from . import failgpu, stepsnap
 from .peers import write_json
@@ -62,9 +64,10 @@ class Writer:
     dead_now: Callable[[], set[int]]
     pg: Any = None  # the process group whose NCCL communicator a GPU save aborts (train/failgpu.py)
 
-    def commit(self, p: Plan) -> dict[str, Any]:
+    def commit(self, p: Plan) -> SaveOutcome | None:
         """The committer: the shards it writes, its private directory announced to the other
-        writers, their reports, then the commit; returns commit's outcome."""
+        writers, their reports, then the commit; returns commit's outcome, or None when the step
+        is committed already (a periodic save of it won the race: nothing written)."""
         from ..checkpoint.nodefile import layout_from_env
 
         assert p.step is not None
@@ -77,16 +80,16 @@ class Writer:
         except Uncovered as exc:
             return self._refuse(step, str(exc))
         decision = _commit.prepare(self.root, step)
-        if decision["action"] == "skip":
+        if decision.action == "skip":
             self._announce(step, {"action": "skip"})
-            return {"ok": True, "error": None, "already": True}
-        if decision["action"] != "write":
-            return self._refuse(step, decision.get("error"))
-        self._announce(step, {"action": "write", "dir": decision["dir"], **_plan_json(p)})
-        reports = {r: self._write_shard(step, r, skeleton, tensors, decision["dir"]) for r, skeleton, tensors in shards}
+            return None
+        if decision.action != "write":
+            return self._refuse(step, decision.error)
+        self._announce(step, {"action": "write", "dir": decision.dir, **_plan_json(p)})
+        reports = {r: self._write_shard(step, r, skeleton, tensors, decision.dir) for r, skeleton, tensors in shards}
         reports.update(self._reports(step, others))
         return _commit.commit(self.root, step, [reports[r] for r in range(self.world)], first["metrics"],
-                              first["meta"], into=decision["dir"])
+                              first["meta"], into=decision.dir)
 
     def help(self, p: Plan) -> str | None:
         """A holder of pieces the committer lacks: once the committer announced its directory,
@@ -110,18 +113,22 @@ class Writer:
             shards = self._shards(step, mine, p)
         except Uncovered as exc:
             for r in mine:
-                write_json(self.dir / f"report-{step}-{r}.json", {"rank": r, "error": str(exc)})
+                write_json(self.dir / f"report-{step}-{r}.json", self._failed(r, str(exc)).to_json())
             return str(exc)
-        for r, skeleton, tensors in shards:
+        for r, skeleton, tensors in shards:  # the report turns into JSON here, at the file, and back in _reports
             write_json(self.dir / f"report-{step}-{r}.json",
-                       self._write_shard(step, r, skeleton, tensors, announced["dir"]))
+                       self._write_shard(step, r, skeleton, tensors, announced["dir"]).to_json())
         return None
 
     # -- agreeing by files ------------------------------------------------------------------------
 
-    def _refuse(self, step: int, error: str | None) -> dict[str, Any]:
+    def _refuse(self, step: int, error: str) -> SaveOutcome:
         self._announce(step, {"action": "error", "error": error})  # the other writers stop waiting
-        return {"ok": False, "error": error}
+        return SaveOutcome(False, error=error)
+
+    def _failed(self, rank: int, error: str) -> WriteReport:
+        """The report of `rank`'s shard that was not written (the commit stops on it)."""
+        return WriteReport(rank, shard_name(rank, self.world), error=error)
 
     def _announce(self, step: int, decision: dict[str, Any]) -> None:
         write_json(self.dir / f"save-{step}.json", decision)
@@ -138,24 +145,29 @@ class Writer:
                 return None
             time.sleep(0.02)
 
-    def _reports(self, step: int, others: Mapping[int, int]) -> dict[int, dict[str, Any]]:
+    def _reports(self, step: int, others: Mapping[int, int]) -> dict[int, WriteReport]:
         """The other writers' reports (rank -> report); a writer that died or stayed silent
-        (WRITE_WAIT_S) leaves an error report for each of its shards: nothing is committed."""
+        (WRITE_WAIT_S) leaves an error report for each of its shards, and so does a report file
+        that is not one: nothing is committed."""
         deadline = time.monotonic() + WRITE_WAIT_S
-        out: dict[int, dict[str, Any]] = {}
+        out: dict[int, WriteReport] = {}
         while True:
             gone = self.dead_now()  # before the reads: a writer reports, then exits
             for r in others:
                 got = _read_json(self.dir / f"report-{step}-{r}.json") if r not in out else None
                 if isinstance(got, dict) and got.get("rank") == r:
-                    out[r] = got
+                    try:
+                        out[r] = WriteReport.from_json(got)
+                    except (KeyError, TypeError, ValueError) as exc:
+                        out[r] = self._failed(r, f"rank {others[r]}'s report of rank {r}'s shard is malformed "
+                                                 f"({type(exc).__name__}: {exc})")
             waiting = [r for r in others if r not in out]
             if not waiting:
                 return out
             if time.monotonic() > deadline or any(others[r] in gone for r in waiting):
                 for r in waiting:
-                    out[r] = {"rank": r, "error": f"rank {others[r]} did not write rank {r}'s shard"
-                              + (" (it died)" if others[r] in gone else f" within {WRITE_WAIT_S:.0f} s")}
+                    out[r] = self._failed(r, f"rank {others[r]} did not write rank {r}'s shard"
+                                          + (" (it died)" if others[r] in gone else f" within {WRITE_WAIT_S:.0f} s"))
                 return out
             time.sleep(0.02)
 
@@ -214,7 +226,7 @@ class Writer:
         return out
 
     def _write_shard(self, step: int, rank: int, skeleton: dict[str, Any], tensors: list[Any],
-                     into: str) -> dict[str, Any]:
+                     into: str) -> WriteReport:
         # write_rank reads rank and world_size only (the per-node layout, which also reads the node's
         # links, is refused before)
         assert self.layout is not None

@@ -45,6 +45,7 @@ from ..checkpoint.collective import Group
 from ..checkpoint.jsonenc import encode
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.replicas import replicated_across
+from ..checkpoint.reports import PrepareDecision, SaveOutcome, WriteReport
 from ..checkpoint.same import same_as_committed
 from ..checkpoint.state import flatten
 from ..contract import ENV_RUN_ID
@@ -54,7 +55,6 @@ from . import ddp, rng
 from .breakdown import Stopwatch, summarize
 from .breakdown import describe as describe_breakdown
 from .logs import size as log_size
-from .messages import PrepareDecision, SaveOutcome, WriteReport
 
 if TYPE_CHECKING:
     from .policy import SaveScheduler
@@ -135,8 +135,7 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
         with sw("replica_digests"):  # hashing, and two fixed-size MAX all-reduces (replicas.py)
             replicated = replicated_across(group, payload.tensors, payload.skeleton.get("dtensors"))
     with sw("write"), _calibrate.emergency() if emergency else _calibrate.agreed(decision.explore):
-        mine = WriteReport.from_json(_commit.write_rank(root, step, group, payload.skeleton, payload.tensors,
-                                                        replicated, into=decision.dir))
+        mine = _commit.write_rank(root, step, group, payload.skeleton, payload.tensors, replicated, into=decision.dir)
     with sw("collective"):
         records = group.gather_json(mine.record())  # fixed-size records, to rank 0 only
     outcome: SaveOutcome | None = None
@@ -144,8 +143,8 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
     if records is not None:
         reports = tuple([mine, *(WriteReport.from_json(r) for r in records[1:])])  # rank 0's own: in full
         with sw("commit"):
-            outcome = SaveOutcome.from_json(_commit.commit(root, step, [r.to_json() for r in reports], payload.metrics,
-                                                           payload.meta, into=decision.dir, replace=decision.replace))
+            outcome = _commit.commit(root, step, list(reports), payload.metrics, payload.meta, into=decision.dir,
+                                     replace=decision.replace)
     with sw("collective"):
         outcome = SaveOutcome.from_json(group.broadcast_json(outcome.to_json() if outcome else None))
     return SaveResult(skipped=False, outcome=outcome, reports=reports,
@@ -157,8 +156,7 @@ def _decide(group: Group, root: Path, step: int, replace: bool = False, ticket: 
     exploration ticket: `calibrate.save_ticket`), every rank gets its decision."""
     mine = None
     if group.rank == 0:  # `replace` only when asked: fault campaigns wrap prepare(root, step)
-        mine = PrepareDecision.from_json(_commit.prepare(root, step, replace=True) if replace
-                                         else _commit.prepare(root, step))
+        mine = _commit.prepare(root, step, replace=True) if replace else _commit.prepare(root, step)
         if ticket and mine.action == "write":
             mine = dataclasses.replace(mine, explore=_calibrate.save_ticket(root))
     return PrepareDecision.from_json(group.broadcast_json(mine.to_json() if mine else None))

@@ -112,14 +112,15 @@ def save_world(root: Path, step: int, world: int) -> None:
     from helpers.core import save_as_world
 
     from slurmresume.checkpoint import commit
+    from slurmresume.checkpoint.reports import PrepareDecision
     from slurmresume.errors import SaveError
 
     real = commit.prepare
 
-    def prepare(root: Path, step: int, replace: bool = False) -> dict[str, Any]:
-        decision: dict[str, Any] = real(root, step, replace=True) if replace else real(root, step)
-        if decision["action"] == "error":
-            raise SaveError(f"checkpoint save failed, nothing committed: {decision['error']}")
+    def prepare(root: Path, step: int, replace: bool = False) -> PrepareDecision:
+        decision = real(root, step, replace=True) if replace else real(root, step)
+        if decision.action == "error":
+            raise SaveError(f"checkpoint save failed, nothing committed: {decision.error}")
         return decision
 
     commit.prepare = prepare

@@ -200,12 +200,12 @@ def save_as_world(root: Path, step: int, world: int) -> Path:
 
     root = Path(root)
     decision = commit.prepare(root, step)
-    assert decision["action"] == "write"
+    assert decision.action == "write"
     reports = []
     for r in range(world):
         skeleton, tensors = flatten(tiny_state(step), {"rng": rng.capture()})
-        reports.append(commit.write_rank(root, step, Group(None, r, world), skeleton, tensors, into=decision["dir"]))
-    commit.raise_if_failed(commit.commit(root, step, reports, None, None, into=decision["dir"]))
+        reports.append(commit.write_rank(root, step, Group(None, r, world), skeleton, tensors, into=decision.dir))
+    commit.raise_if_failed(commit.commit(root, step, reports, None, None, into=decision.dir))
     return step_dir(root, step)
 
 
