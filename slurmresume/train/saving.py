@@ -57,7 +57,7 @@ from .logs import size as log_size
 from .messages import PrepareDecision, SaveOutcome, WriteReport
 
 if TYPE_CHECKING:
-    from .policy import SaveScheduler
+    from .savepolicy import SaveScheduler
 
 log = logging.getLogger("slurmresume")
 
