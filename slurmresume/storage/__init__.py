@@ -24,7 +24,10 @@ directory root; mirror/transfer.py uploads one with a conditional marker): they 
 not a code path. A third tier in host memory is a directory root on a tmpfs (/dev/shm): the same
 `DirRoot`, nothing here changes. Commands, tools, restore and the mirror reach a root only
 through this package (scripts/import_graph.py `storage_bypasses` holds it), and only `is_bucket`
-looks at a URL's scheme. Here: the factory; `root` the contract, `directory` and `bucket` the tiers.
+looks at a URL's scheme. Here: the factory; `root` the contract, `directory` and `bucket` the tiers;
+the bucket's side beneath `bucket`: `bucketsteps` (reading and pruning its steps), `bucketcommit`
+(one step's commit on the bucket), `s3` (the object-store seam) and `settings` (its bounds). The
+mirror (copying a root to a bucket and back) stands on this package, never the other way.
 """
 
 from __future__ import annotations
