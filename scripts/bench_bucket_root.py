@@ -32,8 +32,8 @@ import torch
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.mirror import S3Location
-from slurmresume.mirror.s3 import client
 from slurmresume.mirror.transfer import upload_step
+from slurmresume.storage.s3 import client
 
 
 def main() -> None:

@@ -44,8 +44,8 @@ import torch
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.mirror import Mirror, S3Location
-from slurmresume.mirror.s3 import client
 from slurmresume.mirror.transfer import download_step, upload_step
+from slurmresume.storage.s3 import client
 
 SHARD = "rank-00000-of-00001.safetensors"
 

@@ -82,6 +82,7 @@ import numpy  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import xxhash  # noqa: E402
+from bench_world import Ops, fake_world, mib  # noqa: E402
 from model_shapes import MODELS, chunk0, parameters  # noqa: E402
 
 from slurmresume.checkpoint import (  # noqa: E402
@@ -107,18 +108,7 @@ from slurmresume.train.saving import payload_of, save_collective  # noqa: E402
 STEP = 100
 
 
-# -- the fake world -------------------------------------------------------------------------------
-
-def fake_world(world: int, rank: int = 0) -> Any:
-    """This process as `rank` of `world` on the fake backend; returns the 1-D CPU DeviceMesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    return init_device_mesh("cpu", (world,))
-
+# -- the fake collectives -------------------------------------------------------------------------
 
 def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size()
@@ -213,52 +203,6 @@ class Fabric:
         finally:
             for n, f in saved.items():
                 setattr(dist, n, f)
-
-
-# -- counting metadata operations -----------------------------------------------------------------
-
-class Ops:
-    """Metadata operations, counted where they happen: the os functions every path goes through,
-    and checkpoint.fsio's fsync labels (a file's fsync vs a directory's). fsync is not performed."""
-
-    KINDS = {"stat": "stat", "lstat": "stat", "mkdir": "mkdir", "rename": "rename",
-             "replace": "rename", "unlink": "unlink", "rmdir": "unlink", "scandir": "list", "listdir": "list"}
-
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[Counter[str]]:
-        self.counts = Counter()
-        saved: dict[tuple[Any, str], Any] = {}
-
-        def wrap(owner: Any, name: str, kind: Callable[..., str]) -> None:
-            real = getattr(owner, name)
-            saved[(owner, name)] = real
-
-            def counted(*a: Any, **k: Any) -> Any:
-                self.counts[kind(*a, **k)] += 1
-                return real(*a, **k)
-            setattr(owner, name, counted)
-
-        # each os function wrapped once (os.open below, not in KINDS): a second wrap would be
-        # restored to the first wrapper and stay, counting every later call twice
-        for name, kind in self.KINDS.items():
-            wrap(os, name, lambda *a, _k=kind, **k: _k)
-        wrap(os, "open", lambda path, flags, *a, **k: "create" if flags & os.O_CREAT else "open")
-        real_fsync_fd, real_fsync_dir = fsio.fsync_fd, fsio.fsync_dir
-        saved[(fsio, "fsync_fd")], saved[(fsio, "fsync_dir")] = real_fsync_fd, real_fsync_dir
-        fsio.fsync_fd = lambda fd, label, path="": self.counts.update(["fsync"])  # type: ignore[assignment]
-        fsio.fsync_dir = lambda path, label: self.counts.update(["fsyncdir"])  # type: ignore[assignment]
-        try:
-            yield self.counts
-        finally:
-            for (owner, name), real in saved.items():
-                setattr(owner, name, real)
-
-    @staticmethod
-    def total(counts: Counter[str]) -> int:
-        return sum(counts.values())
 
 
 # -- synthetic sparse shards ----------------------------------------------------------------------
@@ -360,23 +304,6 @@ class SparseShards:
 
 
 # -- one rank's state -----------------------------------------------------------------------------
-
-def moments_state(model: str, mesh: Any, world: int, rank: int, zeros: bool = False) -> dict[str, Any]:
-    """The state the harness measured before issue #50 (bench_scale_dcp still measures DCP on it):
-    every parameter and both Adam moments as Shard(0) DTensors, no plain tensor."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    state: dict[str, dict[str, Any]] = {m: {} for m in ("param", "exp_avg", "exp_avg_sq")}
-    for pname, shape in parameters(model):
-        _, rows = chunk0(shape[0], world, rank)
-        local = (rows, *shape[1:])
-        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-        for m in state:
-            t = torch.zeros(local) if zeros else torch.zeros(1).expand(local)
-            state[m][pname] = DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                                 stride=stride)
-    return state
-
 
 def adam_groups(params: int) -> list[dict[str, Any]]:
     """`param_groups` of torch.optim.Adam's state_dict() over `params` parameters (its own keys)."""
@@ -700,10 +627,6 @@ def measure(model: str, world: int, reshard_to: int | None, workdir: Path, memor
             dist.destroy_process_group()
 
 
-def _mib(n: float | None) -> str:
-    return "?" if n is None else f"{n / 2**20:.2f} MiB"
-
-
 def _exchange(seconds: float | None) -> str:
     return "" if seconds is None else f", of which the exchange plan {seconds * 1e3:.1f} ms"
 
@@ -713,10 +636,10 @@ def line(r: dict[str, Any]) -> str:
         return f"{r['model']:>4s} {r['ranks']:6d} ranks: not run ({r['skipped']})"
     ops = r["save_ops"]
     s = (f"{r['model']:>4s} {r['ranks']:6d} ranks {r.get('layout', 'per-rank')}: creates {ops.get('create', 0):,} "
-         f"fsyncs {ops.get('fsync', 0):,} per save; manifest {_mib(r['manifest_bytes'])}"
+         f"fsyncs {ops.get('fsync', 0):,} per save; manifest {mib(r['manifest_bytes'])}"
          f"{'' if r['saved'] else ' REFUSED: ' + str(r['error'])[:90]}; commit (rank 0) "
          f"{r['commit_wall_s']:.3f} s wall {r['commit_cpu_s']:.3f} s cpu; save recv rank0 "
-         f"{_mib(r['received']['rank0'])}, a non-zero rank {r['received']['other']:,} B "
+         f"{mib(r['received']['rank0'])}, a non-zero rank {r['received']['other']:,} B "
          f"({', '.join(f'{k} {v:,}' for k, v in sorted(r.get('received_by_collective', {}).items()))}; "
          f"{r.get('replicated', 0)} of {r.get('plain_tensors', 0)} plain tensors replicated), sent "
          f"{r['sent']['other']} B; save ops {r['save_ops_total']:,} ({r['save_ops'].get('fsyncdir', 0):,} dir fsyncs); "
@@ -733,12 +656,12 @@ def line(r: dict[str, Any]) -> str:
               f"({p['pick_cpu_s'] * 1e3:.1f} cpu), plan rank 0 {p['plan_s'] * 1e3:.1f} ms "
               f"({p['plan_cpu_s'] * 1e3:.1f} cpu), plan rank {p.get('other_rank', '?')} {p['other_plan_s'] * 1e3:.1f} ms "
               f"({p['other_plan_cpu_s'] * 1e3:.1f} cpu{_exchange(p.get('other_plan_exchange_s'))}, "
-              f"{p.get('other_plan_calls', 0):,} calls), peak heap pick {_mib(p.get('pick_peak_bytes'))} plan "
-              f"{_mib(p.get('plan_peak_bytes'))} other {_mib(p.get('other_plan_peak_bytes'))}; choice broadcast "
-              f"{p['choice_bytes']} B, manifest broadcast {_mib(p.get('manifest_sent_bytes'))}; ops pick {p['pick_ops']:,} + plan {p['plan_ops']} + (W-1) x "
+              f"{p.get('other_plan_calls', 0):,} calls), peak heap pick {mib(p.get('pick_peak_bytes'))} plan "
+              f"{mib(p.get('plan_peak_bytes'))} other {mib(p.get('other_plan_peak_bytes'))}; choice broadcast "
+              f"{p['choice_bytes']} B, manifest broadcast {mib(p.get('manifest_sent_bytes'))}; ops pick {p['pick_ops']:,} + plan {p['plan_ops']} + (W-1) x "
               f"{p['other_plan_ops']} = {p['restore_ops_total']:,} ({p['restore_ops_total'] / p['to']:.2f} per rank)")
         if "read_s" in p:
-            s += f"; read {_mib(p['read_bytes'])} in {p['read_s']:.2f} s, {p['read_ops']} ops"
+            s += f"; read {mib(p['read_bytes'])} in {p['read_s']:.2f} s, {p['read_ops']} ops"
     return s
 
 
@@ -806,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
             if predicted is not None and predicted > args.max_manifest_mib * 2**20:
                 over = " (over this version's read cap: the save would refuse)" if predicted > MAX_MANIFEST else ""
                 row: dict[str, Any] = {"model": model, "ranks": world, "predicted_manifest_bytes": predicted,
-                                       "skipped": f"manifest predicted {_mib(predicted)}{over}"}
+                                       "skipped": f"manifest predicted {mib(predicted)}{over}"}
             else:
                 for per_node in layouts:
                     to = reshard.get(world)

@@ -4,7 +4,7 @@
                                       [--caching] [--json-out dcp.json]
     python scripts/bench_scale.py ... --peer dcp      # the same, each row beside ours
 
-The state bench_scale.py measured before issue #50 (`moments_state`: every parameter and both Adam moments as FSDP2
+The state bench_scale.py measured before issue #50 (bench_world's `moments_state`: every parameter and both Adam moments as FSDP2
 Shard(0) DTensors on the fake backend's DeviceMesh, fp32), through DCP's own code in the order
 `dcp.save`/`dcp.load` call it (`state_dict_saver._save_state_dict`, `state_dict_loader._load_state_dict`):
 
@@ -24,7 +24,7 @@ Shard(0) DTensors on the fake backend's DeviceMesh, fp32), through DCP's own cod
 - restore: rank 0 of a `to`-rank job: `FileSystemReader.read_metadata` (every rank unpickles the
   whole `.metadata`) + `DefaultLoadPlanner.set_up_planner` + `create_local_plan` (its reads,
   resharding included), CPU seconds and, in a second pass, peak Python heap (tracemalloc).
-- metadata operations: counted as bench_scale's `Ops` counts ours (os seam, plus Python's `open`
+- metadata operations: counted as bench_world's `Ops` counts ours (os seam, plus Python's `open`
   and `os.fsync`, counted and not performed) around rank 0's and the coordinator's real calls; a
   rank's data file is one create + one fsync (`_write_files_from_queue`, one file per rank), and a
   restoring rank opens each file its plan reads once (`read_data`), counted from its plan.
@@ -55,11 +55,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_scale import Ops, _mib, fake_world  # noqa: E402
-from bench_scale import moments_state as rank_state  # noqa: E402
+from bench_world import Ops, fake_world, mib  # noqa: E402
+from bench_world import moments_state as rank_state  # noqa: E402
 from model_shapes import MODELS, MOMENTS, parameters  # noqa: E402
 from torch.distributed.checkpoint import (  # noqa: E402
     DefaultLoadPlanner,
@@ -78,7 +79,7 @@ DEFAULT_MAX_ITEMS = 6_000_000  # write items held at once (W x tensors): ~GBs of
 
 @contextlib.contextmanager
 def counting(ops: Ops) -> Iterator[Any]:
-    """bench_scale's Ops, plus what DCP's FileSystem calls that ours does not: Python's `open`
+    """bench_world's Ops, plus what DCP's FileSystem calls that ours does not: Python's `open`
     (Path.open) and `os.fsync` (counted, not performed)."""
     with ops.counting() as counts:
         real_open, real_fsync = io.open, os.fsync
@@ -283,22 +284,22 @@ def line(r: dict[str, Any]) -> str:
     if r.get("skipped"):
         return f"{r['model']:>4s} {r['ranks']:6d} ranks DCP: not run ({r['skipped']})"
     cpu = r["coordinator_cpu"]
-    s = (f"{r['model']:>4s} {r['ranks']:6d} ranks DCP: .metadata {_mib(r['metadata_bytes'])}; coordinator "
+    s = (f"{r['model']:>4s} {r['ranks']:6d} ranks DCP: .metadata {mib(r['metadata_bytes'])}; coordinator "
          f"{r['coordinator_cpu_s']:.3f} s cpu (global plan {cpu.get('global plan', 0):.3f}, metadata write "
          f"{cpu.get('metadata write', 0):.3f}); local plan (one rank) {r['local_plan_cpu_s'] * 1e3:.1f} ms; save recv "
-         f"rank0 {_mib(r['received']['rank0'])} other {_mib(r['received']['other'])}, sent other "
-         f"{_mib(r['sent_other'])}; save ops {r['save_ops_total']:,}")
+         f"rank0 {mib(r['received']['rank0'])} other {mib(r['received']['other'])}, sent other "
+         f"{mib(r['sent_other'])}; save ops {r['save_ops_total']:,}")
     for key in ("same", "reshard"):
         p = r.get(key)
         if p is not None:
             s += (f"\n      load plan {r['ranks']}->{p['to']} (one rank): {p['plan_cpu_s'] * 1e3:.1f} ms cpu "
-                  f"({p['plan_s'] * 1e3:.1f} wall), peak heap {_mib(p.get('plan_peak_bytes'))}, reads "
+                  f"({p['plan_s'] * 1e3:.1f} wall), peak heap {mib(p.get('plan_peak_bytes'))}, reads "
                   f"{p['files_read']} file(s); ops per rank {p['restore_ops_rank']} ({p['restore_ops_total']:,} in all)")
     c = r.get("cached")
     if c is not None:
         s += (f"\n      second save with plan caching: coordinator {c['coordinator_cpu_s']:.3f} s cpu (global plan "
-              f"{c['coordinator_cpu'].get('global plan', 0):.3f}), recv rank0 {_mib(c['received']['rank0'])} other "
-              f"{_mib(c['received']['other'])}")
+              f"{c['coordinator_cpu'].get('global plan', 0):.3f}), recv rank0 {mib(c['received']['rank0'])} other "
+              f"{mib(c['received']['other'])}")
     return s
 
 

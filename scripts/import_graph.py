@@ -25,7 +25,8 @@ Roles, from the top (may import downwards only); the package a module lives in i
   base     slurmresume/checkpoint/ (format, commit protocol) and the top-level modules every role
            shares: errors, contract (launcher <-> worker), events, retention, ownership, duration,
            slurm (the one seam that runs Slurm commands), storage (the one storage interface: a
-           root on a file system or in a bucket) with mirror.remote (its bucket side), mirror.s3/transfer
+           root on a file system or in a bucket: storage.bucketsteps reads a bucket, storage.s3 is the
+           object-store seam); mirror/ (copying a root to a bucket) stands on storage/ and never the other way
 """
 
 from __future__ import annotations
@@ -310,19 +311,19 @@ def event_name_literals(files: dict[str, tuple[bool, ast.Module, int]] | None = 
 # Who may use a tier's own root-level readers: the interface and the tiers themselves (and the
 # package's public re-exports of the directory tier's `find_latest`/`list_checkpoints`).
 STORAGE_LAYER = {"storage", "storage.root", "storage.directory", "storage.bucket", "checkpoint.store", "retention",
-                 "mirror.remote", "mirror.s3", "__init__", "mirror"}
+                 "storage.bucketsteps", "storage.bucketcommit", "storage.s3", "storage.settings", "__init__", "mirror"}
 ROOT_READERS = {"checkpoint.store": {"find_latest", "list_checkpoints"}}
 SCHEME_TEST = "is_s3_url"
 
 
 def storage_bypasses(files: dict[str, tuple[bool, ast.Module, int]] | None = None) -> list[str]:
     """Each place outside the storage layer that reaches a root around `storage.Root`: importing
-    the bucket tier (`mirror.remote`), a directory tier's root scan (`checkpoint.store.find_latest`,
+    the bucket tier (`storage.bucketsteps`), a directory tier's root scan (`checkpoint.store.find_latest`,
     `list_checkpoints`), or testing a URL's scheme itself (`is_s3_url`; `storage.is_bucket` and
     `storage.open_root` are the one place). Type-only imports count too: the record is
     `storage.CheckpointInfo`, the same on every tier."""
     files = sources() if files is None else files
-    known = set(files) | {"mirror.remote", "checkpoint.store", "mirror.s3"}
+    known = set(files) | {"storage.bucketsteps", "checkpoint.store", "storage.s3"}
     bad: list[str] = []
     for mod, (is_pkg, tree, _) in sorted(files.items()):
         if mod in STORAGE_LAYER:
@@ -332,8 +333,8 @@ def storage_bypasses(files: dict[str, tuple[bool, ast.Module, int]] | None = Non
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 targets = resolve(mod, is_pkg, node, known)
                 names = {a.name for a in node.names}
-                if "mirror.remote" in targets:
-                    bad.append(f"{where}: imports mirror.remote (a bucket is storage.BucketRoot)")
+                if "storage.bucketsteps" in targets:
+                    bad.append(f"{where}: imports storage.bucketsteps (a bucket is storage.BucketRoot)")
                 for target, readers in ROOT_READERS.items():
                     if target in targets and names & readers:
                         bad.append(f"{where}: imports {', '.join(sorted(names & readers))} from {target} "
@@ -415,6 +416,45 @@ def _calls_maker(call: ast.AST, modules: set[str], functions: set[str]) -> bool:
         (isinstance(f, ast.Name) and f.id in functions)
 
 
+# -- the bucket side: storage/ reads a bucket, mirror/ copies onto it ---------------------------
+
+def storage_imports_mirror(files: dict[str, tuple[bool, ast.Module, int]] | None = None) -> list[str]:
+    """Each import in storage/ of a mirror/ module (at import time, deferred or type-only): the
+    storage interface is the base a bucket is read through, the mirror (copying a root to a
+    bucket) stands on it, never the other way."""
+    files = sources() if files is None else files
+    known = set(files) | {"mirror"}
+    bad: list[tuple[str, int, str]] = []
+    for mod, (is_pkg, tree, _) in sorted(files.items()):
+        if mod.split(".")[0] != "storage":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in resolve(mod, is_pkg, node, known):
+                    if target.split(".")[0] == "mirror":
+                        bad.append((mod, node.lineno, target))
+    return [f"{mod}:{line}: imports {target}" for mod, line, target in sorted(bad)]
+
+
+# -- scripts/: the benches and tools beside the package -----------------------------------------
+
+SCRIPTS = Path(__file__).resolve().parent
+
+
+def script_cycles(folder: Path = SCRIPTS) -> list[list[str]]:
+    """Circles among the scripts (`import bench_x` / `from bench_x import ...`, at import time or
+    deferred): what two scripts share lives in a third that both import (bench_world.py)."""
+    names = {p.stem for p in folder.glob("*.py")}
+    edges: dict[str, set[str]] = {n: set() for n in names}
+    for n in names:
+        for node in ast.walk(ast.parse((folder / f"{n}.py").read_text())):
+            if isinstance(node, ast.Import):
+                edges[n].update(a.name for a in node.names if a.name in names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module in names:
+                edges[n].add(node.module)
+    return cycles({n: deps - {n} for n, deps in edges.items()})
+
+
 def _under_type_checking(node: ast.stmt) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
@@ -494,6 +534,16 @@ def main() -> int:
     print(f"save messages crossing checkpoint/ as dicts: {len(crossing)}")
     for b in crossing:
         print("  " + b)
+
+
+    upward = storage_imports_mirror()
+    print(f"storage/ importing mirror/: {len(upward)}")
+    for b in upward:
+        print("  " + b)
+    scyc = script_cycles()
+    print(f"circles among scripts/: {len(scyc)}")
+    for c in scyc:
+        print("  " + " <-> ".join(c))
     by_role: dict[str, list[str]] = {}
     for m in sorted(top):
         by_role.setdefault(role(m), []).append(m)
@@ -501,7 +551,7 @@ def main() -> int:
         print(f"{r:8} {len(by_role.get(r, []))} modules, {sum(lines[m] for m in by_role.get(r, []))} lines")
     print("modules over 300 lines: " + ", ".join(f"{m} ({n})" for m, n in sorted(lines.items(), key=lambda x: -x[1]) if n > 300))
     print("longest functions: " + ", ".join(f"{name} ({n})" for n, name in funcs[:10]))
-    return 1 if cyc or bad or private or spelled or bypass or crossing else 0
+    return 1 if cyc or bad or private or spelled or bypass or crossing or upward or scyc else 0
 
 
 if __name__ == "__main__":

@@ -8,12 +8,11 @@ submitit until it needs them.
 from __future__ import annotations
 
 import importlib
-import time as _time
 from typing import TYPE_CHECKING, Any
 
+from . import importtime  # noqa: F401  (first: the start-up breakdown's mark, importtime.IMPORTED_AT)
+
 __version__ = "0.1.0"
-# for the start-up breakdown of the `restored` event (after the script's imports); not API
-IMPORTED_AT = _time.time()
 
 _EXPORTS = {
     "Checkpointer": "train.checkpointer",
@@ -24,7 +23,7 @@ _EXPORTS = {
     "SeededDataset": "train.seeding",
     "sample_seed": "train.seeding",
     "RetentionPolicy": "retention",
-    "SavePolicy": "train.policy",
+    "SavePolicy": "train.savepolicy",
     "apply_policy": "retention",
     "compare_checkpoints": "tools.compare",
     "ignore_in_worker": "train.signals",
@@ -85,8 +84,8 @@ if TYPE_CHECKING:  # static checkers see the real names, explicitly re-exported 
     from .tools.compare import compare_checkpoints as compare_checkpoints
     from .train.checkpointer import Checkpointer as Checkpointer
     from .train.ddp import DDPBuckets as DDPBuckets
-    from .train.policy import SavePolicy as SavePolicy
     from .train.sampler import ResumableSampler as ResumableSampler
+    from .train.savepolicy import SavePolicy as SavePolicy
     from .train.seeding import SeededDataset as SeededDataset
     from .train.seeding import sample_seed as sample_seed
     from .train.signals import EXIT_PREEMPTED as EXIT_PREEMPTED

@@ -26,7 +26,7 @@ from .checkpoint.layout import EVENTS
 from .identity import start_ticks
 
 # -- the vocabulary: one name per kind of event, as written on disk ---------------------------
-# the node launcher (job/node.py, job/launcher.py)
+# the node launcher (job/node.py, job/torchrun.py)
 EV_STARTED = "started"  # a run began (every node's launcher logs it; node 0's is the run's)
 EV_RUN_ENDED = "run_ended"  # a run ended: its outcome, the launcher's action and why, how far its ranks got
 EV_REQUEUED = "requeued"  # the job was requeued (scontrol requeue worked), or a local rerun
@@ -171,7 +171,7 @@ def read_events(root: Path) -> list[dict[str, Any]]:
 def save_seconds(events: list[dict[str, Any]]) -> list[float]:
     """The logged seconds of each committed save, oldest first (a save whose seconds are not a
     finite non-negative number is skipped). Pure. The hang watch's save budget
-    (`job.node._watch`) and the auto save interval (`train.policy.estimate_from_events`)."""
+    (`job.node._watch`) and the auto save interval (`train.savepolicy.estimate_from_events`)."""
     return [float(e["seconds"]) for e in events if e.get("event") == EV_SAVE_COMMITTED and _seconds(e.get("seconds"))]
 
 

@@ -178,9 +178,9 @@ def test_the_storage_scan_finds_each_way_around_the_interface() -> None:
     ig = _import_graph()
     code = {
         "cli.a": """
-from ..mirror import remote                                   # 1 the bucket tier
+from ..storage import bucketsteps                             # 1 the bucket tier
 from ..checkpoint.store import find_latest, inspect_dir       # 2 a directory root's scan (inspect_dir: one step, passes)
-from ..mirror.s3 import is_s3_url                             # 3 the scheme test imported
+from ..storage.s3 import is_s3_url                             # 3 the scheme test imported
 def f(root, s3, loc):
     from ..checkpoint import store
     store.list_checkpoints(root)                              # 4 through the module
@@ -191,7 +191,7 @@ from ..storage import DirRoot, is_bucket, open_root
 def g(value):
     return open_root(value) if is_bucket(value) else DirRoot(value).latest()
 """,
-        "storage": "from .mirror.s3 import is_s3_url\n",
+        "storage": "from .s3 import is_s3_url\n",
     }
     files = {m: (False, ast.parse(c), 0) for m, c in code.items()}
     found = ig.storage_bypasses(files)
@@ -234,3 +234,28 @@ def f(root, reports, outcome):
     found = ig.dict_crossings({**files, "checkpoint.fsio": (False, ast.parse(""), 0)})
     assert [b.split(": ")[0] for b in found] == [
         "checkpoint.commit:2", "checkpoint.commit:4", "checkpoint.commit:5", "train.a:6", "train.a:7"], found
+
+
+def test_storage_never_imports_the_mirror() -> None:
+    """Issue 48: the storage interface is the base a bucket is read through (storage.bucketsteps,
+    .bucketcommit, .s3); the mirror copies onto it and imports it, never the other way."""
+    import ast
+
+    ig = _import_graph()
+    assert ig.storage_imports_mirror() == []
+    code = {"storage.bucket": "from ..mirror import remote\ndef f():\n    from ..mirror.s3 import client\n",
+            "mirror.remote": "", "mirror.s3": "", "mirror": "", "storage": "from .bucket import BucketRoot\n"}
+    files = {m: (m in ("mirror", "storage"), ast.parse(c), 0) for m, c in code.items()}
+    assert ig.storage_imports_mirror(files) == ["storage.bucket:1: imports mirror.remote",
+                                                "storage.bucket:3: imports mirror.s3"]
+
+
+def test_scripts_have_no_circle(tmp_path: Path) -> None:
+    """What two benches share lives in a third both import (bench_world.py), so no script imports
+    one that imports it back (a deferred import counts too)."""
+    ig = _import_graph()
+    assert ig.script_cycles() == []
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import x\n")
+    (tmp_path / "c.py").write_text("import a\n")
+    assert ig.script_cycles(tmp_path) == [["a", "b"]]

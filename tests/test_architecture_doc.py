@@ -1,6 +1,6 @@
 """docs/architecture.md names only what exists, where it lives (issue 48, point 7: it named
 `job.launcher.Relay` and `job.launcher.decide` after they had moved to `job.relay` and
-`job.decision`, still importable from `job.launcher` through its re-exports)."""
+`job.decision`, still importable from that module, now job/torchrun.py, through its re-exports)."""
 
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def test_every_module_and_name_architecture_md_cites_exists_where_it_says() -> N
 
 def test_the_check_catches_a_moved_name() -> None:
     assert where_it_fails("job.relay.Relay") is None
-    assert where_it_fails("job.launcher.Relay") == "job.launcher.Relay lives in slurmresume.job.relay"
-    assert where_it_fails("job.launcher.NoSuchThing") == "slurmresume.job.launcher has no NoSuchThing"
+    assert where_it_fails("job.torchrun.Relay") == "job.torchrun.Relay lives in slurmresume.job.relay"
+    assert where_it_fails("job.torchrun.NoSuchThing") == "slurmresume.job.torchrun has no NoSuchThing"
     assert where_it_fails("train.nosuchmodule") == "slurmresume.train has no nosuchmodule"
     assert is_code_name("checkpoint.collective.LaggedMax") and not is_code_name("manifest.json")
     assert not is_code_name("events.jsonl")

@@ -14,8 +14,9 @@ import pytest
 from helpers.objstore import aws_env, ensure_bucket, unique_url
 from helpers.procs import HELPERS, clean_env
 
-from slurmresume.mirror import parse_s3_url, remote
-from slurmresume.mirror.s3 import client
+from slurmresume.mirror import parse_s3_url
+from slurmresume.storage import bucketsteps
+from slurmresume.storage.s3 import client
 
 SCRIPT = HELPERS / "train_drill_cases.py"
 
@@ -51,7 +52,7 @@ def test_drill_mirror_uses_a_scratch_prefix_and_leaves_the_given_one_unchanged(t
     assert scratch.startswith(f"s3://{real.bucket}/slurmresume-drill/"), scratch
     # the mirror was exercised: each run's last step is on the bucket, complete and verified
     for run in ("uninterrupted", "preempted"):
-        newest = remote.find_latest(s3, parse_s3_url(f"{scratch}/{run}"), verify=True)
+        newest = bucketsteps.find_latest(s3, parse_s3_url(f"{scratch}/{run}"), verify=True)
         assert newest is not None and newest.step == 8 and newest.verified, run
     # and the given (configured) prefix is byte-for-byte what it was
     assert snapshot(s3, real.bucket, real.prefix) == before

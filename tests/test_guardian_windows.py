@@ -23,14 +23,14 @@ from helpers.procs import clean_env
 LAUNCHER = """
 import os, signal, sys
 from pathlib import Path
-from slurmresume.job import launcher
+from slurmresume.job import torchrun
 from slurmresume.job.guardian import Guardian
 
 guardian = Guardian()
 if sys.argv[2] == "die-before-track":  # the SIGKILL lands right after Popen returned, before track()
     guardian.track = lambda pid: os.kill(os.getpid(), signal.SIGKILL)
-launcher.run_torchrun(["sh", "-c", sys.argv[1]], dict(os.environ), Path(sys.argv[3]), "r", signal.SIGUSR1,
-                      launcher.Relay(signal.SIGUSR1), guardian=guardian)
+torchrun.run_torchrun(["sh", "-c", sys.argv[1]], dict(os.environ), Path(sys.argv[3]), "r", signal.SIGUSR1,
+                      torchrun.Relay(signal.SIGUSR1), guardian=guardian)
 """
 
 

@@ -22,7 +22,7 @@ from slurmresume.job.hang import (
     percentile,
     stragglers,
 )
-from slurmresume.job.launcher import RunResult, decide
+from slurmresume.job.torchrun import RunResult, decide
 from slurmresume.train.heartbeat import (
     RING,
     SAVE,
@@ -373,7 +373,7 @@ def test_a_run_failed_by_another_nodes_hang_kill_counts_as_that_hang(tmp_path: P
     restarts together and the run is not failed by --max-failures 0."""
     from slurmresume.contract import write_hang
     from slurmresume.job.hangwatch import HangWatch
-    from slurmresume.job.launcher import Relay, run_torchrun
+    from slurmresume.job.torchrun import Relay, run_torchrun
 
     root, hb = tmp_path / "ckpt", tmp_path / "hb"
     root.mkdir()
@@ -469,13 +469,13 @@ def test_two_beats_in_one_process_keep_the_stack_dump_registered(tmp_path: Path)
 
 def test_the_wait_for_torchrun_after_a_hang_kill_is_bounded(monkeypatch) -> None:
     """An agent that cannot die (D state on a hung NFS) must not block the restart."""
-    from slurmresume.job import launcher
+    from slurmresume.job import torchrun
 
-    monkeypatch.setattr(launcher, "KILL_REAP_S", 0.3)
+    monkeypatch.setattr(torchrun, "KILL_REAP_S", 0.3)
     stuck = subprocess.Popen(["sleep", "30"])
     try:
         began = time.monotonic()
-        assert launcher._reap(stuck, "job.0.0") == -signal.SIGKILL
+        assert torchrun._reap(stuck, "job.0.0") == -signal.SIGKILL
         assert time.monotonic() - began < 5
     finally:
         stuck.kill()

@@ -16,7 +16,7 @@ from slurmresume.cli import app
 from slurmresume.contract import Outcome
 from slurmresume.errors import ConfigError
 from slurmresume.job.config import JobSpec, requeue_cap_reached
-from slurmresume.job.launcher import RunResult, decide
+from slurmresume.job.torchrun import RunResult, decide
 from slurmresume.tools.drill import WORKDIR_MARK, prepare_workdir
 
 REPO = Path(__file__).resolve().parents[1]

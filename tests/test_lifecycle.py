@@ -22,7 +22,7 @@ from slurmresume.contract import LastRun, Outcome, read_last_run, write_last_run
 from slurmresume.errors import SlurmError
 from slurmresume.events import read_events
 from slurmresume.job.guardian import start_time
-from slurmresume.job.launcher import RunResult, decide
+from slurmresume.job.torchrun import RunResult, decide
 
 HELPERS = Path(__file__).parent / "helpers"
 LC_TRAIN = HELPERS / "lifecycle_train.py"

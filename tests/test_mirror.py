@@ -16,9 +16,10 @@ from helpers.objstore import aws_env, s3, unique_url  # noqa: F401 - s3 is a fix
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import MARKER, step_dir_name
 from slurmresume.checkpoint.store import find_latest
-from slurmresume.mirror import parse_s3_url, remote
-from slurmresume.mirror.s3 import client
+from slurmresume.mirror import parse_s3_url
 from slurmresume.mirror.transfer import download_step, put_marker, read_committed, upload_step
+from slurmresume.storage import bucketsteps
+from slurmresume.storage.s3 import client
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def test_upload_then_download_round_trip(s3, url: str, tmp_path: Path) -> None:
                                                                   f"{attempt}/rank-00000-of-00001.safetensors",
                                                                   f"{attempt}/rank-00000.index.json")]
     assert upload_step(s3, loc, src / step_dir_name(5), 5).action == "present"  # idempotent
-    info = remote.find_latest(s3, loc, verify=True)
+    info = bucketsteps.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 5 and info.verified
     assert download_step(s3, loc, 5, dst).action == "downloaded"
     for name in ("COMMITTED", "manifest.json", "rank-00000-of-00001.safetensors"):
@@ -111,7 +112,7 @@ def test_checkpointer_uploads_every_commit_and_restores_from_the_mirror(s3, url:
         ckpt.save(s, tiny_state(s))
     ckpt.close()  # waits for the uploader
     loc = parse_s3_url(url)
-    info = remote.find_latest(s3, loc, verify=True)
+    info = bucketsteps.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 4 and info.verified
     # the local root is lost: a new run restores step 4 from the bucket, verified, bitwise
     import shutil
@@ -141,7 +142,7 @@ def test_a_corrupt_mirror_step_is_never_loaded(s3, url: str, tmp_path: Path) -> 
     a, b = tmp_path / "a", tmp_path / "b"
     save(a, 2, 7, mirror=url)
     loc = parse_s3_url(url)
-    key = remote.object_key(s3, loc, 7, "rank-00000-of-00001.safetensors")
+    key = bucketsteps.object_key(s3, loc, 7, "rank-00000-of-00001.safetensors")
     body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
     body[-1] ^= 0xFF  # same size, one flipped byte
     s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))
@@ -183,7 +184,7 @@ def test_retention_applies_on_both_tiers(s3, url: str, tmp_path: Path) -> None:
         ckpt.mirror.wait()
     ckpt.close()
     loc = parse_s3_url(url)
-    assert [(i.step, i.complete) for i in remote.list_remote(s3, loc)] == [(4, True), (3, True)]
+    assert [(i.step, i.complete) for i in bucketsteps.list_remote(s3, loc)] == [(4, True), (3, True)]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == \
         [step_dir_name(3), step_dir_name(4)]
 
@@ -219,7 +220,7 @@ def test_restore_of_a_step_on_neither_tier_or_corrupt_on_the_mirror_refuses(s3, 
     with pytest.raises(CheckpointError, match=r"step 4 is not a complete checkpoint .* nor on the mirror"):
         ckpt.restore(tiny_state(0), step=4)
     loc = parse_s3_url(url)
-    key = remote.object_key(s3, loc, 3, "rank-00000-of-00001.safetensors")
+    key = bucketsteps.object_key(s3, loc, 3, "rank-00000-of-00001.safetensors")
     body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
     body[-1] ^= 0xFF
     s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))

@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import MARKER, step_dir_name
 from slurmresume.cli import app
-from slurmresume.mirror import parse_s3_url, remote
+from slurmresume.mirror import parse_s3_url
+from slurmresume.storage import bucketsteps
 
 SHARD = "rank-00000-of-00001.safetensors"
 
@@ -62,7 +63,7 @@ def test_verify_on_a_bucket_names_the_bad_shard(s3, tmp_path: Path) -> None:
     assert ok.exit_code == 0, ok.output
     assert ok.stdout.count("ok ") == 2
     loc = parse_s3_url(url)
-    key = remote.object_key(s3, loc, 1, SHARD)
+    key = bucketsteps.object_key(s3, loc, 1, SHARD)
     body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
     body[-1] ^= 1
     s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))
@@ -82,7 +83,7 @@ def test_prune_on_a_bucket_keeps_the_newest_and_the_step_being_uploaded(s3, tmp_
     out = run("prune", "--keep", "1", "--yes", "--ckpt-dir", url)
     assert out.exit_code == 0, out.output
     loc = parse_s3_url(url)
-    assert [(i.step, i.complete) for i in remote.list_remote(s3, loc)] == [(4, False), (3, True)]
+    assert [(i.step, i.complete) for i in bucketsteps.list_remote(s3, loc)] == [(4, False), (3, True)]
     assert not (s3.list_objects_v2(Bucket=loc.bucket, Prefix=loc.step_prefix(1)).get("Contents"))
 
 
@@ -97,7 +98,7 @@ def test_prune_killed_mid_deletion_leaves_no_complete_half_step(s3, tmp_path: Pa
     left = {o["Key"].rsplit("/", 1)[-1] for o in
             s3.list_objects_v2(Bucket=loc.bucket, Prefix=loc.step_prefix(1)).get("Contents") or []}
     assert MARKER not in left and SHARD in left  # marker went first: step 1 is incomplete, not corrupt-complete
-    assert [(i.step, i.complete) for i in remote.list_remote(s3, loc)] == [(2, True), (1, False)]
+    assert [(i.step, i.complete) for i in bucketsteps.list_remote(s3, loc)] == [(2, True), (1, False)]
     assert run("latest", "--ckpt-dir", url).stdout.strip() == f"{url}/{step_dir_name(2)}"
 
 
@@ -136,7 +137,7 @@ def test_verify_and_latest_take_the_bucket_url_as_their_argument(s3, tmp_path: P
     assert loc.step_url(1) in out.stdout and loc.step_url(2) not in out.stdout
     out = run("verify", "--all", url)
     assert out.exit_code == 0 and loc.step_url(1) in out.stdout and loc.step_url(2) in out.stdout, out.output
-    key = remote.object_key(s3, loc, 2, SHARD)
+    key = bucketsteps.object_key(s3, loc, 2, SHARD)
     body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
     body[-1] ^= 0xFF
     s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))

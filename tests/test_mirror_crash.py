@@ -18,8 +18,9 @@ from helpers.procs import REPO, clean_env
 
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import MANIFEST, MARKER, step_dir_name
-from slurmresume.mirror import parse_s3_url, remote
-from slurmresume.mirror.s3 import client
+from slurmresume.mirror import parse_s3_url
+from slurmresume.storage import bucketsteps
+from slurmresume.storage.s3 import client
 
 SHARD = "rank-00000-of-00001.safetensors"
 
@@ -47,7 +48,7 @@ class Watcher:
     def _run(self) -> None:
         c = client()
         while not self._stop.is_set():
-            info = remote.find_latest(c, self.loc)
+            info = bucketsteps.find_latest(c, self.loc)
             if info is not None:
                 self.seen.add(info.step)
             time.sleep(0.05)
@@ -80,13 +81,13 @@ def test_kill_in_the_middle_of_a_multipart_upload(s3, tmp_path: Path) -> None:
     uploads = s3.list_multipart_uploads(Bucket=loc.bucket, Prefix=loc.step_prefix(2)).get("Uploads") or []
     assert [u["Key"].rsplit("/", 1)[-1] for u in uploads] == [SHARD]  # killed mid-multipart
     assert w.seen <= {1}
-    newest = remote.find_latest(s3, loc)
+    newest = bucketsteps.find_latest(s3, loc)
     assert newest is not None and newest.step == 1
     # the next run: finishes the upload, aborts the dead multipart upload
     again = push(root, url, 2)
     assert again.returncode == 0 and "uploaded" in again.stdout, again.stderr
     assert not s3.list_multipart_uploads(Bucket=loc.bucket, Prefix=loc.step_prefix(2)).get("Uploads")
-    newest = remote.find_latest(s3, loc, verify=True)
+    newest = bucketsteps.find_latest(s3, loc, verify=True)
     assert newest is not None and newest.step == 2 and newest.verified
 
 
@@ -103,14 +104,14 @@ def test_kill_between_the_last_shard_and_the_marker_then_the_next_run_finishes(s
              s3.list_objects_v2(Bucket=loc.bucket, Prefix=loc.step_prefix(2)).get("Contents") or []}
     assert names == {SHARD, "rank-00000.index.json", MANIFEST}  # every file there (format 2: the index too), no marker
     assert w.seen <= {1}
-    assert [i.step for i in remote.list_remote(s3, loc) if i.complete] == [1]
+    assert [i.step for i in bucketsteps.list_remote(s3, loc) if i.complete] == [1]
     # the next run (a requeue): restore finds nothing newer on the bucket, and the Checkpointer's
     # mirror finishes the upload of the newest local step in the background
     ckpt = Checkpointer(root, handle_signals=False, mirror=url)
     assert ckpt.restore(big_state(0)) == 2
     ckpt.close()
     assert ckpt.mirror is not None and not ckpt.mirror.errors
-    newest = remote.find_latest(s3, loc, verify=True)
+    newest = bucketsteps.find_latest(s3, loc, verify=True)
     assert newest is not None and newest.step == 2 and newest.verified
     assert s3.get_object(Bucket=loc.bucket, Key=loc.key(2, MARKER))["Body"].read() == \
         (root / step_dir_name(2) / MARKER).read_bytes()

@@ -15,9 +15,10 @@ from helpers.objstore import aws_env, ensure_bucket, unique_url
 from helpers.procs import EXAMPLE, REPO, check, clean_env, run_example
 
 from slurmresume.checkpoint.store import find_latest
-from slurmresume.mirror import parse_s3_url, remote
-from slurmresume.mirror.s3 import client
+from slurmresume.mirror import parse_s3_url
 from slurmresume.mirror.transfer import download_step
+from slurmresume.storage import bucketsteps
+from slurmresume.storage.s3 import client
 from slurmresume.tools.compare import compare_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,7 @@ def test_drill_with_mirror_resumes_from_the_bucket_after_the_local_root_is_lost(
     second = submit_local(local, url, "18", max_requeues=0)
     saved2 = [e["step"] for e in events(local) if e["event"] == "exit_after_save"][len(saved1):]
     assert saved2 and saved2[0] > saved1[0], second.stdout + second.stderr
-    on_bucket = remote.find_latest(s3, loc)
+    on_bucket = bucketsteps.find_latest(s3, loc)
     assert on_bucket is not None and on_bucket.step >= saved1[0]
 
     # the cluster's filesystem is lost between two restarts
@@ -74,7 +75,7 @@ def test_drill_with_mirror_resumes_from_the_bucket_after_the_local_root_is_lost(
     assert final is not None and final.step == 30
     assert compare_checkpoints(ref.path, final.path) == []
     # and the run's end reached the bucket, the same commit
-    newest = remote.find_latest(s3, loc, verify=True)
+    newest = bucketsteps.find_latest(s3, loc, verify=True)
     assert newest is not None and newest.step == 30 and newest.verified
     download_step(s3, loc, 30, tmp_path / "from-bucket")
     assert compare_checkpoints(ref.path, tmp_path / "from-bucket" / final.path.name) == []

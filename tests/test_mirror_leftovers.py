@@ -16,7 +16,7 @@ from helpers.objstore import s3, unique_url  # noqa: F401 - s3 is a fixture
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import INPROGRESS, step_dir_name
 from slurmresume.checkpoint.leftovers import note
-from slurmresume.mirror import parse_s3_url, remote
+from slurmresume.mirror import parse_s3_url
 from slurmresume.mirror.leftovers import (
     ABANDONED_AFTER_S,
     Upload,
@@ -26,6 +26,7 @@ from slurmresume.mirror.leftovers import (
     remove_partial_downloads,
 )
 from slurmresume.retention import DEFAULT_YOUNG_THRESHOLD
+from slurmresume.storage import bucketsteps
 
 A, B = "attempt-" + "a" * 32, "attempt-" + "b" * 32
 
@@ -63,8 +64,8 @@ def test_abandoned_uploads_and_folders_on_the_bucket_are_removed_only_when_old(s
     assert uploads() == [killed]
     assert remove_abandoned(s3, loc, time.time() + ABANDONED_AFTER_S + 60) == 2
     assert uploads() == []
-    assert [rs.step for rs in remote.scan(s3, loc)] == [5]
-    info = remote.find_latest(s3, loc, verify=True)
+    assert [rs.step for rs in bucketsteps.scan(s3, loc)] == [5]
+    info = bucketsteps.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 5 and info.verified
 
 

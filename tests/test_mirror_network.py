@@ -91,7 +91,8 @@ def test_server_down_at_close_is_a_distinct_exit_and_the_next_run_uploads_the_st
 
     from slurmresume.contract import EXIT_MIRROR_BEHIND
     from slurmresume.events import read_events
-    from slurmresume.mirror import parse_s3_url, remote
+    from slurmresume.mirror import parse_s3_url
+    from slurmresume.storage import bucketsteps
 
     url, root = unique_url(), tmp_path / "root"
     down = Down()  # connections refused: the server is down
@@ -109,11 +110,11 @@ def test_server_down_at_close_is_a_distinct_exit_and_the_next_run_uploads_the_st
     tries = [e for e in read_events(root) if e.get("event") == "mirror_failed"]
     assert len(tries) == 2  # the final upload was tried again before giving up
     loc = parse_s3_url(url)
-    assert remote.find_latest(s3, loc) is None
+    assert bucketsteps.find_latest(s3, loc) is None
     ckpt = Checkpointer(root, handle_signals=False, mirror=url)  # the next run, server back
     assert ckpt.restore({"w": torch.zeros(4)}) == 1
     ckpt.close()
-    info = remote.find_latest(s3, loc, verify=True)
+    info = bucketsteps.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 1 and info.verified
 
 
@@ -199,7 +200,8 @@ def test_the_launcher_ends_a_run_whose_mirror_is_behind_with_78_and_no_retry(s3,
 
     from slurmresume.contract import EXIT_MIRROR_BEHIND
     from slurmresume.events import read_events
-    from slurmresume.mirror import parse_s3_url, remote
+    from slurmresume.mirror import parse_s3_url
+    from slurmresume.storage import bucketsteps
 
     url, root, script = unique_url(), tmp_path / "root", tmp_path / "train.py"
     script.write_text(LAUNCHED_SCRIPT)
@@ -219,9 +221,9 @@ def test_the_launcher_ends_a_run_whose_mirror_is_behind_with_78_and_no_retry(s3,
     assert [e["outcome"] for e in ended] == ["mirror_behind"] and ended[0]["action"] == "behind", ended
     assert "not on the mirror" in out and "Traceback" not in out, out[-3000:]
     loc = parse_s3_url(url)
-    assert remote.find_latest(s3, loc) is None
+    assert bucketsteps.find_latest(s3, loc) is None
     proc = subprocess.run(cmd, env=clean_env(**base), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "trained from 1" in proc.stdout + proc.stderr
-    info = remote.find_latest(s3, loc, verify=True)
+    info = bucketsteps.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 1 and info.verified

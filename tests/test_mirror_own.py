@@ -11,8 +11,8 @@ from botocore.exceptions import EndpointConnectionError
 
 from slurmresume.errors import CheckpointError
 from slurmresume.mirror import S3Location
-from slurmresume.mirror.commit import OBJECTS_META
 from slurmresume.mirror.own import OwnAttempts
+from slurmresume.storage.bucketcommit import OBJECTS_META
 
 LOC = S3Location("bkt", "run")
 MINE, OTHER = "attempt-" + "1" * 32, "attempt-" + "2" * 32

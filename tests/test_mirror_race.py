@@ -15,9 +15,10 @@ from helpers.objstore import s3, unique_url  # noqa: F401 - s3 is a fixture
 
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import MANIFEST, MARKER, step_dir_name
-from slurmresume.mirror import parse_s3_url, remote
-from slurmresume.mirror.s3 import client
+from slurmresume.mirror import parse_s3_url
 from slurmresume.mirror.transfer import Transfer, download_step, upload_step
+from slurmresume.storage import bucketsteps
+from slurmresume.storage.s3 import client
 
 SHARD = "rank-00000-of-00001.safetensors"
 ROUNDS = 20
@@ -53,7 +54,7 @@ def test_two_full_uploads_of_one_step_racing_leave_the_winner_loadable(s3, tmp_p
             t.join(120)
         assert sorted(r.action for r in results.values()) == ["conflict", "uploaded"], (step, results)
         winner = roots[next(i for i, r in results.items() if r.action == "uploaded")] / step_dir_name(step)
-        info = remote.find_latest(s3, loc, verify=True)
+        info = bucketsteps.find_latest(s3, loc, verify=True)
         assert info is not None and info.step == step and info.verified, (step, info)
         dst = tmp_path / f"restored-{step}"
         assert download_step(s3, loc, step, dst).action == "downloaded"
@@ -77,9 +78,9 @@ def test_a_bucket_in_the_layout_before_attempt_folders_still_reads(s3, tmp_path:
     step_dir = root / step_dir_name(4)  # every file (shard, its index, manifest), the marker last
     for name in [p.name for p in sorted(step_dir.iterdir()) if p.name != MARKER] + [MARKER]:
         s3.put_object(Bucket=loc.bucket, Key=loc.key(4, name), Body=(step_dir / name).read_bytes())
-    info = remote.find_latest(s3, loc, verify=True)
+    info = bucketsteps.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 4 and info.verified
     assert download_step(s3, loc, 4, tmp_path / "dst").action == "downloaded"
     assert (tmp_path / "dst" / step_dir_name(4) / SHARD).read_bytes() == (root / step_dir_name(4) / SHARD).read_bytes()
     assert upload_step(s3, loc, root / step_dir_name(4), 4).action == "present"  # same commit: left as it is
-    assert remote.find_latest(s3, loc, verify=True).verified
+    assert bucketsteps.find_latest(s3, loc, verify=True).verified

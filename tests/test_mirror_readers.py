@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.cli import app
-from slurmresume.mirror import parse_s3_url, remote
+from slurmresume.mirror import parse_s3_url
+from slurmresume.storage import bucketsteps
 
 SHARD = "rank-00000-of-00001.safetensors"
 
@@ -83,7 +84,7 @@ def test_export_on_a_bucket_writes_the_same_weights(mirrored, tmp_path: Path) ->
 def test_export_refuses_a_bucket_step_that_fails_its_checksum(s3, mirrored, tmp_path: Path) -> None:
     _, url = mirrored
     loc = parse_s3_url(url)
-    key = remote.object_key(s3, loc, 2, SHARD)
+    key = bucketsteps.object_key(s3, loc, 2, SHARD)
     body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
     body[-1] ^= 0xFF  # same size: only the hash can tell
     s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))

@@ -17,7 +17,8 @@ from helpers.objstore import s3, unique_url  # noqa: F401 - s3 is a fixture
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.errors import CheckpointError
-from slurmresume.mirror import parse_s3_url, remote
+from slurmresume.mirror import parse_s3_url
+from slurmresume.storage import bucketsteps
 
 SHARD = "rank-00000-of-00001.safetensors"
 
@@ -33,7 +34,7 @@ def save(root: Path, *steps: int, **kwargs) -> None:
 
 def flip_bucket_byte(s3, url: str, step: int) -> None:
     loc = parse_s3_url(url)
-    key = remote.object_key(s3, loc, step, SHARD)
+    key = bucketsteps.object_key(s3, loc, step, SHARD)
     body = bytearray(s3.get_object(Bucket=loc.bucket, Key=key)["Body"].read())
     body[-1] ^= 0xFF  # same size: only the checksum can tell
     s3.put_object(Bucket=loc.bucket, Key=key, Body=bytes(body))
@@ -69,7 +70,7 @@ def test_a_corrupt_newest_local_step_is_fetched_again_from_the_mirror(s3, tmp_pa
     assert ckpt.restore(state) == 5  # not step 2: the bucket's copy of 5 is intact
     ckpt.close()
     assert model_equal(state["model"], tiny_state(5)["model"]) and state["extra"] == tiny_state(5)["extra"]
-    assert remote.find_latest(s3, parse_s3_url(url), verify=True).step == 5
+    assert bucketsteps.find_latest(s3, parse_s3_url(url), verify=True).step == 5
     ckpt = Checkpointer(root, handle_signals=False)  # the local copy itself is whole again
     assert ckpt.restore(tiny_state(0), verify=True) == 5
     ckpt.close()

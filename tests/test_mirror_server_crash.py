@@ -17,8 +17,9 @@ from typer.testing import CliRunner
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import step_dir_name
 from slurmresume.cli import app
-from slurmresume.mirror import parse_s3_url, remote, upload
-from slurmresume.mirror.s3 import client
+from slurmresume.mirror import parse_s3_url, upload
+from slurmresume.storage import bucketsteps
+from slurmresume.storage.s3 import client
 
 SHARD = "rank-00000-of-00001.safetensors"
 PART = 5 << 20  # S3's smallest part: the 12 MiB shard below is a three-part upload
@@ -80,9 +81,9 @@ def test_a_server_killed_mid_upload_leaves_no_upload_of_the_finished_run(private
     ckpt.close()  # returns: step 30 reached the bucket
 
     assert uploads(s3, loc) == {stranger}  # the run's own upload is gone, the stranger's live one stays
-    assert [rs.step for rs in remote.scan(s3, loc) if rs.has_marker] == [30, 10]
+    assert [rs.step for rs in bucketsteps.scan(s3, loc) if rs.has_marker] == [30, 10]
     s3.abort_multipart_upload(Bucket=loc.bucket, Key=stranger[0], UploadId=stranger[1])  # its writer ends it
-    assert [rs.step for rs in remote.scan(s3, loc)] == [30, 10]  # nothing of the abandoned attempt stays
+    assert [rs.step for rs in bucketsteps.scan(s3, loc)] == [30, 10]  # nothing of the abandoned attempt stays
     out = CliRunner().invoke(app, ["status", "--ckpt-dir", url], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
     assert "uploads in flight: 0" in out.stdout and "newest complete: 30" in out.stdout, out.stdout

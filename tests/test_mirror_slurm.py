@@ -13,9 +13,10 @@ from helpers.objstore import aws_env, ensure_bucket, unique_url
 from test_slurm_e2e import SIG_TRAIN, cluster, events, final_state, job_log, preempt_at  # noqa: F401
 
 from slurmresume.checkpoint.store import find_latest
-from slurmresume.mirror import parse_s3_url, remote
-from slurmresume.mirror.s3 import client
+from slurmresume.mirror import parse_s3_url
 from slurmresume.mirror.transfer import download_step
+from slurmresume.storage import bucketsteps
+from slurmresume.storage.s3 import client
 from slurmresume.tools.compare import compare_checkpoints
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -48,7 +49,7 @@ def test_submit_with_mirror_uploads_the_emergency_step_after_the_requeue(cluster
     assert saved[0] in before + uploaded or any(u > saved[0] for u in uploaded), ev
     assert steps in uploaded, ev
     loc = parse_s3_url(url)
-    newest = remote.find_latest(s3, loc, verify=True)
+    newest = bucketsteps.find_latest(s3, loc, verify=True)
     assert newest is not None and newest.step == steps and newest.verified
     final = find_latest(root, warn=False)
     assert final is not None and final.step == steps

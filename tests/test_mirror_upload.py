@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from slurmresume import Checkpointer
 from slurmresume.checkpoint.layout import MARKER, step_dir_name
 from slurmresume.errors import CheckpointError
-from slurmresume.mirror import parse_s3_url, remote
-from slurmresume.mirror.settings import MirrorSettings
+from slurmresume.mirror import parse_s3_url
 from slurmresume.mirror.transfer import upload_step
 from slurmresume.mirror.upload import MAX_IN_FLIGHT, MIB, S3_MAX_PARTS, S3_MIN_PART, plan_upload
+from slurmresume.storage import bucketsteps
+from slurmresume.storage.settings import MirrorSettings
 
 GIB = 1 << 30
 
@@ -93,7 +94,7 @@ def test_an_upload_keeps_no_more_parts_in_flight_than_its_memory_bound(s3, tmp_p
     result = upload_step(counting, loc, step_dir, 1, settings=MirrorSettings(upload_mib=16))  # 2 x 8 MiB
     assert result.action == "uploaded"
     assert counting.calls == 6 and counting.most <= 2
-    info = remote.find_latest(s3, loc, verify=True)
+    info = bucketsteps.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 1 and info.verified
 
 
@@ -106,5 +107,5 @@ def test_a_failed_part_aborts_the_upload_and_commits_nothing(s3, tmp_path: Path)
     assert not s3.list_multipart_uploads(Bucket=loc.bucket, Prefix=loc.step_prefix(1)).get("Uploads")
     # the next try commits
     assert upload_step(s3, loc, step_dir, 1).action == "uploaded"
-    info = remote.find_latest(s3, loc, verify=True)
+    info = bucketsteps.find_latest(s3, loc, verify=True)
     assert info is not None and info.step == 1 and info.verified

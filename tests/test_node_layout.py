@@ -258,8 +258,8 @@ def test_the_mirror_refuses_a_per_node_step_in_one_line_before_touching_the_buck
     """This version's mirror copies a step file by file; a per-node step's ranges are not copied:
     the upload says so in one line, and no request reaches the bucket (nothing half-written)."""
     from slurmresume.errors import CheckpointError
-    from slurmresume.mirror.s3 import S3Location
     from slurmresume.mirror.transfer import upload_step
+    from slurmresume.storage.s3 import S3Location
 
     class NoBucket:
         def __getattr__(self, name: str) -> None:

@@ -18,7 +18,7 @@ from slurmresume.cli import render as _render
 from slurmresume.errors import ConfigError
 from slurmresume.events import append_event
 from slurmresume.tools import status
-from slurmresume.train.policy import (
+from slurmresume.train.savepolicy import (
     Estimate,
     SavePolicy,
     SaveScheduler,

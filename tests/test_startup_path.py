@@ -17,8 +17,8 @@ import pytest
 from helpers.procs import free_port
 
 from slurmresume.job.config import JobSpec
-from slurmresume.job.launcher import JobClock
 from slurmresume.job.node import rdzv_host, torchrun_command
+from slurmresume.job.torchrun import JobClock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -173,13 +173,13 @@ def test_launcher_relays_and_sees_the_exit_without_waiting_for_its_poll(tmp_path
     the real relay in this process, signalled as Slurm signals the launcher."""
     import signal
 
-    from slurmresume.job import launcher
+    from slurmresume.job import torchrun
 
-    monkeypatch.setattr(launcher, "POLL_S", 5.0)
+    monkeypatch.setattr(torchrun, "POLL_S", 5.0)
     (tmp_path / "root").mkdir()
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT)
-    relay = launcher.Relay(signal.SIGUSR1)
+    relay = torchrun.Relay(signal.SIGUSR1)
     relay.install()
     sent: list[float] = []
 
@@ -193,7 +193,7 @@ def test_launcher_relays_and_sees_the_exit_without_waiting_for_its_poll(tmp_path
 
     threading.Thread(target=warn_when_ready, daemon=True).start()
     try:
-        result = launcher.run_torchrun([sys.executable, str(agent), str(tmp_path)], dict(os.environ),
+        result = torchrun.run_torchrun([sys.executable, str(agent), str(tmp_path)], dict(os.environ),
                                        tmp_path / "root", "r1", signal.SIGUSR1, relay)
         returned = time.time()
     finally:

@@ -38,7 +38,7 @@ from slurmresume.checkpoint.store import find_latest, inspect_dir, newest_commit
 from slurmresume.cli import app
 from slurmresume.contract import Outcome, write_outcome
 from slurmresume.errors import SaveError, UnreadableCheckpointError
-from slurmresume.job.launcher import Relay, decide, run_torchrun
+from slurmresume.job.torchrun import Relay, decide, run_torchrun
 from slurmresume.retention import RetentionPolicy, apply_policy, execute
 from slurmresume.tools import status as status_mod
 
@@ -299,7 +299,8 @@ def test_launcher_requeues_a_preemption_whose_step_it_cannot_parse(newer_root: P
 def test_bucket_prune_never_deletes_a_newer_step(s3, tmp_path: Path) -> None:  # noqa: F811
     from helpers.objstore import unique_url
 
-    from slurmresume.mirror import parse_s3_url, remote
+    from slurmresume.mirror import parse_s3_url
+    from slurmresume.storage import bucketsteps
 
     url = unique_url()
     ckpt = Checkpointer(tmp_path / "local", handle_signals=False, mirror=url)
@@ -313,10 +314,10 @@ def test_bucket_prune_never_deletes_a_newer_step(s3, tmp_path: Path) -> None:  #
     for name in (MANIFEST, MARKER):
         s3.put_object(Bucket=loc.bucket, Key=loc.key(2, name), Body=(d / name).read_bytes())
 
-    infos = {i.step: i for i in remote.list_remote(s3, loc)}
+    infos = {i.step: i for i in bucketsteps.list_remote(s3, loc)}
     assert infos[2].unreadable and NEWER in (infos[2].problem or "")
     policy = RetentionPolicy(keep=1, remove_incomplete_older_than=0, young_threshold=0)
-    result = remote.prune(s3, loc, policy, now=time.time() + 86400)
+    result = bucketsteps.prune(s3, loc, policy, now=time.time() + 86400)
     assert result.deleted == []
     assert s3.list_objects_v2(Bucket=loc.bucket, Prefix=loc.step_prefix(2)).get("KeyCount", 0) >= 3
 

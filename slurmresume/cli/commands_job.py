@@ -100,7 +100,7 @@ def _warn_lead(root: Path, lead: int) -> None:
     from ..events import read_events
     from ..job.leadtime import lead_report, lead_warning
     from ..tools.doctor import last_checkpoint_bytes
-    from ..train.policy import estimate_from_events
+    from ..train.savepolicy import estimate_from_events
 
     if not root.is_dir():
         return

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from ..duration import format_duration
 from ..tools.status import Status
-from ..train.policy import RECENT_SAVES, IntervalSummary
+from ..train.savepolicy import RECENT_SAVES, IntervalSummary
 
 RANK_ROWS = 8  # ranks shown: the stragglers, then the longest silent (a 512-rank job fits a screen)
 

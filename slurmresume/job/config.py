@@ -191,7 +191,7 @@ class JobSpec:
                 raise ConfigError(f"--sbatch {key}=... is set by slurmresume itself: use "
                                   f"{_OWN_OPTION.get(key, 'its own option')} instead")
         if self.mirror is not None:
-            from ..mirror.s3 import parse_s3_url
+            from ..storage.s3 import parse_s3_url
 
             parse_s3_url(self.mirror)  # ConfigError naming the bad part
         for line in self.setup:  # one shell line each: a newline would smuggle in another

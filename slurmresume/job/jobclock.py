@@ -6,7 +6,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from .. import slurm
+from ..slurm import DEFAULT_KILL_WAIT_S, is_time_limit, job_times
+from ..slurm import kill_wait as slurm_kill_wait
 
 if TYPE_CHECKING:
     from .relay import Relay
@@ -26,7 +27,7 @@ class JobClock:
     bounded by START_QUERY_TIMEOUT_S, then Slurm's defaults)."""
 
     def __init__(self, job_id: str, end_time: float | None = None,
-                 kill_wait: float = slurm.DEFAULT_KILL_WAIT_S) -> None:
+                 kill_wait: float = DEFAULT_KILL_WAIT_S) -> None:
         self.job_id = job_id
         self._end_time = end_time
         self._kill_wait = kill_wait
@@ -40,9 +41,9 @@ class JobClock:
         return clock
 
     def _read(self) -> None:
-        times = slurm.job_times(self.job_id, START_QUERY_TIMEOUT_S)
+        times = job_times(self.job_id, START_QUERY_TIMEOUT_S)
         self._end_time = times.end_time if times else None
-        self._kill_wait = slurm.kill_wait(START_QUERY_TIMEOUT_S)
+        self._kill_wait = slurm_kill_wait(START_QUERY_TIMEOUT_S)
 
     def _wait(self) -> None:
         if self._reader is not None:
@@ -59,8 +60,8 @@ class JobClock:
         return self._kill_wait
 
     def classify_term(self, at: float) -> str:
-        now = slurm.job_times(self.job_id, TERM_QUERY_TIMEOUT_S)
-        return "time_limit" if slurm.is_time_limit(now, self.end_time, at) else "cancel"
+        now = job_times(self.job_id, TERM_QUERY_TIMEOUT_S)
+        return "time_limit" if is_time_limit(now, self.end_time, at) else "cancel"
 
     def requeue_deadline(self, relay: Relay, began: float) -> float:
         """A time.time() by which the requeue must have worked: KillWait after a SIGTERM (Slurm

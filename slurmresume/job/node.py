@@ -56,7 +56,9 @@ from .config import JobSpec
 from .deathboard import DeathBoard
 from .guardian import Guardian
 from .hangwatch import HangWatch, heartbeat_dir
-from .launcher import (
+from .memroot import create as create_memory_root
+from .memroot import remove as remove_memory_root
+from .torchrun import (
     JobClock,
     Relay,
     RunResult,
@@ -65,8 +67,6 @@ from .launcher import (
     run_torchrun,
     warn_signal,
 )
-from .memroot import create as create_memory_root
-from .memroot import remove as remove_memory_root
 
 log = logging.getLogger("slurmresume")
 

@@ -111,9 +111,9 @@ def preview(spec: JobSpec) -> Submitted:
 
 
 def submit(spec: JobSpec) -> Submitted:
-    from .. import slurm
+    from ..slurm import available
 
-    if not slurm.available():
+    if not available():
         raise SlurmError("no sbatch on PATH: use --local to run here, or run on a Slurm login node")
     if shutil.which("srun") is None:  # submitit needs it to build the script; checked before logs/ exists
         raise SlurmError("sbatch is on PATH but srun is not: submit from a Slurm login node (where both are), "
@@ -133,13 +133,14 @@ def claim_root(spec: JobSpec, job_id: str, *, takeover: bool) -> None:
     """After sbatch: the new job owns the root from now on, pending included (its launcher renews
     the lease when it starts). When another submission won the race for the root in between, the
     new job is cancelled and the refusal raised: two jobs never write one root."""
-    from .. import ownership, slurm
+    from .. import ownership
+    from ..slurm import run as slurm_run
 
     try:
         ownership.acquire(spec.ckpt_dir, ownership.slurm_owner(job_id), takeover=takeover)
     except ownership.RootOwnedError:
         try:
-            slurm.run(["scancel", job_id])
+            slurm_run(["scancel", job_id])
         except SlurmError:
             pass
         raise

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import SlurmResumeError
 from ..storage import BucketRoot, DirRoot
-from .s3 import parse_s3_url
+from ..storage.s3 import parse_s3_url
 from .transfer import download_step, upload_step
 
 

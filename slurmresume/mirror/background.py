@@ -13,7 +13,7 @@
   off the bucket is a `mirror_behind` event, and the next run's `start` uploads it. An
   emergency exit does not wait: its upload is finished by the next run's `start`.
 - A failed upload is tried again (`settings.attempts`, pauses doubling) unless a newer commit
-  replaced it; every request and part is bounded by the settings' timeouts (settings.py).
+  replaced it; every request and part is bounded by the settings' timeouts (storage/settings.py).
 - What this run's own failed attempts left on the bucket (an unfinished multipart upload after
   the server died mid-upload, the objects of the attempt's folder) is removed as soon as the
   bucket answers again: after the next job that succeeds, and in `close()` (own.py). Strangers'
@@ -41,9 +41,9 @@ from ..events import (
     EV_MIRROR_UPLOADED,
 )
 from ..storage import BucketRoot, DirRoot
+from ..storage.s3 import S3Location, client, parse_s3_url
+from ..storage.settings import MirrorSettings
 from .own import OwnAttempts
-from .s3 import S3Location, client, parse_s3_url
-from .settings import MirrorSettings
 from .transfer import Transfer, download_step, upload_step
 
 log = logging.getLogger("slurmresume")

@@ -24,9 +24,9 @@ import xxhash
 from ..checkpoint import fsio
 from ..checkpoint.writeback import WRITE, sync_file_range
 from ..errors import CorruptCheckpointError
+from ..storage.s3 import S3Location
+from ..storage.settings import MirrorSettings
 from .ranges import fetch_range
-from .s3 import S3Location
-from .settings import MirrorSettings
 
 MIB = 1 << 20
 MIN_PART = 8 * MIB  # below this, the requests' own cost shows (boto3's transfer manager uses 8 MiB)

@@ -34,8 +34,8 @@ from ..checkpoint.shard import MAX_HEADER
 from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError, CorruptCheckpointError, NoCheckpointError, UnsafeCheckpointError
 from ..storage import BucketRoot, is_bucket
-from .commit import read_remote_commit
-from .s3 import S3Location, get_range, parse_s3_url, split_step_url
+from ..storage.bucketcommit import read_remote_commit
+from ..storage.s3 import S3Location, get_range, parse_s3_url, split_step_url
 from .transfer import download_step
 
 

@@ -17,8 +17,8 @@ def mirror_for(value: Any, *, rank: int, **kwargs: Any) -> Any:
         value = os.environ.get(ENV_MIRROR) or None
     if value is None:
         return None  # no mirror: nothing of slurmresume.mirror's transfer code is imported
+    from ..storage.s3 import S3Location, parse_s3_url
     from .background import Mirror
-    from .s3 import S3Location, parse_s3_url
 
     if isinstance(value, Mirror):
         return value if rank == 0 else None
@@ -40,7 +40,7 @@ def refuse_bucket_root(value: object, how: str) -> None:
 
     if not is_bucket(value):
         return
-    from .s3 import parse_s3_url
+    from ..storage.s3 import parse_s3_url
 
     try:
         url = parse_s3_url(str(value)).url

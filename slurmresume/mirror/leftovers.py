@@ -28,8 +28,8 @@ from typing import Any
 
 from ..checkpoint.layout import MARKER, parse_step_dir
 from ..checkpoint.leftovers import clean
-from .commit import ATTEMPT_PREFIX
-from .s3 import S3Location, call, list_objects
+from ..storage.bucketcommit import ATTEMPT_PREFIX
+from ..storage.s3 import S3Location, call, list_objects
 from .transfer import DOWNLOAD_PREFIX
 
 log = logging.getLogger("slurmresume")

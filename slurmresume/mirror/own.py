@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checkpoint.layout import MARKER
-from .commit import folder_of
-from .s3 import S3Location, abort_uploads, call, head, list_objects
+from ..storage.bucketcommit import folder_of
+from ..storage.s3 import S3Location, abort_uploads, call, head, list_objects
 
 
 @dataclass(frozen=True)

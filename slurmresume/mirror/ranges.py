@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from ..errors import CheckpointError
-from .s3 import S3Location, error_code
-from .settings import MirrorSettings
+from ..storage.s3 import S3Location, error_code
+from ..storage.settings import MirrorSettings
 
 log = logging.getLogger("slurmresume")
 

@@ -5,7 +5,7 @@ Upload (one process, rank 0): read and check the local marker + manifest, open e
 files and the manifest under this attempt's own folder (upload.py: parts in flight on one
 pool, memory bounded by `settings.upload_mib`), while one listing notes what killed writers
 left under the step; then the marker with `If-None-Match: *` naming that folder, then read
-the marker's writer token back (commit.py). The marker is the last object written, so no
+the marker's writer token back (storage/bucketcommit.py). The marker is the last object written, so no
 reader sees the step complete before its files; whoever loses the marker race removes its own
 folder, the winner what the listing found.
 
@@ -45,7 +45,7 @@ from ..checkpoint.nodefile import refuse_mirror
 from ..checkpoint.shardread import open_checked
 from ..checkpoint.store import inspect_dir
 from ..errors import CheckpointError, CorruptCheckpointError
-from .commit import (
+from ..storage.bucketcommit import (
     Garbage,
     RemoteCommit,
     garbage,
@@ -57,10 +57,10 @@ from .commit import (
 )
 
 __all__ = ["RemoteCommit", "Transfer", "download_step", "put_marker", "read_remote_commit", "upload_step"]
+from ..storage.s3 import S3Location, get_bounded, point
+from ..storage.settings import MirrorSettings
 from .download import fetch_shard, part_size
 from .own import OwnAttempts
-from .s3 import S3Location, get_bounded, point
-from .settings import MirrorSettings
 from .upload import MIB, Item, UploadPlan, plan_upload, upload_files
 
 log = logging.getLogger("slurmresume")

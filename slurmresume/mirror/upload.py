@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from .s3 import S3Location, call, point
+from ..storage.s3 import S3Location, call, point
 
 log = logging.getLogger("slurmresume")
 

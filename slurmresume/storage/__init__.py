@@ -2,7 +2,7 @@
 the places apart (`open_root`).
 
 A root answers the same questions on a file system (`DirRoot`: checkpoint/store.py reads it,
-retention.py prunes it under the root's lock) and in a bucket (`BucketRoot`: mirror/remote.py
+retention.py prunes it under the root's lock) and in a bucket (`BucketRoot`: bucketsteps.py
 reads and prunes it, marker first, with no lock), in the same format and the same words:
 
     url                      what the commands print for the root
@@ -24,7 +24,10 @@ directory root; mirror/transfer.py uploads one with a conditional marker): they 
 not a code path. A third tier in host memory is a directory root on a tmpfs (/dev/shm): the same
 `DirRoot`, nothing here changes. Commands, tools, restore and the mirror reach a root only
 through this package (scripts/import_graph.py `storage_bypasses` holds it), and only `is_bucket`
-looks at a URL's scheme. Here: the factory; `root` the contract, `directory` and `bucket` the tiers.
+looks at a URL's scheme. Here: the factory; `root` the contract, `directory` and `bucket` the tiers;
+the bucket's side beneath `bucket`: `bucketsteps` (reading and pruning its steps), `bucketcommit`
+(one step's commit on the bucket), `s3` (the object-store seam) and `settings` (its bounds). The
+mirror (copying a root to a bucket and back) stands on this package, never the other way.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ __all__ = ["BucketRoot", "CheckpointInfo", "DirRoot", "Root", "VerifyResult", "i
 
 def is_bucket(value: object) -> bool:
     """True when `value` names a bucket root or step (`s3://...`): the one test of a root's kind."""
-    from ..mirror.s3 import is_s3_url
+    from .s3 import is_s3_url
 
     return value is not None and is_s3_url(value)
 
@@ -56,7 +59,7 @@ def open_root(value: str | os.PathLike[str] | None, *,
     what is wrong with a malformed one; nothing is asked of the bucket yet), else a directory,
     `resolve(value)` when given (the command line's defaults and checks), else the path as is."""
     if is_bucket(value):
-        from ..mirror.s3 import parse_s3_url
+        from .s3 import parse_s3_url
 
         return BucketRoot(parse_s3_url(str(value)))
     path = Path(value) if value is not None and str(value) != "" else None
@@ -69,7 +72,7 @@ def open_root(value: str | os.PathLike[str] | None, *,
 
 def open_step_url(value: str) -> tuple[BucketRoot, int | None]:
     """`s3://B/P` -> (its root, None); `s3://B/P/step_000001200` -> (the root of P, 1200)."""
-    from ..mirror.s3 import split_step_url
+    from .s3 import split_step_url
 
     loc, step = split_step_url(value)
     return BucketRoot(loc), step

@@ -1,5 +1,5 @@
-"""A checkpoint root in an S3 bucket (`s3://BUCKET/PREFIX`): mirror/remote.py reads and prunes
-it (marker first, no lock), mirror/commit.py reads its commits."""
+"""A checkpoint root in an S3 bucket (`s3://BUCKET/PREFIX`): bucketsteps.py reads and prunes
+it (marker first, no lock), bucketcommit.py reads its commits."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from .root import Progress, VerifyResult
 
 if TYPE_CHECKING:
     from ..checkpoint.manifest import Manifest
-    from ..mirror.remote import RemoteStep
-    from ..mirror.s3 import S3Location
     from ..retention import CheckpointRecord, PrunePlan, PruneResult, RetentionPolicy
+    from .bucketsteps import RemoteStep
+    from .s3 import S3Location
 
 log = logging.getLogger("slurmresume")
 
@@ -39,16 +39,16 @@ class BucketRoot:
     @property
     def s3(self) -> Any:
         if self._s3 is None:
-            from ..mirror.s3 import client
+            from .s3 import client
 
             self._s3 = client(self._settings)
         return self._s3
 
     def listing(self) -> list[RemoteStep]:
         """One listing of the step folders, newest first (sizes, uploads in flight; no object read)."""
-        from ..mirror import remote
+        from . import bucketsteps
 
-        return remote.scan(self.s3, self.loc)
+        return bucketsteps.scan(self.s3, self.loc)
 
     def steps(self) -> list[int]:
         return [rs.step for rs in self.listing()]
@@ -56,16 +56,16 @@ class BucketRoot:
     def inspect(self, step: int, *, verify: bool = False, scan: bool = False, sizes: bool = True,
                 listed: RemoteStep | None = None) -> CheckpointInfo:
         """`listed`: this step's entry of a listing already made (else one is made)."""
-        from ..mirror import remote
+        from . import bucketsteps
 
         if listed is None:
-            listed = next((rs for rs in self.listing() if rs.step == step), None) or remote.RemoteStep(step)
-        return remote.inspect(self.s3, self.loc, listed, verify)
+            listed = next((rs for rs in self.listing() if rs.step == step), None) or bucketsteps.RemoteStep(step)
+        return bucketsteps.inspect(self.s3, self.loc, listed, verify)
 
     def infos(self, *, verify: bool = False, scan: bool = False) -> list[CheckpointInfo]:
-        from ..mirror import remote
+        from . import bucketsteps
 
-        return remote.list_remote(self.s3, self.loc, verify)
+        return bucketsteps.list_remote(self.s3, self.loc, verify)
 
     def latest(self, *, verify: bool = False, exclude: Collection[int] = (), max_step: int | None = None,
                scan: bool = False, sizes: bool = True, warn: bool = False,
@@ -74,12 +74,12 @@ class BucketRoot:
         """The newest complete step (a step without a marker is passed over unread). `listing`:
         one already made. `scan` and `sizes` change nothing here: a bucket step is always judged
         by its marker, manifest and the listed sizes."""
-        from ..mirror import remote
+        from . import bucketsteps
 
         for rs in listing if listing is not None else self.listing():
             if rs.step in exclude or not rs.has_marker or (max_step is not None and rs.step > max_step):
                 continue
-            info = remote.inspect(self.s3, self.loc, rs, verify)
+            info = bucketsteps.inspect(self.s3, self.loc, rs, verify)
             if info.complete:
                 return info
             if warn:
@@ -89,25 +89,25 @@ class BucketRoot:
         return None
 
     def read_marker(self, step: int) -> bytes:
-        from ..mirror.commit import read_remote_commit
+        from .bucketcommit import read_remote_commit
 
         return read_remote_commit(self.s3, self.loc, step).marker_raw
 
     def read_manifest(self, step: int) -> Manifest:
-        from ..mirror.commit import read_remote_commit
+        from .bucketcommit import read_remote_commit
 
         return read_remote_commit(self.s3, self.loc, step).manifest
 
     def open_range(self, step: int, name: str, offset: int, length: int) -> bytes:
-        from ..mirror.remote import object_key
-        from ..mirror.s3 import get_range
+        from .bucketsteps import object_key
+        from .s3 import get_range
 
         return get_range(self.s3, self.loc, object_key(self.s3, self.loc, step, name), offset, offset + length)
 
     def verify(self, step: int | None = None, every: bool = False,
                progress: Progress | None = None) -> list[VerifyResult]:
         """Hash every shard object of the chosen step(s) against its manifest."""
-        from ..mirror import remote
+        from . import bucketsteps
 
         steps = self.listing()
         if every:
@@ -126,16 +126,16 @@ class BucketRoot:
             raise NoCheckpointError(f"no complete checkpoint under {self.url} to verify")
         results = []
         for done, rs in enumerate(chosen, 1):
-            info = remote.inspect(self.s3, self.loc, rs, verify=True)
+            info = bucketsteps.inspect(self.s3, self.loc, rs, verify=True)
             results.append(VerifyResult(rs.step, info.url, info.complete, [info.problem] if info.problem else []))
             if progress is not None:
                 progress(done, len(chosen))
         return results
 
     def records(self) -> list[CheckpointRecord]:
-        from ..mirror import remote
+        from . import bucketsteps
 
-        return remote.records(self.s3, self.loc)
+        return bucketsteps.records(self.s3, self.loc)
 
     def plan(self, records: Iterable[CheckpointRecord], policy: RetentionPolicy, now: float) -> PrunePlan:
         from ..retention import plan_prune
@@ -147,11 +147,11 @@ class BucketRoot:
 
     def prune(self, policy: RetentionPolicy, approved: Collection[str] | None = None, *,
               progress: Progress | None = None) -> PruneResult:
-        from ..mirror import remote
+        from . import bucketsteps
 
-        return remote.prune(self.s3, self.loc, policy, approved=approved, progress=progress)
+        return bucketsteps.prune(self.s3, self.loc, policy, approved=approved, progress=progress)
 
     def delete(self, step: int) -> None:
-        from ..mirror import remote
+        from . import bucketsteps
 
-        remote.delete_step(self.s3, self.loc, step)
+        bucketsteps.delete_step(self.s3, self.loc, step)

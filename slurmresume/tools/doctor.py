@@ -293,7 +293,7 @@ def last_checkpoint_bytes(root: Path) -> int:
 
 def measured_saves(events: list[dict[str, Any]], last: int = 16) -> tuple[list[float], float | None]:
     """Seconds of the last `last` committed saves, and seconds per step (None: unknown)."""
-    from ..train.policy import estimate_from_events
+    from ..train.savepolicy import estimate_from_events
 
     secs = save_seconds(events)[-last:]
     return secs, estimate_from_events(events).step_s if events else None
@@ -301,16 +301,16 @@ def measured_saves(events: list[dict[str, Any]], last: int = 16) -> tuple[list[f
 
 def run_doctor(root: Path | None, script: Path | None, lead: int, partition: str | None) -> list[Check]:
     """Gather every check (reads only; runs `scontrol show config/partition` when Slurm is here)."""
-    from .. import slurm
     from ..events import read_events
+    from ..slurm import run as slurm_run
 
     events = read_events(root) if root is not None and root.is_dir() else []
     saves, step_s = measured_saves(events)
     save_s = max(saves) if saves else None
     out: list[Check] = []
     try:
-        config = parse_keyvalues(slurm.run(["scontrol", "show", "config"]).stdout)
-        parts = parse_partitions(slurm.run(["scontrol", "show", "partition"]).stdout)
+        config = parse_keyvalues(slurm_run(["scontrol", "show", "config"]).stdout)
+        parts = parse_partitions(slurm_run(["scontrol", "show", "partition"]).stdout)
     except SlurmError as exc:
         out.append(Check("Slurm", WARN, f"cannot read the cluster configuration: {exc}",
                          "run doctor on a login node of the cluster"))

@@ -139,7 +139,7 @@ SCRATCH_PREFIX = "slurmresume-drill"
 def scratch_mirror(url: str, token: str) -> str:
     """drill --mirror s3://BUCKET/PREFIX: the runs mirror to a scratch prefix in the same bucket,
     beside PREFIX and never under it (PREFIX may be a real run's: it must stay byte-for-byte)."""
-    from ..mirror.s3 import parse_s3_url
+    from ..storage.s3 import parse_s3_url
 
     return f"s3://{parse_s3_url(url).bucket}/{SCRATCH_PREFIX}/{token}"
 

@@ -175,14 +175,14 @@ def _partitions() -> list[dict[str, str]]:
     """`scontrol show partition`, parsed; empty where Slurm is not here or does not answer."""
     import shutil
 
-    from .. import slurm
     from ..errors import SlurmError
+    from ..slurm import run as slurm_run
     from .doctor import parse_partitions
 
     if shutil.which("scontrol") is None:
         return []
     try:
-        return parse_partitions(slurm.run(["scontrol", "show", "partition"], timeout=15.0).stdout)
+        return parse_partitions(slurm_run(["scontrol", "show", "partition"], timeout=15.0).stdout)
     except SlurmError:
         return []
 

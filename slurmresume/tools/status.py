@@ -28,7 +28,7 @@
     last_hang     the newest `hang` event (null: none): {time, run_id, ranks, step, phase, silent_s,
                    budget_s, dump_dir, rank_states, host}, plus hangs: int (all logged)
     interval      only with compute_status(with_interval=True): the save interval and its cost
-                  (policy.interval_summary; seconds unless named otherwise; null: not known yet)
+                  (savepolicy.interval_summary; seconds unless named otherwise; null: not known yet)
                   {current_s, source: "logged"|"observed"|null, auto_s (Young/Daly clamped to
                    [min_s, max_s]), young_daly_s (unclamped sqrt(2*C*MTBF)), min_s, max_s,
                    save_cost_s (median of recent saves), saves: int, steps_per_second,
@@ -75,12 +75,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import slurm
 from ..errors import ConfigError, SlurmError
 from ..events import EV_HANG, EV_REQUEUED, read_events
 from ..job.leadtime import LeadReport, lead_report
 from ..slurm import parse_sacct, parse_squeue
-from ..train.policy import interval_summary
+from ..slurm import run as slurm_run
+from ..train.savepolicy import interval_summary
 from .failures import unwarned_failures
 from .health import judge
 from .status_judge import judge_health
@@ -107,7 +107,7 @@ def run_slurm(args: list[str], timeout: float = 10.0) -> str | None:
     or None when the command is not installed. Raises SlurmError on failure or timeout."""
     if shutil.which(args[0]) is None:
         return None
-    return slurm.run(args, timeout).stdout
+    return slurm_run(args, timeout).stdout
 
 
 def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | None = None,
@@ -157,7 +157,7 @@ def compute_status(root: Path, *, job_id: str | None = None, best_metric: str | 
 
 
 def _lead(events: list[dict[str, Any]], rows: list[CheckpointRow]) -> LeadReport:
-    from ..train.policy import estimate_from_events
+    from ..train.savepolicy import estimate_from_events
 
     newest = next((r for r in rows if r.newest), None)
     step_s = estimate_from_events(events).step_s if events else None

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 from ..job.leadtime import LeadReport
-from ..train.policy import IntervalSummary
+from ..train.savepolicy import IntervalSummary
 from .health import Headline
 
 SCHEMA = "slurmresume.tools.status/1"

@@ -32,8 +32,8 @@ def ask_mirror(events: list[dict[str, Any]], rows: list[CheckpointRow], now: flo
                            "behind": None, "error": None}
     try:
         from ..errors import CheckpointError, ConfigError
-        from ..mirror.s3 import parse_s3_url
-        from ..mirror.settings import MirrorSettings
+        from ..storage.s3 import parse_s3_url
+        from ..storage.settings import MirrorSettings
 
         settings = MirrorSettings.from_env()
         bucket = BucketRoot(parse_s3_url(url), settings=settings)

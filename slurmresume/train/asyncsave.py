@@ -23,7 +23,7 @@ from .heartbeat import SAVE, Beat, phase
 from .snapshot import SnapshotPool
 
 if TYPE_CHECKING:
-    from .policy import SaveScheduler
+    from .savepolicy import SaveScheduler
     from .saving import Payload
 
 log = logging.getLogger("slurmresume")

@@ -29,9 +29,9 @@ from .ddptrack import DDPTracker
 
 if TYPE_CHECKING:  # the front door's types, for a reader and a type checker; imported where used
     from ..mirror.background import Mirror
-    from ..mirror.s3 import S3Location
     from ..retention import RetentionPolicy
-    from .policy import SavePolicy
+    from ..storage.s3 import S3Location
+    from .savepolicy import SavePolicy
 from .emergency import save_and_exit
 from .failsave import failure_guard
 from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, expect_io, phase

@@ -11,7 +11,7 @@ from ..errors import ConfigError
 def check_options(save_every: Any, async_overlap: Any, retention: Any, on_save_error: Any,
                   save_policy: Any) -> None:
     from ..retention import RetentionPolicy
-    from .policy import SavePolicy
+    from .savepolicy import SavePolicy
 
     if save_every is not None and (not isinstance(save_every, int) or save_every < 1):
         raise ConfigError(f"save_every must be a positive integer or None, got {save_every!r}")

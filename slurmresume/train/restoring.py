@@ -48,7 +48,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .. import IMPORTED_AT
 from ..checkpoint import exchange
 from ..checkpoint.agreement import LoadAgreement
 from ..checkpoint.collective import Group
@@ -66,6 +65,7 @@ from ..checkpoint.store import (
 from ..contract import ENV_ALLOW_FRESH_START, ENV_RESTORE_STAGING, ENV_RESTORE_WARM, ENV_RUN_ID
 from ..errors import CheckpointError, ConfigError, CorruptCheckpointError
 from ..events import EV_RESTORED, process_started_at, try_append_event
+from ..importtime import IMPORTED_AT
 from ..storage import DirRoot
 from . import rng
 from .heartbeat import expect_io

@@ -57,7 +57,7 @@ from .breakdown import describe as describe_breakdown
 from .logs import size as log_size
 
 if TYPE_CHECKING:
-    from .policy import SaveScheduler
+    from .savepolicy import SaveScheduler
 
 log = logging.getLogger("slurmresume")
 

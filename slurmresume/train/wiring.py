@@ -36,7 +36,7 @@ from .signals import SignalFlag, install_flag
 from .verdict import StepBoundary, drill_first_save_from_env, drill_step_from_env
 
 if TYPE_CHECKING:
-    from .policy import SaveScheduler
+    from .savepolicy import SaveScheduler
 
 
 @dataclass
@@ -79,7 +79,7 @@ def wire(root: Path, explicit_root: str | os.PathLike[str] | None, *, save_every
     from ..checkpoint.nodefile import check_layout, link_for
     from ..contract import ENV_MIRROR
     from ..mirror.hook import mirror_for
-    from .policy import scheduler_for
+    from .savepolicy import scheduler_for
 
     mirror_for(mirror, rank=-1)  # validates the URL (ConfigError) before any setup
     layout = check_layout(mirror is not None or bool(os.environ.get(ENV_MIRROR)))  # per-node: no mirror

@@ -46,7 +46,7 @@ def unique_url(bucket: str = BUCKET) -> str:
 @pytest.fixture
 def s3(monkeypatch: pytest.MonkeyPatch):
     """A boto3 client for the test server (the AWS variables set for the test), bucket created."""
-    from slurmresume.mirror.s3 import client
+    from slurmresume.storage.s3 import client
 
     for key, value in aws_env().items():
         monkeypatch.setenv(key, value)

@@ -22,7 +22,7 @@ import xxhash
 from ..checkpoint.layout import MANIFEST, MARKER, parse_step_dir, step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..errors import CheckpointError, UnreadableCheckpointError
-from .commit import ATTEMPT_PREFIX, RemoteCommit, read_remote_commit
+from .bucketcommit import ATTEMPT_PREFIX, RemoteCommit, read_remote_commit
 from .s3 import S3Location, call, list_objects, point
 
 if TYPE_CHECKING:

@@ -1,5 +1,6 @@
-"""The per-node launcher: runs torchrun, keeps it alive on the warning signal, makes sure every
-worker hears the signal, and decides what happens when torchrun exits (requeue, retry, stop).
+"""One torchrun run on this node, for the node launcher (node.py's `NodeLauncher`): starts torchrun,
+keeps it alive on the warning signal, makes sure every worker hears the signal, and says what the
+run left (`run_torchrun` -> `RunResult`), from which `decision.decide` picks requeue, retry or stop.
 
 Why forward at all: under proctrack/cgroup Slurm signals only the srun task (this process),
 never torchrun's agent or the workers; and an unhandled SIGUSR1 would kill the agent. So torchrun
