@@ -161,3 +161,21 @@ def test_an_unwarned_failure_carries_on_by_default(tmp_path: Path) -> None:
     assert decide(stuck, failures_done=51, previous_progressed=None, **kw)[0] == "retry"
     assert decide(stuck, failures_done=52, previous_progressed=False, **kw)[0] == "give_up"
     assert decide(killed, failures_done=0, previous_progressed=True, **{**kw, "max_failures": 0})[0] == "give_up"
+
+
+@pytest.mark.parametrize(("node", "lost", "action"), [
+    (0, (1,), "requeue"),  # the first node requeues
+    (1, (2,), "stop"),  # another survivor leaves it to the first node
+    (1, (0,), "requeue"),  # the first node is the one lost: every survivor requeues
+])
+def test_a_lost_node_requeues_the_job_instead_of_retrying_in_the_allocation(node: int, lost: tuple[int, ...],
+                                                                             action: str) -> None:
+    """Issue 47: a node whose launcher is gone (job/deathboard.py) cannot rendezvous again in this
+    allocation: the job is requeued (a retry would wait at a rendezvous the lost node never joins),
+    with the usual caps (no checkpoint, --max-requeues, the crash loop)."""
+    kw = dict(requeues_done=0, max_requeues=None, failures_done=0, max_failures=None, previous_progressed=True)
+    got, why = decide(RunResult(1, None, 20, 23, lost_nodes=lost), first_node=node == 0, **kw)
+    assert got == action and f"node {lost[0]} lost" in why, why
+    assert decide(RunResult(1, None, None, None, lost_nodes=(1,)), first_node=True, **kw)[0] == "give_up"
+    assert decide(RunResult(1, None, 20, 23, lost_nodes=(1,)), first_node=True, **{**kw, "requeues_done": 3,
+                                                                                     "max_requeues": 3})[0] == "give_up"

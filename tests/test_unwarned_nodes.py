@@ -122,6 +122,31 @@ def _state_of(pid: int) -> str:
         return "?"
 
 
+def _two_nodes_until_stopped(tmp_path: Path, env: dict[str, str], job_id: str, rank: int = 3
+                             ) -> tuple[list[subprocess.Popen[str]], int]:
+    """Both emulated nodes (node 1 first, so its agent gets ranks 0-1), run until global rank
+    `rank` stopped itself (helpers/unwarned_train.py): the launchers [node 0, node 1] and its pid.
+    On any failure every tree is killed and their output printed."""
+    port = free_port()
+    launchers = [node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id=job_id)]
+    try:
+        agent_started(launchers[0].pid)
+        launchers.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", ARGS, env=env,
+                                          job_id=job_id))
+        end = time.monotonic() + 600
+        pid = None
+        while pid is None or _state_of(pid) != "T":
+            assert all(p.poll() is None for p in launchers) and time.monotonic() < end, "ended before the kill"
+            time.sleep(0.02)
+            pid = pid or global_rank_pid(launchers, rank)
+        return launchers, pid
+    except BaseException:
+        for p in launchers:  # the failure above is the one to report
+            signal_tree(p.pid, signal.SIGKILL)
+        print("\n".join((p.communicate()[0] or "")[-3000:] for p in launchers))
+        raise
+
+
 @pytest.mark.slow
 def test_a_rank_sigkilled_on_one_node_is_saved_for_by_the_survivors_of_both_nodes(
         tmp_path: Path, reference: Path) -> None:
@@ -134,25 +159,8 @@ def test_a_rank_sigkilled_on_one_node_is_saved_for_by_the_survivors_of_both_node
     kill_step = random.Random(4747).randint(12, 24)
     root, record = tmp_path / "ckpt", tmp_path / "record"
     env = {"STOP_AFTER_STEP": str(kill_step), "STOP_RANK": "3", ENV_DRILL_RECORD: str(record)}
-    port = free_port()
-    second = node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4747")
-    launchers = [second]
-    try:
-        agent_started(second.pid)
-        launchers.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", ARGS, env=env,
-                                          job_id="4747"))
-        end = time.monotonic() + 600
-        pid = None
-        while pid is None or _state_of(pid) != "T":
-            assert all(p.poll() is None for p in launchers) and time.monotonic() < end, "ended before the kill"
-            time.sleep(0.02)
-            pid = pid or global_rank_pid(launchers, 3)
-        signal_tree(pid, signal.SIGKILL)
-    except BaseException:
-        for p in launchers:  # the failure above is the one to report
-            signal_tree(p.pid, signal.SIGKILL)
-        print("\n".join((p.communicate()[0] or "")[-3000:] for p in launchers))
-        raise
+    launchers, pid = _two_nodes_until_stopped(tmp_path, env, "4747")
+    signal_tree(pid, signal.SIGKILL)
     outs = finish_all(launchers, 600)
     assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outs)
 
@@ -185,25 +193,9 @@ def test_a_node_lost_whole_is_saved_for_by_the_other_node_and_the_job_requeued(
     root, record, calls = tmp_path / "ckpt", tmp_path / "record", tmp_path / "scontrol.log"
     env = {"STOP_AFTER_STEP": str(kill_step), "STOP_RANK": "3", ENV_DRILL_RECORD: str(record),
            "SCONTROL_LOG": str(calls)}
-    port = free_port()
-    second = node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4748")
-    launchers = [second]
-    try:
-        agent_started(second.pid)
-        launchers.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", ARGS, env=env,
-                                          job_id="4748"))
-        end = time.monotonic() + 600
-        pid = None
-        while pid is None or _state_of(pid) != "T":
-            assert all(p.poll() is None for p in launchers) and time.monotonic() < end, "ended before the kill"
-            time.sleep(0.02)
-            pid = pid or global_rank_pid(launchers, 3)
-        lost = next(p for p in launchers if pid in process_tree(p.pid))
-        signal_tree(lost.pid, signal.SIGKILL)  # the launcher, its torchrun agent and both ranks
-    except BaseException:
-        for p in launchers:
-            signal_tree(p.pid, signal.SIGKILL)
-        raise
+    launchers, pid = _two_nodes_until_stopped(tmp_path, env, "4748")
+    lost = next(p for p in launchers if pid in process_tree(p.pid))
+    signal_tree(lost.pid, signal.SIGKILL)  # the launcher, its torchrun agent and both ranks
     outs = finish_all(launchers, 600)
     survivor = next(p for p in launchers if p is not lost)
     assert survivor.returncode == LAUNCHER_EXIT_REQUEUED, "\n".join(o[-3000:] for o in outs)

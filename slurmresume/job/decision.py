@@ -103,12 +103,17 @@ def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_reque
     if kind == "warned_without_save":
         return "give_up", ("the warning signal reached the script but it saved nothing (no ckpt.step() "
                            "after it?): this run's work since the last checkpoint is lost")
-    if kind == "failed" and result.lost_nodes:
-        return _decide_lost(result, first_node, requeues_done, max_requeues, previous_progressed)
-    if kind == "failed":
+    if kind == "failed" and not result.lost_nodes:
         return _decide_failure(result, failures_done, max_failures, previous_progressed)
-    why = _why(result)
-    if not first_node:
+    if kind == "failed":
+        # a node whose launcher is gone with its ranks cannot rendezvous again in this allocation:
+        # requeue (by the first node, or by every survivor when the first node is the one lost) and
+        # resume from the newest committed step, the survivors' failure save when it committed
+        why = f"node {', '.join(map(str, result.lost_nodes))} lost (its launcher is gone with its ranks)"
+        requeuer = first_node or 0 in result.lost_nodes
+    else:
+        why, requeuer = _why(result), first_node
+    if not requeuer:
         return "stop", f"{why}: the first node requeues the job"
     if result.latest_after is None:
         return "give_up", f"{why}, and there is no complete checkpoint to resume from"
@@ -118,26 +123,6 @@ def decide(result: RunResult, *, first_node: bool, requeues_done: int, max_reque
         return "give_up", ("crash loop: no new committed step in two consecutive runs "
                            f"(newest is still {result.latest_after})")
     return "requeue", why
-
-
-def _decide_lost(result: RunResult, first_node: bool, requeues_done: int, max_requeues: int | None,
-                 previous_progressed: bool | None) -> tuple[str, str]:
-    """A node whose launcher is gone (its ranks with it): they cannot rendezvous again in this
-    allocation, so the job is requeued (by the first node, or by every survivor when the first
-    node is the one lost) and resumes from the newest committed step: the survivors' failure save
-    when it committed."""
-    nodes = ", ".join(map(str, result.lost_nodes))
-    why = f"node {nodes} lost (its launcher is gone with its ranks)"
-    if not first_node and 0 not in result.lost_nodes:
-        return "stop", f"{why}: the first node requeues the job"
-    if result.latest_after is None:
-        return "give_up", f"{why}, and there is no complete checkpoint to resume from"
-    if max_requeues is not None and requeues_done >= max_requeues:
-        return "give_up", f"{why}; after {requeues_done} requeues: --max-requeues {max_requeues} reached"
-    if not result.progressed and previous_progressed is False:
-        return "give_up", ("crash loop: no new committed step in two consecutive runs "
-                           f"(newest is still {result.latest_after})")
-    return "requeue", f"{why}; requeueing the job, to resume from step {result.latest_after}"
 
 
 def _decide_failure(result: RunResult, failures_done: int, max_failures: int | None,

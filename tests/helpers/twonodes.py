@@ -29,8 +29,11 @@ def node_launcher(tmp_path: Path, node: int, port: int, script: Path, args: list
     root `tmp_path/ckpt`. Both nodes share one nonce (submitit pickles one launcher for all)."""
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
-    (bindir / "scontrol").write_text(FAKE_SCONTROL)
-    (bindir / "scontrol").chmod(0o755)
+    if not (bindir / "scontrol").exists():  # the other node may be running it now: never write it twice (ETXTBSY)
+        tmp = bindir / f".scontrol.{os.getpid()}"
+        tmp.write_text(FAKE_SCONTROL)
+        tmp.chmod(0o755)
+        os.replace(tmp, bindir / "scontrol")
     kw = f", {spec_kw}" if spec_kw else ""
     code = ("import sys; from pathlib import Path; from slurmresume.job.config import JobSpec; "
             "from slurmresume.job.hang import HangBudgets; from slurmresume.job.node import NodeLauncher; "
