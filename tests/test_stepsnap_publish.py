@@ -332,7 +332,10 @@ def test_tail_changed_is_exact_also_when_writes_are_coalesced(
     got = _snap(tmp_path / "hb" / "snap-0-1")  # step 7
     assert got["step"] == 7 and set(got["tail_changed"]) == expect
     tail = _snap(tmp_path / "hb" / "snap-0-tail")
-    assert tail["tail_of"] == 6 and not {"entry:optimizer", "entry:scheduler", "entry:sampler"} & set(tail["digests"])
+    # which pieces the tail leaves out (those known to change) is learned on the publisher's thread:
+    # a tail grabbed before it caught up carries them too (a larger record, never a wrong one), so
+    # only the step is asserted here; tail_changed above is the exact part (CI 2026-12-07, loaded)
+    assert tail["tail_of"] == 6
     if behind:  # boundary 4 and the tail before it (the RNG's change) were never written: compared all the same
         assert [_read(w)["step"] for w in gate.written] == [2, 6]
         assert [_read(w)["tail_of"] for w in _gate(guard, "tail").written] == [1, 6]
