@@ -58,6 +58,7 @@ from .guardian import Guardian
 from .hangwatch import HangWatch, heartbeat_dir
 from .memroot import create as create_memory_root
 from .memroot import remove as remove_memory_root
+from .peercopy import PeerCopy, rate_from_env
 from .torchrun import (
     JobClock,
     Relay,
@@ -212,6 +213,7 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
             hb = {ENV_HEARTBEAT_DIR: str(watch.directory)} if watch.directory is not None else {}
             board = _board(root, run_id, watch.directory, extra, first_node)
             hb.update(board.env() if board is not None else {})
+            copy = _peer_copy(memory, board, extra)
             wenv = worker_env(spec, run_id, restart, {**env, **hb}, first_run=restart == 0 and failures + hangs == 0)
             try:
                 result = run_torchrun(cmd, wenv, root, run_id, relay.warn, relay, clock=clock, guardian=guardian,
@@ -219,6 +221,8 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
                                       lost=(lambda: lease.lost) if lease is not None else None, board=board)
             finally:
                 watch.close()
+                if copy is not None:
+                    copy.close()
                 if board is not None:
                     board.close()
             last = read_last_run(root, job_key, nonce)
@@ -279,6 +283,20 @@ def _board(root: Path, run_id: str, local: Path | None, extra: dict[str, Any], f
         return DeathBoard(root, run_id, local, int(extra.get("node", 0)), int(extra["nodes"]))
     except OSError as exc:
         log.warning("no failure save across nodes for run %s: %s", run_id, exc)
+        return None
+
+
+def _peer_copy(memory: Path | None, board: DeathBoard | None, extra: dict[str, Any]) -> PeerCopy | None:
+    """Several nodes with a memory tier: this node's snapshots copied to the next node, and the
+    previous node's kept here (job/peercopy.py), for this run. None on one node, without a memory
+    root (today: always on several nodes, see `_memory_root`) or with $SLURMRESUME_PEER_COPY_MBS=0."""
+    rate = rate_from_env()
+    if memory is None or board is None or rate is None:
+        return None
+    try:
+        return PeerCopy(memory, board.dir, int(extra.get("node", 0)), int(extra["nodes"]), rate).start()
+    except OSError as exc:
+        log.warning("no peer copy of the memory tier for this run: %s", exc)
         return None
 
 
