@@ -289,7 +289,7 @@ def _board(root: Path, run_id: str, local: Path | None, extra: dict[str, Any], f
 def _peer_copy(memory: Path | None, board: DeathBoard | None, extra: dict[str, Any]) -> PeerCopy | None:
     """Several nodes with a memory tier: this node's snapshots copied to the next node, and the
     previous node's kept here (job/peercopy.py), for this run. None on one node, without a memory
-    root (today: always on several nodes, see `_memory_root`) or with $SLURMRESUME_PEER_COPY_MBS=0."""
+    root or with $SLURMRESUME_PEER_COPY_MBS=0."""
     rate = rate_from_env()
     if memory is None or board is None or rate is None:
         return None
@@ -301,13 +301,9 @@ def _peer_copy(memory: Path | None, board: DeathBoard | None, extra: dict[str, A
 
 
 def _memory_root(spec: JobSpec, job_key: str, extra: dict[str, Any]) -> Path | None:
-    """This node's memory-tier root, or None: `--snapshot-every off`, no tmpfs, or several nodes
-    (the tier is one node's for now: a step's replicated tensors live in rank 0's shard, on one
-    node only; a node's own copy of them and the peer copy come with issue #49's items 2 and 4)."""
+    """This node's memory-tier root, or None: `--snapshot-every off` or no tmpfs. On several nodes
+    each node has its own, holding its ranks' shards of each snapshot (train/memtier.py)."""
     if parse_snapshot_every(spec.snapshot_every) == 0:
-        return None
-    if int(extra.get("nodes", 1)) > 1:
-        log.info("memory tier off: it holds one node's jobs only for now (%s nodes)", extra.get("nodes"))
         return None
     return create_memory_root(job_key, int(extra.get("node", 0)))
 

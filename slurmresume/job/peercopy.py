@@ -20,9 +20,9 @@ Who does what (every node's launcher, `PeerCopy`, two threads):
   - receiver: one sender at a time (the ring's previous node). Refused before a byte lands when
     the names are not plain relative paths inside one step directory or the copy would not fit
     the memory root's file system with HEADROOM to spare (one warning). The bytes go to a private
-    `.saving.` directory of `peers/n<node>/`; then the step is verified like a file checkpoint
-    (`checkpoint.store.inspect_dir(verify=True)`: the manifest, every file's size, every block's
-    digest) and only then renamed into place, so a replica is either complete and verified or
+    `.saving.` directory of `peers/n<node>/`; then it is verified (`verify_part`: the manifest
+    pinned by the marker, and every file the node holds whole against its size and digest: a
+    node's root holds its own ranks' shards) and only then renamed into place, so a replica is either complete and verified or
     absent (never a partial one with a name). The older replica of that node is then removed: at
     most two per node exist (the newest and the one arriving). A transfer cut short or a byte
     flipped on the way: that copy is dropped (one warning naming why), the next snapshot is sent.
@@ -54,7 +54,10 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.layout import MARKER, SAVING_PREFIX, step_dir_name, step_dirs
-from ..checkpoint.store import inspect_dir, newest_committed
+from ..checkpoint.manifest import read_manifest
+from ..checkpoint.shardread import hash_file, split_locator
+from ..checkpoint.store import newest_committed
+from ..errors import CheckpointError
 from .deathboard import write_json
 
 log = logging.getLogger("slurmresume")
@@ -108,6 +111,26 @@ def listing(step_dir: Path) -> list[tuple[str, int]]:
                 found.append((rel, st.st_size))
     found.append((MARKER, (step_dir / MARKER).lstat().st_size))
     return found
+
+
+def verify_part(path: Path, step: int) -> str | None:
+    """The receiver: a copy of one node's part of a committed step (on several nodes a node's root
+    holds its own ranks' shards, train/memtier.py): its manifest, pinned by its marker, and every
+    file the manifest lists that the copy holds, whole against its recorded size and digest; at
+    least one shard. None, or why not."""
+    try:
+        manifest = read_manifest(path, expected_step=step)
+        shards = {s["file"] for s in manifest.shards}
+        present = [f for f in manifest.files if os.path.lexists(path / split_locator(f["file"])[0])]
+        if not any(f["file"] in shards for f in present):
+            return "it holds no shard of the step"
+        for f in present:
+            digest = hash_file(path, f["file"], f["bytes"])
+            if digest != f["xxh3"]:
+                return f"{f['file']} fails its checksum (xxh3 {digest}, manifest {f['xxh3']})"
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def header_problem(header: Any, free: int | None) -> str | None:
@@ -271,9 +294,9 @@ class PeerCopy:
                 path = tmp / rel
                 path.parent.mkdir(parents=True, exist_ok=True)
                 _receive_file(conn, path, size)
-            info = inspect_dir(step, tmp, verify=True)
-            if info.problem is not None or not info.has_marker:
-                raise _Bad(f"step {step} of node {node} failed its check: {info.problem or 'no marker'}")
+            problem = verify_part(tmp, step)
+            if problem is not None:
+                raise _Bad(f"step {step} of node {node} failed its check: {problem}")
             final = root / step_dir_name(step)
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)

@@ -52,7 +52,7 @@ from ..checkpoint import exchange
 from ..checkpoint.agreement import LoadAgreement
 from ..checkpoint.collective import Group
 from ..checkpoint.landed import Landing
-from ..checkpoint.layout import MARKER, step_dirs
+from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.residency import all_cached
 from ..checkpoint.sharding import to_json as sharding_json
 from ..checkpoint.state import apply_entries, flatten_live
@@ -99,6 +99,9 @@ class Request:
     # job's own tmpfs, which nothing writes between the passes, and the first pass verifies every
     # byte before the live state is touched
     warm: bool | None = None
+    # every rank reads the chosen step under its own `root`, not rank 0's path: the memory tier on
+    # several nodes, where each node's root is its own tmpfs holding its ranks' shards (memtier.py)
+    own_root: bool = False
 
     @classmethod
     def of(cls, step: int | None, verify: bool, restore_rng: bool, strict: bool,
@@ -131,10 +134,11 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
     tier = "memory" if choice is not None else "file"
     if choice is None:
         choice, io = restore_collective(group, root, state, req, mirror)
-        if memory is not None and group.rank == 0:  # memory snapshots past this step: another trajectory's
-            from .memtier import forget_from
+        if memory is not None:  # memory snapshots past this step: another trajectory's (each node's first rank)
+            from .memtier import forget_from, node_leader
 
-            forget_from(memory, choice.step + 1 if choice is not None else 0)
+            if node_leader():
+                forget_from(memory, choice.step + 1 if choice is not None else 0)
     if choice is None:
         if group.rank == 0:
             log.info("fresh start: no complete checkpoint under %s", root)
@@ -181,6 +185,8 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
         choice = pick_from_json(group.broadcast_json(pick_to_json(mine)))
         if isinstance(mine, RestoreChoice) and isinstance(choice, RestoreChoice):
             choice = mine  # rank 0 keeps its parse of the manifest (it never crosses ranks)
+        elif req.own_root and isinstance(choice, RestoreChoice):
+            choice = replace(choice, path=str(root / step_dir_name(choice.step)))
         if isinstance(choice, Failure):  # raised on every rank, same kind (rank 0: from its cause)
             raise choice.error() from (mine.cause if isinstance(mine, Failure) else None)
         if choice is None:
