@@ -299,6 +299,16 @@ def prune_records(root: Path, job_key: str, now: float) -> int:
 
 # -- signals: the warning signal's name (submit, the launcher, every rank) and the stack-dump signal --
 
+def write_json(path: Path, data: Any) -> None:
+    """One small note of the failure-time save's directories (a rank's pid, status or report, a
+    launcher's address, a rank posted dead), written whole: a reader sees the old file or the new
+    one. Several writers may post the same name (two survivors, or a rank and its launcher): each
+    writes its own temporary file. Not fsynced: the notes live for one run."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
 def parse_signal(name: str | int | signal.Signals) -> signal.Signals:
     """`USR1`, `SIGUSR1`, `10` or a Signals member -> Signals; ValueError on anything else."""
     if isinstance(name, signal.Signals):

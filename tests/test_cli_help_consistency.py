@@ -127,8 +127,9 @@ def test_every_submit_option_is_placed_in_a_typed_options_object() -> None:
     """`submit` used to forward `locals()` minus an exclusion list to the JobSpec: a new option
     went to it unnoticed. Now each option is a field of SpecOptions (to the JobSpec) or of
     SubmitFlags (steers the command), exactly one, and SpecOptions holds only JobSpec fields."""
-    from slurmresume.cli.job_inputs import SpecOptions, SubmitFlags
+    from slurmresume.cli.job_inputs import SpecOptions
     from slurmresume.job.config import JobSpec
+    from slurmresume.job.submitflow import SubmitFlags
 
     cmd = typer.main.get_command(app).commands["submit"]  # type: ignore[attr-defined]
     options = {p.name for p in cmd.params if p.name not in ("help", "script", "script_args")}

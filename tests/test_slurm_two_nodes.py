@@ -5,7 +5,6 @@ Switches the cluster to two nodes for this module and back to one afterwards."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -16,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.procs import rank_places, reversed_rendezvous_env
+from helpers.procs import find_processes, rank_places, reversed_rendezvous_env, signal_tree
 
 from slurmresume.checkpoint.store import find_latest
 from slurmresume.tools.compare import compare_checkpoints
@@ -224,17 +223,9 @@ def _stopped_rank(env_has: tuple[bytes, ...], script: bytes = b"unwarned_train.p
     """The pid of the (SIGSTOPped) rank whose environment holds every entry of `env_has`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if script not in cmd:
-                    continue
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if state == "T" and all(e in env for e in env_has):
-                return pid
+        stopped = find_processes(script, env_has, state="T")
+        if stopped:
+            return stopped[0]
         time.sleep(0.1)
     raise AssertionError(f"no stopped rank with {env_has} within {timeout:.0f} s")
 
@@ -282,20 +273,12 @@ def test_two_nodes_a_rank_sigkilled_on_the_second_node_costs_at_most_one_step(
     assert compare_checkpoints(ref_root / "step_000000030", root / "step_000000030") == []
 
 
-def _launcher_tree(job: str, node: int) -> list[int]:
-    """The node launcher (submitit's process) of `job` on SLURM_NODEID `node`, and its tree."""
-    from helpers.procs import process_tree
-
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"submitit.core._submit" in cmd and f"SLURM_NODEID={node}".encode() in env \
-                and f"SLURM_JOB_ID={job}".encode() in env:
-            return process_tree(pid)
-    raise AssertionError(f"no launcher of job {job} on node {node}")
+def _launcher(job: str, node: int) -> int:
+    """The node launcher (submitit's process) of `job` on SLURM_NODEID `node`."""
+    found = find_processes(b"submitit.core._submit", (f"SLURM_NODEID={node}".encode(), f"SLURM_JOB_ID={job}".encode()))
+    if not found:
+        raise AssertionError(f"no launcher of job {job} on node {node}")
+    return found[0]
 
 
 @pytest.mark.slurm_exclusive
@@ -314,9 +297,7 @@ def test_two_nodes_a_node_lost_whole_is_saved_for_by_the_other_and_slurm_requeue
         wait(lambda: any(e["event"] == "save_committed" and e["step"] >= 10 for e in events(root)), 240,
              f"step 10's commit\n{job_log(root, job)}")
         time.sleep(1.0)  # inside the steps after it
-        for pid in _launcher_tree(job, 1):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        signal_tree(_launcher(job, 1), signal.SIGKILL, top_first=True)  # the launcher first: no goodbye
     except BaseException:
         scancel(job)
         raise

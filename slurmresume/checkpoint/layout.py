@@ -90,6 +90,21 @@ def enclosing_step_dir(path: Path) -> Path | None:
     return None
 
 
+def refuse_step_dir(root: Path, command: str | None = None, flag: str = "-d") -> None:
+    """ConfigError naming the root when `root` is a step folder (what `latest` prints) or lies
+    under one: a command would otherwise find no checkpoint there, or write into a saved one.
+    `flag`: how `command` spells the root (`submit`: --ckpt-dir)."""
+    import shlex
+
+    step = enclosing_step_dir(root)
+    if step is None:
+        return
+    run = f"slurmresume {command} " if command else ""
+    what = ("is a step folder, not a checkpoint root: use its parent" if step == root else
+            f"is inside the step folder {step}, not a checkpoint root: use the root that holds it")
+    raise ConfigError(f"{root} {what}: {run}{flag} {shlex.quote(str(step.parent))}")
+
+
 def saving_dir_name(step: int, token: str) -> str:
     """The private directory one save writes into (token: 16 hex digits, unique per save)."""
     return f"{SAVING_PREFIX}{step_dir_name(step)}.{token}"

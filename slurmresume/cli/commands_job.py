@@ -1,24 +1,24 @@
-"""Job commands: `submit` (to Slurm, or `--local`) and `drill`. Thin adapters over the library."""
+"""Job commands: `submit` (to Slurm, or `--local`) and `drill`. Thin adapters over the library: the
+options become a JobSpec here; `submit`'s workflow is job.submitflow, `drill`'s tools.drill."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ..errors import ConfigError
-from ..events import EV_EXIT_AFTER_SAVE, EV_STARTED, EV_SUBMITTED
-from ..job.config import JobSpec, check_text, load_defaults, parse_sbatch_extras, split_signal
+from ..job.config import JobSpec, load_defaults, parse_sbatch_extras, split_signal
 from ..job.hang import HangBudgets
 from .app import app, handle_errors
-from .job_inputs import SpecOptions, SubmitFlags, find_python, next_command, refuse_local_ignored
-from .options import JsonOut, ckpt_dir_option, refuse_step_dir
+from .job_inputs import SpecOptions, find_python, next_command, refuse_local_ignored
+from .options import JsonOut, ckpt_dir_option
+
+if TYPE_CHECKING:
+    from ..job.submitflow import SubmitFlags
 
 # The defaults a JobSpec gets when neither the command line nor [tool.slurmresume] sets them (the
 # options are None, so that a configured value is not overridden). No default for --time (the
@@ -80,59 +80,16 @@ def _spec(script: Path, script_args: list[str] | None, opts: SpecOptions) -> Job
     return JobSpec(script=script.expanduser().absolute(), script_args=tuple(script_args or ()), **merged)
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """Point file descriptor 1 (inherited by torchrun and the ranks) at stderr meanwhile."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _warn_lead(root: Path, lead: int) -> None:
-    """One line on stderr when --signal-lead is shorter than the measured saves under `root` need
-    (leadtime.required_lead); a warning, not a refusal: the prediction may be stale."""
-    from ..events import read_events
-    from ..job.leadtime import lead_report, lead_warning
-    from ..tools.doctor import last_checkpoint_bytes
-    from ..train.savepolicy import estimate_from_events
-
-    if not root.is_dir():
-        return
-    events = read_events(root)
-    if not events:
-        return
-    rep = lead_report(events, lead, estimate_from_events(events).step_s, last_checkpoint_bytes(root) or None)
-    line = lead_warning(rep)
-    if line:
-        typer.echo(f"warning: {line}", err=True)
-
-
-def _interrupted_line(root: Path, checkpoint: int | None) -> str:
-    """The last line of a Ctrl-C'd local run: the step the ranks stopped at (their save on the
-    interrupt, from the event log) and the newest complete checkpoint a rerun resumes from."""
-    from ..events import read_events
-
-    events = read_events(root)[-200:]
-    starts = [i for i, e in enumerate(events) if e.get("event") == EV_STARTED]
-    run = events[starts[-1]:] if starts else []
-    saved = [e["step"] for e in run if e.get("event") == EV_EXIT_AFTER_SAVE and isinstance(e.get("step"), int)]
-    ckpt = f"checkpoint step {checkpoint}" if checkpoint is not None else "no checkpoint yet"
-    where = f"interrupted at step {saved[-1]}" if saved else "interrupted without a save"
-    return f"{where} ({ckpt}): the same command resumes from there"
-
-
 def _preflight(spec: JobSpec, **kwargs: Any) -> None:
     """Refuse before anything is queued or written what could only fail on the node (tools/preflight.py)."""
     from ..tools.preflight import preflight
 
     for line in preflight(spec, **kwargs):
-        typer.echo(f"warning: {line}", err=True)
+        _warn(line)
+
+
+def _warn(line: str) -> None:
+    typer.echo(f"warning: {line}", err=True)
 
 
 ScriptArg = Annotated[Path, typer.Argument(metavar="TRAIN_SCRIPT", help="Training script run by torchrun on every node.",
@@ -224,83 +181,23 @@ def submit(
         max_failures=max_failures, hang_timeout=hang_timeout, hang_startup=hang_startup, hang_busy=hang_busy,
         hang_save=hang_save, hang_io_rate=hang_io_rate, max_hangs=max_hangs, gres=gres, setup=setup, sbatch=sbatch,
         rdzv_port=rdzv_port, python=python, mirror=mirror, snapshot_every=snapshot_every)
+    from ..job.submitflow import SubmitFlags
+
     _submit(script, script_args, opts, SubmitFlags(
         local=local, dry_run=dry_run, json_out=json_out, resume_from=resume_from, branch=branch,
         discard_newer=discard_newer, takeover=takeover, no_script_check=no_script_check, shared_root=shared_root))
 
 
 def _submit(script: Path, script_args: list[str] | None, opts: SpecOptions, flags: SubmitFlags) -> None:
-    """`submit`'s workflow: refuse what cannot work before anything is created, then run here
-    (`--local`), preview (`--dry-run`) or submit, and print the result."""
-    local, dry_run, json_out, takeover = flags.local, flags.dry_run, flags.json_out, flags.takeover
-    resume_from, branch, discard_newer = flags.resume_from, flags.branch, flags.discard_newer
-    from .. import ownership
-    from ..job import submit as launch
-    from .render_job import print_json, print_submitted
+    """Build the JobSpec, run `submit`'s workflow (job.submitflow) and print its result."""
+    from ..job.submitflow import run_submit
+    from ..tools.preflight import submit_checks
+    from .render_job import print_submit_result
 
     spec = _spec(script, script_args, opts)
-    if local:
+    if flags.local:
         refuse_local_ignored(spec, opts)
-    if not dry_run:  # one owner per root: refused before anything is created, moved or submitted
-        ownership.check_free(spec.ckpt_dir, takeover=takeover)
-    # The same checks as every other value, before prepare_resume creates or deletes anything.
-    check_text("--resume-from", resume_from or "")
-    check_text("--branch", str(branch or ""))
-    # --dry-run previews on any machine: the nodes' file system is judged when it is submitted
-    _preflight(spec, strict_script=not local and not flags.no_script_check, shared_root=flags.shared_root or dry_run,
-               resume_from=resume_from, branch=branch, slurm=not local, script_imports=not flags.no_script_check)
-    if resume_from is not None and not dry_run:
-        from dataclasses import replace
-
-        from ..tools.lineage import prepare_resume
-
-        spec = replace(spec, ckpt_dir=prepare_resume(spec.ckpt_dir, resume_from, branch=branch,
-                                                     discard_newer=discard_newer))
-    elif branch is not None or discard_newer:
-        raise ConfigError("--branch and --discard-newer only make sense with --resume-from STEP")
-    _warn_lead(spec.ckpt_dir, spec.signal_lead)
-    refuse_step_dir(Path(spec.ckpt_dir).expanduser().absolute(), "submit", "--ckpt-dir")  # not only on the node
-    if not dry_run:
-        from ..tools.doctor import last_checkpoint_bytes, preflight_root
-
-        preflight_root(spec.ckpt_dir, last_checkpoint_bytes(spec.ckpt_dir))  # before any training
-    if local and dry_run:
-        from ..job.node import torchrun_command
-        from .render_job import print_local_preview
-
-        cmd = torchrun_command(spec, nnodes=1, endpoint=None, rdzv_id="local")
-        if json_out:
-            print_json({"job_id": None, "local": True, "torchrun": cmd, "ckpt_dir": str(spec.ckpt_dir), "dry_run": True})
-        else:
-            print_local_preview(cmd, spec.ckpt_dir)
-        return
-    if local:
-        from ..job.node import run_local
-
-        if json_out:  # stdout carries exactly one JSON document: training output goes to stderr
-            with _stdout_to_stderr():
-                result = run_local(spec, takeover=takeover)
-            print_json(result)
-        else:
-            result = run_local(spec, takeover=takeover)
-            if result.get("kind") != "interrupted":
-                typer.echo(f"local run {result['action']}: {result['reason']}")
-        if result.get("kind") == "interrupted":  # Ctrl-C: `submit --local && next` must not go on
-            typer.echo(_interrupted_line(spec.ckpt_dir, result.get("step")), err=True)
-            raise typer.Exit(130)
-        return
-    sub = launch.preview(spec) if dry_run else launch.submit(spec)
-    if not dry_run:
-        launch.claim_root(spec, sub.job_id, takeover=takeover)
-        from ..events import append_event
-
-        append_event(spec.ckpt_dir, EV_SUBMITTED, job=sub.job_id, job_id=sub.job_id, script=str(spec.script), nodes=spec.nodes,
-                     procs=spec.procs, signal_lead=spec.signal_lead, log_dir=str(sub.log_dir))
-    if json_out:
-        print_json({"job_id": sub.job_id or None, "log_dir": str(sub.log_dir), "sbatch_script": sub.sbatch_script,
-                    "torchrun": sub.torchrun, "ckpt_dir": str(spec.ckpt_dir), "dry_run": dry_run})
-    else:
-        print_submitted(sub.job_id, sub.log_dir, sub.sbatch_script if dry_run else None, sub.torchrun, spec.ckpt_dir)
+    print_submit_result(run_submit(spec, flags, submit_checks(), warn=_warn), json_out=flags.json_out)
 
 
 @app.command()
@@ -336,6 +233,7 @@ def drill(
     Example: slurmresume drill examples/train.py --preemptions 3 --nproc-per-node 2 -- --steps 60
     Example: slurmresume drill examples/train.py --hang 2 --nproc-per-node 2 -- --steps 40
     """
+    from ..job.submitflow import stdout_to_stderr
     from ..tools.compare import culprits
     from ..tools.drill import DrillInterrupted, run_drill, scratch_mirror
     from .render_job import print_drill, print_json
@@ -349,7 +247,7 @@ def drill(
     scratch = scratch_mirror(mirror, uuid.uuid4().hex[:12]) if mirror else None  # ConfigError on a bad URL
     # --json: stdout carries the verdict alone (`| jq` works); the runs' output goes to stderr
     try:
-        with _stdout_to_stderr() if json_out else contextlib.nullcontext():
+        with stdout_to_stderr() if json_out else contextlib.nullcontext():
             report = run_drill(spec, preemptions=0 if hang else (preemptions or 3), seed=seed, workdir=workdir,
                                ignore_keys=tuple(ignore or ()), hangs=hang, mirror=scratch)
     except (DrillInterrupted, KeyboardInterrupt):

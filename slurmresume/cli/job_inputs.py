@@ -1,6 +1,6 @@
 """What the job commands (submit, drill) make of what was typed, beyond the JobSpec's own checks:
-the typed options that become a JobSpec (`SpecOptions`) and the ones that steer `submit` itself
-(`SubmitFlags`), `--python` looked up on PATH, what `--local` cannot honour, and the `submit` line
+the typed options that become a JobSpec (`SpecOptions`; the ones that steer `submit` itself are
+job.submitflow's `SubmitFlags`), `--python` looked up on PATH, what `--local` cannot honour, and the `submit` line
 a passing drill suggests (`next:`), which must work when pasted."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class SpecOptions:
     """The command-line options that become JobSpec fields, by name (None: not given, so the
     [tool.slurmresume] value or our default applies; `gres` becomes a --sbatch entry). `submit`
     builds one field by field, so a new option reaches the JobSpec only by being added here;
-    every submit option is here or in SubmitFlags (test_cli_help_consistency)."""
+    every submit option is here or in job.submitflow.SubmitFlags (test_cli_help_consistency)."""
 
     ckpt_dir: Path | None = None
     nodes: int | None = None
@@ -58,22 +58,6 @@ class SpecOptions:
     def given(self) -> dict[str, Any]:
         """{field: value} of the options given (not None)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-
-
-@dataclass(frozen=True)
-class SubmitFlags:
-    """The `submit` options that steer the command, not the job: where it runs, what it prints,
-    where the run resumes from, whose root it may take."""
-
-    local: bool = False
-    dry_run: bool = False
-    json_out: bool = False
-    resume_from: str | None = None
-    branch: Path | None = None
-    discard_newer: bool = False
-    takeover: bool = False
-    no_script_check: bool = False
-    shared_root: bool = False
 
 
 def find_python(value: str) -> str:

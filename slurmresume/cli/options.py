@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import shlex
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ..checkpoint.layout import refuse_step_dir
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -91,18 +91,3 @@ def open_ckpt_root(value: str | Path | None, command: str) -> Root:
     from ..storage import open_root
 
     return open_root(value, resolve=lambda path: resolve_root(path, command))
-
-
-def refuse_step_dir(root: Path, command: str | None = None, flag: str = "-d") -> None:
-    """ConfigError naming the root when `root` is a step folder (what `latest` prints) or lies
-    under one: a command would otherwise find no checkpoint there, or write into a saved one.
-    `flag`: how `command` spells the root (`submit`: --ckpt-dir)."""
-    from ..checkpoint.layout import enclosing_step_dir
-
-    step = enclosing_step_dir(root)
-    if step is None:
-        return
-    run = f"slurmresume {command} " if command else ""
-    what = ("is a step folder, not a checkpoint root: use its parent" if step == root else
-            f"is inside the step folder {step}, not a checkpoint root: use the root that holds it")
-    raise ConfigError(f"{root} {what}: {run}{flag} {shlex.quote(str(step.parent))}")

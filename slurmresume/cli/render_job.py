@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from ..job.submitflow import SubmitResult
 
 console = Console()
 
@@ -39,6 +43,38 @@ def print_submitted(job_id: str, log_dir: Path, script: str | None, torchrun: li
     console.print(f"checkpoints: {ckpt_dir}", markup=False)
     # quoted: the line is meant to be pasted into a shell, and paths have spaces
     console.print(f"watch it:    slurmresume status --ckpt-dir {shlex.quote(str(ckpt_dir))} --job {job_id}", markup=False)
+
+
+def print_submit_result(result: SubmitResult, *, json_out: bool) -> None:
+    """What `submit` prints of job.submitflow's result; a Ctrl-C'd local run ends in exit 130
+    (`submit --local && next` must not go on)."""
+    from ..job.submitflow import Interrupted, JobPreview, LocalPreview, LocalRun
+
+    if isinstance(result, LocalPreview):
+        if json_out:
+            print_json({"job_id": None, "local": True, "torchrun": result.torchrun, "ckpt_dir": str(result.ckpt_dir),
+                        "dry_run": True})
+        else:
+            print_local_preview(result.torchrun, result.ckpt_dir)
+    elif isinstance(result, Interrupted):
+        if json_out:
+            print_json(result.record)
+        typer.echo(result.line, err=True)
+        raise typer.Exit(130)
+    elif isinstance(result, LocalRun):
+        if json_out:
+            print_json(result.record)
+        else:
+            typer.echo(f"local run {result.record['action']}: {result.record['reason']}")
+    else:
+        dry_run = isinstance(result, JobPreview)
+        sub = result.sub
+        if json_out:
+            print_json({"job_id": sub.job_id or None, "log_dir": str(sub.log_dir), "sbatch_script": sub.sbatch_script,
+                        "torchrun": sub.torchrun, "ckpt_dir": str(result.ckpt_dir), "dry_run": dry_run})
+        else:
+            print_submitted(sub.job_id, sub.log_dir, sub.sbatch_script if dry_run else None, sub.torchrun,
+                            result.ckpt_dir)
 
 
 def print_drill(report: Any, next_command: str = "") -> None:

@@ -36,7 +36,6 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 from ..contract import (
     ENV_FAILSAVE_SHARED,
@@ -44,6 +43,7 @@ from ..contract import (
     FAILSAVE_NOTICE,
     FAILSAVE_SUBDIR,
     RUNS_DIR,
+    write_json,
 )
 
 SCAN_S = 0.5  # how often a launcher lists the shared directory while its run lasts
@@ -209,12 +209,6 @@ class _Peer:
         elif word == "ranks" and args:
             with contextlib.suppress(ValueError):
                 ranks[node] = [int(r) for r in args.split(",")]
-
-
-def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def sweep(root: Path, keep: str, now: float | None = None) -> list[str]:

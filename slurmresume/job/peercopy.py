@@ -57,8 +57,8 @@ from ..checkpoint.layout import MARKER, SAVING_PREFIX, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.shardread import hash_file, split_locator
 from ..checkpoint.store import newest_committed
+from ..contract import write_json
 from ..errors import CheckpointError
-from .deathboard import write_json
 
 log = logging.getLogger("slurmresume")
 

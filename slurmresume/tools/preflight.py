@@ -4,7 +4,9 @@ queued or written, because it could only fail on the node, after the queue wait.
 Each check is a pure function over what the command already knows (the job spec, the script's
 source, /proc/mounts text, whether a module can be imported) returning one line or None;
 `preflight` gathers the texts through one seam each and raises the first refusal as a
-ConfigError (one line, exit 1). Nothing here writes.
+ConfigError (one line, exit 1). Nothing here writes. `submit_checks` hands `preflight`, the lead
+warning, the root's room and tools.lineage's `prepare_resume` (which writes) to `submit`'s
+workflow, job.submitflow.
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ from __future__ import annotations
 import importlib
 import signal as _signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..checkpoint.fsio import fs_type
 from ..contract import parse_signal
 from ..errors import ConfigError
 from ..job.config import JobSpec, slurm_time_seconds
 from .doctor import FAIL, check_script, slurm_limit_minutes
+
+if TYPE_CHECKING:
+    from ..job.submitflow import SubmitChecks
 
 # Memory and single-host block file systems: another node never sees what is written there.
 MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
@@ -226,3 +232,38 @@ def preflight(spec: JobSpec, *, strict_script: bool, shared_root: bool = False, 
             raise ConfigError(refusal)
         warnings.append(warning)
     return [w for w in warnings if w]
+
+
+def lead_warning(root: Path, lead: int) -> str | None:
+    """The line (without "warning: ") for a --signal-lead shorter than the measured saves under
+    `root` need (job.leadtime.required_lead), else None; a warning, not a refusal: the prediction
+    may be stale."""
+    from ..events import read_events
+    from ..job.leadtime import lead_report
+    from ..job.leadtime import lead_warning as line_for
+    from ..train.savepolicy import estimate_from_events
+    from .doctor import last_checkpoint_bytes
+
+    if not root.is_dir():
+        return None
+    events = read_events(root)
+    if not events:
+        return None
+    return line_for(lead_report(events, lead, estimate_from_events(events).step_s, last_checkpoint_bytes(root) or None))
+
+
+def _check_root(root: Path) -> None:
+    from .doctor import last_checkpoint_bytes, preflight_root
+
+    preflight_root(root, last_checkpoint_bytes(root))
+
+
+def submit_checks() -> SubmitChecks:
+    """The steps of `submit`'s workflow (job.submitflow.run_submit) that read the script, the
+    cluster and the root's history, or prepare a --resume-from root: this module, tools.lineage,
+    tools.doctor and train.savepolicy, which job/ does not import."""
+    from ..job.submitflow import SubmitChecks
+    from .lineage import prepare_resume
+
+    return SubmitChecks(preflight=preflight, prepare_resume=prepare_resume, check_root=_check_root,
+                        lead_warning=lead_warning)

@@ -74,6 +74,7 @@ from ..contract import (
     ENV_RUN_ID,
     FAILSAVE_NOTICE,
     FAILSAVE_SUBDIR,
+    write_json,
 )
 from ..events import EV_FAILURE_SAVE, EV_SAVE_COMMITTED, try_append_event
 from . import ddp, rng, stepsnap
@@ -86,7 +87,6 @@ from .peers import (
     posted_dead,
     publish_pid,
     read_status,
-    write_json,
     write_status,
 )
 from .snapcopy import Copier

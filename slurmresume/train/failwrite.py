@@ -34,8 +34,8 @@ from ..checkpoint.layout import shard_name
 from ..checkpoint.placement import arithmetic, local_box
 from ..checkpoint.reports import SaveOutcome, WriteReport
 from ..checkpoint.state import flatten, referenced
+from ..contract import write_json
 from . import failgpu, stepsnap
-from .peers import write_json
 from .survivors import Plan, ReplicaDims, coordinate, peers_of
 
 WRITE_WAIT_S = 20.0  # how long the committer waits for the other writers' shards, and they for its decision

@@ -12,9 +12,8 @@ import select
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from ..contract import FAILSAVE_DEAD_PREFIX
+from ..contract import FAILSAVE_DEAD_PREFIX, write_json
 from ..identity import start_ticks
 from .survivors import Status
 
@@ -103,12 +102,6 @@ def peers(directory: Path, ranks: range, me: int) -> dict[int, int] | None:
             fd = -1  # the pid is another process now: the rank is gone
         out[rank] = fd
     return out
-
-
-def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two survivors may post the same file
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def posted_dead(directory: Path) -> set[int]:

@@ -147,16 +147,36 @@ def process_tree(root: int) -> list[int]:
     return seen
 
 
-def signal_tree(root: int, sig: int) -> list[int]:
+def signal_tree(root: int, sig: int, *, top_first: bool = False) -> list[int]:
     """Send `sig` to every process of the tree under `root` (what proctrack/linuxproc does),
-    the deepest first (SIGKILL then leaves no child to a dead parent); returns the pids."""
+    the deepest first (SIGKILL then leaves no child to a dead parent); returns the pids.
+    `top_first`: `root` first, then down the tree (a node lost whole: its launcher must not see
+    its ranks die)."""
     pids = process_tree(root)
-    for pid in reversed(pids):
+    for pid in pids if top_first else reversed(pids):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
     return pids
+
+
+def find_processes(cmd_has: bytes, env_has: tuple[bytes, ...] = (), state: str | None = None) -> list[int]:
+    """Live processes, machine-wide, whose command line holds `cmd_has` and whose environment holds
+    every entry of `env_has` (whole NAME=value entries); `state`: only those in that /proc state
+    (T: stopped)."""
+    out = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if cmd_has not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            now = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] if state else None
+        except (OSError, IndexError):
+            continue
+        if now == state and all(e in env for e in env_has):
+            out.append(pid)
+    return out
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 900) -> str:
