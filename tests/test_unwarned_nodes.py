@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 from helpers.procs import EXAMPLE, HELPERS, clean_env, free_port, process_tree, signal_tree
-from helpers.twonodes import agent_started, finish_all, global_rank_pid, node_launcher
+from helpers.twonodes import (
+    agent_started,
+    finish_all,
+    global_rank_pid,
+    node_launcher,
+    stopped_with_memory,
+)
 
 from slurmresume.checkpoint.layout import MARKER, step_dir_name
 from slurmresume.contract import ENV_DRILL_RECORD, FAILSAVE_NOTICE, FAILSAVE_SUBDIR
@@ -235,26 +241,9 @@ def test_a_rank_killed_on_one_node_restarts_from_each_nodes_memory_and_ends_bitw
     uninterrupted run. Each launcher also holds the other node's snapshot, verified."""
     k = 13
     root = tmp_path / "ckpt"
-    shm = [tmp_path / "shm0", tmp_path / "shm1"]
     env = {"STOP_AFTER_STEP": str(k), "STOP_RANK": "3", "STOP_AFTER_MEMORY": "1"}
-    port = free_port()
-
-    def launcher(node: int) -> subprocess.Popen[str]:
-        shm[node].mkdir()
-        return node_launcher(tmp_path, node, port, HELPERS / "unwarned_train.py", ARGS, job_id="4949",
-                             spec_kw="snapshot_every='1'", env={**env, "SLURMRESUME_MEMORY_BASE": str(shm[node])})
-
-    launchers = [launcher(1)]
+    launchers, pid, (mem0, mem1) = stopped_with_memory(tmp_path, ARGS, env, "4949", 3)
     try:
-        agent_started(launchers[0].pid)
-        launchers.insert(0, launcher(0))
-        end = time.monotonic() + 600  # a hang guard only
-        pid = None
-        while pid is None or _state_of(pid) != "T":
-            assert all(p.poll() is None for p in launchers) and time.monotonic() < end, "ended before the kill"
-            time.sleep(0.02)
-            pid = pid or global_rank_pid(launchers, 3)
-        (mem0,), (mem1,) = (list(d.iterdir()) for d in shm)
         shards = {n: sorted(p.name for p in (m / step_dir_name(k)).glob("rank-*.safetensors"))
                   for n, m in ((0, mem0), (1, mem1))}
         assert shards == {0: ["rank-00002-of-00004.safetensors", "rank-00003-of-00004.safetensors"],
@@ -278,4 +267,4 @@ def test_a_rank_killed_on_one_node_restarts_from_each_nodes_memory_and_ends_bitw
     assert restored == [(k, "memory")], (restored, [e for e in ev if e["event"] == "memory_fallback"])
     assert not [e for e in ev if e["event"] == "memory_fallback"]
     assert compare_checkpoints(reference, root / step_dir_name(30)) == []
-    assert [list(d.iterdir()) for d in shm] == [[], []]  # each launcher freed its node's memory at the end
+    assert [list(d.iterdir()) for d in (tmp_path / "shm0", tmp_path / "shm1")] == [[], []]  # freed at the end

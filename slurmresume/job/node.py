@@ -41,6 +41,7 @@ from ..events import (
     EV_FINISHED,
     EV_GAVE_UP,
     EV_HELD,
+    EV_MEMORY_PROMOTED,
     EV_NO_CHECKPOINT,
     EV_REQUEUE_FAILED,
     EV_REQUEUED,
@@ -59,6 +60,7 @@ from .hangwatch import HangWatch, heartbeat_dir
 from .memroot import create as create_memory_root
 from .memroot import remove as remove_memory_root
 from .peercopy import PeerCopy, rate_from_env
+from .promote import promote
 from .torchrun import (
     JobClock,
     Relay,
@@ -225,6 +227,8 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
                     copy.close()
                 if board is not None:
                     board.close()
+            if result.lost_nodes and memory is not None and board is not None:
+                _promote(root, board, memory, extra, result.lost_nodes, run_id)
             last = read_last_run(root, job_key, nonce)
             action, reason = decide(result, first_node=first_node, requeues_done=restart,
                                     max_requeues=spec.max_requeues, failures_done=failures,
@@ -298,6 +302,19 @@ def _peer_copy(memory: Path | None, board: DeathBoard | None, extra: dict[str, A
     except OSError as exc:
         log.warning("no peer copy of the memory tier for this run: %s", exc)
         return None
+
+
+def _promote(root: Path, board: DeathBoard, memory: Path, extra: dict[str, Any], lost: tuple[int, ...],
+             run_id: str) -> None:
+    """A run that lost nodes, before its requeue: the survivors' memory and the lost nodes' replicas
+    committed to the root as one step when they hold one whole (job/promote.py), so that the
+    requeued job loses at most the steps since that snapshot; the committer logs it."""
+    node = int(extra.get("node", 0))
+    done = promote(root, board.dir, memory, node, int(extra["nodes"]), set(lost))
+    if done["committed"] is not None:
+        log.info("memory tier after losing node(s) %s: %s", ", ".join(map(str, lost)),
+                 f"step {done['step']} committed" if done["committed"] else f"nothing committed ({done['why']})")
+        try_append_event(root, EV_MEMORY_PROMOTED, run_id=run_id, node=node, lost=list(lost), **done)
 
 
 def _memory_root(spec: JobSpec, job_key: str, extra: dict[str, Any]) -> Path | None:
