@@ -15,7 +15,7 @@ import pytest
 from helpers.core import model_equal, restore_fresh, save_steps, shard, tiny_model
 
 from slurmresume.checkpoint.layout import MARKER, step_dir_name, step_dirs
-from slurmresume.job import peercopy
+from slurmresume.job import memroot, peercopy
 from slurmresume.job.peercopy import MAGIC, PeerCopy, header_problem, pause, replica_root
 
 # -- the pure parts ----------------------------------------------------------------------------------
@@ -96,6 +96,10 @@ def test_a_snapshot_lands_on_the_next_node_verified_and_restores_bitwise(ring: A
     assert not list(replica.glob(".saving.*"))
     # the receiver's own snapshots are not confused with the replicas it holds
     assert not step_dirs(mem1)
+    # what `status` shows of node 1's memory: no snapshot of its own, node 0's copy and its bytes
+    shown = memroot.view(mem1)
+    assert shown is not None and shown["step"] is None and shown["replicas"] == {"0": 5}, shown
+    assert shown["bytes"] == sum(p.stat().st_size for p in (replica / step_dir_name(5)).iterdir())
 
 
 def test_a_byte_flipped_on_the_way_is_dropped_and_the_next_snapshot_lands(ring: Any, monkeypatch: Any) -> None:

@@ -59,10 +59,10 @@ from ..checkpoint.shardread import hash_file, split_locator
 from ..checkpoint.store import newest_committed
 from ..contract import write_json
 from ..errors import CheckpointError
+from .memroot import PEERS  # under a memory root: peers/n<node>/<step dir>, that node's replica
 
 log = logging.getLogger("slurmresume")
 
-PEERS = "peers"  # under a memory root: peers/n<node>/<step dir>, the replica of that node's snapshot
 ENV_RATE = "SLURMRESUME_PEER_COPY_MBS"  # the sender's cap, MB/s ("0": no peer copy)
 DEFAULT_RATE_MBS = 400.0
 POLL_S = 0.5
