@@ -231,6 +231,7 @@ def test_a_node_lost_whole_is_saved_for_by_the_other_node_and_the_job_requeued(
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # the real-Slurm 2 x 2 rank kill and the FSDP2 twin (test_unwarned_sharded) prove it
 def test_a_rank_killed_on_one_node_restarts_from_each_nodes_memory_and_ends_bitwise(
         tmp_path: Path, reference: Path) -> None:
     """Rank 3 (on the node with SLURM_NODEID=0: the rendezvous is reversed, so rank 0 is on the
@@ -238,7 +239,8 @@ def test_a_rank_killed_on_one_node_restarts_from_each_nodes_memory_and_ends_bitw
     and is SIGKILLed. Each node's root holds that step with its own two ranks' shards only, so a
     rank that read rank 0's node's root would find its shard missing and fall back: the restart
     restores step k from memory on every rank, with no fallback, and ends bitwise equal to the
-    uninterrupted run. Each launcher also holds the other node's snapshot, verified."""
+    uninterrupted run. Each launcher also holds the other node's snapshot, verified. (FSDP2:
+    tests/test_unwarned_sharded.py; real Slurm: tests/test_slurm_two_nodes.py.)"""
     k = 13
     root = tmp_path / "ckpt"
     env = {"STOP_AFTER_STEP": str(k), "STOP_RANK": "3", "STOP_AFTER_MEMORY": "1"}
