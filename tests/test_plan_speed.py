@@ -109,7 +109,8 @@ def test_rank_0s_pick_of_a_committed_step_costs_7_metadata_operations(tmp_path: 
     marker looked up twice)."""
     from helpers.core import save_steps, step_dir
 
-    from slurmresume.train.restoring import RestoreChoice, pick
+    from slurmresume.train.messages import RestoreChoice
+    from slurmresume.train.restorechoice import pick
 
     save_steps(tmp_path, [1, 2]).close()
     (step_dir(tmp_path, 2) / ".rank-00000-of-00001.safetensors.tmp.99").write_bytes(b"x")  # a killed writer's
@@ -170,12 +171,12 @@ def test_a_manifest_whose_bytes_differ_from_the_pinned_digest_is_refused_by_the_
 
     from slurmresume.checkpoint.layout import MANIFEST
     from slurmresume.checkpoint.state import flatten_live
-    from slurmresume.train import restoreplan, restoring
+    from slurmresume.train import messages, restorechoice, restoreplan
 
     save_steps(tmp_path, [1]).close()
-    choice = restoring.pick(tmp_path, None, False, set(), False, None)
-    assert isinstance(choice, restoring.RestoreChoice)
-    wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
+    choice = restorechoice.pick(tmp_path, None, False, set(), False, None)
+    assert isinstance(choice, messages.RestoreChoice)
+    wire = messages.pick_from_json(json.loads(json.dumps(messages.pick_to_json(choice))))
     state = tiny_state(7)
     live = flatten_live(state)
     good = restoreplan.plan_part(0, wire, state, live, True)  # the pinned bytes: planned
@@ -184,7 +185,7 @@ def test_a_manifest_whose_bytes_differ_from_the_pinned_digest_is_refused_by_the_
     path = step_dir(tmp_path, 1) / MANIFEST
     path.write_bytes(edit(path.read_bytes()))
     bad = restoreplan.plan_part(0, wire, state, live, True)
-    assert isinstance(bad, restoring.Failure) and "changed since rank 0 chose" in bad.message
+    assert isinstance(bad, messages.Failure) and "changed since rank 0 chose" in bad.message
 
 
 def _shard_with(tmp_path: Path, entries: dict[str, Any], data: int) -> tuple[Path, str, int]:

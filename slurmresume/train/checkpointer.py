@@ -38,7 +38,8 @@ from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, expect_io, ph
 from .memplan import setting
 from .memtier import MemoryTier
 from .options import check_options
-from .restoring import Request, restore_and_record
+from .restoreload import Request
+from .restoring import restore_and_record
 from .roots import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
 from .roots import claim_root, resolve_root
 from .saving import Payload, after_commit, payload_of, save_and_record, tolerated
