@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scale as bs  # noqa: E402
 
 from slurmresume.checkpoint import exchange  # noqa: E402
+from slurmresume.checkpoint.boxes import plan_reads  # noqa: E402
 from slurmresume.checkpoint.collective import Group  # noqa: E402
-from slurmresume.checkpoint.reshard import plan_reads  # noqa: E402
 from slurmresume.checkpoint.shardread import split_locator  # noqa: E402
 from slurmresume.checkpoint.state import flatten_live  # noqa: E402
 from slurmresume.train import messages, restorechoice, restoreload, restoreplan  # noqa: E402

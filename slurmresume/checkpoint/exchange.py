@@ -42,8 +42,9 @@ from typing import Any
 import xxhash
 
 from ..errors import ConfigError, PeerReadError
+from .boxes import Target, placement_kinds
 from .placement import local_box, pieces_at
-from .reshard import ShardFiles, Target, box_dest, box_value, empty_box, placement_kinds, read_box
+from .reshard import ShardFiles, box_dest, box_value, empty_box, read_box
 from .shard import ITEMSIZE, TORCH_DTYPES
 from .sharding import Sharded, cover
 

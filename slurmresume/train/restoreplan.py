@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import exchange
+from ..checkpoint.boxes import plan_reads
+from ..checkpoint.boxes import targets as reshard_targets
 from ..checkpoint.deferred import loads_skeleton
+from ..checkpoint.dtensorspec import is_dtensor
 from ..checkpoint.manifest import read_pinned
 from ..checkpoint.opened import OpenShards
 from ..checkpoint.reshard import STATS as RESHARD_STATS
-from ..checkpoint.reshard import is_dtensor, load_sharded, plan_reads
-from ..checkpoint.reshard import targets as reshard_targets
+from ..checkpoint.reshard import load_sharded
 from ..checkpoint.shard import SKELETON_KEY
 from ..checkpoint.sharding import from_json
 from ..checkpoint.shardread import MetaOnDemand, load_tensors, verify_tensors
@@ -71,7 +73,7 @@ class Part:
     shared: set[str]
     wanted: dict[str, Any]
     where: dict[str, Any]
-    boxes: dict[str, Any]  # where -> (shape, global offset) of this rank's box (reshard.plan_reads)
+    boxes: dict[str, Any]  # where -> (shape, global offset) of this rank's box (boxes.plan_reads)
     staging: int
     opened: OpenShards
     sources: frozenset[int] = frozenset()  # the saved ranks whose shards this rank's boxes span
@@ -144,7 +146,7 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         if shared:
             header0 = opened.header(first["file"], first["bytes"], manifest.expected(0))
             infos.update({n: header0[n] for n in header0 if n in shared})
-        # once (not again to decode); of the DTensor specs only what the restore reads (reshard.targets)
+        # once (not again to decode); of the DTensor specs only what the restore reads (boxes.targets)
         refs = validate_skeleton(keys, skeleton, infos.keys() | sharded.keys(), strict, specs=False)
         # Shapes from the headers (a DTensor: its global shape), as meta tensors: a checkpoint
         # that does not fit the live modules and optimizers is refused before any byte is loaded
@@ -159,7 +161,7 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         if not manifest.placed_by_arithmetic:  # pieces the specs do not place: their indexes, checked first
             for r in sorted({src} | sources):
                 manifest.rank_tensors(r)
-        # Placed by arithmetic, each piece's box is the specs' (reshard.plan_reads), each shard's
+        # Placed by arithmetic, each piece's box is the specs' (boxes.plan_reads), each shard's
         # header is checked against the manifest's digest when first opened, and carries the block
         # digests of the tensors it holds (shard.FINE_KEY, BLOCKS_KEY): no index file is opened,
         # unless a tensor's digests are only there (an older checkpoint, a shard of large plain
