@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..beatfile import BUSY, DONE, RESTORE, SAVE
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError
@@ -32,9 +33,10 @@ if TYPE_CHECKING:  # the front door's types, for a reader and a type checker; im
     from ..retention import RetentionPolicy
     from ..storage.s3 import S3Location
     from .savepolicy import SavePolicy
+from .drillhang import drill_hang_here
 from .emergency import save_and_exit
 from .failsave import failure_guard
-from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, expect_io, phase
+from .heartbeat import expect_io, phase
 from .memplan import setting
 from .memtier import MemoryTier
 from .options import check_options
