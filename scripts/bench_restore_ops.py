@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scale as bs  # noqa: E402
 
 from slurmresume.checkpoint import exchange  # noqa: E402
+from slurmresume.checkpoint.boxes import plan_reads  # noqa: E402
 from slurmresume.checkpoint.collective import Group  # noqa: E402
-from slurmresume.checkpoint.reshard import plan_reads  # noqa: E402
 from slurmresume.checkpoint.shardread import split_locator  # noqa: E402
 from slurmresume.checkpoint.state import flatten_live  # noqa: E402
-from slurmresume.train import restoreplan, restoring  # noqa: E402
+from slurmresume.train import messages, restorechoice, restoreload, restoreplan  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -64,24 +64,24 @@ def main(argv: list[str]) -> int:
         live = flatten_live(state)
         with bs.Fabric(to).installed(), ops.counting() as counts:
             if choice is None:  # rank 0 picks; the others get the choice as it crosses the wire and
-                choice = restoring.pick(root, None, False, set(), False, None)  # the manifest's bytes
-                wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
-                sent = choice.manifest.raw_bytes or b""  # (restoring.share_manifest sends them unchanged)
+                choice = restorechoice.pick(root, None, False, set(), False, None)  # the manifest's bytes
+                wire = messages.pick_from_json(json.loads(json.dumps(messages.pick_to_json(choice))))
+                sent = choice.manifest.raw_bytes or b""  # (restoreload.share_manifest sends them unchanged)
             began = time.perf_counter()
-            with restoreplan.gc_paused():  # what restoring.load_choice runs on every rank: plan, exchange plan
+            with restoreplan.gc_paused():  # what restoreload.load_choice runs on every rank: plan, exchange plan
                 planned = choice if rank == 0 else restoreplan.with_manifest(wire, sent)
                 part = restoreplan.plan_part(rank, planned, state, live, True)
-                restoring.exchange_plan(Group(None, rank, to), planned, part)
+                restoreload.exchange_plan(Group(None, rank, to), planned, part)
             planning.append(time.perf_counter() - began)
             n = bs.Ops.total(counts)
-        if isinstance(part, restoring.Failure):
+        if isinstance(part, messages.Failure):
             print(f"rank {rank}: {part.message}", file=sys.stderr)
             return 1
         opened = {split_locator(f)[0] for f in part.opened._files}  # the files the plan has open, kept for the read
         sources = plan_reads(part.wanted, part.where)[1]  # the saved ranks the read takes boxes from
         per.append(n + len({split_locator(part.manifest.shards[r]["file"])[0] for r in sources} - opened))
         if swap:  # the same plan, each saved shard opened by its owner alone (exchange.owner)
-            with restoreplan.gc_paused():  # as restoring.load_choice runs it
+            with restoreplan.gc_paused():  # as restoreload.load_choice runs it
                 began = time.perf_counter()
                 xplan = exchange.plan(rank, to, frm, part.wanted, part.where, part.boxes)
                 took.append(time.perf_counter() - began)

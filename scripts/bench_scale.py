@@ -46,7 +46,7 @@ parameter, `param_groups`; the library adds its RNG tensors): every plain tensor
 every rank, so the detection finds them all replicated. The other ranks' shards are written
 through the seam `save_collective` calls (`commit.write_rank`), before rank 0's own. Bytes are
 counted as gloo moves them (`received_bytes`; tests/test_bench_scale.py checks them against a
-real 8-rank FSDP2 + Adam save). A restore plan is timed as `restoring.load_choice` runs it
+real 8-rank FSDP2 + Adam save). A restore plan is timed as `restoreload.load_choice` runs it
 (`plan_part`, then `exchange_plan`) on rank 0 and on a rank in the middle of the world, at its
 own coordinate (`other_rank`).
 
@@ -99,8 +99,10 @@ from slurmresume.checkpoint.reports import WriteReport  # noqa: E402
 from slurmresume.checkpoint.state import flatten_live  # noqa: E402
 from slurmresume.train import (  # noqa: E402
     claims,  # noqa: E402
+    messages,
+    restorechoice,
+    restoreload,
     restoreplan,
-    restoring,
 )
 from slurmresume.train.roots import claim_root  # noqa: E402
 from slurmresume.train.saving import payload_of, save_collective  # noqa: E402
@@ -480,13 +482,13 @@ def calls_made(fn: Callable[[], Any]) -> int:
     return made
 
 
-def planned_part(rank: int, world: int, chosen: restoring.RestoreChoice, sent: bytes, state: Any, live: Any) -> Any:
-    """What `restoring.load_choice` plans on `rank` (but 0): the manifest from the bytes rank 0
+def planned_part(rank: int, world: int, chosen: messages.RestoreChoice, sent: bytes, state: Any, live: Any) -> Any:
+    """What `restoreload.load_choice` plans on `rank` (but 0): the manifest from the bytes rank 0
     sent, `plan_part`, then the exchange plan. Returns the plan (a Part, or the Failure)."""
     with restoreplan.gc_paused():
         planned = restoreplan.with_manifest(chosen, sent)
         result = restoreplan.plan_part(rank, planned, state, live, True)
-        restoring.exchange_plan(Group(None, rank, world), planned, result)
+        restoreload.exchange_plan(Group(None, rank, world), planned, result)
     return result
 
 
@@ -501,10 +503,10 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
     """A `world`-rank job restoring the `saved_world`-rank step under `root`: rank 0's `pick` and
     its plan, and the plan of a rank that is not 0, at its own coordinate (`other_rank`: its own
     DTensor pieces and shard) with the choice and the manifest's bytes as they arrive by broadcast
-    (`other_*`: it parses those bytes; `restoring.share_manifest` sends rank 0's read unchanged),
+    (`other_*`: it parses those bytes; `restoreload.share_manifest` sends rank 0's read unchanged),
     each timed, counted and, in a second pass, its peak Python heap. A plan is what
-    `restoring.load_choice` runs on every rank: `restoreplan.plan_part`, then
-    `restoring.exchange_plan` (a reshard's exchange plan; `*_exchange_s`, None at the same W).
+    `restoreload.load_choice` runs on every rank: `restoreplan.plan_part`, then
+    `restoreload.exchange_plan` (a reshard's exchange plan; `*_exchange_s`, None at the same W).
     With `read`, then rank 0's `read_part` too: the bytes of its box (zeros from the sparse
     files) read and checked against their digests, into real zero tensors. `repeats`: the other
     rank's plan is made that many times, its median reported (`other_plan_runs`: each)."""
@@ -513,15 +515,15 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
     live = flatten_live(state)
     out: dict[str, Any] = {"from": saved_world, "to": world}
 
-    def timed_plan(key: str, rank: int, chosen: restoring.RestoreChoice, st: Any, lv: Any, sent: bytes = b"") -> Any:
-        # as restoring.load_choice: the GC paused until the restore drops what the plan made (here
+    def timed_plan(key: str, rank: int, chosen: messages.RestoreChoice, st: Any, lv: Any, sent: bytes = b"") -> Any:
+        # as restoreload.load_choice: the GC paused until the restore drops what the plan made (here
         # the clock stops first: the collection at the end walks what the restore keeps)
         with ops.counting() as counts, restoreplan.gc_paused():
             t, c = time.perf_counter(), time.process_time()  # a rank but 0: parse the bytes rank 0 sent, then plan
             planned = restoreplan.with_manifest(chosen, sent)
             result = restoreplan.plan_part(rank, planned, st, lv, True)
             x = time.perf_counter()
-            xplan = restoring.exchange_plan(Group(None, rank, world), planned, result)
+            xplan = restoreload.exchange_plan(Group(None, rank, world), planned, result)
             out[f"{key}_s"], out[f"{key}_cpu_s"] = time.perf_counter() - t, time.process_time() - c
             out[f"{key}_exchange_s"] = time.perf_counter() - x if xplan is not None else None
             out[f"{key}_ops"] = Ops.total(counts)
@@ -530,17 +532,17 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
     with Fabric(world).installed():
         with ops.counting() as counts:
             t, c = time.perf_counter(), time.process_time()
-            choice = restoring.pick(root, None, False, set(), False, None)
+            choice = restorechoice.pick(root, None, False, set(), False, None)
             out["pick_s"], out["pick_cpu_s"] = time.perf_counter() - t, time.process_time() - c
             out["pick_ops"] = Ops.total(counts)
-        if not isinstance(choice, restoring.RestoreChoice):
+        if not isinstance(choice, messages.RestoreChoice):
             return {**out, "error": str(getattr(choice, "message", choice))}
         part = timed_plan("plan", 0, choice, state, live)
-        if isinstance(part, restoring.Failure):
+        if isinstance(part, messages.Failure):
             return {**out, "error": part.message}
-        wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
+        wire = messages.pick_from_json(json.loads(json.dumps(messages.pick_to_json(choice))))
         sent = choice.manifest.raw_bytes or b""  # what share_manifest broadcasts
-        out["choice_bytes"] = len(json.dumps(restoring.pick_to_json(choice), separators=(",", ":")))
+        out["choice_bytes"] = len(json.dumps(messages.pick_to_json(choice), separators=(",", ":")))
         out["manifest_sent_bytes"] = len(sent)
         if read:
             with ops.counting() as counts:
@@ -554,9 +556,9 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
         part.opened.close()
         if memory:
             tracemalloc.start()
-            choice = restoring.pick(root, None, False, set(), False, None)
+            choice = restorechoice.pick(root, None, False, set(), False, None)
             out["pick_peak_bytes"] = tracemalloc.get_traced_memory()[1]
-            choice.manifest.raw_bytes = None  # restoring.share_manifest: sent, and dropped before rank 0 plans
+            choice.manifest.raw_bytes = None  # restoreload.share_manifest: sent, and dropped before rank 0 plans
             tracemalloc.reset_peak()
             restoreplan.plan_part(0, choice, state, live, True).opened.close()
             out["plan_peak_bytes"] = tracemalloc.get_traced_memory()[1]
@@ -568,7 +570,7 @@ def plan(model: str, saved_world: int, world: int, root: Path, ops: Ops, memory:
         runs = []
         for _ in range(max(repeats, 1)):  # on a loaded machine: the median of a few plans
             other = timed_plan("other_plan", rank, wire, state, live, sent)
-            if isinstance(other, restoring.Failure):
+            if isinstance(other, messages.Failure):
                 return {**out, "error": other.message}
             other.opened.close()
             runs.append((out["other_plan_s"], out["other_plan_cpu_s"], out["other_plan_exchange_s"]))

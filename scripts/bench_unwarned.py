@@ -125,7 +125,7 @@ def one_kill_nodes(work: Path, ranks: int, args: list[str], steps: int, save_eve
 
     root, record = work / "ckpt", work / "record"
     at, victim = rng.randint(save_every + 2, steps - 3), rng.randrange(ranks)
-    env = {"SLURMRESUME_DRILL_RECORD": str(record), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {"SLURMRESUME_DRILL_RECORD": str(record), "OMP_NUM_THREADS": "1"}  # PYTHONPATH: this process's
 
     def both(restart: int) -> list[subprocess.Popen[str]]:
         port, out = free_port(), []

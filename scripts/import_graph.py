@@ -436,6 +436,41 @@ def storage_imports_mirror(files: dict[str, tuple[bool, ast.Module, int]] | None
     return [f"{mod}:{line}: imports {target}" for mod, line, target in sorted(bad)]
 
 
+# -- the box geometry of a reshard opens no file -------------------------------------------------
+GEOMETRY = ("checkpoint.boxes", "checkpoint.dtensorspec", "checkpoint.placement", "checkpoint.sharding")
+GEOMETRY_STDLIB = {"__future__", "collections.abc", "dataclasses", "functools", "itertools", "math", "re", "typing"}
+
+
+def geometry_imports(files: dict[str, tuple[bool, ast.Module, int]] | None = None) -> list[str]:
+    """Each import of a box-geometry module (`GEOMETRY`: what a saved DTensor is, the box a rank
+    owns, which saved pieces hold it) that could open or read a file: anything but the pure
+    standard library (`GEOMETRY_STDLIB`), each other, errors and the shard format's dtype sizes
+    (`shard.ITEMSIZE`); torch only inside a function (its placement classes, asked about there)."""
+    files = sources() if files is None else files
+    known = set(files)
+    bad: list[str] = []
+    for mod in GEOMETRY:
+        if mod not in files:
+            continue
+        is_pkg, tree, _ = files[mod]
+        body = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = [a.name for a in node.names]
+            if isinstance(node, ast.ImportFrom) and node.level:
+                ok = all(t in GEOMETRY or t == "errors" or (t == "checkpoint.shard" and names == ["ITEMSIZE"])
+                         for t in resolve(mod, is_pkg, node, known))
+                what = "." * node.level + (node.module or "")
+            else:
+                what = node.module if isinstance(node, ast.ImportFrom) and node.module else ", ".join(names)
+                tops = [what] if isinstance(node, ast.ImportFrom) else names
+                ok = all(t in GEOMETRY_STDLIB or (t.split(".")[0] == "torch" and id(node) not in body) for t in tops)
+            if not ok:
+                bad.append(f"{mod}:{node.lineno}: imports {what}")
+    return bad
+
+
 # -- scripts/: the benches and tools beside the package -----------------------------------------
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -540,6 +575,10 @@ def main() -> int:
     print(f"storage/ importing mirror/: {len(upward)}")
     for b in upward:
         print("  " + b)
+    geometry = geometry_imports()
+    print(f"box geometry importing what reads files: {len(geometry)}")
+    for b in geometry:
+        print("  " + b)
     scyc = script_cycles()
     print(f"circles among scripts/: {len(scyc)}")
     for c in scyc:
@@ -551,7 +590,7 @@ def main() -> int:
         print(f"{r:8} {len(by_role.get(r, []))} modules, {sum(lines[m] for m in by_role.get(r, []))} lines")
     print("modules over 300 lines: " + ", ".join(f"{m} ({n})" for m, n in sorted(lines.items(), key=lambda x: -x[1]) if n > 300))
     print("longest functions: " + ", ".join(f"{name} ({n})" for n, name in funcs[:10]))
-    return 1 if cyc or bad or private or spelled or bypass or crossing or upward or scyc else 0
+    return 1 if cyc or bad or private or spelled or bypass or crossing or upward or geometry or scyc else 0
 
 
 if __name__ == "__main__":

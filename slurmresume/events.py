@@ -5,7 +5,7 @@ reader below or in the module that owns it, with the names from here.
 
 The log is the human history. It is read back for estimates only, never for what to do with a
 run: the hang watch's save budget and the auto save interval (`save_seconds`), a mirror pull's
-expected rate (`train.heartbeat.logged_pull_rate`), and `submit`'s `--signal-lead` warning
+expected rate (`logged_pull_rate`), and `submit`'s `--signal-lead` warning
 (`job.leadtime`)."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .beatfile import IO_MEASURE_MIN_BYTES
 from .checkpoint.fsio import makedirs
 from .checkpoint.layout import EVENTS
 from .identity import start_ticks
@@ -178,3 +179,14 @@ def save_seconds(events: list[dict[str, Any]]) -> list[float]:
 
 def _seconds(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def logged_pull_rate(events: list[dict[str, Any]]) -> float:
+    """The slowest of the last pulls from the mirror in the log (`mirror_downloaded`, bytes and
+    seconds, of at least IO_MEASURE_MIN_BYTES), bytes/s; 0 when none. Pure. A mirror pull's
+    expected rate in the rank's heartbeat, until it measured one (`train.wiring`)."""
+    rates = [float(e["bytes"]) / float(e["seconds"]) for e in events[-200:]
+             if e.get("event") == EV_MIRROR_DOWNLOADED and isinstance(e.get("bytes"), (int, float))
+             and isinstance(e.get("seconds"), (int, float)) and e["bytes"] >= IO_MEASURE_MIN_BYTES
+             and e["seconds"] > 0]
+    return min(rates[-10:], default=0.0)

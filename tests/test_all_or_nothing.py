@@ -21,7 +21,7 @@ from slurmresume.checkpoint.reshard import _fine_blocks
 from slurmresume.checkpoint.shard import FINE_KEY, fine_width
 from slurmresume.contract import ENV_RESTORE_STAGING
 from slurmresume.events import read_events
-from slurmresume.train import restoring
+from slurmresume.train import restoreload
 from slurmresume.train.restoreplan import staging_budget
 
 
@@ -38,7 +38,7 @@ def test_fallback_leaves_the_older_steps_exact_bytes_in_the_users_tensor(tmp_pat
     pass, read into the live tensor in a second), and a part in the page cache with the warm
     path opted in (the same two passes, both from memory). `cached` stands for the page cache's
     answer."""
-    monkeypatch.setattr(restoring, "all_cached", lambda path: cached)
+    monkeypatch.setattr(restoreload, "all_cached", lambda path: cached)
     monkeypatch.setenv("SLURMRESUME_RESTORE_WARM", "1")
     if staging is not None:
         monkeypatch.setenv(ENV_RESTORE_STAGING, staging)
@@ -74,7 +74,7 @@ def test_a_staging_budget_that_is_not_a_number_is_one_clear_error(tmp_path: Path
 @pytest.mark.parametrize("cached", [False, True])
 def test_a_refused_restore_leaves_plain_tensors_untouched(tmp_path: Path, cached: bool,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(restoring, "all_cached", lambda path: cached)  # staged, or two passes from memory
+    monkeypatch.setattr(restoreload, "all_cached", lambda path: cached)  # staged, or two passes from memory
     monkeypatch.setenv("SLURMRESUME_RESTORE_WARM", "1")
     with Checkpointer(tmp_path, handle_signals=False) as ck:
         ck.save(2, {"model": {"w": _values(2)}, "x": torch.ones(3)})

@@ -250,6 +250,22 @@ def test_storage_never_imports_the_mirror() -> None:
                                                 "storage.bucket:3: imports mirror.s3"]
 
 
+def test_the_box_geometry_of_a_reshard_opens_no_file() -> None:
+    """Issue 48, item 3: what a saved DTensor is (checkpoint/dtensorspec.py), the box each rank
+    owns and which saved pieces hold it (boxes.py, sharding.py, placement.py) import nothing that
+    reads a file; the verified reads are reshard.py's. torch only inside a function."""
+    import ast
+
+    ig = _import_graph()
+    assert ig.geometry_imports() == []
+    code = {"checkpoint.boxes": "import os\nfrom .shard import ITEMSIZE, open_sink\nfrom .shardread import pread_exact\n"
+                                "import torch\ndef f():\n    import torch.distributed\n    from .sharding import cover\n",
+            "checkpoint.shard": "", "checkpoint.shardread": "", "checkpoint.sharding": ""}
+    files = {m: (False, ast.parse(c), 0) for m, c in code.items()}
+    assert ig.geometry_imports(files) == ["checkpoint.boxes:1: imports os", "checkpoint.boxes:2: imports .shard",
+                                          "checkpoint.boxes:3: imports .shardread", "checkpoint.boxes:4: imports torch"]
+
+
 def test_scripts_have_no_circle(tmp_path: Path) -> None:
     """What two benches share lives in a third both import (bench_world.py), so no script imports
     one that imports it back (a deferred import counts too)."""

@@ -15,8 +15,8 @@ from helpers.procs import HELPERS, clean_env, run_ranks
 from torch.distributed.tensor import Replicate, Shard
 
 from slurmresume.checkpoint import exchange
+from slurmresume.checkpoint.boxes import Target, placement_kinds
 from slurmresume.checkpoint.placement import local_box
-from slurmresume.checkpoint.reshard import Target, placement_kinds
 from slurmresume.checkpoint.sharding import Sharded, cover
 from slurmresume.errors import ConfigError
 
@@ -35,7 +35,7 @@ class Mesh:
 
 def _world(saved: tuple[tuple[int, ...], tuple[str, ...]], mesh: Mesh, placements: list,
            shapes: dict[str, tuple[int, ...]], world: int) -> dict[int, exchange.Plan]:
-    """Every restoring rank's exchange plan (boxes by torch's rule, as reshard.plan_reads makes them)."""
+    """Every restoring rank's exchange plan (boxes by torch's rule, as boxes.plan_reads makes them)."""
     index = {n: Sharded(n, "F32", s, (), layout=saved) for n, s in shapes.items()}
     where = {n: Target(mesh, placements, None) for n in shapes}
     kinds = placement_kinds(tuple(placements))

@@ -99,7 +99,7 @@ def test_a_box_on_its_saved_layout_has_its_own_coordinate_as_its_one_holder(shap
 
     from torch.distributed.tensor import Shard
 
-    from slurmresume.checkpoint.reshard import Target, boxes_of, plan_reads
+    from slurmresume.checkpoint.boxes import Target, boxes_of, plan_reads
     from slurmresume.checkpoint.sharding import Sharded
 
     tensor = Sharded("w", "F32", shape, (), (mesh, placements))

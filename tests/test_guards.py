@@ -13,9 +13,9 @@ without it.
   breakage (one line)                                              guard
   1 fsio.fsync_dir: the label, no os.fsync                        test_fsync_dir_*, test_a_save_fsyncs_*
   2 ownership.acquire: without `.owner.json.lock`                  test_acquire_waits_for_the_lease_lock
-  3 restoring.apply_loaded: rank >= saved world not re-seeded      test_a_rank_beyond_the_saved_world_*
+  3 restoreapply.apply_loaded: rank >= saved world not re-seeded   test_a_rank_beyond_the_saved_world_*
   4 ownership.refresh: rewrites a lease naming another owner       test_refresh_*, test_holder_*
-  5 restoring.choose: no whole-shard check without block digests  test_a_checkpoint_without_block_digests_*
+  5 restorechoice.choose: no whole-shard check w/o block digests  test_a_checkpoint_without_block_digests_*
   6 SignalFlag._record: the last signal wins, not the strongest    test_two_signals_*
   7 collective: MIN instead of MAX in the agreement                test_the_agreement_is_the_max_*
   8 retention.execute: victims not re-checked under the lock       test_prune_rechecks_*

@@ -14,6 +14,15 @@ from pathlib import Path
 import pytest
 from helpers.procs import HELPERS, alive_for_root, clean_env, signal_tree
 
+from slurmresume.beatfile import (
+    RING,
+    SAVE,
+    STARTUP,
+    STEP,
+    Record,
+    read_record,
+    record_path,
+)
 from slurmresume.job.hang import (
     HangBudgets,
     budget,
@@ -23,16 +32,7 @@ from slurmresume.job.hang import (
     stragglers,
 )
 from slurmresume.job.torchrun import RunResult, decide
-from slurmresume.train.heartbeat import (
-    RING,
-    SAVE,
-    STARTUP,
-    STEP,
-    Beat,
-    Record,
-    read_record,
-    record_path,
-)
+from slurmresume.train.heartbeat import Beat
 
 HANG_TRAIN = HELPERS / "hang_train.py"
 
@@ -422,7 +422,7 @@ def test_poll_keeps_judging_the_other_ranks_after_one_exits(tmp_path: Path) -> N
     from slurmresume.job.hangwatch import HangWatch
 
     early = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; "
-                              "from slurmresume.train.heartbeat import Beat, DONE; "
+                              "from slurmresume.beatfile import DONE; from slurmresume.train.heartbeat import Beat; "
                               f"b = Beat(Path({str(tmp_path)!r}), 0); b.beat_step(1); b.enter(DONE)"],
                              env=clean_env(PYTHONPATH=os.environ.get("PYTHONPATH", "")))
     beat = Beat(tmp_path, 1)

@@ -16,18 +16,16 @@ from pathlib import Path
 import pytest
 from helpers.procs import HELPERS, clean_env, signal_tree
 
-from slurmresume.job.hang import HangBudgets, budget, io_seconds, judge
-from slurmresume.train.heartbeat import (
+from slurmresume.beatfile import (
     IO_MEASURE_MIN_BYTES,
     RESTORE,
     SAVE,
-    Beat,
     Record,
-    expect_io,
-    phase,
     read_record,
     record_path,
 )
+from slurmresume.job.hang import HangBudgets, budget, io_seconds, judge
+from slurmresume.train.heartbeat import Beat, expect_io, phase
 
 MB = 1_000_000
 B = HangBudgets()  # floor 300 s, 5 x longest save, 3 x bytes at 50 MB/s
@@ -251,7 +249,7 @@ def test_status_screen_names_a_saving_ranks_bytes_and_budget() -> None:
 def test_a_pull_takes_the_slowest_logged_pull_rate_when_this_process_measured_none(tmp_path: Path) -> None:
     """Rank 0's pull publishes the slowest of the log's recent pulls of >= 64 MiB (a requeued
     job on the same slow link gets the budget its last pull needed), never a small one's."""
-    from slurmresume.train.heartbeat import logged_pull_rate
+    from slurmresume.events import logged_pull_rate
 
     big = IO_MEASURE_MIN_BYTES
     events = [{"event": "mirror_downloaded", "bytes": big, "seconds": 4.0},

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from slurmresume.train.heartbeat import BUSY, STEP, read_record, record_path
+from slurmresume.beatfile import BUSY, STEP, read_record, record_path
 
 
 def _phase(hb: Path) -> str:

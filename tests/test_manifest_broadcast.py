@@ -1,7 +1,7 @@
 """The chosen manifest from rank 0's broadcast (#29: metadata operations per restore <= 4 x W).
 
 Rank 0 reads and validates manifest.json when it chooses the step; it then sends those very bytes
-to every rank by one broadcast (`restoring.share_manifest`), and a rank other than 0 builds its
+to every rank by one broadcast (`restoreload.share_manifest`), and a rank other than 0 builds its
 Manifest from them (`manifest.read_pinned(..., sent)`: their digest must be the one rank 0
 pinned), never opening the file: one open of manifest.json per restore instead of W. When rank 0
 has no bytes to send, every other rank reads the file as before.
@@ -131,15 +131,15 @@ def test_a_plan_builds_its_manifest_from_the_bytes_sent_and_refuses_other_bytes(
     from helpers.core import save_steps, step_dir, tiny_state
 
     from slurmresume.checkpoint.state import flatten_live
-    from slurmresume.train import restoreplan, restoring
+    from slurmresume.train import messages, restorechoice, restoreplan
 
     save_steps(tmp_path, [1]).close()
-    choice = restoring.pick(tmp_path, None, False, set(), False, None)
-    assert isinstance(choice, restoring.RestoreChoice) and choice.manifest is not None
+    choice = restorechoice.pick(tmp_path, None, False, set(), False, None)
+    assert isinstance(choice, messages.RestoreChoice) and choice.manifest is not None
     raw = choice.manifest.raw_bytes
     assert raw is not None and raw == (step_dir(tmp_path, 1) / MANIFEST).read_bytes()
-    wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
-    assert isinstance(wire, restoring.RestoreChoice) and wire.manifest is None
+    wire = messages.pick_from_json(json.loads(json.dumps(messages.pick_to_json(choice))))
+    assert isinstance(wire, messages.RestoreChoice) and wire.manifest is None
     (step_dir(tmp_path, 1) / MANIFEST).unlink()  # what a rank may not open
     state = tiny_state(7)
     live = flatten_live(state)
@@ -160,15 +160,15 @@ def test_a_world_of_one_sends_nothing_and_opens_the_manifest_once(tmp_path: Path
     and loads bitwise."""
     from helpers.core import model_equal, save_steps, tiny_state
 
-    from slurmresume.train import restoring
+    from slurmresume.train import messages, restorechoice, restoreload
 
     group = Group()
     payload = b"\x00\x01 bytes"
     assert group.broadcast_bytes(payload) is payload and group.broadcast_bytes(b"") == b""
     save_steps(tmp_path, [1, 2]).close()
-    choice = restoring.pick(tmp_path, None, False, set(), False, None)
-    assert isinstance(choice, restoring.RestoreChoice) and choice.manifest.raw_bytes
-    assert restoring.share_manifest(group, choice) == b"" and choice.manifest.raw_bytes is None
+    choice = restorechoice.pick(tmp_path, None, False, set(), False, None)
+    assert isinstance(choice, messages.RestoreChoice) and choice.manifest.raw_bytes
+    assert restoreload.share_manifest(group, choice) == b"" and choice.manifest.raw_bytes is None
 
     real_os_open, opened = os.open, []
     saved = tiny_state(2)

@@ -88,7 +88,8 @@ def _save(root: Path, step: int, state: dict) -> None:
 
 def _restore(root: Path, memory: Path, state: dict) -> tuple[int, list[dict]]:
     from slurmresume.checkpoint.collective import Group
-    from slurmresume.train.restoring import Request, restore_and_record
+    from slurmresume.train.restoreload import Request
+    from slurmresume.train.restoring import restore_and_record
 
     info = restore_and_record(Group(), root, state, Request.of(None, False, True, True, None), None,
                               created_at=time.time(), memory=memory)
@@ -113,7 +114,8 @@ def test_restore_reads_memory_first_and_a_flipped_byte_falls_back_once(tmp_path:
     raw[-5] ^= 0x01  # one bit of the tensor data
     shard.write_bytes(bytes(raw))
     from slurmresume.checkpoint.collective import Group
-    from slurmresume.train.restoring import Request, restore_and_record
+    from slurmresume.train.restoreload import Request
+    from slurmresume.train.restoring import restore_and_record
 
     # all or nothing: with nothing in the file tier the run starts fresh, its state as it was, bit for bit
     state = _state(0)
@@ -299,7 +301,8 @@ def test_a_file_restore_drops_newer_memory_snapshots_of_another_trajectory(tmp_p
     """`--resume-from 5` while memory holds step 7 (of the run before): the run retrains 6, 7 on
     another trajectory, and step 7 in memory must not be restored after a crash there."""
     from slurmresume.checkpoint.collective import Group
-    from slurmresume.train.restoring import Request, restore_and_record
+    from slurmresume.train.restoreload import Request
+    from slurmresume.train.restoring import restore_and_record
 
     root, memory = tmp_path / "root", tmp_path / "shm"
     _save(root, 5, _state(5))

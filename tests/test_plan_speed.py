@@ -48,7 +48,7 @@ def test_an_entry_that_is_not_exactly_its_piece_is_refused_with_the_full_checks_
 
 
 class _FakeDTensor:
-    """What reshard.targets asks of a live DTensor: its mesh, placements, shape."""
+    """What boxes.targets asks of a live DTensor: its mesh, placements, shape."""
 
     def __init__(self) -> None:
         self.device_mesh, self.placements, self.shape = SimpleNamespace(ndim=1), (), (10, 3)
@@ -61,7 +61,7 @@ class _FakeDTensor:
 def test_the_skeletons_placements_are_checked_where_the_restore_reads_them(placements: list[Any]) -> None:
     """validate_skeleton(specs=False) leaves the skeleton's DTensor specs to their one reader: a
     tensor with no live DTensor and no parameter takes its saved placements on the live mesh."""
-    from slurmresume.checkpoint.reshard import targets
+    from slurmresume.checkpoint.boxes import targets
     from slurmresume.checkpoint.sharding import Sharded
 
     index = {"opt/state/0/m": Sharded("opt/state/0/m", "F32", (10, 3), (), ((W,), ("shard:0",)))}
@@ -109,7 +109,8 @@ def test_rank_0s_pick_of_a_committed_step_costs_7_metadata_operations(tmp_path: 
     marker looked up twice)."""
     from helpers.core import save_steps, step_dir
 
-    from slurmresume.train.restoring import RestoreChoice, pick
+    from slurmresume.train.messages import RestoreChoice
+    from slurmresume.train.restorechoice import pick
 
     save_steps(tmp_path, [1, 2]).close()
     (step_dir(tmp_path, 2) / ".rank-00000-of-00001.safetensors.tmp.99").write_bytes(b"x")  # a killed writer's
@@ -170,12 +171,12 @@ def test_a_manifest_whose_bytes_differ_from_the_pinned_digest_is_refused_by_the_
 
     from slurmresume.checkpoint.layout import MANIFEST
     from slurmresume.checkpoint.state import flatten_live
-    from slurmresume.train import restoreplan, restoring
+    from slurmresume.train import messages, restorechoice, restoreplan
 
     save_steps(tmp_path, [1]).close()
-    choice = restoring.pick(tmp_path, None, False, set(), False, None)
-    assert isinstance(choice, restoring.RestoreChoice)
-    wire = restoring.pick_from_json(json.loads(json.dumps(restoring.pick_to_json(choice))))
+    choice = restorechoice.pick(tmp_path, None, False, set(), False, None)
+    assert isinstance(choice, messages.RestoreChoice)
+    wire = messages.pick_from_json(json.loads(json.dumps(messages.pick_to_json(choice))))
     state = tiny_state(7)
     live = flatten_live(state)
     good = restoreplan.plan_part(0, wire, state, live, True)  # the pinned bytes: planned
@@ -184,7 +185,7 @@ def test_a_manifest_whose_bytes_differ_from_the_pinned_digest_is_refused_by_the_
     path = step_dir(tmp_path, 1) / MANIFEST
     path.write_bytes(edit(path.read_bytes()))
     bad = restoreplan.plan_part(0, wire, state, live, True)
-    assert isinstance(bad, restoring.Failure) and "changed since rank 0 chose" in bad.message
+    assert isinstance(bad, messages.Failure) and "changed since rank 0 chose" in bad.message
 
 
 def _shard_with(tmp_path: Path, entries: dict[str, Any], data: int) -> tuple[Path, str, int]:
@@ -245,14 +246,14 @@ def test_a_good_header_is_accepted_in_any_order(tmp_path: Path, entries: dict[st
 
 
 def test_placement_kinds_worked_out_once_per_type_agree_with_asking_each_dtensor() -> None:
-    """reshard.plan_reads asks each distinct sequence of placement types once (#29: torch's
+    """boxes.plan_reads asks each distinct sequence of placement types once (#29: torch's
     placements hash and compare in Python, ~2 ms of a 405B plan): a Shard subclass (FSDP2+TP's
     _StridedShard, refused by the kinds) or a Partial after a Shard of the same dim is not taken
     for it, and every answer is `placement_kinds`' own."""
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from slurmresume.checkpoint.reshard import _kinds_by_type, placement_kinds
+    from slurmresume.checkpoint.boxes import _kinds_by_type, placement_kinds
 
     seqs = [(Shard(0),), (Shard(1),), (_StridedShard(0, split_factor=2),), (Shard(0),), (Replicate(),), (Partial(),),
             (Shard(0), Replicate()), (Replicate(), Shard(0)), (Shard(0), _StridedShard(0, split_factor=2)),

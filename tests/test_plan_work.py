@@ -123,7 +123,7 @@ def test_the_writer_puts_only_the_deferred_keys_after_the_dtensor_specs(monkeypa
 
     from slurmresume.checkpoint import state as state_mod
 
-    class _DT(torch.Tensor):  # what state.flatten asks of a DTensor (reshard.is_dtensor); describe() is replaced
+    class _DT(torch.Tensor):  # what state.flatten asks of a DTensor (dtensorspec.is_dtensor); describe() is replaced
         device_mesh = placements = None
 
         def to_local(self) -> Any:

@@ -32,7 +32,7 @@ import torch
 from slurmresume import Checkpointer, ConfigError
 from slurmresume.contract import ENV_RESTORE_STAGING
 from slurmresume.errors import CorruptCheckpointError
-from slurmresume.train import restoreplan, restoring
+from slurmresume.train import restorechoice, restoreload, restoreplan, restoreverdict
 
 WORLD = 3
 DEADLINE_S = 40.0  # a whole round of forked ranks; a rank left in a collective is still there then
@@ -255,13 +255,13 @@ def _read_raises(on: int, exc: Exception, mode: str | None = None) -> Callable[[
     def inject(rank: int) -> None:
         if rank != on:
             return
-        real = restoring.read_part  # restoring._read looks it up in restoring (imported from restoreplan)
+        real = restoreload.read_part  # restoreload._read looks it up in restoreload (imported from restoreplan)
 
         def broken(*args: Any, **kwargs: Any) -> Any:
             if mode is None or (args[6] if len(args) > 6 else kwargs.get("mode", "stage")) == mode:
                 raise exc
             return real(*args, **kwargs)
-        restoring.read_part = broken
+        restoreload.read_part = broken
     return inject
 
 
@@ -283,13 +283,13 @@ def test_an_os_error_in_one_ranks_read_falls_back_to_the_older_step_on_every_ran
 
     def inject(rank: int) -> None:
         if rank == 0:
-            real = restoring.read_part
+            real = restoreload.read_part
 
             def eio(rank: int, choice: Any, *args: Any, **kwargs: Any) -> Any:
                 if choice.step == 2:
                     raise OSError(5, "Input/output error", "shard")
                 return real(rank, choice, *args, **kwargs)
-            restoring.read_part = eio
+            restoreload.read_part = eio
 
     ranks = run_ranks(tmp_path / "restore", restore_into_zeros(root, inject=inject))
     assert [(r.exitcode, r.result) for r in ranks] == [(0, {"step": 1, "exact": True})] * WORLD, \
@@ -326,7 +326,7 @@ def test_an_unexpected_exception_in_rank_0s_choice_is_raised_on_every_rank(tmp_p
         if rank == 0:
             def broken(*args: Any, **kwargs: Any) -> Any:
                 raise ZeroDivisionError("division by zero")
-            restoring.choose = broken
+            restorechoice.choose = broken
 
     ranks = run_ranks(tmp_path / "restore", restore_into_zeros(root, inject=inject))
     error = ranks[0].error or ""
@@ -368,5 +368,5 @@ def test_a_long_unexpected_message_crosses_ranks_cut_short() -> None:
 def test_decisive_failures_come_first_whatever_their_rank() -> None:
     corrupt = [{"kind": "corrupt", "message": f"shard {r}"} for r in range(5)]
     config = {"kind": "config", "message": "rank 9: does not fit"}
-    assert restoring.first_failures([*corrupt, config]) == [config, *corrupt[:3]]
-    assert restoring.first_failures(corrupt) == corrupt[:4]
+    assert restoreverdict.first_failures([*corrupt, config]) == [config, *corrupt[:3]]
+    assert restoreverdict.first_failures(corrupt) == corrupt[:4]

@@ -3,7 +3,7 @@
 A shard's skeleton (`state.flatten`, plus `commit.write_rank`'s "replicated") is one JSON object:
 "entries", "library", then "dtensors" (each DTensor's spec on the rank that saved it), "devices"
 and "replicated", each when present. A restore reads the specs only for a DTensor that has no
-live tensor (`reshard.targets`), and at 405B they are most of the skeleton: 3,411 specs, 595 KB,
+live tensor (`boxes.targets`), and at 405B they are most of the skeleton: 3,411 specs, 595 KB,
 4-6 ms of a restore plan's strict parse and as much again in freed objects. `loads_skeleton`
 parses everything else strictly (`jsonenc`'s rules) and keeps "dtensors" as its text, parsed
 (strictly) when first read (`Deferred`). The skeletons are the same objects as `jsonenc.loads`

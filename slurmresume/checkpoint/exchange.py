@@ -13,7 +13,7 @@ holds one requester's message at a time besides its own boxes (1 GiB, 4 -> 3 ran
 host: 1.5x the direct restore's time). So it is chosen (`wanted`, `worth_it`) only where it pays:
 onto EXCHANGE_MIN_RANKS ranks or more, when the ranks reading their own boxes would open over
 FANOUT shard files each (one SUM over the ranks), or forced either way by
-SLURMRESUME_RESHARD_EXCHANGE; every rank must agree (`restoring.load_choice`), else every rank
+SLURMRESUME_RESHARD_EXCHANGE; every rank must agree (`restoreload.load_choice`), else every rank
 reads its own boxes (`reshard.load_sharded`).
 
 Protocol (every rank, once every rank planned and agreed on the same inputs, `Plan.digest`):
@@ -42,8 +42,9 @@ from typing import Any
 import xxhash
 
 from ..errors import ConfigError, PeerReadError
+from .boxes import Target, placement_kinds
 from .placement import local_box, pieces_at
-from .reshard import ShardFiles, Target, box_dest, box_value, empty_box, placement_kinds, read_box
+from .reshard import ShardFiles, box_dest, box_value, empty_box, read_box
 from .shard import ITEMSIZE, TORCH_DTYPES
 from .sharding import Sharded, cover
 

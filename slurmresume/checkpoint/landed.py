@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .reshard import is_dtensor
+from .dtensorspec import is_dtensor
 
 SAMPLES = 16  # evenly spaced elements per tensor
 

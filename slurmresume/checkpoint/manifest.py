@@ -85,7 +85,7 @@ class Manifest:
     _indexes: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
     digest: str = ""  # xxh3 of the manifest's bytes as read (what the commit marker pins)
     # those bytes (read_manifest), kept for a restore: rank 0 sends them to the other ranks
-    # (restoring.share_manifest), which then never open the file, and drops them once sent
+    # (restoreload.share_manifest), which then never open the file, and drops them once sent
     raw_bytes: bytes | None = field(default=None, repr=False, compare=False)
     _arithmetic: bool | None = field(default=None, repr=False)
     _layouts: dict[str, Any] = field(default_factory=dict, repr=False)  # name -> (mesh shape, placements)

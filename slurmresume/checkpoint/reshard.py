@@ -1,146 +1,38 @@
-"""DTensor / FSDP2 tensors: saved as each rank's local piece with its global offset, restored
-onto any number of ranks and any sharding by reading only the byte ranges each rank needs.
+"""Verified byte-range reads of a sharded (DTensor / FSDP2) tensor's box: restored onto any
+number of ranks and any sharding by reading only the byte ranges each rank needs.
 
-Save (every rank, from `state.flatten`): `describe()` turns a DTensor into its local tensor plus
-a JSON spec (global shape, this rank's offset and local shape, placements, mesh shape). The
-manifest's tensor index carries every piece's global shape and offset (commit.write_rank).
-
-Restore (every rank, independently, no collective): for each sharded name the live state
-decides the box this rank now owns (`Target`), `sharding.cover` finds the saved pieces that
+Restore (every rank, independently, no collective): for each sharded name, the box this rank now
+owns (`boxes`: its `Target`), `sharding.cover` finds the saved pieces that
 intersect it, and `read_box` preads only their intersecting runs from the old shards (one run
 per piece for dim-0 sharding) into fresh memory; the caller copies into the live tensors once
 every rank has verified its part. Verified reads widen to the piece's fine stripes (its
 shard header's `shard.FINE_KEY` digests) or, without them, to the VERIFY_BLOCK
 blocks of whole rows (the header's `shard.BLOCKS_KEY` digests, else the rank's index file's) (`_read_verified`, `_read_striped`). Data bytes read, and the bytes of the boxes they were read
 for (`needed`), are counted in `STATS` (the restore's `restored` event, the benchmark and tests
-read it).
+read it). What a saved DTensor is: `dtensorspec`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from ..errors import ConfigError, CorruptCheckpointError
+from ..errors import CorruptCheckpointError
+from .boxes import Target, boxes_of
+from .dtensorspec import is_dtensor
 from .jsonenc import loads
-from .placement import local_box
 from .shard import BLOCKS_KEY, FINE_KEY, ITEMSIZE, TORCH_DTYPES, VERIFY_BLOCK
-from .sharding import Sharded, check_placements, cover, runs
+from .sharding import Sharded, cover, runs
 from .shardread import Expected, Header, byte_view, check_blocks, digests_of, open_read, pread_exact
 
 STATS = {"bytes": 0, "reads": 0, "needed": 0}
 SMALL_RUN = 1024  # runs shorter than this (bytes) are read as whole rows when that wastes little
 SLAB_WASTE = 2  # ... at most this many times the bytes needed
-
-
-def is_dtensor(t: Any) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "placements") and hasattr(t, "to_local")
-
-
-def describe(dt: Any, where: str) -> tuple[Any, dict[str, Any]]:
-    """(local tensor, JSON spec) of a DTensor on this rank. Refuses placements that are not a
-    box of the global tensor (Partial sums, FSDP2+TP strided shards)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    names = []
-    for p in dt.placements:
-        if type(p) is Shard:
-            names.append(f"shard:{p.dim % max(dt.ndim, 1)}")
-        elif isinstance(p, Replicate):
-            names.append("replicate")
-        else:
-            raise ConfigError(f"cannot checkpoint DTensor at '{where}' with placement {p}: only Shard and "
-                              "Replicate are saved as boxes; redistribute() it (or save full_tensor()) first")
-    local = dt.to_local()
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    if list(shape) != list(local.shape):
-        raise ConfigError(f"DTensor at '{where}': local tensor {list(local.shape)} is not the "
-                          f"{list(shape)} its placements give (padded?): save an unpadded DTensor")
-    return local, {"shape": list(dt.shape), "offset": [int(o) for o in offset], "local_shape": list(shape),
-                   "placements": names, "mesh_shape": list(dt.device_mesh.shape),
-                   "mesh_arange": _is_arange(dt.device_mesh)}
-
-
-_ARANGE: dict[int, tuple[Any, bool]] = {}  # id(mesh) -> (mesh, whether its ranks are 0..n-1 in order)
-
-
-def _is_arange(mesh: Any) -> bool:
-    """Whether the mesh's rank at each coordinate is its row-major index (init_device_mesh over
-    every rank): then a saved rank's piece follows from its rank and the placements alone."""
-    hit = _ARANGE.get(id(mesh))
-    if hit is None or hit[0] is not mesh:
-        ranks = mesh.mesh.flatten().tolist()
-        hit = _ARANGE[id(mesh)] = (mesh, ranks == list(range(len(ranks))))
-    return hit[1]
-
-
-@dataclass(slots=True)  # slots: a restore plan makes one per DTensor (405B: 3,411 a rank)
-class Target:
-    """Where one sharded tensor goes on this rank: a DTensor (mesh + placements), or a plain
-    tensor holding the whole global tensor. `live` is the user's tensor when there is one."""
-
-    mesh: Any
-    placements: Any
-    live: Any
-
-
-def _optimizer_params(state: Mapping[str, Any]) -> dict[str, Any]:
-    """'opt/state/<id>/' -> the parameter, for torch optimizers in `state`, so that the state of
-    a fresh optimizer (created at its first step) is rebuilt with its parameter's sharding."""
-    import torch
-
-    out: dict[str, Any] = {}
-    for key, obj in state.items():
-        if isinstance(obj, torch.optim.Optimizer):
-            ids = [i for g in obj.state_dict()["param_groups"] for i in g["params"]]
-            params = [p for g in obj.param_groups for p in g["params"]]
-            out.update({f"{key}/state/{i}/": p for i, p in zip(ids, params)})
-    return out
-
-
-def targets(state: Mapping[str, Any], live: Mapping[str, Any], index: Mapping[str, Sharded],
-            specs: Mapping[str, Any]) -> dict[str, Target]:
-    """The rule (docs/design.md, "Another world size (elastic resume)"): a live DTensor at the same name gives its mesh and
-    placements; else the optimizer's parameter for that state; else, when the live state holds
-    DTensors, the saved placements on their mesh; else a plain tensor with the global value."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    by_param = _optimizer_params(state) if not live.keys() >= index.keys() else {}
-    mesh = next((t.device_mesh for t in live.values() if is_dtensor(t)), None)
-    out: dict[str, Target] = {}
-    kinds: dict[type, bool] = {}  # is_dtensor by type: asked once per type, not per tensor
-    for name, tensor in index.items():
-        t: Any = live.get(name)
-        if t is not None:
-            if t.shape != tensor.shape:  # torch.Size is a tuple
-                raise ConfigError(f"tensor {name!r} is {list(tensor.shape)} in the checkpoint and {list(t.shape)} "
-                                  "in this run's state: the model changed shape")
-            dt = kinds.get(type(t))
-            if dt is None:
-                dt = kinds[type(t)] = is_dtensor(t)
-            out[name] = Target(t.device_mesh, t.placements, t) if dt else Target(None, None, t)
-            continue
-        param: Any = by_param.get(name.rsplit("/", 1)[0] + "/")
-        spec = specs.get(name)
-        placements = spec.get("placements") if isinstance(spec, dict) else None
-        if is_dtensor(param) and list(param.shape) == list(tensor.shape):
-            out[name] = Target(param.device_mesh, param.placements, None)
-        elif mesh is not None and placements and len(placements) == mesh.ndim:
-            # the skeleton's spec, read here only (validate_skeleton(specs=False) left it to this)
-            check_placements(placements, len(tensor.shape), f"checkpoint skeleton, DTensor {name!r}")
-            parsed = [Replicate() if p == "replicate" else Shard(int(p[6:])) for p in placements]
-            out[name] = Target(mesh, parsed, None)
-        else:
-            out[name] = Target(None, None, None)
-    return out
 
 
 def load_sharded(directory: Path, shards: Sequence[dict[str, Any]], index: Mapping[str, Sharded],
@@ -170,7 +62,6 @@ def load_sharded(directory: Path, shards: Sequence[dict[str, Any]], index: Mappi
         files.close()
     return out
 
-
 def box_dest(target: Target, tensor: Sharded, shape: tuple[int, ...], mode: str) -> tuple[Any, Any]:
     """(where this rank's box of `tensor` is read, the live local tensor it goes into or None):
     "live" mode with a live tensor: that tensor when it fits (`fits_box`), else fresh memory copied
@@ -179,7 +70,6 @@ def box_dest(target: Target, tensor: Sharded, shape: tuple[int, ...], mode: str)
     into = mode == "live" and local is not None
     return (local if into and fits_box(local, shape, tensor.dtype) else empty_box(shape, tensor.dtype),
             local if into else None)
-
 
 def box_value(dest: Any, local: Any, target: Target, tensor: Sharded) -> Any:
     """The state's value of a box read into `dest` (`box_dest`): the live tensor, `dest` copied
@@ -190,152 +80,16 @@ def box_value(dest: Any, local: Any, target: Target, tensor: Sharded) -> Any:
         local.copy_(dest)
     return target.live
 
-
-def box_of(tensor: Sharded, target: Target) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(shape, global offset) of this rank's box of `tensor` under `target`: by placement
-    arithmetic for Shard/Replicate placements (torch's rule, `placement.local_box`; torch's own
-    function costs ~30 us a call, most of a restore plan at 2,619 DTensors), else torch's."""
-    if target.mesh is None:
-        return tuple(tensor.shape), (0,) * len(tensor.shape)
-    kinds = placement_kinds(tuple(target.placements))
-    coord = target.mesh.get_coordinate() if kinds is not None else None
-    if kinds is None or coord is None:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(tensor.shape, target.mesh, target.placements)
-        return tuple(shape), tuple(offset)
-    offset, shape = local_box(tuple(tensor.shape), tuple(target.mesh.shape), tuple(coord), kinds)
-    return shape, offset
-
-
-def boxes_of(index: Mapping[str, Sharded], where: Mapping[str, Target]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """`box_of` of every tensor in `where`, asking each mesh its shape and this rank's coordinate
-    once (DeviceMesh.shape costs ~100 us a call in torch 2.13: most of a restore plan, once per
-    DTensor) and each placements tuple its kinds once."""
-    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-    return {name: _box(index[name], target, meshes) for name, target in where.items()}
-
-
-def _box(tensor: Sharded, target: Target, meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None]
-         ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """`box_of` of one tensor, the mesh's facts asked once per mesh (`meshes`, shared by the calls)."""
-    kinds = placement_kinds(tuple(target.placements)) if target.mesh is not None else None
-    facts = _mesh_facts(target.mesh, meshes) if kinds is not None else None
-    if facts is None:
-        return box_of(tensor, target)
-    offset, shape = local_box(tuple(tensor.shape), facts[0], facts[1], kinds)
-    return shape, offset
-
-
-def _mesh_facts(mesh: Any, cache: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None]
-                ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(shape, this rank's coordinate) of `mesh`, asked once per mesh per call (None: not on it)."""
-    if id(mesh) not in cache:
-        coord = mesh.get_coordinate()
-        cache[id(mesh)] = None if coord is None else (tuple(mesh.shape), tuple(coord))
-    return cache[id(mesh)]
-
-
-def _shard_class() -> Any:
-    from torch.distributed.tensor import Shard
-
-    return Shard
-
-
-@functools.lru_cache(maxsize=64)
-def placement_kinds(placements: tuple[Any, ...]) -> tuple[str, ...] | None:
-    """Shard(d) / Replicate() placements as the manifest writes them; None for any other kind
-    (a _StridedShard, a Partial: torch's function handles those)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    out = []
-    for p in placements:
-        if type(p) is Shard:
-            out.append(f"shard:{p.dim}")
-        elif type(p) is Replicate:
-            out.append("replicate")
-        else:
-            return None
-    return tuple(out)
-
-
-def _kinds_by_type(placements: Sequence[Any], cache: dict[Any, tuple[str, ...] | None], shard: Any
-                   ) -> tuple[str, ...] | None:
-    """`placement_kinds` of `placements`, worked out once per distinct sequence of placement types (and a
-    Shard's dim: all that `placement_kinds` reads of them) in `cache`: each DTensor has its own placement
-    objects, and hashing or comparing them runs torch's Python __hash__ / __eq__ (~0.6 us a
-    DTensor: 405B, 3,411 a rank, 2 ms of a restore plan). `shard`: torch's Shard class. One
-    placement (FSDP's one mesh dimension): its dim or type is the key, no tuple built."""
-    if len(placements) == 1:
-        p = placements[0]
-        key: Any = p.dim if type(p) is shard else type(p)
-    else:
-        key = tuple([p.dim if type(p) is shard else type(p) for p in placements])
-    kinds = cache.get(key, ())
-    if kinds == ():
-        kinds = cache[key] = placement_kinds(tuple(placements))
-    return kinds
-
-
-def _holders(tensor: Sharded, target: Target, box: tuple[tuple[int, ...], tuple[int, ...]],
-             meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None]) -> tuple[int, ...]:
-    """The saved ranks holding `box` (shape, offset) of `tensor` (`source_ranks` of one tensor)."""
-    shape, offset = box
-    if not math.prod(shape):
-        return ()
-    if tensor.layout is not None and target.mesh is not None and "replicate" not in tensor.layout[1]:
-        facts = _mesh_facts(target.mesh, meshes)
-        if (facts is not None and facts[0] == tuple(tensor.layout[0])
-                and placement_kinds(tuple(target.placements)) == tuple(tensor.layout[1])):
-            rank = 0
-            for c, n in zip(facts[1], facts[0]):  # row-major, as placement.holders numbers them
-                rank = rank * n + c
-            return (rank,)
-    return tuple(p.rank for p in tensor.pieces_in(tuple(offset), tuple(shape)))
-
-
-def plan_reads(index: Mapping[str, Sharded], where: Mapping[str, Target]
-               ) -> tuple[dict[str, tuple[tuple[int, ...], tuple[int, ...]]], set[int], int]:
-    """(`boxes_of`, the saved ranks holding those boxes, the bytes of fresh memory a staged
-    `load_sharded` of them takes) of `where`, in one pass: the tensors placed by
-    arithmetic with one global shape, layout, mesh and target placements (a model's layers repeat
-    a few: 405B, 3,411 DTensors per rank) share one box and one set of holders, worked out once."""
-    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-    Hit = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, ...], int]  # box, holders, staging bytes
-    memo: dict[tuple[Any, ...], Hit] = {}
-    boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    sources: set[int] = set()
-    staging = 0
-    kinds_of: dict[Any, tuple[str, ...] | None] = {}
-    shard = _shard_class()
-    for name, target in where.items():
-        tensor = index[name]
-        kinds = _kinds_by_type(target.placements, kinds_of, shard) if target.mesh is not None else None
-        key = (tensor.shape, tensor.dtype, tensor.layout, id(target.mesh), kinds) if tensor.layout and kinds else None
-        hit = memo.get(key) if key is not None else None
-        if hit is None:
-            box = _box(tensor, target, meshes)
-            hit = (box, _holders(tensor, target, box, meshes), math.prod(box[0]) * ITEMSIZE[tensor.dtype])
-            if key is not None:
-                memo[key] = hit
-        boxes[name] = hit[0]
-        sources.update(hit[1])
-        staging += hit[2]
-    return boxes, sources, staging
-
-
 def fits_box(t: Any, shape: tuple[Any, ...], dtype: str) -> bool:
     """Whether a box of `shape` and `dtype` can be read straight into the live local tensor `t`."""
     return (t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == shape
             and t.dtype == TORCH_DTYPES[dtype])
-
 
 def empty_box(shape: Any, dtype: str) -> Any:
     """Fresh CPU memory for a box (staging)."""
     import torch
 
     return torch.empty(tuple(shape), dtype=TORCH_DTYPES[dtype])
-
 
 def wrap_box(local: Any, target: Target, global_shape: tuple[Any, ...]) -> Any:
     """A read box as what the live state holds there: a DTensor on the target's mesh (its device),
@@ -348,7 +102,6 @@ def wrap_box(local: Any, target: Target, global_shape: tuple[Any, ...]) -> Any:
     stride = tuple(math.prod(global_shape[d + 1:]) for d in range(len(global_shape)))
     return DTensor.from_local(local.to(target.mesh.device_type), target.mesh, target.placements,
                               run_check=False, shape=torch.Size(global_shape), stride=stride)
-
 
 class ShardFiles:
     """Open shards and their checked headers, opened on first use only (through `opened`, an
@@ -417,7 +170,6 @@ class ShardFiles:
         self.owned.clear()
         self.open.clear()
 
-
 def _fine_blocks(header: dict[str, Any], path: Path) -> dict[str, tuple[list[str], int, int]]:
     """The header's fine digests ({name: (digests, dim, width)}). The header is verified, so an
     entry this version does not understand (another writer's layout) is skipped, not corrupt:
@@ -441,7 +193,6 @@ def _fine_blocks(header: dict[str, Any], path: Path) -> dict[str, tuple[list[str
             continue
         out[name] = (digests, dim, width)
     return out
-
 
 def read_box(files: ShardFiles, tensor: Sharded, offset: tuple[Any, ...], shape: tuple[Any, ...], dest: Any) -> None:
     """Fill `dest` (CPU, `shape`) with the global box at `offset`, from the pieces covering it."""
@@ -480,7 +231,6 @@ def read_box(files: ShardFiles, tensor: Sharded, offset: tuple[Any, ...], shape:
         if tmp is not dst:
             dst.copy_(tmp)
 
-
 def _read_verified(fd: int, start: int, path: Path, name: str, check: tuple[list[str], int], shape: tuple[Any, ...],
                    rel: tuple[Any, ...], box: tuple[Any, ...], dst: Any, size: int) -> None:
     """Verified read of one piece's box: the rows it spans, widened to whole checksum blocks
@@ -512,7 +262,6 @@ def _read_verified(fd: int, start: int, path: Path, name: str, check: tuple[list
         return
     rows = rows.reshape((n0, *shape[1:]))
     dst.copy_(rows[(slice(None),) + tuple(slice(r, r + n) for r, n in zip(rel[1:], box[1:]))])
-
 
 def _read_striped(fd: int, start: int, path: Path, name: str, check: tuple[list[str], int, int],
                   shape: tuple[Any, ...], rel: tuple[Any, ...], box: tuple[Any, ...], dst: Any, size: int) -> None:
@@ -552,7 +301,6 @@ def _read_striped(fd: int, start: int, path: Path, name: str, check: tuple[list[
         src = tuple(slice(a - c0, b - c0) if d == dim else slice(r, r + n) for d, (r, n) in enumerate(zip(rel, box)))
         out = tuple(slice(a - lo, b - lo) if d == dim else slice(None) for d in range(len(shape)))
         dst[out].copy_(stripe[src])
-
 
 def _pread(fd: int, view: memoryview, offset: int, path: Path) -> None:
     pread_exact(fd, view, offset, path)

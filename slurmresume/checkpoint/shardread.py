@@ -8,7 +8,7 @@ given the manifest's digests (`Expected`) hashes each VERIFY_BLOCK block right a
 restore needs no separate checksum pass (`load_tensors`, `verify_tensors`; reshard.read_box reads
 byte ranges through `pread_exact` and `check_blocks`). Checkpoints written before block digests
 existed carry none; their restore runs the whole-shard checksum pass instead (`hash_file`,
-restoring.choose).
+restorechoice.choose).
 """
 
 from __future__ import annotations

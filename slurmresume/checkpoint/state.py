@@ -12,9 +12,9 @@ from collections.abc import Container, Iterable, Iterator, Mapping, MutableMappi
 from typing import Any, cast
 
 from ..errors import ConfigError, CorruptCheckpointError
+from .dtensorspec import describe, is_dtensor
 from .jsonenc import decode, encode
 from .landed import meta_path
-from .reshard import describe, is_dtensor
 
 RESERVED = "__slurmresume__"
 
@@ -66,7 +66,7 @@ class TensorTable:
     def __init__(self) -> None:
         self.tensors: list[tuple[str, Any]] = []
         self.live: dict[str, Any] = {}  # name -> the tensor as found in the state (DTensors too)
-        self.dtensors: dict[str, dict[str, Any]] = {}  # name -> spec (reshard.describe) of a DTensor
+        self.dtensors: dict[str, dict[str, Any]] = {}  # name -> spec (dtensorspec.describe) of a DTensor
         self.devices: dict[str, str] = {}  # name -> device of a tensor not on the CPU ("cuda:0")
         self._names: set[str] = set()
         self._by_view: dict[tuple[Any, ...], str] = {}
@@ -162,7 +162,7 @@ def validate_skeleton(keys: Iterable[str], skeleton: Any, tensor_names: Containe
     checkpoint; ConfigError for a key the checkpoint lacks (a mismatch between the training
     script and the checkpoint: an older checkpoint would not have it either). `specs` False:
     the "dtensors" section is only checked to be a mapping (a restore reads its placements
-    alone, for the tensors without a live DTensor, and checks those: reshard.targets; it may be
+    alone, for the tensors without a live DTensor, and checks those: boxes.targets; it may be
     `deferred.Deferred`, parsed then). Returns the tensor names the entries and the library
     reference, given `tensor_names` (else an empty set): `referenced` of every key."""
     if not isinstance(skeleton, dict) or not isinstance(skeleton.get("entries"), dict):

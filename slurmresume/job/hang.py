@@ -24,7 +24,7 @@ The longest save is the larger of this run's and the log's recent saves (`save_c
 term: the rank publishes the bytes it is about to move (its shards' sizes before a save, the
 manifest's total before a pull, its part before a restore's read) and the slowest throughput it
 measured for that kind of transfer in this process (transfers of 64 MiB or more; a pull with
-none: the slowest of the log's recent pulls, heartbeat.logged_pull_rate); with none known, io_rate_mbs (--hang-io-rate, 50 MB/s) is assumed. Ranks restoring on one node wait for
+none: the slowest of the log's recent pulls, events.logged_pull_rate); with none known, io_rate_mbs (--hang-io-rate, 50 MB/s) is assumed. Ranks restoring on one node wait for
 each other (rank 0 pulls while the others wait in a collective): each gets the largest bytes term
 among them.
 """

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ..beatfile import SAVE
 from ..contract import EXIT_SAVE_FAILED
 from .emergency import exit_now
-from .heartbeat import SAVE, Beat, phase
+from .heartbeat import Beat, phase
 from .snapshot import SnapshotPool
 
 if TYPE_CHECKING:

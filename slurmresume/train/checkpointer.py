@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..beatfile import BUSY, DONE, RESTORE, SAVE
 from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..errors import ConfigError
@@ -32,13 +33,15 @@ if TYPE_CHECKING:  # the front door's types, for a reader and a type checker; im
     from ..retention import RetentionPolicy
     from ..storage.s3 import S3Location
     from .savepolicy import SavePolicy
+from .drillhang import drill_hang_here
 from .emergency import save_and_exit
 from .failsave import failure_guard
-from .heartbeat import BUSY, DONE, RESTORE, SAVE, drill_hang_here, expect_io, phase
+from .heartbeat import expect_io, phase
 from .memplan import setting
 from .memtier import MemoryTier
 from .options import check_options
-from .restoring import Request, restore_and_record
+from .restoreload import Request
+from .restoring import restore_and_record
 from .roots import ENV_ROOT as ENV_ROOT  # re-exported (train.checkpointer.ENV_ROOT)
 from .roots import claim_root, resolve_root
 from .saving import Payload, after_commit, payload_of, save_and_record, tolerated

@@ -245,7 +245,7 @@ def holds(writer: int, rank: int, name: str, replicas: Mapping[str, ReplicaDims]
 
 def specs_at(specs: Mapping[str, dict[str, Any]], rank: int, me: int, world: int,
              tensors: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Pure: rank `me`'s DTensor specs (`reshard.describe`) as `rank`'s: the offset and local shape
+    """Pure: rank `me`'s DTensor specs (`dtensorspec.describe`) as `rank`'s: the offset and local shape
     at `rank`'s coordinate (`placement.local_box`), checked against the piece written for it.
     Raises Uncovered for a mesh that is not every rank in order (no coordinate follows from a rank)."""
     out = {}

@@ -1,4 +1,5 @@
-"""The heartbeat channel from each rank to its node's launcher (the contract's ENV_HEARTBEAT_DIR).
+"""The heartbeat channel from each rank to its node's launcher (the contract's ENV_HEARTBEAT_DIR),
+on the rank's side: its writer (`Beat`), the phases of the training thread (`phase`, `expect_io`).
 
 Every rank owns one fixed-size file, `<dir>/rank-<global rank>.hb`, in a node-local directory
 the launcher creates per run (under /dev/shm when it exists, else $TMPDIR): no collective, no
@@ -25,6 +26,9 @@ truncating its record to 0 bytes, logs one warning, and stops writing: the launc
 Stack dumps ride on the same directory: each rank registers `faulthandler` (all threads) on the
 dump signal (`dump_signal`, never the warning signal), writing into `<dir>/rank-<r>.stacks`; the
 launcher sends the signal before it kills a hung run and copies what was written.
+
+The record's format is beatfile.py's (the launcher reads it there); the drill's injected hang is
+drillhang.py's; the pull rate an earlier run logged is read by `events.logged_pull_rate`.
 """
 
 from __future__ import annotations
@@ -37,64 +41,23 @@ import time
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-from ..beatfile import (  # re-exported: this module was their home
-    BUSY as BUSY,
-)
-from ..beatfile import (
-    DONE as DONE,
-)
 from ..beatfile import (  # the record format, shared with the launcher (job/hang.py, job/hangwatch.py)
     FORMAT_VERSION,
     HEAD_STRUCT,
     IO_MEASURE_MIN_BYTES,
     MAGIC,
+    PHASES,
     RING,
     RING_STRUCT,
+    STARTUP,
+    STEP,
     TAIL_STRUCT,
+    record_path,
+    stacks_path,
 )
-from ..beatfile import (
-    IO_KINDS as IO_KINDS,
-)
-from ..beatfile import (
-    PHASES as PHASES,
-)
-from ..beatfile import (
-    RESTORE as RESTORE,
-)
-from ..beatfile import (
-    SAVE as SAVE,
-)
-from ..beatfile import (
-    SIZE as SIZE,
-)
-from ..beatfile import (
-    STARTUP as STARTUP,
-)
-from ..beatfile import (
-    STEP as STEP,
-)
-from ..beatfile import (
-    Record as Record,
-)
-from ..beatfile import (
-    read_all as read_all,
-)
-from ..beatfile import (
-    read_record as read_record,
-)
-from ..beatfile import (
-    record_path as record_path,
-)
-from ..beatfile import (
-    scan as scan,
-)
-from ..beatfile import (
-    stacks_path as stacks_path,
-)
-from ..contract import ENV_DRILL_HANG, ENV_DUMP_SIGNAL, ENV_HEARTBEAT_DIR, ENV_RUN_ID
-from ..events import EV_MIRROR_DOWNLOADED
+from ..contract import ENV_DUMP_SIGNAL, ENV_HEARTBEAT_DIR
 
 
 class Beat:
@@ -282,32 +245,6 @@ def beat_from_env(rank: int) -> Beat | None:
     return beat
 
 
-def drill_hang_step(rank: int) -> int | None:
-    """`slurmresume drill --hang`: the step at which this rank stops making progress in this
-    attempt, from $SLURMRESUME_DRILL_HANG="1:12,0:30" (entry k: rank:step for attempt k of the
-    run id "<job>.<restart>.<attempt>"); None for every other rank and attempt."""
-    planned = os.environ.get(ENV_DRILL_HANG, "").split(",")
-    try:
-        attempt = int(os.environ.get(ENV_RUN_ID, "").rsplit(".", 1)[1])
-    except (IndexError, ValueError):
-        return None
-    if attempt >= len(planned):
-        return None
-    who, _, at = planned[attempt].partition(":")
-    return int(at) if who.strip().isdigit() and at.strip().isdigit() and int(who) == rank else None
-
-
-def drill_hang_here(step: int) -> None:
-    """The injected hang: this rank stops before the step's collective and never returns; the
-    other ranks wait for it in theirs. The launcher must detect it, dump the stacks (this frame
-    is what the hung rank's dump shows) and kill the run."""
-    import logging
-
-    logging.getLogger("slurmresume").warning("drill: rank hangs at step %d (pid %d)", step, os.getpid())
-    while True:
-        time.sleep(3600)
-
-
 @contextlib.contextmanager
 def phase(beat: Beat | None, name: str, *, measured_save: bool = False, budget_s: float = 0.0) -> Iterator[None]:
     """A save, restore or busy stretch of the training thread, as the hang watch sees it (a
@@ -331,13 +268,3 @@ def expect_io(kind: str, nbytes: int, logged_rate: float = 0.0) -> None:
     pull); the rank's heartbeat publishes them (Beat.expect). A no-op when run bare."""
     if _ACTIVE is not None:
         _ACTIVE.expect(kind, nbytes, logged_rate)
-
-
-def logged_pull_rate(events: list[dict[str, Any]]) -> float:
-    """The slowest of the last pulls from the mirror in the log (`mirror_downloaded`, bytes and
-    seconds, of at least IO_MEASURE_MIN_BYTES), bytes/s; 0 when none. Pure."""
-    rates = [float(e["bytes"]) / float(e["seconds"]) for e in events[-200:]
-             if e.get("event") == EV_MIRROR_DOWNLOADED and isinstance(e.get("bytes"), (int, float))
-             and isinstance(e.get("seconds"), (int, float)) and e["bytes"] >= IO_MEASURE_MIN_BYTES
-             and e["seconds"] > 0]
-    return min(rates[-10:], default=0.0)

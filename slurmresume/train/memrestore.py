@@ -69,7 +69,7 @@ def memory_choice(mem_step: int | None, mem_problem: str | None, mem_world: int 
 def from_memory(group: Group, memory: Path, root: Path, state: MutableMapping[str, Any], req: Any,
                 restore_collective: Callable[..., tuple[RestoreChoice | None, list[list[int]]]],
                 ) -> tuple[RestoreChoice | None, list[list[int]], str | None]:
-    """Collective (see the module docstring). `req`: the restore's `restoring.Request`;
+    """Collective (see the module docstring). `req`: the restore's `restoreload.Request`;
     `restore_collective`: restoring's, handed in (this module is below it). Returns (the step
     loaded into `state` from memory, or None; per rank [bytes read, needed]; the fallback's
     reason, or None when there was none)."""

@@ -105,7 +105,7 @@ class RestoreChoice:
     marker it checked), the saved world size and whether another one may load it, and `sharded`,
     the DTensor specs as `checkpoint.sharding.to_json` writes them (each tensor once where the
     placements give the pieces; listed pieces only for a mesh that does not span every rank).
-    The manifest's bytes follow by a broadcast of their own (`restoring.share_manifest`); each
+    The manifest's bytes follow by a broadcast of their own (`restoreload.share_manifest`); each
     rank parses them, checked against `manifest_xxh3` (no second look at the marker);
     `manifest` holds that parse on the rank that has one and never crosses ranks."""
 

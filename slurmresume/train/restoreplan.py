@@ -1,4 +1,4 @@
-"""One rank's part of a restore: plan it from the headers, then read it (`restoring` runs the
+"""One rank's part of a restore: plan it from the headers, then read it (`restoreload` runs the
 collective flow around these, every rank calling them for its own part).
 
   plan_part (every rank): validate this rank's part of the chosen step against the live state
@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import exchange
+from ..checkpoint.boxes import plan_reads
+from ..checkpoint.boxes import targets as reshard_targets
 from ..checkpoint.deferred import loads_skeleton
+from ..checkpoint.dtensorspec import is_dtensor
 from ..checkpoint.manifest import read_pinned
 from ..checkpoint.opened import OpenShards
 from ..checkpoint.reshard import STATS as RESHARD_STATS
-from ..checkpoint.reshard import is_dtensor, load_sharded, plan_reads
-from ..checkpoint.reshard import targets as reshard_targets
+from ..checkpoint.reshard import load_sharded
 from ..checkpoint.shard import SKELETON_KEY
 from ..checkpoint.sharding import from_json
 from ..checkpoint.shardread import MetaOnDemand, load_tensors, verify_tensors
@@ -59,7 +61,7 @@ class Part:
     """What one rank reads of a checkpoint, planned from the headers and the skeleton (no tensor
     bytes read): whole tensors of its own shard (`names`) and of shard 0 (`shared`, replicated),
     boxes of DTensors (`wanted` -> `where`), and the fresh memory a staged read takes. `opened`:
-    the shard files the plan opened, read through the same fds (closed by `restoring.load_choice`)."""
+    the shard files the plan opened, read through the same fds (closed by `restoreload.load_choice`)."""
 
     directory: Path
     shard: dict[str, Any]
@@ -71,7 +73,7 @@ class Part:
     shared: set[str]
     wanted: dict[str, Any]
     where: dict[str, Any]
-    boxes: dict[str, Any]  # where -> (shape, global offset) of this rank's box (reshard.plan_reads)
+    boxes: dict[str, Any]  # where -> (shape, global offset) of this rank's box (boxes.plan_reads)
     staging: int
     opened: OpenShards
     sources: frozenset[int] = frozenset()  # the saved ranks whose shards this rank's boxes span
@@ -79,11 +81,11 @@ class Part:
 
 def with_manifest(choice: RestoreChoice, sent: bytes) -> RestoreChoice:
     """A rank other than 0, before its plan: `choice` with its manifest, built from `sent`, the
-    bytes rank 0 read and sent (`restoring.share_manifest`), or, none sent (b""), read from the
+    bytes rank 0 read and sent (`restoreload.share_manifest`), or, none sent (b""), read from the
     step directory; either way checked against the digest rank 0 pinned (`manifest.read_pinned`:
     CorruptCheckpointError / UnsafeCheckpointError). Rank 0's choice, which holds its own parse,
     is returned as it is. The caller drops `sent` then: the plan never holds the bytes. (The
-    parse makes ~10^5 objects, as the plan does: `restoring.load_choice` runs both, and the read,
+    parse makes ~10^5 objects, as the plan does: `restoreload.load_choice` runs both, and the read,
     in one `gc_paused`.)"""
     if choice.manifest is not None:
         return choice
@@ -115,7 +117,7 @@ def gc_paused() -> Iterator[None]:
 
 def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any], live: dict[str, Any],
                strict: bool) -> Part | Failure:
-    # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (restoring.apply_loaded:
+    # Rank r reads shard r; on a larger world, rank r >= W reads shard r % W (restoreapply.apply_loaded:
     # its RNG). Replicated tensors are read from shard 0, unless this rank's own shard holds them too
     # (small ones: replicas.everywhere; then no second shard is opened). DTensor pieces
     # are read by box from whichever shards hold this rank's new region (reshard).
@@ -144,7 +146,7 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         if shared:
             header0 = opened.header(first["file"], first["bytes"], manifest.expected(0))
             infos.update({n: header0[n] for n in header0 if n in shared})
-        # once (not again to decode); of the DTensor specs only what the restore reads (reshard.targets)
+        # once (not again to decode); of the DTensor specs only what the restore reads (boxes.targets)
         refs = validate_skeleton(keys, skeleton, infos.keys() | sharded.keys(), strict, specs=False)
         # Shapes from the headers (a DTensor: its global shape), as meta tensors: a checkpoint
         # that does not fit the live modules and optimizers is refused before any byte is loaded
@@ -159,7 +161,7 @@ def _plan_part(rank: int, choice: RestoreChoice, state: MutableMapping[str, Any]
         if not manifest.placed_by_arithmetic:  # pieces the specs do not place: their indexes, checked first
             for r in sorted({src} | sources):
                 manifest.rank_tensors(r)
-        # Placed by arithmetic, each piece's box is the specs' (reshard.plan_reads), each shard's
+        # Placed by arithmetic, each piece's box is the specs' (boxes.plan_reads), each shard's
         # header is checked against the manifest's digest when first opened, and carries the block
         # digests of the tensors it holds (shard.FINE_KEY, BLOCKS_KEY): no index file is opened,
         # unless a tensor's digests are only there (an older checkpoint, a shard of large plain
@@ -212,7 +214,7 @@ def read_part(rank: int, choice: RestoreChoice, part: Part | Failure, keys: list
         # the skeleton as plan_part validated it for these keys (its DTensor specs: where read)
         decoded, library = decode_entries(keys, part.skeleton, tensors, strict, checked=True)
         if rank < choice.world_size and isinstance(library, dict) and "rng" in library:
-            rng.validate(library["rng"])  # before restoring.apply_loaded touches anything
+            rng.validate(library["rng"])  # before restoreapply.apply_loaded touches anything
         return Loaded(decoded, library, None, read, needed)
     except CheckpointError as exc:
         return Loaded(failure=Failure.of(exc))

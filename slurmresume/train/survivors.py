@@ -172,7 +172,7 @@ def _holder(rank: int, names: tuple[str, ...], holders: list[int], replicas: Map
 
 
 def replica_dims(specs: Mapping[str, Mapping[str, Any]], world: int) -> dict[str, ReplicaDims]:
-    """Pure, learned once from a rank's DTensor specs (`reshard.describe`): each piece's
+    """Pure, learned once from a rank's DTensor specs (`dtensorspec.describe`): each piece's
     `ReplicaDims`, for DTensors on a mesh of every rank in order (`placement.arithmetic`: a rank's
     coordinate follows from its number); the others have no known peer and are not listed."""
     from ..checkpoint.placement import arithmetic

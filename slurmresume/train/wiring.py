@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.collective import Group
-from ..events import read_events, try_append_event
+from ..events import logged_pull_rate, read_events, try_append_event
 from .asyncsave import AsyncWriter
-from .heartbeat import Beat, beat_from_env, drill_hang_step, expect_io, logged_pull_rate
+from .drillhang import drill_hang_step
+from .heartbeat import Beat, beat_from_env, expect_io
 from .logs import ensure_handler
 from .roots import claim_root, warn_if_not_launchers_root
 from .signals import SignalFlag, install_flag
