@@ -151,9 +151,16 @@ def _commit(root: Path, board: Path, memory: Path, node: int, survivors: list[in
     plan = {"step": step, "digest": digest, "into": decision.dir}
     write_json(board / "plan.json", plan)
     try:
-        _copy_mine(root, board, memory, node, lost, plan)
-        for n in survivors:
-            got = _wait_json(board / f"copied-{n}.json", wait)
+        failed: Exception | None = None
+        try:
+            _copy_mine(root, board, memory, node, lost, plan)
+        except (OSError, CheckpointError) as exc:
+            failed = exc
+        # every other survivor's answer before anything is removed: none is writing into it then
+        answers = {n: _wait_json(board / f"copied-{n}.json", wait) for n in survivors if n != node}
+        if failed is not None:
+            raise failed
+        for n, got in answers.items():
             if got is None or not got.get("ok"):
                 raise CheckpointError(f"node {n}'s part was not copied: "
                                       f"{(got or {}).get('error') or 'it did not answer'}")
