@@ -27,8 +27,11 @@ def seed_off_boundaries() -> int:
                 if all(s % ACCUM != 0 for s in pick_steps(STEPS, WARNINGS, seed)))
 
 
+# 2 ranks in the default lane (DDP's no_sync inside accumulate); 1 rank with --exhaustive: the
+# recipe's placement is the same code, and one rank's accelerate drill is
+# test_integrations_accelerate's and test_a_save_between_micro_batches_fails_the_drill's
 @pytest.mark.slow  # ~45 s each
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.exhaustive), 2])
 def test_gradient_accumulation_resumes_exactly_with_the_recipe(tmp_path: Path, nproc: int) -> None:
     verdict = run_drill(tmp_path, SCRIPT, nproc, "--steps", str(STEPS), "--accum", str(ACCUM),
                         seed=seed_off_boundaries(), preemptions=WARNINGS)

@@ -121,15 +121,16 @@ def drill(tmp_path: Path, *script_args: str, nproc: int = 1) -> dict:
     return verdict
 
 
-# Every start method and both worker lifetimes are covered by two of the six points (spawn
-# persistent, forkserver fresh) and the two-rank drill below (fork persistent); the other four
-# run with `bash scripts/test --exhaustive`.
+# The drill through the launcher: spawn with persistent workers, and the two-rank drill below
+# (fork, persistent); fresh workers and forkserver are restarted mid-epoch in process above
+# (test_worker_augmentation_after_a_mid_epoch_restart_matches_the_uninterrupted_epoch, the same
+# loader and recipe); the other five points run with `bash scripts/test --exhaustive`.
 @pytest.mark.slow
 @pytest.mark.parametrize(("persistent", "start_method"), [
     pytest.param(False, "fork", id="fresh-workers-fork", marks=pytest.mark.exhaustive),
     pytest.param(True, "fork", id="persistent-workers-fork", marks=pytest.mark.exhaustive),
     pytest.param(True, "spawn", id="persistent-workers-spawn"),
-    pytest.param(False, "forkserver", id="fresh-workers-forkserver"),
+    pytest.param(False, "forkserver", id="fresh-workers-forkserver", marks=pytest.mark.exhaustive),
     pytest.param(False, "spawn", id="fresh-workers-spawn", marks=pytest.mark.exhaustive),
     pytest.param(True, "forkserver", id="persistent-workers-forkserver", marks=pytest.mark.exhaustive),
 ])
