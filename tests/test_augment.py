@@ -121,15 +121,16 @@ def drill(tmp_path: Path, *script_args: str, nproc: int = 1) -> dict:
     return verdict
 
 
-# Every start method and both worker lifetimes are covered by two of the six points (spawn
-# persistent, forkserver fresh) and the two-rank drill below (fork persistent); the other four
-# run with `bash scripts/test --exhaustive`.
+# The drill through the launcher in the default lane: the two-rank drill below (spawn, persistent
+# workers); fork and forkserver, fresh and persistent, are restarted mid-epoch in process above
+# (test_worker_augmentation_after_a_mid_epoch_restart_matches_the_uninterrupted_epoch, the same
+# loader and recipe). These six one-rank points run with `bash scripts/test --exhaustive`.
 @pytest.mark.slow
 @pytest.mark.parametrize(("persistent", "start_method"), [
     pytest.param(False, "fork", id="fresh-workers-fork", marks=pytest.mark.exhaustive),
     pytest.param(True, "fork", id="persistent-workers-fork", marks=pytest.mark.exhaustive),
-    pytest.param(True, "spawn", id="persistent-workers-spawn"),
-    pytest.param(False, "forkserver", id="fresh-workers-forkserver"),
+    pytest.param(True, "spawn", id="persistent-workers-spawn", marks=pytest.mark.exhaustive),
+    pytest.param(False, "forkserver", id="fresh-workers-forkserver", marks=pytest.mark.exhaustive),
     pytest.param(False, "spawn", id="fresh-workers-spawn", marks=pytest.mark.exhaustive),
     pytest.param(True, "forkserver", id="persistent-workers-forkserver", marks=pytest.mark.exhaustive),
 ])
@@ -141,8 +142,9 @@ def test_drill_passes_with_worker_augmentation(tmp_path: Path, start_method: str
 
 @pytest.mark.slow
 def test_drill_passes_with_worker_augmentation_on_two_ranks(tmp_path: Path) -> None:
-    """Each rank reads other samples; the seed is per sample index, so ranks need nothing more."""
-    verdict = drill(tmp_path, "--persistent-workers", nproc=2)
+    """Each rank reads other samples; the seed is per sample index, so ranks need nothing more.
+    Workers started by spawn, persistent (the one-rank drill of that point is in --exhaustive)."""
+    verdict = drill(tmp_path, "--start-method", "spawn", "--persistent-workers", nproc=2)
     assert verdict["ok"] is True and verdict["differences"] == [], verdict
 
 

@@ -133,7 +133,8 @@ _PLANNED = ("pick_ops", "plan_ops", "other_plan_ops", "restore_ops_total", "choi
             "read_bytes", "needed_bytes")
 
 
-@pytest.mark.parametrize("world", [48, 64])
+# 64 ranks (one stamp group) with `bash scripts/test --exhaustive`: 48 makes five groups of the same
+@pytest.mark.parametrize("world", [48, pytest.param(64, marks=pytest.mark.exhaustive)])
 def test_the_stamped_ranks_write_what_the_exact_emulation_writes(tmp_path: Path, world: int) -> None:
     """bench_stamp's templates against the rank-by-rank path: the same files byte for byte (every
     shard's header and written bytes, every index, manifest and marker, time frozen), the same

@@ -30,7 +30,11 @@ def drill(tmp_path: Path, nproc: int, *script_args: str, preemptions: int = 2,
     return res, json.loads(res.stdout[start:])
 
 
+# With --exhaustive only: examples/train.py on 3 ranks (below, [3]) is the same mechanism (the
+# Checkpointer finds the wrapper of state["model"], made before the restore; ranks' gradients
+# differ) and failed on the old code; the control below shows the layout matters in this script.
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_ddp_drill_passes_bitwise_on_3_ranks(tmp_path: Path) -> None:
     res, verdict = drill(tmp_path, 3)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]

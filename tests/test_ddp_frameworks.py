@@ -36,9 +36,16 @@ def test_lightning_ddp_on_3_ranks_passes_the_drill(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_hf_trainer_ddp_on_3_ranks_passes_the_drill(tmp_path: Path) -> None:
-    """Old code: see the note (model and optimizer differ after the first resume)."""
+    """Old code: see the note (model and optimizer differ after the first resume). With an
+    evaluation every 4 steps and a seed whose two warnings are saved on evaluation steps (4 and
+    20, one step after the warnings: test_hf_eval's case, whose 2-rank point this is in the
+    default lane), so the evaluation due at a preempted step runs as it would have, on 3 ranks."""
     pytest.importorskip("transformers")
-    verdict = drill(tmp_path, "hf_trainer_train.py", 3, *ARGS, "--no-find-unused", seed=85)
+    from test_hf_eval import EVERY, seed_on_eval_steps
+
+    verdict = drill(tmp_path, "hf_trainer_train.py", 3, *ARGS, "--no-find-unused", "--eval-every", str(EVERY),
+                    seed=seed_on_eval_steps(3))
+    assert all(s % EVERY == 0 for s in verdict["saved_steps"]), verdict["saved_steps"]  # on evaluation steps
     assert verdict["returncode"] == 0 and verdict["ok"] is True, (verdict["differences"][:3], verdict["stderr"])
     assert verdict["differences"] == [] and verdict["metric_difference"] is None
     assert verdict["preemptions"] == 2 and verdict["missed"] == 0

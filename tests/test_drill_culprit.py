@@ -98,7 +98,10 @@ def _verdict(res: subprocess.CompletedProcess) -> dict:
     return json.loads(res.stdout[res.stdout.index("{"):])
 
 
+# With --exhaustive only: test_drill_hermetic runs this very drill (the same script, case, seed and
+# steps, a mirror configured) and asserts the same verdict besides its own
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_drill_passes_a_script_that_never_seeds_python_and_numpy(tmp_path: Path) -> None:
     res = drill(tmp_path, "unseeded", "--json")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

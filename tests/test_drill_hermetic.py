@@ -10,6 +10,7 @@ configured prefix (every restore asked the bucket for its newest step)."""
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import subprocess
 import sys
@@ -47,12 +48,18 @@ def test_a_drill_leaves_the_configured_mirror_untouched(tmp_path: Path) -> None:
                "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.server_port}", "AWS_ACCESS_KEY_ID": "x",
                "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}
         res = subprocess.run([sys.executable, "-m", "slurmresume", "drill", str(SCRIPT), "--workdir",
-                              str(tmp_path / "w"), "--preemptions", "1", "--seed", "3", "--ignore", "rng", "--",
-                              "--steps", "8", "--case", "unseeded"],
+                              str(tmp_path / "w"), "--preemptions", "1", "--seed", "3", "--json", "--",
+                              "--steps", "12", "--case", "unseeded"],
                              capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     finally:
         server.shutdown()
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert _Recorder.seen == []
+    # the same drill is test_drill_culprit's never-seeded case (that test runs with --exhaustive):
+    # Python's and NumPy's streams, never seeded, are reported and do not fail the drill
+    verdict = json.loads(res.stdout[res.stdout.index("{"):])
+    assert verdict["ok"] is True
+    assert {"rng.python", "rng.numpy"} <= {d["key"] for d in verdict["differences"]}, verdict["differences"]
+    assert all(d["hint"].startswith("never seeded") and not d["culprit"] for d in verdict["differences"])
     events = "".join((tmp_path / "w" / run / "events.jsonl").read_text() for run in ("uninterrupted", "preempted"))
     assert "mirror_" not in events

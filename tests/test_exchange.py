@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -180,20 +181,35 @@ def _run(nproc: int, mode: str, tmp_path: Path, **env: str) -> str:
     return res.stderr
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 3-rank step every gloo test below restores, saved once for the module (one xdist group:
+    tests/conftest.py); each test restores its own copy."""
+    out = tmp_path_factory.mktemp("saved-3-ranks")
+    _run(3, "save", out)
+    return out / "ck"
+
+
+def _copy(saved: Path, tmp_path: Path) -> None:
+    shutil.copytree(saved, tmp_path / "ck", symlinks=True)
+
+
 def _shards(opens: list[str]) -> set[int]:
     return {int(f[5:10]) for f in opens if f.endswith(".safetensors")}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("staging", ["", "0"])
+# Staged on 4 ranks and in two passes on 2 in the default lane: each world and each way once; the
+# other two points with `bash scripts/test --exhaustive`.
+@pytest.mark.parametrize(("staging", "world"), [("", 4), ("0", 2), pytest.param("", 2, marks=pytest.mark.exhaustive),
+                                                pytest.param("0", 4, marks=pytest.mark.exhaustive)])
 def test_gloo_ranks_restore_exactly_each_opening_only_its_own_shard_shard_0_and_those_it_owns(
-        tmp_path: Path, world: int, staging: str) -> None:
+        tmp_path: Path, saved: Path, world: int, staging: str) -> None:
     """3 gloo ranks save DTensors split by rows (one row and several a rank) and by columns; 2 and
     4 ranks restore them with the exchange forced on, staged and (a staging budget of 0) in two
     passes, verify then live: every tensor exact, and rank r opens only shard r % 3 (its header),
     shard 0 (the replicated plain tensor) and the shards it owns, each owned by one rank. Without
     the exchange, rank 1 of 2 and rank 2 of 4 open shard 2 besides another rank."""
-    _run(3, "save", tmp_path)
+    _copy(saved, tmp_path)
     log = _run(world, "restore", tmp_path, SLURMRESUME_RESHARD_EXCHANGE="1", SLURMRESUME_RESTORE_STAGING_BYTES=staging)
     assert "each saved shard opened by one rank and sent" in log, log[-3000:]
     for rank in range(world):
@@ -210,13 +226,14 @@ def _one_reader_a_shard(tmp_path: Path, world: int) -> None:
     assert sum(len(e) for e in extra) == len(set().union(*extra)), extra
 
 
-def test_a_damaged_shard_fails_the_restore_on_every_rank_with_the_readers_own_error(tmp_path: Path) -> None:
+def test_a_damaged_shard_fails_the_restore_on_every_rank_with_the_readers_own_error(tmp_path: Path,
+                                                                                    saved: Path) -> None:
     """4 ranks restore the 3-rank step; a flipped byte in row 8 of `w` in shard 2. Shard 2's reader
     is rank 3 (it takes 21 of its elements, rank 2 13), which reads row 8 for rank 2, finds the
     digest wrong and sends rank 2 a failed message. Every rank raises the same error, the reader's
     own (rank 2's report that its reader failed comes after it, though rank 2 is lower), none
     waits forever (the step asked for explicitly: no fallback), nothing is applied."""
-    _run(3, "save", tmp_path)
+    _copy(saved, tmp_path)
     path = next((tmp_path / "ck").glob("step_000000001/rank-00002-of-00003.safetensors"))
     raw = bytearray(path.read_bytes())
     header = int.from_bytes(raw[:8], "little")
@@ -232,11 +249,11 @@ def test_a_damaged_shard_fails_the_restore_on_every_rank_with_the_readers_own_er
 
 
 @pytest.mark.slow
-def test_64_gloo_ranks_restore_exactly_with_and_without_the_exchange(tmp_path: Path) -> None:
+def test_64_gloo_ranks_restore_exactly_with_and_without_the_exchange(tmp_path: Path, saved: Path) -> None:
     """64 real gloo ranks (EXCHANGE_MIN_RANKS) restore the 3-rank step. By default ("auto") they
     read their own boxes: they would open ~1 shard a rank, not worth a network hop. Forced, each
     saved shard is opened by one rank beyond the headers; every rank's tensors exact both ways."""
-    _run(3, "save", tmp_path)
+    _copy(saved, tmp_path)
     for forced in (False, True):
         log = _run(exchange.EXCHANGE_MIN_RANKS, "restore", tmp_path,
                    **({"SLURMRESUME_RESHARD_EXCHANGE": "1"} if forced else {}))

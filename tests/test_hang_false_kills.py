@@ -38,7 +38,11 @@ _finish = finish_all
 _agent_started = agent_started
 
 
+# With --exhaustive only: the real-Slurm test_slurm_two_nodes runs the same on two real nodes in the
+# reversed rendezvous order (no kill of a healthy 2 x 2 run past a 60 s start-up budget; rank
+# LOCAL_RANK 1 of SLURM_NODEID 1 hangs, caught within budget + 1 s, restarted, finished).
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_two_nodes_in_reverse_rendezvous_order_no_kill_and_a_real_hang_on_node_1_is_caught(tmp_path: Path) -> None:
     """SLURM_NODEID=1's agent starts first, and c10d gives it ranks 0-1 (its address sorts
     first: helpers.procs.reversed_rendezvous_env), the reverse of SLURM_NODEID x procs. Watching

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -93,14 +94,23 @@ def test_a_tensor_changed_after_its_digests_fails_the_save(tmp_path: Path, monke
     assert not list(tmp_path.glob("step_*/COMMITTED")) and not list(tmp_path.glob("step_*"))
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 3-rank step the gloo tests below restore, saved once for the module (one xdist group:
+    tests/conftest.py); each test restores its own copy."""
+    out = tmp_path_factory.mktemp("saved-3-ranks")
+    _run(3, "save", out)
+    return out / "ck"
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_resharding_restore_opens_no_index_file(tmp_path: Path, world: int) -> None:
+def test_a_resharding_restore_opens_no_index_file(tmp_path: Path, saved: Path, world: int) -> None:
     """3 gloo ranks save one-row pieces (no fine digests: the header's block digests), multi-row
     and Shard(1) pieces and plain tensors; 2 and 4 ranks restore them exactly, each opening only
     shard files (its own, and those its box spans) and the manifest: no index file. The old code
     opened the index of every shard it read."""
-    for nproc, mode in ((3, "save"), (world, "restore")):
-        _run(nproc, mode, tmp_path)
+    shutil.copytree(saved, tmp_path / "ck", symlinks=True)
+    _run(world, "restore", tmp_path)
     for rank in range(world):
         got = json.loads((tmp_path / f"restore-{world}-{rank}.json").read_text())
         assert got["step"] == 1 and got["exact"], got
@@ -114,10 +124,10 @@ def _run(nproc: int, mode: str, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-4000:]
 
 
-def test_a_flipped_byte_of_a_whole_shard1_piece_is_caught_by_its_stripes(tmp_path: Path) -> None:
+def test_a_flipped_byte_of_a_whole_shard1_piece_is_caught_by_its_stripes(tmp_path: Path, saved: Path) -> None:
     """Restoring 3 -> 2 ranks reads rank 0's whole Shard(1) piece of "col": checked by its fine
     stripes (the only digests outside the index); a flipped byte there fails the restore."""
-    _run(3, "save", tmp_path)
+    shutil.copytree(saved, tmp_path / "ck", symlinks=True)
     d = step_dir(tmp_path / "ck", 1)
     f = "rank-00000-of-00003.safetensors"
     header, start = read_header(d, f, (d / f).stat().st_size)

@@ -26,8 +26,13 @@ def seed_on_eval_steps(nproc: int) -> int:
                 if all((s + lag) % EVERY == 0 and s + lag < STEPS for s in pick_steps(STEPS, WARNINGS, seed)))
 
 
+# Both points with `bash scripts/test --exhaustive`. The default lane drills the same case on 3
+# ranks (test_ddp_frameworks::test_hf_trainer_ddp_on_3_ranks_passes_the_drill: --eval-every 4, a
+# seed of seed_on_eval_steps(3), both saves on evaluation steps, one step after the warnings as on
+# 2 ranks); the Trainer on one rank: test_hf_random_collator's `fixed` point.
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.exhaustive),
+                                   pytest.param(2, marks=pytest.mark.exhaustive)])
 def test_a_warning_on_an_evaluation_step_resumes_exactly(tmp_path: Path, nproc: int) -> None:
     seed = seed_on_eval_steps(nproc)
     verdict = run_drill(tmp_path, "hf_trainer_train.py", nproc, "--steps", str(STEPS), "--batch-size", "8",

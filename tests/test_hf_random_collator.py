@@ -24,8 +24,9 @@ SCRIPT = str(Path(__file__).parent / "helpers" / "hf_mlm_train.py")
 @pytest.mark.slow  # ~1 min each
 @pytest.mark.parametrize("collator, exact", [("random", False), ("fixed", True)])
 def test_a_collator_that_draws_from_the_global_rng_is_not_exact(tmp_path: Path, collator: str, exact: bool) -> None:
-    verdict = run_drill(tmp_path, SCRIPT, 1, "--steps", "16", "--collator", collator, seed=85, preemptions=2)
-    assert verdict["preemptions"] == 2 and verdict["missed"] == 0, verdict
+    warnings = 2 if exact else 1  # the drift shows from the first resume on; the exact control resumes twice
+    verdict = run_drill(tmp_path, SCRIPT, 1, "--steps", "16", "--collator", collator, seed=85, preemptions=warnings)
+    assert verdict["preemptions"] == warnings and verdict["missed"] == 0, verdict
     assert verdict["ok"] is exact and (verdict["returncode"] == 0) is exact, (verdict["differences"][:3],
                                                                              verdict["stderr"])
     if not exact:  # the weights themselves drift, not only a bookkeeping field

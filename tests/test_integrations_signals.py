@@ -20,8 +20,12 @@ from helpers.integrations import (
 )
 
 
+# Lightning's point with --exhaustive: the default lane sends the same SIGUSR1 to every process of
+# a Lightning run on real Slurm (test_integrations_slurm: `scancel --signal=USR1`, one requeue,
+# resumed at the saved step, bitwise); Lightning's own handlers: test_integrations_lightning.
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["lightning_train.py", "hf_trainer_train.py"])
+@pytest.mark.parametrize("script", [pytest.param("lightning_train.py", marks=pytest.mark.exhaustive),
+                                    "hf_trainer_train.py"])
 def test_sigusr1_to_every_process_saves_and_resumes(tmp_path: Path, script: str) -> None:
     pytest.importorskip("lightning" if script.startswith("lightning") else "transformers")
     root, steps = tmp_path / "ckpt", 30

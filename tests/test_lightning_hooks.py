@@ -42,8 +42,10 @@ def seed_with_one_warning_on_a_validation_step(nproc: int) -> int:
     raise AssertionError("no such seed")
 
 
+# 2 ranks in the default lane (the pipelined agreement's lag, DDP); 1 rank with --exhaustive: one
+# rank's Lightning drill is test_lightning_shapes' gan point, and the hook order is the same code.
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.exhaustive), 2])
 def test_the_validation_due_at_the_preempted_step_runs_as_it_would_have(tmp_path, nproc: int) -> None:
     """Every case at once (module EMA, callback EMA after ours, EarlyStopping), one warning on a
     validation step and one off it: EarlyStopping.wait_count (in the final checkpoint's callback

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,118 @@ def test_restore_reads_memory_first_and_a_flipped_byte_falls_back_once(tmp_path:
     assert not (memory / step_dir_name(7)).exists()  # never tried again: no loop over restarts
     step, ev = _restore(root, memory, _state(0))
     assert step == 5 and len([e for e in ev if e["event"] == "memory_fallback"]) == 1
+
+
+@pytest.fixture
+def shm(tmp_path: Path) -> Iterator[Path]:
+    """A memory root on tmpfs, as the launcher makes it (its restores read in two passes, the
+    pages being memory); tmp_path where there is no /dev/shm."""
+    import shutil
+    import tempfile
+
+    base = Path("/dev/shm")
+    path = Path(tempfile.mkdtemp(prefix="test-memtier-", dir=base)) / "shm" if base.is_dir() else tmp_path / "shm"
+    yield path
+    if base.is_dir():
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def _big_state(seed: int) -> dict:
+    import torch
+
+    torch.manual_seed(seed)  # "w": 5 MiB, two VERIFY_BLOCK blocks, the second a short one
+    return {"w": torch.randn(5 << 18), "b": torch.randn(64), "n": seed}
+
+
+def test_the_memory_tier_is_read_through_mappings_the_file_tier_is_not(tmp_path: Path, shm: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both passes of a memory-tier restore read the shard's pages through one mapping per
+    tensor (checkpoint/mapped.py: hashed where they lie, then copied once), bit for bit; a file
+    restore still reads with pread (a shared file system's file may shrink under a mapping)."""
+    import torch
+
+    from slurmresume.checkpoint import mapped
+
+    views: list[int] = []
+    real = mapped.Mappings.view
+
+    def counted(self: mapped.Mappings, fd: int, offset: int, length: int, path: object) -> memoryview | None:
+        got = real(self, fd, offset, length, path)
+        views.append(len(got) if got is not None else 0)
+        return got
+
+    monkeypatch.setattr(mapped.Mappings, "view", counted)
+    root, memory = tmp_path / "root", shm
+    _save(root, 5, _big_state(5))
+    _save(memory, 7, _big_state(7))
+    state = _big_state(0)
+    assert _restore(root, memory, state)[0] == 7
+    assert all(torch.equal(state[k], _big_state(7)[k]) for k in ("w", "b")) and state["n"] == 7
+    assert views.count(state["w"].nbytes) == views.count(state["b"].nbytes) == 2, views  # both passes, each byte
+    views.clear()
+    state = _big_state(0)
+    assert _restore(root, tmp_path / "none", state)[0] == 5 and torch.equal(state["w"], _big_state(5)["w"])
+    assert views == []
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="two passes need the memory root on tmpfs")
+def test_a_memory_shard_changed_between_the_passes_is_caught_and_the_file_tier_restores(
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second pass copies through the mapping the first pass verified and hashes each block
+    where it landed: a byte changed in place after the verdict (the same inode: the mapping sees
+    it) is refused there, and the one named fallback restores the file tier's step whole."""
+    import torch
+
+    from slurmresume.train import restoreplan
+
+    root, memory = tmp_path / "root", shm
+    _save(root, 5, _big_state(5))
+    _save(memory, 7, _big_state(7))
+    shard = memory / step_dir_name(7) / "rank-00000-of-00001.safetensors"
+    real = restoreplan.verify_tensors
+
+    def then_flip(*args: object, **kwargs: object) -> int:
+        done = real(*args, **kwargs)  # type: ignore[arg-type]
+        with open(shard, "r+b") as f:  # in place, after this rank verified it
+            f.seek(-5, 2)
+            byte = f.read(1)[0]
+            f.seek(-5, 2)
+            f.write(bytes([byte ^ 0x01]))
+        flipped[0] += 1
+        return done
+
+    monkeypatch.setattr(restoreplan, "verify_tensors", then_flip)
+    flipped = [0]
+    state = _big_state(0)
+    step, ev = _restore(root, memory, state)
+    assert step == 5 and all(torch.equal(state[k], _big_state(5)[k]) for k in ("w", "b")) and state["n"] == 5
+    (fallback,) = [e for e in ev if e["event"] == "memory_fallback"]
+    assert fallback["step"] == 7 and "while it read into the live state" in fallback["reason"], fallback
+    assert flipped == [1]
+
+
+def test_mappings_refuse_a_range_past_the_end_and_unmap_on_close(tmp_path: Path) -> None:
+    import os
+
+    from slurmresume.checkpoint.mapped import Mappings
+    from slurmresume.errors import CorruptCheckpointError
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        maps = Mappings()
+        view = maps.view(fd, 5000, 100, path)
+        assert view is not None and bytes(view) == path.read_bytes()[5000:5100]
+        assert maps.view(fd, 5000, 100, path) is view  # the second pass reuses the first's mapping
+        assert maps.view(fd, 0, 0, path) is None
+        with pytest.raises(CorruptCheckpointError, match="past its end"):
+            maps.view(fd, 16000, 1000, path)
+        maps.close()
+        with pytest.raises(ValueError):
+            bytes(view)  # released: the mapping is gone
+    finally:
+        os.close(fd)
 
 
 # -- end to end: submit --local, 2 ranks, one SIGKILL --------------------------------------------

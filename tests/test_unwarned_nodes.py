@@ -154,7 +154,11 @@ def _two_nodes_until_stopped(tmp_path: Path, env: dict[str, str], job_id: str, r
         raise
 
 
+# The two emulated-node runs below are in `bash scripts/test --exhaustive`; the default lane runs
+# each on two real Slurm nodes (test_slurm_two_nodes: a rank SIGKILLed on the second node, and
+# node 1's launcher tree SIGKILLed whole: the same failure save, resume and bitwise end).
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_rank_sigkilled_on_one_node_is_saved_for_by_the_survivors_of_both_nodes(
         tmp_path: Path, reference: Path) -> None:
     """Rank 3 (on the node with SLURM_NODEID=0: the rendezvous order is reversed) stops in the
@@ -185,6 +189,7 @@ def test_a_rank_sigkilled_on_one_node_is_saved_for_by_the_survivors_of_both_node
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_node_lost_whole_is_saved_for_by_the_other_node_and_the_job_requeued(
         tmp_path: Path, reference: Path) -> None:
     """The node holding ranks 2 and 3 is lost whole: rank 3 stops in the forward of a seeded step,

@@ -15,6 +15,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from . import mapped
 from .shardread import Expected, check_name, check_span, open_read, read_header, split_locator
 
 
@@ -23,13 +24,15 @@ class OpenShards:
     range is its own entry, and the node file is opened once for all its ranges) and reads its
     header on first use, then hands back the same
     (fd, header, data start). `close()` when the restore is done with the files (idempotent);
-    a dropped object closes its fds too."""
+    a dropped object closes its fds too. `maps`: where the restore reads through mappings
+    (`mapped.reading_mapped`, the memory tier), the readers' mappings of these files, else None."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._files: dict[str, tuple[int, dict[str, Any], int]] = {}
         self._node_files: dict[str, int] = {}  # a node file's name -> its one fd, shared by its ranges
-        self._closer = weakref.finalize(self, _close_all, self._files, self._node_files)
+        self.maps = mapped.Mappings() if mapped.wanted() else None
+        self._closer = weakref.finalize(self, _close_all, self._files, self._node_files, self.maps)
 
     def get(self, file: str, expected_bytes: int, expect: Expected | None = None) -> tuple[int, dict[str, Any], int]:
         """(fd, header, data start) of `file`; its header checked against `expect` when it is
@@ -53,10 +56,13 @@ class OpenShards:
         return self.get(file, expected_bytes, expect)[1]
 
     def close(self) -> None:
-        _close_all(self._files, self._node_files)  # the finalizer stays armed: it closes whatever is opened after
+        _close_all(self._files, self._node_files, self.maps)  # the finalizer stays armed: it closes what comes after
 
 
-def _close_all(files: dict[str, tuple[int, dict[str, Any], int]], node_files: dict[str, int]) -> None:
+def _close_all(files: dict[str, tuple[int, dict[str, Any], int]], node_files: dict[str, int],
+               maps: mapped.Mappings | None = None) -> None:
+    if maps is not None:  # before the fds (a mapping outlives its fd, but is ours to drop)
+        maps.close()
     for fd in {fd for fd, _, _ in files.values()} | set(node_files.values()):  # a node file's fd once
         try:
             os.close(fd)

@@ -310,11 +310,14 @@ def load_tensors(directory: Path, file: str, expected_bytes: int, targets: dict[
         for name, info in rest:
             begin, end = info["data_offsets"]
             part = torch.empty(end - begin, dtype=torch.uint8)  # one per tensor, not views of one buffer
-            _pread_into(fd, part, data_start + begin, path, _check(expect, header, name, path))
+            _pread_into(fd, part, data_start + begin, path, _check(expect, header, name, path),
+                        _mapping(opened, fd, data_start + begin, end - begin, path))
             out[name] = _typed(part, info)
         try:
             for name, t in direct.items():
-                _pread_into(fd, t, data_start + info_offsets(header, name), path, _check(expect, header, name, path))
+                at = data_start + info_offsets(header, name)
+                _pread_into(fd, t, at, path, _check(expect, header, name, path),
+                            _mapping(opened, fd, at, t.numel() * t.element_size(), path))
                 out[name] = t
         except CorruptCheckpointError as exc:
             exc.partial_write = True  # type: ignore[attr-defined]  # live tensors were touched
@@ -342,7 +345,10 @@ def verify_tensors(directory: Path, file: str, expected_bytes: int, names: set[s
             if len(digests) != -(-(end - begin) // VERIFY_BLOCK):
                 raise CorruptCheckpointError(f"shard {path}: the manifest records {len(digests)} checksum blocks "
                                              f"for tensor {name!r} of {end - begin} bytes")
-            for i in range(0, end - begin, VERIFY_BLOCK):
+            src = _mapping(opened, fd, data_start + begin, end - begin, path)
+            if src is not None:  # hashed where it lies, nothing copied (checkpoint/mapped.py)
+                check_blocks(src, 0, digests, path, name)
+            for i in range(0, end - begin, VERIFY_BLOCK) if src is None else ():
                 piece = scratch[: min(VERIFY_BLOCK, end - begin - i)]
                 pread_exact(fd, piece, data_start + begin + i, path)
                 check_blocks(piece, i // VERIFY_BLOCK, digests, path, name)
@@ -361,19 +367,36 @@ def _check(expect: Expected | None, header: Mapping[str, Any], name: str, path: 
     return None if expect is None else (name, digests_of(expect, header, name, path))
 
 
-def _pread_into(fd: int, t: Any, offset: int, path: Path, check: tuple[str, list[str]] | None = None) -> None:
+def _mapping(opened: Any, fd: int, offset: int, length: int, path: Path) -> memoryview | None:
+    """The bytes at `offset` through the restore's mapping of `fd` (`opened.maps`: the memory
+    tier, checkpoint/mapped.py), or None: read them with `pread`."""
+    maps = getattr(opened, "maps", None)
+    return maps.view(fd, offset, length, path) if maps is not None else None
+
+
+def _pread_into(fd: int, t: Any, offset: int, path: Path, check: tuple[str, list[str]] | None = None,
+                src: memoryview | None = None) -> None:
+    """`t`'s bytes from `fd` at `offset` (or copied from `src`, a mapping of them), each
+    VERIFY_BLOCK block checked against `check`'s digests right after it landed in `t`."""
     view = byte_view(t) if t.numel() else memoryview(b"")
+    if src is not None and len(src) != len(view):
+        src = None
     if check is None:
-        if len(view):
+        if len(view) and src is not None:
+            view[:] = src
+        elif len(view):
             pread_exact(fd, view, offset, path)
         return
     name, digests = check
     if len(digests) != -(-len(view) // VERIFY_BLOCK):
         raise CorruptCheckpointError(f"shard {path}: the manifest records {len(digests)} checksum blocks for "
                                      f"tensor {name!r}, its {len(view)} bytes need {-(-len(view) // VERIFY_BLOCK)}")
-    for i in range(0, len(view), VERIFY_BLOCK):  # read a block, hash it while it is in cache
+    for i in range(0, len(view), VERIFY_BLOCK):  # read (or copy) a block, hash it while it is in cache
         piece = view[i : i + VERIFY_BLOCK]
-        pread_exact(fd, piece, offset + i, path)
+        if src is not None:
+            piece[:] = src[i : i + VERIFY_BLOCK]
+        else:
+            pread_exact(fd, piece, offset + i, path)
         check_blocks(piece, i // VERIFY_BLOCK, digests, path, name)
 
 

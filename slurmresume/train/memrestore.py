@@ -15,7 +15,9 @@ Call order (`from_memory`, every rank; "0" = rank 0 only; each arrow one collect
           plan, per-block verification and collective verdict as a file restore, so the live state
           is touched only once every rank's part verified (all or nothing); read in the two passes
           from memory (`Request.warm`: verify everything, then read into the live tensors), with no
-          staging copy to fault in, since nothing writes this job's tmpfs between them. A refused
+          staging copy to fault in, through mappings of the files (`checkpoint.mapped`: the first
+          pass hashes the pages where they lie, the second copies each byte once and hashes the
+          block it landed in while it is in cache), since nothing writes this job's tmpfs. A refused
           step (a damaged byte, a missing shard) raises the same CheckpointError on every rank:
           caught here, the one fallback, named; rank 0 removes that memory step, so no later
           restart tries it again (never a loop; several nodes: each node's first rank removes its
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
+from ..checkpoint.mapped import reading_mapped
 from ..checkpoint.store import inspect_dir, newest_committed
 from ..contract import ENV_RUN_ID
 from ..errors import CheckpointError
@@ -83,8 +86,9 @@ def from_memory(group: Group, memory: Path, root: Path, state: MutableMapping[st
             _fell_back(root, memory, None, why, group.rank == 0)
         return None, [], fallback
     try:
-        choice, io = restore_collective(group, memory, state, replace(req, step=step, allow_fresh_start=True, warm=True,
-                                                                      own_root=spread))
+        with reading_mapped():  # its own tmpfs: both passes through mappings (checkpoint/mapped.py)
+            choice, io = restore_collective(group, memory, state, replace(req, step=step, allow_fresh_start=True,
+                                                                          warm=True, own_root=spread))
     except CheckpointError as exc:  # the same on every rank (the collective verdict): `state` untouched
         fallback = f"unusable: memory snapshot of step {step}: {exc}"
         _fell_back(root, memory, step, fallback, group.rank == 0)
