@@ -56,6 +56,7 @@ from .test_slurm_e2e import cluster  # noqa: E402,F401  (the module fixture abov
 
 
 @pytest.mark.slurm_exclusive
+@pytest.mark.exhaustive  # the 2 x 2 example preempted twice (below) proves a 2-node preemption, requeue and resume
 def test_two_nodes_preempt_once(two_nodes: None, tmp_path: Path) -> None:
     root = tmp_path / "run"
     # --shared-root: both emulated nodes run on this host, whose local disk they share
