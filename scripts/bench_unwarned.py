@@ -7,12 +7,25 @@ uninterrupted run's bit for bit.
     python3 scripts/bench_unwarned.py --ranks 2 4 --kills 20 --seed 47
     python3 scripts/bench_unwarned.py --shape fsdp2 --ranks 4 --kills 3   # refused: resumes the periodic step
     python3 scripts/bench_unwarned.py --shape hsdp --ranks 4 --kills 3    # 2x2: committed from the replica peer
+    python3 scripts/bench_unwarned.py --shape fsdp2 --ranks 4 --kills 5 --nodes 2 --snapshot-every 1
+    python3 scripts/bench_unwarned.py --shape fsdp2 --ranks 4 --kills 5 --nodes 2 --snapshot-every 1 --lose node
 
 Single node, CPU/gloo. Each run trains `--steps` steps (periodic save every `--save-every`), so a
 kill without a failure save would repeat up to `--save-every` steps. `--shape` picks the run: DDP
 (examples/train.py), or tests/helpers/sharded_train.py's FSDP2 (every piece on one rank: the
 failure save must refuse, naming the dead rank's pieces) or HSDP (replicate=2 x shard=ranks/2: it
 must commit, the dead rank's pieces written by its replica peer).
+
+`--nodes 2` (issue 49): two emulated nodes of one Slurm job on this host (the real NodeLauncher
+twice, tests/helpers/twonodes.py: c10d across them, the rendezvous order the reverse of the Slurm
+order, each node its own memory tier root), with `--snapshot-every`. `--lose rank` SIGKILLs one
+rank's tree (the restart inside the allocation restores from memory when every node holds a
+snapshot at least as new as the file tier's); `--lose node` SIGKILLs the whole tree of the node
+holding the victim (launcher, torchrun, ranks: its memory is gone): the survivor commits the
+newest step it holds whole from its memory and the lost node's peer copy (`memory_promoted`),
+requeues, and the bench starts both launchers again as Slurm's requeue would. What it skips: a
+real network between the nodes (loopback), real tmpfs per host (one /dev/shm-like directory per
+emulated node under the bench's temporary directory), Slurm itself (a fake `scontrol`).
 """
 
 from __future__ import annotations
@@ -101,6 +114,63 @@ def one_kill(work: Path, ranks: int, args: list[str], steps: int, save_every: in
             "resume_s": resumed, "bitwise": same, "stderr_tail": "" if same else err[-800:]}
 
 
+def one_kill_nodes(work: Path, ranks: int, args: list[str], steps: int, save_every: int, rng: random.Random,
+                   reference: Path, script: Path, lose: str, every: str) -> dict:
+    """One seeded kill on two emulated nodes (see the module docstring)."""
+    from helpers.procs import free_port, process_tree
+    from helpers.twonodes import agent_started, finish_all, global_rank_pid, node_launcher
+
+    from slurmresume.checkpoint.layout import step_dir_name
+    from slurmresume.tools.compare import compare_checkpoints
+
+    root, record = work / "ckpt", work / "record"
+    at, victim = rng.randint(save_every + 2, steps - 3), rng.randrange(ranks)
+    env = {"SLURMRESUME_DRILL_RECORD": str(record), "OMP_NUM_THREADS": "1"}  # PYTHONPATH: this process's
+
+    def both(restart: int) -> list[subprocess.Popen[str]]:
+        port, out = free_port(), []
+        for node in (1, 0):  # node 1 first: it gets ranks 0..ranks/2-1
+            shm = work / f"shm{node}-{restart}"
+            shm.mkdir()
+            out.insert(0, node_launcher(work, node, port, script, args, procs=ranks // 2, job_id="4900",
+                                        spec_kw=f"snapshot_every={every!r}",
+                                        env={**env, "SLURMRESUME_MEMORY_BASE": str(shm),
+                                             "SLURM_RESTART_COUNT": str(restart)}))
+            if node == 1:
+                agent_started(out[0].pid)
+        return out
+
+    launchers = both(0)
+    while max((r["step"] for r in records(record, 0)), default=0) < at and all(p.poll() is None for p in launchers):
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0.0, 0.1))
+    pid = global_rank_pid(launchers, victim, script.name.encode())
+    if pid is None:
+        raise SystemExit(f"rank {victim} not found (the run ended? {[p.poll() for p in launchers]})")
+    killed = next(p for p in launchers if pid in process_tree(p.pid)) if lose == "node" else None
+    signal_tree(killed.pid if killed is not None else pid, signal.SIGKILL)
+    outs = finish_all(launchers, 1200)
+    if lose == "node":
+        outs += finish_all(both(1), 1200)  # the requeued job: both nodes again
+    ev = events(root)
+    save = next((e for e in ev if e["event"] == "failure_save"), {})
+    promoted = next((e for e in ev if e["event"] == "memory_promoted" and e.get("committed") is not None), {})
+    restored = next((e for e in ev if e["event"] == "restored"), {})
+    first = records(record, 0)[0]["run"]
+    trained = max(r["step"] for k in range(ranks) for r in records(record, k) if r["run"] == first)
+    final = root / step_dir_name(steps)
+    same = final.exists() and not compare_checkpoints(reference, final)
+    return {"script": script.name, "ranks": ranks, "nodes": 2, "lose": lose, "victim": victim, "after_step": at,
+            "failure_save": f"step {save.get('step')}" if save.get("committed") else
+            ("refused" if save else "none"),
+            "promoted": (f"step {promoted.get('step')}" if promoted.get("committed") else
+                         f"no: {promoted.get('why')}") if promoted else None,
+            "restored": restored.get("step"), "tier": restored.get("tier"),
+            "repeated": None if restored.get("step") is None else trained - restored["step"],
+            "resume_s": next((e.get("seconds") for e in ev if e["event"] == "resumed"), None), "bitwise": same,
+            "stderr_tail": "" if same else "\n".join(o[-800:] for o in outs)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -110,7 +180,15 @@ def main() -> int:
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--shape", choices=["ddp", "fsdp2", "hsdp"], default="ddp",
                    help="ddp: examples/train.py; fsdp2, hsdp: tests/helpers/sharded_train.py (default: ddp)")
+    p.add_argument("--nodes", type=int, choices=[1, 2], default=1,
+                   help="1: submit --local; 2: two emulated nodes of one Slurm job (default: 1)")
+    p.add_argument("--lose", choices=["rank", "node"], default="rank",
+                   help="with --nodes 2: SIGKILL one rank, or the whole node holding it (default: rank)")
+    p.add_argument("--snapshot-every", default="off", metavar="auto|N|off",
+                   help="with --nodes 2: the memory tier's interval (default: off)")
     a = p.parse_args()
+    if a.nodes == 2 and any(r % 2 for r in a.ranks):
+        p.error(f"--nodes 2 needs an even number of ranks, got {a.ranks}")
     if a.shape == "hsdp" and any(r % 2 for r in a.ranks):
         p.error(f"--shape hsdp needs an even number of ranks (replicate=2 x shard=ranks/2), got {a.ranks}")
     script, extra = script_for(a.shape)
@@ -127,7 +205,10 @@ def main() -> int:
             for i in range(a.kills):
                 work = Path(tmp) / f"kill-{ranks}-{i}"
                 work.mkdir()
-                row = one_kill(work, ranks, args, a.steps, a.save_every, rng, ref / f"step_{a.steps:09d}", script)
+                final = ref / f"step_{a.steps:09d}"
+                row = (one_kill(work, ranks, args, a.steps, a.save_every, rng, final, script) if a.nodes == 1 else
+                       one_kill_nodes(work, ranks, args, a.steps, a.save_every, rng, final, script, a.lose,
+                                      a.snapshot_every))
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if v != ""}), flush=True)
                 shutil.rmtree(work, ignore_errors=True)

@@ -57,6 +57,7 @@ EV_RESTORED = "restored"  # a checkpoint was restored (step, seconds, the start-
 EV_FAILURE_SAVE = "failure_save"  # survivors of an unwarned failure: committed, or the missing pieces
 EV_MEMORY_REFUSED = "memory_refused"  # a memory-tier snapshot would not fit the node's memory: the tier is off
 EV_MEMORY_FALLBACK = "memory_fallback"  # the memory tier's snapshot did not load: restored from the file tier
+EV_MEMORY_PROMOTED = "memory_promoted"  # a node lost: a memory snapshot copied to the root and committed (job/promote.py)
 EV_ROOT_CONFLICT = "root_conflict"  # the script's root is not the launcher's (logged under the launcher's)
 # the mirror (mirror/background.py)
 EV_MIRROR_UPLOADED = "mirror_uploaded"

@@ -56,6 +56,7 @@ from .test_slurm_e2e import cluster  # noqa: E402,F401  (the module fixture abov
 
 
 @pytest.mark.slurm_exclusive
+@pytest.mark.exhaustive  # the 2 x 2 example preempted twice (below) proves a 2-node preemption, requeue and resume
 def test_two_nodes_preempt_once(two_nodes: None, tmp_path: Path) -> None:
     root = tmp_path / "run"
     # --shared-root: both emulated nodes run on this host, whose local disk they share
@@ -238,16 +239,20 @@ def test_two_nodes_a_rank_sigkilled_on_the_second_node_costs_at_most_one_step(
     nodes commit the failure save (job/deathboard.py), the run resumes inside the allocation (no
     requeue), at most one step is trained twice, the job is COMPLETED and its step 30 is bitwise
     the uninterrupted 2 x 2 run's. Before, a 2-node job had no failure save: it resumed from the
-    newest periodic step."""
+    newest periodic step. With `--snapshot-every 1` (issue 49) the killed rank stops once its node's
+    memory snapshot of that step is committed, and the restart restores it from memory (each node
+    its own ranks' shards; the failure save holds the same step): the memory tier on real Slurm."""
     from slurmresume.contract import ENV_DRILL_RECORD
     from slurmresume.train.steprecord import read_records
 
     kill_step = random.Random(4702).choice([11, 12, 13])  # never a periodic step (every 5)
     root, record = tmp_path / "run", tmp_path / "record"
     job = _submit_env(root, REPO / "tests" / "helpers" / "unwarned_train.py",
-                      ["--nodes", "2", "--shared-root", "--nproc-per-node", "2", "--time", "10", "--no-script-check"],
+                      ["--nodes", "2", "--shared-root", "--nproc-per-node", "2", "--time", "10", "--no-script-check",
+                       "--snapshot-every", "1"],
                       [*EXAMPLE_STEPS, "--step-sleep", "0.2"], STOP_AFTER_STEP=str(kill_step), STOP_NODE="1",
-                      STOP_LOCAL_RANK="1", **{ENV_DRILL_RECORD: str(record)})
+                      STOP_LOCAL_RANK="1", STOP_AFTER_MEMORY="1", SLURMRESUME_MEMORY_BASE=str(_shm(tmp_path)),
+                      **{ENV_DRILL_RECORD: str(record)})
     try:
         pid = _stopped_rank((b"SLURM_NODEID=1", b"LOCAL_RANK=1", f"SLURM_JOB_ID={job}".encode()))
         victim = int(next(e for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -262,7 +267,8 @@ def test_two_nodes_a_rank_sigkilled_on_the_second_node_costs_at_most_one_step(
     assert len(saves) == 1 and saves[0]["committed"] is True and saves[0]["dead"] == [victim], \
         (saves, job_log(root, job))
     saved = saves[0]["step"]
-    assert [e["step"] for e in ev if e["event"] == "restored"] == [saved]
+    assert [(e["step"], e.get("tier")) for e in ev if e["event"] == "restored"] == [(saved, "memory")], \
+        [e for e in ev if e["event"] in ("restored", "memory_fallback")]
     first_run = {r["run"] for r in read_records(record, 0)[:1]}
     trained = max(r["step"] for rank in range(4) for r in read_records(record, rank) if r["run"] in first_run)
     print(f"\nrank {victim} killed after step {kill_step}; failure save of step {saved} by rank "
@@ -271,6 +277,14 @@ def test_two_nodes_a_rank_sigkilled_on_the_second_node_costs_at_most_one_step(
     assert not any(e["event"] == "requeued" for e in ev) and len(sacct_states(job)) == 1  # inside the allocation
     ref_root, _, _ = uninterrupted_2x2
     assert compare_checkpoints(ref_root / "step_000000030", root / "step_000000030") == []
+
+
+def _shm(tmp_path: Path) -> Path:
+    """The base of both nodes' memory roots (one host: each node's root is its own directory)."""
+    base = tmp_path / "shm"
+    base.mkdir()
+    base.chmod(0o777)  # the job runs as the submitting user, as every test's job here
+    return base
 
 
 def _launcher(job: str, node: int) -> int:

@@ -17,12 +17,19 @@ from pathlib import Path
 
 import pytest
 from helpers.procs import EXAMPLE, HELPERS, clean_env, free_port, process_tree, signal_tree
-from helpers.twonodes import agent_started, finish_all, global_rank_pid, node_launcher
+from helpers.twonodes import (
+    agent_started,
+    finish_all,
+    global_rank_pid,
+    node_launcher,
+    stopped_with_memory,
+)
 
-from slurmresume.checkpoint.layout import step_dir_name
+from slurmresume.checkpoint.layout import MARKER, step_dir_name
 from slurmresume.contract import ENV_DRILL_RECORD, FAILSAVE_NOTICE, FAILSAVE_SUBDIR
 from slurmresume.job import deathboard
 from slurmresume.job.deathboard import DeathBoard, shared_dir
+from slurmresume.job.peercopy import replica_root
 from slurmresume.tools.compare import compare_checkpoints
 from slurmresume.train.failsave import _local_ranks
 from slurmresume.train.peers import post_dead, posted_dead
@@ -226,3 +233,45 @@ def test_a_node_lost_whole_is_saved_for_by_the_other_node_and_the_job_requeued(
     trained = max(r["step"] for rank in range(4) for r in read_records(record, rank) if r["run"] in first_run)
     assert trained - saved <= 1, (trained, saved)
     assert compare_checkpoints(reference, root / step_dir_name(30)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.exhaustive  # the real-Slurm 2 x 2 rank kill and the FSDP2 twin (test_unwarned_sharded) prove it
+def test_a_rank_killed_on_one_node_restarts_from_each_nodes_memory_and_ends_bitwise(
+        tmp_path: Path, reference: Path) -> None:
+    """Rank 3 (on the node with SLURM_NODEID=0: the rendezvous is reversed, so rank 0 is on the
+    other node) stops in the forward of step k + 1 once its node's snapshot of step k is committed,
+    and is SIGKILLed. Each node's root holds that step with its own two ranks' shards only, so a
+    rank that read rank 0's node's root would find its shard missing and fall back: the restart
+    restores step k from memory on every rank, with no fallback, and ends bitwise equal to the
+    uninterrupted run. Each launcher also holds the other node's snapshot, verified. (FSDP2:
+    tests/test_unwarned_sharded.py; real Slurm: tests/test_slurm_two_nodes.py.)"""
+    k = 13
+    root = tmp_path / "ckpt"
+    env = {"STOP_AFTER_STEP": str(k), "STOP_RANK": "3", "STOP_AFTER_MEMORY": "1"}
+    launchers, pid, (mem0, mem1) = stopped_with_memory(tmp_path, ARGS, env, "4949", 3)
+    try:
+        shards = {n: sorted(p.name for p in (m / step_dir_name(k)).glob("rank-*.safetensors"))
+                  for n, m in ((0, mem0), (1, mem1))}
+        assert shards == {0: ["rank-00002-of-00004.safetensors", "rank-00003-of-00004.safetensors"],
+                          1: ["rank-00000-of-00004.safetensors", "rank-00001-of-00004.safetensors"]}, shards
+        # the peer copy: each launcher holds the other node's part of a snapshot, verified (not
+        # necessarily step k yet: it runs in the background, paced)
+        end = time.monotonic() + 120
+        while not all(list(replica_root(m, other).glob(f"step_*/{MARKER}")) for m, other in ((mem0, 1), (mem1, 0))):
+            assert time.monotonic() < end, "no verified replica arrived"
+            time.sleep(0.05)
+        signal_tree(pid, signal.SIGKILL)
+        outs = finish_all(launchers, 600)
+    except BaseException:
+        for p in launchers:
+            signal_tree(p.pid, signal.SIGKILL)
+        print("\n".join((p.communicate()[0] or "")[-3000:] for p in launchers))
+        raise
+    assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    ev = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines() if line.strip()]
+    restored = [(e["step"], e.get("tier")) for e in ev if e["event"] == "restored"]
+    assert restored == [(k, "memory")], (restored, [e for e in ev if e["event"] == "memory_fallback"])
+    assert not [e for e in ev if e["event"] == "memory_fallback"]
+    assert compare_checkpoints(reference, root / step_dir_name(30)) == []
+    assert [list(d.iterdir()) for d in (tmp_path / "shm0", tmp_path / "shm1")] == [[], []]  # freed at the end

@@ -324,3 +324,85 @@ def test_hsdp_rank_killed_after_its_optimizer_step_is_covered_by_its_peer(
     assert (saves[0].get("writers") or {}).get("1") == 3, saves
     assert [e["step"] for e in ev if e["event"] == "restored"] == [kill_at]
     assert compare_checkpoints(reference("hsdp"), root / step_dir_name(STEPS)) == []
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_nodes_a_killed_rank_costs_at_most_one_step_restored_from_memory(
+        tmp_path: Path, reference: Callable[[str], Path]) -> None:
+    """Issue 49: FSDP2 over 2 emulated nodes x 2 ranks, `--snapshot-every 1`. Rank 3 (not on rank
+    0's node: the rendezvous is reversed) stops once its node's memory snapshot of step k is
+    committed and is SIGKILLed. Its pieces are on no survivor, so the failure save is refused (as
+    in the test above); the restart restores step k from memory, each rank its own shard from its
+    own node's root, so at most one step is trained twice (the periodic step would cost k - 8), and
+    the run ends bitwise equal to an uninterrupted one."""
+    from helpers.twonodes import finish_all, stopped_with_memory
+
+    k = SAVE_EVERY + 3
+    root, record = tmp_path / "ckpt", tmp_path / "record"
+    env = {"UNWARNED_SCRIPT": str(SCRIPT), "STOP_AFTER_STEP": str(k), "STOP_RANK": "3", "STOP_AFTER_MEMORY": "1",
+           ENV_DRILL_RECORD: str(record)}
+    launchers, pid, _ = stopped_with_memory(tmp_path, ["--shape", "fsdp2", *ARGS], env, "4950", 3)
+    signal_tree(pid, signal.SIGKILL)
+    outs = finish_all(launchers, 600)
+    assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    ev = read_events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["committed"] is False, saves
+    assert [(e["step"], e.get("tier")) for e in ev if e["event"] == "restored"] == [(k, "memory")], \
+        [e for e in ev if e["event"] in ("restored", "memory_fallback")]
+    assert _trained(record) - k <= 1
+    assert compare_checkpoints(reference("fsdp2"), root / step_dir_name(STEPS)) == []
+
+
+@pytest.mark.slow
+def test_fsdp2_a_node_lost_whole_is_committed_from_the_peer_copy_and_the_requeued_job_ends_bitwise(
+        tmp_path: Path, reference: Callable[[str], Path]) -> None:
+    """Issue 49 item 4: FSDP2 over 2 emulated nodes x 2, `--snapshot-every 1`. Once the other node
+    holds the peer copy of the snapshot of step k of the node with ranks 2 and 3, that node is lost
+    whole (its launcher, torchrun and both ranks SIGKILLed). The survivors' failure save is refused
+    (ranks 2 and 3's pieces are on no survivor), but the surviving launcher holds every shard of
+    step k: ranks 0 and 1's in its memory, ranks 2 and 3's in the verified replica. It commits step
+    k to the root (`memory_promoted`), the job is requeued, and the requeued job resumes from step k
+    (at most one step trained twice, where the periodic step would cost k - 8) and ends bitwise."""
+    from helpers.procs import free_port, process_tree
+    from helpers.twonodes import agent_started, finish_all, node_launcher, stopped_with_memory
+
+    from slurmresume.checkpoint.layout import MARKER
+    from slurmresume.contract import LAUNCHER_EXIT_REQUEUED
+    from slurmresume.job.peercopy import replica_root
+
+    k = SAVE_EVERY + 3
+    root, record, calls = tmp_path / "ckpt", tmp_path / "record", tmp_path / "scontrol.log"
+    env = {"UNWARNED_SCRIPT": str(SCRIPT), "STOP_AFTER_STEP": str(k), "STOP_RANK": "3", "STOP_AFTER_MEMORY": "1",
+           ENV_DRILL_RECORD: str(record), "SCONTROL_LOG": str(calls)}
+    args = ["--shape", "fsdp2", *ARGS]
+    launchers, pid, (_mem0, mem1) = stopped_with_memory(tmp_path, args, env, "4951", 3)
+    try:
+        assert pid in process_tree(launchers[0].pid)  # rank 3 is on the node with SLURM_NODEID=0
+        end = time.monotonic() + 120  # a hang guard: the copy runs in the background
+        while not (replica_root(mem1, 0) / step_dir_name(k) / MARKER).exists():
+            assert time.monotonic() < end, "the peer copy of step k never arrived"
+            time.sleep(0.05)
+        signal_tree(launchers[0].pid, signal.SIGKILL)  # the launcher, its torchrun agent and both ranks
+        outs = finish_all(launchers, 600)
+    except BaseException:
+        for p in launchers:
+            signal_tree(p.pid, signal.SIGKILL)
+        raise
+    assert launchers[1].returncode == LAUNCHER_EXIT_REQUEUED, "\n".join(o[-3000:] for o in outs)
+    ev = read_events(root)
+    saves = [e for e in ev if e["event"] == "failure_save"]
+    assert len(saves) == 1 and saves[0]["committed"] is False, saves
+    promoted = [e for e in ev if e["event"] == "memory_promoted"]
+    assert [(e["step"], e["committed"]) for e in promoted] == [(k, True)], promoted
+
+    env["SLURM_RESTART_COUNT"] = "1"  # the requeued job: both nodes again, nothing stops any more
+    port = free_port()
+    again = [node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", args, env=env, job_id="4951")]
+    agent_started(again[0].pid)
+    again.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", args, env=env, job_id="4951"))
+    outs = finish_all(again, 600)
+    assert [p.returncode for p in again] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert [e["step"] for e in read_events(root) if e["event"] == "restored"] == [k]
+    assert _trained(record) - k <= 1
+    assert compare_checkpoints(reference("fsdp2"), root / step_dir_name(STEPS)) == []

@@ -220,15 +220,13 @@ def pins_world(index: dict[str, Any], dtensors: dict[str, Any], replicated: set[
 def commit(root: Path, step: int, reports: list[WriteReport], metrics: Any, meta: Any, *, into: str,
            replace: bool = False) -> SaveOutcome:
     """Rank 0: manifest (every rank's report in it as JSON, `build_manifest`), then the marker,
-    then publish `into` as step_N. Returns whether `path` is published (reports.SaveOutcome). On failure this save's directory is removed and nothing of
+    then publish `into` as step_N (`commit_bytes`). Returns whether `path` is published (reports.SaveOutcome). On failure this save's directory is removed and nothing of
     it is visible; nothing else is touched."""
     mine = _own_dir(root, step, into)
-    target = root / step_dir_name(step)
     errors = [r.error for r in reports if r.error]
     if errors:
         discard(mine)
         return SaveOutcome(False, error=errors[0])
-    published = False
     try:
         manifest = build_manifest(step, [r.to_json() for r in reports], metrics, meta)
         raw = dumps(manifest).encode()
@@ -238,6 +236,23 @@ def commit(root: Path, step: int, reports: list[WriteReport], metrics: Any, meta
         refusal = over_cap(step, len(raw), len(marker), len(reports), per_rank)
         if refusal is not None:
             raise SaveError(refusal)
+    except Exception as exc:
+        error = _describe(exc, mine)  # before the clean-up frees space
+        discard(mine)
+        return SaveOutcome(False, error=error)
+    return commit_bytes(root, step, raw, marker, into=into, replace=replace)
+
+
+def commit_bytes(root: Path, step: int, raw: bytes, marker: bytes, *, into: str, replace: bool = False) -> SaveOutcome:
+    """The end of every commit, once the shards are in `into` (prepared by `prepare`): the manifest
+    `raw`, then the marker, durable, the note removed and the directory published as step_N under
+    the root lock. Also the commit of a memory snapshot copied whole to this root (job/promote.py:
+    its manifest and marker are rank 0's, byte for byte). On failure `into` is removed and nothing
+    of it is visible; nothing else is touched."""
+    mine = _own_dir(root, step, into)
+    target = root / step_dir_name(step)
+    published = False
+    try:
         fsio.write_durable(mine / MANIFEST, raw, "manifest")
         fsio.write_durable(mine / MARKER, marker, "marker")
         # The note goes and the directory is published under the root lock: a prune (which

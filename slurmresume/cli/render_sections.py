@@ -39,8 +39,10 @@ def hang_view(st: Status) -> list[RenderableType]:
                           _secs(row.get("median_s")), _secs(row.get("p99_s")), Text(note, style="yellow"))
         out.append(table)
         for host, mem in sorted((view.get("memory") or {}).items()):  # the memory tier (issue 49), per node
+            copies = "".join(f"; node {n}'s snapshot of step {step} (peer copy)"
+                             for n, step in sorted((mem.get("replicas") or {}).items()))
             out.append(Text(f"memory tier on {host}: newest snapshot step {mem.get('step')}, "
-                            f"{(mem.get('bytes') or 0) / 1e6:.1f} MB held", style="dim"))
+                            f"{(mem.get('bytes') or 0) / 1e6:.1f} MB held{copies}", style="dim"))
         if len(order) > RANK_ROWS:
             out.append(Text(f"... {len(order) - RANK_ROWS} more ranks (slurmresume status --json)", style="dim"))
     hang = st.last_hang

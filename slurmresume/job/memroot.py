@@ -22,12 +22,14 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from .hbsweep import owner_tag, sweep
 
 log = logging.getLogger("slurmresume")
 
 PREFIX = "slurmresume-mem-"
+PEERS = "peers"  # the replicas of other nodes' snapshots (job/peercopy.py)
 # where the memory roots are made (default /dev/shm); "none": no memory tier on this node (a site
 # whose tmpfs is too small, or tests of other features: tests/helpers/procs.clean_env)
 ENV_BASE = "SLURMRESUME_MEMORY_BASE"
@@ -59,24 +61,38 @@ def create(job_key: str, node: int) -> Path | None:
         return None
 
 
-def view(path: Path | None) -> dict[str, int | None] | None:
+def view(path: Path | None) -> dict[str, Any] | None:
     """The launcher, for `status` (published with the hang watch's summary every few seconds): the
-    memory root's newest committed step and the bytes it holds (every snapshot in it, one level
-    deep). None without a memory root. Never raises."""
+    memory root's newest committed step, the bytes it holds (its snapshots and the replicas of
+    other nodes' it keeps, job/peercopy.py) and, per node whose replica it holds, that replica's
+    step. None without a memory root. Never raises."""
     if path is None:
         return None
     from ..checkpoint.store import newest_committed
 
     held = 0
+    replicas: dict[str, int | None] = {}
     try:
         for entry in os.scandir(path):
-            if entry.is_dir(follow_symlinks=False):
-                for f in os.scandir(entry.path):
-                    if f.is_file(follow_symlinks=False):
-                        held += f.stat(follow_symlinks=False).st_size
-        return {"step": newest_committed(path), "bytes": held}
+            if entry.name == PEERS and entry.is_dir(follow_symlinks=False):
+                for node in os.scandir(entry.path):
+                    held += _held(node.path)
+                    replicas[node.name.removeprefix("n")] = newest_committed(Path(node.path))
+            else:
+                held += _held(path, entry)
+        return {"step": newest_committed(path), "bytes": held, **({"replicas": replicas} if replicas else {})}
     except OSError:
         return {"step": None, "bytes": held}
+
+
+def _held(path: Path | str, entry: os.DirEntry[str] | None = None) -> int:
+    """The bytes of the files one step directory deep (`entry`: that one directory only)."""
+    total = 0
+    for d in [entry] if entry is not None else list(os.scandir(path)):
+        if d.is_dir(follow_symlinks=False):
+            total += sum(f.stat(follow_symlinks=False).st_size for f in os.scandir(d.path)
+                         if f.is_file(follow_symlinks=False))
+    return total
 
 
 def remove(path: Path | None) -> None:

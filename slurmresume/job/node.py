@@ -41,6 +41,7 @@ from ..events import (
     EV_FINISHED,
     EV_GAVE_UP,
     EV_HELD,
+    EV_MEMORY_PROMOTED,
     EV_NO_CHECKPOINT,
     EV_REQUEUE_FAILED,
     EV_REQUEUED,
@@ -58,6 +59,8 @@ from .guardian import Guardian
 from .hangwatch import HangWatch, heartbeat_dir
 from .memroot import create as create_memory_root
 from .memroot import remove as remove_memory_root
+from .peercopy import PeerCopy, rate_from_env
+from .promote import promote
 from .torchrun import (
     JobClock,
     Relay,
@@ -212,6 +215,7 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
             hb = {ENV_HEARTBEAT_DIR: str(watch.directory)} if watch.directory is not None else {}
             board = _board(root, run_id, watch.directory, extra, first_node)
             hb.update(board.env() if board is not None else {})
+            copy = _peer_copy(memory, board, extra)
             wenv = worker_env(spec, run_id, restart, {**env, **hb}, first_run=restart == 0 and failures + hangs == 0)
             try:
                 result = run_torchrun(cmd, wenv, root, run_id, relay.warn, relay, clock=clock, guardian=guardian,
@@ -219,8 +223,12 @@ def _loop(spec: JobSpec, cmd: list[str], relay: Relay, *, job_key: str, nonce: s
                                       lost=(lambda: lease.lost) if lease is not None else None, board=board)
             finally:
                 watch.close()
+                if copy is not None:
+                    copy.close()
                 if board is not None:
                     board.close()
+            if result.lost_nodes and memory is not None and board is not None:
+                _promote(root, board, memory, extra, result.lost_nodes, run_id)
             last = read_last_run(root, job_key, nonce)
             action, reason = decide(result, first_node=first_node, requeues_done=restart,
                                     max_requeues=spec.max_requeues, failures_done=failures,
@@ -282,14 +290,37 @@ def _board(root: Path, run_id: str, local: Path | None, extra: dict[str, Any], f
         return None
 
 
-def _memory_root(spec: JobSpec, job_key: str, extra: dict[str, Any]) -> Path | None:
-    """This node's memory-tier root, or None: `--snapshot-every off`, no tmpfs, or several nodes
-    (the tier is one node's for now: a step's replicated tensors live in rank 0's shard, on one
-    node only; a node's own copy of them and the peer copy come with issue #49's items 2 and 4)."""
-    if parse_snapshot_every(spec.snapshot_every) == 0:
+def _peer_copy(memory: Path | None, board: DeathBoard | None, extra: dict[str, Any]) -> PeerCopy | None:
+    """Several nodes with a memory tier: this node's snapshots copied to the next node, and the
+    previous node's kept here (job/peercopy.py), for this run. None on one node, without a memory
+    root or with $SLURMRESUME_PEER_COPY_MBS=0."""
+    rate = rate_from_env()
+    if memory is None or board is None or rate is None:
         return None
-    if int(extra.get("nodes", 1)) > 1:
-        log.info("memory tier off: it holds one node's jobs only for now (%s nodes)", extra.get("nodes"))
+    try:
+        return PeerCopy(memory, board.dir, int(extra.get("node", 0)), int(extra["nodes"]), rate).start()
+    except OSError as exc:
+        log.warning("no peer copy of the memory tier for this run: %s", exc)
+        return None
+
+
+def _promote(root: Path, board: DeathBoard, memory: Path, extra: dict[str, Any], lost: tuple[int, ...],
+             run_id: str) -> None:
+    """A run that lost nodes, before its requeue: the survivors' memory and the lost nodes' replicas
+    committed to the root as one step when they hold one whole (job/promote.py), so that the
+    requeued job loses at most the steps since that snapshot; the committer logs it."""
+    node = int(extra.get("node", 0))
+    done = promote(root, board.dir, memory, node, int(extra["nodes"]), set(lost))
+    if done["committed"] is not None:
+        log.info("memory tier after losing node(s) %s: %s", ", ".join(map(str, lost)),
+                 f"step {done['step']} committed" if done["committed"] else f"nothing committed ({done['why']})")
+        try_append_event(root, EV_MEMORY_PROMOTED, run_id=run_id, node=node, lost=list(lost), **done)
+
+
+def _memory_root(spec: JobSpec, job_key: str, extra: dict[str, Any]) -> Path | None:
+    """This node's memory-tier root, or None: `--snapshot-every off` or no tmpfs. On several nodes
+    each node has its own, holding its ranks' shards of each snapshot (train/memtier.py)."""
+    if parse_snapshot_every(spec.snapshot_every) == 0:
         return None
     return create_memory_root(job_key, int(extra.get("node", 0)))
 

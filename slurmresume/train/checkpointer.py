@@ -192,7 +192,7 @@ class Checkpointer:
         self._boundary.saved()
         self._sched.saved(step, cost)
         after_commit(self.root, self.rank, step, reason, self.retention, self.mirror)
-        if reason == "explicit" and self._memory is not None and self.rank == 0:
+        if reason == "explicit" and self._memory is not None and self._memory.leader:  # each node's copy
             self._memory.forget_from(step)  # the memory tier's copy of this step (or later) is not what was saved
         return self.root / step_dir_name(step)
 

@@ -2,8 +2,11 @@
 
 Call order (`from_memory`, every rank; "0" = rank 0 only; each arrow one collective):
 
-  1. 0:   `memory_choice` (pure) over the memory root's newest committed step (its marker, then
-          its manifest: `inspect_dir`) and the file tier's newest marker: the memory step when
+  0. all, several nodes only: each rank's node's committed memory steps with their marker's digest
+          (`node_steps`)                                           -> gather to rank 0
+  1. 0:   `memory_choice` (pure) over the memory root's newest committed step (several nodes: the
+          newest that every node holds with rank 0's marker, `common_step`; its marker, then its
+          manifest: `inspect_dir`) and the file tier's newest marker: the memory step when
           it is complete, written by this world size, at least as new as the file tier's newest,
           and no explicit step was asked for; else None and why   -> broadcast {step, why}
   2. all: none: return (the caller restores from the file tier; a problem with the memory
@@ -17,7 +20,9 @@ Call order (`from_memory`, every rank; "0" = rank 0 only; each arrow one collect
           block it landed in while it is in cache), since nothing writes this job's tmpfs. A refused
           step (a damaged byte, a missing shard) raises the same CheckpointError on every rank:
           caught here, the one fallback, named; rank 0 removes that memory step, so no later
-          restart tries it again (never a loop). A ConfigError (the state does not fit) or a bug
+          restart tries it again (never a loop; several nodes: each node's first rank removes its
+          copy). Several nodes: every rank reads the step from its own node's root (`own_root`),
+          where its shard is (train/memtier.py). A ConfigError (the state does not fit) or a bug
           is raised as from a file restore: the file tier would fail the same way.
 """
 
@@ -30,13 +35,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint.layout import step_dir_name
+import xxhash
+
+from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
 from ..checkpoint.mapped import reading_mapped
 from ..checkpoint.store import inspect_dir, newest_committed
 from ..contract import ENV_RUN_ID
 from ..errors import CheckpointError
 from ..events import EV_MEMORY_FALLBACK, try_append_event
-from .memtier import remove_step
+from .memtier import node_leader, remove_step
 
 if TYPE_CHECKING:
     from ..checkpoint.collective import Group
@@ -69,29 +76,60 @@ def from_memory(group: Group, memory: Path, root: Path, state: MutableMapping[st
     `restore_collective`: restoring's, handed in (this module is below it). Returns (the step
     loaded into `state` from memory, or None; per rank [bytes read, needed]; the fallback's
     reason, or None when there was none)."""
-    mine = _choose(memory, root, group.world_size, req.step) if group.rank == 0 else None
+    spread = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) < group.world_size
+    held = group.gather_json(node_steps(memory)) if spread else None
+    mine = _choose(memory, root, group.world_size, req.step, held) if group.rank == 0 else None
     step, why = group.broadcast_json(mine)
     fallback = why if step is None and why.startswith("unusable") else None
     if step is None:
-        if fallback and group.rank == 0:
-            _fell_back(root, memory, None, why)
+        if fallback:
+            _fell_back(root, memory, None, why, group.rank == 0)
         return None, [], fallback
     try:
         with reading_mapped():  # its own tmpfs: both passes through mappings (checkpoint/mapped.py)
             choice, io = restore_collective(group, memory, state, replace(req, step=step, allow_fresh_start=True,
-                                                                          warm=True))
+                                                                          warm=True, own_root=spread))
     except CheckpointError as exc:  # the same on every rank (the collective verdict): `state` untouched
         fallback = f"unusable: memory snapshot of step {step}: {exc}"
-        if group.rank == 0:
-            _fell_back(root, memory, step, fallback)
+        _fell_back(root, memory, step, fallback, group.rank == 0)
         return None, [], fallback
     return choice, io, None
 
 
-def _choose(memory: Path, root: Path, world: int, asked: int | None) -> tuple[int | None, str]:
-    """Rank 0: `memory_choice` over what the two roots hold (markers; the memory step's manifest)."""
+def node_steps(memory: Path) -> list[list[Any]]:
+    """Every rank, several nodes: its node's committed memory steps, each with its marker's digest
+    ([[step, xxh3], ...]; a node holds two at most). Never raises: a root that cannot be read holds
+    none."""
+    held: list[list[Any]] = []
     try:
-        mem_step = newest_committed(memory)
+        dirs = step_dirs(memory)
+    except OSError:
+        return held
+    for step, path in dirs:
+        try:
+            held.append([step, xxhash.xxh3_64_hexdigest((path / MARKER).read_bytes())])
+        except OSError:
+            continue
+    return held
+
+
+def common_step(held: list[Any]) -> int | None:
+    """Pure, rank 0: the newest step that every rank's node holds with rank 0's marker (the same
+    manifest, so the same shards of one step on every node), or None."""
+    if not held or not isinstance(held[0], list):
+        return None
+    common = {(int(s), str(d)) for s, d in held[0]}
+    for other in held[1:]:
+        common &= {(int(s), str(d)) for s, d in other} if isinstance(other, list) else set()
+    return max((s for s, _ in common), default=None)
+
+
+def _choose(memory: Path, root: Path, world: int, asked: int | None,
+            held: list[Any] | None = None) -> tuple[int | None, str]:
+    """Rank 0: `memory_choice` over what the two roots hold (markers; the memory step's manifest);
+    several nodes (`held`, every rank's `node_steps`): the newest step every node holds."""
+    try:
+        mem_step = newest_committed(memory) if held is None else common_step(held)
         problem = world_of = None
         if mem_step is not None and asked is None:
             info = inspect_dir(mem_step, memory / step_dir_name(mem_step), sizes=False)
@@ -102,13 +140,17 @@ def _choose(memory: Path, root: Path, world: int, asked: int | None) -> tuple[in
         return None, f"unusable: memory tier {memory}: {type(exc).__name__}: {exc}"
 
 
-def _fell_back(root: Path, memory: Path, step: int | None, why: str) -> None:
-    """Rank 0: the one fallback, in the log and the event log; the step that failed is removed
-    from memory (a snapshot that failed its check is never tried again)."""
-    log.warning("memory tier: %s; restoring from the file tier (%s)", why.removeprefix("unusable: "), root)
-    try_append_event(root, EV_MEMORY_FALLBACK, step=step, reason=why.removeprefix("unusable: "),
-                     run_id=os.environ.get(ENV_RUN_ID))
-    try:  # rank 0 alone here: nothing may raise (the other ranks are on to the file tier's collectives)
+def _fell_back(root: Path, memory: Path, step: int | None, why: str, first: bool) -> None:
+    """Every rank: the one fallback, in the log and the event log (rank 0, `first`); the step that
+    failed is removed from memory by each node's first rank (a snapshot that failed its check is
+    never tried again)."""
+    if first:
+        log.warning("memory tier: %s; restoring from the file tier (%s)", why.removeprefix("unusable: "), root)
+        try_append_event(root, EV_MEMORY_FALLBACK, step=step, reason=why.removeprefix("unusable: "),
+                         run_id=os.environ.get(ENV_RUN_ID))
+    if not node_leader():
+        return
+    try:  # nothing may raise here (the other ranks are on to the file tier's collectives)
         step = newest_committed(memory) if step is None else step
     except OSError:
         return

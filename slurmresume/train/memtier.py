@@ -19,6 +19,17 @@ Who decides what, so that every rank makes the same collective calls at the same
   - whether it fits: each rank checks the node's tmpfs and MemAvailable (`memplan.refusal`) for
     its node's share with headroom; the MAX over ranks is the verdict. A refusal is one warning,
     and the tier is off for the rest of this process: never an OOM kill of the training.
+
+Several nodes (`spread`): each node's memory root is its own directory on its own tmpfs, and
+every rank writes its shard into its node's root, with every tensor it holds (no replica is left
+to rank 0's shard, `save_collective(dedup=False)`: a rank's restore then opens its own shard only,
+on its own node; the fit check above already counts every rank's whole state). Rank 0 commits the
+step in its node's root as in any save; then one broadcast sends its manifest and marker to every
+node's first rank (LOCAL_RANK 0), which writes them into its node's copy of the save directory
+and publishes it as the step (`finish_node`): each node's root then holds a committed step of
+that step's manifest with its own ranks' shards. A node whose copy did not finish simply lacks
+the step; the restore takes only a step every node holds with the same marker (memrestore.py).
+Each node's first rank frees its node's older snapshots.
 """
 
 from __future__ import annotations
@@ -30,7 +41,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checkpoint.layout import MARKER, saving_dirs, step_dirs
+from ..checkpoint.layout import (
+    MANIFEST,
+    MARKER,
+    parse_saving_dir,
+    saving_dirs,
+    step_dir_name,
+    step_dirs,
+)
 from ..contract import ENV_MEMORY_DIR, ENV_MEMORY_LIMIT, ENV_SNAPSHOT_EVERY
 from ..errors import ConfigError, SaveError
 from ..events import EV_MEMORY_REFUSED, try_append_event
@@ -55,6 +73,9 @@ class MemoryTier:
         self.off = False  # refused once: the file tier alone from then on
         self.pending: float | None = None  # the blocking seconds of the snapshot last started
         self.printed = False
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        self.leader = node_leader()  # this node's first rank: frees its node's older snapshots
+        self.spread = local < group.world_size  # several nodes: a root per node (see the module docstring)
 
     @classmethod
     def from_env(cls, value: Any, group: Group, writer: AsyncWriter, file_root: Path) -> MemoryTier | None:
@@ -113,24 +134,49 @@ class MemoryTier:
         return payload
 
     def _write(self, step: int, snapshot: Payload, blocking_s: float) -> None:
-        """Writer thread, every rank: the collective save into the memory root; a failure is a
-        warning (rank 0), never an error for training. Rank 0 then frees the older snapshots."""
+        """Writer thread, every rank: the collective save into the memory root (several nodes: then
+        each node's copy finished, `_finish_nodes`); a failure is a warning (rank 0), never an
+        error for training. Each node's first rank then frees its node's older snapshots."""
         from .saving import save_collective
 
         try:
-            result = save_collective(self.group, self.root, step, snapshot, replace_if_changed=False, emergency=True)
+            result = save_collective(self.group, self.root, step, snapshot, replace_if_changed=False, emergency=True,
+                                     dedup=not self.spread)
         except (SaveError, OSError) as exc:
             if self.group.rank == 0:
                 log.warning("memory snapshot of step %d failed: %s", step, exc)
             return
-        if self.group.rank != 0:
+        if result.outcome is not None and not result.outcome.ok:  # the same outcome on every rank
+            if self.group.rank == 0:
+                log.warning("memory snapshot of step %d failed: %s", step, result.outcome.error)
             return
-        if result.outcome is not None and not result.outcome.ok:
-            log.warning("memory snapshot of step %d failed: %s", step, result.outcome.error)
+        if self.spread and not result.skipped and not self._finish_nodes(step, result.into or ""):
             return
-        if not result.skipped:
+        if self.group.rank == 0 and not result.skipped:
             log.debug("memory snapshot of step %d: %d bytes, copy %.3f s", step, result.bytes, blocking_s)
-        prune(self.root, step)
+        if self.leader:
+            prune(self.root, step)
+
+    def _finish_nodes(self, step: int, into: str) -> bool:
+        """Collective, several nodes, once rank 0 committed `step` in its node's root: its manifest
+        and marker to every rank (one broadcast), and each other node's first rank publishes its
+        node's copy (`finish_node`). Returns whether this node holds the step now."""
+        packed = b""
+        if self.group.rank == 0:
+            d = self.root / step_dir_name(step)
+            try:
+                manifest = (d / MANIFEST).read_bytes()
+                packed = len(manifest).to_bytes(8, "big") + manifest + (d / MARKER).read_bytes()
+            except OSError as exc:
+                log.warning("memory snapshot of step %d: its manifest could not be read back (%s)", step, exc)
+        got = self.group.broadcast_bytes(packed)
+        if not self.leader or self.group.rank - int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+            return True  # rank 0's node: committed by the save itself
+        problem = finish_node(self.root, step, into, got)
+        if problem is not None:
+            log.warning("memory snapshot of step %d not kept on this node (rank %d's): %s", step, self.group.rank,
+                        problem)
+        return problem is None
 
     def forget_from(self, step: int) -> None:
         """Rank 0, after an explicit save of `step` replaced what the file tier held: the memory
@@ -140,6 +186,40 @@ class MemoryTier:
 
 class _Refused(Exception):
     pass
+
+
+def node_leader() -> bool:
+    """This rank is its node's first (LOCAL_RANK 0; a bare process is its own node's)."""
+    return (os.environ.get("LOCAL_RANK", "0") or "0") == "0"
+
+
+def finish_node(root: Path, step: int, into: str, packed: bytes) -> str | None:
+    """A node's first rank, several nodes: its node's copy of the save directory `into` (its ranks'
+    shards, written by the save) gets rank 0's manifest and marker (`packed`: 8-byte length, the
+    manifest, the marker), marker last, and is published as the step (a previous copy of that
+    step replaced: this job's own tmpfs). Returns why not, or None."""
+    if len(packed) < 8:
+        return "rank 0 sent no manifest"
+    size = int.from_bytes(packed[:8], "big")
+    manifest, marker = packed[8:8 + size], packed[8 + size:]
+    if len(manifest) != size or not marker:
+        return "rank 0's manifest and marker arrived cut"
+    if parse_saving_dir(into) != step:
+        return f"{into!r} is not a save directory of step {step}"
+    mine = root / into
+    if not mine.is_dir():
+        return f"{mine} is missing (no rank of this node wrote its shard)"
+    try:
+        (mine / MANIFEST).write_bytes(manifest)
+        (mine / MARKER).write_bytes(marker)
+        target = root / step_dir_name(step)
+        if os.path.lexists(target):
+            remove_step(target)
+        os.rename(mine, target)
+    except OSError as exc:
+        remove_step(mine)
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def forget_from(root: Path, step: int) -> None:

@@ -50,6 +50,9 @@ class Request:
     # job's own tmpfs, which nothing writes between the passes, and the first pass verifies every
     # byte before the live state is touched
     warm: bool | None = None
+    # every rank reads the chosen step under its own `root`, not rank 0's path: the memory tier on
+    # several nodes, where each node's root is its own tmpfs holding its ranks' shards (memtier.py)
+    own_root: bool = False
 
     @classmethod
     def of(cls, step: int | None, verify: bool, restore_rng: bool, strict: bool,

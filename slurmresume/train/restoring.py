@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.collective import Group
+from ..checkpoint.layout import step_dir_name
 from ..checkpoint.store import CheckpointInfo
 from ..contract import ENV_RESTORE_STAGING, ENV_RUN_ID
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -88,10 +89,11 @@ def restore_and_record(group: Group, root: Path, state: MutableMapping[str, Any]
     tier = "memory" if choice is not None else "file"
     if choice is None:
         choice, io = restore_collective(group, root, state, req, mirror)
-        if memory is not None and group.rank == 0:  # memory snapshots past this step: another trajectory's
-            from .memtier import forget_from
+        if memory is not None:  # memory snapshots past this step: another trajectory's (each node's first rank)
+            from .memtier import forget_from, node_leader
 
-            forget_from(memory, choice.step + 1 if choice is not None else 0)
+            if node_leader():
+                forget_from(memory, choice.step + 1 if choice is not None else 0)
     if choice is None:
         if group.rank == 0:
             log.info("fresh start: no complete checkpoint under %s", root)
@@ -138,6 +140,8 @@ def restore_collective(group: Group, root: Path, state: MutableMapping[str, Any]
         choice = pick_from_json(group.broadcast_json(pick_to_json(mine)))
         if isinstance(mine, RestoreChoice) and isinstance(choice, RestoreChoice):
             choice = mine  # rank 0 keeps its parse of the manifest (it never crosses ranks)
+        elif req.own_root and isinstance(choice, RestoreChoice):
+            choice = replace(choice, path=str(root / step_dir_name(choice.step)))
         if isinstance(choice, Failure):  # raised on every rank, same kind (rank 0: from its cause)
             raise choice.error() from (mine.cause if isinstance(mine, Failure) else None)
         if choice is None:

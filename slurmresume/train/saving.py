@@ -99,6 +99,7 @@ class SaveResult:
     outcome: SaveOutcome | None = None
     reports: tuple[WriteReport, ...] = ()
     breakdown: dict[str, Any] | None = None  # rank 0: where the seconds went (train.breakdown)
+    into: str | None = None  # the save's private directory name (every rank), as rank 0 prepared it
 
     @property
     def bytes(self) -> int:
@@ -106,11 +107,13 @@ class SaveResult:
 
 
 def save_collective(group: Group, root: Path, step: int, payload: Payload, *, replace_if_changed: bool,
-                    emergency: bool = False) -> SaveResult:
+                    emergency: bool = False, dedup: bool = True) -> SaveResult:
     """Collective (see the module docstring for the call order). `replace_if_changed`: an
     explicit save, which replaces a committed step whose state differs (periodic and emergency
     saves never replace one). `emergency`: a save after a signal, which never spends its lead
-    measuring write paths (`checkpoint.calibrate.emergency`). Raises SaveError on every rank when the prepare fails; a failed
+    measuring write paths (`checkpoint.calibrate.emergency`). `dedup=False`: every rank writes
+    every tensor it holds, replicated or not (the memory tier on several nodes: each node's root
+    then holds all its ranks read, see train/memtier.py). Raises SaveError on every rank when the prepare fails; a failed
     write or commit is returned (`outcome.ok` False), for the caller to record, then raise."""
     sw = Stopwatch()
     # one exploration decision for the whole save (rank 0's ticket): a rank exploring alone would
@@ -131,7 +134,7 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
     if decision.action == "error":
         raise SaveError(f"checkpoint save failed, nothing committed: {decision.error}")
     replicated: set[str] = set()
-    if group.world_size > 1:
+    if group.world_size > 1 and dedup:
         with sw("replica_digests"):  # hashing, and two fixed-size MAX all-reduces (replicas.py)
             replicated = replicated_across(group, payload.tensors, payload.skeleton.get("dtensors"))
     with sw("write"), _calibrate.emergency() if emergency else _calibrate.agreed(decision.explore):
@@ -148,7 +151,7 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
     with sw("collective"):
         outcome = SaveOutcome.from_json(group.broadcast_json(outcome.to_json() if outcome else None))
     return SaveResult(skipped=False, outcome=outcome, reports=reports,
-                      breakdown=summarize(reports, sw.seconds) if group.rank == 0 else None)
+                      breakdown=summarize(reports, sw.seconds) if group.rank == 0 else None, into=decision.dir)
 
 
 def _decide(group: Group, root: Path, step: int, replace: bool = False, ticket: bool = False) -> PrepareDecision:

@@ -88,3 +88,45 @@ def global_rank_pid(launchers: list[subprocess.Popen[str]], rank: int, script: b
             if script in cmd and want in env:
                 return pid
     return None
+
+
+def stopped_with_memory(tmp_path: Path, args: list[str], env: dict[str, str], job_id: str, rank: int,
+                        ) -> tuple[list[subprocess.Popen[str]], int, list[Path]]:
+    """Both emulated nodes (node 1 first, so its agent gets ranks 0..procs-1) running
+    helpers/unwarned_train.py with the memory tier (`--snapshot-every 1`, each node its own
+    $SLURMRESUME_MEMORY_BASE, tmp_path/shm<node>), until global rank `rank` stopped itself:
+    ([launcher of node 0, of node 1], that rank's pid, [each node's memory root]). On any failure
+    every tree is killed and their output printed."""
+    from helpers.procs import HELPERS, free_port
+
+    port = free_port()
+    shm = [tmp_path / "shm0", tmp_path / "shm1"]
+
+    def launcher(node: int) -> subprocess.Popen[str]:
+        shm[node].mkdir()
+        return node_launcher(tmp_path, node, port, HELPERS / "unwarned_train.py", args, job_id=job_id,
+                             spec_kw="snapshot_every='1'", env={**env, "SLURMRESUME_MEMORY_BASE": str(shm[node])})
+
+    launchers = [launcher(1)]
+    try:
+        agent_started(launchers[0].pid)
+        launchers.insert(0, launcher(0))
+        end = time.monotonic() + 600  # a hang guard only
+        pid = None
+        while pid is None or _state_of(pid) != "T":
+            assert all(p.poll() is None for p in launchers) and time.monotonic() < end, "ended before the kill"
+            time.sleep(0.02)
+            pid = pid or global_rank_pid(launchers, rank)
+        return launchers, pid, [next(d.iterdir()) for d in shm]
+    except BaseException:
+        for p in launchers:
+            signal_tree(p.pid, signal.SIGKILL)
+        print("\n".join((p.communicate()[0] or "")[-3000:] for p in launchers))
+        raise
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"

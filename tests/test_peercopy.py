@@ -1,0 +1,168 @@
+"""Issue 49 item 2: each node's memory snapshot copied to the next node by the launchers, in the
+background, verified on arrival (job/peercopy.py). Two launchers' PeerCopy here, each with its
+own memory root, over real loopback sockets, with real checkpoints (Checkpointer.save)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.core import model_equal, restore_fresh, save_steps, shard, tiny_model
+
+from slurmresume.checkpoint.layout import MARKER, step_dir_name, step_dirs
+from slurmresume.job import memroot, peercopy
+from slurmresume.job.peercopy import MAGIC, PeerCopy, header_problem, pause, replica_root
+
+# -- the pure parts ----------------------------------------------------------------------------------
+
+
+def test_pause_keeps_the_rate_and_never_waits_when_behind() -> None:
+    assert pause(100_000_000, 0.0, 100e6) == pytest.approx(1.0)
+    assert pause(100_000_000, 0.25, 100e6) == pytest.approx(0.75)
+    assert pause(100_000_000, 3.0, 100e6) == 0.0
+    assert pause(0, 0.0, 1.0) == 0.0
+
+
+def _header(files: list[list[Any]], **over: Any) -> dict[str, Any]:
+    return {"magic": MAGIC, "node": 0, "step": 4, "files": files, **over}
+
+
+@pytest.mark.parametrize(("header", "free", "why"), [
+    (_header([["a.safetensors", 10], [MARKER, 5]]), None, None),
+    (_header([["sub/a.bin", 10], [MARKER, 5]]), 10 << 30, None),
+    (_header([["../escape", 10], [MARKER, 5]]), None, "plain relative path"),
+    (_header([["/etc/passwd", 10], [MARKER, 5]]), None, "plain relative path"),
+    (_header([["a/../../b", 10], [MARKER, 5]]), None, "plain relative path"),
+    (_header([[MARKER, 5], ["a.safetensors", 10]]), None, "marker is not the last"),
+    (_header([["a", -1], [MARKER, 5]]), None, "malformed"),
+    (_header([]), None, "no files"),
+    (_header([["a", 1 << 30], [MARKER, 5]]), 1 << 30, "would not fit"),
+    (_header([["a", 1], [MARKER, 5]], magic="other"), None, "not a peer copy"),
+    (_header([["a", 1], [MARKER, 5]], step="4"), None, "no step"),
+    ("not a dict", None, "not a peer copy"),
+])
+def test_a_header_is_refused_before_any_byte_lands(header: Any, free: int | None, why: str | None) -> None:
+    got = header_problem(header, free)
+    assert (got is None) if why is None else (got is not None and why in got), got
+
+
+# -- two launchers, real sockets and checkpoints ------------------------------------------------------
+
+
+def _wait(predicate: Any, what: str, timeout: float = 60.0) -> None:
+    end = time.monotonic() + timeout  # a hang guard only: the assertions are on files
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def ring(tmp_path: Path) -> Any:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    mems = [tmp_path / "mem0", tmp_path / "mem1"]
+    for m in mems:
+        m.mkdir()
+    copies = [PeerCopy(mems[n], shared, n, 2, rate=1e9).start() for n in range(2)]
+    yield mems, copies
+    for c in copies:
+        c.close()
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_a_snapshot_lands_on_the_next_node_verified_and_restores_bitwise(ring: Any) -> None:
+    (mem0, mem1), (c0, c1) = ring
+    save_steps(mem0, [3])
+    replica = replica_root(mem1, 0)
+    _wait(lambda: (replica / step_dir_name(3) / MARKER).exists(), "the replica of step 3")
+    assert _files(replica / step_dir_name(3)) == _files(mem0 / step_dir_name(3))
+    _wait(lambda: c0.sent == 3, "the sender to hear ok")
+    assert c0.view()["lag"] == 0 and c1.view()["held"] == {0: 3}
+    step, state = restore_fresh(replica)  # a checkpoint root of its own: restores like one, verified
+    assert step == 3 and model_equal(state["model"], tiny_model(3))
+    # the next snapshot replaces it: at most the newest replica (and one arriving) per node
+    save_steps(mem0, [5])
+    _wait(lambda: c1.view()["held"] == {0: 5}, "the replica of step 5")
+    assert [s for s, _ in step_dirs(replica)] == [5]
+    assert not list(replica.glob(".saving.*"))
+    # the receiver's own snapshots are not confused with the replicas it holds
+    assert not step_dirs(mem1)
+    # what `status` shows of node 1's memory: no snapshot of its own, node 0's copy and its bytes
+    shown = memroot.view(mem1)
+    assert shown is not None and shown["step"] is None and shown["replicas"] == {"0": 5}, shown
+    assert shown["bytes"] == sum(p.stat().st_size for p in (replica / step_dir_name(5)).iterdir())
+
+
+def test_a_byte_flipped_on_the_way_is_dropped_and_the_next_snapshot_lands(ring: Any, monkeypatch: Any) -> None:
+    (mem0, mem1), (c0, _c1) = ring
+    real = socket.socket.sendfile
+    flipped: list[int] = []
+
+    def corrupting(self: socket.socket, file: Any, offset: int = 0, count: int | None = None) -> int:
+        if not flipped and file.name.endswith(".safetensors"):
+            file.seek(offset)
+            data = bytearray(file.read(count))
+            data[-1] ^= 0x01
+            flipped.append(len(data))
+            self.sendall(bytes(data))
+            return len(data)
+        return real(self, file, offset, count)
+
+    monkeypatch.setattr(socket.socket, "sendfile", corrupting)
+    save_steps(mem0, [3])
+    _wait(lambda: c0.tried == 3, "the first transfer")
+    assert flipped and c0.sent is None and c0.refused and "failed its check" in c0.refused
+    replica = replica_root(mem1, 0)
+    assert not step_dirs(replica) and not list(replica.glob(".saving.*"))
+    monkeypatch.setattr(socket.socket, "sendfile", real)
+    save_steps(mem0, [4])
+    _wait(lambda: c0.sent == 4, "the next snapshot")
+    assert [s for s, _ in step_dirs(replica)] == [4]
+    step, state = restore_fresh(replica)
+    assert step == 4 and model_equal(state["model"], tiny_model(4))
+
+
+def _raw_transfer(shared: Path, node: int, header: dict[str, Any], body: bytes) -> str:
+    where = json.loads((shared / f"peercopy-{node}.json").read_text())
+    with socket.create_connection((where["host"], where["port"]), timeout=30) as conn:
+        data = json.dumps(header).encode()
+        with contextlib.suppress(OSError):  # a refusal may close the connection before the body is read
+            conn.sendall(len(data).to_bytes(8, "big") + data + body)
+            conn.shutdown(socket.SHUT_WR)
+        try:
+            return conn.makefile("rb").read().decode()
+        except OSError:  # reset: the receiver closed with our bytes unread
+            return ""
+
+
+def test_a_transfer_cut_short_leaves_nothing_and_a_bad_name_writes_nothing(ring: Any) -> None:
+    (mem0, mem1), _ = ring
+    save_steps(mem0, [2])
+    src = mem0 / step_dir_name(2)
+    whole = shard(mem0, 2).read_bytes()
+    files = [[shard(mem0, 2).relative_to(src).as_posix(), len(whole)], [MARKER, 10]]
+    answer = _raw_transfer(mem1.parent / "shared", 1, _header(files, node=7, step=9), whole[: len(whole) // 2])
+    assert "refused" in answer or answer == ""
+    assert not step_dirs(replica_root(mem1, 7)) and not list(replica_root(mem1, 7).glob(".saving.*"))
+    answer = _raw_transfer(mem1.parent / "shared", 1, _header([["../../evil", 3], [MARKER, 1]], node=8), b"")
+    assert "plain relative path" in answer
+    assert not (mem1 / "evil").exists() and not (mem1.parent / "evil").exists()
+    assert not replica_root(mem1, 8).exists()
+
+
+def test_the_rate_comes_from_the_environment(monkeypatch: Any) -> None:
+    monkeypatch.delenv(peercopy.ENV_RATE, raising=False)
+    assert peercopy.rate_from_env() == peercopy.DEFAULT_RATE_MBS * 1e6
+    monkeypatch.setenv(peercopy.ENV_RATE, "0")
+    assert peercopy.rate_from_env() is None
+    monkeypatch.setenv(peercopy.ENV_RATE, "50")
+    assert peercopy.rate_from_env() == 50e6
