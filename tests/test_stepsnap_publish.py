@@ -45,16 +45,18 @@ class _Stateful:
     [np.float32(1.5), np.int64(3), np.arange(3), b"raw", bytearray(b"x")],
     {"t": torch.arange(3.0), "nested": [{"u": torch.zeros(2)}, (torch.ones(1),)]},
     [[], {}, (), [1, 2.0], [True, 1]],
+    {"s": "caf\u00e9 \"q\"\n", "x" * 100: "y" * 100, "n": None, "f": [5e-324, -1e-7, 1e22, 2 ** 53 + 1]},
 ])
 def test_the_fast_encoder_encodes_exactly_as_jsonenc(obj: Any) -> None:
     """The training thread's encoder (`stepsnap._fast_encode`) gives `jsonenc.encode`'s output,
-    names each tensor by the same path, and the same JSON text."""
+    names each tensor by the same path, and the same JSON text (also by `stepsnap._text`, the
+    snapshot's own writer of it)."""
     seen_fast: list[list[str]] = []
     seen_slow: list[list[str]] = []
     fast = stepsnap._fast_encode(obj, lambda p, t: seen_fast.append(p) or "/".join(p), (None, "key"))
     slow = encode(obj, lambda p, t: seen_slow.append(p) or "/".join(p), ["key"])
     assert fast == slow and seen_fast == seen_slow
-    assert stepsnap.dumps(fast) == stepsnap.dumps(slow)
+    assert stepsnap.dumps(fast) == stepsnap.dumps(slow) == stepsnap._text(fast)
 
 
 def _np_equal(a: Any, b: Any) -> bool:

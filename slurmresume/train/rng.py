@@ -56,6 +56,7 @@ class Capturer:
         self._last_raw: tuple[bytes, tuple[str, bytes, int, int, float]] | None = None  # the same, as `raw()` gives it
         self._gen: Any = None  # the bit generator whose state lies at _address
         self._address = 0
+        self._view: memoryview | None = None  # its key and position, in place
         self._probe_ok = False
         try:
             self._probe_ok = self._probe() == _key_pos(np.random.get_state(legacy=True))
@@ -63,6 +64,13 @@ class Capturer:
             self._probe_ok = False
         self._py = random.getstate.__self__  # the global generator (random.getstate is bound to it)
         self._py_address = _py_state_address(self._py)
+        self._py_views: tuple[memoryview, memoryview] | None = None  # its words, its index (in place)
+        if self._py_address:
+            import ctypes
+
+            at = self._py_address
+            self._py_views = (memoryview((ctypes.c_char * (4 * self._PY_WORDS)).from_address(at + 4)),
+                              memoryview((ctypes.c_char * 4).from_address(at)))
 
     def capture(self) -> dict[str, Any]:
         import torch
@@ -78,18 +86,15 @@ class Capturer:
         import torch
 
         state: dict[str, Any] = {"python": self._python_raw(), "numpy": self._numpy_raw(),
-                                 "torch_cpu": torch.get_rng_state().numpy().tobytes()}
+                                 "torch_cpu": torch.default_generator.get_state().numpy().tobytes()}
         if torch.cuda.is_initialized() and torch.cuda.is_available():  # the cheap test first
             state["torch_cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
         return state
 
     def _python_raw(self) -> tuple[int, bytes, Any]:
-        if self._py_address:
-            import ctypes
-
-            at = self._py_address
-            words = ctypes.string_at(at + 4, 4 * self._PY_WORDS) + ctypes.string_at(at, 4)
-            return self._py.VERSION, words, self._py.gauss_next
+        if self._py_views is not None:  # copies made while this thread holds the GIL
+            words, index = self._py_views
+            return self._py.VERSION, words.tobytes() + index.tobytes(), self._py.gauss_next
         version, words, gauss = random.getstate()
         return version, array.array("I", words).tobytes(), gauss
 
@@ -115,14 +120,15 @@ class Capturer:
         return full
 
     def _probe(self) -> bytes | None:
-        import ctypes
-
         gen = np.random.mtrand._rand._bit_generator
         if gen is not self._gen:  # the first call, or another bit generator
             if type(gen).__name__ != "MT19937":
                 return None
+            import ctypes
+
             self._gen, self._address = gen, gen.ctypes.state_address
-        return ctypes.string_at(self._address, self._KEY_BYTES)
+            self._view = memoryview((ctypes.c_char * self._KEY_BYTES).from_address(self._address))
+        return self._view.tobytes()
 
 
 def as_raw(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -119,10 +119,10 @@ class Captured:
         """The record `publish` writes: header, JSON, raw bytes. `extra`: "tail_of" (a tail
         snapshot: the boundary it follows) or "tail_changed" (a boundary's pieces that ever
         changed between an optimizer step and the boundary after it, on this rank)."""
-        rest = dumps({"step": self.step, "rng": self.rng, "ddp": self.ddp or None, "metrics": self.metrics,
+        rest = _text({"step": self.step, "rng": self.rng, "ddp": self.ddp or None, "metrics": self.metrics,
                       "meta": self.meta, "tensors": self.tensors, "missing": self.missing,
                       "digests": self.digests, **extra})
-        entries = ",".join(f"{dumps(k)}:{t}" for k, t in self.texts.items())
+        entries = ",".join(f"{_key_json(k)}:{t}" for k, t in self.texts.items())
         text = f'{{"entries":{{{entries}}},{rest[1:]}'.encode()
         digest = xxhash.xxh3_64(text)
         for part in self.blob.parts:
@@ -193,7 +193,7 @@ def grab(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[s
 def finish(g: Grab) -> Captured:
     """The publisher's part of a capture: each entry's JSON, a digest per piece, the raw bytes."""
     blob = _Blob()
-    texts = {key: str(entry) if type(entry) is _Json else dumps(entry) for key, entry in g.entries.items()}
+    texts = {key: str(entry) if type(entry) is _Json else _text(entry) for key, entry in g.entries.items()}
     digests = {f"entry:{key}": _xxh(text.encode()) for key, text in texts.items()}
     tensors: dict[str, list[Any]] = {}
     for name, (dtype, shape, raw) in g.tensors.items():
@@ -443,8 +443,49 @@ def _immutable(v: Any) -> bool:
 
 
 def _piece(k: str, v: Any, name: Any, key: str, group: int) -> str:
-    """`"k":<json of v>` as the general path encodes group `group`'s value `v` of optimizer `key`."""
-    return f"{dumps(k)}:{dumps(_fast_encode(v, name, ((((None, key), 'param_groups'), group), k)))}"
+    """`"k":<json of v>` as the general path encodes group `group`'s value `v` of optimizer `key`
+    (a finite float: its repr, as `json` writes it)."""
+    if type(v) is float and v - v == 0.0:
+        return f"{_key_json(k)}:{v!r}"
+    return f"{_key_json(k)}:{dumps(_fast_encode(v, name, ((((None, key), 'param_groups'), group), k)))}"
+
+
+_KEYS: dict[str, str] = {}
+
+
+def _text(data: Any) -> str:
+    """`dumps(data)` of encoded data (`_fast_encode`'s output), the same text, without `json`'s
+    encoder for plain dicts, lists, ints, finite floats, bools, None and known strings (the
+    encoder's first call on a cache the step evicted costs ~40 us; a snapshot's JSON is small):
+    the text of an int and a float is their repr, as `json` writes them. Anything else by `dumps`."""
+    t = type(data)
+    if t is dict:
+        return "{" + ",".join([f"{_key_json(k)}:{_text(v)}" if type(k) is str else dumps({k: v})[1:-1]
+                               for k, v in data.items()]) + "}"
+    if t is list:
+        return "[" + ",".join([_text(v) for v in data]) + "]"
+    if t is str:
+        return _key_json(data)
+    if t is int:
+        return int.__repr__(data)
+    if t is float and data - data == 0.0:
+        return float.__repr__(data)
+    if data is None:
+        return "null"
+    if t is bool:
+        return "true" if data else "false"
+    return dumps(data)
+
+
+def _key_json(k: str) -> str:
+    """`dumps(k)` of a dict key or a short string value, kept (a state's and an optimizer group's
+    few keys; the strings of a state_dict)."""
+    text = _KEYS.get(k)
+    if text is None:
+        text = dumps(k)
+        if len(_KEYS) < 4096 and len(k) <= 64:
+            _KEYS[k] = text
+    return text
 
 
 def _path(where: Any) -> list[str]:
