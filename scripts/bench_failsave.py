@@ -168,7 +168,8 @@ def _child() -> None:
                       f"p90 {record['micro_cpu_p90_s'] * 1e6:.0f}; pre-hook alone "
                       f"{record['micro_hook_median_s'] * 1e6:.0f} us) over {len(per)} steps; "
                       f"step median {gap * 1e3:.2f} ms", flush=True)
-            print("BENCH " + json.dumps(record), flush=True)
+            sys.stdout.flush()  # then one write: the ranks share the pipe, a line must not interleave
+            os.write(sys.stdout.fileno(), ("BENCH " + json.dumps(record) + "\n").encode())
 
 
 def _run_once(guard: str, nproc: int, train_args: list[str], code: str | None = None) -> list[dict]:

@@ -62,7 +62,7 @@ class Capturer:
             self._probe_ok = self._probe() == _key_pos(np.random.get_state(legacy=True))
         except Exception:  # noqa: BLE001 - no probe: the full state every time
             self._probe_ok = False
-        self._py = random.getstate.__self__  # the global generator (random.getstate is bound to it)
+        self._py: Any = getattr(random.getstate, "__self__", None)  # the global generator (getstate is bound to it)
         self._py_address = _py_state_address(self._py)
         self._py_views: tuple[memoryview, memoryview] | None = None  # its words, its index (in place)
         if self._py_address:
@@ -128,6 +128,7 @@ class Capturer:
 
             self._gen, self._address = gen, gen.ctypes.state_address
             self._view = memoryview((ctypes.c_char * self._KEY_BYTES).from_address(self._address))
+        assert self._view is not None  # set with _gen
         return self._view.tobytes()
 
 
