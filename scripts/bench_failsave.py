@@ -19,6 +19,18 @@ step time with the guard on against off, interleaved rounds:
 runs torchrun 2 x ROUNDS times (on, off, off, on, ...; a fresh checkpoint and heartbeat directory
 each; `--thread` adds the publisher on its own thread, `--baseline DIR` the code in DIR) and prints each round's median step (the median over ranks of each rank's median step) on
 and off, their ratio, and the medians over rounds with their spread (min-max).
+
+The training thread's work alone, less sensitive to a loaded machine (its CPU time,
+`time.thread_time`, of `at_step` + the optimizer pre-hook per step, on the real state of
+examples/train.py between its real steps: one process, a one-rank gloo group and DDP, one intra-op
+thread as torchrun gives each of several ranks, the guard built as for rank 0 of 2 ranks on one
+node):
+
+    python3 scripts/bench_failsave.py --micro --rounds 3 [--baseline DIR] -- --steps 1000 --save-every 100000
+
+prints per run the median, p10 and p90 of that CPU time per step (after WARMUP steps), the
+pre-hook's part, the median step; then the median over runs of each arm (this tree, and the code
+in DIR when given, alternating).
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import time
 from pathlib import Path
 
 ENV_GUARD = "BENCH_FAILSAVE_GUARD"
+ENV_MICRO = "BENCH_FAILSAVE_MICRO"
 WARMUP = 10  # steps left out of the step-time statistics (first steps: allocations, the collective)
 
 
@@ -52,6 +65,9 @@ def _child() -> None:
 
     snap_s: list[float] = []
     cpu = [0.0]  # the training thread's CPU seconds in both captures, over the run
+    step_cpu: list[float] = []  # per step: the training thread's CPU in at_step + the pre-hook before it
+    hook_cpu: list[float] = []  # per step: the pre-hook's part
+    tail_cpu = [0.0]
     gaps: list[float] = []
     last = [0.0]
     tail = [0.0]  # the tail snapshot's time since the last boundary
@@ -66,16 +82,21 @@ def _child() -> None:
         try:
             return at_step(self, *args, **kwargs)
         finally:
-            cpu[0] += time.thread_time() - c0
+            spent = time.thread_time() - c0
+            cpu[0] += spent
+            step_cpu.append(spent + tail_cpu[0])
+            hook_cpu.append(tail_cpu[0])
             snap_s.append(time.perf_counter() - t0 + tail[0])
-            tail[0] = 0.0
+            tail[0] = tail_cpu[0] = 0.0
 
     def timed_pre_hook(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return pre_hook(self, *args, **kwargs)
         finally:
-            cpu[0] += time.thread_time() - c0
+            spent = time.thread_time() - c0
+            cpu[0] += spent
+            tail_cpu[0] += spent
             tail[0] += time.perf_counter() - t0
 
     def publisher_cpu() -> float | None:
@@ -97,6 +118,16 @@ def _child() -> None:
     checkpointer.Checkpointer.step = timed_step  # type: ignore[method-assign]
     if not guard_on:
         checkpointer.failure_guard = lambda group, root: None  # type: ignore[assignment]
+    elif os.environ.get(ENV_MICRO):  # one process: the guard of rank 0 of 2 on one node, its peer alive
+        def micro_guard(group, root):  # type: ignore[no-untyped-def]
+            from slurmresume.train.peers import publish_pid
+
+            guard = failsave.FailureGuard(Path(os.environ[ENV_HEARTBEAT_DIR]) / failsave.SUBDIR, root, 0, 2,
+                                          local=range(2))
+            publish_pid(guard.dir, 1)  # "rank 1" is this process: watched as a live peer, as in a real run
+            return guard
+
+        checkpointer.failure_guard = micro_guard  # type: ignore[assignment]
     # the publisher's CPU time, read before the Checkpointer's close() ends its thread
     close = checkpointer.Checkpointer.close
     pub_cpu: list[float | None] = [None]
@@ -127,7 +158,18 @@ def _child() -> None:
                       f"first step {snap_s[0] * 1e3:.1f} ms; step median {gap * 1e3:.2f} ms; "
                       f"snapshot / step = {100 * med / gap:.2f} %; CPU per step: training thread "
                       f"{cpu[0] / n * 1e6:.0f} us, publisher thread {pub}", flush=True)
-            print("BENCH " + json.dumps(record), flush=True)
+            if os.environ.get(ENV_MICRO) and len(step_cpu) > 2 * WARMUP:
+                per = sorted(step_cpu[WARMUP:])
+                record.update(micro_cpu_median_s=statistics.median(per), micro_cpu_p10_s=per[len(per) // 10],
+                              micro_cpu_p90_s=per[(9 * len(per)) // 10],
+                              micro_hook_median_s=statistics.median(hook_cpu[WARMUP:]), micro_steps=len(per))
+                print(f"micro: training-thread CPU per step (at_step + pre-hook) median "
+                      f"{record['micro_cpu_median_s'] * 1e6:.0f} us (p10 {record['micro_cpu_p10_s'] * 1e6:.0f}, "
+                      f"p90 {record['micro_cpu_p90_s'] * 1e6:.0f}; pre-hook alone "
+                      f"{record['micro_hook_median_s'] * 1e6:.0f} us) over {len(per)} steps; "
+                      f"step median {gap * 1e3:.2f} ms", flush=True)
+            sys.stdout.flush()  # then one write: the ranks share the pipe, a line must not interleave
+            os.write(sys.stdout.fileno(), ("BENCH " + json.dumps(record) + "\n").encode())
 
 
 def _run_once(guard: str, nproc: int, train_args: list[str], code: str | None = None) -> list[dict]:
@@ -153,19 +195,70 @@ def _run_once(guard: str, nproc: int, train_args: list[str], code: str | None = 
         shutil.rmtree(beats, ignore_errors=True)
 
 
+def _micro(train_args: list[str], rounds: int, baseline: str | None) -> None:
+    """One process, as rank 0 of a one-rank gloo group (DDP included), one intra-op thread as
+    torchrun gives each of several ranks: see the module docstring. With `baseline`, that code's
+    run alternates with this tree's, `rounds` of each."""
+    import shutil
+    import socket
+    import subprocess
+
+    from slurmresume.contract import ENV_HEARTBEAT_DIR
+
+    arms: list[tuple[str, str | None]] = [("this tree", None)] + ([("baseline", baseline)] if baseline else [])
+    got: dict[str, list[dict]] = {name: [] for name, _ in arms}
+    for r in range(rounds):
+        for name, code in arms[r % len(arms):] + arms[:r % len(arms)]:
+            work = Path(tempfile.mkdtemp(prefix="bench-failsave-"))
+            beats = Path(tempfile.mkdtemp(prefix="bench-failsave-hb-",
+                                          dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            env = {**os.environ, ENV_GUARD: "on", ENV_MICRO: "1", ENV_HEARTBEAT_DIR: str(beats), "RANK": "0",
+                   "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            if code:
+                env["PYTHONPATH"] = code
+            try:
+                cmd = [sys.executable, str(Path(__file__).resolve()), *train_args, "--ckpt-dir", str(work / "ckpt")]
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+                if proc.returncode != 0:
+                    sys.exit(f"bench_failsave: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+                rec = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("BENCH ")][0]
+                got[name].append(rec)
+                print(f"round {r + 1}, {name}: " + next(line for line in proc.stdout.splitlines()
+                                                     if line.startswith("micro:"))[7:], flush=True)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+                shutil.rmtree(beats, ignore_errors=True)
+    for name, recs in got.items():
+        cpu = [x["micro_cpu_median_s"] * 1e6 for x in recs]
+        hook = [x["micro_hook_median_s"] * 1e6 for x in recs]
+        step = [x["step_median_s"] * 1e3 for x in recs]
+        print(f"over {len(recs)} runs, median (min-max): {name}: training-thread CPU per step "
+              f"{statistics.median(cpu):.0f} ({min(cpu):.0f} .. {max(cpu):.0f}) us, pre-hook "
+              f"{statistics.median(hook):.0f} us, step {statistics.median(step):.2f} ms", flush=True)
+
+
 def _driver(argv: list[str]) -> None:
     import argparse
 
     sep = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description="step time with the failure-save guard on vs off, interleaved rounds")
-    p.add_argument("--rounds", type=int, default=5, help="rounds of (on, off) (default: 5)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of (on, off); with --micro, runs of each arm (default: 5)")
     p.add_argument("--nproc", type=int, default=3, help="ranks per run (default: 3)")
     p.add_argument("--baseline", default=None,
                    help="a checkout of the code before (its PYTHONPATH): a third arm, guard on (default: none)")
     p.add_argument("--thread", action="store_true",
                    help="a fourth arm: the publisher on its own thread (default: off; the guard publishes inline)")
+    p.add_argument("--micro", action="store_true",
+                   help="instead: one process, the training thread's CPU per step in the guard (default: off)")
     args = p.parse_args(argv[:sep])
     train_args = argv[sep + 1:] or ["--steps", "300", "--save-every", "100000"]
+    if args.micro:
+        _micro(train_args, args.rounds, args.baseline)
+        return
     rows = []
     arms: list[tuple[str, str, str | None]] = [("on", "on", None), ("off", "off", None)]
     if args.thread:

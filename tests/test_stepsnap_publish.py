@@ -45,16 +45,18 @@ class _Stateful:
     [np.float32(1.5), np.int64(3), np.arange(3), b"raw", bytearray(b"x")],
     {"t": torch.arange(3.0), "nested": [{"u": torch.zeros(2)}, (torch.ones(1),)]},
     [[], {}, (), [1, 2.0], [True, 1]],
+    {"s": "caf\u00e9 \"q\"\n", "x" * 100: "y" * 100, "n": None, "f": [5e-324, -1e-7, 1e22, 2 ** 53 + 1]},
 ])
 def test_the_fast_encoder_encodes_exactly_as_jsonenc(obj: Any) -> None:
     """The training thread's encoder (`stepsnap._fast_encode`) gives `jsonenc.encode`'s output,
-    names each tensor by the same path, and the same JSON text."""
+    names each tensor by the same path, and the same JSON text (also by `stepsnap._text`, the
+    snapshot's own writer of it)."""
     seen_fast: list[list[str]] = []
     seen_slow: list[list[str]] = []
     fast = stepsnap._fast_encode(obj, lambda p, t: seen_fast.append(p) or "/".join(p), (None, "key"))
     slow = encode(obj, lambda p, t: seen_slow.append(p) or "/".join(p), ["key"])
     assert fast == slow and seen_fast == seen_slow
-    assert stepsnap.dumps(fast) == stepsnap.dumps(slow)
+    assert stepsnap.dumps(fast) == stepsnap.dumps(slow) == stepsnap._text(fast)
 
 
 def _np_equal(a: Any, b: Any) -> bool:
@@ -87,6 +89,67 @@ def test_the_rng_capturer_equals_a_full_capture_and_takes_numpy_once_while_it_is
         assert first[3] == 1 and cap.capture()["numpy"] is not first
     finally:
         rng.restore(saved)
+
+
+def test_the_raw_rng_capture_gives_the_bytes_of_a_full_capture() -> None:
+    """`rng.Capturer.raw` (Python's generator read through its object, NumPy's taken once while
+    unchanged, torch's as bytes) against `rng.as_raw(rng.capture())` after each kind of move: draws,
+    a Gaussian of Python's (its cached `gauss_next`), seeds, NumPy's cached Gaussian used, torch."""
+    saved = rng.capture()
+    try:
+        cap = rng.Capturer()
+        assert cap._py_address  # CPython's layout: the view is used (else the test below tests getstate)
+        moves = [lambda: None, lambda: random.random(), lambda: random.gauss(0, 1), lambda: random.gauss(0, 1),
+                 lambda: random.seed(3), lambda: random.setstate(random.getstate()), lambda: np.random.rand(3),
+                 lambda: np.random.randn(1), lambda: np.random.randn(1), lambda: np.random.seed(7),
+                 lambda: torch.rand(2), lambda: torch.manual_seed(5), lambda: [random.random() for _ in range(700)]]
+        for move in moves:
+            move()
+            assert cap.raw() == rng.as_raw(rng.capture())
+    finally:
+        rng.restore(saved)
+
+
+def _optimizer_text_general(opt: Any) -> str:
+    value = {k: v for k, v in opt.state_dict().items() if k != "state"}
+    return stepsnap.dumps({"kind": "stateful", "value": encode(value, lambda p, t: "/".join(p), ["optimizer"])})
+
+
+def test_an_optimizers_kept_text_is_the_general_paths_at_every_step() -> None:
+    """The optimizer's entry kept between captures (`stepsnap._OptimizerText`: a value that is the
+    same immutable object keeps its JSON) is, at every capture, what the general path gives: lr
+    moved by a scheduler, a value replaced, a tensor lr changed in place, a list changed in place, a
+    key added, a parameter group added; a state_dict hook turns it off for good (the general path)."""
+    state = _train_state(2)
+    opt, model = state["optimizer"], state["model"]
+    _, tensors = flatten(state, {})
+    layout = stepsnap.Layout.learn(state, {n for n, _ in tensors})
+    assert set(layout.texts) == {"optimizer"}
+    extra = torch.nn.Linear(2, 2)
+
+    def check() -> None:
+        g = stepsnap.grab(1, state, layout, None, None, None)
+        assert isinstance(g.entries["optimizer"], str) == ("optimizer" in layout.texts)
+        assert stepsnap.finish(g).texts["optimizer"] == _optimizer_text_general(opt)
+
+    moves = [lambda: None, lambda: state["scheduler"].step(), lambda: state["scheduler"].step(),
+             lambda: opt.param_groups[0].__setitem__("weight_decay", 0.5),
+             lambda: opt.param_groups[0].__setitem__("weight_decay", 1),  # an int now: "1", not "1.0"
+             lambda: opt.param_groups[0].__setitem__("weight_decay", True),
+             lambda: opt.param_groups[0].__setitem__("weight_decay", -0.0),
+             lambda: opt.param_groups[0].__setitem__("lr", torch.tensor(0.01)),
+             lambda: opt.param_groups[0]["lr"].fill_(0.02),  # the same tensor, changed in place
+             lambda: opt.param_groups[0].__setitem__("betas", [0.9, 0.99]),
+             lambda: opt.param_groups[0]["betas"].__setitem__(1, 0.98),  # the same list, changed in place
+             lambda: opt.param_groups[0].__setitem__("extra", (1, 2.5, None)),
+             lambda: opt.add_param_group({"params": list(extra.parameters()), "lr": 0.3}),
+             lambda: opt.param_groups[1].__setitem__("lr", float("inf")),
+             lambda: model.zero_grad(),
+             lambda: opt.register_state_dict_post_hook(lambda o, sd: sd)]
+    for move in moves:
+        move()
+        check()
+    assert "optimizer" not in layout.texts  # the hook: the general path from then on
 
 
 # -- the publisher ----------------------------------------------------------------------------------

@@ -165,7 +165,7 @@ class FailureGuard:
             self._layout = stepsnap.Layout.learn(state, replicated, self.world)
             self._check_shared(group)
         self._last_ddp = self._ddp_layouts(ddp_buckets)
-        g = stepsnap.grab(step, state, self._layout, self._last_ddp, metrics, meta, rng_state=self._rng.capture())
+        g = stepsnap.grab(step, state, self._layout, self._last_ddp, metrics, meta, rng_state=self._rng.raw())
         with self._lock:
             # frozen but not yet reported: this survivor finishes the step it was in (see on_death)
             if not self._reported.is_set():
@@ -217,7 +217,7 @@ class FailureGuard:
         if not self._dirty and self._layout is not None and self._state is not None and self._boundary is not None:
             boundary = self._boundary
             g = stepsnap.grab(boundary, self._state, self._layout, self._last_ddp, None, self._meta, skip=self._known,
-                              rng_state=self._rng.capture())
+                              rng_state=self._rng.raw())
             with self._lock:
                 if not self._frozen.is_set():
                     self._pub.submit("tail", lambda: self._prepare_tail(g, boundary))

@@ -88,12 +88,7 @@ class Publisher:
         if self._stopped:
             return False
         if not self.background:  # inline: on the caller's thread, written when this returns
-            with self._seq:
-                self._submitted += 1
-                self._newest[slot] = self._submitted
-                self._inbox.put((self._submitted, slot, prepare))
-            self._run(once=True)
-            return not self._stopped
+            return self._inline(slot, prepare)
         if self._inbox.qsize() >= MAX_PENDING:
             with self._cond:
                 while self._inbox.qsize() >= MAX_PENDING and not self._stopped:
@@ -136,10 +131,37 @@ class Publisher:
                 for sink in sinks:
                     sink.close()
 
-    def _run(self, once: bool = False) -> None:
+    def _inline(self, slot: str, prepare: Prepare) -> bool:
+        """`submit` without the thread: prepared, encoded and written here, in one go."""
+        with self._seq:
+            self._submitted += 1
+            seq = self._newest[slot] = self._submitted
+        try:
+            parts = prepare()()
+            with self._write:  # once stop() returned, nothing more is written
+                if self._stopped:
+                    return False
+                for sink in self.sinks.get(slot, ()):
+                    sink.write(parts)
+                self.written += 1
+        except Exception as exc:  # noqa: BLE001 - as on the thread (`_run`)
+            self._fail(exc)
+            return False
+        with self._cond:
+            self._done = seq
+            self._cond.notify_all()
+        return True
+
+    def _fail(self, exc: Exception) -> None:
+        log.warning("failure-time snapshots stopped on this rank (%s: %s): a failure save that "
+                    "needs them will be refused", type(exc).__name__, exc)
+        with self._cond:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            self._stopped = True
+            self._cond.notify_all()
+
+    def _run(self) -> None:
         while True:
-            if once and self._inbox.empty():
-                return
             item = self._inbox.get()
             if item is None or self._stopped:
                 return
@@ -156,15 +178,8 @@ class Publisher:
                                 sink.write(parts)
                             self.written += 1
             except Exception as exc:  # noqa: BLE001 - this rank's slots lag from now on: refusals, never a mix
-                log.warning("failure-time snapshots stopped on this rank (%s: %s): a failure save that "
-                            "needs them will be refused", type(exc).__name__, exc)
-                with self._cond:
-                    self.failed = f"{type(exc).__name__}: {exc}"
-                    self._stopped = True
-                    self._cond.notify_all()
+                self._fail(exc)
                 return
             with self._cond:
                 self._done = seq
                 self._cond.notify_all()
-            if once:
-                return

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import json
+import operator
 import os
 import struct
 from collections.abc import Mapping
@@ -60,6 +61,8 @@ class Layout:
     parts: dict[str, frozenset[str]]
     cheap: bool
     replicas: dict[str, ReplicaDims] = field(default_factory=dict)
+    # the training thread's own: an optimizer entry's JSON kept between captures (`_OptimizerText`)
+    texts: dict[str, _OptimizerText] = field(default_factory=dict)
 
     @classmethod
     def learn(cls, state: Mapping[str, Any], replicated: set[str], world: int = 1) -> Layout:
@@ -75,6 +78,9 @@ class Layout:
         layout = cls(replicated, frozenset(static), parts, False, replica_dims(skeleton.get("dtensors") or {}, world))
         layout.cheap = (not skeleton.get("devices") and not skeleton.get("dtensors")
                         and _merge(entries, _cheap_entries(state, layout, {})) == entries)
+        if layout.cheap:
+            layout.texts = {key: _OptimizerText() for key in parts
+                            if parts[key] == {"state"} and _OptimizerText.applies(state[key])}
         return layout
 
 
@@ -113,10 +119,10 @@ class Captured:
         """The record `publish` writes: header, JSON, raw bytes. `extra`: "tail_of" (a tail
         snapshot: the boundary it follows) or "tail_changed" (a boundary's pieces that ever
         changed between an optimizer step and the boundary after it, on this rank)."""
-        rest = dumps({"step": self.step, "rng": self.rng, "ddp": self.ddp or None, "metrics": self.metrics,
+        rest = _text({"step": self.step, "rng": self.rng, "ddp": self.ddp or None, "metrics": self.metrics,
                       "meta": self.meta, "tensors": self.tensors, "missing": self.missing,
                       "digests": self.digests, **extra})
-        entries = ",".join(f"{dumps(k)}:{t}" for k, t in self.texts.items())
+        entries = ",".join(f"{_key_json(k)}:{t}" for k, t in self.texts.items())
         text = f'{{"entries":{{{entries}}},{rest[1:]}'.encode()
         digest = xxhash.xxh3_64(text)
         for part in self.blob.parts:
@@ -144,13 +150,17 @@ class Grab:
     changes when training goes on, so `finish` may run later, on another thread."""
 
     step: int
-    entries: dict[str, Any]
+    entries: dict[str, Any]  # encoded; an entry already in JSON is a `_Json`
     tensors: dict[str, tuple[str, list[int], bytes]]
     missing: list[str]
-    rng: dict[str, Any]
+    rng: dict[str, Any]  # as bytes (`rng.Capturer.raw`)
     ddp: dict[str, str] | None
     metrics: Any
     meta: Any
+
+
+class _Json(str):
+    """An entry's JSON text, as `dumps` of its encoded value gives it (`_OptimizerText`)."""
 
 
 def grab(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
@@ -158,7 +168,8 @@ def grab(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[s
          rng_state: dict[str, Any] | None = None) -> Grab:
     """The training thread's part of a capture (see `Grab`). `skip`: state keys left out (a tail
     snapshot leaves out what always changes after an optimizer step: the writer takes those from
-    its own boundary). `rng_state`: the RNG states already taken (else `rng.capture()`)."""
+    its own boundary). `rng_state`: the RNG states already taken, as bytes (`rng.Capturer.raw`;
+    else `rng.capture()`, turned into bytes)."""
     own: dict[str, Any] = {}
     if layout.cheap:
         entries = _cheap_entries(state, layout, own, skip)
@@ -174,15 +185,15 @@ def grab(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[s
         if t.device.type != "cpu" or size > PUBLISH_MAX_BYTES:
             missing.append(name)
         else:
-            tensors[name] = (str(t.dtype).removeprefix("torch."), list(t.shape), _raw(t))
-    return Grab(step, entries, tensors, missing, rng_state if rng_state is not None else rng.capture(), ddp_layout,
-                _fast_encode(metrics, None), _fast_encode(meta, None))
+            tensors[name] = (str(t.dtype).removeprefix("torch."), list(t.shape), rng.tensor_bytes(t))
+    return Grab(step, entries, tensors, missing, rng_state if rng_state is not None else rng.as_raw(rng.capture()),
+                ddp_layout, _fast_encode(metrics, None), _fast_encode(meta, None))
 
 
 def finish(g: Grab) -> Captured:
     """The publisher's part of a capture: each entry's JSON, a digest per piece, the raw bytes."""
     blob = _Blob()
-    texts = {key: dumps(entry) for key, entry in g.entries.items()}
+    texts = {key: str(entry) if type(entry) is _Json else _text(entry) for key, entry in g.entries.items()}
     digests = {f"entry:{key}": _xxh(text.encode()) for key, text in texts.items()}
     tensors: dict[str, list[Any]] = {}
     for name, (dtype, shape, raw) in g.tensors.items():
@@ -190,7 +201,10 @@ def finish(g: Grab) -> Captured:
         digests[f"tensor:{name}"] = _xxh(raw)
     first = len(blob.parts)
     rng_raw = _rng_raw(blob, g.rng)
-    digests["rng"] = _xxh(b"".join(blob.parts[first:]))
+    h = xxhash.xxh3_64()
+    for part in blob.parts[first:]:
+        h.update(part)
+    digests["rng"] = h.hexdigest()
     return Captured(g.step, g.entries, tensors, g.missing, rng_raw, g.ddp, g.metrics, g.meta, blob, digests, texts)
 
 
@@ -300,10 +314,17 @@ def _cheap_entries(state: Mapping[str, Any], layout: Layout, own: dict[str, Any]
             own[n] = t
         return n
 
-    out = {}
+    out: dict[str, Any] = {}
     for key, obj in state.items():
         if key in layout.static or key in skip:
             continue
+        memo = layout.texts.get(key)
+        if memo is not None:
+            text = memo.text(obj, key, name)
+            if text is not None:
+                out[key] = text
+                continue
+            del layout.texts[key]  # not torch's own state_dict() any more: the general path from now on
         if is_stateful(obj):
             value = as_stateful(obj).state_dict()
             replicas = layout.parts.get(key)
@@ -342,6 +363,129 @@ def _fast_encode(obj: Any, on_tensor: Any, where: Any = None) -> Any:
 
 
 _FAST_INT = 1 << 62
+_SCALARS = (float, int, bool, str, type(None))  # immutable: the same object encodes the same
+
+
+class _OptimizerText:
+    """A torch optimizer's entry (its `param_groups`; its per-parameter "state" holds replicas
+    only) as the JSON text that `dumps` of the general path's value gives, kept between captures:
+    a group's value that is the very object of the previous capture and immutable (a float, int,
+    bool, str, None, or a tuple of those) keeps its text, so a step where only `lr` moved encodes
+    one float, not every hyper-parameter and parameter index again. Rebuilt (and checked once
+    against the general path) whenever the groups' parameters or keys change. Only for an
+    optimizer whose `state_dict()` is torch's own (no override, no state_dict hooks): `text`
+    returns None otherwise, and the caller takes the general path for good."""
+
+    def __init__(self) -> None:
+        self._params: list[list[Any]] = []  # each group's parameters (the objects: identity)
+        self._keys: list[tuple[str, ...]] = []  # each group's keys, in order ("params" included)
+        self._values: list[list[Any]] = []  # each group's values at the last capture (params: None)
+        self._pieces: list[list[str]] = []  # `"key":<json>` of each value, and last `"params":[...]`
+
+    @staticmethod
+    def applies(opt: Any) -> bool:
+        try:
+            from torch.optim import Optimizer
+        except ImportError:  # pragma: no cover - a state with an optimizer has torch
+            return False
+        return isinstance(opt, Optimizer) and type(opt).state_dict is Optimizer.state_dict \
+            and "state_dict" not in vars(opt)
+
+    def text(self, opt: Any, key: str, name: Any) -> _Json | None:
+        """The entry's JSON now (`name`: the caller's tensor naming), or None: not torch's own
+        `state_dict()` (a hook, an override), or not what the general path gives."""
+        if opt._optimizer_state_dict_pre_hooks or opt._optimizer_state_dict_post_hooks or "state_dict" in vars(opt):
+            return None
+        groups = opt.param_groups
+        if len(groups) != len(self._params) or any(
+                len(g["params"]) != len(p) or not all(map(operator.is_, g["params"], p)) or tuple(g) != k
+                for g, p, k in zip(groups, self._params, self._keys, strict=True)):
+            return self._rebuild(opt, key, name)
+        for i, (group, values, pieces) in enumerate(zip(groups, self._values, self._pieces, strict=True)):
+            n = 0
+            for k, v in group.items():
+                if k != "params":
+                    if v is not values[n]:
+                        values[n] = v if _immutable(v) else _CHANGING
+                        pieces[n] = _piece(k, v, name, key, i)
+                    n += 1
+        return self._join()
+
+    def _rebuild(self, opt: Any, key: str, name: Any) -> _Json | None:
+        """From the groups (torch's packing: parameter indices in order of first appearance),
+        checked against the general path's text (a mismatch: None)."""
+        mapping: dict[int, int] = {}
+        self._params, self._keys, self._values, self._pieces = [], [], [], []
+        for i, group in enumerate(opt.param_groups):
+            params = group["params"]
+            mapping.update({id(p): j for j, p in enumerate(params, len(mapping)) if id(p) not in mapping})
+            others = [(k, v) for k, v in group.items() if k != "params"]
+            self._params.append(list(params))
+            self._keys.append(tuple(group))
+            self._values.append([v if _immutable(v) else _CHANGING for _, v in others])
+            self._pieces.append([_piece(k, v, name, key, i) for k, v in others]
+                                + [f'"params":{dumps([mapping[id(p)] for p in params])}'])
+        got = self._join()
+        value = {k: v for k, v in opt.state_dict().items() if k != "state"}
+        want = dumps({"kind": "stateful", "value": _fast_encode(value, lambda path, t: "/".join(path), (None, key))})
+        return got if got == want else None
+
+    def _join(self) -> _Json:
+        groups = ",".join("{" + ",".join(pieces) + "}" for pieces in self._pieces)
+        return _Json('{"kind":"stateful","value":{"param_groups":[' + groups + "]}}")
+
+
+_CHANGING = object()  # a value that may change in place (a list, a tensor): encoded at every capture
+
+
+def _immutable(v: Any) -> bool:
+    return type(v) in _SCALARS or (type(v) is tuple and all(type(x) in _SCALARS for x in v))
+
+
+def _piece(k: str, v: Any, name: Any, key: str, group: int) -> str:
+    """`"k":<json of v>` as the general path encodes group `group`'s value `v` of optimizer `key`
+    (a finite float: its repr, as `json` writes it)."""
+    if type(v) is float and v - v == 0.0:
+        return f"{_key_json(k)}:{v!r}"
+    return f"{_key_json(k)}:{dumps(_fast_encode(v, name, ((((None, key), 'param_groups'), group), k)))}"
+
+
+_KEYS: dict[str, str] = {}
+
+
+def _text(data: Any) -> str:
+    """`dumps(data)` of encoded data (`_fast_encode`'s output), the same text, without `json`'s
+    encoder for plain dicts, lists, ints, finite floats, bools, None and known strings (the
+    encoder's first call on a cache the step evicted costs ~40 us; a snapshot's JSON is small):
+    the text of an int and a float is their repr, as `json` writes them. Anything else by `dumps`."""
+    t = type(data)
+    if t is dict:
+        return "{" + ",".join([f"{_key_json(k)}:{_text(v)}" if type(k) is str else dumps({k: v})[1:-1]
+                               for k, v in data.items()]) + "}"
+    if t is list:
+        return "[" + ",".join([_text(v) for v in data]) + "]"
+    if t is str:
+        return _key_json(data)
+    if t is int:
+        return int.__repr__(data)
+    if t is float and data - data == 0.0:
+        return float.__repr__(data)
+    if data is None:
+        return "null"
+    if t is bool:
+        return "true" if data else "false"
+    return dumps(data)
+
+
+def _key_json(k: str) -> str:
+    """`dumps(k)` of a dict key or a short string value, kept (a state's and an optimizer group's
+    few keys; the strings of a state_dict)."""
+    text = _KEYS.get(k)
+    if text is None:
+        text = dumps(k)
+        if len(_KEYS) < 4096 and len(k) <= 64:
+            _KEYS[k] = text
+    return text
 
 
 def _path(where: Any) -> list[str]:
@@ -388,21 +532,15 @@ def _leaves(data: Any) -> Any:
         yield data
 
 
-def _raw(t: Any) -> bytes:
-    import torch
-
-    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
 def _rng_raw(blob: _Blob, state: dict[str, Any]) -> dict[str, Any]:
+    """The RNG states as bytes (`rng.Capturer.raw`) into `blob`; where each lies."""
     version, words, gauss = state["python"]
     name, keys, pos, has_gauss, cached = state["numpy"]
-    out: dict[str, Any] = {"python": [version, *blob.add(array.array("I", words).tobytes()), gauss],
-                           "numpy": [name, *blob.add(np.ascontiguousarray(keys, dtype=np.uint32).tobytes()), int(pos),
-                                     int(has_gauss), float(cached)],
-                           "torch_cpu": blob.add(_raw(state["torch_cpu"]))}
+    out: dict[str, Any] = {"python": [version, *blob.add(words), gauss],
+                           "numpy": [name, *blob.add(keys), pos, has_gauss, cached],
+                           "torch_cpu": blob.add(state["torch_cpu"])}
     if "torch_cuda" in state:
-        out["torch_cuda"] = [blob.add(_raw(t)) for t in state["torch_cuda"]]
+        out["torch_cuda"] = [blob.add(t) for t in state["torch_cuda"]]
     return out
 
 
