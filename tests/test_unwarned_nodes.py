@@ -22,6 +22,7 @@ from helpers.twonodes import (
     finish_all,
     global_rank_pid,
     node_launcher,
+    requeued,
     stopped_with_memory,
 )
 
@@ -220,12 +221,7 @@ def test_a_node_lost_whole_is_saved_for_by_the_other_node_and_the_job_requeued(
     assert [e["action"] for e in ended] == ["requeue"] and "lost" in ended[0]["reason"], ended
 
     # the requeued job: both nodes again, restart 1 (nothing stops any more)
-    env["SLURM_RESTART_COUNT"] = "1"
-    port = free_port()
-    again = [node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4748")]
-    agent_started(again[0].pid)
-    again.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id="4748"))
-    outs = finish_all(again, 600)
+    again, outs = requeued(tmp_path, HELPERS / "unwarned_train.py", ARGS, env, "4748")
     assert [p.returncode for p in again] == [0, 0], "\n".join(o[-3000:] for o in outs)
     ev = _events(root)
     assert [e["step"] for e in ev if e["event"] == "restored"] == [saved]

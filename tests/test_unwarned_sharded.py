@@ -364,8 +364,8 @@ def test_fsdp2_a_node_lost_whole_is_committed_from_the_peer_copy_and_the_requeue
     step k: ranks 0 and 1's in its memory, ranks 2 and 3's in the verified replica. It commits step
     k to the root (`memory_promoted`), the job is requeued, and the requeued job resumes from step k
     (at most one step trained twice, where the periodic step would cost k - 8) and ends bitwise."""
-    from helpers.procs import free_port, process_tree
-    from helpers.twonodes import agent_started, finish_all, node_launcher, stopped_with_memory
+    from helpers.procs import process_tree
+    from helpers.twonodes import finish_all, requeued, stopped_with_memory
 
     from slurmresume.checkpoint.layout import MARKER
     from slurmresume.contract import LAUNCHER_EXIT_REQUEUED
@@ -396,12 +396,8 @@ def test_fsdp2_a_node_lost_whole_is_committed_from_the_peer_copy_and_the_requeue
     promoted = [e for e in ev if e["event"] == "memory_promoted"]
     assert [(e["step"], e["committed"]) for e in promoted] == [(k, True)], promoted
 
-    env["SLURM_RESTART_COUNT"] = "1"  # the requeued job: both nodes again, nothing stops any more
-    port = free_port()
-    again = [node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", args, env=env, job_id="4951")]
-    agent_started(again[0].pid)
-    again.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", args, env=env, job_id="4951"))
-    outs = finish_all(again, 600)
+    # the requeued job: both nodes again, nothing stops any more
+    again, outs = requeued(tmp_path, HELPERS / "unwarned_train.py", args, env, "4951")
     assert [p.returncode for p in again] == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert [e["step"] for e in read_events(root) if e["event"] == "restored"] == [k]
     assert _trained(record) - k <= 1

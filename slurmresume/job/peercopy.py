@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.fsio import free_space
 from ..checkpoint.layout import MARKER, SAVING_PREFIX, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.shardread import hash_file, split_locator
@@ -367,11 +368,8 @@ def _newest(memory: Path) -> int | None:
 
 
 def _free(path: Path) -> int | None:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
+    free = free_space(path)[0]
+    return free if free >= 0 else None
 
 
 def _remove(path: Path) -> None:

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..checkpoint.fsio import free_space
 from ..checkpoint.layout import (
     MANIFEST,
     MARKER,
@@ -248,11 +249,8 @@ def remove_step(path: Path) -> None:
 
 
 def _shm_free(path: Path) -> int | None:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
+    free = free_space(path)[0]
+    return free if free >= 0 else None
 
 
 def _meminfo() -> tuple[int | None, int | None]:

@@ -90,6 +90,21 @@ def global_rank_pid(launchers: list[subprocess.Popen[str]], rank: int, script: b
     return None
 
 
+def requeued(tmp_path: Path, script: Path, args: list[str], env: dict[str, str], job_id: str
+             ) -> tuple[list[subprocess.Popen[str]], list[str]]:
+    """The requeued job, as Slurm would start it after a node was lost: both emulated nodes again
+    (node 1 first), restart 1, run to their end (a hang guard of 600 s). Returns the launchers
+    [node 0, node 1] and their output."""
+    from helpers.procs import free_port
+
+    env = {**env, "SLURM_RESTART_COUNT": "1"}
+    port = free_port()
+    again = [node_launcher(tmp_path, 1, port, script, args, env=env, job_id=job_id)]
+    agent_started(again[0].pid)
+    again.insert(0, node_launcher(tmp_path, 0, port, script, args, env=env, job_id=job_id))
+    return again, finish_all(again, 600)
+
+
 def stopped_with_memory(tmp_path: Path, args: list[str], env: dict[str, str], job_id: str, rank: int,
                         ) -> tuple[list[subprocess.Popen[str]], int, list[Path]]:
     """Both emulated nodes (node 1 first, so its agent gets ranks 0..procs-1) running
