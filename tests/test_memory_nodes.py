@@ -12,12 +12,15 @@ from slurmresume.train.memrestore import common_step
 from slurmresume.train.memtier import finish_node
 
 
-def test_common_step_is_the_newest_every_node_holds_with_rank_0s_marker() -> None:
-    assert common_step([[[7, "a"], [6, "b"]], [[7, "a"], [6, "b"]]]) == 7
-    assert common_step([[[7, "a"], [6, "b"]], [[6, "b"]]]) == 6  # a node whose copy of 7 did not finish
-    assert common_step([[[7, "a"]], [[7, "OTHER"]]]) is None  # another trajectory's 7: never mixed
-    assert common_step([[[7, "a"]], []]) is None
+def test_common_step_is_the_newest_every_node_holds_with_rank_0s_marker_and_each_ranks_shard() -> None:
+    both = [[7, "a", True], [6, "b", True]]
+    assert common_step([both, both]) == 7
+    assert common_step([both, [[6, "b", True]]]) == 6  # a node whose copy of 7 did not finish
+    assert common_step([[[7, "a", True]], [[7, "OTHER", True]]]) is None  # another trajectory's 7: never mixed
+    assert common_step([[[7, "a", True]], []]) is None
     assert common_step([]) is None
+    # the rendezvous moved rank 1 to the other node: its node holds step 7, but not rank 1's shard
+    assert common_step([both, [[7, "a", False], [6, "b", False]]]) is None
 
 
 def test_finish_node_publishes_the_nodes_copy_marker_last_and_refuses_what_is_not_its_save(tmp_path: Path) -> None:

@@ -235,13 +235,21 @@ def _stopped_rank(env_has: tuple[bytes, ...], script: bytes = b"unwarned_train.p
 def test_two_nodes_a_rank_sigkilled_on_the_second_node_costs_at_most_one_step(
         uninterrupted_2x2: tuple[Path, str, float], tmp_path: Path) -> None:
     """#47 on real Slurm, 2 nodes x 2 ranks, no warning: the rank with LOCAL_RANK 1 on
-    SLURM_NODEID 1 stops in the forward of a seeded step and is SIGKILLed. The survivors of both
+    SLURM_NODEID 0 (rank 3: the rendezvous is reversed, so rank 0 is on the other node) stops in
+    the forward of a seeded step and is SIGKILLed. The survivors of both
     nodes commit the failure save (job/deathboard.py), the run resumes inside the allocation (no
     requeue), at most one step is trained twice, the job is COMPLETED and its step 30 is bitwise
     the uninterrupted 2 x 2 run's. Before, a 2-node job had no failure save: it resumed from the
     newest periodic step. With `--snapshot-every 1` (issue 49) the killed rank stops once its node's
     memory snapshot of that step is committed, and the restart restores it from memory (each node
-    its own ranks' shards; the failure save holds the same step): the memory tier on real Slurm."""
+    its own ranks' shards; the failure save holds the same step): the memory tier on real Slurm. Both
+    runs rendezvous in one order (helpers.procs.reversed_rendezvous_env): on one host c10d orders
+    the nodes by their agents' pids, and a rank moved to the other node restores from the file tier
+    (memrestore.common_step), which this test is not about. The stopped rank is on the node without
+    rank 0: its node's copy of the step is published last (memtier.finish_node, after a broadcast
+    every rank joins), so once it sees its marker every node holds the step; a rank stopped on rank
+    0's node as soon as rank 0 commits would leave the other node's copy unfinished (the restart
+    then reads the file tier's same step: safe, but not what this test is about)."""
     from slurmresume.contract import ENV_DRILL_RECORD
     from slurmresume.train.steprecord import read_records
 
@@ -249,12 +257,12 @@ def test_two_nodes_a_rank_sigkilled_on_the_second_node_costs_at_most_one_step(
     root, record = tmp_path / "run", tmp_path / "record"
     job = _submit_env(root, REPO / "tests" / "helpers" / "unwarned_train.py",
                       ["--nodes", "2", "--shared-root", "--nproc-per-node", "2", "--time", "10", "--no-script-check",
-                       "--snapshot-every", "1"],
-                      [*EXAMPLE_STEPS, "--step-sleep", "0.2"], STOP_AFTER_STEP=str(kill_step), STOP_NODE="1",
+                       "--snapshot-every", "1", "--python", str(_reversed_nodes(tmp_path, 0))],
+                      [*EXAMPLE_STEPS, "--step-sleep", "0.2"], STOP_AFTER_STEP=str(kill_step), STOP_NODE="0",
                       STOP_LOCAL_RANK="1", STOP_AFTER_MEMORY="1", SLURMRESUME_MEMORY_BASE=str(_shm(tmp_path)),
                       **{ENV_DRILL_RECORD: str(record)})
     try:
-        pid = _stopped_rank((b"SLURM_NODEID=1", b"LOCAL_RANK=1", f"SLURM_JOB_ID={job}".encode()))
+        pid = _stopped_rank((b"SLURM_NODEID=0", b"LOCAL_RANK=1", f"SLURM_JOB_ID={job}".encode()))
         victim = int(next(e for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                           if e.startswith(b"RANK="))[5:])
         os.kill(pid, signal.SIGKILL)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ..checkpoint.layout import MARKER, step_dir_name, step_dirs
+from ..checkpoint.layout import MARKER, shard_name, step_dir_name, step_dirs
 from ..checkpoint.mapped import reading_mapped
 from ..checkpoint.store import inspect_dir, newest_committed
 from ..contract import ENV_RUN_ID
@@ -77,7 +77,7 @@ def from_memory(group: Group, memory: Path, root: Path, state: MutableMapping[st
     loaded into `state` from memory, or None; per rank [bytes read, needed]; the fallback's
     reason, or None when there was none)."""
     spread = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) < group.world_size
-    held = group.gather_json(node_steps(memory)) if spread else None
+    held = group.gather_json(node_steps(memory, group.rank, group.world_size)) if spread else None
     mine = _choose(memory, root, group.world_size, req.step, held) if group.rank == 0 else None
     step, why = group.broadcast_json(mine)
     fallback = why if step is None and why.startswith("unusable") else None
@@ -96,10 +96,12 @@ def from_memory(group: Group, memory: Path, root: Path, state: MutableMapping[st
     return choice, io, None
 
 
-def node_steps(memory: Path) -> list[list[Any]]:
+def node_steps(memory: Path, rank: int, world: int) -> list[list[Any]]:
     """Every rank, several nodes: its node's committed memory steps, each with its marker's digest
-    ([[step, xxh3], ...]; a node holds two at most). Never raises: a root that cannot be read holds
-    none."""
+    and whether this rank's own shard is there ([[step, xxh3, mine], ...]; a node holds two at
+    most). `mine` is false where the rendezvous put this rank on another node than the one that
+    took the snapshot (c10d orders a node's agents by address and pid: on one host, by pid).
+    Never raises: a root that cannot be read holds none."""
     held: list[list[Any]] = []
     try:
         dirs = step_dirs(memory)
@@ -107,27 +109,31 @@ def node_steps(memory: Path) -> list[list[Any]]:
         return held
     for step, path in dirs:
         try:
-            held.append([step, xxhash.xxh3_64_hexdigest((path / MARKER).read_bytes())])
+            digest = xxhash.xxh3_64_hexdigest((path / MARKER).read_bytes())
         except OSError:
             continue
+        held.append([step, digest, os.path.lexists(path / shard_name(rank, world))])
     return held
 
 
 def common_step(held: list[Any]) -> int | None:
-    """Pure, rank 0: the newest step that every rank's node holds with rank 0's marker (the same
-    manifest, so the same shards of one step on every node), or None."""
-    if not held or not isinstance(held[0], list):
+    """Pure, rank 0, `held` in rank order: the newest step that every rank's node holds with rank
+    0's marker (the same manifest, so the same shards of one step on every node) and with that
+    rank's own shard in it, or None (then the file tier is read: not a fallback)."""
+    if not held or not all(isinstance(h, list) for h in held):
         return None
-    common = {(int(s), str(d)) for s, d in held[0]}
-    for other in held[1:]:
-        common &= {(int(s), str(d)) for s, d in other} if isinstance(other, list) else set()
-    return max((s for s, _ in common), default=None)
+    common: set[tuple[int, str]] | None = None
+    for entries in held:
+        mine = {(int(e[0]), str(e[1])) for e in entries if isinstance(e, list) and len(e) == 3 and e[2] is True}
+        common = mine if common is None else common & mine
+    return max((s for s, _ in common or ()), default=None)
 
 
 def _choose(memory: Path, root: Path, world: int, asked: int | None,
             held: list[Any] | None = None) -> tuple[int | None, str]:
     """Rank 0: `memory_choice` over what the two roots hold (markers; the memory step's manifest);
-    several nodes (`held`, every rank's `node_steps`): the newest step every node holds."""
+    several nodes (`held`, every rank's `node_steps`): the newest step every node holds with each
+    rank's own shard on its node."""
     try:
         mem_step = newest_committed(memory) if held is None else common_step(held)
         problem = world_of = None
