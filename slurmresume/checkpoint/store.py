@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from ..errors import (
     CorruptCheckpointError,
@@ -327,6 +330,35 @@ def newest_committed(root: Path) -> int | None:
         if os.path.lexists(path / MARKER):
             return step
     return None
+
+
+def marker_digests(root: Path) -> dict[int, str]:
+    """Every committed step of `root` with the xxh3 of its commit marker, newest first: the identity
+    of one save of a step (its marker pins its manifest), compared across the memory tier's node
+    roots and replicas (train/memrestore.py, job/promote.py). Never raises: what cannot be read
+    is left out."""
+    held: dict[int, str] = {}
+    try:
+        dirs = step_dirs(Path(root))
+    except OSError:
+        return held
+    for step, path in dirs:
+        try:
+            held[step] = xxhash.xxh3_64_hexdigest((path / MARKER).read_bytes())
+        except OSError:
+            continue
+    return held
+
+
+def remove_private_step(path: Path) -> None:
+    """A step directory of a root no other process reads (a memory root, a peer's replica), gone:
+    its marker first (never seen committed and partial), then the rest. Never raises. A shared
+    checkpoint root's steps go through retention (a rename under the root lock) instead."""
+    try:
+        os.unlink(path / MARKER)
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def clean_temp_files(step_dir: Path, committed: bool = False) -> list[str]:

@@ -26,9 +26,9 @@ Who does what (every node's launcher, `PeerCopy`, two threads):
     absent (never a partial one with a name). The older replica of that node is then removed: at
     most two per node exist (the newest and the one arriving). A transfer cut short or a byte
     flipped on the way: that copy is dropped (one warning naming why), the next snapshot is sent.
-  - the receiver answers "ok" or "refused <why>" on the same connection, so the sender's log
-    and `view()` say what the peer holds (replica lag: the newest snapshot here minus the newest
-    one the peer verified).
+  - the receiver answers "ok" or "refused <why>" on the same connection, so the sender knows
+    what the peer verified (`sent`) and logs a refusal. `status` shows each node's replicas from
+    the files (job/memroot.py `view`): a replica's lag is its node's newest snapshot minus its step.
 
 Wire format, per snapshot: 8 bytes (big-endian length), the header's JSON, each file's bytes in the
 header's order; then the receiver's one line.
@@ -49,7 +49,6 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +56,7 @@ from ..checkpoint.fsio import free_space
 from ..checkpoint.layout import MARKER, SAVING_PREFIX, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.shardread import hash_file, split_locator
-from ..checkpoint.store import newest_committed
+from ..checkpoint.store import newest_committed, remove_private_step
 from ..contract import write_json
 from ..errors import CheckpointError
 from .memroot import PEERS  # under a memory root: peers/n<node>/<step dir>, that node's replica
@@ -159,15 +158,6 @@ def header_problem(header: Any, free: int | None) -> str | None:
     return None
 
 
-@dataclass
-class Held:
-    """What the receiver holds of one node (for `view`)."""
-
-    node: int
-    step: int | None
-    refused: str | None = None
-
-
 class PeerCopy:
     """One node's launcher: the sender and the receiver threads of the peer copy of one run."""
 
@@ -177,7 +167,6 @@ class PeerCopy:
         self.sent: int | None = None  # the newest step the peer said it verified
         self.tried: int | None = None  # the newest step sent (a refused one is not sent again)
         self.refused: str | None = None  # the peer's last refusal
-        self.held: dict[int, Held] = {}
         self._stop = threading.Event()
         self._listen = socket.create_server(("", 0), backlog=2)
         self._listen.settimeout(POLL_S)
@@ -198,14 +187,6 @@ class PeerCopy:
         for t in self._threads:
             t.join(timeout=10)
         self._listen.close()
-
-    def view(self) -> dict[str, Any]:
-        """For `status`: the newest step the peer verified, the lag behind this node's newest
-        snapshot, and the replicas held here."""
-        newest = _newest(self.memory)
-        return {"to": self.target, "sent": self.sent, "lag": None if newest is None or self.sent is None
-                else newest - self.sent, "refused": self.refused,
-                "held": {h.node: h.step for h in self.held.values()}}
 
     # -- sender -------------------------------------------------------------------------------------
 
@@ -303,7 +284,6 @@ class PeerCopy:
             os.rename(tmp, final)
         except _Bad as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            self.held[node] = Held(node, self.held[node].step if node in self.held else None, str(exc))
             log.warning("peer copy dropped on node %d: %s", self.node, exc)
             _answer(conn, f"refused {exc}")
             return
@@ -312,8 +292,7 @@ class PeerCopy:
             raise
         for s, path in step_dirs(root):
             if s < step:
-                _remove(path)
-        self.held[node] = Held(node, step)
+                remove_private_step(path)
         _answer(conn, "ok")
 
 
@@ -372,9 +351,5 @@ def _free(path: Path) -> int | None:
     return free if free >= 0 else None
 
 
-def _remove(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path / MARKER)
-    shutil.rmtree(path, ignore_errors=True)
 
 

@@ -42,10 +42,10 @@ from typing import Any
 import xxhash
 
 from ..checkpoint.commit import commit_bytes, discard, prepare
-from ..checkpoint.layout import MANIFEST, MARKER, step_dir_name, step_dirs
+from ..checkpoint.layout import MANIFEST, MARKER, step_dir_name
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.shardread import split_locator
-from ..checkpoint.store import newest_committed, stat_sizes
+from ..checkpoint.store import marker_digests, newest_committed, stat_sizes
 from ..contract import write_json
 from ..errors import CheckpointError
 from .peercopy import replica_root
@@ -193,17 +193,7 @@ def _refuse(board: Path, why: str, step: int | None = None) -> dict[str, Any]:
 
 
 def _steps(root: Path) -> dict[str, str]:
-    held: dict[str, str] = {}
-    try:
-        dirs = step_dirs(root)
-    except OSError:
-        return held
-    for step, path in dirs:
-        try:
-            held[str(step)] = xxhash.xxh3_64_hexdigest((path / MARKER).read_bytes())
-        except OSError:
-            continue
-    return held
+    return {str(step): digest for step, digest in marker_digests(root).items()}  # JSON keys
 
 
 def _wait_json(path: Path, wait: float) -> Any:

@@ -35,15 +35,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
-from ..checkpoint.layout import MARKER, shard_name, step_dir_name, step_dirs
+from ..checkpoint.layout import shard_name, step_dir_name
 from ..checkpoint.mapped import reading_mapped
-from ..checkpoint.store import inspect_dir, newest_committed
+from ..checkpoint.store import inspect_dir, marker_digests, newest_committed, remove_private_step
 from ..contract import ENV_RUN_ID
 from ..errors import CheckpointError
 from ..events import EV_MEMORY_FALLBACK, try_append_event
-from .memtier import node_leader, remove_step
+from .memtier import node_leader
 
 if TYPE_CHECKING:
     from ..checkpoint.collective import Group
@@ -102,18 +100,8 @@ def node_steps(memory: Path, rank: int, world: int) -> list[list[Any]]:
     most). `mine` is false where the rendezvous put this rank on another node than the one that
     took the snapshot (c10d orders a node's agents by address and pid: on one host, by pid).
     Never raises: a root that cannot be read holds none."""
-    held: list[list[Any]] = []
-    try:
-        dirs = step_dirs(memory)
-    except OSError:
-        return held
-    for step, path in dirs:
-        try:
-            digest = xxhash.xxh3_64_hexdigest((path / MARKER).read_bytes())
-        except OSError:
-            continue
-        held.append([step, digest, os.path.lexists(path / shard_name(rank, world))])
-    return held
+    return [[step, digest, os.path.lexists(memory / step_dir_name(step) / shard_name(rank, world))]
+            for step, digest in marker_digests(memory).items()]
 
 
 def common_step(held: list[Any]) -> int | None:
@@ -161,4 +149,4 @@ def _fell_back(root: Path, memory: Path, step: int | None, why: str, first: bool
     except OSError:
         return
     if step is not None:
-        remove_step(memory / step_dir_name(step))
+        remove_private_step(memory / step_dir_name(step))

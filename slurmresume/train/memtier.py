@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +49,7 @@ from ..checkpoint.layout import (
     step_dir_name,
     step_dirs,
 )
+from ..checkpoint.store import remove_private_step
 from ..contract import ENV_MEMORY_DIR, ENV_MEMORY_LIMIT, ENV_SNAPSHOT_EVERY
 from ..errors import ConfigError, SaveError
 from ..events import EV_MEMORY_REFUSED, try_append_event
@@ -171,7 +171,7 @@ class MemoryTier:
             except OSError as exc:
                 log.warning("memory snapshot of step %d: its manifest could not be read back (%s)", step, exc)
         got = self.group.broadcast_bytes(packed)
-        if not self.leader or self.group.rank - int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+        if not self.leader or self.group.rank == 0:
             return True  # rank 0's node: committed by the save itself
         problem = finish_node(self.root, step, into, got)
         if problem is not None:
@@ -215,10 +215,10 @@ def finish_node(root: Path, step: int, into: str, packed: bytes) -> str | None:
         (mine / MARKER).write_bytes(marker)
         target = root / step_dir_name(step)
         if os.path.lexists(target):
-            remove_step(target)
+            remove_private_step(target)
         os.rename(mine, target)
     except OSError as exc:
-        remove_step(mine)
+        remove_private_step(mine)
         return f"{type(exc).__name__}: {exc}"
     return None
 
@@ -228,7 +228,7 @@ def forget_from(root: Path, step: int) -> None:
     the one the run now holds). Never raises."""
     for s, path in step_dirs(root):
         if s >= step:
-            remove_step(path)
+            remove_private_step(path)
 
 
 def prune(root: Path, newest: int) -> None:
@@ -236,16 +236,7 @@ def prune(root: Path, newest: int) -> None:
     older step, committed or left by a killed writer, is removed (marker first). Never raises."""
     for s, path in step_dirs(root) + saving_dirs(root):
         if s < newest:
-            remove_step(path)
-
-
-def remove_step(path: Path) -> None:
-    """A step directory of the memory root, gone (its marker first: never seen committed and partial)."""
-    try:
-        os.unlink(path / MARKER)
-    except OSError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)
+            remove_private_step(path)
 
 
 def _shm_free(path: Path) -> int | None:
