@@ -178,9 +178,10 @@ def _copy_mine(root: Path, board: Path, memory: Path, node: int, lost: set[int],
     sources = [memory / step_dir_name(step)] + [replica_root(memory, n) / step_dir_name(step) for n in sorted(lost)]
     try:
         files = read_manifest(sources[0], expected_step=step).files
-        copied = [name for src in sources if (src / MARKER).exists() and
-                  xxhash.xxh3_64_hexdigest((src / MARKER).read_bytes()) == plan["digest"]
-                  for name in copy_part(src, into, files)]
+        copied: list[str] = []
+        for src in sources:  # this node's part, then the replicas it holds: each of the plan's save only
+            if (src / MARKER).exists() and xxhash.xxh3_64_hexdigest((src / MARKER).read_bytes()) == plan["digest"]:
+                copied += copy_part(src, into, files)
         write_json(board / f"copied-{node}.json", {"ok": True, "files": copied})
     except (OSError, CheckpointError) as exc:
         write_json(board / f"copied-{node}.json", {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
