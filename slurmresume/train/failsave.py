@@ -108,6 +108,7 @@ PUBLISH_WAIT_S = 5.0  # how long a survivor waits for its own snapshots to reach
 PUBLISH_IN_BACKGROUND = False
 EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
 REMOTE_GRACE_S = 10.0  # the same with several nodes: another node's notice comes through its launcher
+OFFER_WAIT_S = 2.0  # how long `_offer` waits for its own writer thread to learn the snapshot's directory
 OFFER_PREFIX = "memshard-"  # + dead rank + ".json": a survivor's offer of its memory-tier shard (`_offer`)
 EXIT_FAILED = 1  # a survivor's exit code after the failure save (torchrun reports the run failed)
 
@@ -370,7 +371,7 @@ class FailureGuard:
         if (self.memory is None or not mine or not me.clean or me.boundary is None
                 or self.rank != min(r for r in self.local if r not in dead)):
             return
-        kept = self.memory.record(me.boundary)
+        kept = self.memory.record(me.boundary, OFFER_WAIT_S)
         for r in mine:
             try:
                 self._snapshot_pieces[r] = memshard.pieces(self.memory.root, me.boundary, kept, r, self.world)

@@ -72,6 +72,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("slurmresume")
 
+BROKEN_GRACE_S = 10.0  # a snapshot that raised: how long the next optimizer step waits for a death's notice
+
 
 class MemoryTier:
     """One Checkpointer's memory tier (None without $SLURMRESUME_MEMORY_DIR or when off)."""
@@ -91,6 +93,7 @@ class MemoryTier:
         self.kept: dict[int, Kept] = {}
         self._started: int | None = None  # the step of the snapshot last started ...
         self._ended: int | None = None  # ... and of the last one whose save returned (or failed)
+        self._broken = False  # ... which raised (a collective broke: a peer likely died)
         self._cv = threading.Condition()
 
     @classmethod
@@ -155,11 +158,13 @@ class MemoryTier:
         """Writer thread, every rank: the collective save into the memory root (several nodes: then
         each node's copy finished, `_finish_nodes`); a failure is a warning (rank 0), never an
         error for training. Each node's first rank then frees its node's older snapshots."""
+        broken = True
         try:
             self._save(step, snapshot, blocking_s)
+            broken = False
         finally:
             with self._cv:
-                self._ended = step
+                self._ended, self._broken = step, broken
                 self._cv.notify_all()
 
     def _save(self, step: int, snapshot: Payload, blocking_s: float) -> None:
@@ -215,6 +220,7 @@ class MemoryTier:
         with self._cv:
             self.kept = {s: k for s, k in self.kept.items() if s >= step - 1}
             self.kept[step] = Kept(into)
+            self._cv.notify_all()
 
     def _committed(self, step: int, marker: bytes | None) -> None:
         with self._cv:
@@ -228,10 +234,20 @@ class MemoryTier:
         with self._cv:
             while self._started == step and (self._ended is None or self._ended < step) and not stop():
                 self._cv.wait(0.05)
+            # a snapshot whose collective broke: a peer likely died, and a survivor that took its
+            # optimizer step now would hold no boundary; the failure guard's freeze comes first
+            deadline = time.monotonic() + BROKEN_GRACE_S
+            while self._ended == step and self._broken and not stop() and time.monotonic() < deadline:
+                self._cv.wait(0.05)
 
-    def record(self, step: int) -> Kept | None:
-        """The failure save's thread: this rank's record of its snapshot of `step`, or None."""
+    def record(self, step: int, wait_s: float = 0.0) -> Kept | None:
+        """The failure save's thread: this rank's record of its snapshot of `step`, or None. A
+        snapshot of `step` started whose directory is not known yet (this rank's writer thread one
+        collective behind a rank that died) is waited for up to `wait_s`."""
+        deadline = time.monotonic() + wait_s
         with self._cv:
+            while step not in self.kept and self._started == step and (left := deadline - time.monotonic()) > 0:
+                self._cv.wait(min(left, 0.05))
             return self.kept.get(step)
 
     def forget_from(self, step: int) -> None:
