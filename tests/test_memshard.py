@@ -97,3 +97,43 @@ def test_plan_takes_a_dead_fsdp_ranks_pieces_only_from_its_snapshot_of_that_step
                              ({}, clean)):
         got = plan(WORLD, {1}, statuses, snaps, replicas=fsdp, memory=memory)
         assert not got.ok and "rank 1's per-rank tensors" in " | ".join(got.refused), got
+
+
+def test_the_optimizer_step_after_a_snapshot_waits_for_it_and_a_broken_one_for_the_freeze(tmp_path: Path) -> None:
+    """The one-step bound (train/memtier.py): a rank's optimizer step after `ckpt.step(7)` waits
+    until its snapshot of 7 has ended; one whose collective broke (a peer died) holds it until the
+    failure guard freezes the rank, so that no survivor leaves the boundary it holds."""
+    import threading
+
+    from slurmresume.train.memtier import MemoryTier
+
+    tier = MemoryTier(tmp_path, 1, Group(rank=0, world_size=WORLD), None, tmp_path)  # type: ignore[arg-type]
+    frozen = threading.Event()
+
+    def waiter(step: int) -> threading.Thread:
+        t = threading.Thread(target=tier.wait_ended, args=(step, frozen.is_set), daemon=True)
+        t.start()
+        return t
+
+    tier._started = 7  # the snapshot of step 7 is being written
+    t = waiter(7)
+    t.join(0.3)
+    assert t.is_alive()  # still waiting: the snapshot has not ended
+    tier._save = lambda *a: None  # type: ignore[method-assign]  # it ends: committed
+    tier._write(7, None, 0.0)  # type: ignore[arg-type]
+    t.join(30)  # a hang guard only
+    assert not t.is_alive()
+
+    def broken(*a: object) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    tier._started = 8
+    tier._save = broken  # type: ignore[method-assign]
+    t = waiter(8)
+    with pytest.raises(RuntimeError):
+        tier._write(8, None, 0.0)  # type: ignore[arg-type]
+    t.join(0.3)
+    assert t.is_alive()  # a broken snapshot: the optimizer step waits for the freeze ...
+    frozen.set()
+    t.join(30)
+    assert not t.is_alive()  # ... which the failure guard's pre-hook then blocks on for good
