@@ -160,9 +160,10 @@ def one_kill_nodes(work: Path, ranks: int, args: list[str], steps: int, save_eve
     trained = max(r["step"] for k in range(ranks) for r in records(record, k) if r["run"] == first)
     final = root / step_dir_name(steps)
     same = final.exists() and not compare_checkpoints(reference, final)
+    taken = save.get("from_snapshot")  # ranks whose pieces came from their memory snapshot (train/memshard.py)
     return {"script": script.name, "ranks": ranks, "nodes": 2, "lose": lose, "victim": victim, "after_step": at,
-            "failure_save": f"step {save.get('step')}" if save.get("committed") else
-            ("refused" if save else "none"),
+            "failure_save": (f"step {save.get('step')}" + (f" (rank {taken} from its memory snapshot)" if taken else ""))
+            if save.get("committed") else ("refused" if save else "none"),
             "promoted": (f"step {promoted.get('step')}" if promoted.get("committed") else
                          f"no: {promoted.get('why')}") if promoted else None,
             "restored": restored.get("step"), "tier": restored.get("tier"),

@@ -1,5 +1,6 @@
 """Issue 47, sharded states: a failure-time save covers a dead rank's pieces only from a survivor that
-holds the same bytes. FSDP2 (every piece on one rank only): refused, naming the dead rank's pieces,
+holds the same bytes (issue 49: or from the dead rank's verified memory snapshot of the same step,
+tests/test_memshard.py). FSDP2 (every piece on one rank only): refused, naming the dead rank's pieces,
 and the job resumes from the newest periodic step; HSDP 2x2 (each piece on two ranks, one per
 replica): committed from the dead rank's replica peer, at most one step repeated. Both end bitwise
 equal to an uninterrupted run (tests/helpers/sharded_train.py under `submit --local`)."""
@@ -331,10 +332,12 @@ def test_fsdp2_on_two_nodes_a_killed_rank_costs_at_most_one_step_restored_from_m
         tmp_path: Path, reference: Callable[[str], Path]) -> None:
     """Issue 49: FSDP2 over 2 emulated nodes x 2 ranks, `--snapshot-every 1`. Rank 3 (not on rank
     0's node: the rendezvous is reversed) stops once its node's memory snapshot of step k is
-    committed and is SIGKILLed. Its pieces are on no survivor, so the failure save is refused (as
-    in the test above); the restart restores step k from memory, each rank its own shard from its
-    own node's root, so at most one step is trained twice (the periodic step would cost k - 8), and
-    the run ends bitwise equal to an uninterrupted one."""
+    committed and is SIGKILLed. Its pieces are on no survivor, but its node's survivor, rank 2,
+    reads and verifies rank 3's shard of exactly step k from the node's memory root and writes it
+    into the failure save, which commits step k (train/memshard.py); the restart restores step k,
+    so at most one step is trained twice (the periodic step would cost k - 8), and the run ends
+    bitwise equal to an uninterrupted one. The code before refused the failure save (rank 3's
+    pieces on no survivor) and restored from the memory snapshot every node held."""
     from helpers.twonodes import finish_all, stopped_with_memory
 
     k = SAVE_EVERY + 3
@@ -347,8 +350,10 @@ def test_fsdp2_on_two_nodes_a_killed_rank_costs_at_most_one_step_restored_from_m
     assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outs)
     ev = read_events(root)
     saves = [e for e in ev if e["event"] == "failure_save"]
-    assert len(saves) == 1 and saves[0]["committed"] is False, saves
-    assert [(e["step"], e.get("tier")) for e in ev if e["event"] == "restored"] == [(k, "memory")], \
+    assert [(e["step"], e["committed"], e["dead"], e.get("from_snapshot")) for e in saves] == [(k, True, [3], [3])], \
+        saves
+    assert (saves[0].get("writers") or {}).get("3") == 2, saves  # rank 3's node's survivor wrote its shard
+    assert [e["step"] for e in ev if e["event"] == "restored"] == [k], \
         [e for e in ev if e["event"] in ("restored", "memory_fallback")]
     assert _trained(record) - k <= 1
     assert compare_checkpoints(reference("fsdp2"), root / step_dir_name(STEPS)) == []

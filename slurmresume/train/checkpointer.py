@@ -130,6 +130,8 @@ class Checkpointer:
         self._record = recorder_from_env(self.rank)  # under `slurmresume drill` only
         self._guard = failure_guard(self.group, self.root)  # the failure-time save (train/failsave.py)
         self._memory = MemoryTier.from_env(snapshot_every, self.group, self._async, self.root)  # train/memtier.py
+        if self._guard is not None:  # a dead FSDP2 rank's pieces from its memory snapshot (train/memshard.py)
+            self._guard.memory = self._memory
 
     @property
     def rank(self) -> int:

@@ -47,7 +47,9 @@ that exits without having closed its Checkpointer. Then, on each survivor:
      (`checkpoint.commit`: same checksums, same marker-last commit as any save); a shard with
      pieces too large to publish (FSDP2/HSDP) is written by a clean survivor holding them (the
      rank itself, or its HSDP replica peer) into the same directory, before the marker
-     (`train.failwrite`);
+     (`train.failwrite`); a dead FSDP2 rank's such pieces come from its own memory-tier snapshot of
+     exactly that step, read and verified by its node's lowest survivor before it reports its
+     status (`_offer`, train/memshard.py), which then writes that shard;
   4. a `failure_save` event says what committed, or why nothing did (the missing pieces), and the
      survivor leaves at once (`os._exit`), before torchrun's SIGKILL.
 A second failure during the failure save (the writer dies): the save's private directory is
@@ -56,6 +58,7 @@ never committed (no marker); the launcher resumes from the newest committed step
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -77,7 +80,7 @@ from ..contract import (
     write_json,
 )
 from ..events import EV_FAILURE_SAVE, EV_SAVE_COMMITTED, try_append_event
-from . import ddp, rng, stepsnap
+from . import ddp, memshard, rng, stepsnap
 from .failwrite import Writer
 from .peers import (
     Watcher,
@@ -105,6 +108,8 @@ PUBLISH_WAIT_S = 5.0  # how long a survivor waits for its own snapshots to reach
 PUBLISH_IN_BACKGROUND = False
 EXIT_GRACE_S = 3.0  # a rank whose script raised (a collective broke) waits this long for the death
 REMOTE_GRACE_S = 10.0  # the same with several nodes: another node's notice comes through its launcher
+OFFER_WAIT_S = 2.0  # how long `_offer` waits for its own writer thread to learn the snapshot's directory
+OFFER_PREFIX = "memshard-"  # + dead rank + ".json": a survivor's offer of its memory-tier shard (`_offer`)
 EXIT_FAILED = 1  # a survivor's exit code after the failure save (torchrun reports the run failed)
 
 
@@ -143,6 +148,9 @@ class FailureGuard:
         self._failing: threading.Thread | None = None
         self._copier: Copier | None = None  # several nodes: each snapshot also on the shared root
         self._watcher: Watcher | None = None
+        # the memory tier (train/memtier.py), when the run has one: set by the Checkpointer
+        self.memory: Any = None
+        self._snapshot_pieces: dict[int, dict[str, Any]] = {}  # dead rank -> its verified memory-tier tensors
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
         publish_pid(self.dir, rank)
 
@@ -211,7 +219,12 @@ class FailureGuard:
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """torch.optim's global pre-hook, before any optimizer step: the first one after a
-        boundary publishes this rank's tail snapshot, then marks the rank dirty."""
+        boundary publishes this rank's tail snapshot, then marks the rank dirty. With a memory tier,
+        the first one after a boundary first waits for that boundary's memory snapshot to end
+        (`MemoryTier.wait_ended`): a survivor past this point then knows every rank's shard of it
+        landed, so a death costs at most one step (train/memshard.py)."""
+        if self.memory is not None and not self._dirty and self._boundary is not None:
+            self.memory.wait_ended(self._boundary, self._frozen.is_set)
         if self._frozen.is_set():
             self._block()
         if not self._dirty and self._layout is not None and self._state is not None and self._boundary is not None:
@@ -310,6 +323,7 @@ class FailureGuard:
                 post_dead(self.shared, dead & set(self.local), self.rank)
             self._frozen.set()
             me = self._finish_step()
+            self._offer(dead, me)  # before this survivor's status: whoever reads the status reads the offer
             if self.shared is not None:
                 if self._copier is not None:
                     self._copier.drain()  # then the copy below is the newest
@@ -318,7 +332,8 @@ class FailureGuard:
             statuses, dead = self._gather(dead)
             snaps = {r: _snapshots(self.meet, r) for r in range(self.world)}
             p = plan(self.world, dead, statuses, snaps, replicated_known=self._layout is not None,
-                     replicas=self._layout.replicas if self._layout is not None else None)
+                     replicas=self._layout.replicas if self._layout is not None else None,
+                     memory=_offers(self.meet, dead, statuses))
             self._act(p, dead, began)
         except Exception as exc:  # noqa: BLE001 - never leave a frozen rank behind
             log.warning("rank %d: failure save failed: %s", self.rank, exc)
@@ -346,6 +361,26 @@ class FailureGuard:
                         self._pub.failed or f"not within {PUBLISH_WAIT_S} s")
         self._pub.stop()  # a reported rank publishes nothing more
         return status
+
+    def _offer(self, dead: set[int], me: Status) -> None:
+        """This node's lowest survivor, clean at its boundary `s`, when ranks of this node died: each
+        one's shard of `s` from the node's memory tier, read and verified (train/memshard.py), kept
+        for the writer and offered to the plan by a file every survivor reads (`memshard-R.json`).
+        Anything less: one warning naming why, and no offer (the plan refuses as without it)."""
+        mine = sorted(dead & set(self.local))
+        if (self.memory is None or not mine or not me.clean or me.boundary is None
+                or self.rank != min(r for r in self.local if r not in dead)):
+            return
+        kept = self.memory.record(me.boundary, OFFER_WAIT_S)
+        for r in mine:
+            try:
+                self._snapshot_pieces[r] = memshard.pieces(self.memory.root, me.boundary, kept, r, self.world)
+            except memshard.Refused as exc:
+                log.warning("rank %d: rank %d's memory snapshot of step %d not used: %s", self.rank, r, me.boundary,
+                            exc)
+                continue
+            write_json(self.meet / f"{OFFER_PREFIX}{r}.json", {"rank": r, "step": me.boundary, "holder": self.rank,
+                                                               "run_id": os.environ.get(ENV_RUN_ID)})
 
     def _copy_out(self, dead: set[int]) -> None:
         """Several nodes: this rank's snapshots, and those of this node's dead ranks (by the lowest
@@ -377,7 +412,7 @@ class FailureGuard:
     def _writer(self) -> Writer:
         return Writer(self.meet, self.root, self.rank, self.world, self._state, self._layout, self._boundary,
                       not self._dirty, self._dead_now,
-                      getattr(self._group, "pg", None))
+                      getattr(self._group, "pg", None), self._snapshot_pieces)
 
     def _act(self, p: Plan, dead: set[int], began: float) -> None:
         survivors = [r for r in range(self.world) if r not in dead]
@@ -400,6 +435,7 @@ class FailureGuard:
             try_append_event(self.root, EV_FAILURE_SAVE, step=p.step, committed=outcome is None or outcome.ok,
                              already=True if outcome is None else None, dead=sorted(dead), writer=self.rank,
                              writers={str(r): w for r, w in p.shards} or None,
+                             from_snapshot=list(p.from_snapshot) or None,
                              seconds=seconds, error=(outcome.error or None) if outcome is not None else None,
                              run_id=os.environ.get(ENV_RUN_ID))
         elif p.ok and any(w == self.rank for _, w in p.shards):  # holds pieces the committer lacks
@@ -443,6 +479,21 @@ def _local_ranks(rank: int, world: int) -> range | None:
     if size < 1 or world % size or not 0 <= local_rank < size or first % size:
         return None
     return range(first, first + size)
+
+
+def _offers(directory: Path, dead: set[int], statuses: Mapping[int, Status]) -> dict[int, tuple[int, int]]:
+    """Dead rank -> (step, survivor) of each memory-tier offer of this run (`FailureGuard._offer`)
+    whose survivor reported (its offer was written before its status)."""
+    out = {}
+    for r in sorted(dead):
+        try:
+            got = json.loads((directory / f"{OFFER_PREFIX}{r}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if (isinstance(got, dict) and got.get("rank") == r and got.get("run_id") == os.environ.get(ENV_RUN_ID)
+                and type(got.get("step")) is int and got.get("holder") in statuses):
+            out[r] = (got["step"], got["holder"])
+    return out
 
 
 def _snapshots(directory: Path, rank: int) -> list[Snapshot]:

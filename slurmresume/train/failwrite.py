@@ -16,6 +16,9 @@ survivor's frozen state at that step and the snapshots every rank published.
   shard (`report-<step>-<rank>.json`); the committer commits (manifest, then the marker, last)
   only once every shard reported without error. A holder that dies or stays silent for
   WRITE_WAIT_S leaves the directory uncommitted (discarded): the newest committed step stands.
+- FSDP2 (no replica peer): a dead rank's unpublished pieces come from its own memory-tier snapshot of
+  exactly the step, read and verified beforehand by the survivor of its node that the plan makes its
+  writer (`snapshot_pieces`, `Plan.from_snapshot`, train/memshard.py).
 - Never two steps in one save: every writer is a survivor clean at the step (no optimizer step
   since its `ckpt.step()`, and frozen: none can start), and checks it again before writing.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -63,6 +66,9 @@ class Writer:
     clean: bool
     dead_now: Callable[[], set[int]]
     pg: Any = None  # the process group whose NCCL communicator a GPU save aborts (train/failgpu.py)
+    # dead rank -> its tensors at the step, read and verified from its memory-tier snapshot by this
+    # survivor of its node (train/memshard.py); used only for the ranks the plan says (`from_snapshot`)
+    snapshot_pieces: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
 
     def commit(self, p: Plan) -> SaveOutcome | None:
         """The committer: the shards it writes, its private directory announced to the other
@@ -216,9 +222,13 @@ class Writer:
             lacking = needed - {n for n, _ in shared} - {n for n, _ in own}
             unpublished = set(snap.get("missing") or ())
             held = {n for n in lacking if n in unpublished and n in live and holds(self.rank, r, n, replicas)}
-            if lacking - held:
-                raise Uncovered(f"rank {r}'s tensors {sorted(lacking - held)[:4]} are on no survivor")
-            tensors = [*shared, *own, *failgpu.to_host([(n, live[n]) for n in sorted(held)])]
+            kept = self.snapshot_pieces.get(r, {}) if r in p.from_snapshot else {}
+            # from its memory snapshot of `step`: a piece it did not publish, of the dtype this rank's is
+            borrowed = {n: kept[n] for n in sorted(lacking - held)
+                        if n in unpublished and n in kept and n in live and kept[n].dtype == live[n].dtype}
+            if lacking - held - set(borrowed):
+                raise Uncovered(f"rank {r}'s tensors {sorted(lacking - held - set(borrowed))[:4]} are on no survivor")
+            tensors = [*shared, *own, *failgpu.to_host([(n, live[n]) for n in sorted(held)]), *borrowed.items()]
             theirs = {n: spec for n, spec in specs.items() if n in needed}
             if theirs:
                 skeleton["dtensors"] = specs_at(theirs, r, self.rank, self.world, dict(tensors))
@@ -269,7 +279,8 @@ def _plan_json(p: Plan) -> dict[str, Any]:
     """The parts of the committer's plan the other writers follow (`_plan_from` reads them back)."""
     return {"shards": {str(r): w for r, w in p.shards},
             "spliced": {str(r): sorted(pieces) for r, pieces in p.spliced},
-            "from_memory": {str(r): sorted(names) for r, names in p.from_memory}}
+            "from_memory": {str(r): sorted(names) for r, names in p.from_memory},
+            "from_snapshot": list(p.from_snapshot)}
 
 
 def _plan_from(data: Mapping[str, Any], step: int, writer: int) -> Plan:
@@ -278,7 +289,8 @@ def _plan_from(data: Mapping[str, Any], step: int, writer: int) -> Plan:
         return tuple(sorted((int(r), frozenset(map(str, v))) for r, v in (data.get(key) or {}).items()))
 
     return Plan(step, writer, spliced=pairs("spliced"), from_memory=pairs("from_memory"),
-                shards=tuple(sorted((int(r), int(w)) for r, w in (data.get("shards") or {}).items())))
+                shards=tuple(sorted((int(r), int(w)) for r, w in (data.get("shards") or {}).items())),
+                from_snapshot=tuple(int(r) for r in data.get("from_snapshot") or ()))
 
 
 def _read_json(path: Path) -> Any:

@@ -30,12 +30,21 @@ and publishes it as the step (`finish_node`): each node's root then holds a comm
 that step's manifest with its own ranks' shards. A node whose copy did not finish simply lacks
 the step; the restore takes only a step every node holds with the same marker (memrestore.py).
 Each node's first rank frees its node's older snapshots.
+
+What the failure save reads of it (train/memshard.py): each rank records the private directory of
+each snapshot (`kept`, the name rank 0 broadcast, unique to that save) and whether the snapshot
+committed. A snapshot of step s is written while step s+1 runs; a rank's optimizer step of s+1
+waits until its snapshot of s has ended (`wait_ended`, from the failure guard's optimizer pre-hook),
+so that a survivor past its optimizer step of s+1 knows every rank's shard of s landed. That wait is
+the price of "a killed rank costs <= 1 step": usually nothing (the write of s ends during the
+forward and backward of s+1), the rest of the write when it does not.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +63,7 @@ from ..contract import ENV_MEMORY_DIR, ENV_MEMORY_LIMIT, ENV_SNAPSHOT_EVERY
 from ..errors import ConfigError, SaveError
 from ..events import EV_MEMORY_REFUSED, try_append_event
 from .memplan import BUDGET, Cost, Schedule, refusal, setting
+from .memshard import Kept
 
 if TYPE_CHECKING:
     from ..checkpoint.collective import Group
@@ -61,6 +71,8 @@ if TYPE_CHECKING:
     from .saving import Payload
 
 log = logging.getLogger("slurmresume")
+
+BROKEN_GRACE_S = 10.0  # a snapshot that raised: how long the next optimizer step waits for a death's notice
 
 
 class MemoryTier:
@@ -77,6 +89,12 @@ class MemoryTier:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         self.leader = node_leader()  # this node's first rank: frees its node's older snapshots
         self.spread = local < group.world_size  # several nodes: a root per node (see the module docstring)
+        # the failure save's view (train/memshard.py): step -> this rank's record of its snapshot
+        self.kept: dict[int, Kept] = {}
+        self._started: int | None = None  # the step of the snapshot last started ...
+        self._ended: int | None = None  # ... and of the last one whose save returned (or failed)
+        self._broken = False  # ... which raised (a collective broke: a peer likely died)
+        self._cv = threading.Condition()
 
     @classmethod
     def from_env(cls, value: Any, group: Group, writer: AsyncWriter, file_root: Path) -> MemoryTier | None:
@@ -108,6 +126,8 @@ class MemoryTier:
         except _Refused:
             return
         if started:
+            with self._cv:
+                self._started = step
             self.pending = self.writer.last_blocking_s
             self.cost.blocked = time.perf_counter() - began
 
@@ -138,11 +158,21 @@ class MemoryTier:
         """Writer thread, every rank: the collective save into the memory root (several nodes: then
         each node's copy finished, `_finish_nodes`); a failure is a warning (rank 0), never an
         error for training. Each node's first rank then frees its node's older snapshots."""
+        broken = True
+        try:
+            self._save(step, snapshot, blocking_s)
+            broken = False
+        finally:
+            with self._cv:
+                self._ended, self._broken = step, broken
+                self._cv.notify_all()
+
+    def _save(self, step: int, snapshot: Payload, blocking_s: float) -> None:
         from .saving import save_collective
 
         try:
             result = save_collective(self.group, self.root, step, snapshot, replace_if_changed=False, emergency=True,
-                                     dedup=not self.spread)
+                                     dedup=not self.spread, on_prepared=lambda into: self._prepared(step, into))
         except (SaveError, OSError) as exc:
             if self.group.rank == 0:
                 log.warning("memory snapshot of step %d failed: %s", step, exc)
@@ -153,6 +183,8 @@ class MemoryTier:
             return
         if self.spread and not result.skipped and not self._finish_nodes(step, result.into or ""):
             return
+        if not self.spread:  # rank 0's commit renamed this save's own directory to step_N
+            self._committed(step, None)
         if self.group.rank == 0 and not result.skipped:
             log.debug("memory snapshot of step %d: %d bytes, copy %.3f s", step, result.bytes, blocking_s)
         if self.leader:
@@ -171,6 +203,9 @@ class MemoryTier:
             except OSError as exc:
                 log.warning("memory snapshot of step %d: its manifest could not be read back (%s)", step, exc)
         got = self.group.broadcast_bytes(packed)
+        size = int.from_bytes(got[:8], "big") if len(got) >= 8 else len(got)
+        if got[8 + size:]:  # this node's step_N is this save's only with this marker (memshard.locate)
+            self._committed(step, got[8 + size:])
         if not self.leader or self.group.rank == 0:
             return True  # rank 0's node: committed by the save itself
         problem = finish_node(self.root, step, into, got)
@@ -178,6 +213,42 @@ class MemoryTier:
             log.warning("memory snapshot of step %d not kept on this node (rank %d's): %s", step, self.group.rank,
                         problem)
         return problem is None
+
+    def _prepared(self, step: int, into: str) -> None:
+        """Writer thread, every rank, once rank 0's private directory of `step` is known: recorded
+        (the last two steps only)."""
+        with self._cv:
+            self.kept = {s: k for s, k in self.kept.items() if s >= step - 1}
+            self.kept[step] = Kept(into)
+            self._cv.notify_all()
+
+    def _committed(self, step: int, marker: bytes | None) -> None:
+        with self._cv:
+            if step in self.kept:
+                self.kept[step] = Kept(self.kept[step].into, committed=True, marker=marker)
+
+    def wait_ended(self, step: int, stop: Any) -> None:
+        """Training thread, before its optimizer step after `ckpt.step(step)`: wait until the
+        snapshot of `step`, if one was started, has ended (see the module docstring). `stop()`
+        true: return at once (a peer died: the failure guard blocks the caller for good)."""
+        with self._cv:
+            while self._started == step and (self._ended is None or self._ended < step) and not stop():
+                self._cv.wait(0.05)
+            # a snapshot whose collective broke: a peer likely died, and a survivor that took its
+            # optimizer step now would hold no boundary; the failure guard's freeze comes first
+            deadline = time.monotonic() + BROKEN_GRACE_S
+            while self._ended == step and self._broken and not stop() and time.monotonic() < deadline:
+                self._cv.wait(0.05)
+
+    def record(self, step: int, wait_s: float = 0.0) -> Kept | None:
+        """The failure save's thread: this rank's record of its snapshot of `step`, or None. A
+        snapshot of `step` started whose directory is not known yet (this rank's writer thread one
+        collective behind a rank that died) is waited for up to `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        with self._cv:
+            while step not in self.kept and self._started == step and (left := deadline - time.monotonic()) > 0:
+                self._cv.wait(min(left, 0.05))
+            return self.kept.get(step)
 
     def forget_from(self, step: int) -> None:
         """Rank 0, after an explicit save of `step` replaced what the file tier held: the memory

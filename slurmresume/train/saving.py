@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -107,13 +107,16 @@ class SaveResult:
 
 
 def save_collective(group: Group, root: Path, step: int, payload: Payload, *, replace_if_changed: bool,
-                    emergency: bool = False, dedup: bool = True) -> SaveResult:
+                    emergency: bool = False, dedup: bool = True,
+                    on_prepared: Callable[[str], None] | None = None) -> SaveResult:
     """Collective (see the module docstring for the call order). `replace_if_changed`: an
     explicit save, which replaces a committed step whose state differs (periodic and emergency
     saves never replace one). `emergency`: a save after a signal, which never spends its lead
     measuring write paths (`checkpoint.calibrate.emergency`). `dedup=False`: every rank writes
     every tensor it holds, replicated or not (the memory tier on several nodes: each node's root
-    then holds all its ranks read, see train/memtier.py). Raises SaveError on every rank when the prepare fails; a failed
+    then holds all its ranks read, see train/memtier.py). `on_prepared`: called with the name of
+    the save's private directory once every rank has it, before any shard is written (the memory
+    tier records which directory is this save's: train/memshard.py). Raises SaveError on every rank when the prepare fails; a failed
     write or commit is returned (`outcome.ok` False), for the caller to record, then raise."""
     sw = Stopwatch()
     # one exploration decision for the whole save (rank 0's ticket): a rank exploring alone would
@@ -133,6 +136,8 @@ def save_collective(group: Group, root: Path, step: int, payload: Payload, *, re
         return SaveResult(skipped=True)
     if decision.action == "error":
         raise SaveError(f"checkpoint save failed, nothing committed: {decision.error}")
+    if on_prepared is not None:
+        on_prepared(decision.dir)
     replicated: set[str] = set()
     if group.world_size > 1 and dedup:
         with sw("replica_digests"):  # hashing, and two fixed-size MAX all-reduces (replicas.py)

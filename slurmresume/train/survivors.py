@@ -24,7 +24,9 @@ The rules:
   piece) are covered only by a survivor clean at `s` that holds the same bytes: the rank itself,
   or a replica peer, a rank at the same coordinate on every mesh dimension that shards the piece
   (HSDP's other replicas; `replica_dims`, learned once from the placements, as a restore reads a
-  replicated piece from any one of them). FSDP2 has no peer: a dead rank's pieces are refused.
+  replicated piece from any one of them). FSDP2 has no peer: a dead rank's pieces are covered only
+  by its own memory-tier snapshot of exactly `s`, verified by a survivor of its node, which then
+  writes the shard (`memory`: dead rank -> (step, that survivor), train/memshard.py); else refused.
 - The newest covered candidate wins; its committer (`writer`) is the lowest clean survivor at it,
   and writes every shard whose pieces are all in memory or published; a shard with pieces only a
   holder has is written by that holder (the rank itself when it is clean at `s`, else its lowest
@@ -81,6 +83,7 @@ class Plan:
     # (rank, tensors): a spliced rank's published pieces that changed at its optimizer step, taken from
     # its writer's memory (an HSDP replica peer's, at `step`) instead of its tail
     from_memory: tuple[tuple[int, frozenset[str]], ...] = ()
+    from_snapshot: tuple[int, ...] = ()  # ranks whose unpublished pieces come from their memory-tier snapshot
 
     @property
     def ok(self) -> bool:
@@ -89,10 +92,11 @@ class Plan:
 
 def plan(world: int, dead: set[int], statuses: Mapping[int, Status],
          snapshots: Mapping[int, list[Snapshot]], *, replicated_known: bool = True,
-         replicas: Mapping[str, ReplicaDims] | None = None) -> Plan:
+         replicas: Mapping[str, ReplicaDims] | None = None, memory: Mapping[int, tuple[int, int]] | None = None) -> Plan:
     """Pure: the failure save to write (see the module docstring). `statuses`: the survivors that
     reported (a survivor that did not is simply no holder); `snapshots`: rank -> its published
-    snapshots (at most the last two steps); `replicas`: `replica_dims` of the sharded pieces."""
+    snapshots (at most the last two steps); `replicas`: `replica_dims` of the sharded pieces;
+    `memory`: dead rank -> (step, survivor) offering its verified memory-tier shard of that step."""
     if not replicated_known:
         return Plan(None, None, ("which tensors are replicated is not known yet (no step() completed)",))
     if not dead:
@@ -108,10 +112,11 @@ def plan(world: int, dead: set[int], statuses: Mapping[int, Status],
             dirty.append(f"rank {st.rank} ran an optimizer step after step {st.boundary}")
     reasons: list[str] = []
     for step in sorted(holders, reverse=True):
-        got = _cover(world, step, snapshots, holders[step], replicas or {})
+        got = _cover(world, step, snapshots, holders[step], replicas or {}, memory or {})
         if not got.missing:
             return Plan(step, min(holders[step]), spliced=tuple(sorted(got.spliced.items())),
-                        shards=tuple(sorted(got.shards.items())), from_memory=tuple(sorted(got.from_memory.items())))
+                        shards=tuple(sorted(got.shards.items())), from_memory=tuple(sorted(got.from_memory.items())),
+                        from_snapshot=tuple(got.from_snapshot))
         reasons.append(f"step {step}: {'; '.join(got.missing)}")
     if not holders:
         reasons.append("no survivor holds the tensors of a step boundary"
@@ -127,10 +132,11 @@ class _Cover:
     spliced: dict[int, frozenset[str]] = field(default_factory=dict)
     shards: dict[int, int] = field(default_factory=dict)
     from_memory: dict[int, frozenset[str]] = field(default_factory=dict)
+    from_snapshot: list[int] = field(default_factory=list)
 
 
 def _cover(world: int, step: int, snapshots: Mapping[int, list[Snapshot]], holders: list[int],
-           replicas: Mapping[str, ReplicaDims]) -> _Cover:
+           replicas: Mapping[str, ReplicaDims], memory: Mapping[int, tuple[int, int]]) -> _Cover:
     """What no snapshot or clean holder covers at `step`, the ranks covered by their tail (with
     the pieces the writer's snapshot supplies, and the pieces a replica peer's memory does), and
     the shards a holder other than the committer writes (rank -> holder)."""
@@ -150,6 +156,11 @@ def _cover(world: int, step: int, snapshots: Mapping[int, list[Snapshot]], holde
                 got.from_memory[rank] = peers
         if snap.missing:
             holder = _holder(rank, snap.missing, holders, replicas)
+            offer = memory.get(rank)
+            if holder is None and rank not in got.spliced and offer is not None and offer[0] == step \
+                    and offer[1] in holders:  # its own memory-tier snapshot of exactly `step`, verified
+                holder = offer[1]
+                got.from_snapshot.append(rank)
             if holder is None:
                 got.missing.append(f"rank {rank}'s per-rank tensors {', '.join(snap.missing[:4])}"
                                    + (f" and {len(snap.missing) - 4} more" if len(snap.missing) > 4 else "")
