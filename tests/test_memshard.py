@@ -137,3 +137,42 @@ def test_the_optimizer_step_after_a_snapshot_waits_for_it_and_a_broken_one_for_t
     frozen.set()
     t.join(30)
     assert not t.is_alive()  # ... which the failure guard's pre-hook then blocks on for good
+
+
+class _Tier:
+    """A memory tier that records the failure guard's waits (the wait itself: the test above)."""
+
+    def __init__(self) -> None:
+        self.waits: list[int] = []
+
+    def wait_ended(self, step: int, stop: object) -> None:
+        self.waits.append(step)
+
+
+@pytest.mark.parametrize("replicated", [True, False], ids=["ddp", "sharded"])
+def test_only_a_rank_with_unpublished_pieces_waits_for_its_memory_snapshot(tmp_path: Path, replicated: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait before the optimizer step is the price of the FSDP2 bound only: a DDP rank (every
+    tensor replicated, its small state published) never waits for the memory tier; a rank whose
+    2 MiB parameter is its own (too large to publish) waits once per boundary."""
+    from slurmresume.checkpoint.state import flatten
+    from slurmresume.train import failsave, stepsnap
+
+    monkeypatch.setattr(failsave, "peers", lambda *a: None)  # no watcher: nobody dies here
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 512)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optimizer": opt}
+    guard = failsave.FailureGuard(tmp_path / "hb", tmp_path / "root", 0, 2)
+    try:
+        _, tensors = flatten(state, {})
+        guard._layout = stepsnap.Layout.learn(state, {n for n, _ in tensors} if replicated else set(), 2)
+        guard.memory = tier = _Tier()
+        for step in (1, 2):
+            guard.at_step(step, state, None, None, None, {})
+            model(torch.randn(2, 1024)).sum().backward()
+            opt.step()
+        assert tier.waits == ([] if replicated else [1, 2])
+    finally:
+        guard._hook.remove()
+        guard._pub.close(5.0)

@@ -150,6 +150,7 @@ class FailureGuard:
         self._watcher: Watcher | None = None
         # the memory tier (train/memtier.py), when the run has one: set by the Checkpointer
         self.memory: Any = None
+        self._unpublished = False  # this rank's boundary names pieces it could not publish (`at_step`)
         self._snapshot_pieces: dict[int, dict[str, Any]] = {}  # dead rank -> its verified memory-tier tensors
         self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
         publish_pid(self.dir, rank)
@@ -179,6 +180,7 @@ class FailureGuard:
             if not self._reported.is_set():
                 self._pub.submit(str(step % 2), lambda: self._prepare_boundary(g))
                 self._boundary, self._dirty, self._state, self._meta = step, False, state, meta
+                self._unpublished = bool(g.missing)  # pieces only a memory snapshot can give (train/memshard.py)
                 self._group = group
         if self._frozen.is_set():
             self._block()
@@ -222,8 +224,10 @@ class FailureGuard:
         boundary publishes this rank's tail snapshot, then marks the rank dirty. With a memory tier,
         the first one after a boundary first waits for that boundary's memory snapshot to end
         (`MemoryTier.wait_ended`): a survivor past this point then knows every rank's shard of it
-        landed, so a death costs at most one step (train/memshard.py)."""
-        if self.memory is not None and not self._dirty and self._boundary is not None:
+        landed, so a death costs at most one step (train/memshard.py). Only a rank with pieces its
+        small snapshot cannot carry (FSDP2's shards) waits: whatever else dies is covered by the
+        survivors and the snapshots (DDP never waits for the memory tier here)."""
+        if self.memory is not None and self._unpublished and not self._dirty and self._boundary is not None:
             self.memory.wait_ended(self._boundary, self._frozen.is_set)
         if self._frozen.is_set():
             self._block()
