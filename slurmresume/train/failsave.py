@@ -134,9 +134,9 @@ class FailureGuard:
         self._meta: Any = None
         self._last_ddp: dict[str, str] | None = None
         self._group: Any = None
-        # the publisher thread's own (see _prepare_boundary): the last tail capture's digests, the
+        # the publisher thread's own (see _prepare_boundary): the last tail capture's pieces, the
         # pieces ever changed between a tail and its boundary, and the state keys among them
-        self._tail: dict[str, str] | None = None
+        self._tail: dict[str, Any] | None = None
         self._tail_changed: set[str] = set()
         self._known: frozenset[str] = frozenset()  # read by the training thread (replaced, never changed)
         self._ddp_layout: dict[str, str] | None = None
@@ -231,19 +231,17 @@ class FailureGuard:
     # -- the publisher thread (train/snappub.py: in submission order) -------------------------
 
     def _prepare_boundary(self, g: stepsnap.Grab) -> Callable[[], list[bytes]]:
-        """A boundary capture's digests; the pieces that changed since the tail before it."""
-        cap = stepsnap.finish(g)
+        """The pieces that changed since the tail before this boundary (compared by their bytes)."""
         if self._tail is not None:
-            self._tail_changed |= stepsnap.changed(self._tail, cap.digests)
+            self._tail_changed |= stepsnap.changed(self._tail, stepsnap.pieces(g))
             self._tail = None
             self._known = frozenset(p[6:] for p in self._tail_changed if p.startswith("entry:"))
         tail_changed = sorted(self._tail_changed)
-        return lambda: cap.encode(tail_changed=tail_changed)
+        return lambda: stepsnap.record(g, tail_changed=tail_changed)
 
     def _prepare_tail(self, g: stepsnap.Grab, boundary: int) -> Callable[[], list[bytes]]:
-        cap = stepsnap.finish(g)
-        self._tail = cap.digests
-        return lambda: cap.encode(tail_of=boundary)
+        self._tail = stepsnap.pieces(g)
+        return lambda: stepsnap.record(g, tail_of=boundary)
 
     def _block(self) -> None:
         threading.Event().wait()  # the failure-save thread ends the process
@@ -450,6 +448,10 @@ def _snapshots(directory: Path, rank: int) -> list[Snapshot]:
     for slot in SLOTS:
         snap = stepsnap.read(directory / f"snap-{rank}-{slot}")
         if snap is not None:
+            try:
+                pieces = stepsnap.digests(snap)
+            except (KeyError, TypeError, ValueError, IndexError):  # checksummed, yet not what this version writes
+                continue
             out.append(Snapshot(rank, snap["step"], tuple(snap.get("missing") or ()), snap.get("tail_of"),
-                                snap.get("digests") or {}, frozenset(snap.get("tail_changed") or ())))
+                                pieces, frozenset(snap.get("tail_changed") or ())))
     return out
