@@ -97,6 +97,7 @@ log = logging.getLogger("slurmresume")
 
 SUBDIR = FAILSAVE_SUBDIR
 SLOTS = ("0", "1", "tail")  # a rank's snapshot slots: boundaries by step % 2, and the tail
+_BOUNDARY_SLOTS = SLOTS[:2]
 STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchrun kills after 30 s)
 FINISH_WAIT_S = 5.0  # how long a survivor past its optimizer step may take to reach its ckpt.step()
 PUBLISH_WAIT_S = 5.0  # how long a survivor waits for its own snapshots to reach the disk
@@ -164,17 +165,19 @@ class FailureGuard:
                           if not n.startswith(LIBRARY_PREFIX)}
             self._layout = stepsnap.Layout.learn(state, replicated, self.world)
             self._check_shared(group)
-        self._last_ddp = self._ddp_layouts(ddp_buckets)
+        # (the layouts, once DDP rebuilt its buckets, stay: no call for them then)
+        self._last_ddp = self._ddp_layout if self._ddp_layout is not None else self._ddp_layouts(ddp_buckets)
         g = stepsnap.grab(step, state, self._layout, self._last_ddp, metrics, meta, rng_state=self._rng.raw())
         with self._lock:
             # frozen but not yet reported: this survivor finishes the step it was in (see on_death)
             if not self._reported.is_set():
-                self._pub.submit(str(step % 2), lambda: self._prepare_boundary(g))
+                self._pub.submit(_BOUNDARY_SLOTS[step % 2], lambda: self._prepare_boundary(g))
                 self._boundary, self._dirty, self._state, self._meta = step, False, state, meta
                 self._group = group
         if self._frozen.is_set():
             self._block()
-        self._watch()
+        if self._watcher is None:
+            self._watch()
 
     def _check_shared(self, group: Any) -> None:
         """Several nodes, collective, once: every rank got the same shared directory and sees rank
@@ -216,14 +219,16 @@ class FailureGuard:
             self._block()
         if not self._dirty and self._layout is not None and self._state is not None and self._boundary is not None:
             boundary = self._boundary
-            g = stepsnap.grab(boundary, self._state, self._layout, self._last_ddp, None, self._meta, skip=self._known,
-                              rng_state=self._rng.raw())
-            with self._lock:
-                if not self._frozen.is_set():
-                    self._pub.submit("tail", lambda: self._prepare_tail(g, boundary))
+            g: stepsnap.Grab | None = stepsnap.grab(boundary, self._state, self._layout, self._last_ddp, None,
+                                                    self._meta, skip=self._known, rng_state=self._rng.raw())
+        else:
+            g = None
         with self._lock:
             frozen = self._frozen.is_set()
             if not frozen:
+                if g is not None:
+                    tail = g
+                    self._pub.submit("tail", lambda: self._prepare_tail(tail, boundary))
                 self._dirty = True
         if frozen:
             self._block()

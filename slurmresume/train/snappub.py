@@ -103,7 +103,7 @@ class Publisher:
         """Wait until every job submitted before this call is finished; False on timeout or when
         publishing stopped with jobs unwritten."""
         deadline = time.monotonic() + timeout
-        with self._seq:
+        with self._write if not self.background else self._seq:  # inline: no job half-counted
             target = self._submitted
         with self._cond:
             while self._done < target and not self._stopped:
@@ -132,10 +132,8 @@ class Publisher:
                     sink.close()
 
     def _inline(self, slot: str, prepare: Prepare) -> bool:
-        """`submit` without the thread: prepared, encoded and written here, in one go."""
-        with self._seq:
-            self._submitted += 1
-            seq = self._newest[slot] = self._submitted
+        """`submit` without the thread: prepared, encoded and written here, in one go (counted
+        under `_write`, which `drain` also takes: a drain sees a job either done or not begun)."""
         try:
             parts = prepare()()
             with self._write:  # once stop() returned, nothing more is written
@@ -144,12 +142,11 @@ class Publisher:
                 for sink in self.sinks.get(slot, ()):
                     sink.write(parts)
                 self.written += 1
+                self._submitted += 1
+                self._done = self._newest[slot] = self._submitted
         except Exception as exc:  # noqa: BLE001 - as on the thread (`_run`)
             self._fail(exc)
             return False
-        with self._cond:
-            self._done = seq
-            self._cond.notify_all()
         return True
 
     def _fail(self, exc: Exception) -> None:
