@@ -373,10 +373,12 @@ def _cheap_texts(state: Mapping[str, Any], layout: Layout, own: dict[str, Any],
                 out[key] = text
                 continue
             del layout.texts[key]  # not torch's own state_dict() any more: the general path from now on
-        if type(obj) in _SCALARS:  # a plain value (a loss): never stateful
-            out[key] = f'{{"kind":"value","value":{_fast_text(obj, name, (None, key))}}}'
-        elif is_stateful(obj):
-            value = as_stateful(obj).state_dict()
+        # `is_stateful`, then `as_stateful(obj).state_dict()`, in fewer calls: a plain value (a loss)
+        # never is; else the object's own two methods, or a torch.Generator's state
+        sd = None if type(obj) in _SCALARS else getattr(obj, "state_dict", None)
+        if (callable(sd) and callable(getattr(obj, "load_state_dict", None))) \
+                or (sd is None and type(obj) not in _SCALARS and is_stateful(obj)):
+            value = sd() if sd is not None else as_stateful(obj).state_dict()
             replicas = layout.parts.get(key)
             if replicas and isinstance(value, dict):
                 value = {k: v for k, v in value.items() if k not in replicas}
