@@ -139,6 +139,7 @@ class FailureGuard:
         # pieces ever changed between a tail and its boundary, and the state keys among them
         self._tail: dict[str, Any] | None = None
         self._tail_changed: set[str] = set()
+        self._tail_sorted: list[str] = []  # the same, sorted (as each boundary's record lists it)
         self._known: frozenset[str] = frozenset()  # read by the training thread (replaced, never changed)
         self._ddp_layout: dict[str, str] | None = None
         self._failing: threading.Thread | None = None
@@ -238,10 +239,13 @@ class FailureGuard:
     def _prepare_boundary(self, g: stepsnap.Grab) -> Callable[[], list[bytes]]:
         """The pieces that changed since the tail before this boundary (compared by their bytes)."""
         if self._tail is not None:
-            self._tail_changed |= stepsnap.changed(self._tail, stepsnap.pieces(g))
+            moved = stepsnap.changed(self._tail, stepsnap.pieces(g))
             self._tail = None
-            self._known = frozenset(p[6:] for p in self._tail_changed if p.startswith("entry:"))
-        tail_changed = sorted(self._tail_changed)
+            if not moved <= self._tail_changed:  # (then the sorted list and the keys again)
+                self._tail_changed |= moved
+                self._tail_sorted = sorted(self._tail_changed)
+                self._known = frozenset(p[6:] for p in self._tail_changed if p.startswith("entry:"))
+        tail_changed = self._tail_sorted  # replaced when it grows, never changed in place
         return lambda: stepsnap.record(g, tail_changed=tail_changed)
 
     def _prepare_tail(self, g: stepsnap.Grab, boundary: int) -> Callable[[], list[bytes]]:

@@ -107,8 +107,8 @@ class Captured:
         assert snap is not None  # just encoded
         return digests(snap)
 
-    def encode(self, **extra: Any) -> list[bytes]:
-        return record(self.grab, **extra)
+    def encode(self, *, tail_of: int | None = None, tail_changed: list[str] | None = None) -> list[bytes]:
+        return record(self.grab, tail_of=tail_of, tail_changed=tail_changed)
 
 
 def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
@@ -177,12 +177,12 @@ def finish(g: Grab) -> Captured:
     return Captured(g)
 
 
-def record(g: Grab, **extra: Any) -> list[bytes]:
+def record(g: Grab, *, tail_of: int | None = None, tail_changed: list[str] | None = None) -> list[bytes]:
     """The record `publish` writes: header, JSON, raw bytes (the RNG states, then the tensors), in
     as few steps as a capture on a cold cache allows (each distinct call costs microseconds there:
-    docs/benchmarks.md). `extra`: "tail_of" (a tail snapshot: the boundary it follows) or
-    "tail_changed" (a boundary's pieces that ever changed between an optimizer step and the
-    boundary after it, on this rank)."""
+    docs/benchmarks.md). `tail_of`: a tail snapshot's boundary (the one it follows); `tail_changed`:
+    a boundary's pieces that ever changed between an optimizer step and the boundary after it, on
+    this rank."""
     version, words, gauss = g.rng["python"]
     name, keys, pos, has_gauss, cached = g.rng["numpy"]
     cpu = g.rng["torch_cpu"]
@@ -207,7 +207,9 @@ def record(g: Grab, **extra: Any) -> list[bytes]:
             parts.append(raw)
             at += len(raw)
         tensors = "{" + ",".join(listed) + "}"
-    more = "".join([f",{_key_json(k)}:{_fast_text(v, None)}" for k, v in extra.items()]) if extra else ""
+    more = f',"tail_of":{int(tail_of)}' if tail_of is not None else ""
+    if tail_changed is not None:
+        more += f',"tail_changed":{_fast_text(tail_changed, None)}'
     text = (f'{{"entries":{{{",".join([f"{_key_json(k)}:{t}" for k, t in g.entries.items()])}}},'
             f'"step":{g.step},"rng":{rng_text}}},"ddp":{_fast_text(g.ddp or None, None)},"metrics":{g.metrics},'
             f'"meta":{g.meta},"tensors":{tensors},"missing":{_fast_text(g.missing, None)}{more}}}').encode()
