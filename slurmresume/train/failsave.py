@@ -11,8 +11,8 @@ At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's ag
     (`train.stepsnap`: plain values, sampler, optimizer hyper-parameters, the RNG of every
     generator the save covers, metrics, and the tensors that are not replicated when they are
     small; one checked pwrite). The last two steps stay. The training thread only takes what
-    must be taken at that moment (`stepsnap.grab`: the entries as fresh plain data, copies of
-    per-rank tensors, the RNG states); digests, encoding and the write are done by this rank's
+    must be taken at that moment (`stepsnap.grab`: each entry's JSON text, copies of per-rank
+    tensors, the RNG states); the record and the write are done by this rank's
     publisher (`train.snappub`: a list of sinks per slot), inline by default or on its own thread
     (`PUBLISH_IN_BACKGROUND`; coalescing there: when it falls behind, the newest capture of each
     slot wins);
@@ -20,7 +20,8 @@ At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's ag
     knows whether its tensors are still those of step `s`;
   - that pre-hook also publishes the rank's *tail* snapshot (`snap-R-tail`: its small state just
     before the optimizer step after `s`), and the next boundary records which pieces changed
-    between the two (`tail_changed`, over the whole run). A rank killed after the gradient
+    between the two (`tail_changed`, compared by their bytes, over the whole run; a reader
+    derives each piece's digest from the records, `stepsnap.digests`). A rank killed after the gradient
     all-reduce and before its next `ckpt.step()` is then still covered (`survivors.plan`).
     The comparison runs in the publisher, every tail against the boundary after it, in order,
     also for captures that coalescing does not write.

@@ -1,14 +1,14 @@
 """The publisher of one rank's failure-time snapshots (train/failsave.py): the training thread only
 takes what must be taken at that moment (`stepsnap.grab`: copies of values that will change, the
-RNG states) and hands it here; the publisher digests and encodes it and writes it to every sink
+RNG states) and hands it here; the publisher encodes it and writes it to every sink
 of its slot (`FileSink`: a node-local slot file; a slot may have more than one sink). On its own
 thread (`background`), or inline on the caller's (the same jobs, written before `submit`
 returns): which one costs a step less depends on the machine (docs/benchmarks.md: on a box whose
 cores the ranks already fill, the thread's GIL hand-offs cost more than the work it moves).
 
 Rules:
-  - jobs are prepared in the order they were submitted (`prepare`: the digests; the tail
-    comparisons of failsave depend on that order), on this one thread;
+  - jobs are prepared in the order they were submitted (`prepare`: the tail comparisons of
+    failsave depend on that order), on this one thread;
   - coalescing: a job whose slot already has a newer job queued is prepared but not written (if
     the thread falls behind, the newest capture of each slot wins); one thread writes, so two
     writes of one slot never interleave;
@@ -164,7 +164,7 @@ class Publisher:
                 return
             seq, slot, prepare = item
             try:
-                encode = prepare()  # always, in order (digests, tail comparisons)
+                encode = prepare()  # always, in order (the tail comparisons)
                 with self._seq:
                     write = self._newest.get(slot) == seq  # else a newer capture of the slot is queued
                 if write:
