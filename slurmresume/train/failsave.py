@@ -20,7 +20,7 @@ At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's ag
     knows whether its tensors are still those of step `s`;
   - that pre-hook also publishes the rank's *tail* snapshot (`snap-R-tail`: its small state just
     before the optimizer step after `s`), and the next boundary records which pieces changed
-    between the two (`tail_changed`, compared by their bytes, over the whole run; a reader
+    between the two (`tail_changed`, compared by their bytes, `stepsnap.moved`, over the whole run; a reader
     derives each piece's digest from the records, `stepsnap.digests`). A rank killed after the gradient
     all-reduce and before its next `ckpt.step()` is then still covered (`survivors.plan`).
     The comparison runs in the publisher, every tail against the boundary after it, in order,
@@ -138,7 +138,7 @@ class FailureGuard:
         self._group: Any = None
         # the publisher thread's own (see _prepare_boundary): the last tail capture's pieces, the
         # pieces ever changed between a tail and its boundary, and the state keys among them
-        self._tail: dict[str, Any] | None = None
+        self._tail: stepsnap.Grab | None = None
         self._tail_changed: set[str] = set()
         self._tail_sorted: list[str] = []  # the same, sorted (as each boundary's record lists it)
         self._known: frozenset[str] = frozenset()  # read by the training thread (replaced, never changed)
@@ -240,7 +240,7 @@ class FailureGuard:
     def _prepare_boundary(self, g: stepsnap.Grab) -> Callable[[], list[bytes]]:
         """The pieces that changed since the tail before this boundary (compared by their bytes)."""
         if self._tail is not None:
-            moved = stepsnap.changed(self._tail, stepsnap.pieces(g))
+            moved = stepsnap.moved(self._tail, g)
             self._tail = None
             if not moved <= self._tail_changed:  # (then the sorted list and the keys again)
                 self._tail_changed |= moved
@@ -250,7 +250,7 @@ class FailureGuard:
         return lambda: stepsnap.record(g, tail_changed=tail_changed)
 
     def _prepare_tail(self, g: stepsnap.Grab, boundary: int) -> Callable[[], list[bytes]]:
-        self._tail = stepsnap.pieces(g)
+        self._tail = g
         return lambda: stepsnap.record(g, tail_of=boundary)
 
     def _block(self) -> None:

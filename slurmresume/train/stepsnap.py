@@ -233,13 +233,18 @@ def changed(tail: Mapping[str, Any], boundary: Mapping[str, Any]) -> set[str]:
     return {p for p in set(tail) | set(boundary) if tail.get(p) != boundary.get(p)}
 
 
-def pieces(g: Grab) -> dict[str, Any]:
-    """A grab's pieces as `changed` compares them, by their bytes: each entry's text, the RNG states
-    (every byte and scalar), each published tensor's bytes (and dtype and shape)."""
-    out: dict[str, Any] = {f"entry:{k}": t for k, t in g.entries.items()}
-    out["rng"] = g.rng
-    if g.tensors:
-        out.update({f"tensor:{n}": v for n, v in g.tensors.items()})
+def moved(tail: Grab, g: Grab) -> set[str]:
+    """Pure: the pieces that differ between a tail capture and its boundary (`changed` of their
+    pieces), compared by their bytes: each entry's text, the RNG states (every byte and scalar),
+    each published tensor's dtype, shape and bytes; a piece only one of them has counts."""
+    te, ge = tail.entries, g.entries
+    out = {f"entry:{k}" for k in te.keys() ^ ge.keys()}
+    out.update(f"entry:{k}" for k, text in ge.items() if k in te and te[k] != text)
+    if tail.rng != g.rng:
+        out.add("rng")
+    if tail.tensors or g.tensors:
+        tt, gt = tail.tensors, g.tensors
+        out.update(f"tensor:{n}" for n in tt.keys() | gt.keys() if tt.get(n) != gt.get(n))
     return out
 
 
