@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.procs import EXAMPLE, HELPERS, clean_env, finish, rank_pid, run_ranks, signal_tree
@@ -162,6 +163,46 @@ def test_splice_rebuilds_what_the_dead_ranks_own_boundary_would_hold(skip: froze
     assert got_skeleton == expect_skeleton
     assert [n for n, _ in got_own] == [n for n, _ in expect_own]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got_own, expect_own, strict=True))
+
+
+def _numpy_draw() -> None:
+    import numpy as np
+
+    np.random.rand()  # moves NumPy's position, not its key words
+
+
+def _numpy_cached_gauss() -> None:
+    import numpy as np
+
+    np.random.standard_normal()  # uses the Gaussian the tail's draw cached: only the cache flag moves
+
+
+def _python_cached_gauss() -> None:
+    random.gauss()  # uses the Gaussian the tail's draw cached (gauss_next): no state word moves
+
+
+@pytest.mark.parametrize("draw", [_numpy_draw, _numpy_cached_gauss, _python_cached_gauss])
+def test_a_draw_that_moves_only_an_rng_scalar_still_changes_the_rng_piece(draw: Any) -> None:
+    """A draw between a tail and its boundary that moves no state word of a generator (NumPy's
+    position, a cached Gaussian of NumPy or Python) changes the "rng" piece, both as the guard
+    compares captures and as a reader's digests say: else a rank killed after its optimizer step
+    would be rebuilt with its tail's RNG, which is not the state of its boundary (a mixed step)."""
+    import numpy as np
+
+    from slurmresume.checkpoint.state import flatten
+    from slurmresume.train import stepsnap
+
+    state = _state()
+    _, tensors = flatten(state, {})
+    layout = stepsnap.Layout.learn(state, {n for n, _ in tensors if n != "mine"})
+    np.random.seed(5)
+    random.seed(5)
+    np.random.standard_normal(), random.gauss()  # a Gaussian drawn, its pair cached
+    tail = stepsnap.grab(7, state, layout, None, None, None)
+    draw()
+    own = stepsnap.grab(7, state, layout, None, None, None)
+    assert stepsnap.changed(stepsnap.finish(tail).digests, stepsnap.finish(own).digests) == {"rng"}
+    assert stepsnap.moved(tail, own) == {"rng"}
 
 
 # -- the per-step snapshot: what the writer rebuilds is what the rank's own save would hold ---------

@@ -11,8 +11,8 @@ At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's ag
     (`train.stepsnap`: plain values, sampler, optimizer hyper-parameters, the RNG of every
     generator the save covers, metrics, and the tensors that are not replicated when they are
     small; one checked pwrite). The last two steps stay. The training thread only takes what
-    must be taken at that moment (`stepsnap.grab`: the entries as fresh plain data, copies of
-    per-rank tensors, the RNG states); digests, encoding and the write are done by this rank's
+    must be taken at that moment (`stepsnap.grab`: each entry's JSON text, copies of per-rank
+    tensors, the RNG states); the record and the write are done by this rank's
     publisher (`train.snappub`: a list of sinks per slot), inline by default or on its own thread
     (`PUBLISH_IN_BACKGROUND`; coalescing there: when it falls behind, the newest capture of each
     slot wins);
@@ -20,7 +20,8 @@ At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's ag
     knows whether its tensors are still those of step `s`;
   - that pre-hook also publishes the rank's *tail* snapshot (`snap-R-tail`: its small state just
     before the optimizer step after `s`), and the next boundary records which pieces changed
-    between the two (`tail_changed`, over the whole run). A rank killed after the gradient
+    between the two (`tail_changed`, compared by their bytes, `stepsnap.moved`, over the whole run; a reader
+    derives each piece's digest from the records, `stepsnap.digests`). A rank killed after the gradient
     all-reduce and before its next `ckpt.step()` is then still covered (`survivors.plan`).
     The comparison runs in the publisher, every tail against the boundary after it, in order,
     also for captures that coalescing does not write.
@@ -100,6 +101,7 @@ log = logging.getLogger("slurmresume")
 
 SUBDIR = FAILSAVE_SUBDIR
 SLOTS = ("0", "1", "tail")  # a rank's snapshot slots: boundaries by step % 2, and the tail
+_BOUNDARY_SLOTS = SLOTS[:2]
 STATUS_WAIT_S = 10.0  # how long a survivor waits for the others' status (torchrun kills after 30 s)
 FINISH_WAIT_S = 5.0  # how long a survivor past its optimizer step may take to reach its ckpt.step()
 PUBLISH_WAIT_S = 5.0  # how long a survivor waits for its own snapshots to reach the disk
@@ -139,10 +141,11 @@ class FailureGuard:
         self._meta: Any = None
         self._last_ddp: dict[str, str] | None = None
         self._group: Any = None
-        # the publisher thread's own (see _prepare_boundary): the last tail capture's digests, the
+        # the publisher thread's own (see _prepare_boundary): the last tail capture's pieces, the
         # pieces ever changed between a tail and its boundary, and the state keys among them
-        self._tail: dict[str, str] | None = None
+        self._tail: stepsnap.Grab | None = None
         self._tail_changed: set[str] = set()
+        self._tail_sorted: list[str] = []  # the same, sorted (as each boundary's record lists it)
         self._known: frozenset[str] = frozenset()  # read by the training thread (replaced, never changed)
         self._ddp_layout: dict[str, str] | None = None
         self._failing: threading.Thread | None = None
@@ -173,18 +176,20 @@ class FailureGuard:
                           if not n.startswith(LIBRARY_PREFIX)}
             self._layout = stepsnap.Layout.learn(state, replicated, self.world)
             self._check_shared(group)
-        self._last_ddp = self._ddp_layouts(ddp_buckets)
+        # (the layouts, once DDP rebuilt its buckets, stay: no call for them then)
+        self._last_ddp = self._ddp_layout if self._ddp_layout is not None else self._ddp_layouts(ddp_buckets)
         g = stepsnap.grab(step, state, self._layout, self._last_ddp, metrics, meta, rng_state=self._rng.raw())
         with self._lock:
             # frozen but not yet reported: this survivor finishes the step it was in (see on_death)
             if not self._reported.is_set():
-                self._pub.submit(str(step % 2), lambda: self._prepare_boundary(g))
+                self._pub.submit(_BOUNDARY_SLOTS[step % 2], lambda: self._prepare_boundary(g))
                 self._boundary, self._dirty, self._state, self._meta = step, False, state, meta
                 self._unpublished = bool(g.missing)  # pieces only a memory snapshot can give (train/memshard.py)
                 self._group = group
         if self._frozen.is_set():
             self._block()
-        self._watch()
+        if self._watcher is None:
+            self._watch()
 
     def _check_shared(self, group: Any) -> None:
         """Several nodes, collective, once: every rank got the same shared directory and sees rank
@@ -233,14 +238,16 @@ class FailureGuard:
             self._block()
         if not self._dirty and self._layout is not None and self._state is not None and self._boundary is not None:
             boundary = self._boundary
-            g = stepsnap.grab(boundary, self._state, self._layout, self._last_ddp, None, self._meta, skip=self._known,
-                              rng_state=self._rng.raw())
-            with self._lock:
-                if not self._frozen.is_set():
-                    self._pub.submit("tail", lambda: self._prepare_tail(g, boundary))
+            g: stepsnap.Grab | None = stepsnap.grab(boundary, self._state, self._layout, self._last_ddp, None,
+                                                    self._meta, skip=self._known, rng_state=self._rng.raw())
+        else:
+            g = None
         with self._lock:
             frozen = self._frozen.is_set()
             if not frozen:
+                if g is not None:
+                    tail = g
+                    self._pub.submit("tail", lambda: self._prepare_tail(tail, boundary))
                 self._dirty = True
         if frozen:
             self._block()
@@ -248,19 +255,20 @@ class FailureGuard:
     # -- the publisher thread (train/snappub.py: in submission order) -------------------------
 
     def _prepare_boundary(self, g: stepsnap.Grab) -> Callable[[], list[bytes]]:
-        """A boundary capture's digests; the pieces that changed since the tail before it."""
-        cap = stepsnap.finish(g)
+        """The pieces that changed since the tail before this boundary (compared by their bytes)."""
         if self._tail is not None:
-            self._tail_changed |= stepsnap.changed(self._tail, cap.digests)
+            moved = stepsnap.moved(self._tail, g)
             self._tail = None
-            self._known = frozenset(p[6:] for p in self._tail_changed if p.startswith("entry:"))
-        tail_changed = sorted(self._tail_changed)
-        return lambda: cap.encode(tail_changed=tail_changed)
+            if not moved <= self._tail_changed:  # (then the sorted list and the keys again)
+                self._tail_changed |= moved
+                self._tail_sorted = sorted(self._tail_changed)
+                self._known = frozenset(p[6:] for p in self._tail_changed if p.startswith("entry:"))
+        tail_changed = self._tail_sorted  # replaced when it grows, never changed in place
+        return lambda: stepsnap.record(g, tail_changed=tail_changed)
 
     def _prepare_tail(self, g: stepsnap.Grab, boundary: int) -> Callable[[], list[bytes]]:
-        cap = stepsnap.finish(g)
-        self._tail = cap.digests
-        return lambda: cap.encode(tail_of=boundary)
+        self._tail = g
+        return lambda: stepsnap.record(g, tail_of=boundary)
 
     def _block(self) -> None:
         threading.Event().wait()  # the failure-save thread ends the process
@@ -505,6 +513,10 @@ def _snapshots(directory: Path, rank: int) -> list[Snapshot]:
     for slot in SLOTS:
         snap = stepsnap.read(directory / f"snap-{rank}-{slot}")
         if snap is not None:
+            try:
+                pieces = stepsnap.digests(snap)
+            except (KeyError, TypeError, ValueError, IndexError):  # checksummed, yet not what this version writes
+                continue
             out.append(Snapshot(rank, snap["step"], tuple(snap.get("missing") or ()), snap.get("tail_of"),
-                                snap.get("digests") or {}, frozenset(snap.get("tail_changed") or ())))
+                                pieces, frozenset(snap.get("tail_changed") or ())))
     return out

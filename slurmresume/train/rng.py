@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import ctypes
 import logging
 import os
 import random
@@ -46,7 +47,8 @@ class Capturer:
     turns into a tuple of 625 ints (~30 us on a cold cache, and ~10 us more to pack them back into
     bytes); the view reads the same 2,500 bytes in ~1 us. It is checked at creation against
     `getstate` on a freshly seeded scratch generator (another layout, another interpreter: the
-    tuple every time)."""
+    tuple every time). torch's states are copied out of the tensors `get_state()` returns in one
+    call (`_state_bytes`), checked at creation on a scratch generator against `tensor_bytes`."""
 
     _KEY_BYTES = 624 * 4 + 4  # mt19937_state: uint32 key[624]; int pos
     _PY_WORDS = 624  # _random.Random: int index; uint32_t state[624]
@@ -62,6 +64,16 @@ class Capturer:
             self._probe_ok = self._probe() == _key_pos(np.random.get_state(legacy=True))
         except Exception:  # noqa: BLE001 - no probe: the full state every time
             self._probe_ok = False
+        self._as_bytes: Any = tensor_bytes  # a generator state tensor's bytes (`_state_bytes` once checked)
+        try:
+            import torch
+
+            probe = torch.Generator().manual_seed(12345).get_state()
+            if probe.dtype == torch.uint8 and probe.device.type == "cpu" and probe.is_contiguous() \
+                    and _state_bytes(probe) == tensor_bytes(probe):
+                self._as_bytes = _state_bytes
+        except Exception:  # noqa: BLE001 - tensor_bytes every time
+            pass
         self._py: Any = getattr(random.getstate, "__self__", None)  # the global generator (getstate is bound to it)
         self._py_address = _py_state_address(self._py)
         self._py_views: tuple[memoryview, memoryview] | None = None  # its words, its index (in place)
@@ -85,10 +97,11 @@ class Capturer:
         calls: Python's words and index, NumPy's key and position, torch's generator states."""
         import torch
 
+        as_bytes = self._as_bytes
         state: dict[str, Any] = {"python": self._python_raw(), "numpy": self._numpy_raw(),
-                                 "torch_cpu": torch.default_generator.get_state().numpy().tobytes()}
+                                 "torch_cpu": as_bytes(torch.default_generator.get_state())}
         if torch.cuda.is_initialized() and torch.cuda.is_available():  # the cheap test first
-            state["torch_cuda"] = [t.numpy().tobytes() for t in torch.cuda.get_rng_state_all()]
+            state["torch_cuda"] = [as_bytes(t) for t in torch.cuda.get_rng_state_all()]
         return state
 
     def _python_raw(self) -> tuple[int, bytes, Any]:
@@ -151,6 +164,13 @@ def tensor_bytes(t: Any) -> bytes:
     import torch
 
     return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _state_bytes(t: Any) -> bytes:
+    """A generator state's bytes: `get_state()` gives a fresh, contiguous uint8 CPU tensor, copied
+    here in one call (`tensor_bytes`' conversions cost ~15 us on a cache the step evicted);
+    `Capturer` checks once that this gives `tensor_bytes`' result."""
+    return ctypes.string_at(t.data_ptr(), t.numel())
 
 
 def _py_state_address(inst: Any) -> int:

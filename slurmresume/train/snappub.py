@@ -1,14 +1,14 @@
 """The publisher of one rank's failure-time snapshots (train/failsave.py): the training thread only
 takes what must be taken at that moment (`stepsnap.grab`: copies of values that will change, the
-RNG states) and hands it here; the publisher digests and encodes it and writes it to every sink
+RNG states) and hands it here; the publisher encodes it and writes it to every sink
 of its slot (`FileSink`: a node-local slot file; a slot may have more than one sink). On its own
 thread (`background`), or inline on the caller's (the same jobs, written before `submit`
 returns): which one costs a step less depends on the machine (docs/benchmarks.md: on a box whose
 cores the ranks already fill, the thread's GIL hand-offs cost more than the work it moves).
 
 Rules:
-  - jobs are prepared in the order they were submitted (`prepare`: the digests; the tail
-    comparisons of failsave depend on that order), on this one thread;
+  - jobs are prepared in the order they were submitted (`prepare`: the tail comparisons of
+    failsave depend on that order), on this one thread;
   - coalescing: a job whose slot already has a newer job queued is prepared but not written (if
     the thread falls behind, the newest capture of each slot wins); one thread writes, so two
     writes of one slot never interleave;
@@ -103,7 +103,7 @@ class Publisher:
         """Wait until every job submitted before this call is finished; False on timeout or when
         publishing stopped with jobs unwritten."""
         deadline = time.monotonic() + timeout
-        with self._seq:
+        with self._write if not self.background else self._seq:  # inline: no job half-counted
             target = self._submitted
         with self._cond:
             while self._done < target and not self._stopped:
@@ -132,10 +132,8 @@ class Publisher:
                     sink.close()
 
     def _inline(self, slot: str, prepare: Prepare) -> bool:
-        """`submit` without the thread: prepared, encoded and written here, in one go."""
-        with self._seq:
-            self._submitted += 1
-            seq = self._newest[slot] = self._submitted
+        """`submit` without the thread: prepared, encoded and written here, in one go (counted
+        under `_write`, which `drain` also takes: a drain sees a job either done or not begun)."""
         try:
             parts = prepare()()
             with self._write:  # once stop() returned, nothing more is written
@@ -144,12 +142,11 @@ class Publisher:
                 for sink in self.sinks.get(slot, ()):
                     sink.write(parts)
                 self.written += 1
+                self._submitted += 1
+                self._done = self._newest[slot] = self._submitted
         except Exception as exc:  # noqa: BLE001 - as on the thread (`_run`)
             self._fail(exc)
             return False
-        with self._cond:
-            self._done = seq
-            self._cond.notify_all()
         return True
 
     def _fail(self, exc: Exception) -> None:
@@ -167,7 +164,7 @@ class Publisher:
                 return
             seq, slot, prepare = item
             try:
-                encode = prepare()  # always, in order (digests, tail comparisons)
+                encode = prepare()  # always, in order (the tail comparisons)
                 with self._seq:
                     write = self._newest.get(slot) == seq  # else a newer capture of the slot is queued
                 if write:

@@ -19,9 +19,12 @@ bytes (RNG states, tensors) it points into, written with one pwritev into one of
 holds the step before.
 
 A capture is two halves: `grab` on the training thread takes what must be taken at that moment
-(the entries as fresh plain data, by `_fast_encode`, which gives `jsonenc.encode`'s result; copies
-of the per-rank tensors; the RNG states), and `finish` (each entry's JSON, a digest per piece,
-the raw bytes) with `Captured.encode` may run later on the publisher thread (train/snappub.py).
+(each entry's JSON text, by `_fast_text`, which gives `dumps` of `jsonenc.encode`'s result; copies
+of the per-rank tensors; the RNG states as bytes), and `record` (its bytes) may run later on the
+publisher thread (train/snappub.py). No piece is hashed on the way: the guard compares a tail with
+its boundary by their bytes (`pieces`), and a reader derives each piece's digest from the record
+(`digests`) when a failure save plans; each step of a capture on a cache the step's compute
+evicted costs microseconds, so a capture takes as few as it can (docs/benchmarks.md, issue 47).
 """
 
 from __future__ import annotations
@@ -77,63 +80,41 @@ class Layout:
                 parts[key] = frozenset(k for k, v in value.items() if _replicas_only(v, replicated))
         layout = cls(replicated, frozenset(static), parts, False, replica_dims(skeleton.get("dtensors") or {}, world))
         layout.cheap = (not skeleton.get("devices") and not skeleton.get("dtensors")
-                        and _merge(entries, _cheap_entries(state, layout, {})) == entries)
+                        and _merge(entries, {k: json.loads(t) for k, t in _cheap_texts(state, layout, {}).items()})
+                        == entries)
         if layout.cheap:
             layout.texts = {key: _OptimizerText() for key in parts
                             if parts[key] == {"state"} and _OptimizerText.applies(state[key])}
         return layout
 
 
-class _Blob:
-    """The raw bytes of one snapshot: `add` returns where a piece lies, [offset, length]."""
-
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
-        self.size = 0
-
-    def add(self, data: bytes) -> list[int]:
-        self.parts.append(data)
-        self.size += len(data)
-        return [self.size - len(data), len(data)]
-
-
 @dataclass
 class Captured:
-    """One rank's small state at one moment, before it is encoded: `digests` names every piece
-    ("entry:<key>", "rng", "tensor:<name>") by an xxh3 of its bytes, so that two captures (the
-    tail of a step and its boundary, or two ranks' boundaries) are compared piece by piece."""
+    """One rank's small state at one moment (`Grab`), with a digest per piece ("entry:<key>",
+    "rng", "tensor:<name>"): the digests a reader derives from the published record (`digests`),
+    so that a capture is compared piece by piece as `survivors.plan` compares published records.
+    Off the training thread's path (tests, `capture`): the guard compares grabs (`pieces`)."""
 
-    step: int
-    entries: dict[str, Any]
-    tensors: dict[str, list[Any]]
-    missing: list[str]
-    rng: dict[str, Any]
-    ddp: dict[str, str] | None
-    metrics: Any  # encoded (jsonenc)
-    meta: Any  # encoded
-    blob: _Blob
-    digests: dict[str, str]
-    texts: dict[str, str]  # each entry's JSON, dumped once (for its digest and for the record)
+    grab: Grab
 
-    def encode(self, **extra: Any) -> list[bytes]:
-        """The record `publish` writes: header, JSON, raw bytes. `extra`: "tail_of" (a tail
-        snapshot: the boundary it follows) or "tail_changed" (a boundary's pieces that ever
-        changed between an optimizer step and the boundary after it, on this rank)."""
-        rest = _text({"step": self.step, "rng": self.rng, "ddp": self.ddp or None, "metrics": self.metrics,
-                      "meta": self.meta, "tensors": self.tensors, "missing": self.missing,
-                      "digests": self.digests, **extra})
-        entries = ",".join(f"{_key_json(k)}:{t}" for k, t in self.texts.items())
-        text = f'{{"entries":{{{entries}}},{rest[1:]}'.encode()
-        digest = xxhash.xxh3_64(text)
-        for part in self.blob.parts:
-            digest.update(part)
-        return [HEADER.pack(len(text), self.blob.size, digest.intdigest()), text, *self.blob.parts]
+    @property
+    def texts(self) -> dict[str, str]:
+        return self.grab.entries
+
+    @property
+    def digests(self) -> dict[str, str]:
+        snap = read_bytes(b"".join(record(self.grab)))
+        assert snap is not None  # just encoded
+        return digests(snap)
+
+    def encode(self, *, tail_of: int | None = None, tail_changed: list[str] | None = None) -> list[bytes]:
+        return record(self.grab, tail_of=tail_of, tail_changed=tail_changed)
 
 
 def capture(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
             metrics: Any, meta: Any) -> list[bytes]:
-    """This rank's snapshot now, encoded (`grab` + `finish` + `Captured.encode` on one thread)."""
-    return collect(step, state, layout, ddp_layout, metrics, meta).encode()
+    """This rank's snapshot now, encoded (`grab` + `record` on one thread)."""
+    return record(grab(step, state, layout, ddp_layout, metrics, meta))
 
 
 def collect(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[str, str] | None,
@@ -144,19 +125,19 @@ def collect(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dic
 
 @dataclass
 class Grab:
-    """What the training thread takes at a capture, and nothing more: the entries as plain JSON
-    data (fresh lists and dicts over immutable leaves), each per-rank tensor's bytes (a copy), the
-    RNG states (copies: `rng.capture` or `rng.Capturer`), metrics and meta encoded. Nothing in it
-    changes when training goes on, so `finish` may run later, on another thread."""
+    """What the training thread takes at a capture, and nothing more: each entry's JSON text (what
+    `dumps` of `jsonenc.encode` of its value gives), each per-rank tensor's bytes (a copy), the RNG
+    states (copies, as bytes: `rng.Capturer.raw`), metrics and meta as JSON text. Nothing in it
+    changes when training goes on, so `record` may run later, on another thread."""
 
     step: int
-    entries: dict[str, Any]  # encoded; an entry already in JSON is a `_Json`
+    entries: dict[str, str]  # key -> the entry's JSON text
     tensors: dict[str, tuple[str, list[int], bytes]]
     missing: list[str]
     rng: dict[str, Any]  # as bytes (`rng.Capturer.raw`)
     ddp: dict[str, str] | None
-    metrics: Any
-    meta: Any
+    metrics: str  # JSON text
+    meta: str  # JSON text
 
 
 class _Json(str):
@@ -172,46 +153,119 @@ def grab(step: int, state: Mapping[str, Any], layout: Layout, ddp_layout: dict[s
     else `rng.capture()`, turned into bytes)."""
     own: dict[str, Any] = {}
     if layout.cheap:
-        entries = _cheap_entries(state, layout, own, skip)
+        entries = _cheap_texts(state, layout, own, skip)
     else:  # the save's own naming, every key (a tensor shared between keys, a GPU tensor: rare)
         skeleton, flat = flatten(state, {})
-        entries = {k: v for k, v in skeleton["entries"].items() if k not in skip}
+        entries = {k: dumps(v) for k, v in skeleton["entries"].items() if k not in skip}
         own = {n: t for n, t in flat if n not in layout.replicated and n.split("/", 1)[0] not in skip}
     tensors: dict[str, tuple[str, list[int], bytes]] = {}
     missing: list[str] = []
-    size = 0
-    for name, t in own.items():
-        size += t.numel() * t.element_size()
-        if t.device.type != "cpu" or size > PUBLISH_MAX_BYTES:
-            missing.append(name)
-        else:
-            tensors[name] = (str(t.dtype).removeprefix("torch."), list(t.shape), rng.tensor_bytes(t))
+    if own:
+        size = 0
+        for name, t in own.items():
+            size += t.numel() * t.element_size()
+            if t.device.type != "cpu" or size > PUBLISH_MAX_BYTES:
+                missing.append(name)
+            else:
+                tensors[name] = (str(t.dtype).removeprefix("torch."), list(t.shape), rng.tensor_bytes(t))
     return Grab(step, entries, tensors, missing, rng_state if rng_state is not None else rng.as_raw(rng.capture()),
-                ddp_layout, _fast_encode(metrics, None), _fast_encode(meta, None))
+                ddp_layout, _fast_text(metrics, None), _fast_text(meta, None))
 
 
 def finish(g: Grab) -> Captured:
-    """The publisher's part of a capture: each entry's JSON, a digest per piece, the raw bytes."""
-    blob = _Blob()
-    texts = {key: str(entry) if type(entry) is _Json else _text(entry) for key, entry in g.entries.items()}
-    digests = {f"entry:{key}": _xxh(text.encode()) for key, text in texts.items()}
-    tensors: dict[str, list[Any]] = {}
-    for name, (dtype, shape, raw) in g.tensors.items():
-        tensors[name] = [dtype, shape, *blob.add(raw)]
-        digests[f"tensor:{name}"] = _xxh(raw)
-    first = len(blob.parts)
-    rng_raw = _rng_raw(blob, g.rng)
-    h = xxhash.xxh3_64()
-    for part in blob.parts[first:]:
-        h.update(part)
-    digests["rng"] = h.hexdigest()
-    return Captured(g.step, g.entries, tensors, g.missing, rng_raw, g.ddp, g.metrics, g.meta, blob, digests, texts)
+    """A grab with its digests (`Captured`)."""
+    return Captured(g)
 
 
-def changed(tail: Mapping[str, str], boundary: Mapping[str, str]) -> set[str]:
-    """Pure: the pieces whose bytes differ between a step's tail capture and its boundary (a
-    piece only one of them has counts as changed)."""
+def record(g: Grab, *, tail_of: int | None = None, tail_changed: list[str] | None = None) -> list[bytes]:
+    """The record `publish` writes: header, JSON, raw bytes (the RNG states, then the tensors), in
+    as few steps as a capture on a cold cache allows (each distinct call costs microseconds there:
+    docs/benchmarks.md). `tail_of`: a tail snapshot's boundary (the one it follows); `tail_changed`:
+    a boundary's pieces that ever changed between an optimizer step and the boundary after it, on
+    this rank."""
+    version, words, gauss = g.rng["python"]
+    name, keys, pos, has_gauss, cached = g.rng["numpy"]
+    cpu = g.rng["torch_cpu"]
+    a, b = len(words), len(words) + len(keys)
+    at = b + len(cpu)
+    parts = [words, keys, cpu]
+    rng_text = (f'{{"python":[{version},0,{a},{"null" if gauss is None else _float(gauss)}],'
+                f'"numpy":[{_key_json(name)},{a},{len(keys)},{pos},{has_gauss},{_float(cached)}],'
+                f'"torch_cpu":[{b},{len(cpu)}]')
+    if "torch_cuda" in g.rng:
+        cuda = []
+        for state in g.rng["torch_cuda"]:
+            cuda.append(f"[{at},{len(state)}]")
+            parts.append(state)
+            at += len(state)
+        rng_text += f',"torch_cuda":[{",".join(cuda)}]'
+    tensors = "{}"
+    if g.tensors:
+        listed = []
+        for tname, (dtype, shape, raw) in g.tensors.items():
+            listed.append(f"{_key_json(tname)}:[{_key_json(dtype)},[{','.join(map(str, shape))}],{at},{len(raw)}]")
+            parts.append(raw)
+            at += len(raw)
+        tensors = "{" + ",".join(listed) + "}"
+    more = f',"tail_of":{int(tail_of)}' if tail_of is not None else ""
+    if tail_changed is not None:
+        more += f',"tail_changed":{_fast_text(tail_changed, None)}'
+    text = (f'{{"entries":{{{",".join([f"{_key_json(k)}:{t}" for k, t in g.entries.items()])}}},'
+            f'"step":{g.step},"rng":{rng_text}}},"ddp":{_fast_text(g.ddp or None, None)},"metrics":{g.metrics},'
+            f'"meta":{g.meta},"tensors":{tensors},"missing":{_fast_text(g.missing, None)}{more}}}').encode()
+    digest = xxhash.xxh3_64(text)
+    for part in parts:
+        digest.update(part)
+    return [HEADER.pack(len(text), at, digest.intdigest()), text, *parts]
+
+
+def _float(x: float) -> str:
+    """A finite float's JSON text (its repr, as `json` writes it); any other value is refused."""
+    if type(x) is not float or x - x != 0.0:
+        raise ValueError(f"an RNG state holds {x!r}, not a finite float")
+    return float.__repr__(x)
+
+
+def changed(tail: Mapping[str, Any], boundary: Mapping[str, Any]) -> set[str]:
+    """Pure: the pieces whose values differ between a step's tail capture and its boundary (a
+    piece only one of them has counts as changed). The values: digests (`digests`), or what
+    `pieces` gives."""
     return {p for p in set(tail) | set(boundary) if tail.get(p) != boundary.get(p)}
+
+
+def moved(tail: Grab, g: Grab) -> set[str]:
+    """Pure: the pieces that differ between a tail capture and its boundary (`changed` of their
+    pieces), compared by their bytes: each entry's text, the RNG states (every byte and scalar),
+    each published tensor's dtype, shape and bytes; a piece only one of them has counts."""
+    te, ge = tail.entries, g.entries
+    out = {f"entry:{k}" for k in te.keys() ^ ge.keys()}
+    out.update(f"entry:{k}" for k, text in ge.items() if k in te and te[k] != text)
+    if tail.rng != g.rng:
+        out.add("rng")
+    if tail.tensors or g.tensors:
+        tt, gt = tail.tensors, g.tensors
+        out.update(f"tensor:{n}" for n in tt.keys() | gt.keys() if tt.get(n) != gt.get(n))
+    return out
+
+
+def digests(snap: Mapping[str, Any]) -> dict[str, str]:
+    """A published record's digest per piece (`read`'s result): each entry's JSON text, the RNG
+    states (their scalars and bytes), each tensor (dtype, shape, bytes). Derived by the reader, so
+    the training thread never hashes a piece."""
+    blob = snap["blob"]
+    out = {f"entry:{k}": _xxh(dumps(v).encode()) for k, v in snap["entries"].items()}
+    for name, (dtype, shape, at, size) in snap["tensors"].items():
+        h = xxhash.xxh3_64(dumps([dtype, shape]).encode())
+        h.update(blob[at:at + size])
+        out[f"tensor:{name}"] = h.hexdigest()
+    raw = snap["rng"]
+    slices = [raw["python"][1:3], raw["numpy"][1:3], raw["torch_cpu"], *raw.get("torch_cuda", ())]
+    h = xxhash.xxh3_64(dumps([raw["python"][0], raw["python"][3], raw["numpy"][0], *raw["numpy"][3:],
+                              [size for _, size in slices]]).encode())
+    for at, size in slices:
+        h.update(blob[at:at + size])
+    out["rng"] = h.hexdigest()
+    return out
 
 
 def splice(base: dict[str, Any], donor: dict[str, Any], pieces: set[str] | frozenset[str]) -> dict[str, Any]:
@@ -305,16 +359,17 @@ def rebuild(snap: dict[str, Any], live_skeleton: dict[str, Any]) -> tuple[dict[s
 
 # -- parts -------------------------------------------------------------------------------------------
 
-def _cheap_entries(state: Mapping[str, Any], layout: Layout, own: dict[str, Any],
-                   skip: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """This rank's entries without the parts that are replicas only (nor `skip`), tensors named by path."""
+def _cheap_texts(state: Mapping[str, Any], layout: Layout, own: dict[str, Any],
+                skip: frozenset[str] = frozenset()) -> dict[str, str]:
+    """This rank's entries as JSON text, without the parts that are replicas only (nor `skip`),
+    tensors named by path."""
     def name(path: list[str], t: Any) -> str:
         n = "/".join(path)
         if n not in layout.replicated:
             own[n] = t
         return n
 
-    out: dict[str, Any] = {}
+    out: dict[str, str] = {}
     for key, obj in state.items():
         if key in layout.static or key in skip:
             continue
@@ -325,41 +380,50 @@ def _cheap_entries(state: Mapping[str, Any], layout: Layout, own: dict[str, Any]
                 out[key] = text
                 continue
             del layout.texts[key]  # not torch's own state_dict() any more: the general path from now on
-        if is_stateful(obj):
-            value = as_stateful(obj).state_dict()
+        # `is_stateful`, then `as_stateful(obj).state_dict()`, in fewer calls: a plain value (a loss)
+        # never is; else the object's own two methods, or a torch.Generator's state
+        sd = None if type(obj) in _SCALARS else getattr(obj, "state_dict", None)
+        if (callable(sd) and callable(getattr(obj, "load_state_dict", None))) \
+                or (sd is None and type(obj) not in _SCALARS and is_stateful(obj)):
+            value = sd() if sd is not None else as_stateful(obj).state_dict()
             replicas = layout.parts.get(key)
             if replicas and isinstance(value, dict):
                 value = {k: v for k, v in value.items() if k not in replicas}
-            out[key] = {"kind": "stateful", "value": _fast_encode(value, name, (None, key))}
+            out[key] = f'{{"kind":"stateful","value":{_fast_text(value, name, (None, key))}}}'
         else:
-            out[key] = {"kind": "value", "value": _fast_encode(obj, name, (None, key))}
+            out[key] = f'{{"kind":"value","value":{_fast_text(obj, name, (None, key))}}}'
     return out
 
 
-def _fast_encode(obj: Any, on_tensor: Any, where: Any = None) -> Any:
-    """`jsonenc.encode(obj, on_tensor, path)` with the same result, about four times faster on a
-    state_dict (an optimizer's parameter index lists): plain dicts, lists, tuples, str, bool,
-    None, small ints and finite floats here; anything else (a tensor, NumPy, a non-finite float,
-    a dict with other keys) by `encode` itself. `where`: the path as (parent, key) links, turned
-    into `encode`'s list only when `encode` needs it."""
+def _fast_text(obj: Any, on_tensor: Any, where: Any = None) -> str:
+    """`dumps(jsonenc.encode(obj, on_tensor, path))`, the same text, in one pass and without
+    `json`'s encoder (its first call on a cache the step evicted costs ~40 us) for plain dicts,
+    lists, tuples, str, bool, None, small ints and finite floats (the text of an int and a float
+    is their repr, as `json` writes them); anything else (a tensor, NumPy, a non-finite float, a
+    dict with other keys) by `encode` and `dumps`. `where`: the path as (parent, key) links,
+    turned into `encode`'s list only when `encode` needs it."""
     t = type(obj)
+    if t is float and obj - obj == 0.0:  # finite (inf - inf and nan - nan are nan)
+        return float.__repr__(obj)
+    if t is str:
+        return _key_json(obj)
+    if obj is None:
+        return "null"
+    if t is bool:
+        return "true" if obj else "false"
+    if t is int and -_FAST_INT < obj < _FAST_INT:
+        return int.__repr__(obj)
     if t is dict:
         if (len(obj) == 1 and next(iter(obj)) in TAGS) or not all(type(k) is str for k in obj):
-            return encode(obj, on_tensor, _path(where))
-        return {k: _fast_encode(v, on_tensor, (where, k)) for k, v in obj.items()}
+            return dumps(encode(obj, on_tensor, _path(where)))
+        return "{" + ",".join([f"{_key_json(k)}:{_fast_text(v, on_tensor, (where, k))}" for k, v in obj.items()]) + "}"
     if t is list:
         if all(type(v) is int for v in obj) and (not obj or min(obj) > -_FAST_INT and max(obj) < _FAST_INT):
-            return list(obj)  # an optimizer's parameter indices
-        return [_fast_encode(v, on_tensor, (where, i)) for i, v in enumerate(obj)]
+            return "[" + ",".join(map(int.__repr__, obj)) + "]"  # an optimizer's parameter indices
+        return "[" + ",".join([_fast_text(v, on_tensor, (where, i)) for i, v in enumerate(obj)]) + "]"
     if t is tuple:
-        return {"__tuple__": [_fast_encode(v, on_tensor, (where, i)) for i, v in enumerate(obj)]}
-    if t is str or t is bool or obj is None:
-        return obj
-    if t is int and -_FAST_INT < obj < _FAST_INT:
-        return obj
-    if t is float and obj - obj == 0.0:  # finite (inf - inf and nan - nan are nan)
-        return obj
-    return encode(obj, on_tensor, _path(where))
+        return '{"__tuple__":[' + ",".join([_fast_text(v, on_tensor, (where, i)) for i, v in enumerate(obj)]) + "]}"
+    return dumps(encode(obj, on_tensor, _path(where)))
 
 
 _FAST_INT = 1 << 62
@@ -427,7 +491,7 @@ class _OptimizerText:
                                 + [f'"params":{dumps([mapping[id(p)] for p in params])}'])
         got = self._join()
         value = {k: v for k, v in opt.state_dict().items() if k != "state"}
-        want = dumps({"kind": "stateful", "value": _fast_encode(value, lambda path, t: "/".join(path), (None, key))})
+        want = dumps({"kind": "stateful", "value": encode(value, lambda path, t: "/".join(path), [key])})
         return got if got == want else None
 
     def _join(self) -> _Json:
@@ -447,34 +511,10 @@ def _piece(k: str, v: Any, name: Any, key: str, group: int) -> str:
     (a finite float: its repr, as `json` writes it)."""
     if type(v) is float and v - v == 0.0:
         return f"{_key_json(k)}:{v!r}"
-    return f"{_key_json(k)}:{dumps(_fast_encode(v, name, ((((None, key), 'param_groups'), group), k)))}"
+    return f"{_key_json(k)}:{_fast_text(v, name, ((((None, key), 'param_groups'), group), k))}"
 
 
 _KEYS: dict[str, str] = {}
-
-
-def _text(data: Any) -> str:
-    """`dumps(data)` of encoded data (`_fast_encode`'s output), the same text, without `json`'s
-    encoder for plain dicts, lists, ints, finite floats, bools, None and known strings (the
-    encoder's first call on a cache the step evicted costs ~40 us; a snapshot's JSON is small):
-    the text of an int and a float is their repr, as `json` writes them. Anything else by `dumps`."""
-    t = type(data)
-    if t is dict:
-        return "{" + ",".join([f"{_key_json(k)}:{_text(v)}" if type(k) is str else dumps({k: v})[1:-1]
-                               for k, v in data.items()]) + "}"
-    if t is list:
-        return "[" + ",".join([_text(v) for v in data]) + "]"
-    if t is str:
-        return _key_json(data)
-    if t is int:
-        return int.__repr__(data)
-    if t is float and data - data == 0.0:
-        return float.__repr__(data)
-    if data is None:
-        return "null"
-    if t is bool:
-        return "true" if data else "false"
-    return dumps(data)
 
 
 def _key_json(k: str) -> str:
@@ -532,20 +572,8 @@ def _leaves(data: Any) -> Any:
         yield data
 
 
-def _rng_raw(blob: _Blob, state: dict[str, Any]) -> dict[str, Any]:
-    """The RNG states as bytes (`rng.Capturer.raw`) into `blob`; where each lies."""
-    version, words, gauss = state["python"]
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    out: dict[str, Any] = {"python": [version, *blob.add(words), gauss],
-                           "numpy": [name, *blob.add(keys), pos, has_gauss, cached],
-                           "torch_cpu": blob.add(state["torch_cpu"])}
-    if "torch_cuda" in state:
-        out["torch_cuda"] = [blob.add(t) for t in state["torch_cuda"]]
-    return out
-
-
 def _rng_state(raw: dict[str, Any], blob: bytes) -> dict[str, Any]:
-    """Pure inverse of `_rng_raw`: what `rng.capture` returned on that rank at that step."""
+    """Pure: from a record's "rng" (`record`) what `rng.capture` returned on that rank at that step."""
     import torch
 
     def piece(at: int, size: int) -> bytes:
