@@ -64,7 +64,6 @@ def two_nodes(cluster: None):
 from .test_slurm_e2e import cluster  # noqa: E402,F401  (the module fixture above depends on it)
 
 
-@pytest.mark.slurm_exclusive
 @pytest.mark.exhaustive  # the 2 x 2 example preempted twice (below) proves a 2-node preemption, requeue and resume
 def test_two_nodes_preempt_once(two_nodes: None, tmp_path: Path) -> None:
     root = tmp_path / "run"
