@@ -209,14 +209,18 @@ def test_max_requeues_stops_after_one(cluster: None, tmp_path: Path) -> None:
 # partition_ends_bitwise_equal (twice, on two nodes, bitwise); the one-node requeue path is
 # test_three_preemptions_end_bitwise_equal. This one-node point runs with `bash scripts/test --exhaustive`.
 @pytest.mark.exhaustive
-@pytest.mark.slurm_exclusive  # the whole node: the high job would preempt other tests' jobs too
+@pytest.mark.slurm_exclusive  # the whole cluster: the high job would preempt other tests' jobs too
 def test_real_preemption_by_high_partition(cluster: None, tmp_path: Path) -> None:
+    from helpers.slurm_probe import node_count
+
     root = tmp_path / "run"
     job = submit(root, "--partition", "low", "--sbatch", "exclusive", "--time", "10",
                  script_args=("120", "0.1", "0"))
     wait(lambda: progress(root) >= 5, 120, "the low job to reach step 5")
-    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-t", "2", "-o", "/dev/null",
-                           "--wrap", "sleep 5"], capture_output=True, text=True, check=True).stdout.strip()
+    # every node: on the suite's two-node cluster a one-node high job would take the idle one
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "--exclusive", "-N", str(node_count()), "-t", "2",
+                           "-o", "/dev/null", "--wrap", "sleep 5"],
+                          capture_output=True, text=True, check=True).stdout.strip()
     assert final_state(job, timeout=300) == "COMPLETED", job_log(root, job)
     assert final_state(high) == "COMPLETED"
     assert count(root, "exit_after_save", kind="preempt") >= 1

@@ -75,10 +75,13 @@ def test_requeue_survives_a_flaky_scontrol(cluster: None, tmp_path: Path) -> Non
 def test_time_limit_with_a_save_too_slow_resumes_from_previous_checkpoint(cluster: None,  # noqa: F811
                                                                           tmp_path: Path) -> None:
     """Periodic saves every 5 steps; the warning comes, but the save would take 10 minutes; the time
-    limit's SIGTERM then requeues from the newest complete checkpoint instead of ending TIMEOUT."""
+    limit's SIGTERM then requeues from the newest complete checkpoint instead of ending TIMEOUT.
+    --time 2: Slurm sends its own --signal warning up to 60 s early (sbatch(1)); with --time 1 and
+    --signal-lead 20 it came 9 s into the run, at step 1, before the test's warning at step 7 and
+    before any periodic save (a full-suite Slurm run on 2026-12-07: TIMEOUT, nothing to resume)."""
     root = tmp_path / "run"
     env = {"LC_SAVE_EVERY": "5", "LC_SAVE_FAULT": "slow:600", "LC_FAST_AFTER": "1"}
-    job = _submit_with_env(root, env, "--time", "1", "--signal-lead", "20", script_args=("400", "0.2"))
+    job = _submit_with_env(root, env, "--time", "2", "--signal-lead", "20", script_args=("400", "0.2"))
     wait(lambda: progress(root) >= 7, 180, f"step 7\n{job_log(root, job)}")
     scancel("--signal=USR1", job)
     wait(lambda: count(root, "signal_agreed") >= 1, 120, "the warned save to start")

@@ -1,7 +1,9 @@
-"""Two emulated Slurm nodes x 1 process, c10d rendezvous across them: one preemption, both
-shards under one marker, exactly one requeue (by the first node), resume and finish.
+"""Two emulated Slurm nodes (n1, n2 on this host), c10d rendezvous across them: preemption,
+a hang, a rank killed, a node lost; each saved, resumed and finished, bitwise where it can be.
 
-Switches the cluster to two nodes for this module and back to one afterwards."""
+The full suite starts the cluster with two nodes and these tests share it with the one-node tests;
+only the partition preemption holds it alone. On a one-node cluster the module switches it to two
+nodes and back, holding it alone meanwhile (the `two_nodes` fixture)."""
 
 from __future__ import annotations
 
@@ -38,10 +40,17 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def two_nodes(cluster: None):
-    """The cluster to itself (restarting the daemons kills every other test's job) from the
-    switch to two nodes until it is back to one."""
+    """Two Slurm nodes for this module. The full suite starts the cluster with two (scripts/test):
+    nothing to do, and the module's tests share the cluster with the other tests (the other chain's
+    one-node jobs land on either node). On a one-node cluster (`bash scripts/cluster.sh up`) the
+    module switches it to two and back, restarting the daemons (which kills every other test's job),
+    so it holds the cluster alone from the switch until it is back to one."""
     from helpers.cluster_lock import cluster_lock
+    from helpers.slurm_probe import node_count
 
+    if node_count() == 2:
+        yield
+        return
     with cluster_lock(exclusive=True):
         up = subprocess.run(["bash", str(REPO / "scripts" / "cluster.sh"), "up", "--nodes", "2"],
                             capture_output=True, text=True)
@@ -55,7 +64,6 @@ def two_nodes(cluster: None):
 from .test_slurm_e2e import cluster  # noqa: E402,F401  (the module fixture above depends on it)
 
 
-@pytest.mark.slurm_exclusive
 @pytest.mark.exhaustive  # the 2 x 2 example preempted twice (below) proves a 2-node preemption, requeue and resume
 def test_two_nodes_preempt_once(two_nodes: None, tmp_path: Path) -> None:
     root = tmp_path / "run"
@@ -100,7 +108,6 @@ def _reversed_nodes(tmp_path: Path, late_s: float) -> Path:
     return wrapper
 
 
-@pytest.mark.slurm_exclusive
 def test_two_nodes_a_hang_on_slurm_node_1_is_caught_and_restarted_in_the_allocation(two_nodes: None,
                                                                                      tmp_path: Path) -> None:
     """2 nodes x 2 ranks, the rendezvous order forced to the reverse of the Slurm order; the rank with
@@ -166,7 +173,6 @@ def uninterrupted_2x2(two_nodes: None, tmp_path_factory: pytest.TempPathFactory)
     return root, job, finished - started
 
 
-@pytest.mark.slurm_exclusive
 def test_two_nodes_example_lives_past_a_60s_start_up_budget_with_no_hang(
         uninterrupted_2x2: tuple[Path, str, float]) -> None:
     """#26: a healthy 2 x 2 run whose nodes rendezvous in the reverse of their Slurm order is never
@@ -186,7 +192,7 @@ def test_two_nodes_example_lives_past_a_60s_start_up_budget_with_no_hang(
     assert find_latest(root, warn=False).step == 30
 
 
-@pytest.mark.slurm_exclusive
+@pytest.mark.slurm_exclusive  # a `high` job on both nodes would preempt the other tests' jobs too
 def test_two_nodes_example_preempted_twice_by_high_partition_ends_bitwise_equal(
         uninterrupted_2x2: tuple[Path, str, float], tmp_path: Path) -> None:
     """#28: examples/train.py (DDP, no DDPBuckets line) on 2 nodes x 2 ranks, preempted twice by a
@@ -231,7 +237,6 @@ def _stopped_rank(env_has: tuple[bytes, ...], script: bytes = b"unwarned_train.p
     raise AssertionError(f"no stopped rank with {env_has} within {timeout:.0f} s")
 
 
-@pytest.mark.slurm_exclusive
 def test_two_nodes_a_rank_sigkilled_on_the_second_node_costs_at_most_one_step(
         uninterrupted_2x2: tuple[Path, str, float], tmp_path: Path) -> None:
     """#47 on real Slurm, 2 nodes x 2 ranks, no warning: the rank with LOCAL_RANK 1 on
@@ -303,7 +308,6 @@ def _launcher(job: str, node: int) -> int:
     return found[0]
 
 
-@pytest.mark.slurm_exclusive
 def test_two_nodes_a_node_lost_whole_is_saved_for_by_the_other_and_slurm_requeues(
         uninterrupted_2x2: tuple[Path, str, float], tmp_path: Path) -> None:
     """#47, a lost node on real Slurm: the launcher of SLURM_NODEID 1 and its whole tree (torchrun,

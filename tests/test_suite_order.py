@@ -58,6 +58,15 @@ def test_only_the_shared_tests_are_balanced_between_the_chains() -> None:
     assert shared == [500.0, 500.0], chains
 
 
+def test_a_modules_exclusive_test_comes_after_its_shared_ones() -> None:
+    """The module's first test sets up its module-scoped fixture under that test's hold: the
+    two-node module's longest test, the partition preemption (exclusive), ran first and held the
+    cluster alone for the uninterrupted 2 x 2 reference run too."""
+    chains = slurm_chains(list(SECONDS), SECONDS, 2, exclusive={TWO + "twice"})
+    two = [nodeid for chain in chains for nodeid in chain if nodeid.startswith(TWO)]
+    assert two == [TWO + "budget", TWO + "once", TWO + "hang", TWO + "twice"]
+
+
 def test_a_modules_tests_that_share_a_module_fixture_form_one_group() -> None:
     scopes = {"tests/a.py::saved1": ["function", "module"], "tests/a.py::saved2": ["module"],
               "tests/a.py::pure": ["function"], "tests/b.py::t[1]": ["class", "session"],

@@ -1,10 +1,11 @@
 """One real Slurm cluster, several pytest-xdist workers: a readers-writer lock across processes.
 
 Most end-to-end tests submit small jobs (1-2 of the node's 8 advertised CPUs) and can share the
-cluster; they take it shared. A few cannot share it: the two-node test restarts the daemons, the
-partition-preemption test needs the whole node (a `high` job would also preempt the other
-tests' jobs). They take it exclusively (marker `slurm_exclusive`, or `cluster_lock(exclusive=True)`
-around a fixture). The resubmission test (test_slurm_ownership.py) shares it: it checks that
+cluster; they take it shared, the two-node tests too on the full suite's two-node cluster
+(scripts/test). A few cannot share it: the partition-preemption tests need the whole cluster (a
+`high` job would also preempt the other tests' jobs), and on a one-node cluster the two-node
+module restarts the daemons to switch it to two nodes and back. They take it exclusively (marker
+`slurm_exclusive`, or `cluster_lock(exclusive=True)` around a fixture). The resubmission test (test_slurm_ownership.py) shares it: it checks that
 nothing was queued for its own root, not that nothing else entered squeue.
 
 flock alone lets new shared holders in while an exclusive one waits, so an exclusive test

@@ -35,3 +35,9 @@ def cluster_up(patience: float = 60.0, every: float = 1.0) -> tuple[bool, str]:
         if time.monotonic() >= deadline:
             return False, said
         time.sleep(every)
+
+
+def node_count() -> int:
+    """How many nodes the cluster has (`sinfo -N` lists a node once per partition), 0 if sinfo fails."""
+    probe = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True)
+    return len(set(probe.stdout.split())) if probe.returncode == 0 else 0

@@ -8,7 +8,9 @@ a module-scoped fixture runs once per worker and is torn down whenever the next 
 another module. test_slurm_two_nodes.py's fixture switches the cluster to two nodes and back
 (two daemon restarts, holding the cluster alone) and its uninterrupted 2 x 2 reference run
 is shared by two tests; balanced test by test, its four tests went to both chains between
-other modules' tests, and the switch and the reference ran up to four times and twice."""
+other modules' tests, and the switch and the reference ran up to four times and twice. (The full
+suite now starts the cluster with two nodes: no switch, and only the module's partition
+preemption holds the cluster alone.)"""
 
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ def slurm_chains(nodeids: Sequence[str], seconds: Mapping[str, float], chains: i
     """`chains` lists of nodeids: whole modules, the heaviest first, each to the chain with the
     fewest recorded seconds of shared tests so far; in a chain, its modules in that order and each
     module's tests the longest first, except that a module with a test in `exclusive` comes after
-    the chain's other modules. A test in `exclusive` holds the cluster alone: every chain waits for
+    the chain's other modules and, in a module, its tests in `exclusive` come after its shared ones
+    (a module-scoped fixture, such as test_slurm_two_nodes.py's uninterrupted 2 x 2 reference run,
+    is set up by the module's first test, under that test's hold: first in the module, the
+    partition preemption held the cluster alone for the reference run too). A test in `exclusive` holds the cluster alone: every chain waits for
     it whichever chain runs it, so only the shared tests' seconds are balanced. Run first, the
     exclusive module (or the other chain's first test, whichever took the lock first) made the other
     chain's worker sit idle on the lock; run last, it starts when the other chain is done or nearly
@@ -43,7 +48,8 @@ def slurm_chains(nodeids: Sequence[str], seconds: Mapping[str, float], chains: i
     for ids in sorted(modules.values(), key=lambda ids: -cost(ids)):
         i = load.index(min(load))
         load[i] += cost(ids, shared_only=True)
-        placed[i].append(sorted(ids, key=lambda nodeid: -seconds.get(nodeid, UNLISTED_S)))
+        # its shared tests first: the first test sets up the module's fixtures, under its own hold
+        placed[i].append(sorted(ids, key=lambda nodeid: (nodeid in exclusive, -seconds.get(nodeid, UNLISTED_S))))
     # a stable sort: the shared modules keep their order, the modules holding the cluster alone go last
     return [[nodeid for ids in sorted(mods, key=lambda ids: any(i in exclusive for i in ids)) for nodeid in ids]
             for mods in placed]
