@@ -407,3 +407,52 @@ def test_fsdp2_a_node_lost_whole_is_committed_from_the_peer_copy_and_the_requeue
     assert [e["step"] for e in read_events(root) if e["event"] == "restored"] == [k]
     assert _trained(record) - k <= 1
     assert compare_checkpoints(reference("fsdp2"), root / step_dir_name(STEPS)) == []
+
+
+@pytest.mark.slow
+def test_fsdp2_a_node_lost_steps_after_its_replica_landed_is_committed_from_the_pinned_snapshot(
+        tmp_path: Path, reference: Callable[[str], Path]) -> None:
+    """Issue 49 item 4, as the bench loses a node: not stopped at a snapshot but while training runs,
+    steps after the other node received a replica of its snapshots. Every node keeps its own
+    snapshot of the newest step whose replica every successor acked (train/peerpin.py), and the
+    successor keeps that replica, so the survivor still holds every shard of one step: it is
+    committed (`memory_promoted`), at least as new as the replica seen before the kill, and the
+    requeued job resumes from it and ends bitwise. (Before the pins, the survivor's own snapshots
+    had moved past the one replica it kept, and nothing was promoted.)"""
+    from helpers.twonodes import finish_all, requeued, stopped_with_memory
+
+    from slurmresume.checkpoint.store import newest_committed
+    from slurmresume.contract import LAUNCHER_EXIT_REQUEUED
+    from slurmresume.job.peercopy import replica_root
+
+    root, record = tmp_path / "ckpt", tmp_path / "record"
+    env = {"UNWARNED_SCRIPT": str(SCRIPT), ENV_DRILL_RECORD: str(record)}
+    args = ["--shape", "fsdp2", *ARGS]
+    launchers, _pid, (_mem0, mem1) = stopped_with_memory(tmp_path, args, env, "4952", None)
+    try:
+        end = time.monotonic() + 300  # a hang guard: the copy runs in the background
+        landed = None  # a replica newer than the periodic save: what it promotes beats the file tier
+        while landed is None or landed <= SAVE_EVERY:
+            assert time.monotonic() < end and all(p.poll() is None for p in launchers), "no replica before the end"
+            landed = newest_committed(replica_root(mem1, 0))
+            time.sleep(0.01)
+        while max((r["step"] for r in read_records(record, 0)), default=0) < landed + 3:
+            assert time.monotonic() < end and all(p.poll() is None for p in launchers), "the run ended first"
+            time.sleep(0.01)
+        signal_tree(launchers[0].pid, signal.SIGKILL)  # the launcher, its torchrun agent and both ranks
+        outs = finish_all(launchers, 600)
+    except BaseException:
+        for p in launchers:
+            signal_tree(p.pid, signal.SIGKILL)
+        raise
+    assert launchers[1].returncode == LAUNCHER_EXIT_REQUEUED, "\n".join(o[-3000:] for o in outs)
+    promoted = [e for e in read_events(root) if e["event"] == "memory_promoted"]
+    assert len(promoted) == 1 and promoted[0]["committed"] is True, promoted
+    assert promoted[0]["step"] >= landed, (promoted, landed)
+
+    again, outs = requeued(tmp_path, HELPERS / "unwarned_train.py", args, env, "4952")
+    assert [p.returncode for p in again] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    restored = [e["step"] for e in read_events(root) if e["event"] == "restored"]
+    assert restored == [promoted[0]["step"]], restored
+    assert compare_checkpoints(reference("fsdp2"), root / step_dir_name(STEPS)) == []
+

@@ -57,15 +57,17 @@ from ..checkpoint.layout import MARKER, SAVING_PREFIX, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.shardread import hash_file, split_locator
 from ..checkpoint.store import newest_committed, remove_private_step
-from ..contract import write_json
+from ..contract import ENV_PEER_COPY_MBS, write_json
 from ..errors import CheckpointError
+from ..train.peerpin import PIN, committed_here, read_pins, write_acked
 from .memroot import PEERS  # under a memory root: peers/n<node>/<step dir>, that node's replica
 
 log = logging.getLogger("slurmresume")
 
-ENV_RATE = "SLURMRESUME_PEER_COPY_MBS"  # the sender's cap, MB/s ("0": no peer copy)
+ENV_RATE = ENV_PEER_COPY_MBS  # the sender's cap, MB/s ("0": no peer copy)
 DEFAULT_RATE_MBS = 400.0
-POLL_S = 0.5
+POLL_S = 0.5  # the receiver's accept timeout (how soon `close` stops it)
+WAKE_S = 0.02  # the sender's look at its node's pin file: a new target goes within this of being named
 CHUNK = 8 << 20
 HEADROOM = 256 << 20  # bytes left free on the memory root's file system after a replica lands
 MAGIC = "slurmresume-peercopy-1"
@@ -191,10 +193,12 @@ class PeerCopy:
     # -- sender -------------------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
-        while not self._stop.wait(POLL_S):
-            step = _newest(self.memory)
+        while not self._stop.wait(WAKE_S):
+            step = self._due()
             if step is None or (self.tried is not None and step <= self.tried):
                 continue
+            if not committed_here(self.memory, step):
+                continue  # the target is the snapshot being written: sent once it committed here
             try:
                 self._send(step)
             except OSError as exc:  # the peer not up yet, gone, or the step pruned: the next poll tries again
@@ -233,6 +237,14 @@ class PeerCopy:
         else:  # not sent again: the next snapshot is
             self.refused = answer.removeprefix("refused ") or "the connection closed"
             log.warning("peer copy of step %d to node %d refused: %s", step, self.target, self.refused)
+        # the ranks' evidence that the peer holds this step verified (train/peerpin.py)
+        write_acked(self.memory, self.sent, None if answer == "ok" else step)
+
+    def _due(self) -> int | None:
+        """The step to send: the ranks' target (train/peerpin.py); without a pin file (ranks that
+        do not pin), the newest committed snapshot."""
+        pinned = read_pins(self.memory)
+        return pinned.target if (self.memory / PIN).exists() else _newest(self.memory)
 
     # -- receiver -----------------------------------------------------------------------------------
 
@@ -290,8 +302,9 @@ class PeerCopy:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        keep = read_pins(self.memory).held()  # the same steps on every node (train/peerpin.py)
         for s, path in step_dirs(root):
-            if s < step:
+            if s < step and s not in keep:
                 remove_private_step(path)
         _answer(conn, "ok")
 
