@@ -8,8 +8,9 @@ node (Gemini's idea, SOSP 2023) is what the survivors can write in its place (it
 restart restores from when the node's own copy is gone.
 
 Who does what (every node's launcher, `PeerCopy`, two threads):
-  - sender: every POLL_S, the newest committed step of this node's memory root (its own
-    snapshots; `peers/` is not a step directory) not yet sent goes to node (node + 1) % nodes,
+  - sender: the step the ranks pinned as the target (train/peerpin.py: the same step on every
+    node, read from this node's pin file every WAKE_S, sent once it committed here; without a pin
+    file, the newest committed step of this node's memory root) not yet sent goes to node (node + 1) % nodes,
     whose address its receiver posted in the run's shared directory (`peercopy-<node>.json`, as
     the death board's ring does). One connection per snapshot: a header line (the step, this
     node, each file's relative path and size, the commit marker last), then the bytes (sendfile),
@@ -23,11 +24,13 @@ Who does what (every node's launcher, `PeerCopy`, two threads):
     `.saving.` directory of `peers/n<node>/`; then it is verified (`verify_part`: the manifest
     pinned by the marker, and every file the node holds whole against its size and digest: a
     node's root holds its own ranks' shards) and only then renamed into place, so a replica is either complete and verified or
-    absent (never a partial one with a name). The older replica of that node is then removed: at
-    most two per node exist (the newest and the one arriving). A transfer cut short or a byte
+    absent (never a partial one with a name). The older replicas of that node are then removed,
+    but the steps the ranks pinned (the target and the step kept for a promotion): at most three
+    per node exist (those two and the one arriving). A transfer cut short or a byte
     flipped on the way: that copy is dropped (one warning naming why), the next snapshot is sent.
   - the receiver answers "ok" or "refused <why>" on the same connection, so the sender knows
-    what the peer verified (`sent`) and logs a refusal. `status` shows each node's replicas from
+    what the peer verified (`sent`) and logs a refusal; it writes that answer to its node's ack
+    file (`peerpin.ACKED`), the ranks' evidence for which step every node can be promoted from. `status` shows each node's replicas from
     the files (job/memroot.py `view`): a replica's lag is its node's newest snapshot minus its step.
 
 Wire format, per snapshot: 8 bytes (big-endian length), the header's JSON, each file's bytes in the

@@ -6,9 +6,12 @@ first (train/memrestore.py) with the same checks as from a file checkpoint.
 A snapshot is a save like any other: `saving.save_collective` on the memory root (per-rank
 safetensors, their digests, the manifest, COMMITTED last), started by the one background writer
 (`asyncsave.AsyncWriter`: the tensors copied into its reused buffers, written on its thread), so
-training pays the copy, not the write. At most two snapshots exist: the newest committed one and
-the one being written (rank 0 removes the older ones once a snapshot commits). A failed snapshot
-is a warning; training goes on with the file tier.
+training pays the copy, not the write. On one node at most two snapshots exist: the newest
+committed one and the one being written (rank 0 removes the older ones once a snapshot commits).
+With a peer copy (several nodes) each node also keeps the two steps the ranks pinned for it
+(train/peerpin.py: the one being copied, the newest every successor acked), so at most four,
+three while the copy keeps up; the fit check reads the free bytes, so it counts them as held. A
+failed snapshot is a warning; training goes on with the file tier.
 
 Who decides what, so that every rank makes the same collective calls at the same step:
   - when: step numbers only (`memplan.Schedule`, pure). `snapshot_every=N`: every step divisible by N.
