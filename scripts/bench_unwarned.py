@@ -176,11 +176,11 @@ def one_kill_nodes(work: Path, ranks: int, args: list[str], steps: int, save_eve
 
 
 def replica_lags(work: Path) -> list[tuple[int, int]]:
-    """Each emulated node's replica lag now, from its memory root's files (train/peerpin.py): its
+    """Each emulated node's replica lag now, from its memory root's files (peerpin.py): its
     newest committed snapshot minus the newest step its successor acked, and minus the step kept
     for a promotion (every successor acked). Nodes with no ack yet are left out."""
     from slurmresume.checkpoint.store import newest_committed
-    from slurmresume.train.peerpin import read_acked, read_pins
+    from slurmresume.peerpin import read_acked, read_pins
 
     out = []
     for mem in work.glob("shm*-0/slurmresume-mem-*"):
@@ -190,7 +190,7 @@ def replica_lags(work: Path) -> list[tuple[int, int]]:
     return out
 
 
-def lag_summary(lags: list[tuple[int, int]]) -> dict:
+def lag_summary(lags: list[tuple[int, int]]) -> dict[str, str | None]:
     """Median and max over the samples, in steps (`lag`: to the acked replica; `keep_lag`: to the
     step a promotion would take)."""
     if not lags:

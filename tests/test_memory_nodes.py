@@ -135,11 +135,11 @@ def test_a_flipped_byte_in_the_replica_or_a_newer_committed_step_commits_nothing
     assert not (root / step_dir_name(7)).exists()
 
 
-# -- which snapshots a node keeps for the peer copy (train/peerpin.py) --------------------------------
+# -- which snapshots a node keeps for the peer copy (peerpin.py) --------------------------------
 
 
 def test_the_target_becomes_keep_only_once_every_nodes_replica_of_it_is_acked() -> None:
-    from slurmresume.train.peerpin import Pins, advance
+    from slurmresume.peerpin import Pins, advance
 
     # nothing pinned yet: the snapshot being written is the target
     assert advance(Pins(), None, False, False, 1) == Pins(1, None)

@@ -169,10 +169,10 @@ def test_the_rate_comes_from_the_environment(monkeypatch: Any) -> None:
 
 
 def test_the_sender_sends_the_pinned_target_and_its_ack_is_the_ranks_evidence(ring: Any) -> None:
-    """The ranks name the step to copy (train/peerpin.py's pin file); the sender sends that one,
+    """The ranks name the step to copy (peerpin.py's pin file); the sender sends that one,
     not its newest, and writes the receiver's "ok" to its node's ack file; the receiver keeps the
     pinned steps' replicas when a newer one lands."""
-    from slurmresume.train.peerpin import Pins, read_acked, write_pins
+    from slurmresume.peerpin import Pins, read_acked, write_pins
 
     (mem0, mem1), (c0, _c1) = ring
     for m in (mem0, mem1):
@@ -196,10 +196,21 @@ def test_the_sender_sends_the_pinned_target_and_its_ack_is_the_ranks_evidence(ri
 
 
 def test_a_refused_target_is_written_as_refused_for_the_ranks(ring: Any, monkeypatch: Any) -> None:
-    from slurmresume.train.peerpin import Pins, read_acked, write_pins
+    from slurmresume.peerpin import Pins, read_acked, write_pins
 
     (mem0, mem1), _copies = ring
-    monkeypatch.setattr(peercopy, "HEADROOM", 1 << 60)  # the receiver's file system "cannot hold it"
+    real = socket.socket.sendfile
+
+    def corrupting(self: socket.socket, file: Any, offset: int = 0, count: int | None = None) -> int:
+        if not file.name.endswith(".safetensors"):
+            return real(self, file, offset, count)
+        file.seek(offset)
+        data = bytearray(file.read(count))
+        data[-1] ^= 0x01  # the receiver's check fails: it answers "refused"
+        self.sendall(bytes(data))
+        return len(data)
+
+    monkeypatch.setattr(socket.socket, "sendfile", corrupting)
     for m in (mem0, mem1):
         write_pins(m, Pins(3, None))
     save_steps(mem0, [3])

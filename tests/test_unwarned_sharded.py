@@ -364,7 +364,7 @@ def test_fsdp2_a_node_lost_whole_is_committed_from_the_peer_copy_and_the_requeue
         tmp_path: Path, reference: Callable[[str], Path]) -> None:
     """Issue 49 item 4: FSDP2 over 2 emulated nodes x 2, `--snapshot-every 1`, rank 3 stopped after
     its node's snapshot of step k. Once the other node holds the peer copy of the step the ranks
-    pinned for the copy (train/peerpin.py: k, or k - 1 when k's copy was not due: the one before
+    pinned for the copy (peerpin.py: k, or k - 1 when k's copy was not due: the one before
     was still being acked) of the node with ranks 2 and 3, that node is lost whole (its launcher,
     torchrun and both ranks SIGKILLed). The survivors' failure save is refused (ranks 2 and 3's
     pieces are on no survivor), but the surviving launcher holds every shard of that step: ranks 0
@@ -377,7 +377,7 @@ def test_fsdp2_a_node_lost_whole_is_committed_from_the_peer_copy_and_the_requeue
     from slurmresume.checkpoint.layout import MARKER
     from slurmresume.contract import LAUNCHER_EXIT_REQUEUED
     from slurmresume.job.peercopy import replica_root
-    from slurmresume.train.peerpin import read_pins
+    from slurmresume.peerpin import read_pins
 
     k = SAVE_EVERY + 3
     root, record, calls = tmp_path / "ckpt", tmp_path / "record", tmp_path / "scontrol.log"
@@ -419,7 +419,7 @@ def test_fsdp2_a_node_lost_steps_after_its_replica_landed_is_committed_from_the_
         tmp_path: Path, reference: Callable[[str], Path]) -> None:
     """Issue 49 item 4, as the bench loses a node: not stopped at a snapshot but while training runs,
     steps after the other node received a replica of its snapshots. Every node keeps its own
-    snapshot of the newest step whose replica every successor acked (train/peerpin.py), and the
+    snapshot of the newest step whose replica every successor acked (peerpin.py), and the
     successor keeps that replica, so the survivor still holds every shard of one step: it is
     committed (`memory_promoted`), at least as new as the replica seen before the kill, and the
     requeued job resumes from it and ends bitwise. (Before the pins, the survivor's own snapshots

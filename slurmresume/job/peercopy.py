@@ -8,7 +8,7 @@ node (Gemini's idea, SOSP 2023) is what the survivors can write in its place (it
 restart restores from when the node's own copy is gone.
 
 Who does what (every node's launcher, `PeerCopy`, two threads):
-  - sender: the step the ranks pinned as the target (train/peerpin.py: the same step on every
+  - sender: the step the ranks pinned as the target (peerpin.py: the same step on every
     node, read from this node's pin file every WAKE_S, sent once it committed here; without a pin
     file, the newest committed step of this node's memory root) not yet sent goes to node (node + 1) % nodes,
     whose address its receiver posted in the run's shared directory (`peercopy-<node>.json`, as
@@ -62,7 +62,7 @@ from ..checkpoint.shardread import hash_file, split_locator
 from ..checkpoint.store import newest_committed, remove_private_step
 from ..contract import ENV_PEER_COPY_MBS, write_json
 from ..errors import CheckpointError
-from ..train.peerpin import PIN, committed_here, read_pins, write_acked
+from ..peerpin import PIN, committed_here, read_pins, write_acked
 from .memroot import PEERS  # under a memory root: peers/n<node>/<step dir>, that node's replica
 
 log = logging.getLogger("slurmresume")
@@ -240,11 +240,11 @@ class PeerCopy:
         else:  # not sent again: the next snapshot is
             self.refused = answer.removeprefix("refused ") or "the connection closed"
             log.warning("peer copy of step %d to node %d refused: %s", step, self.target, self.refused)
-        # the ranks' evidence that the peer holds this step verified (train/peerpin.py)
+        # the ranks' evidence that the peer holds this step verified (peerpin.py)
         write_acked(self.memory, self.sent, None if answer == "ok" else step)
 
     def _due(self) -> int | None:
-        """The step to send: the ranks' target (train/peerpin.py); without a pin file (ranks that
+        """The step to send: the ranks' target (peerpin.py); without a pin file (ranks that
         do not pin), the newest committed snapshot."""
         pinned = read_pins(self.memory)
         return pinned.target if (self.memory / PIN).exists() else _newest(self.memory)
@@ -305,7 +305,7 @@ class PeerCopy:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        keep = read_pins(self.memory).held()  # the same steps on every node (train/peerpin.py)
+        keep = read_pins(self.memory).held()  # the same steps on every node (peerpin.py)
         for s, path in step_dirs(root):
             if s < step and s not in keep:
                 remove_private_step(path)

@@ -9,7 +9,7 @@ safetensors, their digests, the manifest, COMMITTED last), started by the one ba
 training pays the copy, not the write. On one node at most two snapshots exist: the newest
 committed one and the one being written (rank 0 removes the older ones once a snapshot commits).
 With a peer copy (several nodes) each node also keeps the two steps the ranks pinned for it
-(train/peerpin.py: the one being copied, the newest every successor acked), so at most four,
+(peerpin.py: the one being copied, the newest every successor acked), so at most four,
 three while the copy keeps up; the fit check reads the free bytes, so it counts them as held. A
 failed snapshot is a warning; training goes on with the file tier.
 
@@ -52,6 +52,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import peerpin
 from ..checkpoint.fsio import free_space
 from ..checkpoint.layout import (
     MANIFEST,
@@ -66,7 +67,6 @@ from ..contract import ENV_MEMORY_DIR, ENV_MEMORY_LIMIT, ENV_SNAPSHOT_EVERY
 from ..errors import ConfigError, SaveError
 from ..events import EV_MEMORY_REFUSED, try_append_event
 from .memplan import BUDGET, Cost, Schedule, refusal, setting
-from . import peerpin
 from .memshard import Kept
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class MemoryTier:
         self._ended: int | None = None  # ... and of the last one whose save returned (or failed)
         self._broken = False  # ... which raised (a collective broke: a peer likely died)
         self._cv = threading.Condition()
-        # several nodes with a peer copy: the snapshots kept for it (train/peerpin.py); None: none
+        # several nodes with a peer copy: the snapshots kept for it (peerpin.py); None: none
         self.pins: peerpin.Pins | None = peerpin.Pins() if self.spread and peerpin.peer_copy_on() else None
         self._pins_agreed = False  # False: the next agreement starts from the node's pin file
 
@@ -165,7 +165,7 @@ class MemoryTier:
         return payload
 
     def _pin_votes(self) -> list[int]:
-        """This rank's part of the peer copy's agreement (train/peerpin.py), [] without a peer
+        """This rank's part of the peer copy's agreement (peerpin.py), [] without a peer
         copy: the pins it holds (after a restart: its node's pin file, kept only where every rank
         read the same), its node's ack, and whether its node lost the target or `keep`."""
         if self.pins is None:
@@ -343,7 +343,7 @@ def forget_from(root: Path, step: int) -> None:
 def prune(root: Path, newest: int, pinned: set[int] | frozenset[int] = frozenset()) -> None:
     """A node's first rank, once `newest` committed in the memory root (this job's alone, on this
     node): every older step, committed or left by a killed writer, is removed (marker first),
-    but the committed steps the peer copy pins (train/peerpin.py). Never raises."""
+    but the committed steps the peer copy pins (peerpin.py). Never raises."""
     for s, path in step_dirs(root):
         if s < newest and s not in pinned:
             remove_private_step(path)

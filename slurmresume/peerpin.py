@@ -34,8 +34,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint.layout import MARKER, step_dir_name
-from ..contract import ENV_PEER_COPY_MBS, write_json
+from .checkpoint.layout import MARKER, step_dir_name
+from .contract import ENV_PEER_COPY_MBS, write_json
 
 PIN = "peer-pin.json"  # in a node's memory root: {"target": step|None, "keep": step|None}
 ACKED = "peer-acked.json"  # in a node's memory root, by its launcher: {"acked": step|None, "refused": step|None}
@@ -106,7 +106,7 @@ def committed_here(memory: Path, step: int | None) -> bool:
     return step is not None and (memory / step_dir_name(step) / MARKER).exists()
 
 
-def _read(path: Path) -> dict:
+def _read(path: Path) -> dict[str, object]:
     try:
         got = json.loads(path.read_text())
     except (OSError, ValueError):
