@@ -141,7 +141,9 @@ def one_kill_nodes(work: Path, ranks: int, args: list[str], steps: int, save_eve
         return out
 
     launchers = both(0)
+    lags: list[tuple[int, int]] = []  # per sample and node: (newest snapshot - its acked replica, - the pinned keep)
     while max((r["step"] for r in records(record, 0)), default=0) < at and all(p.poll() is None for p in launchers):
+        lags += replica_lags(work)
         time.sleep(0.01)
     time.sleep(rng.uniform(0.0, 0.1))
     pid = global_rank_pid(launchers, victim, script.name.encode())
@@ -169,7 +171,32 @@ def one_kill_nodes(work: Path, ranks: int, args: list[str], steps: int, save_eve
             "restored": restored.get("step"), "tier": restored.get("tier"),
             "repeated": None if restored.get("step") is None else trained - restored["step"],
             "resume_s": next((e.get("seconds") for e in ev if e["event"] == "resumed"), None), "bitwise": same,
+            **lag_summary(lags),
             "stderr_tail": "" if same else "\n".join(o[-800:] for o in outs)}
+
+
+def replica_lags(work: Path) -> list[tuple[int, int]]:
+    """Each emulated node's replica lag now, from its memory root's files (peerpin.py): its
+    newest committed snapshot minus the newest step its successor acked, and minus the step kept
+    for a promotion (every successor acked). Nodes with no ack yet are left out."""
+    from slurmresume.checkpoint.store import newest_committed
+    from slurmresume.peerpin import read_acked, read_pins
+
+    out = []
+    for mem in work.glob("shm*-0/slurmresume-mem-*"):
+        newest, (acked, _), keep = newest_committed(mem), read_acked(mem), read_pins(mem).keep
+        if newest is not None and acked is not None and keep is not None:
+            out.append((newest - acked, newest - keep))
+    return out
+
+
+def lag_summary(lags: list[tuple[int, int]]) -> dict[str, str | None]:
+    """Median and max over the samples, in steps (`lag`: to the acked replica; `keep_lag`: to the
+    step a promotion would take)."""
+    if not lags:
+        return {"lag": None, "keep_lag": None}
+    acked, kept = [a for a, _ in lags], [k for _, k in lags]
+    return {"lag": f"{statistics.median(acked):g}/{max(acked)}", "keep_lag": f"{statistics.median(kept):g}/{max(kept)}"}
 
 
 def main() -> int:

@@ -72,6 +72,8 @@ ENV_RESTORE_WARM = "SLURMRESUME_RESTORE_WARM"
 # format, that the node launcher creates for the job, keeps across in-allocation restarts and
 # removes when the job ends or is requeued (job/memroot.py); unset: no memory tier
 ENV_MEMORY_DIR = "SLURMRESUME_MEMORY_DIR"
+# the peer copy's cap, MB/s, read by the launchers (job/peercopy.py) and the ranks (peerpin.py); "0": none
+ENV_PEER_COPY_MBS = "SLURMRESUME_PEER_COPY_MBS"
 ENV_SNAPSHOT_EVERY = "SLURMRESUME_SNAPSHOT_EVERY"  # "auto" | "off" | N: the memory tier's interval (submit --snapshot-every)
 # set by the user: the most bytes the memory tier may hold on one node (default: what tmpfs and
 # MemAvailable allow, with headroom); a snapshot over it is refused with one warning

@@ -133,3 +133,37 @@ def test_a_flipped_byte_in_the_replica_or_a_newer_committed_step_commits_nothing
     assert out[0]["committed"] is False and "step 9 is committed already" in out[0]["why"], out
     assert out[1]["committed"] is False
     assert not (root / step_dir_name(7)).exists()
+
+
+# -- which snapshots a node keeps for the peer copy (peerpin.py) --------------------------------
+
+
+def test_the_target_becomes_keep_only_once_every_nodes_replica_of_it_is_acked() -> None:
+    from slurmresume.peerpin import Pins, advance
+
+    # nothing pinned yet: the snapshot being written is the target
+    assert advance(Pins(), None, False, False, 1) == Pins(1, None)
+    # still being copied (the least ack is older): both kept as they are, whatever the snapshot
+    assert advance(Pins(4, 2), 2, False, False, 6) == Pins(4, 2)
+    assert advance(Pins(4, 2), None, False, False, 6) == Pins(4, 2)
+    # every node's successor verified it: it is kept for a promotion, and this snapshot is next
+    assert advance(Pins(4, 2), 4, False, False, 6) == Pins(6, 4)
+    # a target some node lost, or whose copy was refused: dropped, never waited for; keep stays
+    assert advance(Pins(4, 2), 4, True, False, 6) == Pins(6, 2)
+    assert advance(Pins(4, 2), 2, False, True, 6) == Pins(6, 2)
+    # a keep some node no longer holds is no keep
+    assert advance(Pins(4, 2), 2, False, False, 6, keep_lost=True) == Pins(4, None)
+    assert Pins(6, 4).held() == {4, 6} and Pins().held() == set()
+
+
+def test_prune_keeps_the_pinned_steps_and_frees_the_rest(tmp_path: Path) -> None:
+    from helpers.core import save_steps
+
+    from slurmresume.checkpoint.layout import step_dirs
+    from slurmresume.train.memtier import prune
+
+    save_steps(tmp_path, [1, 2, 3, 4, 5])
+    (tmp_path / f".saving.{step_dir_name(3)}.{'ab' * 8}").mkdir()  # a killed writer's leftover: never pinned
+    prune(tmp_path, 5, {2, 4})
+    assert sorted(s for s, _ in step_dirs(tmp_path)) == [2, 4, 5]
+    assert not list(tmp_path.glob(".saving.*"))

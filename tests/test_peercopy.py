@@ -166,3 +166,53 @@ def test_the_rate_comes_from_the_environment(monkeypatch: Any) -> None:
     assert peercopy.rate_from_env() is None
     monkeypatch.setenv(peercopy.ENV_RATE, "50")
     assert peercopy.rate_from_env() == 50e6
+
+
+def test_the_sender_sends_the_pinned_target_and_its_ack_is_the_ranks_evidence(ring: Any) -> None:
+    """The ranks name the step to copy (peerpin.py's pin file); the sender sends that one,
+    not its newest, and writes the receiver's "ok" to its node's ack file; the receiver keeps the
+    pinned steps' replicas when a newer one lands."""
+    from slurmresume.peerpin import Pins, read_acked, write_pins
+
+    (mem0, mem1), (c0, _c1) = ring
+    for m in (mem0, mem1):
+        write_pins(m, Pins(3, None))
+    save_steps(mem0, [3, 4])  # 4 is newer, but 3 is the target
+    replica = replica_root(mem1, 0)
+    _wait(lambda: read_acked(mem0) == (3, None), "the ack of step 3")
+    assert [s for s, _ in step_dirs(replica)] == [3] and c0.sent == 3
+    # every node acked 3: it is kept; 5 is the next target
+    save_steps(mem0, [5])
+    for m in (mem0, mem1):
+        write_pins(m, Pins(5, 3))
+    _wait(lambda: read_acked(mem0) == (5, None), "the ack of step 5")
+    assert sorted(s for s, _ in step_dirs(replica)) == [3, 5]  # the promotable step survives the newer replica
+    # then 7 acked and 5 kept: 3 is freed
+    save_steps(mem0, [7])
+    for m in (mem0, mem1):
+        write_pins(m, Pins(7, 5))
+    _wait(lambda: read_acked(mem0) == (7, None), "the ack of step 7")
+    assert sorted(s for s, _ in step_dirs(replica)) == [5, 7]
+
+
+def test_a_refused_target_is_written_as_refused_for_the_ranks(ring: Any, monkeypatch: Any) -> None:
+    from slurmresume.peerpin import Pins, read_acked, write_pins
+
+    (mem0, mem1), _copies = ring
+    real = socket.socket.sendfile
+
+    def corrupting(self: socket.socket, file: Any, offset: int = 0, count: int | None = None) -> int:
+        if not file.name.endswith(".safetensors"):
+            return real(self, file, offset, count)
+        file.seek(offset)
+        data = bytearray(file.read(count))
+        data[-1] ^= 0x01  # the receiver's check fails: it answers "refused"
+        self.sendall(bytes(data))
+        return len(data)
+
+    monkeypatch.setattr(socket.socket, "sendfile", corrupting)
+    for m in (mem0, mem1):
+        write_pins(m, Pins(3, None))
+    save_steps(mem0, [3])
+    _wait(lambda: read_acked(mem0) == (None, 3), "the refusal")
+    assert not step_dirs(replica_root(mem1, 0))

@@ -362,31 +362,36 @@ def test_fsdp2_on_two_nodes_a_killed_rank_costs_at_most_one_step_restored_from_m
 @pytest.mark.slow
 def test_fsdp2_a_node_lost_whole_is_committed_from_the_peer_copy_and_the_requeued_job_ends_bitwise(
         tmp_path: Path, reference: Callable[[str], Path]) -> None:
-    """Issue 49 item 4: FSDP2 over 2 emulated nodes x 2, `--snapshot-every 1`. Once the other node
-    holds the peer copy of the snapshot of step k of the node with ranks 2 and 3, that node is lost
-    whole (its launcher, torchrun and both ranks SIGKILLed). The survivors' failure save is refused
-    (ranks 2 and 3's pieces are on no survivor), but the surviving launcher holds every shard of
-    step k: ranks 0 and 1's in its memory, ranks 2 and 3's in the verified replica. It commits step
-    k to the root (`memory_promoted`), the job is requeued, and the requeued job resumes from step k
-    (at most one step trained twice, where the periodic step would cost k - 8) and ends bitwise."""
+    """Issue 49 item 4: FSDP2 over 2 emulated nodes x 2, `--snapshot-every 1`, rank 3 stopped after
+    its node's snapshot of step k. Once the other node holds the peer copy of the step the ranks
+    pinned for the copy (peerpin.py: k, or k - 1 when k's copy was not due: the one before
+    was still being acked) of the node with ranks 2 and 3, that node is lost whole (its launcher,
+    torchrun and both ranks SIGKILLed). The survivors' failure save is refused (ranks 2 and 3's
+    pieces are on no survivor), but the surviving launcher holds every shard of that step: ranks 0
+    and 1's in its memory, ranks 2 and 3's in the verified replica. It commits it to the root
+    (`memory_promoted`), the job is requeued, and the requeued job resumes from it (at most two
+    steps trained twice, where the periodic step would cost k - 8) and ends bitwise."""
     from helpers.procs import process_tree
     from helpers.twonodes import finish_all, requeued, stopped_with_memory
 
     from slurmresume.checkpoint.layout import MARKER
     from slurmresume.contract import LAUNCHER_EXIT_REQUEUED
     from slurmresume.job.peercopy import replica_root
+    from slurmresume.peerpin import read_pins
 
     k = SAVE_EVERY + 3
     root, record, calls = tmp_path / "ckpt", tmp_path / "record", tmp_path / "scontrol.log"
     env = {"UNWARNED_SCRIPT": str(SCRIPT), "STOP_AFTER_STEP": str(k), "STOP_RANK": "3", "STOP_AFTER_MEMORY": "1",
            ENV_DRILL_RECORD: str(record), "SCONTROL_LOG": str(calls)}
     args = ["--shape", "fsdp2", *ARGS]
-    launchers, pid, (_mem0, mem1) = stopped_with_memory(tmp_path, args, env, "4951", 3)
+    launchers, pid, (mem0, mem1) = stopped_with_memory(tmp_path, args, env, "4951", 3)
     try:
         assert pid in process_tree(launchers[0].pid)  # rank 3 is on the node with SLURM_NODEID=0
         end = time.monotonic() + 120  # a hang guard: the copy runs in the background
-        while not (replica_root(mem1, 0) / step_dir_name(k) / MARKER).exists():
-            assert time.monotonic() < end, "the peer copy of step k never arrived"
+        target = read_pins(mem0).target
+        assert target in (k - 1, k), target
+        while not (replica_root(mem1, 0) / step_dir_name(target) / MARKER).exists():
+            assert time.monotonic() < end, "the peer copy of the pinned step never arrived"
             time.sleep(0.05)
         signal_tree(launchers[0].pid, signal.SIGKILL)  # the launcher, its torchrun agent and both ranks
         outs = finish_all(launchers, 600)
@@ -399,11 +404,60 @@ def test_fsdp2_a_node_lost_whole_is_committed_from_the_peer_copy_and_the_requeue
     saves = [e for e in ev if e["event"] == "failure_save"]
     assert len(saves) == 1 and saves[0]["committed"] is False, saves
     promoted = [e for e in ev if e["event"] == "memory_promoted"]
-    assert [(e["step"], e["committed"]) for e in promoted] == [(k, True)], promoted
+    assert [(e["step"], e["committed"]) for e in promoted] == [(target, True)], promoted
 
     # the requeued job: both nodes again, nothing stops any more
     again, outs = requeued(tmp_path, HELPERS / "unwarned_train.py", args, env, "4951")
     assert [p.returncode for p in again] == [0, 0], "\n".join(o[-3000:] for o in outs)
-    assert [e["step"] for e in read_events(root) if e["event"] == "restored"] == [k]
-    assert _trained(record) - k <= 1
+    assert [e["step"] for e in read_events(root) if e["event"] == "restored"] == [target]
+    assert _trained(record) - target <= 2
     assert compare_checkpoints(reference("fsdp2"), root / step_dir_name(STEPS)) == []
+
+
+@pytest.mark.slow
+def test_fsdp2_a_node_lost_steps_after_its_replica_landed_is_committed_from_the_pinned_snapshot(
+        tmp_path: Path, reference: Callable[[str], Path]) -> None:
+    """Issue 49 item 4, as the bench loses a node: not stopped at a snapshot but while training runs,
+    steps after the other node received a replica of its snapshots. Every node keeps its own
+    snapshot of the newest step whose replica every successor acked (peerpin.py), and the
+    successor keeps that replica, so the survivor still holds every shard of one step: it is
+    committed (`memory_promoted`), at least as new as the replica seen before the kill, and the
+    requeued job resumes from it and ends bitwise. (Before the pins, the survivor's own snapshots
+    had moved past the one replica it kept, and nothing was promoted.)"""
+    from helpers.twonodes import finish_all, requeued, stopped_with_memory
+
+    from slurmresume.checkpoint.store import newest_committed
+    from slurmresume.contract import LAUNCHER_EXIT_REQUEUED
+    from slurmresume.job.peercopy import replica_root
+
+    root, record = tmp_path / "ckpt", tmp_path / "record"
+    env = {"UNWARNED_SCRIPT": str(SCRIPT), ENV_DRILL_RECORD: str(record)}
+    args = ["--shape", "fsdp2", *ARGS]
+    launchers, _pid, (_mem0, mem1) = stopped_with_memory(tmp_path, args, env, "4952", None)
+    try:
+        end = time.monotonic() + 300  # a hang guard: the copy runs in the background
+        landed = None  # a replica newer than the periodic save: what it promotes beats the file tier
+        while landed is None or landed <= SAVE_EVERY:
+            assert time.monotonic() < end and all(p.poll() is None for p in launchers), "no replica before the end"
+            landed = newest_committed(replica_root(mem1, 0))
+            time.sleep(0.01)
+        while max((r["step"] for r in read_records(record, 0)), default=0) < landed + 3:
+            assert time.monotonic() < end and all(p.poll() is None for p in launchers), "the run ended first"
+            time.sleep(0.01)
+        signal_tree(launchers[0].pid, signal.SIGKILL)  # the launcher, its torchrun agent and both ranks
+        outs = finish_all(launchers, 600)
+    except BaseException:
+        for p in launchers:
+            signal_tree(p.pid, signal.SIGKILL)
+        raise
+    assert launchers[1].returncode == LAUNCHER_EXIT_REQUEUED, "\n".join(o[-3000:] for o in outs)
+    promoted = [e for e in read_events(root) if e["event"] == "memory_promoted"]
+    assert len(promoted) == 1 and promoted[0]["committed"] is True, promoted
+    assert promoted[0]["step"] >= landed, (promoted, landed)
+
+    again, outs = requeued(tmp_path, HELPERS / "unwarned_train.py", args, env, "4952")
+    assert [p.returncode for p in again] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    restored = [e["step"] for e in read_events(root) if e["event"] == "restored"]
+    assert restored == [promoted[0]["step"]], restored
+    assert compare_checkpoints(reference("fsdp2"), root / step_dir_name(STEPS)) == []
+

@@ -8,8 +8,9 @@ node (Gemini's idea, SOSP 2023) is what the survivors can write in its place (it
 restart restores from when the node's own copy is gone.
 
 Who does what (every node's launcher, `PeerCopy`, two threads):
-  - sender: every POLL_S, the newest committed step of this node's memory root (its own
-    snapshots; `peers/` is not a step directory) not yet sent goes to node (node + 1) % nodes,
+  - sender: the step the ranks pinned as the target (peerpin.py: the same step on every
+    node, read from this node's pin file every WAKE_S, sent once it committed here; without a pin
+    file, the newest committed step of this node's memory root) not yet sent goes to node (node + 1) % nodes,
     whose address its receiver posted in the run's shared directory (`peercopy-<node>.json`, as
     the death board's ring does). One connection per snapshot: a header line (the step, this
     node, each file's relative path and size, the commit marker last), then the bytes (sendfile),
@@ -23,11 +24,13 @@ Who does what (every node's launcher, `PeerCopy`, two threads):
     `.saving.` directory of `peers/n<node>/`; then it is verified (`verify_part`: the manifest
     pinned by the marker, and every file the node holds whole against its size and digest: a
     node's root holds its own ranks' shards) and only then renamed into place, so a replica is either complete and verified or
-    absent (never a partial one with a name). The older replica of that node is then removed: at
-    most two per node exist (the newest and the one arriving). A transfer cut short or a byte
+    absent (never a partial one with a name). The older replicas of that node are then removed,
+    but the steps the ranks pinned (the target and the step kept for a promotion): at most three
+    per node exist (those two and the one arriving). A transfer cut short or a byte
     flipped on the way: that copy is dropped (one warning naming why), the next snapshot is sent.
   - the receiver answers "ok" or "refused <why>" on the same connection, so the sender knows
-    what the peer verified (`sent`) and logs a refusal. `status` shows each node's replicas from
+    what the peer verified (`sent`) and logs a refusal; it writes that answer to its node's ack
+    file (`peerpin.ACKED`), the ranks' evidence for which step every node can be promoted from. `status` shows each node's replicas from
     the files (job/memroot.py `view`): a replica's lag is its node's newest snapshot minus its step.
 
 Wire format, per snapshot: 8 bytes (big-endian length), the header's JSON, each file's bytes in the
@@ -57,15 +60,17 @@ from ..checkpoint.layout import MARKER, SAVING_PREFIX, step_dir_name, step_dirs
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.shardread import hash_file, split_locator
 from ..checkpoint.store import newest_committed, remove_private_step
-from ..contract import write_json
+from ..contract import ENV_PEER_COPY_MBS, write_json
 from ..errors import CheckpointError
+from ..peerpin import PIN, committed_here, read_pins, write_acked
 from .memroot import PEERS  # under a memory root: peers/n<node>/<step dir>, that node's replica
 
 log = logging.getLogger("slurmresume")
 
-ENV_RATE = "SLURMRESUME_PEER_COPY_MBS"  # the sender's cap, MB/s ("0": no peer copy)
+ENV_RATE = ENV_PEER_COPY_MBS  # the sender's cap, MB/s ("0": no peer copy)
 DEFAULT_RATE_MBS = 400.0
-POLL_S = 0.5
+POLL_S = 0.5  # the receiver's accept timeout (how soon `close` stops it)
+WAKE_S = 0.02  # the sender's look at its node's pin file: a new target goes within this of being named
 CHUNK = 8 << 20
 HEADROOM = 256 << 20  # bytes left free on the memory root's file system after a replica lands
 MAGIC = "slurmresume-peercopy-1"
@@ -191,10 +196,12 @@ class PeerCopy:
     # -- sender -------------------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
-        while not self._stop.wait(POLL_S):
-            step = _newest(self.memory)
+        while not self._stop.wait(WAKE_S):
+            step = self._due()
             if step is None or (self.tried is not None and step <= self.tried):
                 continue
+            if not committed_here(self.memory, step):
+                continue  # the target is the snapshot being written: sent once it committed here
             try:
                 self._send(step)
             except OSError as exc:  # the peer not up yet, gone, or the step pruned: the next poll tries again
@@ -233,6 +240,14 @@ class PeerCopy:
         else:  # not sent again: the next snapshot is
             self.refused = answer.removeprefix("refused ") or "the connection closed"
             log.warning("peer copy of step %d to node %d refused: %s", step, self.target, self.refused)
+        # the ranks' evidence that the peer holds this step verified (peerpin.py)
+        write_acked(self.memory, self.sent, None if answer == "ok" else step)
+
+    def _due(self) -> int | None:
+        """The step to send: the ranks' target (peerpin.py); without a pin file (ranks that
+        do not pin), the newest committed snapshot."""
+        pinned = read_pins(self.memory)
+        return pinned.target if (self.memory / PIN).exists() else _newest(self.memory)
 
     # -- receiver -----------------------------------------------------------------------------------
 
@@ -290,8 +305,9 @@ class PeerCopy:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        keep = read_pins(self.memory).held()  # the same steps on every node (peerpin.py)
         for s, path in step_dirs(root):
-            if s < step:
+            if s < step and s not in keep:
                 remove_private_step(path)
         _answer(conn, "ok")
 

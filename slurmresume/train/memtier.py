@@ -6,9 +6,12 @@ first (train/memrestore.py) with the same checks as from a file checkpoint.
 A snapshot is a save like any other: `saving.save_collective` on the memory root (per-rank
 safetensors, their digests, the manifest, COMMITTED last), started by the one background writer
 (`asyncsave.AsyncWriter`: the tensors copied into its reused buffers, written on its thread), so
-training pays the copy, not the write. At most two snapshots exist: the newest committed one and
-the one being written (rank 0 removes the older ones once a snapshot commits). A failed snapshot
-is a warning; training goes on with the file tier.
+training pays the copy, not the write. On one node at most two snapshots exist: the newest
+committed one and the one being written (rank 0 removes the older ones once a snapshot commits).
+With a peer copy (several nodes) each node also keeps the two steps the ranks pinned for it
+(peerpin.py: the one being copied, the newest every successor acked), so at most four,
+three while the copy keeps up; the fit check reads the free bytes, so it counts them as held. A
+failed snapshot is a warning; training goes on with the file tier.
 
 Who decides what, so that every rank makes the same collective calls at the same step:
   - when: step numbers only (`memplan.Schedule`, pure). `snapshot_every=N`: every step divisible by N.
@@ -49,6 +52,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import peerpin
 from ..checkpoint.fsio import free_space
 from ..checkpoint.layout import (
     MANIFEST,
@@ -95,6 +99,9 @@ class MemoryTier:
         self._ended: int | None = None  # ... and of the last one whose save returned (or failed)
         self._broken = False  # ... which raised (a collective broke: a peer likely died)
         self._cv = threading.Condition()
+        # several nodes with a peer copy: the snapshots kept for it (peerpin.py); None: none
+        self.pins: peerpin.Pins | None = peerpin.Pins() if self.spread and peerpin.peer_copy_on() else None
+        self._pins_agreed = False  # False: the next agreement starts from the node's pin file
 
     @classmethod
     def from_env(cls, value: Any, group: Group, writer: AsyncWriter, file_root: Path) -> MemoryTier | None:
@@ -137,7 +144,8 @@ class MemoryTier:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         pool_new = 0 if self.writer.pool.nbytes else mine  # the writer's buffers, made by the first snapshot
         why = refusal(mine * local, _shm_free(self.root), *_meminfo(), self.limit, buffers=pool_new * local)
-        refused, agreed = self.group.max_ints([int(why is not None), self.cost.proposal()])
+        pinned = self._pin_votes()
+        refused, agreed, *votes = self.group.max_ints([int(why is not None), self.cost.proposal(), *pinned])
         if refused:
             self.off = True
             if self.group.rank == 0:
@@ -146,6 +154,8 @@ class MemoryTier:
                             "(%s); training continues with the file tier", step, why)
                 try_append_event(self.file_root, EV_MEMORY_REFUSED, step=step, reason=why)
             raise _Refused
+        if self.pins is not None:
+            self._pin(step, votes)
         if self.schedule.every is None:
             self.schedule.taken(agreed)
             if agreed and not self.printed and self.group.rank == 0:
@@ -153,6 +163,34 @@ class MemoryTier:
                 log.info("memory tier: a snapshot every %d step(s) (auto: the measured cost kept under %g%% of "
                          "the step time)", agreed, BUDGET * 100)
         return payload
+
+    def _pin_votes(self) -> list[int]:
+        """This rank's part of the peer copy's agreement (peerpin.py), [] without a peer
+        copy: the pins it holds (after a restart: its node's pin file, kept only where every rank
+        read the same), its node's ack, and whether its node lost the target or `keep`."""
+        if self.pins is None:
+            return []
+        pins = self.pins if self._pins_agreed else peerpin.read_pins(self.root)
+        acked, refused = peerpin.read_acked(self.root)
+        t, k = peerpin.encode(pins.target), peerpin.encode(pins.keep)
+        return [t, -t, k, -k, -peerpin.encode(acked),
+                int(pins.target is not None and not peerpin.committed_here(self.root, pins.target)),
+                int(pins.keep is not None and not peerpin.committed_here(self.root, pins.keep)),
+                int(pins.target is not None and refused == pins.target)]
+
+    def _pin(self, step: int, votes: list[int]) -> None:
+        """Training thread, after the agreement: the pins of this snapshot, the same on every rank;
+        each node's first rank writes them to its node's pin file, for its launcher's peer copy."""
+        t_max, t_min, k_max, k_min, acked, lost, keep_lost, refused = votes
+        same = t_max == -t_min and k_max == -k_min
+        pins = peerpin.Pins(peerpin.decode(t_max), peerpin.decode(k_max)) if same else peerpin.Pins()
+        self._pins_agreed = True
+        self.pins = peerpin.advance(pins, peerpin.decode(-acked), bool(lost), bool(refused), step, bool(keep_lost))
+        if self.leader:
+            try:
+                peerpin.write_pins(self.root, self.pins)
+            except OSError as exc:
+                log.warning("memory tier: the peer copy's pin file could not be written (%s)", exc)
 
     def _write(self, step: int, snapshot: Payload, blocking_s: float) -> None:
         """Writer thread, every rank: the collective save into the memory root (several nodes: then
@@ -188,7 +226,7 @@ class MemoryTier:
         if self.group.rank == 0 and not result.skipped:
             log.debug("memory snapshot of step %d: %d bytes, copy %.3f s", step, result.bytes, blocking_s)
         if self.leader:
-            prune(self.root, step)
+            prune(self.root, step, self.pins.held() if self.pins is not None else set())
 
     def _finish_nodes(self, step: int, into: str) -> bool:
         """Collective, several nodes, once rank 0 committed `step` in its node's root: its manifest
@@ -302,10 +340,14 @@ def forget_from(root: Path, step: int) -> None:
             remove_private_step(path)
 
 
-def prune(root: Path, newest: int) -> None:
-    """Rank 0, once `newest` committed in the memory root (this job's alone, on this node): every
-    older step, committed or left by a killed writer, is removed (marker first). Never raises."""
-    for s, path in step_dirs(root) + saving_dirs(root):
+def prune(root: Path, newest: int, pinned: set[int] | frozenset[int] = frozenset()) -> None:
+    """A node's first rank, once `newest` committed in the memory root (this job's alone, on this
+    node): every older step, committed or left by a killed writer, is removed (marker first),
+    but the committed steps the peer copy pins (peerpin.py). Never raises."""
+    for s, path in step_dirs(root):
+        if s < newest and s not in pinned:
+            remove_private_step(path)
+    for s, path in saving_dirs(root):
         if s < newest:
             remove_private_step(path)
 

@@ -105,13 +105,14 @@ def requeued(tmp_path: Path, script: Path, args: list[str], env: dict[str, str],
     return again, finish_all(again, 600)
 
 
-def stopped_with_memory(tmp_path: Path, args: list[str], env: dict[str, str], job_id: str, rank: int,
+def stopped_with_memory(tmp_path: Path, args: list[str], env: dict[str, str], job_id: str, rank: int | None,
                         ) -> tuple[list[subprocess.Popen[str]], int, list[Path]]:
     """Both emulated nodes (node 1 first, so its agent gets ranks 0..procs-1) running
     helpers/unwarned_train.py with the memory tier (`--snapshot-every 1`, each node its own
     $SLURMRESUME_MEMORY_BASE, tmp_path/shm<node>), until global rank `rank` stopped itself:
-    ([launcher of node 0, of node 1], that rank's pid, [each node's memory root]). On any failure
-    every tree is killed and their output printed."""
+    ([launcher of node 0, of node 1], that rank's pid, [each node's memory root]). `rank` None:
+    until both memory roots exist, the ranks still running (pid 0). On any failure every tree is
+    killed and their output printed."""
     from helpers.procs import HELPERS, free_port
 
     port = free_port()
@@ -128,11 +129,11 @@ def stopped_with_memory(tmp_path: Path, args: list[str], env: dict[str, str], jo
         launchers.insert(0, launcher(0))
         end = time.monotonic() + 600  # a hang guard only
         pid = None
-        while pid is None or _state_of(pid) != "T":
+        while (pid is None or _state_of(pid) != "T") if rank is not None else not all(any(d.iterdir()) for d in shm):
             assert all(p.poll() is None for p in launchers) and time.monotonic() < end, "ended before the kill"
             time.sleep(0.02)
-            pid = pid or global_rank_pid(launchers, rank)
-        return launchers, pid, [next(d.iterdir()) for d in shm]
+            pid = pid or (global_rank_pid(launchers, rank) if rank is not None else None)
+        return launchers, pid or 0, [next(d.iterdir()) for d in shm]
     except BaseException:
         for p in launchers:
             signal_tree(p.pid, signal.SIGKILL)
