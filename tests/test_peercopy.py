@@ -216,3 +216,29 @@ def test_a_refused_target_is_written_as_refused_for_the_ranks(ring: Any, monkeyp
     save_steps(mem0, [3])
     _wait(lambda: read_acked(mem0) == (None, 3), "the refusal")
     assert not step_dirs(replica_root(mem1, 0))
+
+
+def test_a_copy_refused_on_its_header_is_not_sent_again_in_a_loop(ring: Any, monkeypatch: Any) -> None:
+    """A receiver that refuses a snapshot on its header (it would not fit) answers and closes
+    before the body: the sender's sendfile then breaks (the body is larger than the socket's
+    buffers). That is the peer's refusal, not a peer that is not up yet: written as refused for
+    the ranks, and not sent again (before: re-sent at every look, 50 times a second)."""
+    from slurmresume.peerpin import Pins, read_acked, write_pins
+
+    (mem0, mem1), _copies = ring
+    seen: list[str | None] = []
+    real = peercopy.header_problem
+
+    def no_room(header: Any, free: int | None) -> str | None:
+        seen.append(real(header, 0))
+        return seen[-1]
+
+    monkeypatch.setattr(peercopy, "header_problem", no_room)
+    for m in (mem0, mem1):
+        write_pins(m, Pins(3, None))
+    save_steps(mem0, [3])
+    (mem0 / step_dir_name(3) / "big.bin").write_bytes(bytes(64 << 20))  # past any socket buffer
+    _wait(lambda: read_acked(mem0) == (None, 3), "the refusal written for the ranks")
+    time.sleep(1.0)  # 50 looks of the sender: none may send step 3 again
+    assert len(seen) == 1 and seen[0] and "fit" in seen[0], seen
+    assert not step_dirs(replica_root(mem1, 0))

@@ -204,8 +204,9 @@ class PeerCopy:
                 continue  # the target is the snapshot being written: sent once it committed here
             try:
                 self._send(step)
-            except OSError as exc:  # the peer not up yet, gone, or the step pruned: the next poll tries again
+            except OSError as exc:  # the peer not up yet, gone, or the step pruned: tried again after POLL_S
                 log.debug("peer copy of step %d to node %d: %s", step, self.target, exc)
+                self._stop.wait(POLL_S)
 
     def _send(self, step: int) -> None:
         src = self.memory / step_dir_name(step)
@@ -216,19 +217,25 @@ class PeerCopy:
             with socket.create_connection((where["host"], int(where["port"])), timeout=30) as conn:
                 header = json.dumps({"magic": MAGIC, "node": self.node, "step": step,
                                      "files": [[r, s] for r, s in files]}).encode()
-                conn.sendall(len(header).to_bytes(8, "big") + header)
-                began, sent = time.monotonic(), 0
-                for (_, size), f in zip(files, handles):
-                    offset = 0
-                    while offset < size:
-                        if self._stop.is_set():
-                            return
-                        time.sleep(pause(sent, time.monotonic() - began, self.rate))
-                        n = conn.sendfile(f, offset, min(CHUNK, size - offset))
-                        if n == 0:
-                            raise OSError(f"{f.name} shrank while it was sent")
-                        offset, sent = offset + n, sent + n
-                answer = _readline(conn)
+                try:
+                    conn.sendall(len(header).to_bytes(8, "big") + header)
+                    began, sent = time.monotonic(), 0
+                    for (_, size), f in zip(files, handles):
+                        offset = 0
+                        while offset < size:
+                            if self._stop.is_set():
+                                return
+                            time.sleep(pause(sent, time.monotonic() - began, self.rate))
+                            n = conn.sendfile(f, offset, min(CHUNK, size - offset))
+                            if n == 0:
+                                raise OSError(f"{f.name} shrank while it was sent")
+                            offset, sent = offset + n, sent + n
+                    answer = _readline(conn)
+                except OSError as exc:
+                    # the peer was up and closed on us (a header it refused answers before the
+                    # body, so the body breaks): this step is that peer's to refuse, not to be sent
+                    # again at every look; the next target is
+                    answer = f"refused the connection broke during the copy ({exc})"
         except (ValueError, KeyError, TypeError) as exc:
             raise OSError(f"no address for node {self.target}'s peer copy: {exc}") from None
         finally:
