@@ -65,10 +65,18 @@ def read_index(step_dir: Path, shard: dict[str, Any]) -> dict[str, dict[str, Any
         raw = read_bounded(path, MAX_INDEX, "tensor index")
     if len(raw) != shard["index_bytes"] or xxhash.xxh3_64_hexdigest(raw) != shard["index_xxh3"]:
         raise CorruptCheckpointError(f"tensor index {path} does not match the manifest (damaged or replaced)")
+    return index_entries(raw, shard["rank"], shard["file"], path)
+
+
+def index_entries(raw: bytes, rank: int, file: str, path: Path) -> dict[str, dict[str, Any]]:
+    """Rank `rank`'s tensor entries {name: info} from its index file's bytes `raw`, the index naming
+    that rank and its shard `file`, each entry's block digests well formed (CorruptCheckpointError
+    naming the file otherwise). `read_index` first checks the bytes against the manifest; a memory
+    snapshot's shard read before its commit (train/memshard.py) has no manifest yet."""
     data = loads(raw, f"tensor index {path}")
-    if not (isinstance(data, dict) and data.get("rank") == shard["rank"] and data.get("file") == shard["file"]
+    if not (isinstance(data, dict) and data.get("rank") == rank and data.get("file") == file
             and isinstance(data.get("tensors"), dict)):
-        raise CorruptCheckpointError(f"tensor index {path} is not rank {shard['rank']}'s index")
+        raise CorruptCheckpointError(f"tensor index {path} is not rank {rank}'s index")
     tensors: dict[str, dict[str, Any]] = data["tensors"]
     lists: list[Any] = [info.get("xxh3") if type(info) is dict else None for info in tensors.values()]
     if set(map(type, lists)) <= _LIST:  # every entry's digests at once (405B: 3,411 entries a plan) ...

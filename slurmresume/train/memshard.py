@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.bounded import read_bounded
-from ..checkpoint.jsonenc import loads
 from ..checkpoint.layout import MARKER, index_name, parse_saving_dir, shard_name, step_dir_name
-from ..checkpoint.rankindex import MAX_INDEX
+from ..checkpoint.rankindex import MAX_INDEX, index_entries
 from ..checkpoint.shard import TORCH_DTYPES, VERIFY_BLOCK
 from ..checkpoint.shardread import byte_view, check_blocks, load_tensors
 from ..errors import CheckpointError
@@ -81,20 +80,14 @@ def load(directory: Path, rank: int, world: int) -> dict[str, Any]:
     if not os.path.lexists(path):  # renamed into place only once written whole: not landed yet
         raise Refused(f"rank {rank}'s shard of this snapshot is missing ({path}: it died before it landed)")
     try:
-        raw = read_bounded(directory / index_name(rank), MAX_INDEX, "tensor index")
-        index = loads(raw, f"tensor index of rank {rank} in {directory}")
-        if not (isinstance(index, dict) and index.get("rank") == rank and index.get("file") == file
-                and isinstance(index.get("tensors"), dict)):
-            raise Refused(f"the tensor index beside {path} is not rank {rank}'s")
-        entries: dict[str, Any] = index["tensors"]
+        index = directory / index_name(rank)
+        entries = index_entries(read_bounded(index, MAX_INDEX, "tensor index"), rank, file, index)
         tensors, _, _ = load_tensors(directory, file, os.stat(path).st_size)
         if set(tensors) != set(entries):
             raise Refused(f"{path} and its index list different tensors")
         for name, t in tensors.items():
-            info = entries[name]
-            digests = info.get("xxh3") if isinstance(info, dict) else None
-            if not (isinstance(digests, list) and all(isinstance(d, str) for d in digests)
-                    and TORCH_DTYPES[str(info.get("dtype"))] == t.dtype and info.get("shape") == list(t.shape)):
+            info, digests = entries[name], entries[name]["xxh3"]
+            if not (TORCH_DTYPES[str(info.get("dtype"))] == t.dtype and info.get("shape") == list(t.shape)):
                 raise Refused(f"tensor {name!r} of {path} does not match its index")
             view = byte_view(t)
             if len(digests) != -(-len(view) // VERIFY_BLOCK):

@@ -241,9 +241,9 @@ class MemoryTier:
             except OSError as exc:
                 log.warning("memory snapshot of step %d: its manifest could not be read back (%s)", step, exc)
         got = self.group.broadcast_bytes(packed)
-        size = int.from_bytes(got[:8], "big") if len(got) >= 8 else len(got)
-        if got[8 + size:]:  # this node's step_N is this save's only with this marker (memshard.locate)
-            self._committed(step, got[8 + size:])
+        parts = unpack(got)
+        if parts is not None:  # this node's step_N is this save's only with this marker (memshard.locate)
+            self._committed(step, parts[1])
         if not self.leader or self.group.rank == 0:
             return True  # rank 0's node: committed by the save itself
         problem = finish_node(self.root, step, into, got)
@@ -303,6 +303,14 @@ def node_leader() -> bool:
     return (os.environ.get("LOCAL_RANK", "0") or "0") == "0"
 
 
+def unpack(packed: bytes) -> tuple[bytes, bytes] | None:
+    """Rank 0's manifest and marker from the broadcast `_finish_nodes` makes (8-byte length, the
+    manifest, the marker); None when they did not arrive whole."""
+    size = int.from_bytes(packed[:8], "big")
+    manifest, marker = packed[8:8 + size], packed[8 + size:]
+    return (manifest, marker) if len(packed) >= 8 and len(manifest) == size and marker else None
+
+
 def finish_node(root: Path, step: int, into: str, packed: bytes) -> str | None:
     """A node's first rank, several nodes: its node's copy of the save directory `into` (its ranks'
     shards, written by the save) gets rank 0's manifest and marker (`packed`: 8-byte length, the
@@ -310,10 +318,10 @@ def finish_node(root: Path, step: int, into: str, packed: bytes) -> str | None:
     step replaced: this job's own tmpfs). Returns why not, or None."""
     if len(packed) < 8:
         return "rank 0 sent no manifest"
-    size = int.from_bytes(packed[:8], "big")
-    manifest, marker = packed[8:8 + size], packed[8 + size:]
-    if len(manifest) != size or not marker:
+    parts = unpack(packed)
+    if parts is None:
         return "rank 0's manifest and marker arrived cut"
+    manifest, marker = parts
     if parse_saving_dir(into) != step:
         return f"{into!r} is not a save directory of step {step}"
     mine = root / into
