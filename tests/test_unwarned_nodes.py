@@ -21,6 +21,7 @@ from helpers.twonodes import (
     agent_started,
     finish_all,
     global_rank_pid,
+    killed_on_failure,
     node_launcher,
     requeued,
     stopped_with_memory,
@@ -137,7 +138,7 @@ def _two_nodes_until_stopped(tmp_path: Path, env: dict[str, str], job_id: str, r
     On any failure every tree is killed and their output printed."""
     port = free_port()
     launchers = [node_launcher(tmp_path, 1, port, HELPERS / "unwarned_train.py", ARGS, env=env, job_id=job_id)]
-    try:
+    with killed_on_failure(launchers):
         agent_started(launchers[0].pid)
         launchers.insert(0, node_launcher(tmp_path, 0, port, HELPERS / "unwarned_train.py", ARGS, env=env,
                                           job_id=job_id))
@@ -148,11 +149,6 @@ def _two_nodes_until_stopped(tmp_path: Path, env: dict[str, str], job_id: str, r
             time.sleep(0.02)
             pid = pid or global_rank_pid(launchers, rank)
         return launchers, pid
-    except BaseException:
-        for p in launchers:  # the failure above is the one to report
-            signal_tree(p.pid, signal.SIGKILL)
-        print("\n".join((p.communicate()[0] or "")[-3000:] for p in launchers))
-        raise
 
 
 # The two emulated-node runs below are in `bash scripts/test --exhaustive`; the default lane runs
@@ -246,7 +242,7 @@ def test_a_rank_killed_on_one_node_restarts_from_each_nodes_memory_and_ends_bitw
     root = tmp_path / "ckpt"
     env = {"STOP_AFTER_STEP": str(k), "STOP_RANK": "3", "STOP_AFTER_MEMORY": "1"}
     launchers, pid, (mem0, mem1) = stopped_with_memory(tmp_path, ARGS, env, "4949", 3)
-    try:
+    with killed_on_failure(launchers):
         shards = {n: sorted(p.name for p in (m / step_dir_name(k)).glob("rank-*.safetensors"))
                   for n, m in ((0, mem0), (1, mem1))}
         assert shards == {0: ["rank-00002-of-00004.safetensors", "rank-00003-of-00004.safetensors"],
@@ -259,11 +255,6 @@ def test_a_rank_killed_on_one_node_restarts_from_each_nodes_memory_and_ends_bitw
             time.sleep(0.05)
         signal_tree(pid, signal.SIGKILL)
         outs = finish_all(launchers, 600)
-    except BaseException:
-        for p in launchers:
-            signal_tree(p.pid, signal.SIGKILL)
-        print("\n".join((p.communicate()[0] or "")[-3000:] for p in launchers))
-        raise
     assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outs)
     ev = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines() if line.strip()]
     restored = [(e["step"], e.get("tier")) for e in ev if e["event"] == "restored"]

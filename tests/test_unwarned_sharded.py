@@ -372,7 +372,7 @@ def test_fsdp2_a_node_lost_whole_is_committed_from_the_peer_copy_and_the_requeue
     (`memory_promoted`), the job is requeued, and the requeued job resumes from it (at most two
     steps trained twice, where the periodic step would cost k - 8) and ends bitwise."""
     from helpers.procs import process_tree
-    from helpers.twonodes import finish_all, requeued, stopped_with_memory
+    from helpers.twonodes import finish_all, killed_on_failure, requeued, stopped_with_memory
 
     from slurmresume.checkpoint.layout import MARKER
     from slurmresume.contract import LAUNCHER_EXIT_REQUEUED
@@ -385,7 +385,7 @@ def test_fsdp2_a_node_lost_whole_is_committed_from_the_peer_copy_and_the_requeue
            ENV_DRILL_RECORD: str(record), "SCONTROL_LOG": str(calls)}
     args = ["--shape", "fsdp2", *ARGS]
     launchers, pid, (mem0, mem1) = stopped_with_memory(tmp_path, args, env, "4951", 3)
-    try:
+    with killed_on_failure(launchers):
         assert pid in process_tree(launchers[0].pid)  # rank 3 is on the node with SLURM_NODEID=0
         end = time.monotonic() + 120  # a hang guard: the copy runs in the background
         target = read_pins(mem0).target
@@ -395,10 +395,6 @@ def test_fsdp2_a_node_lost_whole_is_committed_from_the_peer_copy_and_the_requeue
             time.sleep(0.05)
         signal_tree(launchers[0].pid, signal.SIGKILL)  # the launcher, its torchrun agent and both ranks
         outs = finish_all(launchers, 600)
-    except BaseException:
-        for p in launchers:
-            signal_tree(p.pid, signal.SIGKILL)
-        raise
     assert launchers[1].returncode == LAUNCHER_EXIT_REQUEUED, "\n".join(o[-3000:] for o in outs)
     ev = read_events(root)
     saves = [e for e in ev if e["event"] == "failure_save"]
@@ -424,7 +420,7 @@ def test_fsdp2_a_node_lost_steps_after_its_replica_landed_is_committed_from_the_
     committed (`memory_promoted`), at least as new as the replica seen before the kill, and the
     requeued job resumes from it and ends bitwise. (Before the pins, the survivor's own snapshots
     had moved past the one replica it kept, and nothing was promoted.)"""
-    from helpers.twonodes import finish_all, requeued, stopped_with_memory
+    from helpers.twonodes import finish_all, killed_on_failure, requeued, stopped_with_memory
 
     from slurmresume.checkpoint.store import newest_committed
     from slurmresume.contract import LAUNCHER_EXIT_REQUEUED
@@ -434,7 +430,7 @@ def test_fsdp2_a_node_lost_steps_after_its_replica_landed_is_committed_from_the_
     env = {"UNWARNED_SCRIPT": str(SCRIPT), ENV_DRILL_RECORD: str(record)}
     args = ["--shape", "fsdp2", *ARGS]
     launchers, _pid, (_mem0, mem1) = stopped_with_memory(tmp_path, args, env, "4952", None)
-    try:
+    with killed_on_failure(launchers):
         end = time.monotonic() + 300  # a hang guard: the copy runs in the background
         landed = None  # a replica newer than the periodic save: what it promotes beats the file tier
         while landed is None or landed <= SAVE_EVERY:
@@ -446,10 +442,6 @@ def test_fsdp2_a_node_lost_steps_after_its_replica_landed_is_committed_from_the_
             time.sleep(0.01)
         signal_tree(launchers[0].pid, signal.SIGKILL)  # the launcher, its torchrun agent and both ranks
         outs = finish_all(launchers, 600)
-    except BaseException:
-        for p in launchers:
-            signal_tree(p.pid, signal.SIGKILL)
-        raise
     assert launchers[1].returncode == LAUNCHER_EXIT_REQUEUED, "\n".join(o[-3000:] for o in outs)
     promoted = [e for e in read_events(root) if e["event"] == "memory_promoted"]
     assert len(promoted) == 1 and promoted[0]["committed"] is True, promoted

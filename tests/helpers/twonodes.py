@@ -5,11 +5,13 @@ node with SLURM_NODEID=1 gets ranks 0..procs-1)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from helpers.procs import clean_env, process_tree, reversed_rendezvous_env, signal_tree
@@ -21,6 +23,19 @@ case "$1 $2" in
   "show config") echo "KillWait = 5 sec" ;;
 esac
 """
+
+
+@contextlib.contextmanager
+def killed_on_failure(launchers: list[subprocess.Popen[str]]) -> Iterator[None]:
+    """Around a two-node test's steps: on any failure every launcher's tree is SIGKILLed and their
+    output printed, then the failure goes on (it is the one to report)."""
+    try:
+        yield
+    except BaseException:
+        for p in launchers:
+            signal_tree(p.pid, signal.SIGKILL)
+        print("\n".join((p.communicate()[0] or "")[-3000:] for p in launchers))
+        raise
 
 
 def node_launcher(tmp_path: Path, node: int, port: int, script: Path, args: list[str], *, spec_kw: str = "",
@@ -124,7 +139,7 @@ def stopped_with_memory(tmp_path: Path, args: list[str], env: dict[str, str], jo
                              spec_kw="snapshot_every='1'", env={**env, "SLURMRESUME_MEMORY_BASE": str(shm[node])})
 
     launchers = [launcher(1)]
-    try:
+    with killed_on_failure(launchers):
         agent_started(launchers[0].pid)
         launchers.insert(0, launcher(0))
         end = time.monotonic() + 600  # a hang guard only
@@ -134,11 +149,6 @@ def stopped_with_memory(tmp_path: Path, args: list[str], env: dict[str, str], jo
             time.sleep(0.02)
             pid = pid or (global_rank_pid(launchers, rank) if rank is not None else None)
         return launchers, pid or 0, [next(d.iterdir()) for d in shm]
-    except BaseException:
-        for p in launchers:
-            signal_tree(p.pid, signal.SIGKILL)
-        print("\n".join((p.communicate()[0] or "")[-3000:] for p in launchers))
-        raise
 
 
 def _state_of(pid: int) -> str:
