@@ -301,6 +301,14 @@ def prune_records(root: Path, job_key: str, now: float) -> int:
 
 # -- signals: the warning signal's name (submit, the launcher, every rank) and the stack-dump signal --
 
+def read_json(path: Path) -> Any:
+    """One such note's contents; None when it is absent or not (yet) JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def write_json(path: Path, data: Any) -> None:
     """One small note of the failure-time save's directories (a rank's pid, status or report, a
     launcher's address, a rank posted dead), written whole: a reader sees the old file or the new

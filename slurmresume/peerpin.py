@@ -29,13 +29,12 @@ the snapshot being written becomes the target: never a wait on a copy that canno
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint.layout import MARKER, step_dir_name
-from .contract import ENV_PEER_COPY_MBS, write_json
+from .contract import ENV_PEER_COPY_MBS, read_json, write_json
 
 PIN = "peer-pin.json"  # in a node's memory root: {"target": step|None, "keep": step|None}
 ACKED = "peer-acked.json"  # in a node's memory root, by its launcher: {"acked": step|None, "refused": step|None}
@@ -107,10 +106,7 @@ def committed_here(memory: Path, step: int | None) -> bool:
 
 
 def _read(path: Path) -> dict[str, object]:
-    try:
-        got = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    got = read_json(path)
     return got if isinstance(got, dict) else {}
 
 

@@ -32,7 +32,6 @@ committed step stands, as without this. The outcome is the `memory_promoted` eve
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -46,7 +45,7 @@ from ..checkpoint.layout import MANIFEST, MARKER, step_dir_name
 from ..checkpoint.manifest import read_manifest
 from ..checkpoint.shardread import split_locator
 from ..checkpoint.store import marker_digests, newest_committed, stat_sizes
-from ..contract import write_json
+from ..contract import read_json, write_json
 from ..errors import CheckpointError
 from .peercopy import replica_root
 
@@ -200,9 +199,7 @@ def _steps(root: Path) -> dict[str, str]:
 def _wait_json(path: Path, wait: float) -> Any:
     end = time.monotonic() + wait
     while True:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            if time.monotonic() >= end:
-                return None
-            time.sleep(POLL_S)
+        got = read_json(path)
+        if got is not None or time.monotonic() >= end:
+            return got
+        time.sleep(POLL_S)

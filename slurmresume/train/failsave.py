@@ -59,7 +59,6 @@ never committed (no marker); the launcher resumes from the newest committed step
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -78,6 +77,7 @@ from ..contract import (
     ENV_RUN_ID,
     FAILSAVE_NOTICE,
     FAILSAVE_SUBDIR,
+    read_json,
     write_json,
 )
 from ..events import EV_FAILURE_SAVE, EV_SAVE_COMMITTED, try_append_event
@@ -498,10 +498,7 @@ def _offers(directory: Path, dead: set[int], statuses: Mapping[int, Status]) -> 
     whose survivor reported (its offer was written before its status)."""
     out = {}
     for r in sorted(dead):
-        try:
-            got = json.loads((directory / f"{OFFER_PREFIX}{r}.json").read_text())
-        except (OSError, ValueError):
-            continue
+        got = read_json(directory / f"{OFFER_PREFIX}{r}.json")
         if (isinstance(got, dict) and got.get("rank") == r and got.get("run_id") == os.environ.get(ENV_RUN_ID)
                 and type(got.get("step")) is int and got.get("holder") in statuses):
             out[r] = (got["step"], got["holder"])

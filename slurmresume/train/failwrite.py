@@ -25,7 +25,6 @@ survivor's frozen state at that step and the snapshots every rank published.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from ..checkpoint.layout import shard_name
 from ..checkpoint.placement import arithmetic, local_box
 from ..checkpoint.reports import SaveOutcome, WriteReport
 from ..checkpoint.state import flatten, referenced
-from ..contract import write_json
+from ..contract import read_json, write_json
 from . import failgpu, stepsnap
 from .survivors import Plan, ReplicaDims, coordinate, peers_of
 
@@ -144,7 +143,7 @@ class Writer:
         deadline = time.monotonic() + WRITE_WAIT_S
         while True:
             gone = writer in self.dead_now()  # before the read: a committer that announced, then died, is read
-            got = _read_json(self.dir / f"save-{step}.json")
+            got = read_json(self.dir / f"save-{step}.json")
             if isinstance(got, dict):
                 return got
             if gone or time.monotonic() > deadline:
@@ -160,7 +159,7 @@ class Writer:
         while True:
             gone = self.dead_now()  # before the reads: a writer reports, then exits
             for r in others:
-                got = _read_json(self.dir / f"report-{step}-{r}.json") if r not in out else None
+                got = read_json(self.dir / f"report-{step}-{r}.json") if r not in out else None
                 if isinstance(got, dict) and got.get("rank") == r:
                     try:
                         out[r] = WriteReport.from_json(got)
@@ -291,10 +290,3 @@ def _plan_from(data: Mapping[str, Any], step: int, writer: int) -> Plan:
     return Plan(step, writer, spliced=pairs("spliced"), from_memory=pairs("from_memory"),
                 shards=tuple(sorted((int(r), int(w)) for r, w in (data.get("shards") or {}).items())),
                 from_snapshot=tuple(int(r) for r in data.get("from_snapshot") or ()))
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

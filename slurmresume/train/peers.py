@@ -6,14 +6,13 @@ nothing here talks to another process."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..contract import FAILSAVE_DEAD_PREFIX, write_json
+from ..contract import FAILSAVE_DEAD_PREFIX, read_json, write_json
 from ..identity import start_ticks
 from .survivors import Status
 
@@ -86,9 +85,8 @@ def peers(directory: Path, ranks: range, me: int) -> dict[int, int] | None:
     for rank in ranks:
         if rank == me:
             continue
-        try:
-            rec = json.loads((directory / f"pid-{rank}.json").read_text())
-        except (OSError, ValueError):
+        rec = read_json(directory / f"pid-{rank}.json")
+        if rec is None:
             for fd in out.values():
                 if fd >= 0:
                     os.close(fd)
@@ -121,8 +119,7 @@ def post_dead(directory: Path, ranks: set[int], by: int) -> None:
 
 
 def read_status(directory: Path, rank: int) -> Status | None:
-    try:
-        rec = json.loads((directory / f"status-{rank}.json").read_text())
-    except (OSError, ValueError):
+    rec = read_json(directory / f"status-{rank}.json")
+    if rec is None:
         return None
     return Status(rank, rec.get("boundary"), bool(rec.get("clean")))
