@@ -202,7 +202,7 @@ def test_the_publisher_prepares_every_job_in_order_and_writes_the_newest_of_each
     assert prepared == list(range(1, 8))  # every job prepared, in order
     assert gates["a"].written == [b"record 1", b"record 7"]  # 3 and 5: coalesced, the newest won
     assert gates["b"].written == [b"record 6"]
-    assert (tmp_path / "a").read_bytes() == b"record 7" and (tmp_path / "b").read_bytes() == b"record 6"
+    assert _written(tmp_path / "a") == b"record 7" and _written(tmp_path / "b") == b"record 6"
     pub.close()
 
 
@@ -213,7 +213,7 @@ def test_a_stopped_publisher_writes_nothing_more_and_a_failing_one_stops(tmp_pat
     assert pub.drain(HANG_GUARD_S)
     pub.stop()
     assert not pub.submit("a", lambda: lambda: _record(2))  # stopped: refused, nothing more is written
-    assert gate.written == [b"record 1"] and (tmp_path / "a").read_bytes() == b"record 1"
+    assert gate.written == [b"record 1"] and _written(tmp_path / "a") == b"record 1"
     pub.close()
 
     def broken() -> Any:
@@ -222,15 +222,60 @@ def test_a_stopped_publisher_writes_nothing_more_and_a_failing_one_stops(tmp_pat
     pub = Publisher({"a": [Gate(FileSink(tmp_path / "b"))]})
     pub.submit("a", broken)
     assert not pub.drain(HANG_GUARD_S) and pub.failed is not None and "no space" in pub.failed
-    assert not pub.submit("a", lambda: lambda: _record(3)) and not (tmp_path / "b").read_bytes()
+    assert not pub.submit("a", lambda: lambda: _record(3)) and not _written(tmp_path / "b")
     pub.close()
+
+
+def _written(path: Path) -> bytes:
+    """A slot file's record: a slot is a fixed-size mapped file (`FileSink`), zeros after the record."""
+    return path.read_bytes().rstrip(b"\0")
+
+
+def test_a_slot_holds_each_record_whole_mapped_or_not_and_a_longer_one_left_behind_is_cut(tmp_path: Path) -> None:
+    """`FileSink` copies a record of up to MAP_BYTES into its mapping, a longer one by pwritev; a
+    reader (`stepsnap.read`) gets each record exactly, also a short one written over a long one."""
+    from slurmresume.train import snappub
+
+    sink = FileSink(tmp_path / "s")
+    assert sink._map is not None
+    state = _train_state(3)
+    layout = stepsnap.Layout.learn(state, set())
+    small = stepsnap.capture(5, state, layout, None, {"loss": 1.5}, None)
+    big = stepsnap.record(stepsnap.Grab(6, {}, {"t": ("uint8", [snappub.MAP_BYTES], b"x" * snappub.MAP_BYTES)}, [],
+                                        rng.Capturer().raw(), None, "null", "null"))
+    for parts, step in ((small, 5), (big, 6), (small, 5)):
+        sink.write(parts)
+        snap = stepsnap.read(tmp_path / "s")
+        assert snap is not None and snap["step"] == step
+        assert stepsnap.cut((tmp_path / "s").read_bytes()) == b"".join(parts)  # what a copy elsewhere takes
+    assert (tmp_path / "s").stat().st_size > snappub.MAP_BYTES  # the long record went past the mapping
+    sink.close()
+
+
+def test_a_slot_that_cannot_be_mapped_is_written_by_pwritev_with_one_warning(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A node-local file system too full to allocate the mapped bytes: one warning, and every record is
+    still written (by pwritev), never a SIGBUS later on a page the file system could not give."""
+    import errno
+    import os
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with caplog.at_level("WARNING", logger="slurmresume"):
+        sink = FileSink(tmp_path / "s")
+    assert sink._map is None and "written by pwritev" in caplog.text and "No space left" in caplog.text
+    sink.write([b"record ", b"9"])
+    assert (tmp_path / "s").read_bytes() == b"record 9"
+    sink.close()
 
 
 def test_an_inline_publisher_has_written_when_submit_returns(tmp_path: Path) -> None:
     pub = Publisher({"0": [FileSink(tmp_path / "x")]}, background=False)
-    assert pub.submit("0", lambda: lambda: _record(1)) and (tmp_path / "x").read_bytes() == b"record 1"
+    assert pub.submit("0", lambda: lambda: _record(1)) and _written(tmp_path / "x") == b"record 1"
     pub.stop()
-    assert not pub.submit("0", lambda: lambda: _record(2)) and (tmp_path / "x").read_bytes() == b"record 1"
+    assert not pub.submit("0", lambda: lambda: _record(2)) and _written(tmp_path / "x") == b"record 1"
     pub.close()
 
 
@@ -239,7 +284,7 @@ def test_every_sink_of_a_slot_gets_the_record(tmp_path: Path) -> None:
     pub = Publisher({"0": [FileSink(tmp_path / "x"), FileSink(tmp_path / "y")]})
     pub.submit("0", lambda: lambda: _record(4))
     assert pub.drain(HANG_GUARD_S)
-    assert (tmp_path / "x").read_bytes() == (tmp_path / "y").read_bytes() == b"record 4"
+    assert _written(tmp_path / "x") == _written(tmp_path / "y") == b"record 4"
     pub.close()
 
 

@@ -404,7 +404,7 @@ class FailureGuard:
         for r in ranks:
             for slot in SLOTS:
                 try:
-                    data = (self.dir / f"snap-{r}-{slot}").read_bytes()
+                    data = stepsnap.cut((self.dir / f"snap-{r}-{slot}").read_bytes())  # not the slot's zeros
                 except OSError:
                     continue
                 tmp = self.meet / f"snap-{r}-{slot}.{os.getpid()}.out.tmp"

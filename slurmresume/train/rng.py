@@ -100,7 +100,8 @@ class Capturer:
         as_bytes = self._as_bytes
         state: dict[str, Any] = {"python": self._python_raw(), "numpy": self._numpy_raw(),
                                  "torch_cpu": as_bytes(torch.default_generator.get_state())}
-        if torch.cuda.is_initialized() and torch.cuda.is_available():  # the cheap test first
+        # torch.cuda's own flag first (one attribute; `is_initialized()` costs ~6 us on a cold cache)
+        if getattr(torch.cuda, "_initialized", True) and torch.cuda.is_initialized() and torch.cuda.is_available():
             state["torch_cuda"] = [as_bytes(t) for t in torch.cuda.get_rng_state_all()]
         return state
 

@@ -23,6 +23,7 @@ Rules:
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -33,6 +34,7 @@ from typing import Protocol
 
 log = logging.getLogger("slurmresume")
 
+MAP_BYTES = 64 << 10  # a slot's mapped bytes (`FileSink`): a DDP rank's record is a few KB
 MAX_PENDING = 16  # queued jobs before `submit` waits (the thread is ~8 steps behind: never in practice)
 
 Encode = Callable[[], list[bytes]]
@@ -46,17 +48,36 @@ class Sink(Protocol):
 
 
 class FileSink:
-    """One slot file, rewritten in place by one pwritev at offset 0 (a longer record left behind
-    is cut by the header's lengths; a record torn by a kill fails its checksum)."""
+    """One slot file, rewritten in place at offset 0 (a longer record left behind is cut by the
+    header's lengths; a record torn by a kill fails its checksum). A record of up to MAP_BYTES is
+    copied into a shared mapping of the file's first MAP_BYTES, which costs a capture about half
+    of a pwritev on a cache the step evicted (docs/benchmarks.md, #47); a longer one, or any
+    record once the mapping could not be made, takes one pwritev. The mapped bytes are allocated
+    up front (`posix_fallocate`): a full node-local file system refuses the mapping here, with
+    one warning, rather than a page fault killing the rank later (SIGBUS)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._map: mmap.mmap | None = None
+        try:
+            os.posix_fallocate(self.fd, 0, MAP_BYTES)
+            self._map = mmap.mmap(self.fd, MAP_BYTES)
+        except (OSError, ValueError, AttributeError) as exc:
+            log.warning("snapshot slot %s: written by pwritev (%s: %s)", path.name, type(exc).__name__, exc)
 
     def write(self, parts: list[bytes]) -> None:
+        m = self._map
+        if m is not None:
+            record = b"".join(parts)
+            if len(record) <= MAP_BYTES:
+                m[:len(record)] = record
+                return
         os.pwritev(self.fd, parts, 0)
 
     def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
         os.close(self.fd)
 
 

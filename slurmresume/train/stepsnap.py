@@ -211,12 +211,27 @@ def record(g: Grab, *, tail_of: int | None = None, tail_changed: list[str] | Non
     if tail_changed is not None:
         more += f',"tail_changed":{_fast_text(tail_changed, None)}'
     text = (f'{{"entries":{{{",".join([f"{_key_json(k)}:{t}" for k, t in g.entries.items()])}}},'
-            f'"step":{g.step},"rng":{rng_text}}},"ddp":{_fast_text(g.ddp or None, None)},"metrics":{g.metrics},'
+            f'"step":{g.step},"rng":{rng_text}}},"ddp":{_ddp_text(g.ddp)},"metrics":{g.metrics},'
             f'"meta":{g.meta},"tensors":{tensors},"missing":{_fast_text(g.missing, None)}{more}}}').encode()
     digest = xxhash.xxh3_64(text)
     for part in parts:
         digest.update(part)
     return [HEADER.pack(len(text), at, digest.intdigest()), text, *parts]
+
+
+def _ddp_text(layouts: dict[str, str] | None) -> str:
+    """`_fast_text(layouts or None)`, kept for the very dict of the previous call: the guard hands
+    every capture the one layout dict it keeps once DDP rebuilt its buckets, never changed in
+    place (`FailureGuard._ddp_layouts`); the kept reference also keeps its id from being reused."""
+    kept = _DDP_TEXT[0]
+    if kept is not None and kept[0] is layouts:
+        return kept[1]
+    text = _fast_text(layouts or None, None)
+    _DDP_TEXT[0] = (layouts, text)
+    return text
+
+
+_DDP_TEXT: list[tuple[Any, str] | None] = [None]  # (the layouts dict of the last record, its text)
 
 
 def _float(x: float) -> str:
@@ -318,6 +333,18 @@ def read(path: Path) -> dict[str, Any] | None:
         return read_bytes(path.read_bytes())
     except OSError:
         return None
+
+
+def cut(data: bytes) -> bytes:
+    """A slot file's bytes up to the end of the record its header names (a slot is a fixed-size
+    mapped file, `snappub.FileSink`: what follows is zeros or an older, longer record); bytes
+    whose header does not fit are returned whole (`read_bytes` refuses them)."""
+    try:
+        n_text, n_blob, _ = HEADER.unpack_from(data)
+    except struct.error:
+        return data
+    end = HEADER.size + n_text + n_blob
+    return data[:end] if end <= len(data) else data
 
 
 def read_bytes(data: bytes) -> dict[str, Any] | None:
