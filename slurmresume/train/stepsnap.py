@@ -14,9 +14,9 @@ What a snapshot holds, and why it is cheap enough for every step (issue 47: <= 1
   - the rank's tensors that are not replicated, when small and on the CPU (else named missing);
   - metrics and meta (rank 0's go into the manifest).
 The file: 24 bytes (the JSON's length, the raw bytes' length, xxh3 of both), the JSON, then the raw
-bytes (RNG states, tensors) it points into, written with one pwritev into one of two slots
-(step % 2): a rank killed mid-write leaves a slot that fails its check, and the other slot still
-holds the step before.
+bytes (RNG states, tensors) it points into, copied in one go into one of two slots (step % 2;
+`snappub.FileSink`: a mapped file, zeros or an older record after the record, `cut`): a rank
+killed mid-write leaves a slot that fails its check, and the other slot still holds the step before.
 
 A capture is two halves: `grab` on the training thread takes what must be taken at that moment
 (each entry's JSON text, by `_fast_text`, which gives `dumps` of `jsonenc.encode`'s result; copies
