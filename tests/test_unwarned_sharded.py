@@ -188,6 +188,7 @@ def test_the_other_writers_follow_the_committers_plan() -> None:
 # -- end to end: submit --local, 4 ranks, one SIGKILL placed by step ---------------------------------
 
 STEPS, SAVE_EVERY = 20, 8
+HOLD = 12  # test_fsdp2_a_node_lost_steps_after_its_replica_landed...: training waits after this step
 ARGS = ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--step-sleep", "0.05"]
 SCRIPT = HELPERS / "sharded_train.py"
 
@@ -426,8 +427,11 @@ def test_fsdp2_a_node_lost_steps_after_its_replica_landed_is_committed_from_the_
     from slurmresume.contract import LAUNCHER_EXIT_REQUEUED
     from slurmresume.job.peercopy import replica_root
 
-    root, record = tmp_path / "ckpt", tmp_path / "record"
-    env = {"UNWARNED_SCRIPT": str(SCRIPT), ENV_DRILL_RECORD: str(record)}
+    root, record, go = tmp_path / "ckpt", tmp_path / "record", tmp_path / "go"
+    # training waits after step HOLD until a replica newer than the periodic save landed: the copy
+    # runs in the background, and on a loaded box it could lag past the end of a 20-step run
+    env = {"UNWARNED_SCRIPT": str(SCRIPT), ENV_DRILL_RECORD: str(record), "HOLD_AT_STEP": str(HOLD),
+           "HOLD_FILE": str(go)}
     args = ["--shape", "fsdp2", *ARGS]
     launchers, _pid, (_mem0, mem1) = stopped_with_memory(tmp_path, args, env, "4952", None)
     with killed_on_failure(launchers):
@@ -437,6 +441,8 @@ def test_fsdp2_a_node_lost_steps_after_its_replica_landed_is_committed_from_the_
             assert time.monotonic() < end and all(p.poll() is None for p in launchers), "no replica before the end"
             landed = newest_committed(replica_root(mem1, 0))
             time.sleep(0.01)
+        assert landed <= HOLD, landed  # (then the kill below comes at most HOLD + 3 < STEPS)
+        go.touch()
         while max((r["step"] for r in read_records(record, 0)), default=0) < landed + 3:
             assert time.monotonic() < end and all(p.poll() is None for p in launchers), "the run ended first"
             time.sleep(0.01)

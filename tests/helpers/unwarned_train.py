@@ -10,7 +10,10 @@ of restart 0). Either:
       process tree. A moment the test chooses by step, not by wall-clock time: the verdict does
       not depend on the machine's load. With STOP_AFTER_MEMORY=1 it first waits (a hang guard of
       120 s) until the memory tier's snapshot of step k is committed ($SLURMRESUME_MEMORY_DIR,
-      train/memtier.py): its background write is done, whatever the machine's load."""
+      train/memtier.py): its background write is done, whatever the machine's load.
+Also, with any of them: HOLD_AT_STEP=k HOLD_FILE=path: every rank, in the forward of step k+1,
+waits (a hang guard of 300 s) until the test creates that file, once: the test lets training go
+on only once what it waits for in the background happened (a replica landed), whatever the load."""
 
 import os
 import runpy
@@ -24,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 FIRST = os.environ.get("SLURMRESUME_RUN_ID", "").endswith(".0.0")
 RANK = int(os.environ.get("RANK", "0"))
 optimizers = []
+held = []  # HOLD_AT_STEP: held once
 
 
 def done_steps() -> int:
@@ -54,6 +58,11 @@ def stops_here():
 
 
 def before_forward(module, args):
+    if FIRST and "HOLD_AT_STEP" in os.environ and not held and done_steps() == int(os.environ["HOLD_AT_STEP"]):
+        held.append(True)
+        end = time.monotonic() + 300
+        while not Path(os.environ["HOLD_FILE"]).exists() and time.monotonic() < end:
+            time.sleep(0.01)
     if FIRST and "STOP_AFTER_STEP" in os.environ and done_steps() == int(os.environ["STOP_AFTER_STEP"]) \
             and stops_here():
         if os.environ.get("STOP_AFTER_MEMORY") == "1":
