@@ -52,6 +52,7 @@ from typing import Any
 
 from campaigns.harness import (
     Report,
+    age_lease,
     check_survivors,
     complete_steps,
     fork_call,
@@ -402,6 +403,7 @@ def _boundary_scenario(report: Report, work: Path, sc: Scenario) -> None:
             sc.action(root)
 
         code, sig = fork_call(act, env={"SLURMRESUME_TEST_KILL_AT": spec}, out=work / "child.out")
+        age_lease(root)  # the next run comes later than its fresh heartbeat (harness.age_lease)
         report.trials += 1
         report.count_stat("boundary_kills")
         if sig != signal.SIGKILL:
@@ -580,6 +582,7 @@ def random_kills(report: Report, work: Path, seed: int, count: int) -> None:
             _train_child(root, variant, w, start + UNTIL)
 
         code, sig = fork_call(train, on_started=killer, out=work / "train-child.out", env=_variant_env(variant))
+        age_lease(root)
         os.close(r)
         os.close(w)
         report.trials += 1

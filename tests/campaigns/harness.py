@@ -207,6 +207,24 @@ def tail(path: Path, n: int = 600) -> str:
         return ""
 
 
+def age_lease(root: Path) -> None:
+    """The lease a killed writer left on `root`, as the next run finds it: its heartbeat no longer
+    fresh. A requeue or a restart by hand comes long after the FRESH_BEATS intervals a fresh
+    heartbeat counts for; a check started the moment the child died waited each one out instead
+    (ownership._wait_out: ~0.45 s a kill, 60% of the crash campaign's time). The wait itself is
+    test_ownership_evidence's (a dead local owner with a fresh heartbeat is waited out, then taken);
+    the holder is still proven dead before its root is taken (its pid is gone). A torn or missing
+    lease is left as it is."""
+    from dataclasses import replace
+
+    from slurmresume import evidence, ownership
+
+    lease = ownership.read_lease(root)
+    if lease is not None:
+        aged = lease.heartbeat - evidence.FRESH_BEATS * max(lease.heartbeat_s, 0.1) - 1.0
+        ownership._write(root, replace(lease, heartbeat=aged))
+
+
 def temp_leftovers(root: Path) -> list[str]:
     """`.NAME.tmp.PID` files anywhere under root (a failed or finished save must leave none)."""
     out = []
