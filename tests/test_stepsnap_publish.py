@@ -117,13 +117,13 @@ def test_an_optimizers_kept_text_is_the_general_paths_at_every_step() -> None:
     """The optimizer's entry kept between captures (`stepsnap._OptimizerText`: a value that is the
     same immutable object keeps its JSON) is, at every capture, what the general path gives: lr
     moved by a scheduler, a value replaced, a tensor lr changed in place, a list changed in place, a
-    key added, a parameter group added; a state_dict hook turns it off for good (the general path)."""
+    key added, a parameter group added (one whose "params" is not its first key); a state_dict hook turns it off for good (the general path)."""
     state = _train_state(2)
     opt, model = state["optimizer"], state["model"]
     _, tensors = flatten(state, {})
     layout = stepsnap.Layout.learn(state, {n for n, _ in tensors})
     assert set(layout.texts) == {"optimizer"}
-    extra = torch.nn.Linear(2, 2)
+    extra, extra2 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 3)
 
     def check() -> None:
         g = stepsnap.grab(1, state, layout, None, None, None)
@@ -142,6 +142,11 @@ def test_an_optimizers_kept_text_is_the_general_paths_at_every_step() -> None:
              lambda: opt.param_groups[0].__setitem__("extra", (1, 2.5, None)),
              lambda: opt.add_param_group({"params": list(extra.parameters()), "lr": 0.3}),
              lambda: opt.param_groups[1].__setitem__("lr", float("inf")),
+             # a group whose "params" is not its first key: values before and after it move
+             lambda: opt.add_param_group({"lr": 0.4, "weight_decay": 0.0, "params": list(extra2.parameters())}),
+             lambda: opt.param_groups[2].__setitem__("lr", 0.41),
+             lambda: opt.param_groups[2].__setitem__("weight_decay", 0.125),
+             lambda: opt.param_groups[2].__setitem__("eps", 1e-6),
              lambda: model.zero_grad(),
              lambda: opt.register_state_dict_post_hook(lambda o, sd: sd)]
     for move in moves:
