@@ -480,7 +480,6 @@ class _OptimizerText:
         self._keys: list[tuple[str, ...]] = []  # each group's keys, in order ("params" included)
         self._values: list[list[Any]] = []  # each group's values at the last capture (params: None)
         self._pieces: list[list[str]] = []  # `"key":<json>` of each value, and last `"params":[...]`
-        self._at_params: list[int] = []  # each group's position of "params" among its keys
 
     @staticmethod
     def applies(opt: Any) -> bool:
@@ -504,7 +503,7 @@ class _OptimizerText:
         for i, (group, values, pieces, keys) in enumerate(zip(groups, self._values, self._pieces, self._keys,
                                                               strict=True)):
             now = list(group.values())  # in the keys' order (checked above), "params" among them
-            at = self._at_params[i]
+            at = keys.index("params")
             del now[at]
             # the positions whose value is not the very object of the last capture, found without a
             # Python-level loop over every hyper-parameter (a step's cold cache: ~1 us a line)
@@ -518,14 +517,13 @@ class _OptimizerText:
         """From the groups (torch's packing: parameter indices in order of first appearance),
         checked against the general path's text (a mismatch: None)."""
         mapping: dict[int, int] = {}
-        self._params, self._keys, self._values, self._pieces, self._at_params = [], [], [], [], []
+        self._params, self._keys, self._values, self._pieces = [], [], [], []
         for i, group in enumerate(opt.param_groups):
             params = group["params"]
             mapping.update({id(p): j for j, p in enumerate(params, len(mapping)) if id(p) not in mapping})
             others = [(k, v) for k, v in group.items() if k != "params"]
             self._params.append(list(params))
             self._keys.append(tuple(group))
-            self._at_params.append(list(group).index("params"))
             self._values.append([v if _immutable(v) else _CHANGING for _, v in others])
             self._pieces.append([_piece(k, v, name, key, i) for k, v in others]
                                 + [f'"params":{dumps([mapping[id(p)] for p in params])}'])
