@@ -235,6 +235,7 @@ def test_a_snapshot_rebuilds_the_ranks_skeleton_and_tensors_exactly(tmp_path: Pa
 
     from slurmresume.checkpoint.state import flatten
     from slurmresume.train import rng, stepsnap
+    from slurmresume.train.snappub import FileSink
 
     state = _state()
     skeleton, tensors = flatten(state, {})
@@ -245,9 +246,10 @@ def test_a_snapshot_rebuilds_the_ranks_skeleton_and_tensors_exactly(tmp_path: Pa
     expect_skeleton, expect_tensors = flatten(state, {"rng": rng.capture()})
     data = stepsnap.capture(7, state, layout, None, {"loss": 0.25}, None)
     torch.rand(3), np.random.rand(), random.random()  # the next step's draws: not in the snapshot
-    fd = os.open(tmp_path / "slot", os.O_RDWR | os.O_CREAT)
-    stepsnap.publish(fd, [b"x" * (sum(map(len, data)) + 100)])  # a longer record before: cut by the header
-    stepsnap.publish(fd, data)
+    slot = FileSink(tmp_path / "slot")  # the rank's writer of a slot
+    slot.write([b"x" * (sum(map(len, data)) + 100)])  # a longer record before: cut by the header
+    slot.write(data)
+    slot.close()
     snap = stepsnap.read(tmp_path / "slot")
     assert snap is not None and snap["step"] == 7 and "model" not in snap["entries"]
     assert "state" not in snap["entries"]["optimizer"]["value"]

@@ -10,7 +10,7 @@ At each `ckpt.step(s)` (`FailureGuard.at_step`, every rank, before the step's ag
   - each rank publishes its small state at `s` to `<heartbeat dir>/failsave/snap-R-{s % 2}`
     (`train.stepsnap`: plain values, sampler, optimizer hyper-parameters, the RNG of every
     generator the save covers, metrics, and the tensors that are not replicated when they are
-    small; one checked pwrite). The last two steps stay. The training thread only takes what
+    small; one checked copy into the slot file). The last two steps stay. The training thread only takes what
     must be taken at that moment (`stepsnap.grab`: each entry's JSON text, copies of per-rank
     tensors, the RNG states); the record and the write are done by this rank's
     publisher (`train.snappub`: a list of sinks per slot), inline by default or on its own thread

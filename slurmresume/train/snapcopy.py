@@ -32,7 +32,7 @@ class Copier(threading.Thread):
         self.start()
 
     def offer(self, slot: str, data: list[bytes]) -> None:
-        """The record `stepsnap.publish` wrote to the node-local slot (its parts are bytes: never
+        """The record `stepsnap.record` made for the node-local slot (its parts are bytes: never
         changed after)."""
         with self._cond:
             self._pending[slot] = data

@@ -22,7 +22,7 @@ A capture is two halves: `grab` on the training thread takes what must be taken 
 (each entry's JSON text, by `_fast_text`, which gives `dumps` of `jsonenc.encode`'s result; copies
 of the per-rank tensors; the RNG states as bytes), and `record` (its bytes) may run later on the
 publisher thread (train/snappub.py). No piece is hashed on the way: the guard compares a tail with
-its boundary by their bytes (`pieces`), and a reader derives each piece's digest from the record
+its boundary by their bytes (`moved`), and a reader derives each piece's digest from the record
 (`digests`) when a failure save plans; each step of a capture on a cache the step's compute
 evicted costs microseconds, so a capture takes as few as it can (docs/benchmarks.md, issue 47).
 """
@@ -33,7 +33,6 @@ import array
 import itertools
 import json
 import operator
-import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -94,7 +93,7 @@ class Captured:
     """One rank's small state at one moment (`Grab`), with a digest per piece ("entry:<key>",
     "rng", "tensor:<name>"): the digests a reader derives from the published record (`digests`),
     so that a capture is compared piece by piece as `survivors.plan` compares published records.
-    Off the training thread's path (tests, `capture`): the guard compares grabs (`pieces`)."""
+    Off the training thread's path (tests, `capture`): the guard compares grabs (`moved`)."""
 
     grab: Grab
 
@@ -179,7 +178,7 @@ def finish(g: Grab) -> Captured:
 
 
 def record(g: Grab, *, tail_of: int | None = None, tail_changed: list[str] | None = None) -> list[bytes]:
-    """The record `publish` writes: header, JSON, raw bytes (the RNG states, then the tensors), in
+    """The record a slot holds (`snappub.FileSink` writes it): header, JSON, raw bytes (the RNG states, then the tensors), in
     as few steps as a capture on a cold cache allows (each distinct call costs microseconds there:
     docs/benchmarks.md). `tail_of`: a tail snapshot's boundary (the one it follows); `tail_changed`:
     a boundary's pieces that ever changed between an optimizer step and the boundary after it, on
@@ -251,8 +250,7 @@ def _float(x: float) -> str:
 
 def changed(tail: Mapping[str, Any], boundary: Mapping[str, Any]) -> set[str]:
     """Pure: the pieces whose values differ between a step's tail capture and its boundary (a
-    piece only one of them has counts as changed). The values: digests (`digests`), or what
-    `pieces` gives."""
+    piece only one of them has counts as changed). The values: digests (`digests`)."""
     return {p for p in set(tail) | set(boundary) if tail.get(p) != boundary.get(p)}
 
 
@@ -629,8 +627,3 @@ def _rng_state(raw: dict[str, Any], blob: bytes) -> dict[str, Any]:
     if "torch_cuda" in raw:
         out["torch_cuda"] = [tensor(w) for w in raw["torch_cuda"]]
     return out
-
-
-def publish(fd: int, parts: list[bytes]) -> None:
-    """One pwritev at offset 0 (a longer record left behind is cut by the header's lengths)."""
-    os.pwritev(fd, parts, 0)
