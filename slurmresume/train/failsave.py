@@ -176,7 +176,7 @@ class FailureGuard:
                           if not n.startswith(LIBRARY_PREFIX)}
             self._layout = stepsnap.Layout.learn(state, replicated, self.world)
             self._check_shared(group)
-        # (the layouts, once DDP rebuilt its buckets, stay: no call for them then)
+        # (the layouts, once DDP rebuilt its buckets, are kept: no call for them then)
         self._last_ddp = self._ddp_layout if self._ddp_layout is not None else self._ddp_layouts(ddp_buckets)
         g = stepsnap.grab(step, state, self._layout, self._last_ddp, metrics, meta, rng_state=self._rng.raw())
         with self._lock:
@@ -213,16 +213,15 @@ class FailureGuard:
                 self._pub.sinks[slot].append(self._copier.sink(slot))
 
     def _ddp_layouts(self, ddp_buckets: Mapping[str, Any]) -> dict[str, str]:
-        """The DDP bucket layouts, without a collective: DDP rebuilds once (at the first step's
-        capture, above), so a layout that is there stays."""
-        if self._ddp_layout is None and ddp_buckets:
-            if ddp.rebuild_pending(ddp_buckets):
-                return {}
-            layout = ddp.capture(ddp_buckets)
-            if all(layout.values()):
-                self._ddp_layout = layout
-            return layout
-        return self._ddp_layout or {}
+        """The DDP bucket layouts while they are not kept yet (`at_step` takes `_ddp_layout` once
+        it is), without a collective: DDP rebuilds once (at the first step's capture, above), so a
+        complete layout is kept for good."""
+        if not ddp_buckets or ddp.rebuild_pending(ddp_buckets):
+            return {}
+        layout = ddp.capture(ddp_buckets)
+        if all(layout.values()):
+            self._ddp_layout = layout
+        return layout
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """torch.optim's global pre-hook, before any optimizer step: the first one after a

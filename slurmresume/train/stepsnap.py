@@ -226,7 +226,7 @@ def record(g: Grab, *, tail_of: int | None = None, tail_changed: list[str] | Non
 def _ddp_text(layouts: dict[str, str] | None) -> str:
     """`_fast_text(layouts or None)`, kept for the very dict of the previous call: the guard hands
     every capture the one layout dict it keeps once DDP rebuilt its buckets, never changed in
-    place (`FailureGuard._ddp_layouts`); the kept reference also keeps its id from being reused."""
+    place (`FailureGuard._ddp_layout`); the kept reference also keeps its id from being reused."""
     kept = _DDP_TEXT[0]
     if kept is not None and kept[0] is layouts:
         return kept[1]
